@@ -1,0 +1,282 @@
+#!/usr/bin/env python
+"""Side-by-side baseline timings: DDP vs FSDP2 vs DeepSpeed ZeRO-1/2/3 on CPU/gloo.
+
+Each framework runs in its own fresh set of ``--world`` processes (so peak RSS
+is per framework), on the same model (same seed), same per-rank batches and the
+same AdamW hyper-parameters.  Prints a table and writes it (markdown) to
+``--out`` plus raw per-rank JSON next to it.
+
+    python bench/run_baselines.py                                   # small GPT, 2 ranks, 5 steps
+    python bench/run_baselines.py --preset bench --steps 10 --frameworks ddp fsdp2 ds1 ds2 ds3
+    python bench/run_baselines.py --frameworks ds2_offload ds3_offload   # ZeRO-Offload (DeepSpeedCPUAdam)
+
+Model: ``tiertrain.models.gpt.GPT(GPTConfig.preset(--preset))`` when importable,
+else the test-only fallback in ``bench/_toy_gpt.py`` (reported in the output).
+DeepSpeed runs need ``bash bench/setup_env.sh`` first; missing DeepSpeed makes
+those rows "skipped" rather than failing the whole run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for p in (HERE, ROOT):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+DEFAULT_FRAMEWORKS = ["ddp", "fsdp2", "ds1", "ds2", "ds3"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- model + data
+
+
+class ModelFactory:
+    """Picklable model factory: the real tiertrain GPT, or the bench fallback."""
+
+    def __init__(self, preset: str, overrides: dict | None = None, force_toy: bool = False):
+        self.preset, self.overrides, self.force_toy = preset, dict(overrides or {}), force_toy
+
+    def source(self) -> str:
+        if not self.force_toy:
+            try:
+                import tiertrain.models.gpt  # noqa: F401
+                return "tiertrain.models.gpt.GPT"
+            except Exception:  # noqa: BLE001  (library under construction)
+                pass
+        return "bench/_toy_gpt.ToyGPT (fallback)"
+
+    def config(self):
+        if self.source().startswith("tiertrain"):
+            from tiertrain.models.gpt import GPTConfig
+            return GPTConfig.preset(self.preset, **self.overrides)
+        from _toy_gpt import ToyGPTConfig
+        sizes = {"tiny": dict(n_layers=4, hidden=128, n_heads=4),
+                 "small": dict(n_layers=6, hidden=256, n_heads=8),
+                 "bench": dict(n_layers=8, hidden=640, n_heads=10, seq_len=256)}[self.preset]
+        return ToyGPTConfig(**{**sizes, **self.overrides})
+
+    def __call__(self):
+        cfg = self.config()
+        if self.source().startswith("tiertrain"):
+            from tiertrain.models.gpt import GPT
+            return GPT(cfg)
+        from _toy_gpt import ToyGPT
+        return ToyGPT(cfg)
+
+
+class Batches:
+    """Deterministic random-token batches, different per rank and per step."""
+
+    def __init__(self, rank: int, batch_size: int, seq_len: int, vocab: int, n: int, seed: int = 1234):
+        g = torch.Generator().manual_seed(seed + 7919 * rank)
+        self.data = [torch.randint(0, vocab, (batch_size, seq_len + 1), generator=g) for _ in range(n)]
+
+    def __call__(self, step: int):
+        x = self.data[step % len(self.data)]
+        return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def worker(rank, world, port, fw, args, result_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
+    torch.set_num_threads(args.threads)
+    import warnings
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    from baselines import OptimConfig, run_framework
+
+    factory = ModelFactory(args.preset, json.loads(args.model_overrides), args.toy)
+    cfg = factory.config()
+    seq = args.seq_len or cfg.seq_len
+    batches = Batches(rank, args.batch_size, seq, cfg.vocab_size, args.warmup + args.steps)
+    optim = OptimConfig(lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
+                        weight_decay=args.weight_decay, impl=args.adam_impl)
+    out = {"rank": rank, "ok": False}
+    try:
+        res = run_framework(fw, factory, optim, batches, steps=args.steps, warmup=args.warmup,
+                            seed=args.seed, barrier=args.barrier)
+        out.update(ok=True, result=res.to_dict(), model=factory.source(), seq_len=seq)
+    except Exception as e:  # noqa: BLE001
+        out.update(error=f"{type(e).__name__}: {e}", tb=traceback.format_exc())
+    gathered = [None] * world
+    dist.all_gather_object(gathered, out)
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump(gathered, f, default=str)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(fw, args) -> list[dict]:
+    fd, path = tempfile.mkstemp(prefix=f"baseline_{fw}_", suffix=".json")
+    os.close(fd)
+    ctx = mp.start_processes(worker, args=(args.world, free_port(), fw, args, path),
+                             nprocs=args.world, join=False, start_method="spawn")
+    deadline = time.monotonic() + args.run_timeout
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{fw}: not done after {args.run_timeout}s")
+        with open(path) as f:
+            return json.load(f)
+    except BaseException as e:  # noqa: BLE001
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+        return [{"rank": -1, "ok": False, "error": f"{type(e).__name__}: {str(e)[:2000]}"}]
+    finally:
+        os.unlink(path)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def machine_description() -> str:
+    def sh(cmd):
+        try:
+            return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=20).stdout.strip()
+        except Exception as e:  # noqa: BLE001
+            return f"<{cmd} failed: {e}>"
+
+    try:
+        import importlib.metadata as md
+        ds = md.version("deepspeed")
+    except Exception:  # noqa: BLE001
+        ds = "not installed"
+    return "\n".join([f"nproc: {sh('nproc')}", f"torch: {torch.__version__}, deepspeed: {ds}",
+                      f"python: {platform.python_version()}", "lscpu | head:", sh("lscpu | head"),
+                      f"load average at start: {sh('cat /proc/loadavg')}"])
+
+
+def summarize(fw, ranks) -> dict:
+    if not all(r.get("ok") for r in ranks):
+        errs = [r.get("error", "?") for r in ranks if not r.get("ok")]
+        return {"framework": fw, "ok": False, "error": errs[0]}
+    res = [r["result"] for r in ranks]
+    med = max(r["median_step_s"] for r in res)  # slowest rank
+    return {
+        "framework": fw, "ok": True, "model": ranks[0]["model"], "n_params": res[0]["n_params"],
+        "median_step_ms": med * 1e3,
+        "min_step_ms": max(min(r["step_times_s"]) for r in res) * 1e3,
+        "setup_s": max(r["setup_s"] for r in res),
+        "peak_rss_mib": max(r["peak_rss_mib"] for r in res),
+        "peak_over_start_mib": max(r["peak_over_start_mib"] for r in res),
+        "rss_delta_mib": max(r["rss_delta_mib"] for r in res),
+        "loss_first": res[0]["losses"][0], "loss_last": res[0]["losses"][-1],
+        "optimizer": res[0]["extra"].get("optimizer") or "torch AdamW",
+    }
+
+
+def render(rows, args, machine, cmd) -> str:
+    model = next((r["model"] for r in rows if r.get("ok")), "?")
+    n_params = next((r["n_params"] for r in rows if r.get("ok")), 0)
+    lines = ["# Baselines: DDP / FSDP2 / DeepSpeed ZeRO on CPU (gloo)", "",
+             f"Command: `{cmd}`", "", f"Date: {datetime.datetime.now().isoformat(timespec='seconds')}", "",
+             "```", machine, "```", "",
+             f"Model: {model}, preset `{args.preset}` ({n_params / 1e6:.2f}M params), fp32; "
+             f"world={args.world}, {args.threads} torch thread(s)/rank, micro-batch {args.batch_size} x "
+             f"seq {rows[0].get('seq_len', '') or 'preset'} per rank; AdamW lr={args.lr} betas=({args.beta1},{args.beta2}) "
+             f"eps={args.eps} wd={args.weight_decay} impl={args.adam_impl}; {args.warmup} warmup + {args.steps} timed steps; "
+             "step = forward+backward+optimizer step; value = slowest rank's median. "
+             "Peak RSS = ru_maxrss (max over ranks, whole process incl. imports); "
+             "peak-start = peak minus RSS before model build; delta = RSS after last step minus before build.", "",
+             "| framework | median step (ms) | min step (ms) | setup (s) | peak RSS (MiB) | peak-start (MiB) | RSS delta (MiB) | loss first -> last | optimizer |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if not r["ok"]:
+            lines.append(f"| {r['framework']} | FAILED: {r['error'][:200]} | | | | | | | |")
+            continue
+        lines.append(f"| {r['framework']} | {r['median_step_ms']:.1f} | {r['min_step_ms']:.1f} | {r['setup_s']:.2f} | "
+                     f"{r['peak_rss_mib']:.0f} | {r['peak_over_start_mib']:.0f} | {r['rss_delta_mib']:.0f} | "
+                     f"{r['loss_first']:.4f} -> {r['loss_last']:.4f} | {r['optimizer']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--frameworks", nargs="+", default=DEFAULT_FRAMEWORKS,
+                   help="ddp fsdp2 fsdp2_noreshard ds0 ds1 ds2 ds3 ds2_offload ds3_offload")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--preset", default="small", choices=["tiny", "small", "bench"])
+    p.add_argument("--model-overrides", default="{}", help='JSON, e.g. \'{"n_layers": 4}\'')
+    p.add_argument("--toy", action="store_true", help="force the bench/_toy_gpt.py fallback model")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=0, help="0 = preset's seq_len")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--barrier", action="store_true", help="dist.barrier() before each timed step")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--beta1", type=float, default=0.9)
+    p.add_argument("--beta2", type=float, default=0.95)
+    p.add_argument("--eps", type=float, default=1e-8)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--adam-impl", default="default", choices=["default", "foreach", "fused", "forloop"])
+    p.add_argument("--timeout", type=float, default=300, help="process-group timeout (s)")
+    p.add_argument("--run-timeout", type=float, default=900, help="kill one framework's ranks after (s)")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "baselines.md"))
+    args = p.parse_args(argv)
+    cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    machine = machine_description()
+    print(machine, flush=True)
+    rows, raw = [], {}
+    for fw in args.frameworks:
+        t0 = time.perf_counter()
+        ranks = launch(fw, args)
+        raw[fw] = ranks
+        row = summarize(fw, ranks)
+        if ranks and ranks[0].get("seq_len"):
+            row["seq_len"] = ranks[0]["seq_len"]
+        rows.append(row)
+        if row["ok"]:
+            print(f"{fw:16s} median {row['median_step_ms']:8.1f} ms  peak RSS {row['peak_rss_mib']:7.0f} MiB  "
+                  f"loss {row['loss_first']:.4f} -> {row['loss_last']:.4f}  ({time.perf_counter() - t0:.0f}s wall)",
+                  flush=True)
+        else:
+            print(f"{fw:16s} FAILED: {row['error'][:500]}", flush=True)
+            tb = next((r.get("tb") for r in ranks if r.get("tb")), None)
+            if tb:
+                print(tb, flush=True)
+    md = render(rows, args, machine, cmd)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(md)
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+        json.dump({"args": vars(args), "rows": rows, "raw": raw}, f, indent=1, default=str)
+    print()
+    print(md)
+    print(f"written to {args.out}")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+"""tiertrain: train models larger than device memory on PyTorch.
+
+ZeRO stages 1-3 (Rajbhandari et al.), ZeRO-Offload and ZeRO-Infinity tiers, and
+Megatron-style tensor/pipeline/data parallelism, behind one engine contract::
+
+    topology = tiertrain.Topology.build(config.parallel)
+    engine = tiertrain.wrap(model, config, topology)
+    loss = engine(batch); engine.backward(loss); engine.step()
+"""
+from .config import Config, ConfigError
+from .engine import Engine, MemoryReport, wrap
+from .topology import Topology
+from .zero.construct import partitioned_init
+
+__all__ = ["Config", "ConfigError", "Engine", "MemoryReport", "Topology", "partitioned_init", "wrap"]
+__version__ = "0.1.0"

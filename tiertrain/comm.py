@@ -1,0 +1,150 @@
+"""Collectives used by the ZeRO engine, each taking its process group explicitly, with a
+byte counter so tests and benchmarks can check communication volume against ZeRO §1.
+
+Volume convention (ZeRO §1, "communication analysis"): an all-reduce of Ψ elements counts
+as 2Ψ (a reduce-scatter plus an all-gather), a reduce-scatter counts its full input Ψ, an
+all-gather its full output Ψ. Plain data parallelism then moves 2Ψ per step, stages 1 and 2
+move 2Ψ (reduce-scatter of gradients + all-gather of parameters), stage 3 moves 3Ψ.
+"""
+from __future__ import annotations
+
+import datetime
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks issued different collectives (e.g. took different branches under ZeRO-3)."""
+
+
+@dataclass
+class CommCounter:
+    """Logical bytes moved per collective kind since the last reset."""
+
+    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] += nbytes
+        self.calls[kind] += 1
+
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.bytes)
+
+
+class Work:
+    """A pending collective; ``wait()`` blocks (with a timeout) and runs its completion step once."""
+
+    def __init__(self, handle, on_done=None, timeout: datetime.timedelta = DEFAULT_TIMEOUT):
+        self._handle = handle
+        self._on_done = on_done
+        self._timeout = timeout
+
+    def then(self, on_done) -> "Work":
+        """Run on_done once, after the collective completes (at the first wait)."""
+        assert self._on_done is None, "a Work takes one completion step"
+        self._on_done = on_done
+        return self
+
+    def wait(self) -> None:
+        if self._handle is not None:
+            self._handle.wait(timeout=self._timeout)
+            self._handle = None
+        if self._on_done is not None:
+            done, self._on_done = self._on_done, None
+            done()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Collectives:
+    """The collectives of one process group, counted into one CommCounter.
+
+    With ``group_size == 1`` every call is a local no-op (or a copy), so single-process
+    runs use exactly the same code paths as distributed ones.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, counter: CommCounter | None = None,
+                 timeout: datetime.timedelta = DEFAULT_TIMEOUT):
+        self.group = group
+        self.size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.counter = counter if counter is not None else CommCounter()
+        self.timeout = timeout
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
+                   count: bool = True) -> Work:
+        if count:
+            self.counter.add("all_reduce", 2 * _nbytes(tensor))
+        if self.size == 1:
+            return Work(None)
+        handle = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        work = Work(handle, timeout=self.timeout)
+        if not async_op:
+            work.wait()
+        return work
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
+        """Sum input (size × output.numel()) across ranks; this rank keeps chunk `rank` in output."""
+        self.counter.add("reduce_scatter", _nbytes(input))
+        if self.size == 1:
+            output.copy_(input)
+            return Work(None)
+        handle = dist.reduce_scatter_tensor(output, input, group=self.group, async_op=True)
+        work = Work(handle, timeout=self.timeout)
+        if not async_op:
+            work.wait()
+        return work
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
+        """Concatenate every rank's input (in rank order) into output."""
+        self.counter.add("all_gather", _nbytes(output))
+        if self.size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return Work(None)
+        handle = dist.all_gather_into_tensor(output, input, group=self.group, async_op=True)
+        work = Work(handle, timeout=self.timeout)
+        if not async_op:
+            work.wait()
+        return work
+
+    def broadcast(self, tensor: torch.Tensor, src_local_rank: int) -> None:
+        if self.size == 1:
+            return
+        src = dist.get_global_rank(self.group, src_local_rank)
+        dist.broadcast(tensor, src=src, group=self.group, async_op=True).wait(timeout=self.timeout)
+
+    def check_same(self, code: int, describe) -> None:
+        """Raise CollectiveMismatchError on every rank unless all ranks pass the same code.
+
+        Costs one 2-element all-reduce. Ranks that diverged (different branches, a skipped
+        module) learn it here, together, instead of hanging or silently exchanging the wrong
+        buffers in the collective that follows.
+        """
+        if self.size == 1:
+            return
+        t = torch.tensor([code, -code], dtype=torch.int64)
+        self.all_reduce(t, op=dist.ReduceOp.MAX, count=False)
+        hi, lo = int(t[0]), -int(t[1])
+        if hi != code or lo != code:
+            raise CollectiveMismatchError(
+                f"rank {self.rank} issued {describe(code)} but other ranks of its group issued "
+                f"{describe(lo) if lo != code else describe(hi)}: ranks executed different modules "
+                f"(a branch taken on some ranks only?). Under ZeRO-3 every rank must run the same "
+                f"sequence of partitioned modules in forward and backward."
+            )

@@ -1,0 +1,449 @@
+"""Typed configuration: one dataclass per concern, validated, loadable from YAML/TOML,
+overridable from the command line (``--zero.stage 3``).
+
+Every field carries a one-line docstring (the string literal right after it). Every
+invalid value raises :class:`ConfigError` naming the dotted field, the value and what
+would be valid.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names field, value and what is valid."""
+
+
+def _fail(path: str, value: Any, valid: str) -> None:
+    raise ConfigError(f"{path}={value!r} is invalid: expected {valid}")
+
+
+def _check_positive(path: str, value: int | float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        _fail(path, value, "a value >= 0" if allow_zero else "a value > 0")
+
+
+Tier = Literal["none", "cpu", "nvme"]
+Dtype = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclass
+class LossScaleConfig:
+    initial_scale: float = 2.0**16
+    """Starting fp16 loss scale."""
+    growth_interval: int = 1000
+    """Good steps in a row after which the scale is multiplied by growth_factor."""
+    growth_factor: float = 2.0
+    """Factor applied to the scale after growth_interval good steps."""
+    backoff_factor: float = 0.5
+    """Factor applied to the scale when an overflow uses up the hysteresis."""
+    hysteresis: int = 2
+    """Overflowing steps tolerated (each skipped) before the scale is lowered; 1 lowers at once."""
+    min_scale: float = 1.0
+    """The scale never falls below this."""
+
+    def validate(self, path: str = "precision.loss_scale") -> None:
+        _check_positive(f"{path}.initial_scale", self.initial_scale)
+        _check_positive(f"{path}.growth_interval", self.growth_interval)
+        _check_positive(f"{path}.hysteresis", self.hysteresis)
+        _check_positive(f"{path}.min_scale", self.min_scale)
+        if self.growth_factor <= 1.0:
+            _fail(f"{path}.growth_factor", self.growth_factor, "a factor > 1")
+        if not 0.0 < self.backoff_factor < 1.0:
+            _fail(f"{path}.backoff_factor", self.backoff_factor, "a factor in (0, 1)")
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: Dtype = "fp32"
+    """Compute dtype of parameters and activations; master weights and Adam state are always fp32."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """Dynamic loss scaling, used only when dtype is fp16."""
+
+    def validate(self, path: str = "precision") -> None:
+        self.loss_scale.validate(f"{path}.loss_scale")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 3e-4
+    """Peak learning rate of AdamW."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to parameters with 2 or more dimensions only."""
+    grad_clip: float = 1.0
+    """Clip gradients to this global L2 norm across all shards; 0 disables clipping."""
+    impl: Literal["auto", "fused", "foreach", "single"] = "auto"
+    """torch AdamW kernel: fused, foreach, single-tensor, or auto (fused where available)."""
+
+    def validate(self, path: str = "optimizer") -> None:
+        _check_positive(f"{path}.lr", self.lr)
+        for i, b in enumerate(self.betas):
+            if not 0.0 <= b < 1.0:
+                _fail(f"{path}.betas[{i}]", b, "a value in [0, 1)")
+        _check_positive(f"{path}.eps", self.eps)
+        _check_positive(f"{path}.weight_decay", self.weight_decay, allow_zero=True)
+        _check_positive(f"{path}.grad_clip", self.grad_clip, allow_zero=True)
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = 20
+    """Optimizer steps of linear warmup from 0 to the peak learning rate."""
+    decay_steps: int = 0
+    """Optimizer steps over which the rate follows a cosine to min_lr_ratio; 0 keeps it constant after warmup."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+
+    def validate(self, path: str = "schedule") -> None:
+        _check_positive(f"{path}.warmup_steps", self.warmup_steps, allow_zero=True)
+        _check_positive(f"{path}.decay_steps", self.decay_steps, allow_zero=True)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            _fail(f"{path}.min_lr_ratio", self.min_lr_ratio, "a value in [0, 1]")
+
+
+@dataclass
+class BatchConfig:
+    micro_batch_size: int = 8
+    """Samples per rank per forward/backward."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    global_batch_size: int = 0
+    """Samples per optimizer step across all data-parallel ranks; 0 derives micro × accum × dp."""
+
+    def validate(self, path: str = "batch") -> None:
+        _check_positive(f"{path}.micro_batch_size", self.micro_batch_size)
+        _check_positive(f"{path}.grad_accum_steps", self.grad_accum_steps)
+        _check_positive(f"{path}.global_batch_size", self.global_batch_size, allow_zero=True)
+
+    def resolve(self, dp: int, path: str = "batch") -> int:
+        """The global batch size, checked for consistency with dp."""
+        derived = self.micro_batch_size * self.grad_accum_steps * dp
+        if self.global_batch_size not in (0, derived):
+            raise ConfigError(
+                f"{path}.global_batch_size={self.global_batch_size} is inconsistent: "
+                f"micro_batch_size ({self.micro_batch_size}) × grad_accum_steps "
+                f"({self.grad_accum_steps}) × dp ({dp}) = {derived}; set it to {derived} or 0"
+            )
+        return derived
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 0
+    """Data-parallel size; 0 means world_size / (tp × pp)."""
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+
+    def validate(self, path: str = "parallel") -> None:
+        _check_positive(f"{path}.dp", self.dp, allow_zero=True)
+        _check_positive(f"{path}.tp", self.tp)
+        _check_positive(f"{path}.pp", self.pp)
+
+    def resolve(self, world_size: int, path: str = "parallel") -> tuple[int, int, int]:
+        """(pp, dp, tp) for this world size, or ConfigError when they do not multiply to it."""
+        if self.dp == 0:
+            if world_size % (self.tp * self.pp):
+                raise ConfigError(
+                    f"{path}: world size {world_size} is not divisible by tp × pp = "
+                    f"{self.tp} × {self.pp}; choose tp, pp whose product divides {world_size}"
+                )
+            return self.pp, world_size // (self.tp * self.pp), self.tp
+        if self.dp * self.tp * self.pp != world_size:
+            raise ConfigError(
+                f"{path}: dp × tp × pp = {self.dp} × {self.tp} × {self.pp} = "
+                f"{self.dp * self.tp * self.pp} but the world size is {world_size}; "
+                f"valid layouts multiply to {world_size} (or set dp=0 to derive it)"
+            )
+        return self.pp, self.dp, self.tp
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 0
+    """ZeRO stage: 0 plain data parallel, 1 optimizer states, 2 + gradients, 3 + parameters partitioned."""
+    bucket_mb: float = 25.0
+    """Size of a gradient-reduction bucket (stages 0-2) in MiB of fp32 gradients."""
+    prefetch_mb: float = 64.0
+    """Stage 3: parameters gathered ahead of use, at most this many MiB in flight."""
+    max_live_mb: float = 0.0
+    """Stage 3: cap on gathered parameter MiB resident at once; 0 means no cap beyond what is in use."""
+    persistence_threshold: int = 0
+    """Stage 3: parameters with at most this many elements stay whole on every rank."""
+    offload_optimizer: Tier = "none"
+    """Tier holding fp32 master weights and optimizer state: none (device), cpu or nvme."""
+    offload_params: Tier = "none"
+    """Tier holding parameter shards (stage 3): none (device), cpu or nvme."""
+    nvme_path: str = ""
+    """Swap directory for the nvme tier."""
+
+    def validate(self, path: str = "zero") -> None:
+        if self.stage not in (0, 1, 2, 3):
+            _fail(f"{path}.stage", self.stage, "one of 0, 1, 2, 3")
+        _check_positive(f"{path}.bucket_mb", self.bucket_mb)
+        _check_positive(f"{path}.prefetch_mb", self.prefetch_mb, allow_zero=True)
+        _check_positive(f"{path}.max_live_mb", self.max_live_mb, allow_zero=True)
+        _check_positive(f"{path}.persistence_threshold", self.persistence_threshold, allow_zero=True)
+        for name in ("offload_optimizer", "offload_params"):
+            value = getattr(self, name)
+            if value != "none":
+                raise ConfigError(
+                    f"{path}.{name}={value!r} is not yet supported by this version "
+                    f"(the offload engine is tracked separately); valid now: 'none'"
+                )
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""
+    """Directory for checkpoints; empty disables checkpointing."""
+    interval: int = 0
+    """Save every this many optimizer steps; 0 saves only at the end."""
+    keep_last: int = 2
+    """Number of most recent checkpoints kept."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in dir when one exists."""
+
+    def validate(self, path: str = "checkpoint") -> None:
+        _check_positive(f"{path}.interval", self.interval, allow_zero=True)
+        _check_positive(f"{path}.keep_last", self.keep_last)
+
+
+@dataclass
+class LoggingConfig:
+    metrics_file: str = "runs/metrics.jsonl"
+    """JSONL file receiving one record per logged step (rank 0 writes it); empty disables it."""
+    log_interval: int = 10
+    """Optimizer steps between metric records."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+    def validate(self, path: str = "logging") -> None:
+        _check_positive(f"{path}.log_interval", self.log_interval)
+
+
+@dataclass
+class Config:
+    """Everything the engine needs besides the model and the topology."""
+
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Compute dtype and loss scaling."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """AdamW hyper-parameters and gradient clipping."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Learning-rate warmup and cosine decay."""
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    """Micro-batch, accumulation and global batch."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Process grid dp × tp × pp."""
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    """ZeRO stage and its buffers."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Where and how often to save."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics and progress output."""
+
+    def validate(self) -> "Config":
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate(f.name)
+        return self
+
+
+# ---------------------------------------------------------------------------
+# Generic loading: dicts, YAML/TOML files and --dotted.key overrides.
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The one-line docstring of each dataclass field, read from the class source."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[stmt.target.id] = nxt.value.value.strip()
+    return docs
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp))
+    if origin is tuple:
+        return "a list of " + ", ".join(_describe(a) for a in get_args(tp))
+    if tp is type(None):
+        return "null"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _coerce(path: str, tp: Any, value: Any) -> Any:
+    """Check value against the annotation tp, converting where it is lossless."""
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            _fail(path, value, f"a table of {tp.__name__} fields")
+        return from_dict(tp, value, path)
+    if origin is Literal:
+        if value in get_args(tp) and type(value) is type(get_args(tp)[0]):
+            return value
+        _fail(path, value, _describe(tp))
+    if origin in (typing.Union, types.UnionType):
+        for arg in get_args(tp):
+            try:
+                return _coerce(path, arg, value)
+            except ConfigError:
+                continue
+        _fail(path, value, _describe(tp))
+    if origin is tuple:
+        args = get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            _fail(path, value, _describe(tp))
+        return tuple(_coerce(f"{path}[{i}]", a, v) for i, (a, v) in enumerate(zip(args, value)))
+    if tp is type(None):
+        if value is None:
+            return None
+        _fail(path, value, "null")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        _fail(path, value, "true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        _fail(path, value, "an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        _fail(path, value, "a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        _fail(path, value, "a string")
+    if isinstance(value, tp):
+        return value
+    _fail(path, value, _describe(tp))
+
+
+T = typing.TypeVar("T")
+
+
+def from_dict(cls: type[T], data: dict, path: str = "") -> T:
+    """Build dataclass cls from a nested dict; unknown keys and wrong types raise ConfigError."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            raise ConfigError(f"unknown key {full!r}: valid keys here are {', '.join(names)}")
+        kwargs[key] = _coerce(full, hints[key], value)
+    obj = cls(**kwargs)
+    return obj
+
+
+def to_dict(obj: Any) -> dict:
+    """A dataclass as a plain nested dict (tuples become lists), ready for YAML/JSON."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+    return plain(dataclasses.asdict(obj))
+
+
+def read_file(path: str) -> dict:
+    """A config file as a dict: .yaml/.yml or .toml."""
+    if not os.path.exists(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    ext = os.path.splitext(path)[1].lower()
+    if ext in (".yaml", ".yml"):
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    elif ext == ".toml":
+        import tomllib
+
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    else:
+        raise ConfigError(f"config file {path!r}: unknown extension {ext!r}; valid: .yaml, .yml, .toml")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must hold a table at the top level")
+    return data
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """``['--zero.stage', '3', '--precision.dtype=bf16']`` → nested dict; values parsed as YAML scalars."""
+    out: dict = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) < 3:
+            raise ConfigError(f"override {arg!r} is invalid: expected --section.key VALUE or --section.key=VALUE")
+        if "=" in arg:
+            key, raw = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {arg!r} has no value: expected --{arg[2:]} VALUE")
+            key, raw = arg[2:], args[i + 1]
+            i += 2
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override --{key} conflicts with an earlier override of {part!r}")
+        node[parts[-1]] = value
+    return out
+
+
+def merge(base: dict, extra: dict) -> dict:
+    """Deep merge: values of extra win; nested tables merge key by key."""
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load(cls: type[T], path: str | None = None, overrides: list[str] | None = None) -> T:
+    """cls built from an optional file and command-line overrides, then validated."""
+    data = read_file(path) if path else {}
+    data = merge(data, parse_overrides(overrides or []))
+    obj = from_dict(cls, data)
+    obj.validate()  # type: ignore[attr-defined]
+    return obj

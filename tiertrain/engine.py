@@ -1,0 +1,312 @@
+"""The training engine: ``engine = tiertrain.wrap(model, config, topology)``, then
+``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()``.
+
+The engine composes small parts and contains none of them: the flat layout and buffers
+(zero/layout.py, zero/flat.py), gradient reduction (zero/reducer.py), stage-3 parameter
+fetching (zero/stage3.py), AdamW and its schedule (optim.py) and loss scaling
+(precision.py). Stage 0 is plain data parallelism, against which the ZeRO stages are
+checked.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.nn as nn
+
+from .comm import Collectives, CommCounter
+from .config import Config, ConfigError
+from .optim import build_adamw, build_schedule, clip_coefficient, decays
+from .precision import DynamicLossScaler, compute_dtype
+from .topology import Topology
+from .zero.construct import full_shape, gather_partitioned, is_partitioned
+from .zero.flat import FlatParameters
+from .zero.layout import FlatLayout, bucket_layout, module_layout
+from .zero.reducer import GradientReducer
+from .zero.stage3 import REDUCE, STEP, ParameterFetcher
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclass
+class MemoryReport:
+    """Bytes of model state held by this rank, by kind."""
+
+    params: int
+    gathered_params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.gathered_params + self.grads + self.optimizer
+
+
+def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """Call the model on the batch (dict → keywords, tuple → positional) and find the loss."""
+    if isinstance(batch, dict):
+        out = model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        out = model(*batch)
+    else:
+        out = model(batch)
+    if isinstance(out, torch.Tensor):
+        loss = out
+    elif isinstance(out, dict) and "loss" in out:
+        loss = out["loss"]
+    elif getattr(out, "loss", None) is not None:
+        loss = out.loss
+    else:
+        raise TypeError(f"the model returned {type(out).__name__} with no loss; pass loss_fn=... to wrap()")
+    if loss.dim() != 0:
+        raise TypeError(f"the loss must be a scalar, got shape {tuple(loss.shape)}; pass loss_fn=... to wrap()")
+    return loss
+
+
+def default_unit_modules(model: nn.Module) -> list[str]:
+    """Stage-3 units: each child of every nn.ModuleList (transformer blocks), plus the root."""
+    prefixes = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList):
+            prefixes += [f"{name}.{child}" if name else child for child, _ in module.named_children()]
+    return prefixes
+
+
+class Engine:
+    """Trains one model on one rank of the topology; see the module docstring."""
+
+    def __init__(self, model: nn.Module, config: Config, topology: Topology,
+                 loss_fn: LossFn | None = None, unit_modules: list[str] | None = None):
+        config.validate()
+        if topology.size("tp") > 1 or topology.size("pp") > 1:
+            raise ConfigError(f"parallel.tp={topology.size('tp')}, parallel.pp={topology.size('pp')}: "
+                              f"tensor and pipeline parallelism are not yet supported by wrap(); valid: 1")
+        self.module = model
+        self.config = config
+        self.topology = topology
+        self.loss_fn = loss_fn or default_loss
+        self.dtype = compute_dtype(config.precision.dtype)
+        self.device = topology.device
+        self.stage = stage = config.zero.stage
+        self.counter = CommCounter()
+        self.comm = Collectives(topology.group("dp"), self.counter)
+        self.dp = self.comm.size
+        self.accum = config.batch.grad_accum_steps
+        self.global_batch_size = config.batch.resolve(self.dp)
+
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters")
+        self._cast_buffers_and_frozen(model)
+        self.layout = self._build_layout(model, named, unit_modules)
+        self.flat = FlatParameters(
+            self.layout, dict(named), self.comm, self.dtype, keep_full_grads=stage <= 1,
+            rebuild_param=lambda p: gather_partitioned(p, self.comm) if is_partitioned(p) else p.detach(),
+            device=self.device)
+        for _, p in named:
+            if is_partitioned(p):
+                delattr(p, "tiertrain_full_shape")
+
+        self.fetcher = None
+        if stage == 3:
+            modules = {u.index: (model if u.label == "<root>" else model.get_submodule(u.label))
+                       for u in self.layout.units if not u.resident}
+            self.fetcher = ParameterFetcher(
+                self.flat, self.comm, modules, prefetch_bytes=int(config.zero.prefetch_mb * 2**20),
+                max_live_bytes=int(config.zero.max_live_mb * 2**20))
+            partitioned = [u.index for u in self.layout.units if not u.resident]
+            resident = [u.index for u in self.layout.units if u.resident]
+            launch_order = partitioned[1:][::-1] + partitioned[:1] + resident
+        else:
+            launch_order = list(range(len(self.layout.units)))
+        self.reducer = GradientReducer(
+            self.flat, self.comm, stage, launch_order,
+            on_unit_done=self.fetcher.on_unit_grads_done if self.fetcher else None,
+            before_collective=(lambda i: self.fetcher.agree(REDUCE, i)) if self.fetcher else None)
+
+        self.optimizer = build_adamw(self._optimizer_groups(), config.optimizer)
+        self.schedule = build_schedule(self.optimizer, config.schedule)
+        self.scaler = DynamicLossScaler(config.precision.loss_scale, enabled=config.precision.dtype == "fp16")
+        self.micro_steps = 0
+        self.steps = 0
+        self.skipped_steps = 0
+        self._stepped_at = -1
+        self.last_grad_norm = float("nan")
+
+    # -- construction ----------------------------------------------------------------
+
+    def _cast_buffers_and_frozen(self, model: nn.Module) -> None:
+        for module in model.modules():
+            for name, buf in list(module.named_buffers(recurse=False)):
+                dtype = self.dtype if buf.is_floating_point() else buf.dtype
+                setattr(module, name, buf.to(device=self.device, dtype=dtype))
+            for name, p in module.named_parameters(recurse=False):
+                if not p.requires_grad:
+                    p.data = p.data.to(device=self.device, dtype=self.dtype)
+
+    def _build_layout(self, model: nn.Module, named, unit_modules) -> FlatLayout:
+        zc = self.config.zero
+        if self.stage == 3:
+            prefixes = default_unit_modules(model) if unit_modules is None else list(unit_modules)
+            for prefix in prefixes:
+                model.get_submodule(prefix)  # raises AttributeError naming a bad prefix
+            return module_layout(named, prefixes, self.dp, zc.persistence_threshold, shape_of=full_shape)
+        if any(is_partitioned(p) for _, p in named):
+            raise ConfigError(f"zero.stage={self.stage}: a model built under partitioned_init needs zero.stage=3")
+        bucket_numel = max(1, int(zc.bucket_mb * 2**20) // 4)
+        return bucket_layout(named, 1 if self.stage == 0 else self.dp, bucket_numel)
+
+    def _optimizer_groups(self) -> list[dict]:
+        """One AdamW tensor per piece of parameter inside this rank's master shard: views, so
+        the update is in place on the flat master, and weight decay follows the parameter."""
+        decay, no_decay = [], []
+        for u in self.flat.units:
+            for slot, a, b in u.unit.shard_pieces(self.flat.shard_rank):
+                view = u.master[a:b]
+                view.grad = u.grad[a:b]
+                (decay if decays(slot.name, slot.shape) else no_decay).append(view)
+        groups = [{"params": decay, "weight_decay": self.config.optimizer.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        return [g for g in groups if g["params"]] or [{"params": [self.flat.units[0].master[:0]]}]
+
+    # -- the training contract ---------------------------------------------------------
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        """Forward one micro-batch; returns the (unscaled) loss."""
+        if self.fetcher is not None:
+            self.fetcher.begin_forward()
+        return self.loss_fn(self.module, self._to_device(batch))
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward one micro-batch; gradients are reduced during backward (see reducer)."""
+        boundary = (self.micro_steps + 1) % self.accum == 0
+        self.reducer.begin(reduce_now=boundary)
+        (loss.float() * (self.scaler.scale / self.accum)).backward()
+        self.reducer.end_backward()
+        if self.fetcher is not None:
+            self.fetcher.end_backward()
+        self.micro_steps += 1
+
+    @property
+    def at_boundary(self) -> bool:
+        return self.micro_steps % self.accum == 0 and self.micro_steps > 0
+
+    def step(self) -> bool:
+        """Update at an accumulation boundary; returns True when parameters changed
+        (False between boundaries and for fp16 steps skipped on overflow)."""
+        if not self.at_boundary or self.micro_steps == self._stepped_at:
+            return False
+        self._stepped_at = self.micro_steps
+        if self.fetcher is not None:
+            self.fetcher.agree(STEP)
+        self.reducer.wait()
+        grads = [u.grad for u in self.flat.units]
+        if self.scaler.enabled:
+            for g in grads:
+                g.mul_(1.0 / self.scaler.scale)
+        norm = self._global_grad_norm(grads)
+        self.last_grad_norm = float(norm)
+        if not torch.isfinite(norm):
+            self.flat.zero_grads()
+            self.scaler.update(overflow=True)
+            self.skipped_steps += 1
+            return False
+        if self.config.optimizer.grad_clip > 0:
+            coefficient = clip_coefficient(norm, self.config.optimizer.grad_clip)
+            for g in grads:
+                g.mul_(coefficient)
+        self.optimizer.step()
+        self.schedule.step()
+        self.flat.publish_masters()
+        self.flat.zero_grads()
+        self.scaler.update(overflow=False)
+        self.steps += 1
+        return True
+
+    def _global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        squares = torch.stack([g.pow(2).sum() for g in grads]).sum()
+        if self.stage > 0:
+            self.comm.all_reduce(squares, count=False)
+        return squares.sqrt()
+
+    def train_batch(self, batches: Iterator[Any]) -> float:
+        """Run grad_accum_steps micro-batches from the iterator and one optimizer step;
+        returns the mean loss of this rank's micro-batches."""
+        total = 0.0
+        for _ in range(self.accum):
+            loss = self(next(batches))
+            self.backward(loss)
+            total += float(loss.detach())
+        self.step()
+        return total / self.accum
+
+    def _to_device(self, batch: Any) -> Any:
+        if isinstance(batch, torch.Tensor):
+            batch = batch.to(self.device, non_blocking=True)
+            return batch.to(self.dtype) if batch.is_floating_point() else batch
+        if isinstance(batch, dict):
+            return {k: self._to_device(v) for k, v in batch.items()}
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self._to_device(v) for v in batch)
+        return batch
+
+    # -- inspection ----------------------------------------------------------------
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes of parameters, gradients and optimizer state (fp32 master + Adam moments) on this rank."""
+        flat = self.flat.memory()
+        moments = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
+                      for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        return MemoryReport(flat["params"], flat["gathered_params"], flat["grads"], flat["master"] + moments)
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None, modifier_rank: int | None = None):
+        """Full parameters readable outside forward (every rank must enter). With
+        modifier_rank set, that data-parallel rank's edits are broadcast and written back
+        into every shard and master copy on exit."""
+        wanted = None if params is None else {self.flat.slot_of[p][0] for p in params}
+        units = [u for u in self.flat.units if wanted is None or u.unit.index in wanted]
+        for u in units:
+            if self.fetcher is not None and not u.gathered:
+                self.fetcher.fetch(u.unit.index)
+            self.flat.gather(u.unit.index)
+        try:
+            yield
+            if modifier_rank is not None:
+                for u in units:
+                    self.comm.broadcast(u.full, modifier_rank)
+                    lo, hi = u.unit.shard_range(self.flat.shard_rank)
+                    u.shard.copy_(u.full[lo:hi])
+                    if u.master is not u.shard:
+                        u.master.copy_(u.shard)
+        finally:
+            for u in units:
+                self.flat.release(u.unit.index)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter's fp32 master value, gathered from the shards (collective)."""
+        out = {}
+        for u in self.flat.units:
+            full = torch.empty(u.unit.padded_numel, dtype=torch.float32, device=self.device)
+            if self.stage == 0:
+                full.copy_(u.master)
+            else:
+                self.comm.all_gather(full, u.master)
+            for slot in u.unit.slots:
+                out[slot.name] = full[slot.offset:slot.end].view(slot.shape).clone()
+        return out
+
+
+def wrap(model: nn.Module, config: Config, topology: Topology, loss_fn: LossFn | None = None,
+         unit_modules: list[str] | None = None) -> Engine:
+    """Wrap any nn.Module for training under config on topology (no model changes needed).
+
+    loss_fn(model, batch) → scalar loss; by default the model is called on the batch and
+    its output (a tensor, a dict with 'loss', or an object with .loss) gives the loss.
+    unit_modules: stage-3 gather units by module name (default: children of ModuleLists).
+    """
+    return Engine(model, config, topology, loss_fn=loss_fn, unit_modules=unit_modules)

@@ -1,0 +1,246 @@
+"""Start the ranks of a run: under torchrun, or as N local processes torchrun-style.
+
+Under torchrun (``RANK`` and ``WORLD_SIZE`` in the environment) every process is already
+a rank: :func:`run` just initialises the default process group from ``env://`` and calls
+the function. That is also the multi-node recipe, run once on every node::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:PORT -m tiertrain.cli train --zero.stage 3 ...
+
+Otherwise :func:`launch_local` starts ``nproc`` worker processes on this machine (fork on
+CPU, which starts in a fraction of a second because torch is already imported;
+forkserver when CUDA devices are present, since CUDA cannot be used in a forked child).
+They rendezvous through a TCPStore the launcher opens on a free port *after* forking,
+with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` set as
+torchrun would. The backend is nccl when CUDA is available, gloo otherwise.
+
+Failure handling: the first rank that raises reports its exception to the launcher,
+which stops the other ranks at once (SIGTERM, then SIGKILL) and raises
+:class:`WorkerFailure` carrying that rank's traceback. A rank that dies without
+reporting (killed, segfault) is noticed within a fraction of a second. Each process
+group has a timeout, so a collective that can never complete raises instead of hanging,
+and workers die with the launcher (``PR_SET_PDEATHSIG`` on Linux).
+
+torch's own elastic launcher (``torch.distributed.launcher.api.elastic_launch``) was tried
+first: on this CPU-only setup it starts workers with ``spawn`` (≈17 s for 2 ranks), logs
+every worker traceback at ERROR level, and picks as "root cause" whichever failure has the
+smallest whole-second timestamp, which is usually a peer's "Connection closed by peer"
+rather than the rank that raised.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["WorkerFailure", "under_torchrun", "default_nproc", "default_backend", "run", "launch_local"]
+
+DEFAULT_TIMEOUT_S = 600.0
+"""Process-group timeout: a collective waiting longer than this raises instead of hanging."""
+
+
+class WorkerFailure(RuntimeError):
+    """A local worker raised or died. ``rank``, ``exc_type`` (class name or None when it
+    died without reporting), ``message`` (one line) and ``details`` (its traceback)."""
+
+    def __init__(self, rank: int, exc_type: str | None, message: str, details: str):
+        super().__init__(f"rank {rank} failed: {message}")
+        self.rank = rank
+        self.exc_type = exc_type
+        self.message = message
+        self.details = details
+
+
+def under_torchrun() -> bool:
+    """True when this process was started as a rank (torchrun or similar set RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _cuda_devices() -> int:
+    # torch.cuda.device_count() asks NVML and does not initialise CUDA in this process.
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_built() else 0
+    except Exception:
+        return 0
+
+
+def default_nproc() -> int:
+    """Local processes by default: one per CUDA device, else 2."""
+    return _cuda_devices() or 2
+
+
+def default_backend() -> str:
+    """nccl with CUDA, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _threads_per_rank(local_world_size: int) -> int:
+    if "OMP_NUM_THREADS" in os.environ:
+        try:
+            return max(1, int(os.environ["OMP_NUM_THREADS"]))
+        except ValueError:
+            pass
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // max(1, local_world_size))
+
+
+def _set_device(local_rank: int) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
+def run(fn: Callable[..., Any], *args, timeout: float = DEFAULT_TIMEOUT_S, **kwargs) -> Any:
+    """Call fn(*args, **kwargs) as one rank of a torchrun-started job: init the process
+    group from env://, run, destroy it. Without RANK/WORLD_SIZE, fn runs alone."""
+    if not under_torchrun():
+        return fn(*args, **kwargs)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    torch.set_num_threads(_threads_per_rank(local_world))
+    _set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(default_backend(), init_method="env://",
+                            timeout=datetime.timedelta(seconds=timeout))
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- local workers
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _worker(fn, rank: int, world_size: int, host: str, port_conn, timeout: float,
+            results, args, kwargs) -> None:
+    try:
+        _die_with_parent()
+        if not port_conn.poll(timeout):
+            raise TimeoutError(f"no rendezvous port from the launcher within {timeout:.0f} s")
+        port = port_conn.recv()
+        port_conn.close()
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
+                          MASTER_ADDR=host, MASTER_PORT=str(port))
+        torch.set_num_threads(_threads_per_rank(world_size))
+        _set_device(rank)
+        td = datetime.timedelta(seconds=timeout)
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=td)
+        dist.init_process_group(default_backend(), store=store, rank=rank, world_size=world_size, timeout=td)
+        try:
+            value = fn(*args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, value, None, None))
+    except BaseException as e:  # everything, KeyboardInterrupt from termination included
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        try:
+            results.put((rank, False, type(e).__name__, message, traceback.format_exc()))
+            results.close()
+            results.join_thread()  # the report must leave before os._exit
+        except Exception:
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # a non-zero exit status, without a second copy of the traceback
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _stop(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 5.0
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)
+
+
+def launch_local(fn: Callable[..., Any], nproc: int, *args, timeout: float = DEFAULT_TIMEOUT_S,
+                 **kwargs) -> list[Any]:
+    """Run fn(*args, **kwargs) as ranks 0..nproc-1 of a fresh process group on this
+    machine; returns the ranks' results in rank order, or raises WorkerFailure (the first
+    rank to fail; the others are stopped). fn's results must be picklable."""
+    if nproc < 1:
+        raise ValueError(f"nproc={nproc} is invalid: expected >= 1")
+    method = "forkserver" if _cuda_devices() else "fork"
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "tiertrain"])
+    host = "127.0.0.1"
+    results = ctx.Queue()
+    conns, procs = [], []
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for rank in range(nproc):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_worker, name=f"tiertrain-rank{rank}", daemon=True,
+                        args=(fn, rank, nproc, host, recv, timeout, results, args, kwargs))
+        p.start()
+        recv.close()
+        conns.append(send)
+        procs.append(p)
+    # The store (and its server thread) exists only after every fork.
+    store = dist.TCPStore(host, 0, nproc + 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    for send in conns:
+        try:
+            send.send(store.port)
+        except OSError:
+            pass  # that worker already died: noticed below
+        send.close()
+    values: dict[int, Any] = {}
+    try:
+        while len(values) < nproc:
+            try:
+                rank, ok, value, message, details = results.get(timeout=0.2)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r not in values and p.exitcode not in (None, 0):
+                        # Give a rank that is reporting its exception a moment to do so.
+                        try:
+                            rank, ok, value, message, details = results.get(timeout=1.0)
+                        except queue.Empty:
+                            raise WorkerFailure(r, None, f"died with {_exit_status(p.exitcode)} "
+                                                f"before reporting", "") from None
+                        break
+                else:
+                    continue
+            if not ok:
+                raise WorkerFailure(rank, value, message, details)
+            values[rank] = value
+    finally:
+        _stop(procs)
+        del store
+    return [values[r] for r in range(nproc)]

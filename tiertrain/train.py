@@ -1,0 +1,325 @@
+"""The ``tiertrain train`` job: a GPT on the bundled corpus (or a token file), trained with
+the engine under any ZeRO stage, on every rank of an initialised process group (or in
+one process).
+
+:class:`TrainConfig` is the engine's :class:`~tiertrain.config.Config` plus four job
+sections (``model``, ``data``, ``steps``, ``seed``), so one command line overrides both::
+
+    tiertrain train --zero.stage 3 --precision.dtype bf16 --model.n_layers 4 --steps 50
+
+:func:`run_training` runs on every rank: it builds the topology, the seeded model, the
+dataset and a :class:`~tiertrain.data.ShardedSampler` over the data-parallel axis, wraps
+the model and runs ``steps`` optimizer steps with ``engine.train_batch``. Rank 0 shows a
+progress bar, appends one JSON record per logged step to ``logging.metrics_file`` and
+prints a summary; every rank returns the summary dict.
+
+Logged steps are step 1, every ``logging.log_interval``-th step and the last step. A
+record's ``loss`` is the mean over the data-parallel ranks of the mean loss of the steps
+since the previous record; ``tokens_per_s`` counts every rank's tokens; memory figures
+are the maximum over ranks. Non-finite numbers are written as ``null`` (strict JSON).
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .config import Config, ConfigError, _check_positive
+from .models.gpt import GPT, PRESETS, GPTConfig
+
+__all__ = ["DataConfig", "TrainConfig", "run_training", "check_launch", "default_model"]
+
+
+def default_model() -> GPTConfig:
+    """The default job's model: the "small" preset (6 × 256, 8 heads, ~4.8M parameters) at seq_len 128."""
+    return GPTConfig(**{**PRESETS["small"], "seq_len": 128})
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Token file to train on (headerless little-endian uint16, nanoGPT .bin); empty uses the bundled corpus."""
+    cache_dir: str = "runs/cache"
+    """Directory where the bundled corpus is tokenized into a token file (written once, reused)."""
+    seed: int = 0
+    """Seed of the sample order: epoch e is shuffled with seed + e."""
+    shuffle: bool = True
+    """Shuffle the samples every epoch; false reads them in file order."""
+
+    def validate(self, path: str = "data") -> None:
+        _check_positive(f"{path}.seed", self.seed, allow_zero=True)
+        if not self.path and not self.cache_dir:
+            raise ConfigError(f"{path}.cache_dir='' is invalid: the bundled corpus (data.path='') "
+                              f"needs a cache directory")
+
+
+@dataclass
+class TrainConfig(Config):
+    """A training job: the engine's Config sections plus the model, the data and the run length."""
+
+    model: GPTConfig = field(default_factory=default_model)
+    """The GPT to train (fields of tiertrain.models.gpt.GPTConfig)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training data and its sample order."""
+    steps: int = 300
+    """Optimizer steps to run (each of batch.grad_accum_steps micro-batches per rank)."""
+    seed: int = 0
+    """Seed of the model initialisation (the same on every rank)."""
+
+    def validate(self) -> "TrainConfig":
+        for f in dataclasses.fields(Config):
+            getattr(self, f.name).validate(f.name)
+        try:
+            self.model.validate()
+        except ValueError as e:  # GPTConfig names fields "GPTConfig.x"; the command line says model.x
+            raise ConfigError(str(e).replace("GPTConfig.", "model.", 1)) from None
+        self.data.validate("data")
+        _check_positive("steps", self.steps)
+        _check_positive("seed", self.seed, allow_zero=True)
+        return self
+
+    def engine_config(self) -> Config:
+        """The plain engine Config (the sections wrap() reads)."""
+        return Config(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Config)})
+
+
+def check_launch(cfg: TrainConfig, world_size: int) -> None:
+    """ConfigError now, before any process starts, for what would fail on every rank later."""
+    pp, dp, tp = cfg.parallel.resolve(world_size)
+    if tp > 1 or pp > 1:
+        raise ConfigError(f"parallel.tp={tp}, parallel.pp={pp}: tensor and pipeline parallelism are "
+                          f"not yet supported by `tiertrain train`; valid: 1")
+    cfg.batch.resolve(dp)
+    if cfg.data.path and not os.path.isfile(cfg.data.path):
+        raise ConfigError(f"data.path={cfg.data.path!r} is invalid: no such file "
+                          f"(expected a uint16 token file, or '' for the bundled corpus)")
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def _peak_rss_bytes() -> int:
+    """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def _finite(x: float) -> float | None:
+    return float(x) if x is not None and math.isfinite(x) else None
+
+
+def _human(n: float) -> str:
+    from .estimate.report import human_bytes
+
+    return human_bytes(n)
+
+
+def _checkpoint_hook(engine: Any, name: str):
+    """engine.save_checkpoint / engine.load_checkpoint when the engine has them, else None."""
+    fn = getattr(engine, name, None)
+    return fn if callable(fn) else None
+
+
+def _accepts(fn, keyword: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return keyword in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _maybe_resume(engine, cfg: TrainConfig, sampler) -> int:
+    """Optional hook: resume from cfg.checkpoint.dir when the engine can load checkpoints.
+    Assumed contract: ``engine.load_checkpoint(dir)`` returns the client state saved with
+    the checkpoint (a dict, or None when there is none). Returns the step to start at."""
+    load = _checkpoint_hook(engine, "load_checkpoint")
+    if not (cfg.checkpoint.dir and cfg.checkpoint.resume and load):
+        return 0
+    state = load(cfg.checkpoint.dir)
+    if not isinstance(state, dict):
+        return int(getattr(engine, "steps", 0) or 0) if state else 0
+    if "sampler" in state:
+        sampler.load_state_dict(state["sampler"])
+    return int(state.get("step", getattr(engine, "steps", 0)))
+
+
+def _maybe_save(engine, cfg: TrainConfig, step: int, sampler, final: bool) -> None:
+    """Optional hook: ``engine.save_checkpoint(dir, client_state=...)`` every
+    checkpoint.interval steps (and at the end) when the engine can save checkpoints."""
+    save = _checkpoint_hook(engine, "save_checkpoint")
+    if not (cfg.checkpoint.dir and save):
+        return
+    interval = cfg.checkpoint.interval
+    if not (final or (interval and step % interval == 0)):
+        return
+    client_state = {"step": step, "sampler": sampler.state_dict()}
+    if _accepts(save, "client_state"):
+        save(cfg.checkpoint.dir, client_state=client_state)
+    else:
+        save(cfg.checkpoint.dir)
+
+
+def _build_dataset(cfg: TrainConfig):
+    from .data import TokenFileDataset, bundled_dataset
+
+    if cfg.data.path:
+        return TokenFileDataset(cfg.data.path, cfg.model.seq_len)
+    return bundled_dataset(cfg.model.seq_len, cfg.data.cache_dir)
+
+
+def _gather_stats(values: list[float], topology, group) -> torch.Tensor:
+    """[dp, len(values)] tensor of every data-parallel rank's values (one collective)."""
+    local = torch.tensor(values, dtype=torch.float64, device=topology.device)
+    if group is None or not dist.is_initialized() or topology.size("dp") == 1:
+        return local.unsqueeze(0)
+    parts = [torch.empty_like(local) for _ in range(topology.size("dp"))]
+    dist.all_gather(parts, local, group=group)
+    return torch.stack(parts)
+
+
+def run_training(cfg: TrainConfig) -> dict[str, Any]:
+    """Train cfg on this rank (inside an initialised process group, or alone); see the
+    module docstring. Returns the summary dict (the same keys on every rank)."""
+    from .data import ShardedSampler, micro_batches
+    from .engine import wrap
+    from .topology import Topology
+
+    cfg.validate()
+    topology = Topology.build(cfg.parallel)
+    check_launch(cfg, topology.world_size)
+    is_main = topology.rank == 0
+    dp_group = topology.group("dp")
+
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model)
+    n_params = sum(p.numel() for p in model.parameters())
+    dataset = _build_dataset(cfg)
+    sampler = ShardedSampler(len(dataset), topology.size("dp"), topology.coord("dp"),
+                             seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    engine = wrap(model, cfg.engine_config(), topology)
+    start_step = _maybe_resume(engine, cfg, sampler)
+    batches = micro_batches(dataset, sampler, cfg.batch.micro_batch_size)
+    tokens_per_step = engine.global_batch_size * cfg.model.seq_len
+
+    metrics = None
+    if is_main and cfg.logging.metrics_file:
+        path = Path(cfg.logging.metrics_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        metrics = open(path, "a" if start_step > 0 else "w")  # a fresh run starts a fresh file
+
+    bar = None
+    if is_main and cfg.logging.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start_step, desc="train", unit="step",
+                   dynamic_ncols=True, file=sys.stderr)
+    if is_main:
+        print(f"tiertrain: {n_params:,} parameters | zero.stage={cfg.zero.stage} | "
+              f"{cfg.precision.dtype} | world_size={topology.world_size} (dp={topology.size('dp')}) | "
+              f"global batch {engine.global_batch_size} × {cfg.model.seq_len} tokens | "
+              f"{cfg.steps - start_step} steps", flush=True)
+
+    records: list[dict[str, Any]] = []
+    peak_mem = peak_rss = 0
+    window_loss, window_n = 0.0, 0
+    t_start = t_last = time.perf_counter()
+    last_logged_step = start_step
+    try:
+        for step in range(start_step + 1, cfg.steps + 1):
+            loss = engine.train_batch(batches)
+            window_loss += loss
+            window_n += 1
+            final = step == cfg.steps
+            if step == start_step + 1 or step % cfg.logging.log_interval == 0 or final:
+                now = time.perf_counter()
+                stats = _gather_stats([window_loss, window_n, engine.memory_report().total,
+                                       _peak_rss_bytes()], topology, dp_group)
+                mean_loss = float(stats[:, 0].sum() / stats[:, 1].sum())
+                mem, rss = int(stats[:, 2].max()), int(stats[:, 3].max())
+                peak_mem, peak_rss = max(peak_mem, mem), max(peak_rss, rss)
+                record = {
+                    "step": step,
+                    "loss": _finite(mean_loss),
+                    "lr": float(engine.schedule.get_last_lr()[0]),
+                    "grad_norm": _finite(engine.last_grad_norm),
+                    "tokens_per_s": tokens_per_step * (step - last_logged_step) / max(now - t_last, 1e-9),
+                    "mem_bytes_per_rank": mem,
+                    "peak_rss_bytes_per_rank": rss,
+                    "loss_scale": float(engine.scaler.scale),
+                    "skipped": int(engine.skipped_steps),
+                    "elapsed_s": now - t_start,
+                }
+                records.append(record)
+                if metrics is not None:
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
+                if bar is not None:
+                    bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                                    mem_rank=_human(mem), refresh=False)
+                window_loss, window_n = 0.0, 0
+                t_last, last_logged_step = now, step
+            if bar is not None:
+                bar.update(1)
+            _maybe_save(engine, cfg, step, sampler, final)
+    finally:
+        if bar is not None:
+            bar.close()
+        if metrics is not None:
+            metrics.close()
+
+    elapsed = time.perf_counter() - t_start
+    steps_run = cfg.steps - start_step
+    summary = {
+        "steps": cfg.steps,
+        "steps_run": steps_run,
+        "optimizer_steps": int(engine.steps),
+        "skipped_steps": int(engine.skipped_steps),
+        "first_loss": records[0]["loss"] if records else None,
+        "last_loss": records[-1]["loss"] if records else None,
+        "time_s": elapsed,
+        "tokens_per_s": tokens_per_step * steps_run / max(elapsed, 1e-9),
+        "mem_bytes_per_rank": peak_mem,
+        "peak_rss_bytes_per_rank": peak_rss,
+        "zero_stage": cfg.zero.stage,
+        "precision": cfg.precision.dtype,
+        "world_size": topology.world_size,
+        "dp": topology.size("dp"),
+        "parameters": n_params,
+        "global_batch_size": engine.global_batch_size,
+    }
+    if topology.device.type == "cuda":
+        summary["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(topology.device))
+    if is_main:
+        print(format_summary(summary), flush=True)
+    return summary
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The human-readable end-of-run summary."""
+    def loss(x):
+        return "n/a" if x is None else f"{x:.3f}"
+
+    lines = [
+        "training done",
+        f"  steps        {s['steps_run']} run, {s['steps']} total ({s['skipped_steps']} skipped)",
+        f"  loss         {loss(s['first_loss'])} -> {loss(s['last_loss'])} (first -> last logged)",
+        f"  time         {s['time_s']:.1f} s",
+        f"  throughput   {s['tokens_per_s']:,.0f} tokens/s (all ranks)",
+        f"  memory/rank  {_human(s['mem_bytes_per_rank'])} model states, "
+        f"{_human(s['peak_rss_bytes_per_rank'])} peak RSS"
+        + (f", {_human(s['cuda_peak_bytes'])} peak CUDA" if "cuda_peak_bytes" in s else ""),
+        f"  zero.stage   {s['zero_stage']} ({s['precision']})",
+        f"  world size   {s['world_size']} (dp={s['dp']})",
+    ]
+    return "\n".join(lines)

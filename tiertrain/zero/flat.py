@@ -1,0 +1,146 @@
+"""Per-rank flat buffers of every unit, and the binding of the model's parameters to them.
+
+For each unit this rank keeps:
+
+* ``full``   the unit's whole flat buffer in the compute dtype. Model parameters are views
+             into it. Resident units (stages 0-2, stage-3 persistent parameters) keep it
+             allocated; partitioned units (stage 3) hold its storage only between gather and
+             release (ZeRO §5.3: "gather params → forward → release").
+* ``shard``  this rank's slice of the parameters in the compute dtype (a view of ``full``
+             when resident).
+* ``master`` the fp32 master copy of the shard, updated by the optimizer (the shard itself
+             when the compute dtype is fp32, so no second copy exists).
+* ``grad``   the fp32 gradient of the shard. Stages 0-1 also keep ``grad_full``, the whole
+             unit's gradient, of which ``grad`` is a view; stages 2-3 keep only the shard.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..comm import Collectives, Work
+from .layout import FlatLayout, Unit
+
+
+@dataclass
+class UnitBuffers:
+    unit: Unit
+    full: torch.Tensor
+    shard: torch.Tensor
+    master: torch.Tensor
+    grad: torch.Tensor
+    grad_full: torch.Tensor | None
+    gathered: bool = True
+    pending: Work | None = None
+
+
+class FlatParameters:
+    """Owns the units' buffers on this rank and binds the model's parameters to them.
+
+    ``params`` maps each layout slot name to the live nn.Parameter. A parameter built under
+    :func:`tiertrain.zero.partitioned_init` arrives holding only its own shard; it is
+    gathered once, here, so the unit's flat shard can be cut from it.
+    """
+
+    def __init__(self, layout: FlatLayout, params: dict[str, nn.Parameter], comm: Collectives,
+                 dtype: torch.dtype, keep_full_grads: bool, rebuild_param=None,
+                 device: torch.device = torch.device("cpu")):
+        self.layout = layout
+        self.device = device
+        self.params = params
+        self.comm = comm
+        self.dtype = dtype
+        self.units: list[UnitBuffers] = []
+        self.slot_of: dict[nn.Parameter, tuple[int, int]] = {}
+        # With one shard (stage 0) every rank owns the whole unit.
+        self.shard_rank = rank = comm.rank if layout.num_shards > 1 else 0
+        for unit in layout.units:
+            full = torch.zeros(unit.padded_numel, dtype=dtype, device=device)
+            for k, slot in enumerate(unit.slots):
+                p = params[slot.name]
+                value = rebuild_param(p) if rebuild_param is not None else p.detach()
+                full[slot.offset:slot.end].copy_(value.reshape(-1))
+                self.slot_of[p] = (unit.index, k)
+            lo, hi = unit.shard_range(rank)
+            if unit.resident:
+                shard = full[lo:hi]
+            else:
+                shard = full[lo:hi].clone()
+            master = shard if dtype == torch.float32 else shard.float()
+            if keep_full_grads:
+                grad_full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
+                grad = grad_full[lo:hi]
+            else:
+                grad_full, grad = None, torch.zeros(unit.shard_numel, dtype=torch.float32, device=device)
+            buffers = UnitBuffers(unit, full, shard, master, grad, grad_full)
+            for slot in unit.slots:
+                params[slot.name].data = full[slot.offset:slot.end].view(slot.shape)
+            self.units.append(buffers)
+            if not unit.resident:
+                self.release(unit.index)
+
+    # -- stage 3: gather before use, release after -------------------------------------
+
+    def gather(self, index: int, async_op: bool = False) -> None:
+        """Rebuild unit `index`'s full buffer from every rank's shard (no-op if present)."""
+        u = self.units[index]
+        if u.gathered:
+            if u.pending is not None and not async_op:
+                u.pending.wait()
+                u.pending = None
+            return
+        u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
+        u.gathered = True
+        u.pending = self.comm.all_gather(u.full, u.shard, async_op=True)
+        if not async_op:
+            u.pending.wait()
+            u.pending = None
+
+    def release(self, index: int) -> None:
+        """Free unit `index`'s full buffer; its parameters keep their shapes but no storage."""
+        u = self.units[index]
+        if u.unit.resident or not u.gathered:
+            return
+        if u.pending is not None:
+            u.pending.wait()
+            u.pending = None
+        u.full.untyped_storage().resize_(0)
+        u.gathered = False
+
+    def gathered_bytes(self) -> int:
+        return sum(u.full.numel() * u.full.element_size() for u in self.units
+                   if u.gathered and not u.unit.resident)
+
+    # -- after the optimizer step -----------------------------------------------------
+
+    def publish_masters(self) -> None:
+        """Copy updated fp32 masters into the compute-dtype shards, then rebuild resident
+        units' full buffers with an all-gather (ZeRO §5.1: stages 1-2 all-gather the
+        updated parameters). Partitioned units are gathered on their next use."""
+        for u in self.units:
+            if u.master is not u.shard:
+                u.shard.copy_(u.master)
+        for u in self.units:
+            if u.unit.resident and u.unit.num_shards > 1:
+                self.comm.all_gather(u.full, u.shard)
+
+    def zero_grads(self) -> None:
+        for u in self.units:
+            (u.grad_full if u.grad_full is not None else u.grad).zero_()
+
+    # -- accounting --------------------------------------------------------------------
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds now, by kind of state (optimizer moments are counted by the engine)."""
+        params = grads = master = 0
+        for u in self.units:
+            if u.unit.resident:
+                params += u.full.numel() * u.full.element_size()
+            else:
+                params += u.shard.numel() * u.shard.element_size()
+            if u.master is not u.shard:
+                master += u.master.numel() * 4
+            grads += (u.grad_full if u.grad_full is not None else u.grad).numel() * 4
+        return {"params": params, "gathered_params": self.gathered_bytes(), "grads": grads, "master": master}

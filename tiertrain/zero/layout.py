@@ -1,0 +1,163 @@
+"""The flat, aligned partition layout of ZeRO (§5 of the ZeRO paper).
+
+Parameters are packed into *units*: contiguous flat buffers, each padded so that it splits
+into ``num_shards`` equal, aligned shards; data-parallel rank r owns shard r of every
+unit. Under stages 0-2 a unit is a gradient bucket (reduced as soon as its last gradient
+arrives); under stage 3 a unit is the set of parameters of one module, gathered just
+before that module runs. Checkpointing and offload address state through this layout, so
+it is a plain, printable value: which parameter lives where, in which shard.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter's place in a unit's full flat buffer."""
+
+    name: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A flat buffer of parameters, split into equal shards across data-parallel ranks."""
+
+    index: int
+    label: str
+    slots: tuple[Slot, ...]
+    padded_numel: int
+    num_shards: int
+    resident: bool
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.num_shards
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """[start, end) of rank's shard in the unit's full flat buffer."""
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def shard_pieces(self, rank: int) -> list[tuple[Slot, int, int]]:
+        """(slot, start, end) of each parameter's piece inside rank's shard, in shard-local offsets."""
+        lo, hi = self.shard_range(rank)
+        pieces = []
+        for slot in self.slots:
+            a, b = max(lo, slot.offset), min(hi, slot.end)
+            if a < b:
+                pieces.append((slot, a - lo, b - lo))
+        return pieces
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """All units of a model; rank r owns shard r of each."""
+
+    units: tuple[Unit, ...]
+    num_shards: int
+
+    @property
+    def numel(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    @property
+    def padded_numel(self) -> int:
+        return sum(u.padded_numel for u in self.units)
+
+    def shard_numel(self) -> int:
+        return sum(u.shard_numel for u in self.units)
+
+    def locate(self, name: str) -> tuple[Unit, Slot]:
+        for unit in self.units:
+            for slot in unit.slots:
+                if slot.name == name:
+                    return unit, slot
+        raise KeyError(f"parameter {name!r} is not in the layout")
+
+    def describe(self) -> str:
+        lines = [f"FlatLayout: {len(self.units)} units, {self.numel} elements "
+                 f"({self.padded_numel} padded), {self.num_shards} shards"]
+        for u in self.units:
+            kind = "resident" if u.resident else "partitioned"
+            lines.append(f"  unit {u.index} [{u.label}] {kind}: {len(u.slots)} params, "
+                         f"{u.numel} → {u.padded_numel} elements, shard {u.shard_numel}")
+        return "\n".join(lines)
+
+
+def _padded(numel: int, num_shards: int, align: int) -> int:
+    quantum = num_shards * align
+    return max(quantum, -(-numel // quantum) * quantum)
+
+
+def _unit(index: int, label: str, entries: list[tuple[str, torch.Size]], num_shards: int,
+          align: int, resident: bool) -> Unit:
+    slots, offset = [], 0
+    for name, shape in entries:
+        numel = torch.Size(shape).numel()
+        slots.append(Slot(name, offset, numel, tuple(shape)))
+        offset += numel
+    return Unit(index, label, tuple(slots), _padded(offset, num_shards, align), num_shards, resident)
+
+
+def bucket_layout(named_params: Iterable[tuple[str, torch.Tensor]], num_shards: int,
+                  bucket_numel: int, align: int = 64) -> FlatLayout:
+    """Stages 0-2: parameters in reverse registration order (the order backward produces
+    gradients) cut into buckets of about bucket_numel elements; all units resident."""
+    params = list(named_params)[::-1]
+    units, current, size = [], [], 0
+    for name, p in params:
+        if current and size + p.numel() > bucket_numel:
+            units.append(current)
+            current, size = [], 0
+        current.append((name, p.shape))
+        size += p.numel()
+    if current:
+        units.append(current)
+    return FlatLayout(tuple(_unit(i, f"bucket{i}", u, num_shards, align, True) for i, u in enumerate(units)),
+                      num_shards)
+
+
+def module_layout(named_params: Iterable[tuple[str, torch.Tensor]], unit_prefixes: list[str],
+                  num_shards: int, persistence_threshold: int = 0, align: int = 64,
+                  shape_of: Callable[[torch.Tensor], torch.Size] | None = None) -> FlatLayout:
+    """Stage 3: one partitioned unit per module prefix (e.g. ``blocks.3``), one for the
+    remaining (root) parameters, and one resident unit for parameters of at most
+    persistence_threshold elements, which stay whole on every rank (ZeRO-Infinity's
+    persistent parameters).
+
+    Unit 0 is the root unit; module units follow in the given order.
+    """
+    shape_of = shape_of or (lambda p: p.shape)
+    groups: dict[str, list] = {prefix: [] for prefix in [""] + unit_prefixes}
+    persistent = []
+    ordered = sorted(unit_prefixes, key=len, reverse=True)  # deepest prefix wins
+    for name, p in named_params:
+        if torch.Size(shape_of(p)).numel() <= persistence_threshold:
+            persistent.append((name, p))
+            continue
+        owner = next((pre for pre in ordered if name.startswith(pre + ".")), "")
+        groups[owner].append((name, p))
+
+    units = []
+    for prefix, named in groups.items():
+        if named or prefix == "":
+            entries = [(n, shape_of(p)) for n, p in named]
+            units.append(_unit(len(units), prefix or "<root>", entries, num_shards, align, False))
+    if persistent:
+        entries = [(n, shape_of(p)) for n, p in persistent]
+        units.append(_unit(len(units), "<persistent>", entries, num_shards, align, True))
+    return FlatLayout(tuple(units), num_shards)

@@ -1,0 +1,128 @@
+"""Gradient reduction during backward (ZeRO §5.2, and DDP-style bucketing for stages 0-1).
+
+A post-accumulate-grad hook on every parameter adds its gradient (cast to fp32) into its
+unit's bucket and drops the parameter's own ``.grad``. When every parameter of a unit has
+reported, the unit's collective is launched asynchronously:
+
+* stage 0: all-reduce of the unit's full gradient (plain data parallelism);
+* stage 1: gradients accumulate locally over micro-batches in the full buffer; at the
+  accumulation boundary each unit is reduce-scattered into its owner's shard;
+* stages 2-3: every micro-batch, each unit's bucket is reduce-scattered as soon as it
+  fills and added into the persistent gradient shard; the bucket is then freed, so only
+  the shard persists between micro-batches.
+
+Units are launched in one fixed order on every rank (a unit that is ready early waits for
+its predecessors), so ranks never issue collectives in different orders; parameters that
+received no gradient are flushed, as zeros, when backward ends.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..comm import Collectives, Work
+from .flat import FlatParameters
+
+
+class GradientReducer:
+    def __init__(self, flat: FlatParameters, comm: Collectives, stage: int, launch_order: list[int],
+                 max_in_flight: int = 2, on_unit_done: Callable[[int], None] | None = None,
+                 before_collective: Callable[[int], None] | None = None):
+        self.flat = flat
+        self.comm = comm
+        self.stage = stage
+        self.launch_order = launch_order
+        self.max_in_flight = max_in_flight
+        self.on_unit_done = on_unit_done
+        self.before_collective = before_collective
+        self.reduce_now = False
+        self._buckets: dict[int, torch.Tensor] = {}
+        self._missing: dict[int, int] = {}
+        self._next = 0
+        self._in_flight: deque[Work] = deque()
+        self._handles = []
+        for p in flat.slot_of:
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._reset_counts()
+
+    def _reset_counts(self) -> None:
+        self._missing = {u.unit.index: len(u.unit.slots) for u in self.flat.units}
+        self._next = 0
+
+    def begin(self, reduce_now: bool) -> None:
+        """Called before each backward: reduce_now is False for stage 0/1 micro-batches that
+        only accumulate locally (not the accumulation boundary)."""
+        self.reduce_now = reduce_now or self.stage >= 2
+        self._reset_counts()
+
+    def _bucket(self, index: int) -> torch.Tensor:
+        u = self.flat.units[index]
+        if u.grad_full is not None:
+            return u.grad_full
+        bucket = self._buckets.get(index)
+        if bucket is None:
+            bucket = self._buckets[index] = torch.zeros(u.unit.padded_numel, dtype=torch.float32,
+                                                         device=self.flat.device)
+        return bucket
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        index, k = self.flat.slot_of[p]
+        slot = self.flat.units[index].unit.slots[k]
+        self._bucket(index)[slot.offset:slot.end].add_(p.grad.reshape(-1))
+        p.grad = None
+        self._missing[index] -= 1
+        if self._missing[index] == 0:
+            if self.on_unit_done is not None:
+                self.on_unit_done(index)
+            if self.reduce_now:
+                self._launch_ready()
+
+    def _launch_ready(self, flush: bool = False) -> None:
+        while self._next < len(self.launch_order):
+            index = self.launch_order[self._next]
+            if not flush and self._missing[index] > 0:
+                return
+            self._launch(index)
+            self._next += 1
+
+    def _launch(self, index: int) -> None:
+        u = self.flat.units[index]
+        bucket = self._bucket(index)
+        dp = self.comm.size
+        if self.before_collective is not None:
+            self.before_collective(index)
+        if self.stage == 0:
+            work = self.comm.all_reduce(bucket, async_op=True).then(lambda: bucket.div_(dp))
+        else:
+            reduced = torch.empty(u.unit.shard_numel, dtype=torch.float32, device=self.flat.device)
+            work = self.comm.reduce_scatter(reduced, bucket, async_op=True)
+            if self.stage == 1:
+                work.then(lambda: u.grad.copy_(reduced.div_(dp)))
+            else:
+                # The closure keeps the bucket alive until its collective has completed.
+                self._buckets.pop(index, None)
+                work.then(lambda: (u.grad.add_(reduced.div_(dp)), bucket))
+        self._in_flight.append(work)
+        while len(self._in_flight) > self.max_in_flight and self.stage >= 2:
+            self._in_flight.popleft().wait()
+
+    def end_backward(self) -> None:
+        """Launch every unit not yet launched (flushing unused parameters as zeros)."""
+        if self.reduce_now:
+            for index, missing in self._missing.items():
+                if missing and self.on_unit_done is not None:
+                    self.on_unit_done(index)
+            self._launch_ready(flush=True)
+
+    def wait(self) -> None:
+        """Block until every launched collective has completed and landed in the shards."""
+        while self._in_flight:
+            self._in_flight.popleft().wait()
+        self._buckets.clear()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
