@@ -6,6 +6,13 @@
 #   bash bench/setup_env.sh            # uses `python` on PATH
 #   PYTHON=/path/to/python bash bench/setup_env.sh
 #   DS_VERSION=0.19.8 bash bench/setup_env.sh
+#   BENCH_PREBUILD=all bash bench/setup_env.sh   # also JIT-build cpu_adam + CPU fused_adam
+#
+# BENCH_PREBUILD (default "shm"): which DeepSpeed C++ ops to JIT-compile now
+# into the torch extensions cache (~/.cache/torch_extensions/py311_cpu), so the
+# first benchmark run does not pay for it (~1-2 min each on 2 cores):
+#   none | shm (deepspeed_shm_comm: built by every deepspeed init on CPU)
+#   | all (shm + cpu_adam for ZeRO-Offload + fused_adam for a DS-config optimizer)
 set -euo pipefail
 
 PYTHON="${PYTHON:-python}"
@@ -42,9 +49,21 @@ if [[ "$after" != "$TORCH_VERSION" ]]; then
     echo "setup_env.sh: torch changed from $TORCH_VERSION to $after!" >&2
     exit 1
 fi
-DS_ACCELERATOR=cpu "$PYTHON" - <<'PY'
+BENCH_PREBUILD="${BENCH_PREBUILD:-shm}" DS_ACCELERATOR=cpu "$PYTHON" - <<'PY'
+import os, time
 import torch, deepspeed
 from deepspeed.accelerator import get_accelerator
+acc = get_accelerator()
 print(f"setup_env.sh: OK torch {torch.__version__}, deepspeed {deepspeed.__version__}, "
-      f"accelerator {get_accelerator()._name}")
+      f"accelerator {acc.device_name()}, comm backend {acc.communication_backend_name()}")
+which = os.environ["BENCH_PREBUILD"]
+ops = {"none": [], "shm": ["ShareMemCommBuilder"],
+       "all": ["ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder"]}[which]
+for name in ops:
+    t0 = time.perf_counter()
+    try:
+        acc.create_op_builder(name).load(verbose=False)
+        print(f"setup_env.sh: {name} ready ({time.perf_counter() - t0:.0f}s)")
+    except Exception as e:  # not fatal: only the runs that need the op fail
+        print(f"setup_env.sh: WARNING {name} failed to build: {type(e).__name__}: {e}")
 PY

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.nn as nn
 
+from . import checkpoint
 from .comm import Collectives, CommCounter
 from .config import Config, ConfigError
 from .optim import build_adamw, build_schedule, clip_coefficient, decays
@@ -286,6 +287,21 @@ class Engine:
         finally:
             for u in units:
                 self.flat.release(u.unit.index)
+
+    def state_dict(self) -> dict:
+        """This rank's training state: fp32 master shards, optimizer, schedule, scaler, counters, RNG."""
+        return checkpoint.rank_state(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        checkpoint.restore_rank_state(self, state)
+
+    def save_checkpoint(self, directory: str, extra: dict | None = None, keep_last: int = 0) -> str:
+        """Collective: atomically save every rank's shard under directory/step_N (see checkpoint.py)."""
+        return checkpoint.save(self, directory, extra, keep_last)
+
+    def load_checkpoint(self, directory: str, step: int | None = None) -> dict:
+        """Collective: restore the newest committed checkpoint; returns the extras saved with it."""
+        return checkpoint.load(self, directory, step)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's fp32 master value, gathered from the shards (collective)."""

@@ -1,0 +1,54 @@
+"""Smoke tests for the benchmark scripts (not part of the library test suite).
+
+Run explicitly:  python -m pytest bench/test_bench_smoke.py -q
+(DeepSpeed rows are skipped when deepspeed is not installed: bash bench/setup_env.sh)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+HAVE_DS = importlib.util.find_spec("deepspeed") is not None
+
+
+@pytest.mark.timeout(600)
+def test_gloo_collectives_runs(tmp_path):
+    import gloo_collectives
+
+    out = tmp_path / "coll.md"
+    gloo_collectives.main(["--sizes-mib", "0.25", "--iters", "2", "--warmup", "1",
+                           "--overlap-mib", "0.25", "--overlap-iters", "1", "--matmul-n", "64",
+                           "--timeout", "60", "--total-timeout", "300", "--out", str(out)])
+    text = out.read_text()
+    assert "all_to_all_single + local sum" in text
+    assert "## async_op overlap" in text
+
+
+@pytest.mark.timeout(900)
+def test_baselines_agree(tmp_path):
+    """DDP, FSDP2 and (if installed) DeepSpeed ZeRO-1/2/3 run and follow the same loss curve."""
+    import run_baselines
+
+    fws = ["ddp", "fsdp2"] + (["ds1", "ds2", "ds3"] if HAVE_DS else [])
+    out = tmp_path / "bl.md"
+    rc = run_baselines.main(["--preset", "tiny", "--batch-size", "2", "--seq-len", "32",
+                             "--steps", "2", "--warmup", "1", "--run-timeout", "400",
+                             "--frameworks", *fws, "--out", str(out)])
+    data = json.loads((tmp_path / "bl.json").read_text())
+    assert rc == 0, [r.get("error") for r in data["rows"]]
+    rows = {r["framework"]: r for r in data["rows"]}
+    ref = data["raw"]["ddp"][0]["result"]["losses"]
+    for fw in fws:
+        losses = data["raw"][fw][0]["result"]["losses"]
+        assert len(losses) == 3
+        assert losses == pytest.approx(ref, rel=1e-4, abs=1e-4), fw
+        assert rows[fw]["median_step_ms"] > 0
+        assert rows[fw]["peak_rss_mib"] > 0

@@ -1,0 +1,87 @@
+"""The process grid and the multi-process test harness."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tiertrain import ConfigError, Topology
+from tiertrain.config import ParallelConfig
+from tiertrain.testing import DistributedTimeout, RankFailure, run_distributed
+
+
+def _grid(rank, world, tp, pp):
+    topo = Topology.build(ParallelConfig(tp=tp, pp=pp))
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=topo.group("tp"))
+    return topo.sizes, topo.coords, topo.ranks("dp"), topo.ranks("tp"), float(t)
+
+
+@pytest.mark.timeout(60)
+def test_axes_follow_megatron_order_tp_fastest():
+    results = run_distributed(_grid, 4, 2, 1, timeout=50)
+    for rank, (sizes, coords, dp_ranks, tp_ranks, tp_sum) in enumerate(results):
+        assert sizes == {"pp": 1, "dp": 2, "tp": 2}
+        assert coords == {"pp": 0, "dp": rank // 2, "tp": rank % 2}
+        assert tp_ranks == [rank - rank % 2, rank - rank % 2 + 1]
+        assert dp_ranks == [rank % 2, rank % 2 + 2]
+        assert tp_sum == sum(tp_ranks), "the tp group reduces over exactly the tp peers"
+
+
+def _bad_grid(rank, world):
+    Topology.build(ParallelConfig(dp=3))
+
+
+@pytest.mark.timeout(30)
+def test_layout_not_matching_world_size_is_an_error():
+    with pytest.raises(RankFailure, match=r"dp × tp × pp = 3 × 1 × 1 = 3 but the world size is 2"):
+        run_distributed(_bad_grid, 2, timeout=20)
+
+
+def test_single_process_topology_needs_no_process_group():
+    topo = Topology.build()
+    assert topo.sizes == {"pp": 1, "dp": 1, "tp": 1} and topo.group("dp") is None
+    with pytest.raises(ConfigError, match="axis 'ep' is unknown"):
+        topo.size("ep")
+
+
+def _raise_on_rank_1(rank, world):
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+    return rank
+
+
+def _hang_in_collective(rank, world):
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
+    else:
+        time.sleep(60)
+
+
+def _die(rank, world):
+    if rank == 1:
+        os._exit(3)
+    time.sleep(60)
+
+
+@pytest.mark.timeout(30)
+def test_harness_reports_failing_rank_with_traceback():
+    with pytest.raises(RankFailure, match=r"(?s)rank 1 failed:.*ValueError: boom from rank 1"):
+        run_distributed(_raise_on_rank_1, 2, timeout=20)
+
+
+@pytest.mark.timeout(30)
+def test_harness_turns_a_hang_into_a_fast_failure():
+    start = time.monotonic()
+    with pytest.raises((DistributedTimeout, RankFailure)):
+        run_distributed(_hang_in_collective, 2, timeout=5)
+    assert time.monotonic() - start < 15
+
+
+@pytest.mark.timeout(30)
+def test_harness_reports_a_dead_rank():
+    with pytest.raises(RankFailure, match="rank 1 died with exit code 3"):
+        run_distributed(_die, 2, timeout=20)

@@ -1,0 +1,205 @@
+"""ZeRO stages: memory and communication agree with ZeRO §1, stage 3 builds models too large
+for one rank, diverging ranks fail together instead of hanging, and any nn.Module works."""
+from __future__ import annotations
+
+import resource
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tiertrain
+from reference import (engine_train, global_batches, make_config, make_model, max_rel_diff, rank_slices,
+                       reference_train)
+from tiertrain.estimate.memory import zero_model_state_bytes
+from tiertrain.testing import RankFailure, run_distributed
+
+BYTES = {"fp32": 4, "bf16": 2}
+
+
+def _one_step_accounting(rank, world, stage, dtype):
+    cfg = make_config(zero={"stage": stage}, precision={"dtype": dtype}, batch={"micro_batch_size": 2})
+    engine = tiertrain.wrap(make_model(n_layers=4, hidden=64), cfg, tiertrain.Topology.build(cfg.parallel))
+    batches = global_batches(2, 2 * world)
+    engine.train_batch(rank_slices(batches[0], rank, world, 2, 1))  # Adam state now exists
+    engine.counter.reset()
+    engine.train_batch(rank_slices(batches[1], rank, world, 2, 1))
+    psi = sum(u.unit.numel for u in engine.flat.units)
+    padded = sum(u.unit.padded_numel for u in engine.flat.units)
+    return engine.memory_report(), engine.counter.snapshot(), psi, padded
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_model_state_bytes_follow_zero_table(world, dtype):
+    """ZeRO §1 with our dtypes: params in the compute dtype, fp32 gradients, K = 8 (Adam
+    moments) + 4 (fp32 master, only when compute is 16-bit)."""
+    k = 8 + (4 if dtype != "fp32" else 0)
+    for stage in (0, 1, 2, 3):
+        report, _, psi, padded = run_distributed(_one_step_accounting, world, stage, dtype, timeout=40)[0]
+        expected = zero_model_state_bytes(psi, world, stage, K=k, param_bytes=BYTES[dtype], grad_bytes=4)
+        padding = (padded - psi) * (BYTES[dtype] + 4 + k)
+        measured = report.params + report.grads + report.optimizer
+        assert report.gathered_params == 0, "stage 3 releases every gathered unit after the step"
+        assert abs(measured - expected) <= 0.05 * expected + padding, (
+            f"stage {stage} {dtype} dp={world}: measured {measured} B, ZeRO formula {expected:.0f} B")
+
+
+@pytest.mark.timeout(90)
+def test_bytes_communicated_per_step():
+    """Stages 0-2 move 2Ψ per step, stage 3 moves 3Ψ (ZeRO §1), in fp32 elements."""
+    for stage, factor in ((0, 2), (1, 2), (2, 2), (3, 3)):
+        _, comm, psi, padded = run_distributed(_one_step_accounting, 2, stage, "fp32", timeout=40)[0]
+        moved = sum(comm.values())
+        assert factor * psi * 4 <= moved <= factor * padded * 4, f"stage {stage}: {comm} vs {factor}Ψ = {factor * psi * 4}"
+
+
+# -- stage 3 construction under a memory cap ------------------------------------------------
+
+BIG = dict(n_layers=12, hidden=384, n_heads=4, seq_len=16, vocab_size=256, bias=False)
+BIG_BYTES = 12 * 12 * 384 * 384 * 4  # ≈ 85 MB of fp32 block weights (+ embeddings)
+
+
+def _address_space() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * resource.getpagesize()
+
+
+def _build_under_cap(rank, world, partitioned):
+    import tiertrain.models.gpt as gpt
+
+    topology = tiertrain.Topology.build()
+    cap = _address_space() + int(0.75 * BIG_BYTES)  # the whole model cannot fit under it
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        torch.manual_seed(0)
+        if partitioned:
+            with tiertrain.partitioned_init(topology):
+                model = gpt.GPT(gpt.GPTConfig(**BIG))
+        else:
+            model = gpt.GPT(gpt.GPTConfig(**BIG))
+        held = sum(p.numel() * 4 for p in model.parameters())
+    except (MemoryError, RuntimeError) as e:
+        return "out of memory: " + str(e)[:80]
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    cfg = make_config(zero={"stage": 3})
+    engine = tiertrain.wrap(model, cfg, topology)
+    return held, engine.full_state_dict()
+
+
+@pytest.mark.timeout(120)
+def test_stage3_builds_a_model_larger_than_the_per_rank_cap():
+    unpartitioned = run_distributed(_build_under_cap, 2, False, timeout=60)
+    assert all(isinstance(r, str) and r.startswith("out of memory") for r in unpartitioned), \
+        "the cap must be too small for the whole model, or this test proves nothing"
+    results = run_distributed(_build_under_cap, 2, True, timeout=60)
+    torch.manual_seed(0)
+    import tiertrain.models.gpt as gpt
+    reference = dict(gpt.GPT(gpt.GPTConfig(**BIG)).named_parameters())
+    for held, params in results:
+        assert held <= 0.55 * BIG_BYTES * 1.1, "each rank holds about half the parameters"
+        assert max_rel_diff(params, {k: v.detach() for k, v in reference.items()}) == 0.0, \
+            "partitioned construction draws exactly the weights of an ordinary one"
+
+
+# -- ranks that run different modules -------------------------------------------------------
+
+
+class SkipOnRank1(nn.Module):
+    """Rank 1 skips block 1: a data-dependent branch taken on some ranks only."""
+
+    def __init__(self, model, rank):
+        super().__init__()
+        self.model, self.rank = model, rank
+
+    def forward(self, input_ids, labels):
+        x = self.model.embed_tokens(input_ids)
+        for i, block in enumerate(self.model.blocks):
+            if not (self.rank == 1 and i == 1):
+                x = block(x)
+        return self.model.head_output(x, labels)
+
+
+def _diverge(rank, world, stage):
+    cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2})
+    model = SkipOnRank1(make_model(n_layers=3), rank)
+    engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
+    for batch in global_batches(2, 4):
+        engine.train_batch(rank_slices(batch, rank, world, 2, 1))
+    return engine.steps
+
+
+@pytest.mark.timeout(60)
+def test_stage3_divergent_ranks_fail_together_with_a_clear_error():
+    with pytest.raises(RankFailure, match=r"ranks executed different modules"):
+        run_distributed(_diverge, 2, 3, timeout=30)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [0, 2])
+def test_stages_0_to_2_complete_when_ranks_skip_a_module(stage):
+    assert run_distributed(_diverge, 2, stage, timeout=30) == [2, 2]
+
+
+class BlockTwice(nn.Module):
+    """Block 0 runs twice per forward: its unit is gathered, released and gathered again."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        x = self.model.embed_tokens(input_ids)
+        x = self.model.blocks[0](self.model.blocks[0](x))
+        return self.model.head_output(x, labels)
+
+
+def _twice_config(stage):
+    return make_config(zero={"stage": stage}, batch={"micro_batch_size": 2}, optimizer={"eps": 1e-3})
+
+
+def _block_twice(rank, world, stage):
+    return engine_train(rank, world, BlockTwice(make_model(n_layers=1)), _twice_config(stage), global_batches(3, 4))[:2]
+
+
+@pytest.mark.timeout(60)
+def test_stage3_module_run_twice_per_step_matches_reference():
+    losses, params = run_distributed(_block_twice, 2, 3, timeout=40)[0]
+    ref_losses, ref_params = reference_train(BlockTwice(make_model(n_layers=1)), _twice_config(3), global_batches(3, 4))
+    assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) <= 1e-6
+    assert max_rel_diff(params, ref_params) <= 1e-6
+
+
+# -- a model that is not ours ---------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama():
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _hf_batches(world):
+    return [{"input_ids": b["input_ids"], "labels": b["input_ids"]} for b in global_batches(3, 2 * world)]
+
+
+def _hf_run(rank, world, stage):
+    cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2}, optimizer={"eps": 1e-3})
+    return engine_train(rank, world, _llama(), cfg, _hf_batches(world))[:2]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hugging_face_llama_wrapped_without_changes(stage):
+    losses, params = run_distributed(_hf_run, 2, stage, timeout=100)[0]
+    cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2}, optimizer={"eps": 1e-3})
+    ref_losses, ref_params = reference_train(_llama(), cfg, _hf_batches(2))
+    assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) <= 1e-6
+    assert max_rel_diff(params, ref_params) <= 1e-6
