@@ -121,8 +121,11 @@ def worker(rank, world, port, fw, args, result_path):
                         weight_decay=args.weight_decay, impl=args.adam_impl)
     out = {"rank": rank, "ok": False}
     try:
+        extra = {}
+        if fw.startswith("ds") and args.ds_zero_overrides != "{}":
+            extra["zero_overrides"] = json.loads(args.ds_zero_overrides)
         res = run_framework(fw, factory, optim, batches, steps=args.steps, warmup=args.warmup,
-                            seed=args.seed, barrier=args.barrier)
+                            seed=args.seed, barrier=args.barrier, **extra)
         out.update(ok=True, result=res.to_dict(), model=factory.source(), seq_len=seq)
     except Exception as e:  # noqa: BLE001
         out.update(error=f"{type(e).__name__}: {e}", tb=traceback.format_exc())
@@ -241,6 +244,10 @@ def main(argv=None):
     p.add_argument("--eps", type=float, default=1e-8)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--adam-impl", default="default", choices=["default", "foreach", "fused", "forloop"])
+    p.add_argument("--ds-zero-overrides", default="{}",
+                   help='JSON merged into DeepSpeed zero_optimization, e.g. '
+                        '\'{"stage3_param_persistence_threshold": 0}\' (default keeps DS defaults: '
+                        'params < 1e5 elements stay unpartitioned under ZeRO-3)')
     p.add_argument("--timeout", type=float, default=300, help="process-group timeout (s)")
     p.add_argument("--run-timeout", type=float, default=900, help="kill one framework's ranks after (s)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "baselines.md"))

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import tiertrain
 from tiertrain.config import Config, from_dict
+from tiertrain.engine import default_loss
 from tiertrain.models.gpt import GPT, GPTConfig
 from tiertrain.optim import build_adamw, build_schedule, param_groups
 
@@ -51,7 +52,7 @@ def reference_train(model, config: Config, batches):
     sched = build_schedule(opt, config.schedule)
     losses = []
     for batch in batches:
-        loss = model(**batch)
+        loss = default_loss(model, batch)
         loss.backward()
         if config.optimizer.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.grad_clip)

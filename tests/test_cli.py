@@ -77,6 +77,27 @@ def test_failing_rank_exits_nonzero_with_its_error(tmp_path):
     assert "Traceback" in proc.stderr
 
 
+def test_checkpoint_resume_continues_the_same_run(tmp_path):
+    """4 steps + resume to 6 logs the same losses as 6 steps in one go (ranks forked in process)."""
+    from tiertrain.train import run_training
+
+    def job(name, steps, ckpt=""):
+        return cli.load_train_config(None, [*TINY, "--steps", str(steps), "--logging.log_interval", "1",
+                                            "--logging.progress", "false", "--data.cache_dir", str(tmp_path),
+                                            "--logging.metrics_file", str(tmp_path / f"{name}.jsonl"),
+                                            "--checkpoint.dir", ckpt, "--zero.stage", "2"])
+
+    straight = launch.launch_local(run_training, 2, job("straight", 6), timeout=60)
+    ckpt = str(tmp_path / "ckpt")
+    first = launch.launch_local(run_training, 2, job("resumed", 4, ckpt), timeout=60)
+    assert first[0]["steps_run"] == 4 and os.path.isdir(ckpt)
+    second = launch.launch_local(run_training, 2, job("resumed", 6, ckpt), timeout=60)
+    assert second[0]["steps_run"] == 2 and second[0]["optimizer_steps"] == 6
+    losses = [r["loss"] for r in _records(tmp_path / "resumed.jsonl")]  # appended on resume
+    assert losses == [r["loss"] for r in _records(tmp_path / "straight.jsonl")]
+    assert straight[0]["last_loss"] == second[0]["last_loss"] == second[1]["last_loss"]
+
+
 # --------------------------------------------------------------------------- config errors, in process
 
 

@@ -17,16 +17,20 @@ from tiertrain.testing import RankFailure, run_distributed
 BYTES = {"fp32": 4, "bf16": 2}
 
 
-def _one_step_accounting(rank, world, stage, dtype):
-    cfg = make_config(zero={"stage": stage}, precision={"dtype": dtype}, batch={"micro_batch_size": 2})
-    engine = tiertrain.wrap(make_model(n_layers=4, hidden=64), cfg, tiertrain.Topology.build(cfg.parallel))
-    batches = global_batches(2, 2 * world)
-    engine.train_batch(rank_slices(batches[0], rank, world, 2, 1))  # Adam state now exists
-    engine.counter.reset()
-    engine.train_batch(rank_slices(batches[1], rank, world, 2, 1))
-    psi = sum(u.unit.numel for u in engine.flat.units)
-    padded = sum(u.unit.padded_numel for u in engine.flat.units)
-    return engine.memory_report(), engine.counter.snapshot(), psi, padded
+def _one_step_accounting(rank, world, stages, dtype):
+    """Per stage: (memory report, bytes per collective of the second step, Ψ, padded Ψ)."""
+    out = []
+    for stage in stages:
+        cfg = make_config(zero={"stage": stage}, precision={"dtype": dtype}, batch={"micro_batch_size": 2})
+        engine = tiertrain.wrap(make_model(n_layers=4, hidden=64), cfg, tiertrain.Topology.build(cfg.parallel))
+        batches = global_batches(2, 2 * world)
+        engine.train_batch(rank_slices(batches[0], rank, world, 2, 1))  # Adam state now exists
+        engine.counter.reset()
+        engine.train_batch(rank_slices(batches[1], rank, world, 2, 1))
+        psi = sum(u.unit.numel for u in engine.flat.units)
+        padded = sum(u.unit.padded_numel for u in engine.flat.units)
+        out.append((engine.memory_report(), engine.counter.snapshot(), psi, padded))
+    return out
 
 
 @pytest.mark.timeout(90)
@@ -36,8 +40,8 @@ def test_model_state_bytes_follow_zero_table(world, dtype):
     """ZeRO §1 with our dtypes: params in the compute dtype, fp32 gradients, K = 8 (Adam
     moments) + 4 (fp32 master, only when compute is 16-bit)."""
     k = 8 + (4 if dtype != "fp32" else 0)
-    for stage in (0, 1, 2, 3):
-        report, _, psi, padded = run_distributed(_one_step_accounting, world, stage, dtype, timeout=40)[0]
+    results = run_distributed(_one_step_accounting, world, (0, 1, 2, 3), dtype, timeout=80)[0]
+    for stage, (report, _, psi, padded) in enumerate(results):
         expected = zero_model_state_bytes(psi, world, stage, K=k, param_bytes=BYTES[dtype], grad_bytes=4)
         padding = (padded - psi) * (BYTES[dtype] + 4 + k)
         measured = report.params + report.grads + report.optimizer
@@ -49,8 +53,8 @@ def test_model_state_bytes_follow_zero_table(world, dtype):
 @pytest.mark.timeout(90)
 def test_bytes_communicated_per_step():
     """Stages 0-2 move 2Ψ per step, stage 3 moves 3Ψ (ZeRO §1), in fp32 elements."""
-    for stage, factor in ((0, 2), (1, 2), (2, 2), (3, 3)):
-        _, comm, psi, padded = run_distributed(_one_step_accounting, 2, stage, "fp32", timeout=40)[0]
+    results = run_distributed(_one_step_accounting, 2, (0, 1, 2, 3), "fp32", timeout=80)[0]
+    for (stage, factor), (_, comm, psi, padded) in zip(((0, 2), (1, 2), (2, 2), (3, 3)), results):
         moved = sum(comm.values())
         assert factor * psi * 4 <= moved <= factor * padded * 4, f"stage {stage}: {comm} vs {factor}Ψ = {factor * psi * 4}"
 

@@ -23,7 +23,7 @@ USAGE = """\
 usage: tiertrain <command> [options]
 
 commands:
-  train      train a GPT (default: ~4.8M parameters on the bundled corpus, 2 local processes)
+  train      train a GPT (default: ~1.9M parameters, bundled corpus, 2 local processes)
   config     print the resolved training config as YAML, each field with its documentation
   estimate   per-rank memory of a model under a ZeRO layout (formulas of ZeRO / ZeRO-Infinity)
   probe      measure this machine (RAM, memory and disk bandwidth, GPU) and save it as JSON
@@ -140,10 +140,12 @@ def _error(message: str, code: int = 2) -> int:
 def _train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tiertrain train", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Train a GPT with the tiertrain engine. With no options: the default job "
+        usage="tiertrain train [-h] [--config FILE] [--nproc N] [--timeout S] [--section.key VALUE ...]",
+        description="Train a GPT with the tiertrain engine. With no options: the default job\n"
                     "(see `tiertrain config`) on 2 local gloo processes (one per GPU with CUDA).",
-        epilog=_OVERRIDES_HELP + "\nmulti-node: torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d "
-               "--rdzv-endpoint HOST:PORT -m tiertrain.cli train ...\n(under torchrun --nproc is ignored)")
+        epilog=_OVERRIDES_HELP + "\nmulti-node (run on every node; --nproc is then ignored):\n"
+               "  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\\n"
+               "      -m tiertrain.cli train ...")
     p.add_argument("--config", metavar="FILE", help="YAML or TOML file with config sections")
     p.add_argument("--nproc", type=int, metavar="N",
                    help="local processes to start (default: number of GPUs, else 2; 1 runs in this process)")
@@ -184,6 +186,8 @@ def cmd_train(argv: list[str]) -> int:
             return _error(failure.message)
         if failure.details:
             print(failure.details.rstrip(), file=sys.stderr)
+        for other in failure.others:
+            print(f"note: also failed: {other}", file=sys.stderr)
         kind = f"{failure.exc_type}: " if failure.exc_type else ""
         return _error(f"rank {failure.rank} failed: {kind}{failure.message}", code=1)
     return 0
@@ -196,7 +200,8 @@ def cmd_config(argv: list[str]) -> int:
     own, overrides = _split_args(argv, {"--config": True})
     p = argparse.ArgumentParser(
         prog="tiertrain config", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Print the resolved training config (defaults < --config file < overrides) as "
+        usage="tiertrain config [-h] [--config FILE] [--section.key VALUE ...]",
+        description="Print the resolved training config (defaults < --config file < overrides) as\n"
                     "YAML, each field with its documentation; the output is a valid --config file.",
         epilog=_OVERRIDES_HELP)
     p.add_argument("--config", metavar="FILE", help="YAML or TOML file with config sections")

@@ -58,6 +58,8 @@ class WorkerFailure(RuntimeError):
         self.exc_type = exc_type
         self.message = message
         self.details = details
+        self.others: list[str] = []
+        """One line per other rank that failed too (usually as a consequence)."""
 
 
 def under_torchrun() -> bool:
@@ -127,6 +129,24 @@ def _die_with_parent() -> None:
         pass
 
 
+def _report_failure(results, rank: int, e: BaseException) -> None:
+    """Send this rank's exception (with the time it was caught) and exit non-zero. The
+    process group is deliberately not destroyed first: closing its connections makes the
+    peers fail too, and their reports must not overtake this one."""
+    caught_at = time.time()
+    text = str(e).strip()
+    message = text.splitlines()[0] if text else type(e).__name__
+    try:
+        results.put((rank, False, (caught_at, type(e).__name__, message, traceback.format_exc())))
+        results.close()
+        results.join_thread()  # the report must leave before os._exit
+    except Exception:
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)  # a non-zero exit status, without a second copy of the traceback
+
+
 def _worker(fn, rank: int, world_size: int, host: str, port_conn, timeout: float,
             results, args, kwargs) -> None:
     try:
@@ -143,24 +163,38 @@ def _worker(fn, rank: int, world_size: int, host: str, port_conn, timeout: float
         td = datetime.timedelta(seconds=timeout)
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=td)
         dist.init_process_group(default_backend(), store=store, rank=rank, world_size=world_size, timeout=td)
-        try:
-            value = fn(*args, **kwargs)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, True, value, None, None))
-    except BaseException as e:  # everything, KeyboardInterrupt from termination included
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        try:
-            results.put((rank, False, type(e).__name__, message, traceback.format_exc()))
-            results.close()
-            results.join_thread()  # the report must leave before os._exit
-        except Exception:
-            pass
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)  # a non-zero exit status, without a second copy of the traceback
+        value = fn(*args, **kwargs)
+    except BaseException as e:  # everything, KeyboardInterrupt and SystemExit included
+        _report_failure(results, rank, e)
+    try:
+        dist.destroy_process_group()
+        results.put((rank, True, value))
+        results.close()
+        results.join_thread()
+    except BaseException as e:
+        _report_failure(results, rank, e)
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+_GRACE_S = 1.0
+"""After the first failure, how long other ranks' reports are awaited before blaming one."""
+
+
+def _root_cause(reports: dict[int, tuple[float, str, str, str]], dead: dict[int, int]) -> "WorkerFailure":
+    """The failure to blame: a rank that died without reporting (killed, crashed) if any,
+    else the earliest exception. Peers of a failed rank fail later ("Connection closed by
+    peer"), and those are listed in ``others``."""
+    if dead:
+        rank = min(dead)
+        failure = WorkerFailure(rank, None, f"ended with {_exit_status(dead[rank])} before reporting", "")
+    else:
+        rank = min(reports, key=lambda r: (reports[r][0], r))
+        _, exc_type, message, details = reports[rank]
+        failure = WorkerFailure(rank, exc_type, message, details)
+    failure.others = [f"rank {r}: {reports[r][1]}: {reports[r][2]}" for r in sorted(reports) if r != rank]
+    failure.others += [f"rank {r}: ended with {_exit_status(d)}" for r, d in sorted(dead.items()) if r != rank]
+    return failure
 
 
 def _exit_status(code: int | None) -> str:
@@ -194,10 +228,14 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args, timeout: float = DEF
     rank to fail; the others are stopped). fn's results must be picklable."""
     if nproc < 1:
         raise ValueError(f"nproc={nproc} is invalid: expected >= 1")
+    # Every rank imports torch._dynamo when it builds an optimizer (≈3 s of CPU): import it
+    # once here, so that forked ranks share it instead of each importing it again.
+    import torch._dynamo  # noqa: F401
+
     method = "forkserver" if _cuda_devices() else "fork"
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "tiertrain"])
+        ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "tiertrain"])
     host = "127.0.0.1"
     results = ctx.Queue()
     conns, procs = [], []
@@ -221,25 +259,36 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args, timeout: float = DEF
             pass  # that worker already died: noticed below
         send.close()
     values: dict[int, Any] = {}
+    reports: dict[int, tuple[float, str, str, str]] = {}
+    first_failure = None
     try:
         while len(values) < nproc:
             try:
-                rank, ok, value, message, details = results.get(timeout=0.2)
-            except queue.Empty:
-                for r, p in enumerate(procs):
-                    if r not in values and p.exitcode not in (None, 0):
-                        # Give a rank that is reporting its exception a moment to do so.
-                        try:
-                            rank, ok, value, message, details = results.get(timeout=1.0)
-                        except queue.Empty:
-                            raise WorkerFailure(r, None, f"died with {_exit_status(p.exitcode)} "
-                                                f"before reporting", "") from None
-                        break
+                rank, ok, payload = results.get(timeout=0.1)
+                if ok:
+                    values[rank] = payload
                 else:
-                    continue
-            if not ok:
-                raise WorkerFailure(rank, value, message, details)
-            values[rank] = value
+                    reports[rank] = payload
+            except queue.Empty:
+                pass
+            # Ranks that ended without a report seen yet (it may still be in the pipe).
+            dead = {r: p.exitcode for r, p in enumerate(procs)
+                    if r not in values and r not in reports and p.exitcode is not None}
+            if (reports or dead) and first_failure is None:
+                first_failure = time.monotonic()
+            settled = len(values) + len(reports) + len(dead) == nproc
+            if first_failure is not None and (settled or time.monotonic() - first_failure > _GRACE_S):
+                # Drain what already arrived, then blame the root cause (see _root_cause).
+                while True:
+                    try:
+                        rank, ok, payload = results.get(timeout=0.05)
+                    except queue.Empty:
+                        break
+                    (values if ok else reports)[rank] = payload
+                dead = {r: d for r, d in dead.items() if r not in reports and r not in values}
+                if reports or dead:
+                    raise _root_cause(reports, dead)
+                first_failure = None  # only finished ranks whose results were in flight
     finally:
         _stop(procs)
         del store
