@@ -1,12 +1,13 @@
-"""Reference trainers for side-by-side benchmarks: PyTorch DDP, FSDP2 and DeepSpeed ZeRO.
+"""Side-by-side trainers for benchmarks: PyTorch DDP, FSDP2, DeepSpeed ZeRO and tiertrain.
 
 These run on the *current rank* of an already-initialised (gloo) process group
 and are benchmark-only: the tiertrain library never imports this module nor
-DeepSpeed.  Each ``run_*`` function
+DeepSpeed.  ``run_tiertrain(stage, ...)`` runs tiertrain's own engine the same
+way, so its rows are comparable with the baselines.  Each ``run_*`` function
 
 * builds the model with ``torch.manual_seed(seed); model_factory()`` (so every
   framework starts from the same weights),
-* wraps it (DDP / ``fully_shard`` / ``deepspeed.initialize``),
+* wraps it (DDP / ``fully_shard`` / ``deepspeed.initialize`` / ``tiertrain.wrap``),
 * builds AdamW from an :class:`OptimConfig`,
 * runs ``warmup`` untimed + ``steps`` timed full steps (forward + backward +
   optimizer step + zero_grad), each timed with ``time.perf_counter``,
@@ -58,13 +59,19 @@ MiB = 1 << 20
 
 @dataclass
 class OptimConfig:
-    """AdamW hyper-parameters shared by every baseline.
+    """AdamW hyper-parameters shared by every framework.
 
     ``impl`` picks torch's AdamW implementation where the framework uses a
-    torch optimizer: "default" (torch's choice, foreach on CPU), "foreach",
-    "fused" or "forloop".  For DeepSpeed with ``ds_optimizer="config"`` (and
-    always with optimizer offload) DeepSpeed builds its own optimizer from
-    lr/betas/eps/weight_decay and ``impl`` is ignored.
+    torch optimizer: "default" (torch's choice: the single-tensor for-loop on
+    CPU), "foreach", "fused" or "forloop".  For DeepSpeed with
+    ``ds_optimizer="config"`` (and always with optimizer offload) DeepSpeed
+    builds its own optimizer from lr/betas/eps/weight_decay and ``impl`` is
+    ignored.  tiertrain gets the same kernel (see :meth:`tiertrain_impl`).
+
+    ``decay`` says which parameters get weight decay: "all" (one group), or
+    "matrices" (only parameters with >= 2 dims; biases and norm gains get 0),
+    which is tiertrain's fixed rule (``tiertrain.optim.decays``) -- use it when
+    tiertrain rows are compared, so every framework does the same update.
     """
 
     lr: float = 3e-4
@@ -72,6 +79,7 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     impl: str = "default"
+    decay: str = "all"
 
     def torch_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = dict(lr=self.lr, betas=tuple(self.betas), eps=self.eps,
@@ -87,8 +95,27 @@ class OptimConfig:
                              "expected default|foreach|fused|forloop")
         return kw
 
+    def tiertrain_impl(self) -> str:
+        """tiertrain's ``optimizer.impl`` for the same torch kernel."""
+        return {"fused": "fused", "foreach": "foreach", "forloop": "single",
+                "default": "single"}[self.impl]  # torch's CPU default is the for-loop kernel
+
+    def groups(self, params) -> list[Any]:
+        """``params`` (tensors, or (name, tensor) pairs) as AdamW parameter groups."""
+        params = [p[1] if isinstance(p, tuple) else p for p in params]
+        if self.decay == "all":
+            return params
+        if self.decay != "matrices":
+            raise ValueError(f"OptimConfig.decay={self.decay!r} is invalid: expected all|matrices")
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": self.weight_decay}]
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        return groups
+
     def make(self, params) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(params, **self.torch_kwargs())
+        return torch.optim.AdamW(self.groups(params), **self.torch_kwargs())
 
 
 @dataclass
@@ -352,16 +379,101 @@ def run_deepspeed(stage: int, model_factory: Callable[[], nn.Module], optim: Opt
     return res
 
 
+# ----------------------------------------------------------------------------- tiertrain
+
+
+def tiertrain_config_dict(stage: int, micro_batch_size: int, optim: OptimConfig, *,
+                          grad_clip: float = 0.0,
+                          zero_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The tiertrain config used by :func:`run_tiertrain`, as the dict given to
+    ``tiertrain.config.from_dict(Config, ...)``: fp32, the baselines' AdamW
+    (same torch kernel), no clipping (the baselines do not clip), constant LR
+    (no warmup, no decay, like the baselines), one micro-batch per step."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage} is invalid: expected 0..3")
+    if optim.decay != "matrices":
+        # tiertrain always decays only >= 2-D parameters; the other frameworks must
+        # do the same for the loss cross-check to be exact (warn, still run).
+        import warnings
+        warnings.warn("tiertrain decays only >= 2-D parameters but OptimConfig.decay="
+                      f"{optim.decay!r}: losses will differ slightly from the baselines")
+    return {
+        "precision": {"dtype": "fp32"},
+        "optimizer": {"lr": optim.lr, "betas": list(optim.betas), "eps": optim.eps,
+                      "weight_decay": optim.weight_decay, "grad_clip": grad_clip,
+                      "impl": optim.tiertrain_impl()},
+        "schedule": {"warmup_steps": 0, "decay_steps": 0},
+        "batch": {"micro_batch_size": micro_batch_size, "grad_accum_steps": 1},
+        "zero": {"stage": stage, **(zero_overrides or {})},
+        "checkpoint": {"dir": ""},
+        "logging": {"metrics_file": "", "progress": False},
+    }
+
+
+def run_tiertrain(stage: int, model_factory: Callable[[], nn.Module], optim: OptimConfig,
+                  batch: BatchArg, *, steps: int = 5, warmup: int = 2, seed: int = 0,
+                  barrier: bool = False, grad_clip: float = 0.0,
+                  zero_overrides: dict[str, Any] | None = None,
+                  unit_modules: list[str] | None = None) -> RunResult:
+    """tiertrain's engine at ZeRO ``stage`` (0-3) over the existing process group.
+
+    One step is ``loss = engine(batch); engine.backward(loss); engine.step()``
+    (the engine zeroes its gradients inside ``step``).  ``zero_overrides`` are
+    merged into the ``zero`` section (e.g. ``{"prefetch_mb": 0}``).
+    """
+    import tiertrain
+    from tiertrain.config import Config, from_dict
+
+    rank, world = _rank_world()
+    b0 = _get_batch(batch, 0)
+    cfg_dict = tiertrain_config_dict(stage, int(b0[0].shape[0]), optim, grad_clip=grad_clip,
+                                     zero_overrides=zero_overrides)
+    cfg = from_dict(Config, cfg_dict)
+    cfg.validate()
+
+    gc.collect()
+    rss0 = current_rss_mib()
+    t0 = time.perf_counter()
+    model, n_params = _build(model_factory, seed)
+    topology = tiertrain.Topology.build(cfg.parallel)
+    engine = tiertrain.wrap(model, cfg, topology, unit_modules=unit_modules)
+    setup = time.perf_counter() - t0
+
+    def step(b: Batch) -> torch.Tensor:
+        loss = engine(b)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    engine.counter.reset()
+    times, losses = _train_loop(f"tiertrain{stage}", step, batch, steps, warmup, barrier)
+    mem = engine.memory_report()
+    n_steps = max(1, warmup + steps)
+    extra = {"config": cfg_dict, "optimizer": f"tiertrain AdamW(impl={cfg.optimizer.impl})",
+             "memory_report_mib": {k: getattr(mem, k) / MiB for k in
+                                   ("params", "gathered_params", "grads", "optimizer", "total")},
+             "comm_mib_per_step": {k: v / MiB / n_steps for k, v in engine.counter.bytes.items()},
+             "comm_calls_per_step": {k: v / n_steps for k, v in engine.counter.calls.items()},
+             "units": len(engine.layout.units), "topology": repr(topology)}
+    return RunResult(f"tiertrain_z{stage}", rank, world, times, losses, n_params, rss0,
+                     current_rss_mib(), peak_rss_mib(), setup, extra)
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 
-FRAMEWORKS = ("ddp", "fsdp2", "fsdp2_noreshard", "ds0", "ds1", "ds2", "ds3",
-              "ds2_offload", "ds3_offload")
+FRAMEWORKS = ("ddp", "fsdp2", "fsdp2_noreshard", "ds0", "ds1", "ds2", "ds3", "ds3_p0",
+              "ds2_offload", "ds3_offload", "tiertrain0", "tiertrain1", "tiertrain2", "tiertrain3")
 
 
 def run_framework(name: str, model_factory: Callable[[], nn.Module], optim: OptimConfig,
                   batch: BatchArg, *, block_modules=lambda m: m.blocks, **kw) -> RunResult:
-    """Dispatch by short name (see FRAMEWORKS)."""
+    """Dispatch by short name (see FRAMEWORKS).
+
+    ``ds3_p0`` is ZeRO-3 with ``stage3_param_persistence_threshold=0`` (every
+    parameter partitioned, like tiertrain's default); ``tiertrainN`` is
+    :func:`run_tiertrain` at stage N.
+    """
     if name == "ddp":
         return run_ddp(model_factory, optim, batch, **kw)
     if name == "fsdp2":
@@ -373,6 +485,13 @@ def run_framework(name: str, model_factory: Callable[[], nn.Module], optim: Opti
         return r
     if name in ("ds0", "ds1", "ds2", "ds3"):
         return run_deepspeed(int(name[2]), model_factory, optim, batch, **kw)
+    if name == "ds3_p0":
+        zo = {"stage3_param_persistence_threshold": 0, **(kw.pop("zero_overrides", None) or {})}
+        r = run_deepspeed(3, model_factory, optim, batch, zero_overrides=zo, **kw)
+        r.name = "deepspeed_z3_p0"
+        return r
+    if name in ("tiertrain0", "tiertrain1", "tiertrain2", "tiertrain3"):
+        return run_tiertrain(int(name[-1]), model_factory, optim, batch, **kw)
     if name in ("ds2_offload", "ds3_offload"):
         return run_deepspeed(int(name[2]), model_factory, optim, batch, offload_optimizer=True, **kw)
     raise ValueError(f"unknown framework {name!r}: expected one of {FRAMEWORKS}")

@@ -1,14 +1,25 @@
 #!/usr/bin/env python
-"""Side-by-side baseline timings: DDP vs FSDP2 vs DeepSpeed ZeRO-1/2/3 on CPU/gloo.
+"""Side-by-side timings: tiertrain ZeRO 0-3 vs DDP vs FSDP2 vs DeepSpeed ZeRO-1/2/3 on CPU/gloo.
 
 Each framework runs in its own fresh set of ``--world`` processes (so peak RSS
 is per framework), on the same model (same seed), same per-rank batches and the
-same AdamW hyper-parameters.  Prints a table and writes it (markdown) to
+same AdamW hyper-parameters (torch AdamW, ``--adam-impl``, weight decay on
+>= 2-D parameters only, no clipping, constant LR).  Prints a table, the loss
+cross-check against the first framework (DDP), and -- when tiertrain and the
+baselines ran together -- the ratios of issue 3's benchmark; writes markdown to
 ``--out`` plus raw per-rank JSON next to it.
 
-    python bench/run_baselines.py                                   # small GPT, 2 ranks, 5 steps
+    python bench/run_baselines.py --frameworks all                  # issue 3: tiertrain 0-3 + DDP/FSDP2/DS 1-3 (small GPT)
+    python bench/run_baselines.py --frameworks all --preset bench --warmup 2 --steps 4
+    python bench/run_baselines.py                                   # baselines only, small GPT, 2 ranks, 5 steps
     python bench/run_baselines.py --preset bench --steps 10 --frameworks ddp fsdp2 ds1 ds2 ds3
     python bench/run_baselines.py --frameworks ds2_offload ds3_offload   # ZeRO-Offload (DeepSpeedCPUAdam)
+
+``--frameworks all`` = ddp fsdp2 ds1 ds2 ds3 ds3_p0 tiertrain0 tiertrain1
+tiertrain2 tiertrain3 (``ds3_p0``: ZeRO-3 with
+``stage3_param_persistence_threshold=0``).  ``--rounds R`` runs the whole list
+R times round-robin (fresh processes each time) and pools the timed steps, so
+slow drifts of background load hit every framework alike.
 
 Model: ``tiertrain.models.gpt.GPT(GPTConfig.preset(--preset))`` when importable,
 else the test-only fallback in ``bench/_toy_gpt.py`` (reported in the output).
@@ -25,6 +36,7 @@ import os
 import platform
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,6 +54,12 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 DEFAULT_FRAMEWORKS = ["ddp", "fsdp2", "ds1", "ds2", "ds3"]
+ALL_FRAMEWORKS = ["ddp", "fsdp2", "ds1", "ds2", "ds3", "ds3_p0",
+                  "tiertrain0", "tiertrain1", "tiertrain2", "tiertrain3"]
+# (numerator, denominator, target) of issue 3's benchmark; None = informative only.
+RATIOS = [("tiertrain3", "fsdp2", 0.9), ("tiertrain3", "ds3", 0.9), ("tiertrain3", "ds3_p0", None),
+          ("tiertrain0", "ddp", 1.05), ("tiertrain1", "ddp", 1.05), ("tiertrain2", "ddp", 1.05),
+          ("tiertrain1", "ds1", None), ("tiertrain2", "ds2", None)]
 
 
 def free_port() -> int:
@@ -118,12 +136,14 @@ def worker(rank, world, port, fw, args, result_path):
     seq = args.seq_len or cfg.seq_len
     batches = Batches(rank, args.batch_size, seq, cfg.vocab_size, args.warmup + args.steps)
     optim = OptimConfig(lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
-                        weight_decay=args.weight_decay, impl=args.adam_impl)
+                        weight_decay=args.weight_decay, impl=args.adam_impl, decay=args.decay)
     out = {"rank": rank, "ok": False}
     try:
         extra = {}
         if fw.startswith("ds") and args.ds_zero_overrides != "{}":
             extra["zero_overrides"] = json.loads(args.ds_zero_overrides)
+        if fw.startswith("tiertrain") and args.tt_zero_overrides != "{}":
+            extra["zero_overrides"] = json.loads(args.tt_zero_overrides)
         res = run_framework(fw, factory, optim, batches, steps=args.steps, warmup=args.warmup,
                             seed=args.seed, barrier=args.barrier, **extra)
         out.update(ok=True, result=res.to_dict(), model=factory.source(), seq_len=seq)
@@ -179,6 +199,32 @@ def machine_description() -> str:
                       f"load average at start: {sh('cat /proc/loadavg')}"])
 
 
+def loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
+
+
+def pool_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """Per-rank results of several rounds of one framework as one set of ranks: timed steps
+    pooled, peak memory the max, losses/setup from the first round."""
+    bad = next((r for r in rounds if not all(x.get("ok") for x in r)), None)
+    if bad is not None or len(rounds) == 1:
+        return bad if bad is not None else rounds[0]
+    pooled = json.loads(json.dumps(rounds[0]))
+    for rank, x in enumerate(pooled):
+        res = x["result"]
+        others = [r[rank]["result"] for r in rounds]
+        res["step_times_s"] = [t for o in others for t in o["step_times_s"]]
+        res["median_step_s"] = statistics.median(res["step_times_s"])
+        for k in ("peak_rss_mib", "peak_over_start_mib", "rss_delta_mib"):
+            res[k] = max(o[k] for o in others)
+        res["round_medians_s"] = [o["median_step_s"] for o in others]
+    return pooled
+
+
 def summarize(fw, ranks) -> dict:
     if not all(r.get("ok") for r in ranks):
         errs = [r.get("error", "?") for r in ranks if not r.get("ok")]
@@ -189,44 +235,110 @@ def summarize(fw, ranks) -> dict:
         "framework": fw, "ok": True, "model": ranks[0]["model"], "n_params": res[0]["n_params"],
         "median_step_ms": med * 1e3,
         "min_step_ms": max(min(r["step_times_s"]) for r in res) * 1e3,
+        "timed_steps": len(res[0]["step_times_s"]),
         "setup_s": max(r["setup_s"] for r in res),
         "peak_rss_mib": max(r["peak_rss_mib"] for r in res),
         "peak_over_start_mib": max(r["peak_over_start_mib"] for r in res),
         "rss_delta_mib": max(r["rss_delta_mib"] for r in res),
         "loss_first": res[0]["losses"][0], "loss_last": res[0]["losses"][-1],
+        "losses_per_rank": [r["losses"] for r in res],
         "optimizer": res[0]["extra"].get("optimizer") or "torch AdamW",
+        "memory_report_mib": res[0]["extra"].get("memory_report_mib"),
+        "comm_mib_per_step": res[0]["extra"].get("comm_mib_per_step"),
     }
 
 
-def render(rows, args, machine, cmd) -> str:
+def check_losses(rows) -> str | None:
+    """Max |loss - reference loss| over every rank and step, per row; reference = first ok row."""
+    ok = [r for r in rows if r.get("ok")]
+    if not ok:
+        return None
+    ref = ok[0]
+    for r in ok:
+        diffs = [abs(a - b) for la, lb in zip(r["losses_per_rank"], ref["losses_per_rank"])
+                 for a, b in zip(la, lb)]
+        r["max_abs_loss_diff"] = max(diffs) if diffs else float("nan")
+    return ref["framework"]
+
+
+def ratio_rows(rows) -> list[dict]:
+    by = {r["framework"]: r for r in rows if r.get("ok")}
+    out = []
+    for num, den, target in RATIOS:
+        if num in by and den in by:
+            t = by[num]["median_step_ms"] / by[den]["median_step_ms"]
+            m = by[num]["peak_over_start_mib"] / max(by[den]["peak_over_start_mib"], 1e-9)
+            out.append({"ratio": f"{num} / {den}", "time": t, "mem": m, "target": target,
+                        "pass": None if target is None else t <= target})
+    return out
+
+
+def render(rows, args, machine, cmd, load_after="?") -> str:
     model = next((r["model"] for r in rows if r.get("ok")), "?")
     n_params = next((r["n_params"] for r in rows if r.get("ok")), 0)
-    lines = ["# Baselines: DDP / FSDP2 / DeepSpeed ZeRO on CPU (gloo)", "",
+    ref = check_losses(rows)
+    has_tt = any(r["framework"].startswith("tiertrain") for r in rows)
+    title = ("# ZeRO benchmark: tiertrain stages 0-3 vs DDP / FSDP2 / DeepSpeed ZeRO on CPU (gloo)" if has_tt
+             else "# Baselines: DDP / FSDP2 / DeepSpeed ZeRO on CPU (gloo)")
+    lines = [title, "",
              f"Command: `{cmd}`", "", f"Date: {datetime.datetime.now().isoformat(timespec='seconds')}", "",
-             "```", machine, "```", "",
+             "```", machine, f"load average at end: {load_after}", "```", "",
              f"Model: {model}, preset `{args.preset}` ({n_params / 1e6:.2f}M params), fp32; "
              f"world={args.world}, {args.threads} torch thread(s)/rank, micro-batch {args.batch_size} x "
              f"seq {rows[0].get('seq_len', '') or 'preset'} per rank; AdamW lr={args.lr} betas=({args.beta1},{args.beta2}) "
-             f"eps={args.eps} wd={args.weight_decay} impl={args.adam_impl}; {args.warmup} warmup + {args.steps} timed steps; "
-             "step = forward+backward+optimizer step; value = slowest rank's median. "
+             f"eps={args.eps} wd={args.weight_decay} on {'>= 2-D params only' if args.decay == 'matrices' else 'all params'}, "
+             f"torch kernel impl={args.adam_impl} (tiertrain optimizer.impl mapped to the same kernel), no grad clipping, "
+             f"constant LR; {args.warmup} warmup + {args.steps} timed steps"
+             f"{f' x {args.rounds} rounds (round-robin, timed steps pooled)' if args.rounds > 1 else ''}; "
+             "step = forward+backward+optimizer step (+zero_grad); value = slowest rank's median. "
              "Peak RSS = ru_maxrss (max over ranks, whole process incl. imports); "
-             "peak-start = peak minus RSS before model build; delta = RSS after last step minus before build.", "",
-             "| framework | median step (ms) | min step (ms) | setup (s) | peak RSS (MiB) | peak-start (MiB) | RSS delta (MiB) | loss first -> last | optimizer |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "peak-start = peak minus RSS before model build (the model state + activations the run added); "
+             "delta = RSS after last step minus before build. "
+             f"Loss check: max |loss - {ref}'s loss| over both ranks and every step (warmup included). "
+             "DeepSpeed ZeRO-3 at its defaults keeps params < 1e5 elements unpartitioned; "
+             "ds3_p0 sets stage3_param_persistence_threshold=0 (tiertrain's default persistence_threshold is 0)."
+             + (f" tiertrain zero overrides: `{args.tt_zero_overrides}`." if args.tt_zero_overrides != "{}" else ""),
+             "",
+             "| framework | median step (ms) | min step (ms) | setup (s) | peak RSS (MiB) | peak-start (MiB) | RSS delta (MiB) | loss first -> last | max abs loss diff | load1 at start | optimizer |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r["ok"]:
-            lines.append(f"| {r['framework']} | FAILED: {r['error'][:200]} | | | | | | | |")
+            lines.append(f"| {r['framework']} | FAILED: {r['error'][:200]} | | | | | | | | | |")
             continue
         lines.append(f"| {r['framework']} | {r['median_step_ms']:.1f} | {r['min_step_ms']:.1f} | {r['setup_s']:.2f} | "
                      f"{r['peak_rss_mib']:.0f} | {r['peak_over_start_mib']:.0f} | {r['rss_delta_mib']:.0f} | "
-                     f"{r['loss_first']:.4f} -> {r['loss_last']:.4f} | {r['optimizer']} |")
+                     f"{r['loss_first']:.4f} -> {r['loss_last']:.4f} | {r.get('max_abs_loss_diff', float('nan')):.1e} | "
+                     f"{r.get('load_at_start', '?')} | {r['optimizer']} |")
+    ratios = ratio_rows(rows)
+    if ratios:
+        lines += ["", "## Ratios (same run)", "",
+                  "time = median step ratio; memory = peak-start ratio (lower is better for both).", "",
+                  "| ratio | time | target | | memory (peak-start) |", "|---|---|---|---|---|"]
+        for q in ratios:
+            verdict = "" if q["pass"] is None else ("PASS" if q["pass"] else "FAIL")
+            target = "" if q["target"] is None else f"<= {q['target']}"
+            lines.append(f"| {q['ratio']} | {q['time']:.3f} | {target} | {verdict} | {q['mem']:.3f} |")
+    tt = [r for r in rows if r.get("ok") and r.get("memory_report_mib")]
+    if tt:
+        lines += ["", "## tiertrain engine accounting (rank 0)", "",
+                  "`engine.memory_report()` after the last step (MiB) and the comm counter (logical MiB per step).", "",
+                  "| framework | params | gathered | grads | optimizer (master+moments) | comm MiB/step |",
+                  "|---|---|---|---|---|---|"]
+        for r in tt:
+            m = r["memory_report_mib"]
+            comm = ", ".join(f"{k} {v:.1f}" for k, v in sorted((r.get("comm_mib_per_step") or {}).items()))
+            lines.append(f"| {r['framework']} | {m['params']:.1f} | {m['gathered_params']:.1f} | {m['grads']:.1f} | "
+                         f"{m['optimizer']:.1f} | {comm} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--frameworks", nargs="+", default=DEFAULT_FRAMEWORKS,
-                   help="ddp fsdp2 fsdp2_noreshard ds0 ds1 ds2 ds3 ds2_offload ds3_offload")
+                   help="all | ddp fsdp2 fsdp2_noreshard ds0 ds1 ds2 ds3 ds3_p0 ds2_offload ds3_offload "
+                        "tiertrain0 tiertrain1 tiertrain2 tiertrain3 ('all' = " + " ".join(ALL_FRAMEWORKS) + ")")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the framework list this many times round-robin and pool the timed steps")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--preset", default="small", choices=["tiny", "small", "bench"])
@@ -243,42 +355,70 @@ def main(argv=None):
     p.add_argument("--beta2", type=float, default=0.95)
     p.add_argument("--eps", type=float, default=1e-8)
     p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--adam-impl", default="default", choices=["default", "foreach", "fused", "forloop"])
+    p.add_argument("--adam-impl", default="fused", choices=["default", "foreach", "fused", "forloop"],
+                   help="torch AdamW kernel for every framework (tiertrain's optimizer.impl is mapped to it)")
+    p.add_argument("--decay", default="matrices", choices=["matrices", "all"],
+                   help="weight decay on >= 2-D params only (tiertrain's rule; default) or on all params")
     p.add_argument("--ds-zero-overrides", default="{}",
                    help='JSON merged into DeepSpeed zero_optimization, e.g. '
                         '\'{"stage3_param_persistence_threshold": 0}\' (default keeps DS defaults: '
                         'params < 1e5 elements stay unpartitioned under ZeRO-3)')
+    p.add_argument("--tt-zero-overrides", default="{}",
+                   help='JSON merged into tiertrain\'s zero config, e.g. \'{"prefetch_mb": 0}\'')
     p.add_argument("--timeout", type=float, default=300, help="process-group timeout (s)")
     p.add_argument("--run-timeout", type=float, default=900, help="kill one framework's ranks after (s)")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "baselines.md"))
+    p.add_argument("--out", default=None,
+                   help="markdown output (+ .json next to it); default results/zero.md when tiertrain "
+                        "runs, else results/baselines.md")
     args = p.parse_args(argv)
+    fws = []
+    for fw in args.frameworks:
+        for f in (ALL_FRAMEWORKS if fw == "all" else [fw]):
+            if f not in fws:
+                fws.append(f)
+    args.frameworks = fws
+    if args.out is None:
+        args.out = os.path.join(HERE, "results", "zero.md" if any(f.startswith("tiertrain") for f in fws)
+                                else "baselines.md")
     cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
     machine = machine_description()
     print(machine, flush=True)
+    rounds: dict[str, list[list[dict]]] = {fw: [] for fw in args.frameworks}
+    load_at: dict[str, list[str]] = {fw: [] for fw in args.frameworks}
+    for rnd in range(args.rounds):
+        for fw in args.frameworks:
+            t0 = time.perf_counter()
+            load_at[fw].append(loadavg().split()[0])
+            ranks = launch(fw, args)
+            rounds[fw].append(ranks)
+            row = summarize(fw, ranks)
+            tag = f"[round {rnd + 1}/{args.rounds}] " if args.rounds > 1 else ""
+            if row["ok"]:
+                print(f"{tag}{fw:16s} median {row['median_step_ms']:8.1f} ms  peak RSS {row['peak_rss_mib']:7.0f} MiB  "
+                      f"loss {row['loss_first']:.4f} -> {row['loss_last']:.4f}  ({time.perf_counter() - t0:.0f}s wall, "
+                      f"load {loadavg()})", flush=True)
+            else:
+                print(f"{tag}{fw:16s} FAILED: {row['error'][:500]}", flush=True)
+                tb = next((r.get("tb") for r in ranks if r.get("tb")), None)
+                if tb:
+                    print(tb, flush=True)
     rows, raw = [], {}
     for fw in args.frameworks:
-        t0 = time.perf_counter()
-        ranks = launch(fw, args)
-        raw[fw] = ranks
+        ranks = pool_rounds(rounds[fw])
+        raw[fw] = ranks if args.rounds == 1 else {"pooled": ranks, "rounds": rounds[fw]}
         row = summarize(fw, ranks)
+        row["load_at_start"] = "/".join(load_at[fw])
         if ranks and ranks[0].get("seq_len"):
             row["seq_len"] = ranks[0]["seq_len"]
         rows.append(row)
-        if row["ok"]:
-            print(f"{fw:16s} median {row['median_step_ms']:8.1f} ms  peak RSS {row['peak_rss_mib']:7.0f} MiB  "
-                  f"loss {row['loss_first']:.4f} -> {row['loss_last']:.4f}  ({time.perf_counter() - t0:.0f}s wall)",
-                  flush=True)
-        else:
-            print(f"{fw:16s} FAILED: {row['error'][:500]}", flush=True)
-            tb = next((r.get("tb") for r in ranks if r.get("tb")), None)
-            if tb:
-                print(tb, flush=True)
-    md = render(rows, args, machine, cmd)
+    load_after = open("/proc/loadavg").read().strip()
+    md = render(rows, args, machine, cmd, load_after)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(md)
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-        json.dump({"args": vars(args), "rows": rows, "raw": raw}, f, indent=1, default=str)
+        json.dump({"args": vars(args), "command": cmd, "machine": machine, "load_after": load_after,
+                   "rows": rows, "ratios": ratio_rows(rows), "raw": raw}, f, indent=1, default=str)
     print()
     print(md)
     print(f"written to {args.out}")

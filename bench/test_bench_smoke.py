@@ -34,10 +34,11 @@ def test_gloo_collectives_runs(tmp_path):
 
 @pytest.mark.timeout(900)
 def test_baselines_agree(tmp_path):
-    """DDP, FSDP2 and (if installed) DeepSpeed ZeRO-1/2/3 run and follow the same loss curve."""
+    """DDP, FSDP2, tiertrain 0-3 and (if installed) DeepSpeed ZeRO-1/2/3 run and follow the same loss curve."""
     import run_baselines
 
-    fws = ["ddp", "fsdp2"] + (["ds1", "ds2", "ds3"] if HAVE_DS else [])
+    fws = ["ddp", "fsdp2"] + (["ds1", "ds2", "ds3"] if HAVE_DS else []) + \
+        ["tiertrain0", "tiertrain1", "tiertrain2", "tiertrain3"]
     out = tmp_path / "bl.md"
     rc = run_baselines.main(["--preset", "tiny", "--batch-size", "2", "--seq-len", "32",
                              "--steps", "2", "--warmup", "1", "--run-timeout", "400",
@@ -52,3 +53,7 @@ def test_baselines_agree(tmp_path):
         assert losses == pytest.approx(ref, rel=1e-4, abs=1e-4), fw
         assert rows[fw]["median_step_ms"] > 0
         assert rows[fw]["peak_rss_mib"] > 0
+        assert rows[fw]["max_abs_loss_diff"] <= 1e-4, fw
+    ratios = {q["ratio"]: q for q in data["ratios"]}
+    assert "tiertrain3 / fsdp2" in ratios and "tiertrain2 / ddp" in ratios
+    assert "## Ratios (same run)" in out.read_text()

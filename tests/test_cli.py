@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from tiertrain import cli, launch
-from tiertrain.config import ConfigError, to_dict
+from tiertrain.config import to_dict
 from tiertrain.train import TrainConfig
 
 TINY = ["--steps", "6", "--model.n_layers", "1", "--model.hidden", "32", "--model.n_heads", "2",

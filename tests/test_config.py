@@ -52,6 +52,9 @@ def test_yaml_toml_and_overrides(tmp_path):
     (tmp_path / "a.toml").write_text("[zero]\nstage = 1\n[precision]\ndtype = 'bf16'\n")
     cfg = load(Config, str(tmp_path / "a.yaml"), ["--zero.stage", "3", "--precision.dtype=bf16"])
     assert cfg.zero.stage == 3 and cfg.precision.dtype == "bf16" and cfg.optimizer.betas == (0.8, 0.9)
+    assert load(Config, None, ["--optimizer.lr", "1e-3"]).optimizer.lr == 1e-3  # YAML 1.1 reads this as a string
+    with pytest.raises(ConfigError, match=r"optimizer\.lr='fast' is invalid: expected a number"):
+        load(Config, None, ["--optimizer.lr", "fast"])
     cfg = load(Config, str(tmp_path / "a.toml"))
     assert cfg.zero.stage == 1 and cfg.precision.dtype == "bf16"
     with pytest.raises(ConfigError, match=r"config file .*b\.json.*unknown extension"):

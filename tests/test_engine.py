@@ -65,7 +65,7 @@ def test_fp32_matches_single_process_reference(stage, world):
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_bf16_tracks_fp32_reference(stage, world):
     """bf16 compute with fp32 masters: within bf16 rounding (2^-8 ≈ 4e-3) of the fp32 run."""
     results = run_distributed(_run_variants, world, stage, "bf16", VARIANTS, timeout=80)[0]
@@ -92,16 +92,17 @@ def test_default_eps_tracks_reference():
     assert max_rel_diff(params, ref_params) <= 1e-4
 
 
-def _fp16_run(rank, world):
-    cfg = _config(2, 1, 1.0, "fp16")
+def _fp16_run(rank, world, stage):
+    cfg = _config(stage, 1, 1.0, "fp16")
     cfg.precision.loss_scale.initial_scale = 2.0**12
     losses, _, engine = engine_train(rank, world, make_model(), cfg, global_batches(8, MICRO * world))
     return losses, engine.skipped_steps
 
 
 @pytest.mark.timeout(60)
-def test_fp16_with_loss_scaling_tracks_fp32():
-    losses, skipped = run_distributed(_fp16_run, 2, timeout=50)[0]
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_fp16_with_loss_scaling_tracks_fp32(stage):
+    losses, skipped = run_distributed(_fp16_run, 2, stage, timeout=50)[0]
     ref_losses, _ = reference_train(make_model(), _config(2, 1, 1.0), global_batches(8, MICRO * 2))
     assert skipped == 0
     assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) <= 2e-2

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from .fileio import atomic_write
+
 if TYPE_CHECKING:
     from .engine import Engine
 
@@ -51,20 +53,6 @@ def _sha256(path: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _atomic_write(path: str, write) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def _gather_objects(obj: Any, group) -> list[Any]:
@@ -120,7 +108,7 @@ def save(engine: "Engine", directory: str, extra: dict | None = None, keep_last:
     error = digest = None
     try:  # every rank reports success or its error, so no rank waits on a failed one
         os.makedirs(step_dir, exist_ok=True)
-        _atomic_write(path, lambda f: torch.save(state, f))
+        atomic_write(path, lambda f: torch.save(state, f))
         digest = _sha256(path)
     except OSError as e:
         error = f"rank {rank}: writing {path!r} failed: {e.strerror or e}"
@@ -131,7 +119,7 @@ def save(engine: "Engine", directory: str, extra: dict | None = None, keep_last:
     if rank == 0:
         marker = {"step": engine.steps, "world_size": world, "layout": _fingerprint(engine),
                   "sha256": [d for d, _ in digests]}
-        _atomic_write(os.path.join(step_dir, MARKER), lambda f: f.write(json.dumps(marker, indent=1).encode()))
+        atomic_write(os.path.join(step_dir, MARKER), lambda f: f.write(json.dumps(marker, indent=1).encode()))
         if keep_last:
             for old in committed_steps(directory)[:-keep_last]:
                 shutil.rmtree(os.path.join(directory, f"step_{old:08d}"), ignore_errors=True)

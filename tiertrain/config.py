@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -304,6 +305,9 @@ def _describe(tp: Any) -> str:
     )
 
 
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _coerce(path: str, tp: Any, value: Any) -> Any:
     """Check value against the annotation tp, converting where it is lossless."""
     origin = get_origin(tp)
@@ -344,6 +348,8 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 reads "1e-3" (no dot) as a string
         _fail(path, value, "a number")
     if tp is str:
         if isinstance(value, str):

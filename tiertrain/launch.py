@@ -30,6 +30,7 @@ rather than the rank that raised.
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -53,13 +54,18 @@ class WorkerFailure(RuntimeError):
     died without reporting), ``message`` (one line) and ``details`` (its traceback)."""
 
     def __init__(self, rank: int, exc_type: str | None, message: str, details: str):
-        super().__init__(f"rank {rank} failed: {message}")
+        kind = f"{exc_type}: " if exc_type else ""
+        super().__init__(f"rank {rank} failed: {kind}{message}" + (f"\n{details}" if details else ""))
         self.rank = rank
         self.exc_type = exc_type
         self.message = message
         self.details = details
         self.others: list[str] = []
         """One line per other rank that failed too (usually as a consequence)."""
+
+
+class WorkersTimedOut(RuntimeError):
+    """The ranks had not all finished when launch_local's deadline expired (a hang)."""
 
 
 def under_torchrun() -> bool:
@@ -164,11 +170,13 @@ def _worker(fn, rank: int, world_size: int, host: str, port_conn, timeout: float
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=td)
         dist.init_process_group(default_backend(), store=store, rank=rank, world_size=world_size, timeout=td)
         value = fn(*args, **kwargs)
+        payload = io.BytesIO()  # by value: shared-memory tensor handles die with this process
+        torch.save(value, payload)
     except BaseException as e:  # everything, KeyboardInterrupt and SystemExit included
         _report_failure(results, rank, e)
     try:
         dist.destroy_process_group()
-        results.put((rank, True, value))
+        results.put((rank, True, payload.getvalue()))
         results.close()
         results.join_thread()
     except BaseException as e:
@@ -222,17 +230,22 @@ def _stop(procs: list) -> None:
 
 
 def launch_local(fn: Callable[..., Any], nproc: int, *args, timeout: float = DEFAULT_TIMEOUT_S,
-                 **kwargs) -> list[Any]:
+                 deadline: float | None = None, start_method: str | None = None, **kwargs) -> list[Any]:
     """Run fn(*args, **kwargs) as ranks 0..nproc-1 of a fresh process group on this
     machine; returns the ranks' results in rank order, or raises WorkerFailure (the first
-    rank to fail; the others are stopped). fn's results must be picklable."""
+    rank to fail; the others are stopped). fn's results must be picklable.
+
+    deadline: seconds after which unfinished ranks are killed and WorkersTimedOut raised.
+    start_method: "fork" (default on CPU) or "forkserver" (default with CUDA; needed too
+    when this process has already run torch ops, whose thread pools do not survive fork).
+    """
     if nproc < 1:
         raise ValueError(f"nproc={nproc} is invalid: expected >= 1")
     # Every rank imports torch._dynamo when it builds an optimizer (≈3 s of CPU): import it
     # once here, so that forked ranks share it instead of each importing it again.
     import torch._dynamo  # noqa: F401
 
-    method = "forkserver" if _cuda_devices() else "fork"
+    method = start_method or ("forkserver" if _cuda_devices() else "fork")
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "tiertrain"])
@@ -261,8 +274,13 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args, timeout: float = DEF
     values: dict[int, Any] = {}
     reports: dict[int, tuple[float, str, str, str]] = {}
     first_failure = None
+    give_up = None if deadline is None else time.monotonic() + deadline
     try:
         while len(values) < nproc:
+            if give_up is not None and time.monotonic() > give_up:
+                missing = sorted(set(range(nproc)) - set(values))
+                raise WorkersTimedOut(f"rank(s) {missing} did not finish within {deadline:.0f} s "
+                                      f"(a hang: mismatched collectives or a dead peer?)")
             try:
                 rank, ok, payload = results.get(timeout=0.1)
                 if ok:
@@ -292,4 +310,4 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args, timeout: float = DEF
     finally:
         _stop(procs)
         del store
-    return [values[r] for r in range(nproc)]
+    return [torch.load(io.BytesIO(values[r]), weights_only=False) for r in range(nproc)]

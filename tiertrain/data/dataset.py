@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from tiertrain.fileio import atomic_write
 
 from tiertrain.data.corpus import load_bundled_corpus
 from tiertrain.data.tokenizer import ByteTokenizer
@@ -47,17 +48,7 @@ def write_token_file(tokens: np.ndarray, path: str | os.PathLike) -> Path:
         )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(arr.astype(TOKEN_DTYPE, copy=False).tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda f: f.write(arr.astype(TOKEN_DTYPE, copy=False).tobytes()))
     return path
 
 

@@ -53,6 +53,7 @@ class FlatParameters:
         self.comm = comm
         self.dtype = dtype
         self.units: list[UnitBuffers] = []
+        self.peak_gathered_bytes = 0
         self.slot_of: dict[nn.Parameter, tuple[int, int]] = {}
         # With one shard (stage 0) every rank owns the whole unit.
         self.shard_rank = rank = comm.rank if layout.num_shards > 1 else 0
@@ -93,6 +94,7 @@ class FlatParameters:
             return
         u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
         u.gathered = True
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
         u.pending = self.comm.all_gather(u.full, u.shard, async_op=True)
         if not async_op:
             u.pending.wait()

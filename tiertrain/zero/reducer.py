@@ -50,6 +50,7 @@ class GradientReducer:
 
     def _reset_counts(self) -> None:
         self._missing = {u.unit.index: len(u.unit.slots) for u in self.flat.units}
+        self._arrived: dict[int, set[int]] = {u.unit.index: set() for u in self.flat.units}
         self._next = 0
 
     def begin(self, reduce_now: bool) -> None:
@@ -64,15 +65,24 @@ class GradientReducer:
             return u.grad_full
         bucket = self._buckets.get(index)
         if bucket is None:
-            bucket = self._buckets[index] = torch.zeros(u.unit.padded_numel, dtype=torch.float32,
+            # Each slot is written exactly once per backward (copied, not added), so only the
+            # padding needs zeros now; slots that never receive a gradient are zeroed at flush.
+            bucket = self._buckets[index] = torch.empty(u.unit.padded_numel, dtype=torch.float32,
                                                          device=self.flat.device)
+            bucket[u.unit.numel:].zero_()
         return bucket
 
     def _on_grad(self, p: nn.Parameter) -> None:
         index, k = self.flat.slot_of[p]
-        slot = self.flat.units[index].unit.slots[k]
-        self._bucket(index)[slot.offset:slot.end].add_(p.grad.reshape(-1))
+        unit = self.flat.units[index]
+        target = self._bucket(index)[unit.unit.slots[k].offset:unit.unit.slots[k].end]
+        grad = p.grad.reshape(-1)
+        if unit.grad_full is not None:
+            target.add_(grad)  # stages 0-1 accumulate micro-batches in the persistent buffer
+        else:
+            target.copy_(grad)
         p.grad = None
+        self._arrived[index].add(k)
         self._missing[index] -= 1
         if self._missing[index] == 0:
             if self.on_unit_done is not None:
@@ -91,6 +101,10 @@ class GradientReducer:
     def _launch(self, index: int) -> None:
         u = self.flat.units[index]
         bucket = self._bucket(index)
+        if u.grad_full is None and self._missing[index]:
+            for k, slot in enumerate(u.unit.slots):
+                if k not in self._arrived[index]:
+                    bucket[slot.offset:slot.end].zero_()
         dp = self.comm.size
         if self.before_collective is not None:
             self.before_collective(index)

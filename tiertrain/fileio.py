@@ -1,0 +1,24 @@
+"""Durable file writes: a file is either absent, the old version, or complete."""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import BinaryIO, Callable
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
+    """Write through write(f) to a temporary file beside path, fsync it, then rename it over
+    path; on any failure the temporary file is removed and path is untouched."""
+    path = os.fspath(path)
+    directory = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
