@@ -198,12 +198,15 @@ class ZeroConfig:
         _check_positive(f"{path}.max_live_mb", self.max_live_mb, allow_zero=True)
         _check_positive(f"{path}.persistence_threshold", self.persistence_threshold, allow_zero=True)
         for name in ("offload_optimizer", "offload_params"):
-            value = getattr(self, name)
-            if value != "none":
-                raise ConfigError(
-                    f"{path}.{name}={value!r} is not yet supported by this version "
-                    f"(the offload engine is tracked separately); valid now: 'none'"
-                )
+            if getattr(self, name) == "nvme":
+                raise ConfigError(f"{path}.{name}='nvme' is not yet supported by this version "
+                                  f"(the NVMe tier is tracked separately); valid now: 'none', 'cpu'")
+        if self.offload_optimizer != "none" and self.stage < 2:
+            raise ConfigError(f"{path}.offload_optimizer={self.offload_optimizer!r} needs {path}.stage 2 or 3 "
+                              f"(ZeRO-Offload builds on stage 2), got stage={self.stage}")
+        if self.offload_params != "none" and self.stage != 3:
+            raise ConfigError(f"{path}.offload_params={self.offload_params!r} needs {path}.stage=3 "
+                              f"(only stage 3 partitions parameters), got stage={self.stage}")
 
 
 @dataclass

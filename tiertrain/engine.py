@@ -22,8 +22,8 @@ from .config import Config, ConfigError
 from .optim import build_adamw, build_schedule, clip_coefficient, decays
 from .precision import DynamicLossScaler, compute_dtype
 from .topology import Topology
-from .zero.construct import full_shape, gather_partitioned, is_partitioned
-from .zero.flat import FlatParameters
+from .zero.construct import forget_partition, full_shape, gather_partitioned, is_partitioned
+from .zero.flat import FlatParameters, Placement
 from .zero.layout import FlatLayout, bucket_layout, module_layout
 from .zero.reducer import GradientReducer
 from .zero.stage3 import REDUCE, STEP, ParameterFetcher
@@ -39,6 +39,8 @@ class MemoryReport:
     gathered_params: int
     grads: int
     optimizer: int
+    cpu_tier: int = 0
+    """How many of the bytes above live in the CPU tier (offloaded)."""
 
     @property
     def total(self) -> int:
@@ -102,13 +104,14 @@ class Engine:
             raise ValueError("the model has no trainable parameters")
         self._cast_buffers_and_frozen(model)
         self.layout = self._build_layout(model, named, unit_modules)
+        self.placement = Placement(self.device, offload_optimizer=config.zero.offload_optimizer == "cpu",
+                                   offload_params=config.zero.offload_params == "cpu")
         self.flat = FlatParameters(
             self.layout, dict(named), self.comm, self.dtype, keep_full_grads=stage <= 1,
             rebuild_param=lambda p: gather_partitioned(p, self.comm) if is_partitioned(p) else p.detach(),
-            device=self.device)
+            placement=self.placement)
         for _, p in named:
-            if is_partitioned(p):
-                delattr(p, "tiertrain_full_shape")
+            forget_partition(p)  # the flat buffers own the shard now
 
         self.fetcher = None
         if stage == 3:
@@ -117,6 +120,8 @@ class Engine:
             self.fetcher = ParameterFetcher(
                 self.flat, self.comm, modules, prefetch_bytes=int(config.zero.prefetch_mb * 2**20),
                 max_live_bytes=int(config.zero.max_live_mb * 2**20))
+            # Backward completes blocks last-first, then the root (embeddings are used first
+            # in forward, so their gradients come last), then the persistent small parameters.
             partitioned = [u.index for u in self.layout.units if not u.resident]
             resident = [u.index for u in self.layout.units if u.resident]
             launch_order = partitioned[1:][::-1] + partitioned[:1] + resident
@@ -217,7 +222,7 @@ class Engine:
             self.skipped_steps += 1
             return False
         if self.config.optimizer.grad_clip > 0:
-            coefficient = clip_coefficient(norm, self.config.optimizer.grad_clip)
+            coefficient = clip_coefficient(norm, self.config.optimizer.grad_clip).to(self.placement.optimizer)
             for g in grads:
                 g.mul_(coefficient)
         self.optimizer.step()
@@ -229,7 +234,7 @@ class Engine:
         return True
 
     def _global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        squares = torch.stack([g.pow(2).sum() for g in grads]).sum()
+        squares = torch.stack([g.pow(2).sum() for g in grads]).sum().to(self.device)
         if self.stage > 0:
             self.comm.all_reduce(squares, count=False)
         return squares.sqrt()
@@ -262,7 +267,9 @@ class Engine:
         flat = self.flat.memory()
         moments = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
                       for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-        return MemoryReport(flat["params"], flat["gathered_params"], flat["grads"], flat["master"] + moments)
+        host_moments = moments if self.placement.offload_optimizer else 0
+        return MemoryReport(flat["params"], flat["gathered_params"], flat["grads"], flat["master"] + moments,
+                            cpu_tier=flat["cpu_tier"] + host_moments)
 
     @contextlib.contextmanager
     def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None, modifier_rank: int | None = None):

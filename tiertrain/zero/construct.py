@@ -35,6 +35,12 @@ def is_partitioned(p: torch.Tensor) -> bool:
     return hasattr(p, FULL_SHAPE)
 
 
+def forget_partition(p: torch.Tensor) -> None:
+    """Drop the partitioned_init mark once the engine's flat buffers hold the shard."""
+    if is_partitioned(p):
+        delattr(p, FULL_SHAPE)
+
+
 class partitioned_init:
     """Context manager: parameters created inside keep only this rank's shard."""
 

@@ -12,6 +12,12 @@ For each unit this rank keeps:
              when the compute dtype is fp32, so no second copy exists).
 * ``grad``   the fp32 gradient of the shard. Stages 0-1 also keep ``grad_full``, the whole
              unit's gradient, of which ``grad`` is a view; stages 2-3 keep only the shard.
+
+A :class:`Placement` says on which tier each lives (ZeRO-Offload §4; ZeRO-Infinity §5):
+with the optimizer offloaded, ``master`` and ``grad`` live in CPU memory and the update
+runs there ("g offload", "p update", "p swap"); with parameters offloaded (stage 3),
+``shard`` lives in CPU memory and is copied to the device before each all-gather. On a
+machine without an accelerator both tiers are host memory, and the same copies run.
 """
 from __future__ import annotations
 
@@ -22,6 +28,32 @@ import torch.nn as nn
 
 from ..comm import Collectives, Work
 from .layout import FlatLayout, Unit
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Devices of each kind of state and whether it counts as offloaded to the CPU tier."""
+
+    compute: torch.device = torch.device("cpu")
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+    @property
+    def host(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def optimizer(self) -> torch.device:
+        return self.host if self.offload_optimizer else self.compute
+
+    @property
+    def param_shards(self) -> torch.device:
+        return self.host if self.offload_params else self.compute
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Host tensors are pinned when an accelerator will copy from them."""
+        t = torch.empty(numel, dtype=dtype, device=device)
+        return t.pin_memory() if device.type == "cpu" and self.compute.type == "cuda" else t
 
 
 @dataclass
@@ -46,9 +78,10 @@ class FlatParameters:
 
     def __init__(self, layout: FlatLayout, params: dict[str, nn.Parameter], comm: Collectives,
                  dtype: torch.dtype, keep_full_grads: bool, rebuild_param=None,
-                 device: torch.device = torch.device("cpu")):
+                 placement: Placement = Placement()):
         self.layout = layout
-        self.device = device
+        self.placement = placement
+        self.device = device = placement.compute
         self.params = params
         self.comm = comm
         self.dtype = dtype
@@ -68,13 +101,20 @@ class FlatParameters:
             if unit.resident:
                 shard = full[lo:hi]
             else:
-                shard = full[lo:hi].clone()
-            master = shard if dtype == torch.float32 else shard.float()
+                shard = placement.empty(unit.shard_numel, dtype, placement.param_shards)
+                shard.copy_(full[lo:hi])
+            # The master is the shard itself when both are fp32 on the same tier.
+            if dtype == torch.float32 and placement.offload_optimizer == (placement.offload_params and not unit.resident):
+                master = shard
+            else:
+                master = placement.empty(unit.shard_numel, torch.float32, placement.optimizer)
+                master.copy_(shard)
             if keep_full_grads:
                 grad_full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
                 grad = grad_full[lo:hi]
             else:
-                grad_full, grad = None, torch.zeros(unit.shard_numel, dtype=torch.float32, device=device)
+                grad_full = None
+                grad = placement.empty(unit.shard_numel, torch.float32, placement.optimizer).zero_()
             buffers = UnitBuffers(unit, full, shard, master, grad, grad_full)
             for slot in unit.slots:
                 params[slot.name].data = full[slot.offset:slot.end].view(slot.shape)
@@ -95,7 +135,11 @@ class FlatParameters:
         u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
         u.gathered = True
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
-        u.pending = self.comm.all_gather(u.full, u.shard, async_op=True)
+        shard = u.shard
+        if self.placement.offload_params:  # the CPU→device copy of ZeRO-Infinity's fetch
+            shard = torch.empty(shard.numel(), dtype=shard.dtype, device=self.device)
+            shard.copy_(u.shard, non_blocking=True)
+        u.pending = self.comm.all_gather(u.full, shard, async_op=True)
         if not async_op:
             u.pending.wait()
             u.pending = None
@@ -135,14 +179,21 @@ class FlatParameters:
     # -- accounting --------------------------------------------------------------------
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds now, by kind of state (optimizer moments are counted by the engine)."""
-        params = grads = master = 0
+        """Bytes this rank holds now, by kind of state, and how many of them sit in the CPU
+        tier (optimizer moments are counted by the engine)."""
+        params = grads = master = host = 0
+        p = self.placement
         for u in self.units:
             if u.unit.resident:
                 params += u.full.numel() * u.full.element_size()
             else:
                 params += u.shard.numel() * u.shard.element_size()
+                host += u.shard.numel() * u.shard.element_size() if p.offload_params else 0
             if u.master is not u.shard:
                 master += u.master.numel() * 4
-            grads += (u.grad_full if u.grad_full is not None else u.grad).numel() * 4
-        return {"params": params, "gathered_params": self.gathered_bytes(), "grads": grads, "master": master}
+                host += u.master.numel() * 4 if p.offload_optimizer else 0
+            grad = u.grad_full if u.grad_full is not None else u.grad
+            grads += grad.numel() * 4
+            host += grad.numel() * 4 if p.offload_optimizer else 0
+        return {"params": params, "gathered_params": self.gathered_bytes(), "grads": grads,
+                "master": master, "cpu_tier": host}

@@ -118,7 +118,8 @@ class GradientReducer:
             else:
                 # The closure keeps the bucket alive until its collective has completed.
                 self._buckets.pop(index, None)
-                work.then(lambda: (u.grad.add_(reduced.div_(dp)), bucket))
+                # "g offload": with the optimizer on the CPU tier, u.grad is host memory.
+                work.then(lambda: (u.grad.add_(reduced.div_(dp).to(u.grad.device, non_blocking=True)), bucket))
         self._in_flight.append(work)
         while len(self._in_flight) > self.max_in_flight and self.stage >= 2:
             self._in_flight.popleft().wait()
