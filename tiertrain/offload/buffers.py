@@ -82,6 +82,14 @@ class Buffer:
             return memoryview(bytearray(0))
         return memoryview((ctypes.c_char * n).from_address(self.address)).cast("B")
 
+    def slice(self, offset: int, nbytes: int) -> "Buffer":
+        """A view of ``nbytes`` logical bytes starting ``offset`` bytes in (capacity: the rest of
+        this buffer). It shares this buffer's memory and releases nothing itself; aligned IO
+        needs ``offset`` to be a multiple of the alignment."""
+        if not (0 <= offset <= self.capacity and 0 <= nbytes <= self.capacity - offset):
+            raise ValueError(f"slice [{offset}, {offset + nbytes}) outside capacity {self.capacity}")
+        return Buffer(None, 0, 0, self._storage[offset:], nbytes)
+
     def resized(self, nbytes: int) -> "Buffer":
         """Set the logical size (≤ capacity) in place and return self."""
         if not 0 <= nbytes <= self.capacity:

@@ -1,0 +1,47 @@
+"""Model parallelism: Megatron tensor and sequence parallelism (pipeline parallelism to come).
+
+* :mod:`tiertrain.parallel.tensor` — the f/g communication operators, column/row-parallel
+  linears, vocab-parallel embedding and cross-entropy, gradient sync and norm helpers.
+* :mod:`tiertrain.parallel.tp_plan` — plan-driven conversion of a model
+  (:func:`parallelize_module`) and :func:`apply_tensor_parallel` for the reference GPT.
+"""
+from .tensor import (
+    ColumnParallelLinear,
+    CopyToTensorParallel,
+    GatherFromSequenceParallel,
+    GatherFromTensorParallel,
+    ReduceFromTensorParallel,
+    ReduceScatterToSequenceParallel,
+    RowParallelLinear,
+    ScatterToSequenceParallel,
+    ScatterToTensorParallel,
+    VocabParallelCrossEntropy,
+    VocabParallelEmbedding,
+    gather_tensor_parallel,
+    tensor_parallel_grad_norm,
+    tensor_parallel_grad_sync,
+    vocab_parallel_cross_entropy,
+)
+from .tp_plan import GPT_PLAN, TensorParallelGPT, apply_tensor_parallel, parallelize_module
+
+__all__ = [
+    "ColumnParallelLinear",
+    "CopyToTensorParallel",
+    "GatherFromSequenceParallel",
+    "GatherFromTensorParallel",
+    "ReduceFromTensorParallel",
+    "ReduceScatterToSequenceParallel",
+    "RowParallelLinear",
+    "ScatterToSequenceParallel",
+    "ScatterToTensorParallel",
+    "VocabParallelCrossEntropy",
+    "VocabParallelEmbedding",
+    "gather_tensor_parallel",
+    "tensor_parallel_grad_norm",
+    "tensor_parallel_grad_sync",
+    "vocab_parallel_cross_entropy",
+    "GPT_PLAN",
+    "TensorParallelGPT",
+    "apply_tensor_parallel",
+    "parallelize_module",
+]

@@ -1,0 +1,258 @@
+"""Run a pipeline schedule on the ``pp`` axis of a topology.
+
+:class:`PipelineExecutor` interprets this rank's lowered schedule
+(:func:`~tiertrain.pipeline.schedule.lower`): compute actions call the stage modules,
+communication actions post ``isend``/``irecv`` (:mod:`tiertrain.pipeline.p2p`).
+
+* **No deadlock by construction.** Sends are posted and not waited on until later, so a
+  rank only ever blocks on a *receive*, and only for data its peer produces by running its
+  own list in order; the schedule is simulated first (:func:`~.schedule.timeline`), which
+  raises :class:`~.schedule.ScheduleDeadlock` for a schedule whose in-order execution
+  cannot finish. Every wait has a timeout anyway (``timeout``), so a failure costs seconds.
+  The next receive in the list is posted one compute action ahead, so its data arrives
+  while the rank computes.
+* **Memory.** A stage's output activation is released as soon as it is handed to
+  ``isend``: its ``.data`` is replaced by a 1-element tensor (Megatron's
+  ``deallocate_output_tensor``); the send keeps the buffer alive until it completes, and the
+  backward runs from the output's ``grad_fn`` (which does not need the output's values)
+  through the autograd engine directly. What backward needs is kept by autograd as usual.
+* **Loss and gradients.** The last stage's loss of each micro-batch is scaled by ``1/m``
+  before its backward, so the stage parameters' ``.grad`` accumulate the gradient of the
+  mean loss over the ``m`` micro-batches, exactly as a non-pipelined run with gradient
+  accumulation. :meth:`PipelineExecutor.run` returns that mean loss on every pipeline rank.
+
+A stage module is called as ``stage(x, batch)`` (see :mod:`tiertrain.pipeline.stage`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd.variable import Variable
+
+from .p2p import PendingTransfer, PipeComm, transfer_tag
+from .schedule import Action, ActionKind, Schedule, lower, one_f_one_b, stage_rank, timeline
+from .stage import tied_weight_grad_sync
+
+__all__ = ["PipelineExecutor", "release_output", "backward_from"]
+
+K = ActionKind
+
+
+def release_output(t: torch.Tensor) -> None:
+    """Free an output activation's storage while keeping its ``grad_fn`` (Megatron's
+    ``deallocate_output_tensor``); only valid for a tensor autograd does not save by identity
+    (outputs of view ops are left alone)."""
+    if t._base is None:
+        t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
+
+
+def backward_from(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """``output.backward(grad)`` for an output whose storage was released: calls the autograd
+    engine directly, which checks ``grad`` against the shape recorded in the graph instead of
+    the (released) tensor's shape. Megatron's ``custom_backward``."""
+    Variable._execution_engine.run_backward(
+        (output,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
+class PipelineExecutor:
+    """Runs one pipeline step (forward + backward of ``m`` micro-batches) per :meth:`run`.
+
+    ``stages``: this rank's stage modules in local-chunk order, i.e. global stages
+    ``r, r+p, …`` for pipeline rank ``r`` (:func:`~.stage.stages_for_rank`); their number is
+    ``v``. ``schedule``: a function ``(p, m, v) -> Schedule`` (:func:`~.schedule.gpipe`,
+    :func:`~.schedule.one_f_one_b`, :func:`~.schedule.interleaved_one_f_one_b`) called with
+    ``m = len(batches)``, or a fixed :class:`~.schedule.Schedule`. ``activation_shape``: the
+    shape of the tensor sent between stages for one micro-batch (GPT: ``(micro_batch, seq,
+    hidden)``), or a function ``batch -> shape``; the gradient sent back has the same shape.
+    ``tied``: run :func:`~.stage.tied_weight_grad_sync` after the backward (default: when a
+    stage says ``stage.tied``). ``timeout``: seconds any single transfer may wait.
+    ``check``: simulate the schedule first and refuse one that deadlocks.
+    """
+
+    def __init__(self, stages: Sequence[torch.nn.Module], topology,
+                 schedule: Callable[..., Schedule] | Schedule = one_f_one_b,
+                 activation_shape: tuple[int, ...] | Callable[[dict], tuple[int, ...]] | None = None,
+                 dtype: torch.dtype = torch.float32, *, tied: bool | None = None,
+                 timeout: float = 300.0, check: bool = True):
+        self.stages = list(stages)
+        if not self.stages:
+            raise ValueError("PipelineExecutor: stages is empty: this rank must run at least one stage")
+        self.topology = topology
+        self.p = topology.size("pp")
+        self.rank = topology.coord("pp")
+        self.v = len(self.stages)
+        self.num_stages = self.p * self.v
+        self.stage_ids = [self.rank + k * self.p for k in range(self.v)]
+        self.module_of = dict(zip(self.stage_ids, self.stages))
+        self.schedule_fn = schedule
+        if self.num_stages > 1 and activation_shape is None:
+            raise ValueError("PipelineExecutor: activation_shape is required with more than one stage "
+                             "(GPT: (micro_batch, seq_len, hidden))")
+        self.activation_shape = activation_shape
+        self.dtype = dtype
+        self.tied = any(getattr(s, "tied", False) for s in self.stages) if tied is None else tied
+        self.check = check
+        self.comm = PipeComm(topology, timeout)
+        self.device = next((p.device for s in self.stages for p in s.parameters()), topology.device)
+        self._schedules: dict[int, Schedule] = {}
+        self.stats: dict[str, float] = {}
+        """After :meth:`run`: ``max_in_flight`` (most (micro-batch, chunk) activations held),
+        ``wall_s``, ``busy_s`` (time in forward/backward compute), ``recv_wait_s``, ``bytes_sent``."""
+        self.profile: list[tuple[Action, float, float]] = []
+        """After :meth:`run`: each compute action with its start and end (``time.perf_counter``)."""
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule_for(self, m: int) -> Schedule:
+        """The (checked) schedule for ``m`` micro-batches."""
+        if m not in self._schedules:
+            fn = self.schedule_fn
+            sched = fn if isinstance(fn, Schedule) else fn(self.p, m, self.v)
+            if (sched.p, sched.m, sched.v) != (self.p, m, self.v):
+                raise ValueError(f"PipelineExecutor: schedule {sched.name!r} is for p={sched.p}, m={sched.m}, "
+                                 f"v={sched.v} but this pipeline has p={self.p}, m={m}, v={self.v}")
+            if self.check:
+                timeline(sched)  # validates; raises ScheduleDeadlock
+            self._schedules[m] = sched
+        return self._schedules[m]
+
+    # ------------------------------------------------------------------ one step
+
+    def run(self, batches: list[dict]) -> float:
+        """Forward and backward of every micro-batch in ``batches`` (one dict per micro-batch,
+        the same list on every pipeline rank); gradients accumulate into the stage parameters'
+        ``.grad``. Returns the mean loss over the micro-batches, on every pipeline rank.
+
+        With tied weights, ``run`` ends with the tied-gradient exchange, which sums whole
+        ``.grad`` tensors: zero the gradients between steps (accumulating several ``run``
+        calls would count earlier contributions twice; pass ``tied=False`` and call
+        :func:`~.stage.tied_weight_grad_sync` once yourself instead)."""
+        m = len(batches)
+        if m < 1:
+            raise ValueError("PipelineExecutor.run: batches is empty: need at least one micro-batch")
+        actions = lower(self.schedule_for(m), self.rank)
+        self._batches, self._m = batches, m
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._grads: dict[tuple[int, int], torch.Tensor] = {}
+        self._recvs: dict[Action, PendingTransfer] = {}
+        self._sends: list[PendingTransfer] = []
+        self._losses: list[torch.Tensor] = []
+        self.profile = []
+        peak = 0
+        busy = recv_wait = 0.0
+        bytes0 = self.comm.bytes_sent
+        t_start = time.perf_counter()
+        for idx, a in enumerate(actions):
+            if a.kind.is_compute:
+                self._prefetch(actions, idx)
+                t0 = time.perf_counter()
+                (self._forward if a.kind is K.FORWARD else self._backward)(a)
+                t1 = time.perf_counter()
+                busy += t1 - t0
+                self.profile.append((a, t0, t1))
+                peak = max(peak, len(self._outputs))
+            elif a.kind in (K.RECV_ACT, K.RECV_GRAD):
+                t0 = time.perf_counter()
+                self._receive(a)
+                recv_wait += time.perf_counter() - t0
+            else:
+                self._send(a)
+            self._sends = [s for s in self._sends if not s.is_completed()]
+        for s in self._sends:
+            s.wait()
+        self._sends = []
+        if self._outputs or self._inputs or self._grads or self._recvs:
+            raise RuntimeError("PipelineExecutor: the schedule left work behind: "
+                               f"outputs {sorted(self._outputs)}, inputs {sorted(self._inputs)}")
+        if self.tied:
+            tied_weight_grad_sync(self.stages, self.topology, self.comm.timeout)
+        loss = self._mean_loss()
+        self.stats = dict(max_in_flight=peak, wall_s=time.perf_counter() - t_start, busy_s=busy,
+                          recv_wait_s=recv_wait, bytes_sent=self.comm.bytes_sent - bytes0)
+        self._batches = None
+        return loss
+
+    # ------------------------------------------------------------------ actions
+
+    def _shape(self, mb: int) -> tuple[int, ...]:
+        s = self.activation_shape
+        return tuple(s(self._batches[mb]) if callable(s) else s)
+
+    def _transfer(self, a: Action) -> tuple[int, int, str]:
+        """(peer pipeline rank, tag, description) of a communication action."""
+        i, s = a.microbatch, a.chunk
+        if a.kind in (K.RECV_ACT, K.SEND_GRAD):  # across the boundary below stage s
+            boundary, peer = s - 1, stage_rank(s - 1, self.p)
+        else:  # SEND_ACT, RECV_GRAD: across the boundary above stage s
+            boundary, peer = s, stage_rank(s + 1, self.p)
+        grad = a.kind in (K.SEND_GRAD, K.RECV_GRAD)
+        what = f"{'gradient' if grad else 'activation'} of micro-batch {i} between stages {boundary} and {boundary + 1}"
+        return peer, transfer_tag(i, boundary, grad, self.num_stages), what
+
+    def _post_recv(self, a: Action) -> None:
+        if a not in self._recvs:
+            peer, tag, what = self._transfer(a)
+            self._recvs[a] = self.comm.irecv(self._shape(a.microbatch), self.dtype, self.device, peer, tag, what)
+
+    def _prefetch(self, actions: list[Action], idx: int) -> None:
+        """Post the next receive after this compute action, so it lands during the compute.
+        (Local same-rank receives only read their mailbox when waited on.)"""
+        for b in actions[idx + 1:]:
+            if b.kind in (K.RECV_ACT, K.RECV_GRAD):
+                self._post_recv(b)
+                return
+
+    def _receive(self, a: Action) -> None:
+        self._post_recv(a)
+        t = self._recvs.pop(a).wait()
+        key = (a.microbatch, a.chunk)
+        if a.kind is K.RECV_ACT:
+            self._inputs[key] = t.detach().requires_grad_(True)
+        else:
+            self._grads[key] = t
+
+    def _send(self, a: Action) -> None:
+        key = (a.microbatch, a.chunk)
+        peer, tag, what = self._transfer(a)
+        if a.kind is K.SEND_ACT:
+            out = self._outputs[key]
+            self._sends.append(self.comm.isend(out, peer, tag, what))
+            release_output(out)  # the send holds the buffer until it completes
+        else:
+            x = self._inputs.pop(key)
+            g = x.grad if x.grad is not None else torch.zeros_like(x)
+            self._sends.append(self.comm.isend(g, peer, tag, what))
+
+    def _forward(self, a: Action) -> None:
+        key = (a.microbatch, a.chunk)
+        x = self._inputs.get(key) if a.chunk > 0 else None
+        out = self.module_of[a.chunk](x, self._batches[a.microbatch])
+        if a.chunk == self.num_stages - 1:
+            self._losses.append(out.detach())
+            out = out / self._m
+        self._outputs[key] = out
+
+    def _backward(self, a: Action) -> None:
+        key = (a.microbatch, a.chunk)
+        out = self._outputs.pop(key)
+        if a.chunk == self.num_stages - 1:
+            torch.autograd.backward(out)
+        else:
+            backward_from(out, self._grads.pop(key))
+        if a.chunk == 0:
+            self._inputs.pop(key, None)
+
+    def _mean_loss(self) -> float:
+        holder = stage_rank(self.num_stages - 1, self.p)
+        if self._losses:
+            loss = torch.stack([l.double() for l in self._losses]).sum() / self._m
+        else:
+            loss = torch.zeros((), dtype=torch.float64)
+        if self.p > 1:
+            loss = loss.reshape(1).to(self.device)
+            dist.broadcast(loss, src=self.comm.ranks[holder], group=self.comm.group)
+        return float(loss.reshape(()).cpu())
