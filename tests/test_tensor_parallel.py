@@ -44,7 +44,7 @@ from tiertrain.parallel import (
     vocab_parallel_cross_entropy,
 )
 from tiertrain.parallel.tensor import gather_tensor
-from tiertrain.testing import RankFailure, run_distributed
+from tiertrain.testing import run_distributed
 from tiertrain.topology import Topology
 
 LAYER = dict(rtol=1e-6, atol=1e-6)
@@ -237,8 +237,9 @@ def _batch(seed=3, batch=2, seq=16, n_ignored=5):
     return b
 
 
-def _gpt_one_step(rank, world, variants):
-    topology = Topology.build(ParallelConfig(tp=world))
+def _gpt_one_step(rank, world, variants, tp=None):
+    tp = tp or world
+    topology = Topology.build(ParallelConfig(tp=tp))
     out = []
     for sp, tied, bias in variants:
         what = f"GPT sp={sp} tied={tied} bias={bias}"
@@ -276,7 +277,7 @@ def _gpt_one_step(rank, world, variants):
         for n, p in model.named_parameters():
             if not getattr(p, "tp_sharded", False):
                 mine = p.grad.detach().clone()
-                theirs = [torch.empty_like(mine) for _ in range(world)]
+                theirs = [torch.empty_like(mine) for _ in range(tp)]
                 dist.all_gather(theirs, mine, group=topology.group("tp"))
                 assert all(torch.equal(t, mine) for t in theirs), f"{what}: {n} grad differs across tp ranks"
         out.append(err)
@@ -293,8 +294,10 @@ def test_gpt_loss_and_gradients_match_tp1():
 
 
 @pytest.mark.timeout(30)
-def test_gpt_tp4_sequence_parallel_matches_tp1():
-    run_distributed(_gpt_one_step, 4, [(True, True, True)], timeout=25)
+@pytest.mark.parametrize("tp", [4, 2])
+def test_gpt_on_four_ranks_matches_tp1(tp):
+    """tp=4, and tp=2 × dp=2 (the tp group is then a sub-group of the world)."""
+    run_distributed(_gpt_one_step, 4, [(True, True, True), (False, False, True)], tp, timeout=25)
 
 
 def _train(model, batches, opt_name, topology=None):
@@ -385,3 +388,34 @@ def _indivisible(rank, world):
 @pytest.mark.timeout(30)
 def test_indivisible_shapes_are_refused():
     assert run_distributed(_indivisible, 4, timeout=25) == [True] * 4
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.up, self.down, self.out = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.out(self.down(F.gelu(self.up(self.norm(x)))))
+
+
+def test_plan_for_another_model():
+    """A plan for any module tree: styles by glob, a callable style, params marked for the engine."""
+    torch.manual_seed(0)
+    ref = _Tiny()
+    seen = []
+
+    def custom(module, group, sequence_parallel):
+        seen.append((type(module).__name__, group, sequence_parallel))
+        return copy.deepcopy(module)
+
+    plan = {"norm": "sequence", "up": "colwise", "dow?": "rowwise", "out": custom}
+    model = parallelize_module(copy.deepcopy(ref), None, plan, sequence_parallel=True)
+    assert isinstance(model.up, ColumnParallelLinear) and isinstance(model.down, RowParallelLinear)
+    assert seen == [("Linear", None, True)]
+    assert model.up.weight.tp_sharded and model.up.weight.tp_shard_dim == 0
+    assert model.down.weight.tp_sharded and model.down.weight.tp_shard_dim == 1
+    assert model.norm.weight.tp_partial_grad and model.down.bias.tp_partial_grad
+    assert not getattr(model.out.weight, "tp_sharded", False)
+    x = _rand(0, 2, 4, 8)
+    assert torch.equal(model(x), ref(x))

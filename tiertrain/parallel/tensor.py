@@ -51,7 +51,14 @@ follow Megatron's CPU initialisation (``_initialize_affine_weight_cpu``): every 
 *full* master weight from the global RNG and keeps its slice, so ranks seeded alike agree with
 a tp=1 model that draws the same tensor. Both briefly hold one full weight per layer; a
 memory-frugal construction (drawing only the local slice from a forked RNG stream, or
-constructing on the meta device and loading shards) is left for later.
+constructing on the meta device and loading shards) is left for later. With an explicit
+``init_method`` (called on the full weight) biases start at zero, as in Megatron; without one
+the layers draw exactly what ``nn.Linear`` / ``nn.Embedding`` would.
+
+Memory note: under sequence parallelism autograd keeps the all-gathered input of each
+column-parallel linear for its weight gradient; Megatron instead keeps the local chunk and
+all-gathers again in backward. That optimisation (and overlapping the all-gather with the
+input-gradient matmul) is not done here.
 """
 from __future__ import annotations
 
