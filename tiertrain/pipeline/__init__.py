@@ -13,12 +13,14 @@ from .p2p import P2PTimeout, PipeComm
 from .schedule import (Action, ActionKind, Schedule, ScheduleDeadlock, Timeline, bubble_fraction,
                        gpipe, ideal_bubble, interleaved_one_f_one_b, local_chunk, lower, max_in_flight,
                        one_f_one_b, render, stage_rank, timeline, validate)
-from .stage import GPTStage, split_gpt, stage_boundaries, stages_for_rank, tied_weight_grad_sync
+from .stage import (GPTStage, norm_parameters, pipeline_grad_norm, split_gpt, stage_boundaries, stages_for_rank,
+                    tied_weight_grad_sync)
 
 __all__ = [
     "Action", "ActionKind", "GPTStage", "P2PTimeout", "PipeComm", "PipelineExecutor", "Schedule",
     "ScheduleDeadlock", "Timeline", "backward_from", "bubble_fraction", "gpipe", "ideal_bubble",
-    "interleaved_one_f_one_b", "local_chunk", "lower", "max_in_flight", "one_f_one_b",
+    "interleaved_one_f_one_b", "local_chunk", "lower", "max_in_flight", "norm_parameters", "one_f_one_b",
+    "pipeline_grad_norm",
     "release_output", "render", "split_gpt", "stage_boundaries", "stage_rank", "stages_for_rank",
     "tied_weight_grad_sync", "timeline", "validate",
 ]

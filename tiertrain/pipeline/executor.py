@@ -41,12 +41,15 @@ __all__ = ["PipelineExecutor", "release_output", "backward_from"]
 K = ActionKind
 
 
-def release_output(t: torch.Tensor) -> None:
+def release_output(t: torch.Tensor) -> int:
     """Free an output activation's storage while keeping its ``grad_fn`` (Megatron's
     ``deallocate_output_tensor``); only valid for a tensor autograd does not save by identity
-    (outputs of view ops are left alone)."""
-    if t._base is None:
-        t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
+    (outputs of view ops are left alone). Returns the bytes released from ``t``."""
+    if t._base is not None or t.numel() <= 1:
+        return 0
+    nbytes = t.numel() * t.element_size()
+    t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
+    return nbytes
 
 
 def backward_from(output: torch.Tensor, grad: torch.Tensor) -> None:
@@ -70,13 +73,18 @@ class PipelineExecutor:
     ``tied``: run :func:`~.stage.tied_weight_grad_sync` after the backward (default: when a
     stage says ``stage.tied``). ``timeout``: seconds any single transfer may wait.
     ``check``: simulate the schedule first and refuse one that deadlocks.
+    ``grads_ready``: called as ``grads_ready(stage)`` once a local stage's gradients for the
+    step are final: right after its last backward, or for a stage holding a tied weight after
+    the tied-gradient exchange. An engine can start the data-parallel reduction (ZeRO-2
+    reduce-scatter) of that stage's gradients there, overlapping the remaining pipeline work.
     """
 
     def __init__(self, stages: Sequence[torch.nn.Module], topology,
                  schedule: Callable[..., Schedule] | Schedule = one_f_one_b,
                  activation_shape: tuple[int, ...] | Callable[[dict], tuple[int, ...]] | None = None,
                  dtype: torch.dtype = torch.float32, *, tied: bool | None = None,
-                 timeout: float = 300.0, check: bool = True):
+                 timeout: float = 300.0, check: bool = True,
+                 grads_ready: Callable[[torch.nn.Module], None] | None = None):
         self.stages = list(stages)
         if not self.stages:
             raise ValueError("PipelineExecutor: stages is empty: this rank must run at least one stage")
@@ -95,12 +103,14 @@ class PipelineExecutor:
         self.dtype = dtype
         self.tied = any(getattr(s, "tied", False) for s in self.stages) if tied is None else tied
         self.check = check
+        self.grads_ready = grads_ready
         self.comm = PipeComm(topology, timeout)
         self.device = next((p.device for s in self.stages for p in s.parameters()), topology.device)
         self._schedules: dict[int, Schedule] = {}
         self.stats: dict[str, float] = {}
         """After :meth:`run`: ``max_in_flight`` (most (micro-batch, chunk) activations held),
-        ``wall_s``, ``busy_s`` (time in forward/backward compute), ``recv_wait_s``, ``bytes_sent``."""
+        ``wall_s``, ``busy_s`` (time in forward/backward compute), ``recv_wait_s``, ``bytes_sent``,
+        ``released_bytes`` (output activations freed right after being handed to isend)."""
         self.profile: list[tuple[Action, float, float]] = []
         """After :meth:`run`: each compute action with its start and end (``time.perf_counter``)."""
 
@@ -145,6 +155,8 @@ class PipelineExecutor:
         peak = 0
         busy = recv_wait = 0.0
         bytes0 = self.comm.bytes_sent
+        self._released = 0
+        self._backwards_left = {sid: m for sid in self.stage_ids}
         t_start = time.perf_counter()
         for idx, a in enumerate(actions):
             if a.kind.is_compute:
@@ -161,7 +173,7 @@ class PipelineExecutor:
                 recv_wait += time.perf_counter() - t0
             else:
                 self._send(a)
-            self._sends = [s for s in self._sends if not s.is_completed()]
+            self._reap_sends()
         for s in self._sends:
             s.wait()
         self._sends = []
@@ -170,13 +182,28 @@ class PipelineExecutor:
                                f"outputs {sorted(self._outputs)}, inputs {sorted(self._inputs)}")
         if self.tied:
             tied_weight_grad_sync(self.stages, self.topology, self.comm.timeout)
+            if self.grads_ready is not None:
+                for st in self.stages:
+                    if getattr(st, "tied", False):
+                        self.grads_ready(st)
         loss = self._mean_loss()
         self.stats = dict(max_in_flight=peak, wall_s=time.perf_counter() - t_start, busy_s=busy,
-                          recv_wait_s=recv_wait, bytes_sent=self.comm.bytes_sent - bytes0)
+                          recv_wait_s=recv_wait, bytes_sent=self.comm.bytes_sent - bytes0,
+                          released_bytes=self._released)
         self._batches = None
         return loss
 
     # ------------------------------------------------------------------ actions
+
+    def _reap_sends(self) -> None:
+        """Wait on (instantly) and drop the sends that have completed, releasing their buffers."""
+        pending = []
+        for s in self._sends:
+            if s.is_completed():
+                s.wait()
+            else:
+                pending.append(s)
+        self._sends = pending
 
     def _shape(self, mb: int) -> tuple[int, ...]:
         s = self.activation_shape
@@ -221,7 +248,7 @@ class PipelineExecutor:
         if a.kind is K.SEND_ACT:
             out = self._outputs[key]
             self._sends.append(self.comm.isend(out, peer, tag, what))
-            release_output(out)  # the send holds the buffer until it completes
+            self._released += release_output(out)  # the send holds the buffer until it completes
         else:
             x = self._inputs.pop(key)
             g = x.grad if x.grad is not None else torch.zeros_like(x)
@@ -245,6 +272,11 @@ class PipelineExecutor:
             backward_from(out, self._grads.pop(key))
         if a.chunk == 0:
             self._inputs.pop(key, None)
+        self._backwards_left[a.chunk] -= 1
+        if self._backwards_left[a.chunk] == 0 and self.grads_ready is not None:
+            stage = self.module_of[a.chunk]
+            if not (self.tied and getattr(stage, "tied", False)):
+                self.grads_ready(stage)
 
     def _mean_loss(self) -> float:
         holder = stage_rank(self.num_stages - 1, self.p)

@@ -38,7 +38,7 @@ import torch.nn as nn
 from ..models.gpt import GPT
 
 __all__ = ["GPTStage", "split_gpt", "stage_boundaries", "stages_for_rank", "tied_weight_grad_sync",
-           "TIED_FIRST", "TIED_LAST"]
+           "pipeline_grad_norm", "norm_parameters", "TIED_FIRST", "TIED_LAST"]
 
 TIED_FIRST = "embed.weight"
 """Name of the tied weight on the first stage."""
@@ -69,10 +69,11 @@ class GPTStage(nn.Module):
         if last:
             self.norm = model.norm
             if tied_copy:
-                head = nn.Linear(model.config.hidden, model.config.vocab_size, bias=False,
-                                 device=model.embed.weight.device, dtype=model.embed.weight.dtype)
-                with torch.no_grad():
-                    head.weight.copy_(model.embed.weight)
+                # built on the meta device so that no random numbers are drawn (the global RNG
+                # stream stays that of the unsplit model), then given a copy of the embedding
+                head = nn.Linear(model.config.hidden, model.config.vocab_size, bias=False, device="meta")
+                head.weight = nn.Parameter(model.embed.weight.detach().clone(),
+                                           requires_grad=model.embed.weight.requires_grad)
                 self.head = head
             else:
                 self.head = model.head
@@ -233,6 +234,37 @@ def tied_weight_grad_sync(stages: list, topology, timeout: float = 300.0) -> Non
 
 
 _TIED_TAG = 0x7E1ED
+
+
+def norm_parameters(stages: list):
+    """This rank's (name, parameter) pairs that count towards the model's gradient norm: all
+    of them except the last stage's copy of a tied weight (its gradient, after
+    :func:`tied_weight_grad_sync`, duplicates the embedding's)."""
+    for st in stages:
+        for name, p in st.named_parameters():
+            if getattr(st, "tied", False) and st.is_last and not st.is_first and name == TIED_LAST:
+                continue
+            yield name, p
+
+
+def pipeline_grad_norm(stages: list, topology) -> float:
+    """The L2 norm of the whole model's gradient when this rank holds ``stages``: local sum of
+    squares over :func:`norm_parameters` (in fp64), summed over the ``pp`` group, square root.
+    Equals ``clip_grad_norm_``'s total norm on the unsplit model. With data parallelism the dp
+    replicas agree after the gradient all-reduce; with ZeRO partitions sum each rank's
+    partition over dp as well (and over tp for tensor-sharded parameters, counting replicated
+    ones once) before the square root."""
+    sq = torch.zeros((), dtype=torch.float64)
+    for _, p in norm_parameters(stages):
+        if p.grad is not None:
+            sq += p.grad.detach().double().pow(2).sum().cpu()
+    group = topology.group("pp")
+    if group is not None and topology.size("pp") > 1:
+        dev = next((p.device for st in stages for p in st.parameters()), torch.device("cpu"))
+        t = sq.reshape(1).to(dev)
+        dist.all_reduce(t, group=group)
+        sq = t.cpu().reshape(())
+    return float(sq.sqrt())
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
