@@ -70,13 +70,13 @@ def rank_slices(batch, rank: int, dp: int, micro: int, accum: int):
         yield {k: v[start:start + micro] for k, v in batch.items()}
 
 
-def engine_train(rank, world, model, config: Config, batches, partitioned=False, model_kwargs=None):
-    """Run the engine on this rank over the global batches; returns (mean losses across
-    ranks per step, full fp32 parameters, engine)."""
+def engine_train(rank, world, model, config: Config, batches, prepare=None):
+    """Run the engine on this rank over the global batches; returns (mean loss over the
+    data-parallel ranks per step, this rank's fp32 parameters, engine). prepare(model,
+    topology) may transform the model before wrapping (e.g. tensor parallelism)."""
     topology = tiertrain.Topology.build(config.parallel)
-    if partitioned:
-        with tiertrain.partitioned_init(topology):
-            model = make_model(**(model_kwargs or {}))
+    if prepare is not None:
+        model = prepare(model, topology)
     engine = tiertrain.wrap(model, config, topology)
     dp = topology.size("dp")
     losses = []
@@ -85,7 +85,7 @@ def engine_train(rank, world, model, config: Config, batches, partitioned=False,
                                               config.batch.micro_batch_size, config.batch.grad_accum_steps))
         t = torch.tensor([loss], dtype=torch.float64)
         if dist.is_initialized():
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=topology.group("dp"))
         losses.append(float(t) / dp)
     return losses, engine.full_state_dict(), engine
 

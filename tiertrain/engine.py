@@ -83,9 +83,9 @@ class Engine:
     def __init__(self, model: nn.Module, config: Config, topology: Topology,
                  loss_fn: LossFn | None = None, unit_modules: list[str] | None = None):
         config.validate()
-        if topology.size("tp") > 1 or topology.size("pp") > 1:
-            raise ConfigError(f"parallel.tp={topology.size('tp')}, parallel.pp={topology.size('pp')}: "
-                              f"tensor and pipeline parallelism are not yet supported by wrap(); valid: 1")
+        if topology.size("pp") > 1:
+            raise ConfigError(f"parallel.pp={topology.size('pp')}: pipeline parallelism is not yet composed "
+                              f"with wrap() (use tiertrain.pipeline directly); valid: 1")
         self.module = model
         self.config = config
         self.topology = topology
@@ -95,6 +95,9 @@ class Engine:
         self.stage = stage = config.zero.stage
         self.counter = CommCounter()
         self.comm = Collectives(topology.group("dp"), self.counter)
+        # Tensor parallelism (tiertrain.parallel.apply_tensor_parallel before wrap): each tp
+        # rank trains its own slice; ZeRO shards that slice over dp.
+        self.tp_comm = Collectives(topology.group("tp"))
         self.dp = self.comm.size
         self.accum = config.batch.grad_accum_steps
         self.global_batch_size = config.batch.resolve(self.dp)
@@ -168,11 +171,17 @@ class Engine:
         """One AdamW tensor per piece of parameter inside this rank's master shard: views, so
         the update is in place on the flat master, and weight decay follows the parameter."""
         decay, no_decay = [], []
+        self._sharded_grads, self._replicated_grads, self._partial_grads = [], [], []  # for tp > 1
         for u in self.flat.units:
             for slot, a, b in u.unit.shard_pieces(self.flat.shard_rank):
                 view = u.master[a:b]
                 view.grad = u.grad[a:b]
                 (decay if decays(slot.name, slot.shape) else no_decay).append(view)
+                param = self.flat.params[slot.name]
+                sharded = getattr(param, "tp_sharded", False)
+                (self._sharded_grads if sharded else self._replicated_grads).append(view.grad)
+                if getattr(param, "tp_partial_grad", False):
+                    self._partial_grads.append(view.grad)
         groups = [{"params": decay, "weight_decay": self.config.optimizer.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         return [g for g in groups if g["params"]] or [{"params": [self.flat.units[0].master[:0]]}]
@@ -210,6 +219,7 @@ class Engine:
         if self.fetcher is not None:
             self.fetcher.agree(STEP)
         self.reducer.wait()
+        self._sum_partial_grads_over_tp()
         grads = [u.grad for u in self.flat.units]
         if self.scaler.enabled:
             for g in grads:
@@ -233,10 +243,27 @@ class Engine:
         self.steps += 1
         return True
 
+    def _sum_partial_grads_over_tp(self) -> None:
+        """Sequence parallelism leaves replicated parameters (LayerNorms, row biases) with
+        partial gradients on each tp rank (Megatron-SP §4.2.2): sum them over tp. The
+        pieces sit at the same offsets on every tp rank, so one all-reduce covers them."""
+        if self.tp_comm.size == 1 or not self._partial_grads:
+            return
+        packed = torch.cat(self._partial_grads).to(self.device)
+        self.tp_comm.all_reduce(packed, count=False)
+        for g, part in zip(self._partial_grads, packed.split([g.numel() for g in self._partial_grads])):
+            g.copy_(part)
+
     def _global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        if self.tp_comm.size > 1:
+            # Replicated parameters count once across tp (on tp rank 0), as in Megatron.
+            counted = self._sharded_grads + (self._replicated_grads if self.topology.coord("tp") == 0 else [])
+            grads = counted or [torch.zeros(1, device=self.placement.optimizer)]
         squares = torch.stack([g.pow(2).sum() for g in grads]).sum().to(self.device)
         if self.stage > 0:
             self.comm.all_reduce(squares, count=False)
+        if self.tp_comm.size > 1:
+            self.tp_comm.all_reduce(squares, count=False)
         return squares.sqrt()
 
     def train_batch(self, batches: Iterator[Any]) -> float:
