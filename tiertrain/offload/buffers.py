@@ -36,9 +36,11 @@ class Buffer:
     """``nbytes`` logical bytes at an aligned address, inside ``capacity`` usable bytes.
 
     ``data`` is a uint8 tensor of the logical bytes; ``view(dtype, shape)`` reinterprets them
-    without copying; ``padded`` is the capacity-sized view used for aligned IO. A buffer is a
-    context manager that gives itself back to its pool on exit; ``release()`` does the same and
-    is idempotent.
+    without copying; ``padded`` is the capacity-sized view used for aligned IO: an O_DIRECT
+    transfer of ``nbytes`` moves ``round_up(nbytes, 4096)`` bytes, so it may write the bytes
+    between the logical end and the next page boundary (zeros on a write, the file's padding on
+    a read). A buffer is a context manager that gives itself back to its pool on exit;
+    ``release()`` does the same and is idempotent.
     """
 
     __slots__ = ("_pool", "_start_block", "_nblocks", "_storage", "nbytes", "capacity", "_released",
@@ -82,13 +84,14 @@ class Buffer:
             return memoryview(bytearray(0))
         return memoryview((ctypes.c_char * n).from_address(self.address)).cast("B")
 
-    def slice(self, offset: int, nbytes: int) -> "Buffer":
-        """A view of ``nbytes`` logical bytes starting ``offset`` bytes in (capacity: the rest of
-        this buffer). It shares this buffer's memory and releases nothing itself; aligned IO
-        needs ``offset`` to be a multiple of the alignment."""
+    def slice(self, offset: int, nbytes: int, alignment: int = 4096) -> "Buffer":
+        """A view of ``nbytes`` logical bytes starting ``offset`` bytes in, with capacity up to
+        the next ``alignment`` boundary (within this buffer). It shares this buffer's memory and
+        releases nothing itself; aligned IO needs ``offset`` to be a multiple of the alignment."""
         if not (0 <= offset <= self.capacity and 0 <= nbytes <= self.capacity - offset):
             raise ValueError(f"slice [{offset}, {offset + nbytes}) outside capacity {self.capacity}")
-        return Buffer(None, 0, 0, self._storage[offset:], nbytes)
+        cap = min(self.capacity - offset, round_up(nbytes, alignment))
+        return Buffer(None, 0, 0, self._storage[offset: offset + cap], nbytes)
 
     def resized(self, nbytes: int) -> "Buffer":
         """Set the logical size (≤ capacity) in place and return self."""

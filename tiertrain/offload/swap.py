@@ -21,6 +21,7 @@ same key waits for (or chains after) that write, a ``swap_out`` over a key waits
 """
 from __future__ import annotations
 
+import ctypes
 import errno as _errno
 import fcntl
 import os
@@ -34,8 +35,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .aio import (AsyncIO, Checksum, Handle, SwapCorruptionError, SwapDirError, SwapError,
-                  SwapSpaceError, errno_name)
+from .aio import (AsyncIO, Checksum, Handle, SwapCorruptionError, SwapDirError, SwapSpaceError,
+                  errno_name)
 from .buffers import AlignedBufferPool, Buffer, round_up
 
 __all__ = ["SwapHandle", "TensorSwapper"]
@@ -55,6 +56,7 @@ class SwapHandle:
         self._result = result
         self._lock = threading.Lock()
         self._count = 1                  # sealed with _seal() once every part is attached
+        self._finished = False
         self._error: Optional[BaseException] = None
         self._event = threading.Event()
         self._callbacks: List[Callable[["SwapHandle"], None]] = []
@@ -65,6 +67,8 @@ class SwapHandle:
 
         def done(h: Handle) -> None:
             err = h._error
+            if err is not None:
+                h.claim_error()              # reported through this SwapHandle
             try:
                 finish(h)
             except BaseException as e:  # noqa: BLE001
@@ -83,17 +87,20 @@ class SwapHandle:
             self._count -= 1
             if self._count:
                 return
-            self._event.set()
+            self._finished = True
             callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            try:
+        for fn in callbacks:               # before waiters wake: e.g. a prefetch chained on this
+            try:                           # write has started once wait()/flush() return
                 fn(self)
             except BaseException:  # noqa: BLE001
                 pass
+        self._event.set()
 
     def add_done_callback(self, fn: Callable[["SwapHandle"], None]) -> None:
+        """Run ``fn(handle)`` on completion, in the completing thread before ``wait`` returns
+        (``fn`` must not wait on this handle), or now if it is already complete."""
         with self._lock:
-            if not self._event.is_set():
+            if not self._finished:
                 self._callbacks.append(fn)
                 return
         fn(self)
@@ -121,12 +128,6 @@ class SwapHandle:
         return f"SwapHandle({self.op} {self.key!r} -> {self.path}, {state})"
 
 
-def _done_handle(op: str, key, path: str, result=None) -> SwapHandle:
-    h = SwapHandle(op, key, path, result)
-    h._seal()
-    return h
-
-
 @dataclass
 class _Record:
     path: str
@@ -151,6 +152,20 @@ def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     if flat.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=t.device)
     return flat.view(torch.uint8)
+
+
+def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy equal-length uint8 tensors. CPU to CPU is one memmove (single-threaded, GIL
+    released): torch's copy_ would open an OpenMP parallel region from the IO worker thread,
+    which on an oversubscribed machine waits on descheduled OpenMP threads (measured here at
+    ~10x slower than memmove under load)."""
+    n = src.numel()
+    if n == 0:
+        return
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
+    else:
+        dst.copy_(src)
 
 
 def _default_rank() -> int:
@@ -352,19 +367,30 @@ class TensorSwapper:
     # -- swap out -------------------------------------------------------------------------
     def swap_out(self, key, tensor) -> SwapHandle:
         """Write ``tensor`` (any dtype/size/device; or a pool Buffer, written without a copy)
-        under ``key``; returns at once with the write in flight."""
+        under ``key``; returns once its bytes are staged in pool buffers, with the writes in
+        flight (a tensor larger than ``piece_bytes`` waits for pool room piece by piece).
+        A Buffer is written as one request, so reading it back into a tensor needs pool room
+        for its whole size (or pass a Buffer to ``swap_in``)."""
         self._check_open()
         zero_copy = isinstance(tensor, Buffer)
         if zero_copy:
             nbytes, dtype, shape = tensor.nbytes, torch.uint8, (tensor.nbytes,)
             src = None
         else:
-            src = _tensor_bytes(tensor)
+            src = _tensor_bytes(tensor.contiguous())    # a strided view is copied once
             nbytes, dtype, shape = src.numel(), tensor.dtype, tuple(tensor.shape)
         with self._lock:
             old = self._records.get(key)
         if old is not None:                        # same key again: finish its IO first
             self._drain(old)
+        if old is not None and round_up(old.nbytes, 4096) > round_up(nbytes, 4096):
+            # Same key again, smaller: shrink the file. A swap file is overwritten in place,
+            # never truncated to 0 first: O_TRUNC frees every extent synchronously (measured
+            # ~80 ms for 256 MiB on ext4 here) and the writes would then allocate them again.
+            try:
+                os.truncate(old.path, round_up(nbytes, 4096))
+            except OSError:
+                pass
         with self._lock:
             path = old.path if old is not None else self._path_for(key)
             pieces = [(0, nbytes)] if zero_copy else self._pieces(nbytes)
@@ -381,13 +407,12 @@ class TensorSwapper:
                 else:
                     buf = self.pool.acquire(n, timeout=self.wait_timeout)
                     try:
-                        if n:
-                            buf.data.copy_(src[off: off + n])
+                        _copy_bytes(buf.data, src[off: off + n])
                     except BaseException:
                         buf.release()
                         raise
                 try:
-                    h = self.aio.submit_write(path, buf, off, truncate=(i == 0))
+                    h = self.aio.submit_write(path, buf, off)
                 except BaseException:
                     if not zero_copy:
                         buf.release()
@@ -415,7 +440,8 @@ class TensorSwapper:
         with self._lock:
             prefetched, rec.prefetch = rec.prefetch, {}
         for buf, h in prefetched.values():
-            h.exception(self.wait_timeout)   # TimeoutError: keep the buffer (IO may still land)
+            if h.exception(self.wait_timeout) is not None:  # TimeoutError: keep the buffer
+                h.claim_error()              # a prefetch nobody consumed: nothing to report
             self._release_prefetch(buf)
 
     # -- swap in --------------------------------------------------------------------------
@@ -469,7 +495,7 @@ class TensorSwapper:
                 handle._attach(h, self._read_finisher(dst, off, n, buf, False))
         except BaseException as e:
             for buf, h in prefetched.values():      # not handed to the handle: give back
-                h.add_done_callback(lambda h, b=buf: self._release_prefetch(b))
+                h.add_done_callback(lambda h, b=buf: (h.claim_error(), self._release_prefetch(b)))
             handle._seal(e)
             raise
         handle._seal()
@@ -484,8 +510,8 @@ class TensorSwapper:
                        prefetched: bool):
         def finish(h: Handle) -> None:
             try:
-                if h._error is None and dst is not None and n:
-                    dst[off: off + n].copy_(buf.data[:n])
+                if h._error is None and dst is not None:
+                    _copy_bytes(dst[off: off + n], buf.data[:n])
             finally:
                 if prefetched:
                     self._release_prefetch(buf)
