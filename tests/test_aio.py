@@ -14,31 +14,14 @@ from tiertrain.offload import (AlignedBufferPool, AsyncIO, PoolExhaustedError,
 from tiertrain.offload import aio as aio_mod
 
 T = 20  # seconds: every wait in these tests is bounded
-pytestmark = pytest.mark.timeout(120)   # a hang fails the test instead of the run
+pytestmark = [pytest.mark.timeout(120),  # a hang fails the test instead of the run
+              pytest.mark.usefixtures("one_torch_thread")]
 SIZES = [0, 1, 4095, 4096, 4097, (1 << 20) + 3, 20 << 20]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Test-data preparation only: on 2 oversubscribed cores, torch's 2-thread OpenMP regions
-    make small tensor ops ~10x slower than one thread (measured), which would dominate the
-    test time. The library's own copies do not use OpenMP (see swap._copy_bytes)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture
 def pool():
     return AlignedBufferPool(48 << 20, 1 << 20, pin=False, acquire_timeout=T)
-
-
-@pytest.fixture
-def aio():
-    io = AsyncIO(num_threads=4, block_bytes=1 << 20)
-    yield io
-    io.close(timeout=T)
 
 
 def _fill(buf, seed):

@@ -21,27 +21,10 @@ from tiertrain.offload import (AlignedBufferPool, AsyncIO, SwapCorruptionError, 
                                TensorSwapper)
 
 T = 20
-pytestmark = pytest.mark.timeout(120)   # a hang fails the test instead of the run
+pytestmark = [pytest.mark.timeout(120),  # a hang fails the test instead of the run
+              pytest.mark.usefixtures("one_torch_thread")]
 SIZES = [0, 1, 4095, 4096, 4097, (1 << 20) + 3, 20 << 20]
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Test-data preparation only: on 2 oversubscribed cores, torch's 2-thread OpenMP regions
-    make small tensor ops ~10x slower than one thread (measured), which would dominate the
-    test time. The library's own copies do not use OpenMP (see swap._copy_bytes)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture
-def aio():
-    io = AsyncIO(num_threads=4, block_bytes=1 << 20)
-    yield io
-    io.close(timeout=T)
 
 
 @pytest.fixture
