@@ -10,7 +10,11 @@ way, so its rows are comparable with the baselines.  Each ``run_*`` function
 * wraps it (DDP / ``fully_shard`` / ``deepspeed.initialize`` / ``tiertrain.wrap``),
 * builds AdamW from an :class:`OptimConfig`,
 * runs ``warmup`` untimed + ``steps`` timed full steps (forward + backward +
-  optimizer step + zero_grad), each timed with ``time.perf_counter``,
+  optimizer step + zero_grad), each timed with ``time.perf_counter`` (wall) and
+  ``time.process_time`` (CPU time of all the process's threads, less
+  sensitive to other load on a shared machine) and the main thread's
+  run-queue wait from ``/proc/self/task/TID/schedstat`` (time it was
+  runnable but other processes had the CPU),
 * returns a :class:`RunResult` (per-step times, median, losses, memory).
 
 The model contract: ``model(input_ids, labels)`` returns a scalar loss (e.g.
@@ -131,10 +135,28 @@ class RunResult:
     peak_rss_mib: float
     setup_s: float = 0.0  # model build + wrap + optimizer construction
     extra: dict[str, Any] = field(default_factory=dict)
+    step_cpu_s: list[float] = field(default_factory=list)  # process CPU time (all threads) per timed step
+    step_runq_s: list[float] = field(default_factory=list)  # main thread's run-queue wait per timed step
 
     @property
     def median_step_s(self) -> float:
         return statistics.median(self.step_times_s) if self.step_times_s else float("nan")
+
+    @property
+    def median_cpu_s(self) -> float:
+        return statistics.median(self.step_cpu_s) if self.step_cpu_s else float("nan")
+
+    @property
+    def step_unqueued_s(self) -> list[float]:
+        """Wall time minus the main thread's run-queue wait, per timed step: the step as it
+        would have taken had this rank's main thread never waited for a CPU (waits on the
+        other rank, which may itself have been descheduled, are still included)."""
+        return [t - q for t, q in zip(self.step_times_s, self.step_runq_s)] if self.step_runq_s else []
+
+    @property
+    def median_unqueued_s(self) -> float:
+        v = self.step_unqueued_s
+        return statistics.median(v) if v else float("nan")
 
     @property
     def rss_delta_mib(self) -> float:
@@ -146,7 +168,9 @@ class RunResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d.update(median_step_s=self.median_step_s, rss_delta_mib=self.rss_delta_mib,
+        d.update(median_step_s=self.median_step_s, median_cpu_s=self.median_cpu_s,
+                 step_unqueued_s=self.step_unqueued_s, median_unqueued_s=self.median_unqueued_s,
+                 rss_delta_mib=self.rss_delta_mib,
                  peak_over_start_mib=self.peak_over_start_mib)
         return d
 
@@ -165,6 +189,19 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def thread_runqueue_s() -> float:
+    """Seconds the calling thread has spent runnable but waiting for a CPU (2nd field of
+    /proc/self/task/TID/schedstat; needs schedstats, 0.0 where unavailable). On a shared
+    machine this is the time other processes took from this rank's main thread."""
+    import threading
+
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _get_batch(batch: BatchArg, step: int) -> Batch:
     return batch(step) if callable(batch) else batch
 
@@ -181,19 +218,28 @@ def _rank_world() -> tuple[int, int]:
 
 
 def _train_loop(name: str, step_fn: Callable[[Batch], torch.Tensor], batch: BatchArg,
-                steps: int, warmup: int, barrier: bool) -> tuple[list[float], list[float]]:
-    times, losses = [], []
+                steps: int, warmup: int, barrier: bool) -> tuple[list[float], list[float], dict[str, list[float]]]:
+    """Returns (wall seconds per timed step, loss of every step, per-timed-step dict of
+    ``cpu`` = process CPU seconds (all threads) and ``runq`` = seconds the main thread
+    waited for a CPU while runnable)."""
+    times, losses, cpu = [], [], {"cpu": [], "runq": []}
     for i in range(warmup + steps):
         b = _get_batch(batch, i)
         if barrier:
             dist.barrier()
+        q0 = thread_runqueue_s()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         loss = step_fn(b)
         t1 = time.perf_counter()
+        c1 = time.process_time()
+        q1 = thread_runqueue_s()
         losses.append(float(loss))
         if i >= warmup:
             times.append(t1 - t0)
-    return times, losses
+            cpu["cpu"].append(c1 - c0)
+            cpu["runq"].append(q1 - q0)
+    return times, losses, cpu
 
 
 def _build(model_factory: Callable[[], nn.Module], seed: int) -> tuple[nn.Module, int]:
@@ -227,9 +273,10 @@ def run_ddp(model_factory: Callable[[], nn.Module], optim: OptimConfig, batch: B
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    times, losses = _train_loop("ddp", step, batch, steps, warmup, barrier)
+    times, losses, cpu = _train_loop("ddp", step, batch, steps, warmup, barrier)
     return RunResult("ddp", rank, world, times, losses, n_params, rss0, current_rss_mib(),
-                     peak_rss_mib(), setup, {"ddp_kwargs": {k: str(v) for k, v in (ddp_kwargs or {}).items()}})
+                     peak_rss_mib(), setup, {"ddp_kwargs": {k: str(v) for k, v in (ddp_kwargs or {}).items()}},
+                     step_cpu_s=cpu["cpu"], step_runq_s=cpu["runq"])
 
 
 # ----------------------------------------------------------------------------- FSDP2
@@ -267,9 +314,10 @@ def run_fsdp2(model_factory: Callable[[], nn.Module], optim: OptimConfig, batch:
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    times, losses = _train_loop("fsdp2", step, batch, steps, warmup, barrier)
+    times, losses, cpu = _train_loop("fsdp2", step, batch, steps, warmup, barrier)
     return RunResult("fsdp2", rank, world, times, losses, n_params, rss0, current_rss_mib(),
-                     peak_rss_mib(), setup, {"reshard_after_forward": reshard_after_forward})
+                     peak_rss_mib(), setup, {"reshard_after_forward": reshard_after_forward},
+                     step_cpu_s=cpu["cpu"], step_runq_s=cpu["runq"])
 
 
 # ----------------------------------------------------------------------------- DeepSpeed
@@ -367,13 +415,14 @@ def run_deepspeed(stage: int, model_factory: Callable[[], nn.Module], optim: Opt
         engine.step()  # also zeroes grads
         return loss.detach()
 
-    times, losses = _train_loop(f"ds{stage}", step, batch, steps, warmup, barrier)
+    times, losses, cpu = _train_loop(f"ds{stage}", step, batch, steps, warmup, barrier)
     inner = getattr(ds_opt, "optimizer", None)
     name = f"deepspeed_z{stage}" + ("_offopt" if offload_optimizer else "") + ("_offparam" if offload_param else "")
     res = RunResult(name, rank, world, times, losses, n_params, rss0, current_rss_mib(),
                     peak_rss_mib(), setup,
                     {"config": cfg, "optimizer": type(ds_opt).__name__ + (
-                        f"({type(inner).__name__})" if inner is not None else "")})
+                        f"({type(inner).__name__})" if inner is not None else "")},
+                    step_cpu_s=cpu["cpu"], step_runq_s=cpu["runq"])
     if hasattr(engine, "destroy"):
         engine.destroy()
     return res
@@ -446,7 +495,7 @@ def run_tiertrain(stage: int, model_factory: Callable[[], nn.Module], optim: Opt
         return loss.detach()
 
     engine.counter.reset()
-    times, losses = _train_loop(f"tiertrain{stage}", step, batch, steps, warmup, barrier)
+    times, losses, cpu = _train_loop(f"tiertrain{stage}", step, batch, steps, warmup, barrier)
     mem = engine.memory_report()
     n_steps = max(1, warmup + steps)
     extra = {"config": cfg_dict, "optimizer": f"tiertrain AdamW(impl={cfg.optimizer.impl})",
@@ -456,7 +505,8 @@ def run_tiertrain(stage: int, model_factory: Callable[[], nn.Module], optim: Opt
              "comm_calls_per_step": {k: v / n_steps for k, v in engine.counter.calls.items()},
              "units": len(engine.layout.units), "topology": repr(topology)}
     return RunResult(f"tiertrain_z{stage}", rank, world, times, losses, n_params, rss0,
-                     current_rss_mib(), peak_rss_mib(), setup, extra)
+                     current_rss_mib(), peak_rss_mib(), setup, extra,
+                     step_cpu_s=cpu["cpu"], step_runq_s=cpu["runq"])
 
 
 # ----------------------------------------------------------------------------- dispatch

@@ -56,6 +56,10 @@ import torch.multiprocessing as mp  # noqa: E402
 DEFAULT_FRAMEWORKS = ["ddp", "fsdp2", "ds1", "ds2", "ds3"]
 ALL_FRAMEWORKS = ["ddp", "fsdp2", "ds1", "ds2", "ds3", "ds3_p0",
                   "tiertrain0", "tiertrain1", "tiertrain2", "tiertrain3"]
+# Order in which `all` is *run*: each tiertrain stage next to what it is compared with, so a
+# drift in background load hits both sides of a ratio alike (the table keeps ALL_FRAMEWORKS order).
+ALL_RUN_ORDER = ["ddp", "tiertrain0", "tiertrain1", "ds1", "tiertrain2", "ds2",
+                 "fsdp2", "tiertrain3", "ds3", "ds3_p0"]
 # (numerator, denominator, target) of issue 3's benchmark; None = informative only.
 RATIOS = [("tiertrain3", "fsdp2", 0.9), ("tiertrain3", "ds3", 0.9), ("tiertrain3", "ds3_p0", None),
           ("tiertrain0", "ddp", 1.05), ("tiertrain1", "ddp", 1.05), ("tiertrain2", "ddp", 1.05),
@@ -219,6 +223,11 @@ def pool_rounds(rounds: list[list[dict]]) -> list[dict]:
         others = [r[rank]["result"] for r in rounds]
         res["step_times_s"] = [t for o in others for t in o["step_times_s"]]
         res["median_step_s"] = statistics.median(res["step_times_s"])
+        for k in ("step_cpu_s", "step_runq_s", "step_unqueued_s"):
+            res[k] = [t for o in others for t in o.get(k, [])]
+        res["median_cpu_s"] = statistics.median(res["step_cpu_s"]) if res["step_cpu_s"] else float("nan")
+        res["median_unqueued_s"] = (statistics.median(res["step_unqueued_s"]) if res["step_unqueued_s"]
+                                    else float("nan"))
         for k in ("peak_rss_mib", "peak_over_start_mib", "rss_delta_mib"):
             res[k] = max(o[k] for o in others)
         res["round_medians_s"] = [o["median_step_s"] for o in others]
@@ -235,6 +244,10 @@ def summarize(fw, ranks) -> dict:
         "framework": fw, "ok": True, "model": ranks[0]["model"], "n_params": res[0]["n_params"],
         "median_step_ms": med * 1e3,
         "min_step_ms": max(min(r["step_times_s"]) for r in res) * 1e3,
+        "median_cpu_ms": max(r.get("median_cpu_s", float("nan")) for r in res) * 1e3,
+        "median_unqueued_ms": max(r.get("median_unqueued_s", float("nan")) for r in res) * 1e3,
+        "median_runq_ms": max(statistics.median(r["step_runq_s"]) if r.get("step_runq_s") else float("nan")
+                              for r in res) * 1e3,
         "timed_steps": len(res[0]["step_times_s"]),
         "setup_s": max(r["setup_s"] for r in res),
         "peak_rss_mib": max(r["peak_rss_mib"] for r in res),
@@ -267,8 +280,11 @@ def ratio_rows(rows) -> list[dict]:
     for num, den, target in RATIOS:
         if num in by and den in by:
             t = by[num]["median_step_ms"] / by[den]["median_step_ms"]
+            c = by[num]["median_cpu_ms"] / by[den]["median_cpu_ms"]
+            mn = by[num]["min_step_ms"] / by[den]["min_step_ms"]
+            uq = by[num]["median_unqueued_ms"] / by[den]["median_unqueued_ms"]
             m = by[num]["peak_over_start_mib"] / max(by[den]["peak_over_start_mib"], 1e-9)
-            out.append({"ratio": f"{num} / {den}", "time": t, "mem": m, "target": target,
+            out.append({"ratio": f"{num} / {den}", "time": t, "min": mn, "unqueued": uq, "cpu": c, "mem": m, "target": target,
                         "pass": None if target is None else t <= target})
     return out
 
@@ -289,8 +305,11 @@ def render(rows, args, machine, cmd, load_after="?") -> str:
              f"eps={args.eps} wd={args.weight_decay} on {'>= 2-D params only' if args.decay == 'matrices' else 'all params'}, "
              f"torch kernel impl={args.adam_impl} (tiertrain optimizer.impl mapped to the same kernel), no grad clipping, "
              f"constant LR; {args.warmup} warmup + {args.steps} timed steps"
-             f"{f' x {args.rounds} rounds (round-robin, timed steps pooled)' if args.rounds > 1 else ''}; "
+             f"{f' x {args.rounds} rounds (round-robin, odd rounds in reverse order, timed steps pooled)' if args.rounds > 1 else ''}; "
+             f"run order: {' '.join(getattr(args, 'run_order', args.frameworks))}; "
              "step = forward+backward+optimizer step (+zero_grad); value = slowest rank's median. "
+             "wall-runq = step wall time minus the main thread's run-queue wait (schedstat: runnable "
+             "but another process had the CPU), runq = that wait; CPU = process CPU time per step (all threads). "
              "Peak RSS = ru_maxrss (max over ranks, whole process incl. imports); "
              "peak-start = peak minus RSS before model build (the model state + activations the run added); "
              "delta = RSS after last step minus before build. "
@@ -299,25 +318,33 @@ def render(rows, args, machine, cmd, load_after="?") -> str:
              "ds3_p0 sets stage3_param_persistence_threshold=0 (tiertrain's default persistence_threshold is 0)."
              + (f" tiertrain zero overrides: `{args.tt_zero_overrides}`." if args.tt_zero_overrides != "{}" else ""),
              "",
-             "| framework | median step (ms) | min step (ms) | setup (s) | peak RSS (MiB) | peak-start (MiB) | RSS delta (MiB) | loss first -> last | max abs loss diff | load1 at start | optimizer |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| framework | median step (ms) | min step (ms) | median wall-runq (ms) | median runq (ms) | median CPU/step (ms) | setup (s) | peak RSS (MiB) | peak-start (MiB) | RSS delta (MiB) | loss first -> last | max abs loss diff | load1 at start | optimizer |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r["ok"]:
-            lines.append(f"| {r['framework']} | FAILED: {r['error'][:200]} | | | | | | | | | |")
+            lines.append(f"| {r['framework']} | FAILED: {r['error'][:200]} | | | | | | | | | | | | |")
             continue
-        lines.append(f"| {r['framework']} | {r['median_step_ms']:.1f} | {r['min_step_ms']:.1f} | {r['setup_s']:.2f} | "
+        lines.append(f"| {r['framework']} | {r['median_step_ms']:.1f} | {r['min_step_ms']:.1f} | "
+                     f"{r['median_unqueued_ms']:.1f} | {r['median_runq_ms']:.1f} | "
+                     f"{r['median_cpu_ms']:.1f} | {r['setup_s']:.2f} | "
                      f"{r['peak_rss_mib']:.0f} | {r['peak_over_start_mib']:.0f} | {r['rss_delta_mib']:.0f} | "
                      f"{r['loss_first']:.4f} -> {r['loss_last']:.4f} | {r.get('max_abs_loss_diff', float('nan')):.1e} | "
                      f"{r.get('load_at_start', '?')} | {r['optimizer']} |")
     ratios = ratio_rows(rows)
     if ratios:
         lines += ["", "## Ratios (same run)", "",
-                  "time = median step ratio; memory = peak-start ratio (lower is better for both).", "",
-                  "| ratio | time | target | | memory (peak-start) |", "|---|---|---|---|---|"]
+                  "time = median wall-clock step ratio (the target applies to it); min = ratio of the "
+                  "fastest steps (least disturbed by other load); wall-runq = ratio of the median of "
+                  "(step wall time minus the main thread's run-queue wait), i.e. with the time other "
+                  "processes held this rank's CPU taken out; CPU = ratio of median "
+                  "process CPU time per step (all threads; less sensitive to other load, but counts "
+                  "busy-polling communication threads as work); memory = peak-start ratio. Lower is better.", "",
+                  "| ratio | time | target | | min | wall-runq | CPU | memory (peak-start) |",
+                  "|---|---|---|---|---|---|---|---|"]
         for q in ratios:
             verdict = "" if q["pass"] is None else ("PASS" if q["pass"] else "FAIL")
             target = "" if q["target"] is None else f"<= {q['target']}"
-            lines.append(f"| {q['ratio']} | {q['time']:.3f} | {target} | {verdict} | {q['mem']:.3f} |")
+            lines.append(f"| {q['ratio']} | {q['time']:.3f} | {target} | {verdict} | {q['min']:.3f} | {q['unqueued']:.3f} | {q['cpu']:.3f} | {q['mem']:.3f} |")
     tt = [r for r in rows if r.get("ok") and r.get("memory_report_mib")]
     if tt:
         lines += ["", "## tiertrain engine accounting (rank 0)", "",
@@ -371,12 +398,15 @@ def main(argv=None):
                    help="markdown output (+ .json next to it); default results/zero.md when tiertrain "
                         "runs, else results/baselines.md")
     args = p.parse_args(argv)
-    fws = []
+    fws, run_order = [], []
     for fw in args.frameworks:
         for f in (ALL_FRAMEWORKS if fw == "all" else [fw]):
             if f not in fws:
                 fws.append(f)
-    args.frameworks = fws
+        for f in (ALL_RUN_ORDER if fw == "all" else [fw]):
+            if f not in run_order:
+                run_order.append(f)
+    args.frameworks, args.run_order = fws, run_order
     if args.out is None:
         args.out = os.path.join(HERE, "results", "zero.md" if any(f.startswith("tiertrain") for f in fws)
                                 else "baselines.md")
@@ -386,7 +416,7 @@ def main(argv=None):
     rounds: dict[str, list[list[dict]]] = {fw: [] for fw in args.frameworks}
     load_at: dict[str, list[str]] = {fw: [] for fw in args.frameworks}
     for rnd in range(args.rounds):
-        for fw in args.frameworks:
+        for fw in (run_order if rnd % 2 == 0 else run_order[::-1]):  # odd rounds run backwards
             t0 = time.perf_counter()
             load_at[fw].append(loadavg().split()[0])
             ranks = launch(fw, args)
@@ -394,7 +424,8 @@ def main(argv=None):
             row = summarize(fw, ranks)
             tag = f"[round {rnd + 1}/{args.rounds}] " if args.rounds > 1 else ""
             if row["ok"]:
-                print(f"{tag}{fw:16s} median {row['median_step_ms']:8.1f} ms  peak RSS {row['peak_rss_mib']:7.0f} MiB  "
+                print(f"{tag}{fw:16s} median {row['median_step_ms']:8.1f} ms  wall-runq {row['median_unqueued_ms']:8.1f} ms  "
+                      f"CPU {row['median_cpu_ms']:8.1f} ms  peak RSS {row['peak_rss_mib']:7.0f} MiB  "
                       f"loss {row['loss_first']:.4f} -> {row['loss_last']:.4f}  ({time.perf_counter() - t0:.0f}s wall, "
                       f"load {loadavg()})", flush=True)
             else:

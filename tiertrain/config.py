@@ -177,8 +177,8 @@ class ZeroConfig:
     """ZeRO stage: 0 plain data parallel, 1 optimizer states, 2 + gradients, 3 + parameters partitioned."""
     bucket_mb: float = 25.0
     """Size of a gradient-reduction bucket (stages 0-2) in MiB of fp32 gradients."""
-    prefetch_mb: float = 64.0
-    """Stage 3: parameters gathered ahead of use, at most this many MiB in flight."""
+    prefetch_mb: float | None = None
+    """Stage 3: MiB of parameters gathered ahead of use; None = 64 on CUDA, 0 on CPU (where collectives share the compute cores)."""
     max_live_mb: float = 0.0
     """Stage 3: cap on gathered parameter MiB resident at once; 0 means no cap beyond what is in use."""
     persistence_threshold: int = 0
@@ -194,7 +194,8 @@ class ZeroConfig:
         if self.stage not in (0, 1, 2, 3):
             _fail(f"{path}.stage", self.stage, "one of 0, 1, 2, 3")
         _check_positive(f"{path}.bucket_mb", self.bucket_mb)
-        _check_positive(f"{path}.prefetch_mb", self.prefetch_mb, allow_zero=True)
+        if self.prefetch_mb is not None:
+            _check_positive(f"{path}.prefetch_mb", self.prefetch_mb, allow_zero=True)
         _check_positive(f"{path}.max_live_mb", self.max_live_mb, allow_zero=True)
         _check_positive(f"{path}.persistence_threshold", self.persistence_threshold, allow_zero=True)
         for name in ("offload_optimizer", "offload_params"):

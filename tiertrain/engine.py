@@ -121,7 +121,7 @@ class Engine:
             modules = {u.index: (model if u.label == "<root>" else model.get_submodule(u.label))
                        for u in self.layout.units if not u.resident}
             self.fetcher = ParameterFetcher(
-                self.flat, self.comm, modules, prefetch_bytes=int(config.zero.prefetch_mb * 2**20),
+                self.flat, self.comm, modules, prefetch_bytes=int(self._prefetch_mb() * 2**20),
                 max_live_bytes=int(config.zero.max_live_mb * 2**20))
             # Backward completes blocks last-first, then the root (embeddings are used first
             # in forward, so their gradients come last), then the persistent small parameters.
@@ -154,6 +154,15 @@ class Engine:
             for name, p in module.named_parameters(recurse=False):
                 if not p.requires_grad:
                     p.data = p.data.to(device=self.device, dtype=self.dtype)
+
+    def _prefetch_mb(self) -> float:
+        """zero.prefetch_mb, or its default for this device. On CPU, gloo's collectives run on
+        the same cores as the compute they would overlap: asynchronous prefetch measured 10%
+        slower than none at stage 3 (bench/results/zero_interleaved.md); on CUDA the copy and
+        communication engines run beside the compute, and prefetch hides them."""
+        if self.config.zero.prefetch_mb is not None:
+            return self.config.zero.prefetch_mb
+        return 64.0 if self.device.type == "cuda" else 0.0
 
     def _build_layout(self, model: nn.Module, named, unit_modules) -> FlatLayout:
         zc = self.config.zero
