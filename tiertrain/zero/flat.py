@@ -168,9 +168,12 @@ class FlatParameters:
         for u in self.units:
             if u.master is not u.shard:
                 u.shard.copy_(u.master)
-        for u in self.units:
-            if u.unit.resident and u.unit.num_shards > 1:
-                self.comm.all_gather(u.full, u.shard)
+        # All launched before any is waited on: gloo queues them back to back instead of
+        # paying one round trip per unit.
+        pending = [self.comm.all_gather(u.full, u.shard, async_op=True)
+                   for u in self.units if u.unit.resident and u.unit.num_shards > 1]
+        for work in pending:
+            work.wait()
 
     def zero_grads(self) -> None:
         for u in self.units:
