@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 
 from reference import engine_train, global_batches, make_config, make_model, max_rel_diff, reference_train
 from tiertrain.testing import run_distributed

@@ -17,7 +17,7 @@ import threading
 import pytest
 import torch
 
-from tiertrain.offload import (AlignedBufferPool, AsyncIO, SwapCorruptionError, SwapDirError,
+from tiertrain.offload import (AlignedBufferPool, SwapCorruptionError, SwapDirError,
                                TensorSwapper)
 
 T = 20
