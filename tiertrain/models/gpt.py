@@ -294,8 +294,12 @@ class GPT(nn.Module):
             raise ValueError(
                 f"input_ids sequence length {t} exceeds GPTConfig.seq_len={self.config.seq_len}"
             )
-        pos = torch.arange(t, device=input_ids.device)
+        pos = self.position_ids(t, input_ids.device)
         return self.drop(self.embed(input_ids) + self.pos_embed(pos))
+
+    def position_ids(self, t: int, device: torch.device) -> torch.Tensor:
+        """Positions of the embedded tokens: 0..t-1 (a sequence-parallel model embeds a chunk)."""
+        return torch.arange(t, device=device)
 
     def head_output(
         self, x: torch.Tensor, labels: torch.Tensor | None = None

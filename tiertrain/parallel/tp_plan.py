@@ -221,17 +221,9 @@ class TensorParallelGPT(GPT):
         raise TypeError("TensorParallelGPT is not constructed directly: build a GPT and call "
                         "apply_tensor_parallel(model, topology)")
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token + position embeddings: [B, T] ids -> [B, T, hidden], or this rank's
-        [B, T/tp, hidden] sequence chunk under sequence parallelism."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-        t = input_ids.shape[1]
-        if t > self.config.seq_len:
-            raise ValueError(
-                f"input_ids sequence length {t} exceeds GPTConfig.seq_len={self.config.seq_len}"
-            )
-        x = self.embed(input_ids)
+    def position_ids(self, t: int, device: torch.device) -> torch.Tensor:
+        """All t positions, or under sequence parallelism those of this rank's T/tp chunk
+        (the vocab-parallel embedding then returns only that chunk)."""
         start, length = 0, t
         if self.sequence_parallel:
             tp = tp_world_size(self.tp_group)
@@ -240,8 +232,7 @@ class TensorParallelGPT(GPT):
                                  f"divisible by the tensor-parallel size {tp}")
             length = t // tp
             start = tp_rank(self.tp_group) * length
-        pos = torch.arange(start, start + length, device=input_ids.device)
-        return self.drop(x + self.pos_embed(pos))
+        return torch.arange(start, start + length, device=device)
 
     def head_output(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Final LayerNorm and the vocab-parallel head: the mean loss computed from the

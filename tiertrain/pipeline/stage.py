@@ -80,6 +80,8 @@ class GPTStage(nn.Module):
 
     # GPT.embed_tokens / GPT.head_output read only config, embed, pos_embed, drop, norm and
     # head, which a stage carries under the same names: reuse them so the maths is identical.
+    position_ids = GPT.position_ids
+
     def forward(self, x: torch.Tensor | None, batch: dict) -> torch.Tensor:
         if self.is_first:
             x = GPT.embed_tokens(self, batch["input_ids"])
