@@ -44,34 +44,32 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
 
 
+def _torch_step(model: torch.nn.Module, batch: dict):
+    """One plain PyTorch training step of a (DDP- or FSDP2-wrapped) model with fused AdamW."""
+    opt = _adamw(model.parameters())
+
+    def step():
+        model(**batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
 def _steps(cfgm: GPTConfig, micro: int, rank: int) -> dict:
     """name → callable running one full training step (forward, backward, optimizer)."""
     batch = _batch(cfgm, micro, rank)
     steps = {}
 
-    model = _model(cfgm)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = _adamw(ddp.parameters())
-
-    def ddp_step(ddp=ddp, opt=opt):
-        ddp(**batch).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    steps["ddp"] = ddp_step
+    ddp = torch.nn.parallel.DistributedDataParallel(_model(cfgm))
+    steps["ddp"] = _torch_step(ddp, batch)
 
     from torch.distributed.fsdp import fully_shard
 
-    model = _model(cfgm)
-    for block in model.blocks:
+    fsdp = _model(cfgm)
+    for block in fsdp.blocks:
         fully_shard(block)
-    fully_shard(model)
-    fopt = _adamw(model.parameters())
-
-    def fsdp_step(model=model, opt=fopt):
-        model(**batch).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    steps["fsdp2"] = fsdp_step
+    fully_shard(fsdp)
+    steps["fsdp2"] = _torch_step(fsdp, batch)
 
     for stage in (0, 1, 2, 3):
         cfg = from_dict(Config, {"zero": {"stage": stage}, "batch": {"micro_batch_size": micro},
