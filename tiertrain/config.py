@@ -32,6 +32,7 @@ def _check_positive(path: str, value: int | float, allow_zero: bool = False) -> 
 
 
 Tier = Literal["none", "cpu", "nvme"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
 Dtype = Literal["fp32", "bf16", "fp16"]
 
 
@@ -147,11 +148,19 @@ class ParallelConfig:
     """Tensor-parallel size."""
     pp: int = 1
     """Pipeline-parallel size."""
+    schedule: PipelineSchedule = "1f1b"
+    """Pipeline schedule (pp > 1): gpipe, 1f1b, or interleaved (1F1B over virtual_stages chunks per rank)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (v of Megatron's interleaved schedule); > 1 needs schedule=interleaved."""
 
     def validate(self, path: str = "parallel") -> None:
         _check_positive(f"{path}.dp", self.dp, allow_zero=True)
         _check_positive(f"{path}.tp", self.tp)
         _check_positive(f"{path}.pp", self.pp)
+        _check_positive(f"{path}.virtual_stages", self.virtual_stages)
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            _fail(f"{path}.virtual_stages", self.virtual_stages,
+                  f"1 with schedule={self.schedule!r} (more chunks per rank need schedule='interleaved')")
 
     def resolve(self, world_size: int, path: str = "parallel") -> tuple[int, int, int]:
         """(pp, dp, tp) for this world size, or ConfigError when they do not multiply to it."""
@@ -189,6 +198,8 @@ class ZeroConfig:
     """Tier holding parameter shards (stage 3): none (device), cpu or nvme."""
     nvme_path: str = ""
     """Swap directory for the nvme tier."""
+    offload: Literal["manual", "auto"] = "manual"
+    """manual: use stage and offload_* as given; auto: the planner (tiertrain plan) chooses them at start-up."""
 
     def validate(self, path: str = "zero") -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -208,6 +219,20 @@ class ZeroConfig:
         if self.offload_params != "none" and self.stage != 3:
             raise ConfigError(f"{path}.offload_params={self.offload_params!r} needs {path}.stage=3 "
                               f"(only stage 3 partitions parameters), got stage={self.stage}")
+
+
+@dataclass
+class ActivationConfig:
+    checkpoint_every: int = 0
+    """Recompute activations in backward for every k-th transformer block (full-block checkpointing); 0 disables."""
+    offload: Literal["none", "cpu"] = "none"
+    """Tier holding the checkpointed block inputs between forward and backward: none (device) or cpu."""
+
+    def validate(self, path: str = "activations") -> None:
+        _check_positive(f"{path}.checkpoint_every", self.checkpoint_every, allow_zero=True)
+        if self.offload != "none" and self.checkpoint_every == 0:
+            _fail(f"{path}.offload", self.offload,
+                  f"'none' while {path}.checkpoint_every=0 (there are no checkpoints to offload)")
 
 
 @dataclass
@@ -255,6 +280,8 @@ class Config:
     """Process grid dp × tp × pp."""
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     """ZeRO stage and its buffers."""
+    activations: ActivationConfig = field(default_factory=ActivationConfig)
+    """Activation checkpointing and where checkpoints live."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Where and how often to save."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
