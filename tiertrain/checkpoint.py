@@ -5,7 +5,7 @@ Layout on disk::
     DIR/step_00000120/rank00000.pt   this rank's masters, shards, optimizer, schedule,
     DIR/step_00000120/rank00001.pt   scaler, counters, RNG state and the caller's extras
     DIR/step_00000120/COMMITTED.json written last, by rank 0, once every rank's file is
-                                     durable: the layout fingerprint and each file's sha256
+                                     durable: each rank's layout fingerprint and file sha256
 
 Each file is written to a temporary name, fsynced and renamed into place, so a crash
 leaves either the old checkpoint or a directory without COMMITTED.json, which loading
@@ -42,6 +42,8 @@ def _fingerprint(engine: "Engine") -> dict:
     return {
         "stage": engine.stage,
         "dp": engine.dp,
+        "tp": engine.topology.size("tp"),
+        "pp": engine.topology.size("pp"),
         "dtype": engine.config.precision.dtype,
         "units": [[u.label, u.padded_numel, [s.name for s in u.slots]] for u in layout.units],
     }
@@ -112,13 +114,14 @@ def save(engine: "Engine", directory: str, extra: dict | None = None, keep_last:
         digest = _sha256(path)
     except OSError as e:
         error = f"rank {rank}: writing {path!r} failed: {e.strerror or e}"
-    digests = _gather_objects((digest, error), group)
-    errors = [e for _, e in digests if e]
+    # Each rank's own layout is recorded: under pipeline or tensor parallelism they differ.
+    digests = _gather_objects((digest, error, _fingerprint(engine)), group)
+    errors = [e for _, e, _ in digests if e]
     if errors:
         raise CheckpointError("checkpoint not committed; " + "; ".join(errors))
     if rank == 0:
-        marker = {"step": engine.steps, "world_size": world, "layout": _fingerprint(engine),
-                  "sha256": [d for d, _ in digests]}
+        marker = {"step": engine.steps, "world_size": world, "layouts": [f for _, _, f in digests],
+                  "sha256": [d for d, _, _ in digests]}
         atomic_write(os.path.join(step_dir, MARKER), lambda f: f.write(json.dumps(marker, indent=1).encode()))
         if keep_last:
             for old in committed_steps(directory)[:-keep_last]:
@@ -156,12 +159,12 @@ def load(engine: "Engine", directory: str, step: int | None = None) -> dict:
     if marker["world_size"] != engine.topology.world_size:
         raise CheckpointError(f"{step_dir!r} was saved by {marker['world_size']} ranks, "
                               f"this run has {engine.topology.world_size}; resharding is not supported yet")
-    expected = _fingerprint(engine)
-    for key in ("stage", "dp", "dtype"):
-        if marker["layout"][key] != expected[key]:
-            raise CheckpointError(f"{step_dir!r} was saved with {key}={marker['layout'][key]!r}, "
+    expected, saved = _fingerprint(engine), marker["layouts"][rank]
+    for key in ("stage", "dp", "tp", "pp", "dtype"):
+        if saved[key] != expected[key]:
+            raise CheckpointError(f"{step_dir!r} was saved with {key}={saved[key]!r}, "
                                   f"this run has {key}={expected[key]!r}")
-    if marker["layout"]["units"] != expected["units"]:
+    if saved["units"] != expected["units"]:
         raise CheckpointError(f"{step_dir!r} was saved with another unit layout "
                               f"(a different model or zero.bucket_mb)")
     path = os.path.join(step_dir, f"rank{rank:05d}.pt")

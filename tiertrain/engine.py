@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -83,9 +83,9 @@ class Engine:
     def __init__(self, model: nn.Module, config: Config, topology: Topology,
                  loss_fn: LossFn | None = None, unit_modules: list[str] | None = None):
         config.validate()
-        if topology.size("pp") > 1:
-            raise ConfigError(f"parallel.pp={topology.size('pp')}: pipeline parallelism is not yet composed "
-                              f"with wrap() (use tiertrain.pipeline directly); valid: 1")
+        if topology.size("pp") > 1 and self.launch_when_ready:
+            raise ConfigError(f"parallel.pp={topology.size('pp')}: build the engine with tiertrain.wrap(), which "
+                              f"returns a PipelineEngine for pp > 1 (Engine itself is valid only for pp=1)")
         self.module = model
         self.config = config
         self.topology = topology
@@ -98,11 +98,12 @@ class Engine:
         # Tensor parallelism (tiertrain.parallel.apply_tensor_parallel before wrap): each tp
         # rank trains its own slice; ZeRO shards that slice over dp.
         self.tp_comm = Collectives(topology.group("tp"))
+        self.pp_comm = Collectives(topology.group("pp"))
         self.dp = self.comm.size
         self.accum = config.batch.grad_accum_steps
         self.global_batch_size = config.batch.resolve(self.dp)
 
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = self._trainable_parameters(model)
         if not named:
             raise ValueError("the model has no trainable parameters")
         self._cast_buffers_and_frozen(model)
@@ -133,7 +134,8 @@ class Engine:
         self.reducer = GradientReducer(
             self.flat, self.comm, stage, launch_order,
             on_unit_done=self.fetcher.on_unit_grads_done if self.fetcher else None,
-            before_collective=(lambda i: self.fetcher.agree(REDUCE, i)) if self.fetcher else None)
+            before_collective=(lambda i: self.fetcher.agree(REDUCE, i)) if self.fetcher else None,
+            launch_when_ready=self.launch_when_ready)
 
         self.optimizer = build_adamw(self._optimizer_groups(), config.optimizer)
         self.schedule = build_schedule(self.optimizer, config.schedule)
@@ -144,7 +146,19 @@ class Engine:
         self._stepped_at = -1
         self.last_grad_norm = float("nan")
 
+    launch_when_ready = True
+    """Gradient reductions start as each unit's gradients arrive (False under pipeline
+    parallelism, where the engine launches each chunk's units after its last backward)."""
+
     # -- construction ----------------------------------------------------------------
+
+    def _trainable_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    def _counts_in_norm(self, name: str) -> bool:
+        """Whether this parameter's gradient counts in the global norm (a pipeline's copy
+        of a tied weight does not: the embedding already counts it)."""
+        return True
 
     def _cast_buffers_and_frozen(self, model: nn.Module) -> None:
         for module in model.modules():
@@ -180,17 +194,24 @@ class Engine:
         """One AdamW tensor per piece of parameter inside this rank's master shard: views, so
         the update is in place on the flat master, and weight decay follows the parameter."""
         decay, no_decay = [], []
-        self._sharded_grads, self._replicated_grads, self._partial_grads = [], [], []  # for tp > 1
+        self._partial_grads = []  # sequence-parallel partial gradients, summed over tp
+        counted, all_counted = [], True
+        tp_rank0 = self.topology.coord("tp") == 0
         for u in self.flat.units:
             for slot, a, b in u.unit.shard_pieces(self.flat.shard_rank):
                 view = u.master[a:b]
                 view.grad = u.grad[a:b]
                 (decay if decays(slot.name, slot.shape) else no_decay).append(view)
                 param = self.flat.params[slot.name]
-                sharded = getattr(param, "tp_sharded", False)
-                (self._sharded_grads if sharded else self._replicated_grads).append(view.grad)
+                # Replicated parameters count once across tp (on tp rank 0), as in Megatron.
+                if self._counts_in_norm(slot.name) and (tp_rank0 or getattr(param, "tp_sharded", False)):
+                    counted.append(view.grad)
+                else:
+                    all_counted = False
                 if getattr(param, "tp_partial_grad", False):
                     self._partial_grads.append(view.grad)
+        self._norm_grads = None if all_counted else counted
+        """Gradient pieces counted in the global norm; None: all of every unit's shard."""
         groups = [{"params": decay, "weight_decay": self.config.optimizer.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
         return [g for g in groups if g["params"]] or [{"params": [self.flat.units[0].master[:0]]}]
@@ -264,15 +285,14 @@ class Engine:
             g.copy_(part)
 
     def _global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        if self.tp_comm.size > 1:
-            # Replicated parameters count once across tp (on tp rank 0), as in Megatron.
-            counted = self._sharded_grads + (self._replicated_grads if self.topology.coord("tp") == 0 else [])
-            grads = counted or [torch.zeros(1, device=self.placement.optimizer)]
+        """The L2 norm of the whole model's gradient: this rank's squares, summed over the
+        ZeRO shards (dp), the tensor-parallel slices (tp) and the pipeline stages (pp)."""
+        if self._norm_grads is not None:
+            grads = self._norm_grads or [torch.zeros(1, device=self.placement.optimizer)]
         squares = torch.stack([g.pow(2).sum() for g in grads]).sum().to(self.device)
-        if self.stage > 0:
-            self.comm.all_reduce(squares, count=False)
-        if self.tp_comm.size > 1:
-            self.tp_comm.all_reduce(squares, count=False)
+        for comm in ((self.comm,) if self.stage > 0 else ()) + (self.tp_comm, self.pp_comm):
+            if comm.size > 1:
+                comm.all_reduce(squares, count=False)
         return squares.sqrt()
 
     def train_batch(self, batches: Iterator[Any]) -> float:
@@ -360,12 +380,28 @@ class Engine:
         return out
 
 
-def wrap(model: nn.Module, config: Config, topology: Topology, loss_fn: LossFn | None = None,
-         unit_modules: list[str] | None = None) -> Engine:
+def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topology, loss_fn: LossFn | None = None,
+         unit_modules: list[str] | None = None,
+         activation_shape: tuple[int, ...] | Callable[[Any], tuple[int, ...]] | None = None) -> Engine:
     """Wrap any nn.Module for training under config on topology (no model changes needed).
 
     loss_fn(model, batch) → scalar loss; by default the model is called on the batch and
     its output (a tensor, a dict with 'loss', or an object with .loss) gives the loss.
     unit_modules: stage-3 gather units by module name (default: children of ModuleLists).
+
+    With parallel.pp > 1 this returns a :class:`~tiertrain.pipeline.engine.PipelineEngine`:
+    model is a tiertrain GPT (split into stages here) or this rank's list of stage modules,
+    each called as stage(x, batch); activation_shape is the shape of the tensor passed
+    between stages for a micro-batch (known for GPT stages), or a function of the batch.
     """
+    if topology.size("pp") > 1:
+        from .pipeline.engine import PipelineEngine, pipeline_stages
+
+        if loss_fn is not None or unit_modules is not None:
+            raise ConfigError(f"parallel.pp={topology.size('pp')}: loss_fn and unit_modules do not apply to a "
+                              f"pipeline (the last stage returns the loss; zero.stage 3 is not pipelined)")
+        stages = pipeline_stages(model, topology, config.parallel.virtual_stages)
+        return PipelineEngine(stages, config, topology, activation_shape=activation_shape)
+    if activation_shape is not None:
+        raise ConfigError("activation_shape is for pipeline parallelism; parallel.pp is 1")
     return Engine(model, config, topology, loss_fn=loss_fn, unit_modules=unit_modules)

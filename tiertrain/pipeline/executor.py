@@ -131,7 +131,7 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ one step
 
-    def run(self, batches: list[dict]) -> float:
+    def run(self, batches: list[dict], loss_scale: float = 1.0) -> float:
         """Forward and backward of every micro-batch in ``batches`` (one dict per micro-batch,
         the same list on every pipeline rank); gradients accumulate into the stage parameters'
         ``.grad``. Returns the mean loss over the micro-batches, on every pipeline rank.
@@ -139,12 +139,14 @@ class PipelineExecutor:
         With tied weights, ``run`` ends with the tied-gradient exchange, which sums whole
         ``.grad`` tensors: zero the gradients between steps (accumulating several ``run``
         calls would count earlier contributions twice; pass ``tied=False`` and call
-        :func:`~.stage.tied_weight_grad_sync` once yourself instead)."""
+        :func:`~.stage.tied_weight_grad_sync` once yourself instead). ``loss_scale``
+        multiplies each micro-batch's loss before its backward (fp16 loss scaling); the
+        returned loss is unscaled."""
         m = len(batches)
         if m < 1:
             raise ValueError("PipelineExecutor.run: batches is empty: need at least one micro-batch")
         actions = lower(self.schedule_for(m), self.rank)
-        self._batches, self._m = batches, m
+        self._batches, self._m, self._loss_scale = batches, m, float(loss_scale)
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._grads: dict[tuple[int, int], torch.Tensor] = {}
@@ -260,7 +262,9 @@ class PipelineExecutor:
         out = self.module_of[a.chunk](x, self._batches[a.microbatch])
         if a.chunk == self.num_stages - 1:
             self._losses.append(out.detach())
-            out = out / self._m
+            out = out.float() / self._m
+            if self._loss_scale != 1.0:
+                out = out * self._loss_scale
         self._outputs[key] = out
 
     def _backward(self, a: Action) -> None:

@@ -20,7 +20,8 @@ Tied embeddings (the Megatron way)
 ----------------------------------
 GPT-2 ties ``head.weight`` to ``embed.weight``; with ``num_stages > 1`` the embedding lives
 on the first stage and the head on the last. As in Megatron-LM, the last stage gets its own
-``head.weight`` parameter *initialised equal* to the embedding, and after every backward
+``head.weight`` parameter *initialised equal* to the embedding (the model's head is untied
+in place, keeping its module, so a tensor-parallel head stays vocab-parallel), and after every backward
 :func:`tied_weight_grad_sync` replaces both gradients by their sum (what the tied model's
 single parameter receives), exchanged point-to-point between the first and last pipeline
 rank. Identical gradients and identical optimizer steps keep the two copies equal, so the
@@ -37,7 +38,7 @@ import torch.nn as nn
 
 from ..models.gpt import GPT
 
-__all__ = ["GPTStage", "split_gpt", "stage_boundaries", "stages_for_rank", "tied_weight_grad_sync",
+__all__ = ["GPTStage", "split_gpt", "stage_boundaries", "stages_for_rank", "sum_tied_gradients", "tied_weight_grad_sync",
            "pipeline_grad_norm", "norm_parameters", "TIED_FIRST", "TIED_LAST"]
 
 TIED_FIRST = "embed.weight"
@@ -53,6 +54,10 @@ class GPTStage(nn.Module):
                  first: bool, last: bool, tied_copy: bool):
         super().__init__()
         self.config = model.config
+        self.arch = type(model)
+        """The model's class, whose embedding and head a stage runs (GPT, or TensorParallelGPT)."""
+        self.tp_group = getattr(model, "tp_group", None)
+        self.sequence_parallel = getattr(model, "sequence_parallel", False)
         self.index = index
         self.num_stages = num_stages
         self.layers = list(layers)
@@ -69,26 +74,29 @@ class GPTStage(nn.Module):
         if last:
             self.norm = model.norm
             if tied_copy:
-                # built on the meta device so that no random numbers are drawn (the global RNG
-                # stream stays that of the unsplit model), then given a copy of the embedding
-                head = nn.Linear(model.config.hidden, model.config.vocab_size, bias=False, device="meta")
-                head.weight = nn.Parameter(model.embed.weight.detach().clone(),
-                                           requires_grad=model.embed.weight.requires_grad)
-                self.head = head
-            else:
-                self.head = model.head
+                # The model's own head module (for a tensor-parallel model its vocab-parallel
+                # head, with its group) gets a parameter of its own, a copy of the embedding:
+                # the model is untied in place, and no random numbers are drawn, so the RNG
+                # stream stays that of the unsplit model.
+                # Attributes set on the parameter (tensor-parallel sharding marks) come along.
+                tied = model.embed.weight
+                model.head.weight = nn.Parameter(tied.detach().clone(), requires_grad=tied.requires_grad)
+                vars(model.head.weight).update(vars(tied))
+            self.head = model.head
 
-    # GPT.embed_tokens / GPT.head_output read only config, embed, pos_embed, drop, norm and
-    # head, which a stage carries under the same names: reuse them so the maths is identical.
-    position_ids = GPT.position_ids
+    # The model class's embed_tokens / position_ids / head_output read only config, embed,
+    # pos_embed, drop, norm, head (and tp_group, sequence_parallel), which a stage carries
+    # under the same names: reuse them so the maths is identical to the unsplit model's.
+    def position_ids(self, t: int, device: torch.device) -> torch.Tensor:
+        return self.arch.position_ids(self, t, device)
 
     def forward(self, x: torch.Tensor | None, batch: dict) -> torch.Tensor:
         if self.is_first:
-            x = GPT.embed_tokens(self, batch["input_ids"])
+            x = self.arch.embed_tokens(self, batch["input_ids"])
         for block in self.blocks.values():
             x = block(x)
         if self.is_last:
-            return GPT.head_output(self, x, batch["labels"])
+            return self.arch.head_output(self, x, batch["labels"])
         return x
 
     def extra_repr(self) -> str:
@@ -205,34 +213,44 @@ def _tied(stages, name: str, want_first: bool):
 
 def tied_weight_grad_sync(stages: list, topology, timeout: float = 300.0) -> None:
     """Make the gradients of the tied embedding (first stage) and its head copy (last stage)
-    both equal to their sum, the gradient of the single tied weight.
-
-    Call on every pipeline rank after the step's backward (the executor does it when told
-    ``tied=True``); ranks holding neither side return at once. The first and last pipeline
-    ranks exchange their gradients with isend/irecv (no extra process group is needed) and
-    add them; ``a + b == b + a`` in floating point, so both copies get bit-identical
-    gradients. When one rank holds both sides (p = 1) they are summed locally. A missing
-    gradient counts as zero."""
+    both equal to their sum, the gradient of the single tied weight (a missing gradient
+    counts as zero). Call on every pipeline rank after the step's backward (the executor
+    does it when told ``tied=True``); ranks holding neither side return at once."""
     first = _tied(stages, TIED_FIRST, True)
     last = _tied(stages, TIED_LAST, False)
+    for p in (first, last):
+        if p is not None and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    sum_tied_gradients(first.grad if first is not None else None, last.grad if last is not None else None,
+                       topology, timeout)
+
+
+def sum_tied_gradients(first: torch.Tensor | None, last: torch.Tensor | None, topology,
+                       timeout: float = 300.0) -> None:
+    """In place, ``first`` (the embedding's gradient, on the first pipeline rank) and ``last``
+    (its head copy's, on the last) both become ``first + last``; pass None for a side this
+    rank does not hold. The first and last pipeline ranks exchange their gradients with
+    isend/irecv (no extra process group is needed) and add them; ``a + b == b + a`` in
+    floating point, so both copies get bit-identical gradients. When one rank holds both
+    sides (p = 1) they are summed locally."""
     if first is None and last is None:
         return
     if first is not None and last is not None:
-        total = _grad(first) + _grad(last)
-        first.grad, last.grad = total, total.clone()
+        first.add_(last)
+        last.copy_(first)
         return
     mine = first if first is not None else last
     pp_ranks = topology.ranks("pp")
     peer = pp_ranks[-1] if first is not None else pp_ranks[0]
     group = topology.group("pp")
-    g = _grad(mine).contiguous()
+    g = mine.contiguous()
     other = torch.empty_like(g)
     wait = datetime.timedelta(seconds=timeout)
     send = dist.isend(g, dst=peer, group=group, tag=_TIED_TAG)
     recv = dist.irecv(other, src=peer, group=group, tag=_TIED_TAG)
     recv.wait(timeout=wait)
     send.wait(timeout=wait)
-    mine.grad = g + other if first is not None else other + g
+    mine.copy_(g + other if first is not None else other + g)
 
 
 _TIED_TAG = 0x7E1ED

@@ -131,6 +131,20 @@ def bucket_layout(named_params: Iterable[tuple[str, torch.Tensor]], num_shards: 
                       num_shards)
 
 
+def concatenate(layouts: Iterable[FlatLayout], labels: Iterable[str]) -> FlatLayout:
+    """One layout holding the units of several, renumbered in order, each label prefixed
+    (pipeline chunks: a bucket never spans two chunks, so each chunk's buckets can be
+    reduced as soon as that chunk's backward is over)."""
+    layouts, units = list(layouts), []
+    shards = {l.num_shards for l in layouts}
+    if len(shards) != 1:
+        raise ValueError(f"concatenate: layouts have different shard counts {sorted(shards)}")
+    for layout, label in zip(layouts, labels, strict=True):
+        for u in layout.units:
+            units.append(Unit(len(units), f"{label}.{u.label}", u.slots, u.padded_numel, u.num_shards, u.resident))
+    return FlatLayout(tuple(units), shards.pop())
+
+
 def module_layout(named_params: Iterable[tuple[str, torch.Tensor]], unit_prefixes: list[str],
                   num_shards: int, persistence_threshold: int = 0, align: int = 64,
                   shape_of: Callable[[torch.Tensor], torch.Size] | None = None) -> FlatLayout:

@@ -14,6 +14,14 @@ reported, the unit's collective is launched asynchronously:
 Units are launched in one fixed order on every rank (a unit that is ready early waits for
 its predecessors), so ranks never issue collectives in different orders; parameters that
 received no gradient are flushed, as zeros, when backward ends.
+
+Under pipeline parallelism (``launch_when_ready=False``) one step's backward is spread over
+many micro-batch backwards interleaved with forwards, so "the unit is complete" has no
+meaning per backward: every micro-batch's gradient is added into the unit's fp32 bucket,
+and the caller launches each pipeline chunk's units (:meth:`launch`) once that chunk's last
+backward is over. Stage 2 then reduce-scatters each bucket once per step (not once per
+micro-batch, which would multiply its traffic by the number of micro-batches) and frees it,
+so between steps only the gradient shard persists.
 """
 from __future__ import annotations
 
@@ -30,7 +38,7 @@ from .flat import FlatParameters
 class GradientReducer:
     def __init__(self, flat: FlatParameters, comm: Collectives, stage: int, launch_order: list[int],
                  max_in_flight: int = 2, on_unit_done: Callable[[int], None] | None = None,
-                 before_collective: Callable[[int], None] | None = None):
+                 before_collective: Callable[[int], None] | None = None, launch_when_ready: bool = True):
         self.flat = flat
         self.comm = comm
         self.stage = stage
@@ -38,6 +46,7 @@ class GradientReducer:
         self.max_in_flight = max_in_flight
         self.on_unit_done = on_unit_done
         self.before_collective = before_collective
+        self.launch_when_ready = launch_when_ready
         self.reduce_now = False
         self._buckets: dict[int, torch.Tensor] = {}
         self._missing: dict[int, int] = {}
@@ -56,7 +65,7 @@ class GradientReducer:
     def begin(self, reduce_now: bool) -> None:
         """Called before each backward: reduce_now is False for stage 0/1 micro-batches that
         only accumulate locally (not the accumulation boundary)."""
-        self.reduce_now = reduce_now or self.stage >= 2
+        self.reduce_now = self.launch_when_ready and (reduce_now or self.stage >= 2)
         self._reset_counts()
 
     def _bucket(self, index: int) -> torch.Tensor:
@@ -64,7 +73,10 @@ class GradientReducer:
         if u.grad_full is not None:
             return u.grad_full
         bucket = self._buckets.get(index)
-        if bucket is None:
+        if bucket is None and not self.launch_when_ready:  # accumulates over micro-batches
+            bucket = self._buckets[index] = torch.zeros(u.unit.padded_numel, dtype=torch.float32,
+                                                         device=self.flat.device)
+        elif bucket is None:
             # Each slot is written exactly once per backward (copied, not added), so only the
             # padding needs zeros now; slots that never receive a gradient are zeroed at flush.
             bucket = self._buckets[index] = torch.empty(u.unit.padded_numel, dtype=torch.float32,
@@ -77,8 +89,8 @@ class GradientReducer:
         unit = self.flat.units[index]
         target = self._bucket(index)[unit.unit.slots[k].offset:unit.unit.slots[k].end]
         grad = p.grad.reshape(-1)
-        if unit.grad_full is not None:
-            target.add_(grad)  # stages 0-1 accumulate micro-batches in the persistent buffer
+        if unit.grad_full is not None or not self.launch_when_ready:
+            target.add_(grad)  # micro-batches accumulate in the persistent buffer (stages 0-1) or bucket
         else:
             target.copy_(grad)
         p.grad = None
@@ -101,7 +113,7 @@ class GradientReducer:
     def _launch(self, index: int) -> None:
         u = self.flat.units[index]
         bucket = self._bucket(index)
-        if u.grad_full is None and self._missing[index]:
+        if u.grad_full is None and self.launch_when_ready and self._missing[index]:
             for k, slot in enumerate(u.unit.slots):
                 if k not in self._arrived[index]:
                     bucket[slot.offset:slot.end].zero_()
@@ -121,7 +133,8 @@ class GradientReducer:
                 # "g offload": with the optimizer on the CPU tier, u.grad is host memory.
                 work.then(lambda: (u.grad.add_(reduced.div_(dp).to(u.grad.device, non_blocking=True)), bucket))
         self._in_flight.append(work)
-        while len(self._in_flight) > self.max_in_flight and self.stage >= 2:
+        # (Pipeline buckets all exist already: capping them would only stall the pipeline.)
+        while len(self._in_flight) > self.max_in_flight and self.stage >= 2 and self.launch_when_ready:
             self._in_flight.popleft().wait()
 
     def end_backward(self) -> None:
@@ -131,6 +144,20 @@ class GradientReducer:
                 if missing and self.on_unit_done is not None:
                     self.on_unit_done(index)
             self._launch_ready(flush=True)
+
+    def accumulated_gradient(self, p: nn.Parameter) -> torch.Tensor:
+        """The flat fp32 gradient accumulated so far for ``p``, before its reduction (a view:
+        editing it edits what will be reduced; the pipeline's tied-weight exchange uses it)."""
+        index, k = self.flat.slot_of[p]
+        slot = self.flat.units[index].unit.slots[k]
+        return self._bucket(index)[slot.offset:slot.end]
+
+    def launch(self, indices: list[int]) -> None:
+        """Launch the given units' collectives now (``launch_when_ready=False``: the caller
+        knows when a pipeline chunk's gradients are final). Every rank of the data-parallel
+        group must launch the same units in the same order."""
+        for index in indices:
+            self._launch(index)
 
     def wait(self) -> None:
         """Block until every launched collective has completed and landed in the shards."""

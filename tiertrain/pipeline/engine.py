@@ -1,0 +1,170 @@
+"""The engine under pipeline parallelism: Megatron PTD-P (§2 pipeline, §3 tensor, data
+parallelism) with ZeRO stages 0-2 over each stage's data-parallel replicas.
+
+``tiertrain.wrap`` returns a :class:`PipelineEngine` when ``parallel.pp > 1``. It trains the
+pipeline stages this rank holds (``v = parallel.virtual_stages`` chunks, global stages
+``r, r+p, …``) with the schedule ``parallel.schedule`` over ``grad_accum_steps``
+micro-batches per step, and everything else is the ordinary engine:
+
+* **Gradients** of every micro-batch are added, in fp32, into the flat buffers of the
+  chunk's ZeRO units (reducer hooks, ``launch_when_ready=False``). When a chunk's last
+  backward of the step is over, the executor calls back and that chunk's units are
+  reduced over dp at once (all-reduce at stage 0, reduce-scatter at stages 1-2), while the
+  pipeline goes on with the other chunks' work. Stage 2 reduce-scatters each bucket once
+  per step and frees it, so between steps only the gradient shard persists. DeepSpeed
+  refuses pipeline + ZeRO-2 because its ZeRO-2 reduces at every micro-batch backward
+  (``m`` times the traffic); accumulating a step's micro-batches first avoids that.
+* **Tied embeddings**: the first stage's embedding and the last stage's head copy (see
+  :mod:`.stage`) exchange their accumulated fp32 gradients in the flat buffers
+  (:func:`~.stage.sum_tied_gradients`) before their units are reduced; both copies then
+  get the same update and stay equal. The copy is left out of the gradient norm.
+* **Gradient norm and overflow**: squares summed over dp shards, tp slices and pp stages,
+  so clipping and fp16 overflow skips agree on every rank.
+* **Checkpoints** are saved per rank; loading checks each rank's own layout.
+
+ZeRO stage 3 is refused: it would gather each stage's parameters for every micro-batch's
+forward and backward (neither Megatron nor DeepSpeed combine it with pipelining).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..config import Config, ConfigError
+from ..engine import Engine
+from ..models.gpt import GPT
+from ..topology import Topology
+from ..zero.layout import FlatLayout, bucket_layout, concatenate
+from .executor import PipelineExecutor
+from .schedule import gpipe, interleaved_one_f_one_b, one_f_one_b
+from .stage import TIED_FIRST, TIED_LAST, split_gpt, stages_for_rank, sum_tied_gradients
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one_f_one_b}
+"""parallel.schedule → the function building that schedule for (p, m, v)."""
+
+
+def pipeline_stages(model: nn.Module | Sequence[nn.Module], topology: Topology, virtual_stages: int = 1,
+                    balance: str = "layers") -> list[nn.Module]:
+    """This rank's stage modules: a tiertrain GPT (or its tensor-parallel form) is split into
+    ``pp × virtual_stages`` stages and this rank keeps stages ``r, r+p, …``; a list is taken
+    as this rank's stages already (each called as ``stage(x, batch)``, see :mod:`.stage`)."""
+    p = topology.size("pp")
+    if isinstance(model, (list, tuple, nn.ModuleList)):
+        stages = list(model)
+        if len(stages) != virtual_stages:
+            raise ConfigError(f"parallel.virtual_stages={virtual_stages} but {len(stages)} stage modules were "
+                              f"given for this rank; give one module per virtual stage")
+        return stages
+    if isinstance(model, GPT):
+        return stages_for_rank(split_gpt(model, p * virtual_stages, balance), p, topology.coord("pp"))
+    raise TypeError(f"parallel.pp={p}: wrap() needs this rank's pipeline stages, a list of modules called as "
+                    f"stage(x, batch) (see tiertrain.pipeline.stage), or a tiertrain GPT to split; "
+                    f"got {type(model).__name__}")
+
+
+def gpt_activation_shape(stage: nn.Module) -> Callable[[dict], tuple[int, ...]]:
+    """The activation a GPT stage sends for a micro-batch: [batch, seq, hidden], with the
+    sequence split over tp under sequence parallelism."""
+    hidden = stage.config.hidden
+    tp = torch.distributed.get_world_size(stage.tp_group) if stage.sequence_parallel else 1
+
+    def shape(batch: dict) -> tuple[int, ...]:
+        b, t = batch["input_ids"].shape
+        return (b, t // tp, hidden)
+    return shape
+
+
+class PipelineEngine(Engine):
+    """Trains this rank's pipeline stages; see the module docstring. Use :meth:`train_batch`
+    (a schedule interleaves the forward and backward of several micro-batches, so there is
+    no separate forward/backward call)."""
+
+    launch_when_ready = False
+
+    def __init__(self, stages: Sequence[nn.Module], config: Config, topology: Topology,
+                 activation_shape: tuple[int, ...] | Callable[[dict], tuple[int, ...]] | None = None,
+                 timeout: float = 300.0):
+        if config.zero.stage == 3:
+            raise ConfigError(f"zero.stage=3 with parallel.pp={topology.size('pp')} is not supported: stage 3 "
+                              f"would gather every stage's parameters for each micro-batch; valid: 0, 1, 2")
+        self.stages = list(stages)
+        self._tied_stages = [s for s in self.stages if getattr(s, "tied", False)]
+        super().__init__(nn.ModuleList(self.stages), config, topology)
+        if activation_shape is None and all(hasattr(s, "arch") for s in self.stages):
+            activation_shape = gpt_activation_shape(self.stages[0])
+        self.executor = PipelineExecutor(
+            self.stages, topology, SCHEDULES[config.parallel.schedule], activation_shape, dtype=self.dtype,
+            tied=False, timeout=timeout, grads_ready=self._chunk_gradients_final)
+
+    # -- construction (overrides) ------------------------------------------------------
+
+    def _trainable_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """The stages' own parameter names (the model's names: ``blocks.5.mlp.fc1.weight``)."""
+        named, seen = [], {}
+        for k, stage in enumerate(self.stages):
+            for name, p in stage.named_parameters():
+                if name in seen:
+                    raise ValueError(f"parameter name {name!r} appears in local stages {seen[name]} and {k}; "
+                                     f"stages of one rank must hold distinct parameters")
+                seen[name] = k
+                if p.requires_grad:
+                    named.append((name, p))
+        return named
+
+    def _build_layout(self, model, named, unit_modules) -> FlatLayout:
+        """Buckets per chunk (one never spans two chunks), so a chunk's units can be reduced
+        as soon as its backward is over."""
+        bucket_numel = max(1, int(self.config.zero.bucket_mb * 2**20) // 4)
+        shards = 1 if self.stage == 0 else self.dp
+        layouts = [bucket_layout([(n, p) for n, p in s.named_parameters() if p.requires_grad], shards, bucket_numel)
+                   for s in self.stages]
+        self._units_of_chunk, start = [], 0
+        for layout in layouts:
+            self._units_of_chunk.append(list(range(start, start + len(layout.units))))
+            start += len(layout.units)
+        return concatenate(layouts, [f"chunk{k}" for k in range(len(self.stages))])
+
+    def _counts_in_norm(self, name: str) -> bool:
+        return not (name == TIED_LAST and any(s.is_last and not s.is_first for s in self._tied_stages))
+
+    # -- training ------------------------------------------------------------------------
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        raise TypeError("with parallel.pp > 1 use engine.train_batch(micro_batches): a pipeline schedule "
+                        "interleaves the forward and backward of several micro-batches")
+
+    forward = __call__
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.__call__(None)
+
+    def _chunk_gradients_final(self, stage: nn.Module) -> None:
+        if stage not in self._tied_stages:  # tied chunks wait for the exchange
+            self.reducer.launch(self._units_of_chunk[self.stages.index(stage)])
+
+    def _exchange_tied_gradients(self) -> None:
+        first = last = None
+        for s in self._tied_stages:
+            params = dict(s.named_parameters())
+            if s.is_first:
+                first = self.reducer.accumulated_gradient(params[TIED_FIRST])
+            if s.is_last:
+                last = self.reducer.accumulated_gradient(params[TIED_LAST])
+        sum_tied_gradients(first, last, self.topology, self.executor.comm.timeout)
+        for s in self._tied_stages:
+            self.reducer.launch(self._units_of_chunk[self.stages.index(s)])
+
+    def train_batch(self, batches: Iterator[Any]) -> float:
+        """Run grad_accum_steps micro-batches from the iterator through the schedule and one
+        optimizer step; returns the mean loss of the micro-batches (on every pipeline rank).
+        Every rank of a pipeline must be given the same micro-batches."""
+        micro = [self._to_device(next(batches)) for _ in range(self.accum)]
+        self.reducer.begin(reduce_now=False)
+        loss = self.executor.run(micro, loss_scale=self.scaler.scale)
+        if self._tied_stages:
+            self._exchange_tied_gradients()
+        self.micro_steps += self.accum
+        self.step()
+        return loss
