@@ -1,6 +1,7 @@
-"""ZeRO-Offload: optimizer state (and, at stage 3, parameter shards) on the CPU tier trains
-exactly like keeping everything on the device (PAPERS.md §2). On a machine without an
-accelerator both tiers are host memory and the same copies run."""
+"""ZeRO-Offload and ZeRO-Infinity: optimizer state (and, at stage 3, parameter shards) on
+the CPU or NVMe tier trains exactly like keeping everything on the device (PAPERS.md
+§2-§3). On a machine without an accelerator the device and CPU tiers are both host memory
+and the same copies run; the NVMe tier is swap files in a temporary directory."""
 from __future__ import annotations
 
 import pytest
@@ -12,13 +13,15 @@ from tiertrain.testing import run_distributed
 CASES = [  # (stage, offload_optimizer, offload_params, dtype)
     (2, "cpu", "none", "fp32"), (2, "cpu", "none", "bf16"),
     (3, "cpu", "none", "fp32"), (3, "none", "cpu", "fp32"), (3, "cpu", "cpu", "fp32"), (3, "cpu", "cpu", "bf16"),
+    (3, "none", "nvme", "fp32"), (3, "cpu", "nvme", "fp32"), (3, "cpu", "nvme", "bf16"),
 ]
 
 
-def _runs(rank, world, stage, offload_optimizer, offload_params, dtype):
+def _runs(rank, world, stage, offload_optimizer, offload_params, dtype, nvme_path):
     out = []
     for opt, par in (("none", "none"), (offload_optimizer, offload_params)):
-        cfg = make_config(zero={"stage": stage, "offload_optimizer": opt, "offload_params": par},
+        cfg = make_config(zero={"stage": stage, "offload_optimizer": opt, "offload_params": par,
+                                "nvme_path": nvme_path},
                           precision={"dtype": dtype}, batch={"micro_batch_size": 2, "grad_accum_steps": 2},
                           optimizer={"grad_clip": 0.05})
         losses, params, engine = engine_train(rank, world, make_model(), cfg, global_batches(3, 8))
@@ -28,9 +31,9 @@ def _runs(rank, world, stage, offload_optimizer, offload_params, dtype):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("stage,offload_optimizer,offload_params,dtype", CASES)
-def test_offloaded_run_is_identical_to_device_run(stage, offload_optimizer, offload_params, dtype):
+def test_offloaded_run_is_identical_to_device_run(tmp_path, stage, offload_optimizer, offload_params, dtype):
     (base_losses, base_params, base_mem), (losses, params, mem) = run_distributed(
-        _runs, 2, stage, offload_optimizer, offload_params, dtype, timeout=50)[0]
+        _runs, 2, stage, offload_optimizer, offload_params, dtype, str(tmp_path / "swap"), timeout=50)[0]
     assert losses == base_losses
     assert all(torch.equal(params[k], base_params[k]) for k in params)
     assert base_mem.cpu_tier == 0
@@ -40,3 +43,36 @@ def test_offloaded_run_is_identical_to_device_run(stage, offload_optimizer, offl
     if offload_params == "cpu":
         expected += mem.params
     assert mem.cpu_tier == expected
+    assert mem.nvme_tier == (mem.params if offload_params == "nvme" else 0)
+
+
+def _nvme_engine(nvme_path):
+    import tiertrain
+
+    cfg = make_config(zero={"stage": 3, "offload_params": "nvme", "nvme_path": nvme_path},
+                      batch={"micro_batch_size": 2})
+    return tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
+
+
+def test_unusable_nvme_path_is_refused_at_wrap_naming_it(tmp_path):
+    from tiertrain.offload import SwapDirError
+
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_bytes(b"x")
+    with pytest.raises(SwapDirError, match=str(not_a_dir)):
+        _nvme_engine(str(not_a_dir))
+
+
+def test_truncated_parameter_swap_file_is_an_error_naming_it(tmp_path):
+    import os
+
+    from tiertrain.offload import SwapError
+
+    engine = _nvme_engine(str(tmp_path))
+    batch = global_batches(1, 2)[0]
+    engine.train_batch(iter([batch]))
+    files = sorted(p for p in (tmp_path / "rank0").iterdir() if p.name.endswith(".swp"))
+    assert files, "parameter shards are in swap files"
+    os.truncate(files[-1], 0)
+    with pytest.raises(SwapError, match=files[-1].name):
+        engine.train_batch(iter([batch]))

@@ -209,10 +209,12 @@ class ZeroConfig:
             _check_positive(f"{path}.prefetch_mb", self.prefetch_mb, allow_zero=True)
         _check_positive(f"{path}.max_live_mb", self.max_live_mb, allow_zero=True)
         _check_positive(f"{path}.persistence_threshold", self.persistence_threshold, allow_zero=True)
-        for name in ("offload_optimizer", "offload_params"):
-            if getattr(self, name) == "nvme":
-                raise ConfigError(f"{path}.{name}='nvme' is not yet supported by this version "
-                                  f"(the NVMe tier is tracked separately); valid now: 'none', 'cpu'")
+        if self.offload_optimizer == "nvme":
+            raise ConfigError(f"{path}.offload_optimizer='nvme' is not yet supported by this version "
+                              f"(the NVMe optimizer is being wired in); valid now: 'none', 'cpu'")
+        if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
+            raise ConfigError(f"{path}.nvme_path='' is invalid with an nvme tier: give a directory on the "
+                              f"NVMe device (one subdirectory per rank is created in it)")
         if self.offload_optimizer != "none" and self.stage < 2:
             raise ConfigError(f"{path}.offload_optimizer={self.offload_optimizer!r} needs {path}.stage 2 or 3 "
                               f"(ZeRO-Offload builds on stage 2), got stage={self.stage}")

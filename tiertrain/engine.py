@@ -41,6 +41,8 @@ class MemoryReport:
     optimizer: int
     cpu_tier: int = 0
     """How many of the bytes above live in the CPU tier (offloaded)."""
+    nvme_tier: int = 0
+    """How many of the bytes above live in the NVMe tier (swap files)."""
 
     @property
     def total(self) -> int:
@@ -108,12 +110,14 @@ class Engine:
             raise ValueError("the model has no trainable parameters")
         self._cast_buffers_and_frozen(model)
         self.layout = self._build_layout(model, named, unit_modules)
-        self.placement = Placement(self.device, offload_optimizer=config.zero.offload_optimizer == "cpu",
-                                   offload_params=config.zero.offload_params == "cpu")
+        self.placement = Placement(self.device, optimizer_tier=config.zero.offload_optimizer,
+                                   param_tier=config.zero.offload_params)
+        self.swapper = self._build_swapper() if "nvme" in (config.zero.offload_optimizer,
+                                                           config.zero.offload_params) else None
         self.flat = FlatParameters(
             self.layout, dict(named), self.comm, self.dtype, keep_full_grads=stage <= 1,
             rebuild_param=lambda p: gather_partitioned(p, self.comm) if is_partitioned(p) else p.detach(),
-            placement=self.placement)
+            placement=self.placement, swapper=self.swapper)
         for _, p in named:
             forget_partition(p)  # the flat buffers own the shard now
 
@@ -168,6 +172,18 @@ class Engine:
             for name, p in module.named_parameters(recurse=False):
                 if not p.requires_grad:
                     p.data = p.data.to(device=self.device, dtype=self.dtype)
+
+    def _build_swapper(self):
+        """This rank's swap directory under zero.nvme_path, with a buffer pool large enough
+        for the prefetch depth of ZeRO-Infinity (reads of 3 units ahead) plus writes."""
+        from .offload import AlignedBufferPool, AsyncIO, TensorSwapper
+
+        block = 1 << 20
+        largest = max(u.shard_numel for u in self.layout.units) * torch.finfo(self.dtype).bits // 8
+        pool_bytes = max(64 << 20, -(-(4 * largest) // block) * block)
+        pin = self.device.type == "cuda"
+        return TensorSwapper(self.config.zero.nvme_path, AsyncIO(num_threads=4, block_bytes=block),
+                             AlignedBufferPool(pool_bytes, block, pin=pin), rank=self.topology.rank, create=True)
 
     def _prefetch_mb(self) -> float:
         """zero.prefetch_mb, or its default for this device. On CPU, gloo's collectives run on
@@ -325,7 +341,7 @@ class Engine:
                       for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
         host_moments = moments if self.placement.offload_optimizer else 0
         return MemoryReport(flat["params"], flat["gathered_params"], flat["grads"], flat["master"] + moments,
-                            cpu_tier=flat["cpu_tier"] + host_moments)
+                            cpu_tier=flat["cpu_tier"] + host_moments, nvme_tier=flat["nvme_tier"])
 
     @contextlib.contextmanager
     def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None, modifier_rank: int | None = None):
@@ -344,9 +360,7 @@ class Engine:
                 for u in units:
                     self.comm.broadcast(u.full, modifier_rank)
                     lo, hi = u.unit.shard_range(self.flat.shard_rank)
-                    u.shard.copy_(u.full[lo:hi])
-                    if u.master is not u.shard:
-                        u.master.copy_(u.shard)
+                    self.flat.write_shard(u.unit.index, u.full[lo:hi])
         finally:
             for u in units:
                 self.flat.release(u.unit.index)

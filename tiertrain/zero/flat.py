@@ -18,6 +18,13 @@ with the optimizer offloaded, ``master`` and ``grad`` live in CPU memory and the
 runs there ("g offload", "p update", "p swap"); with parameters offloaded (stage 3),
 ``shard`` lives in CPU memory and is copied to the device before each all-gather. On a
 machine without an accelerator both tiers are host memory, and the same copies run.
+
+With parameters on the NVMe tier, a partitioned unit's ``shard`` has no storage: its bytes
+live in a swap file (one per unit, through :class:`~tiertrain.offload.TensorSwapper`). A
+gather reads it into a staging tensor (NVMe → CPU; :meth:`FlatParameters.prefetch_shards`
+starts those reads ahead of use, so the read of unit i+3 overlaps the compute of unit i),
+copies it to the device and all-gathers it; after each optimizer step the updated shard is
+written back ("p swap" of ZeRO-Infinity §6).
 """
 from __future__ import annotations
 
@@ -32,11 +39,21 @@ from .layout import FlatLayout, Unit
 
 @dataclass(frozen=True)
 class Placement:
-    """Devices of each kind of state and whether it counts as offloaded to the CPU tier."""
+    """The tier of each kind of state: none (the compute device), cpu or nvme."""
 
     compute: torch.device = torch.device("cpu")
-    offload_optimizer: bool = False
-    offload_params: bool = False
+    optimizer_tier: str = "none"
+    param_tier: str = "none"
+
+    @property
+    def offload_optimizer(self) -> bool:
+        """Master weights, optimizer state and gradient shards live off the device."""
+        return self.optimizer_tier != "none"
+
+    @property
+    def offload_params(self) -> bool:
+        """Partitioned parameter shards live off the device (stage 3)."""
+        return self.param_tier != "none"
 
     @property
     def host(self) -> torch.device:
@@ -78,9 +95,13 @@ class FlatParameters:
 
     def __init__(self, layout: FlatLayout, params: dict[str, nn.Parameter], comm: Collectives,
                  dtype: torch.dtype, keep_full_grads: bool, rebuild_param=None,
-                 placement: Placement = Placement()):
+                 placement: Placement = Placement(), swapper=None):
+        if placement.param_tier == "nvme" and swapper is None:
+            raise ValueError("parameters on the nvme tier need a TensorSwapper")
         self.layout = layout
         self.placement = placement
+        self.swapper = swapper
+        self._writes = []  # swap-outs of shards in flight
         self.device = device = placement.compute
         self.params = params
         self.comm = comm
@@ -103,8 +124,9 @@ class FlatParameters:
             else:
                 shard = placement.empty(unit.shard_numel, dtype, placement.param_shards)
                 shard.copy_(full[lo:hi])
-            # The master is the shard itself when both are fp32 on the same tier.
-            if dtype == torch.float32 and placement.offload_optimizer == (placement.offload_params and not unit.resident):
+            # The master is the shard itself when both are fp32 in the same memory.
+            shard_tier = "none" if unit.resident else placement.param_tier
+            if dtype == torch.float32 and placement.optimizer_tier == shard_tier != "nvme":
                 master = shard
             else:
                 master = placement.empty(unit.shard_numel, torch.float32, placement.optimizer)
@@ -121,6 +143,9 @@ class FlatParameters:
             self.units.append(buffers)
             if not unit.resident:
                 self.release(unit.index)
+                if self.on_nvme(unit.index):
+                    self._swap_out_shard(buffers, shard)
+        self.wait_writes()
 
     # -- stage 3: gather before use, release after -------------------------------------
 
@@ -135,11 +160,11 @@ class FlatParameters:
         u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
         u.gathered = True
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
-        shard = u.shard
-        if self.placement.offload_params:  # the CPU→device copy of ZeRO-Infinity's fetch
-            shard = torch.empty(shard.numel(), dtype=shard.dtype, device=self.device)
-            shard.copy_(u.shard, non_blocking=True)
+        shard = self.read_shard(index)
+        if self.placement.offload_params and shard.device != self.device:  # ZeRO-Infinity's CPU→device copy
+            shard = shard.to(self.device, non_blocking=True)
         u.pending = self.comm.all_gather(u.full, shard, async_op=True)
+        u.pending.then(lambda: shard)  # the staged shard lives until the gather completes
         if not async_op:
             u.pending.wait()
             u.pending = None
@@ -155,6 +180,51 @@ class FlatParameters:
         u.full.untyped_storage().resize_(0)
         u.gathered = False
 
+    # -- the NVMe tier ------------------------------------------------------------------
+
+    def on_nvme(self, index: int) -> bool:
+        return self.placement.param_tier == "nvme" and not self.units[index].unit.resident
+
+    def _key(self, index: int) -> str:
+        return f"param_shard{index}"
+
+    def _swap_out_shard(self, u: UnitBuffers, values: torch.Tensor) -> None:
+        """Write values (the unit's shard) to its swap file; the shard itself keeps no storage."""
+        self._writes.append(self.swapper.swap_out(self._key(u.unit.index), values))
+        u.shard.untyped_storage().resize_(0)
+
+    def wait_writes(self) -> None:
+        """Wait for the shard writes in flight; raises the first IO error (naming the file)."""
+        writes, self._writes = self._writes, []
+        for handle in writes:
+            handle.wait()
+
+    def prefetch_shards(self, indices) -> None:
+        """Start reading these units' shards from NVMe (a hint: skipped when the pool is full)."""
+        keys = [self._key(i) for i in indices if self.on_nvme(i) and not self.units[i].gathered]
+        if keys:
+            self.swapper.prefetch(keys)
+
+    def read_shard(self, index: int) -> torch.Tensor:
+        """This rank's shard of unit index in the compute dtype, wherever it lives (a fresh
+        staging tensor for the NVMe tier; the shard itself otherwise)."""
+        u = self.units[index]
+        if not self.on_nvme(index):
+            return u.shard
+        staged = self.placement.empty(u.unit.shard_numel, self.dtype, self.placement.host)
+        return self.swapper.swap_in(self._key(index), staged).wait()
+
+    def write_shard(self, index: int, values: torch.Tensor) -> None:
+        """Set this rank's shard of unit index (and its master copy) to values."""
+        u = self.units[index]
+        if self.on_nvme(index):
+            self._swap_out_shard(u, values.to(self.dtype))
+            self.wait_writes()
+        else:
+            u.shard.copy_(values)
+        if u.master is not u.shard:
+            u.master.copy_(values)
+
     def gathered_bytes(self) -> int:
         return sum(u.full.numel() * u.full.element_size() for u in self.units
                    if u.gathered and not u.unit.resident)
@@ -166,7 +236,9 @@ class FlatParameters:
         units' full buffers with an all-gather (ZeRO §5.1: stages 1-2 all-gather the
         updated parameters). Partitioned units are gathered on their next use."""
         for u in self.units:
-            if u.master is not u.shard:
+            if self.on_nvme(u.unit.index):
+                self._swap_out_shard(u, u.master.to(self.dtype))
+            elif u.master is not u.shard:
                 u.shard.copy_(u.master)
         # All launched before any is waited on: gloo queues them back to back instead of
         # paying one round trip per unit.
@@ -174,6 +246,7 @@ class FlatParameters:
                    for u in self.units if u.unit.resident and u.unit.num_shards > 1]
         for work in pending:
             work.wait()
+        self.wait_writes()
 
     def zero_grads(self) -> None:
         for u in self.units:
@@ -182,16 +255,18 @@ class FlatParameters:
     # -- accounting --------------------------------------------------------------------
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds now, by kind of state, and how many of them sit in the CPU
-        tier (optimizer moments are counted by the engine)."""
-        params = grads = master = host = 0
+        """Bytes this rank holds now, by kind of state, how many of them sit in the CPU tier
+        and how many in the NVMe tier (optimizer moments are counted by the engine)."""
+        params = grads = master = host = nvme = 0
         p = self.placement
         for u in self.units:
             if u.unit.resident:
                 params += u.full.numel() * u.full.element_size()
             else:
-                params += u.shard.numel() * u.shard.element_size()
-                host += u.shard.numel() * u.shard.element_size() if p.offload_params else 0
+                nbytes = u.unit.shard_numel * u.full.element_size()
+                params += nbytes
+                host += nbytes if p.param_tier == "cpu" else 0
+                nvme += nbytes if p.param_tier == "nvme" else 0
             if u.master is not u.shard:
                 master += u.master.numel() * 4
                 host += u.master.numel() * 4 if p.offload_optimizer else 0
@@ -199,4 +274,4 @@ class FlatParameters:
             grads += grad.numel() * 4
             host += grad.numel() * 4 if p.offload_optimizer else 0
         return {"params": params, "gathered_params": self.gathered_bytes(), "grads": grads,
-                "master": master, "cpu_tier": host}
+                "master": master, "cpu_tier": host, "nvme_tier": nvme}
