@@ -10,18 +10,21 @@ import torch
 from reference import engine_train, global_batches, make_config, make_model
 from tiertrain.testing import run_distributed
 
-CASES = [  # (stage, offload_optimizer, offload_params, dtype)
-    (2, "cpu", "none", "fp32"), (2, "cpu", "none", "bf16"),
-    (3, "cpu", "none", "fp32"), (3, "none", "cpu", "fp32"), (3, "cpu", "cpu", "fp32"), (3, "cpu", "cpu", "bf16"),
-    (3, "none", "nvme", "fp32"), (3, "cpu", "nvme", "fp32"), (3, "cpu", "nvme", "bf16"),
+CASES = [  # (stage, offload_optimizer, offload_params, dtype, activation checkpoints)
+    (2, "cpu", "none", "fp32", "none"), (2, "cpu", "none", "bf16", "none"), (2, "cpu", "none", "fp32", "cpu"),
+    (3, "cpu", "none", "fp32", "none"), (3, "none", "cpu", "fp32", "none"), (3, "cpu", "cpu", "fp32", "none"),
+    (3, "cpu", "cpu", "bf16", "none"), (3, "cpu", "cpu", "fp32", "cpu"),
+    (3, "none", "nvme", "fp32", "none"), (3, "cpu", "nvme", "fp32", "none"), (3, "cpu", "nvme", "bf16", "none"),
+    (3, "cpu", "nvme", "fp32", "cpu"),
 ]
 
 
-def _runs(rank, world, stage, offload_optimizer, offload_params, dtype, nvme_path):
+def _runs(rank, world, stage, offload_optimizer, offload_params, dtype, checkpoints, nvme_path):
     out = []
-    for opt, par in (("none", "none"), (offload_optimizer, offload_params)):
+    for opt, par, ckpt in (("none", "none", "none"), (offload_optimizer, offload_params, checkpoints)):
+        activations = {"checkpoint_every": 1, "offload": "cpu"} if ckpt == "cpu" else {}
         cfg = make_config(zero={"stage": stage, "offload_optimizer": opt, "offload_params": par,
-                                "nvme_path": nvme_path},
+                                "nvme_path": nvme_path}, activations=activations,
                           precision={"dtype": dtype}, batch={"micro_batch_size": 2, "grad_accum_steps": 2},
                           optimizer={"grad_clip": 0.05})
         losses, params, engine = engine_train(rank, world, make_model(), cfg, global_batches(3, 8))
@@ -30,10 +33,12 @@ def _runs(rank, world, stage, offload_optimizer, offload_params, dtype, nvme_pat
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("stage,offload_optimizer,offload_params,dtype", CASES)
-def test_offloaded_run_is_identical_to_device_run(tmp_path, stage, offload_optimizer, offload_params, dtype):
+@pytest.mark.parametrize("stage,offload_optimizer,offload_params,dtype,checkpoints", CASES)
+def test_offloaded_run_is_identical_to_device_run(tmp_path, stage, offload_optimizer, offload_params, dtype,
+                                                  checkpoints):
     (base_losses, base_params, base_mem), (losses, params, mem) = run_distributed(
-        _runs, 2, stage, offload_optimizer, offload_params, dtype, str(tmp_path / "swap"), timeout=50)[0]
+        _runs, 2, stage, offload_optimizer, offload_params, dtype, checkpoints, str(tmp_path / "swap"),
+        timeout=50)[0]
     assert losses == base_losses
     assert all(torch.equal(params[k], base_params[k]) for k in params)
     assert base_mem.cpu_tier == 0
@@ -44,6 +49,11 @@ def test_offloaded_run_is_identical_to_device_run(tmp_path, stage, offload_optim
         expected += mem.params
     assert mem.cpu_tier == expected
     assert mem.nvme_tier == (mem.params if offload_params == "nvme" else 0)
+    assert base_mem.activation_checkpoints == 0
+    if checkpoints == "cpu":  # every block's input, [micro_batch, seq, hidden] in the compute dtype
+        tiny = make_model().config
+        expected = tiny.n_layers * 2 * tiny.seq_len * tiny.hidden * (4 if dtype == "fp32" else 2)
+        assert mem.activation_checkpoints == mem.activation_checkpoints_cpu == expected
 
 
 def _nvme_engine(nvme_path):

@@ -19,6 +19,7 @@ import torch.nn as nn
 from . import checkpoint
 from .comm import Collectives, CommCounter
 from .config import Config, ConfigError
+from .offload.activations import apply_activation_checkpointing, checkpoint_memory, checkpointing_of
 from .optim import build_adamw, build_schedule, clip_coefficient, decays
 from .precision import DynamicLossScaler, compute_dtype
 from .topology import Topology
@@ -43,6 +44,10 @@ class MemoryReport:
     """How many of the bytes above live in the CPU tier (offloaded)."""
     nvme_tier: int = 0
     """How many of the bytes above live in the NVMe tier (swap files)."""
+    activation_checkpoints: int = 0
+    """Peak bytes of activation checkpoints (saved block inputs) between a forward and its backward; not model state."""
+    activation_checkpoints_cpu: int = 0
+    """Of activation_checkpoints, the bytes held in the CPU tier (activations.offload=cpu)."""
 
     @property
     def total(self) -> int:
@@ -340,8 +345,10 @@ class Engine:
         moments = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
                       for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
         host_moments = moments if self.placement.offload_optimizer else 0
+        ckpt = checkpoint_memory(self.module)
         return MemoryReport(flat["params"], flat["gathered_params"], flat["grads"], flat["master"] + moments,
-                            cpu_tier=flat["cpu_tier"] + host_moments, nvme_tier=flat["nvme_tier"])
+                            cpu_tier=flat["cpu_tier"] + host_moments, nvme_tier=flat["nvme_tier"],
+                            activation_checkpoints=ckpt.peak_bytes, activation_checkpoints_cpu=ckpt.host_peak_bytes)
 
     @contextlib.contextmanager
     def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None, modifier_rank: int | None = None):
@@ -407,7 +414,14 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
     model is a tiertrain GPT (split into stages here) or this rank's list of stage modules,
     each called as stage(x, batch); activation_shape is the shape of the tensor passed
     between stages for a micro-batch (known for GPT stages), or a function of the batch.
+    With activations.checkpoint_every = k > 0, every k-th block (children of ModuleLists)
+    recomputes its activations in backward (tiertrain.offload.activations); apply it
+    yourself before wrap() to choose other blocks.
     """
+    if (config.activations.checkpoint_every > 0 and isinstance(model, nn.Module)
+            and checkpointing_of(model) is None):
+        # Before any pipeline split: the stages reuse the model's (now checkpointed) blocks.
+        apply_activation_checkpointing(model, config.activations, device=topology.device)
     if topology.size("pp") > 1:
         from .pipeline.engine import PipelineEngine, pipeline_stages
 

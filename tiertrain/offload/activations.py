@@ -1,0 +1,461 @@
+"""Activation checkpointing: full-block recomputation every k blocks, with the checkpoints
+(the saved block inputs) optionally held in the CPU tier (ZeRO-R's activation checkpointing
+and its CPU offload, PAPERS.md §1; ZeRO-Infinity's memory model and offload engine, §3).
+
+``apply_activation_checkpointing(model, config)`` runs the forward of every k-th block
+(blocks 0, k, 2k, …; ``k = config.checkpoint_every``) under
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: the forward keeps only the
+block's inputs, and backward recomputes the block (forward once more) just before its
+backward needs the activations. Compute per step grows from 3× to 4× the forward (the
+"recomputation 1×" of ZeRO-Infinity §4), and the activations held between forward and
+backward fall from every block's intermediates to ≈ ``bsz·seq·hd·bytes`` per checkpointed
+block (PAPERS.md §3: checkpoints ≈ 2·bsz·seq·hd·nl/ci bytes in fp16, ci = k), plus the
+working memory of the one block being recomputed (AWM).
+
+With ``config.offload == "cpu"`` the checkpoints live in host memory between forward and
+backward. On CUDA each block input is copied into a pinned host buffer with a non_blocking
+copy on a side stream (the forward continues meanwhile), and copied back on the compute
+stream when backward starts recomputing that block. Each checkpoint crosses the link twice
+(saved once, fetched once) per ci blocks of compute, an arithmetic intensity of 24·hd·ci
+(ZeRO-Infinity §4, PAPERS.md §3), so 1–2 GB/s keep the GPU busy: that is why its placement
+policy sends checkpoints to the CPU before parameters. (The copy back is not prefetched
+ahead of the recomputation: a possible refinement; the bandwidth needed is small.) On a
+CPU-only machine, where the "device" is host memory already, the same code path copies
+each checkpoint into a separate, accounted host pool, so the path runs and its bytes are
+counted. The pool keeps freed buffers for reuse by
+size (ZeRO-R's constant, preallocated checkpoint buffers, against fragmentation): after the
+first step no new host memory is allocated.
+
+How a block's inputs reach the CPU tier: non-reentrant checkpoint saves the block's
+positional tensor inputs through autograd's saved-tensor mechanism *before* it installs its
+own hooks for the block's interior, so a ``torch.autograd.graph.saved_tensors_hooks`` pair
+around the checkpoint call sees exactly the checkpoints (and nothing else), and its unpack
+runs when backward asks for them, i.e. just before recomputation. Keyword tensor
+arguments are passed positionally for the same reason.
+
+Interaction with ZeRO stage 3 (tiertrain/zero/stage3.py): the checkpointed forward replaces
+the block's ``forward`` only, so ``module.__call__`` and the fetcher's hooks on the block
+still run around the original forward: the pre-hook gathers, the post-hook releases and
+hangs a gradient hook on the block's output, which gathers the block again as soon as
+backward reaches it — before any of its saved activations is unpacked, hence before the
+recomputation, which therefore finds its parameters gathered. Stage-3 units *inside* a
+checkpointed block (tiles of a ``TiledLinear``, finer ``unit_modules``) have their hooks fire
+again during the recomputation; it runs inside ``stage3.recomputation()``, under which the
+fetcher gathers without recording the unit in its traced order or prefetching from it, and
+afterwards releases only units whose backward has not begun yet (they are gathered again by
+their own backward, as ZeRO §5.3 does for every unit); the unit whose backward asked for the
+recomputation keeps its parameters. So at most one nested unit more than without
+checkpointing is gathered at a time, each step's prefetch order stays the traced one, and
+ranks stay in step (they all recompute the same blocks in the same order).
+
+Dropout: checkpoint stashes the RNG state (CPU, and the inputs' devices') at forward and
+restores it for the recomputation, so every mask is drawn again identically.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import ActivationConfig, ConfigError
+from ..zero.stage3 import recomputation
+
+__all__ = ["ActivationCheckpointing", "CheckpointMemory", "HostCheckpointPool",
+           "apply_activation_checkpointing", "checkpoint_blocks", "checkpoint_memory",
+           "checkpointing_of"]
+
+_ATTR = "_tiertrain_activation_checkpointing"
+_OFFLOAD = ("none", "cpu")
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+def checkpoint_blocks(model: nn.Module, blocks: Iterable[str | nn.Module] | None = None) -> list[str]:
+    """Names of the blocks to consider, in model order. Default: the children of every
+    nn.ModuleList (engine.default_unit_modules' rule), keeping only the outermost ones (a
+    TiledLinear's tiles inside a block are part of that block). Given blocks may be module
+    names or modules of the model; they must be distinct, proper submodules and disjoint."""
+    names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
+    if blocks is None:
+        found = []
+        for name, module in model.named_modules():
+            if isinstance(module, nn.ModuleList):
+                found += [f"{name}.{c}" if name else c for c, _ in module.named_children()]
+        if not found:
+            raise ValueError(
+                f"apply_activation_checkpointing: {type(model).__name__} has no nn.ModuleList, so it has "
+                f"no default blocks to checkpoint; pass blocks=[...] (submodule names such as 'layers.0', "
+                f"or the modules themselves)")
+        chosen = [n for n in found if not any(n.startswith(o + ".") for o in found if o != n)]
+    else:
+        chosen = []
+        for b in list(blocks):
+            if isinstance(b, nn.Module):
+                if b not in names:
+                    raise ValueError(f"blocks: a {type(b).__name__} that is not a submodule of "
+                                     f"{type(model).__name__}; valid: its submodules or their names")
+                b = names[b]
+            if not isinstance(b, str) or b == "":
+                raise ValueError(f"blocks: {b!r} is invalid: expected the name of a proper submodule of "
+                                 f"{type(model).__name__} (not the model itself), e.g. 'layers.0'")
+            try:
+                model.get_submodule(b)
+            except AttributeError:
+                some = [n for n, _ in model.named_children()]
+                raise ValueError(f"blocks: {b!r} is not a submodule of {type(model).__name__}; "
+                                 f"valid names start with one of {some}") from None
+            if b in chosen:
+                raise ValueError(f"blocks: {b!r} is given twice; each block is checkpointed once")
+            chosen.append(b)
+        if not chosen:
+            raise ValueError("blocks=[] is invalid: expected at least one block name (or None for the default)")
+        for a in chosen:
+            for b in chosen:
+                if b.startswith(a + "."):
+                    raise ValueError(f"blocks {a!r} and {b!r} are nested; checkpointed blocks must be "
+                                     f"disjoint (checkpoint the outer one only)")
+        order = {n: i for i, (n, _) in enumerate(model.named_modules(remove_duplicate=False))}
+        chosen.sort(key=lambda n: order.get(n, len(order)))
+    return chosen
+
+
+# --------------------------------------------------------------------------- accounting
+
+
+@dataclass
+class CheckpointMemory:
+    """Bytes held in activation checkpoints on this rank (both tiers), now and at peak
+    since the checkpointing was applied or since the last ``reset_peak()``."""
+
+    bytes: int = 0
+    """Checkpoint bytes held now (device + CPU tier)."""
+    peak_bytes: int = 0
+    """Most checkpoint bytes held at once."""
+    host_bytes: int = 0
+    """Of ``bytes``, those in the CPU tier (offload='cpu')."""
+    host_peak_bytes: int = 0
+    """Most checkpoint bytes held at once in the CPU tier."""
+    host_reserved_bytes: int = 0
+    """Host pool capacity: buffers in use plus freed ones kept for reuse."""
+    recomputations: int = 0
+    """Blocks recomputed in backward so far."""
+
+
+class _Counters:
+    """Checkpoint byte counters; updated from the forward thread (pack) and from wherever
+    autograd frees a block's saved inputs (on CUDA, an autograd device thread)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.device = self.host = self.peak = self.host_peak = self.recomputations = 0
+
+    def add(self, device: int, host: int) -> None:
+        with self.lock:
+            self.device += device
+            self.host += host
+            self.peak = max(self.peak, self.device + self.host)
+            self.host_peak = max(self.host_peak, self.host)
+
+    def __reduce__(self):  # deepcopy/pickle of a model: fresh counters
+        return (_Counters, ())
+
+
+class HostCheckpointPool:
+    """Host buffers for offloaded checkpoints (pinned when they will feed a CUDA device),
+    kept after use and handed out again by exact byte size, so a training loop whose block
+    inputs repeat their shapes allocates host memory in its first step only. On CUDA a
+    returned buffer carries the event of its last copy, and is reused only after it."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._free: dict[int, list[tuple[torch.Tensor, object]]] = {}
+        self._lock = threading.Lock()
+        self.reserved_bytes = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get(nbytes)
+            buf, last_use = free.pop() if free else (None, None)
+            if buf is None:
+                self.reserved_bytes += nbytes
+        if last_use is not None:
+            last_use.synchronize()
+        if buf is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        return buf
+
+    def give(self, buf: torch.Tensor, last_use=None) -> None:
+        with self._lock:
+            self._free.setdefault(buf.numel(), []).append((buf, last_use))
+
+    def clear(self) -> None:
+        """Drop the buffers kept for reuse (those in use stay with their checkpoints)."""
+        with self._lock:
+            for bufs in self._free.values():
+                self.reserved_bytes -= sum(b.numel() for b, _ in bufs)
+            self._free.clear()
+
+    def __reduce__(self):  # deepcopy/pickle of a model: a fresh, empty pool
+        return (HostCheckpointPool, (self.pin,))
+
+
+_side_streams: dict[torch.device, object] = {}
+
+
+def _side_stream(device: torch.device):
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
+class _OnDevice:
+    """A checkpoint kept where it is (offload='none'); counts its storage once however many
+    blocks received the same tensor."""
+
+    __slots__ = ("tensor", "key", "owner")
+
+    def __init__(self, owner: "ActivationCheckpointing", tensor: torch.Tensor):
+        self.tensor, self.owner = tensor, owner
+        storage = tensor.untyped_storage()
+        self.key = storage.data_ptr()
+        with owner._counters.lock:
+            entry = owner._storages.setdefault(self.key, [storage.nbytes(), 0])
+            entry[1] += 1
+            first = entry[1] == 1
+        if first:
+            owner._counters.add(entry[0], 0)
+
+    def __del__(self):
+        owner = self.owner
+        with owner._counters.lock:
+            entry = owner._storages[self.key]
+            entry[1] -= 1
+            last = entry[1] == 0
+            if last:
+                del owner._storages[self.key]
+        if last:
+            owner._counters.add(-entry[0], 0)
+
+
+class _OnHost:
+    """A checkpoint copied into the CPU tier (offload='cpu')."""
+
+    __slots__ = ("buf", "host", "device", "ready", "last_use", "owner", "nbytes")
+
+    def __init__(self, owner: "ActivationCheckpointing", x: torch.Tensor):
+        self.owner, self.device = owner, x.device
+        self.nbytes = x.numel() * x.element_size()
+        self.buf = owner.pool.take(self.nbytes)
+        self.host = self.buf.view(x.dtype).view(x.shape)
+        self.ready = self.last_use = None
+        if x.device.type == "cuda" and owner.pool.pin:
+            # Device → pinned host on a side stream, ordered after the work that produced x;
+            # record_stream keeps x's memory from being reused before the copy has read it.
+            stream = _side_stream(x.device)
+            stream.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(stream):
+                self.host.copy_(x, non_blocking=True)
+                self.ready = torch.cuda.Event()
+                self.ready.record(stream)
+            x.record_stream(stream)
+        else:
+            self.host.copy_(x)
+        owner._counters.add(0, self.nbytes)
+
+    def unpack(self) -> torch.Tensor:
+        """Back to the device it came from, just before the block is recomputed."""
+        out = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
+        if self.ready is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(self.ready)
+            out.copy_(self.host, non_blocking=True)
+            self.last_use = torch.cuda.Event()
+            self.last_use.record(current)
+        else:
+            out.copy_(self.host)
+        return out
+
+    def __del__(self):
+        owner = self.owner
+        owner.pool.give(self.buf, self.last_use if self.last_use is not None else self.ready)
+        owner._counters.add(0, -self.nbytes)
+
+
+# --------------------------------------------------------------------------- the wrapper
+
+
+class _CheckpointedForward:
+    """Installed as ``block.forward``: runs the block's own forward under non-reentrant
+    checkpoint, with the handle's saved-tensor hooks around it (see the module docstring).
+    A class, not a closure, so that ``copy.deepcopy(model)`` rebinds it to the copy."""
+
+    def __init__(self, owner: "ActivationCheckpointing", module: nn.Module, previous):
+        self.owner, self.module, self.previous = owner, module, previous
+
+    def _run(self, *args, **kwargs):
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():  # nothing is saved for backward: nothing to checkpoint
+            return self._run(*args, **kwargs)
+        keys = tuple(kwargs)
+        n = len(args)
+
+        def run(*flat):
+            return self._run(*flat[:n], **dict(zip(keys, flat[n:], strict=True)))
+
+        owner = self.owner
+        with torch.autograd.graph.saved_tensors_hooks(owner._pack, owner._unpack):
+            return checkpoint(run, *args, *kwargs.values(), use_reentrant=False,
+                              context_fn=owner._contexts)
+
+
+class ActivationCheckpointing:
+    """What :func:`apply_activation_checkpointing` did to a model: ``blocks`` (every
+    candidate block, in order), ``checkpointed`` (those recomputed: every k-th), the pool
+    of the CPU tier, ``memory()`` and ``remove()``."""
+
+    def __init__(self, model: nn.Module, config: ActivationConfig, blocks: list[str], pin: bool):
+        self.config = config
+        self.offload = config.offload
+        self.blocks = blocks
+        k = config.checkpoint_every
+        self.checkpointed = blocks[::k] if k > 0 else []
+        self.pool = HostCheckpointPool(pin) if self.offload == "cpu" else None
+        self._counters = _Counters()
+        self._storages: dict[int, list[int]] = {}
+        self._installed: list[tuple[nn.Module, object]] = []
+        self._model = model
+        for name in self.checkpointed:
+            module = model.get_submodule(name)
+            previous = module.__dict__.get("forward")
+            module.forward = _CheckpointedForward(self, module, previous)
+            self._installed.append((module, previous))
+
+    # -- saved-tensor hooks (see the module docstring) ------------------------------
+
+    def _pack(self, x: torch.Tensor):
+        if isinstance(x, nn.Parameter):  # model state, not an activation: leave it alone
+            return x
+        return _OnHost(self, x) if self.offload == "cpu" else _OnDevice(self, x)
+
+    @staticmethod
+    def _unpack(packed) -> torch.Tensor:
+        if isinstance(packed, _OnHost):
+            return packed.unpack()
+        if isinstance(packed, _OnDevice):
+            return packed.tensor
+        return packed
+
+    def _contexts(self):
+        return contextlib.nullcontext(), self._recomputing()
+
+    @contextlib.contextmanager
+    def _recomputing(self):
+        with self._counters.lock:
+            self._counters.recomputations += 1
+        with recomputation():
+            yield
+
+    # -- inspection ------------------------------------------------------------------
+
+    def memory(self) -> CheckpointMemory:
+        c = self._counters
+        with c.lock:
+            return CheckpointMemory(bytes=c.device + c.host, peak_bytes=c.peak, host_bytes=c.host,
+                                    host_peak_bytes=c.host_peak,
+                                    host_reserved_bytes=self.pool.reserved_bytes if self.pool else 0,
+                                    recomputations=c.recomputations)
+
+    def reset_peak(self) -> None:
+        c = self._counters
+        with c.lock:
+            c.peak, c.host_peak = c.device + c.host, c.host
+
+    def remove(self) -> None:
+        """Restore the blocks' forwards (checkpoints already taken are still honoured)."""
+        for module, previous in self._installed:
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+        self._installed = []
+        self._model.__dict__.pop(_ATTR, None)
+
+    def __repr__(self) -> str:
+        return (f"ActivationCheckpointing(checkpoint_every={self.config.checkpoint_every}, "
+                f"offload={self.offload!r}, checkpointed={self.checkpointed})")
+
+
+def apply_activation_checkpointing(model: nn.Module, config: ActivationConfig,
+                                   blocks: Iterable[str | nn.Module] | None = None,
+                                   device: torch.device | str | None = None) -> ActivationCheckpointing:
+    """Checkpoint every ``config.checkpoint_every``-th block of ``model`` in place (blocks 0,
+    k, 2k, … of :func:`checkpoint_blocks`), holding the checkpoints in the tier
+    ``config.offload`` names; call before ``tiertrain.wrap``. ``device``: where the model
+    computes (decides whether CPU-tier buffers are pinned; default: pinned when CUDA is
+    available). ``checkpoint_every=0`` checkpoints nothing. Returns the handle, also found
+    later with :func:`checkpointing_of` / :func:`checkpoint_memory`."""
+    if not isinstance(config, ActivationConfig):
+        raise TypeError(f"config must be an ActivationConfig (Config.activations), got {type(config).__name__}")
+    k = config.checkpoint_every
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise ConfigError(f"activations.checkpoint_every={k!r} is invalid: expected an int >= 0 "
+                          f"(0 = off, k = every k-th block)")
+    if config.offload not in _OFFLOAD:
+        raise ConfigError(f"activations.offload={config.offload!r} is invalid: expected one of "
+                          f"{', '.join(map(repr, _OFFLOAD))}")
+    config.validate()
+    if _ATTR in model.__dict__:
+        raise RuntimeError(f"activation checkpointing is already applied to this {type(model).__name__} "
+                           f"({model.__dict__[_ATTR]!r}); call .remove() on that handle first")
+    names = checkpoint_blocks(model, blocks)
+    again = [n for n in names if isinstance(model.get_submodule(n).__dict__.get("forward"), _CheckpointedForward)]
+    if again:
+        raise RuntimeError(f"blocks {again} are already checkpointed (by an earlier apply_activation_checkpointing "
+                           f"on a module that contains them); call .remove() on that handle first")
+    if k > len(names):
+        shown = names if len(names) <= 4 else names[:2] + ["…"] + names[-1:]
+        raise ConfigError(f"activations.checkpoint_every={k} is invalid: the model has {len(names)} "
+                          f"block(s) ({', '.join(shown)}); expected 0 (off) or 1..{len(names)}")
+    if device is None:
+        pin = torch.cuda.is_available()
+    else:
+        pin = torch.device(device).type == "cuda"
+    handle = ActivationCheckpointing(model, config, names, pin)
+    model.__dict__[_ATTR] = handle
+    return handle
+
+
+def checkpointing_of(model: nn.Module) -> ActivationCheckpointing | None:
+    """The handle of the checkpointing applied to model, or None."""
+    return model.__dict__.get(_ATTR)
+
+
+def checkpoint_memory(model: nn.Module) -> CheckpointMemory:
+    """Checkpoint bytes of the checkpointing applied to model or to any module inside it (a
+    pipeline stage holding blocks of a checkpointed model, say), summed; all zero when there
+    is none. The accessor for Engine.memory_report(), and what the estimator's
+    infinity_activation_checkpoint_bytes predicts."""
+    owners = {}
+    handle = checkpointing_of(model)
+    if handle is not None:
+        owners[id(handle)] = handle
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, _CheckpointedForward):
+            owners.setdefault(id(forward.owner), forward.owner)
+    total = CheckpointMemory()
+    for owner in owners.values():
+        for name, value in vars(owner.memory()).items():
+            setattr(total, name, getattr(total, name) + value)
+    return total
