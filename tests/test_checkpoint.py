@@ -15,8 +15,10 @@ from tiertrain.testing import RankFailure, run_distributed
 STEPS, SPLIT = 6, 3
 
 
-def _train(rank, world, stage, dtype, directory, resume):
-    cfg = make_config(zero={"stage": stage, "bucket_mb": 0.02}, precision={"dtype": dtype},
+def _train(rank, world, stage, dtype, directory, resume, tiers=("none", "none")):
+    zero = {"stage": stage, "bucket_mb": 0.02, "offload_optimizer": tiers[0], "offload_params": tiers[1],
+            "nvme_path": os.path.join(directory, "swap"), "nvme_chunk_mb": 0.01}
+    cfg = make_config(zero=zero, precision={"dtype": dtype},
                       batch={"micro_batch_size": 2, "grad_accum_steps": 2})
     engine = tiertrain.wrap(make_model(seed=5 if resume else 0), cfg, tiertrain.Topology.build(cfg.parallel))
     batches = global_batches(STEPS, 2 * 2 * world)
@@ -37,6 +39,17 @@ def test_resume_is_bit_identical(tmp_path, stage, dtype):
     full_losses, full_params = run_distributed(_train, 2, stage, dtype, str(tmp_path), False, timeout=40)[0]
     # The resumed run starts from a differently-seeded model: everything must come from the checkpoint.
     resumed_losses, resumed_params = run_distributed(_train, 2, stage, dtype, str(tmp_path), True, timeout=40)[0]
+    assert resumed_losses == full_losses[SPLIT:]
+    assert all(torch.equal(resumed_params[k], full_params[k]) for k in full_params)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("stage,tiers", [(2, ("nvme", "none")), (3, ("nvme", "nvme"))])
+def test_resume_from_the_nvme_tiers_is_bit_identical(tmp_path, stage, tiers):
+    full_losses, full_params = run_distributed(_train, 2, stage, "bf16", str(tmp_path), False, tiers,
+                                               timeout=40)[0]
+    resumed_losses, resumed_params = run_distributed(_train, 2, stage, "bf16", str(tmp_path), True, tiers,
+                                                     timeout=40)[0]
     assert resumed_losses == full_losses[SPLIT:]
     assert all(torch.equal(resumed_params[k], full_params[k]) for k in full_params)
 

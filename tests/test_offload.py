@@ -16,6 +16,8 @@ CASES = [  # (stage, offload_optimizer, offload_params, dtype, activation checkp
     (3, "cpu", "cpu", "bf16", "none"), (3, "cpu", "cpu", "fp32", "cpu"),
     (3, "none", "nvme", "fp32", "none"), (3, "cpu", "nvme", "fp32", "none"), (3, "cpu", "nvme", "bf16", "none"),
     (3, "cpu", "nvme", "fp32", "cpu"),
+    (2, "nvme", "none", "fp32", "none"), (2, "nvme", "none", "bf16", "cpu"), (3, "nvme", "cpu", "fp32", "none"),
+    (3, "nvme", "nvme", "fp32", "none"), (3, "nvme", "nvme", "bf16", "cpu"),
 ]
 
 
@@ -42,13 +44,13 @@ def test_offloaded_run_is_identical_to_device_run(tmp_path, stage, offload_optim
     assert losses == base_losses
     assert all(torch.equal(params[k], base_params[k]) for k in params)
     assert base_mem.cpu_tier == 0
-    expected = 0
-    if offload_optimizer == "cpu":
-        expected += mem.optimizer + mem.grads  # master, Adam moments and gradient shard
-    if offload_params == "cpu":
-        expected += mem.params
-    assert mem.cpu_tier == expected
-    assert mem.nvme_tier == (mem.params if offload_params == "nvme" else 0)
+    in_cpu = {"grads": offload_optimizer != "none", "optimizer": offload_optimizer == "cpu",
+              "params": offload_params == "cpu"}
+    in_nvme = {"optimizer": offload_optimizer == "nvme", "params": offload_params == "nvme"}
+    assert mem.cpu_tier == sum(getattr(mem, kind) for kind, where in in_cpu.items() if where)
+    assert mem.nvme_tier == sum(getattr(mem, kind) for kind, where in in_nvme.items() if where)
+    if offload_optimizer == "nvme":  # fp32 master, exp_avg and exp_avg_sq of each gradient element
+        assert mem.optimizer == 3 * mem.grads
     assert base_mem.activation_checkpoints == 0
     if checkpoints == "cpu":  # every block's input, [micro_batch, seq, hidden] in the compute dtype
         tiny = make_model().config

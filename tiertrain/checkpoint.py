@@ -45,6 +45,7 @@ def _fingerprint(engine: "Engine") -> dict:
         "tp": engine.topology.size("tp"),
         "pp": engine.topology.size("pp"),
         "dtype": engine.config.precision.dtype,
+        "optimizer_tier": "nvme" if engine.nvme_optimizer is not None else "memory",
         "units": [[u.label, u.padded_numel, [s.name for s in u.slots]] for u in layout.units],
     }
 
@@ -67,9 +68,15 @@ def _gather_objects(obj: Any, group) -> list[Any]:
 
 def rank_state(engine: "Engine") -> dict:
     """This rank's complete training state (the engine's state_dict)."""
+    if engine.nvme_optimizer is not None:  # masters and moments come back from NVMe
+        optimizer = engine.nvme_optimizer.state_dict()
+        masters = [shard.pop("master") for shard in optimizer["shards"]]
+    else:
+        optimizer = engine.optimizer.state_dict()
+        masters = [u.master.detach().clone() for u in engine.flat.units]
     return {
-        "masters": [u.master.detach().clone() for u in engine.flat.units],
-        "optimizer": engine.optimizer.state_dict(),
+        "masters": masters,
+        "optimizer": optimizer,
         "schedule": engine.schedule.state_dict(),
         "scaler": engine.scaler.state_dict(),
         "counters": {"micro_steps": engine.micro_steps, "steps": engine.steps,
@@ -81,12 +88,21 @@ def rank_state(engine: "Engine") -> dict:
 def restore_rank_state(engine: "Engine", state: dict) -> None:
     """Inverse of rank_state: masters are copied in place (the optimizer holds views of
     them), compute-dtype shards and resident full buffers are rebuilt from them."""
-    with torch.no_grad():
-        for u, master in zip(engine.flat.units, state["masters"]):
-            u.master.copy_(master)
+    if engine.nvme_optimizer is not None:
+        optimizer = state["optimizer"]
+        for shard, master in zip(optimizer["shards"], state["masters"]):
+            shard["master"] = master.cpu()
+        engine.nvme_optimizer.load_state_dict(optimizer)
+        with engine.flat.shard_writer() as write:
+            for index, master in enumerate(state["masters"]):
+                write(index, 0, master.numel(), master)
+    else:
+        with torch.no_grad():
+            for u, master in zip(engine.flat.units, state["masters"]):
+                u.master.copy_(master)
+        engine.optimizer.load_state_dict(state["optimizer"])
     engine.flat.publish_masters()
     engine.flat.zero_grads()
-    engine.optimizer.load_state_dict(state["optimizer"])
     engine.schedule.load_state_dict(state["schedule"])
     engine.scaler.load_state_dict(state["scaler"])
     engine.micro_steps = state["counters"]["micro_steps"]
@@ -160,7 +176,7 @@ def load(engine: "Engine", directory: str, step: int | None = None) -> dict:
         raise CheckpointError(f"{step_dir!r} was saved by {marker['world_size']} ranks, "
                               f"this run has {engine.topology.world_size}; resharding is not supported yet")
     expected, saved = _fingerprint(engine), marker["layouts"][rank]
-    for key in ("stage", "dp", "tp", "pp", "dtype"):
+    for key in ("stage", "dp", "tp", "pp", "dtype", "optimizer_tier"):
         if saved[key] != expected[key]:
             raise CheckpointError(f"{step_dir!r} was saved with {key}={saved[key]!r}, "
                                   f"this run has {key}={expected[key]!r}")

@@ -198,6 +198,10 @@ class ZeroConfig:
     """Tier holding parameter shards (stage 3): none (device), cpu or nvme."""
     nvme_path: str = ""
     """Swap directory for the nvme tier."""
+    nvme_chunk_mb: float = 24.0
+    """NVMe optimizer: MiB per streamed chunk (fp32 master and both Adam moments of its parameters)."""
+    nvme_buffers: int = 4
+    """NVMe optimizer: chunk buffers (reads ahead, the update, the write back); their RAM is buffers × chunk."""
     offload: Literal["manual", "auto"] = "manual"
     """manual: use stage and offload_* as given; auto: the planner (tiertrain plan) chooses them at start-up."""
 
@@ -209,9 +213,9 @@ class ZeroConfig:
             _check_positive(f"{path}.prefetch_mb", self.prefetch_mb, allow_zero=True)
         _check_positive(f"{path}.max_live_mb", self.max_live_mb, allow_zero=True)
         _check_positive(f"{path}.persistence_threshold", self.persistence_threshold, allow_zero=True)
-        if self.offload_optimizer == "nvme":
-            raise ConfigError(f"{path}.offload_optimizer='nvme' is not yet supported by this version "
-                              f"(the NVMe optimizer is being wired in); valid now: 'none', 'cpu'")
+        _check_positive(f"{path}.nvme_chunk_mb", self.nvme_chunk_mb)
+        if self.nvme_buffers < 3:
+            _fail(f"{path}.nvme_buffers", self.nvme_buffers, "at least 3 (read ahead, update, write back)")
         if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
             raise ConfigError(f"{path}.nvme_path='' is invalid with an nvme tier: give a directory on the "
                               f"NVMe device (one subdirectory per rank is created in it)")

@@ -146,8 +146,15 @@ class Engine:
             before_collective=(lambda i: self.fetcher.agree(REDUCE, i)) if self.fetcher else None,
             launch_when_ready=self.launch_when_ready)
 
-        self.optimizer = build_adamw(self._optimizer_groups(), config.optimizer)
-        self.schedule = build_schedule(self.optimizer, config.schedule)
+        self.nvme_optimizer = None
+        if config.zero.offload_optimizer == "nvme":
+            self.nvme_optimizer = self.optimizer = self._build_nvme_optimizer(self._optimizer_groups())
+            # The schedule drives an optimizer; this one only carries the learning rate.
+            self._lr_source = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.optimizer.lr)
+            self.schedule = build_schedule(self._lr_source, config.schedule)
+        else:
+            self.optimizer = build_adamw(self._optimizer_groups(), config.optimizer)
+            self.schedule = build_schedule(self.optimizer, config.schedule)
         self.scaler = DynamicLossScaler(config.precision.loss_scale, enabled=config.precision.dtype == "fp16")
         self.micro_steps = 0
         self.steps = 0
@@ -189,6 +196,20 @@ class Engine:
         pin = self.device.type == "cuda"
         return TensorSwapper(self.config.zero.nvme_path, AsyncIO(num_threads=4, block_bytes=block),
                              AlignedBufferPool(pool_bytes, block, pin=pin), rank=self.topology.rank, create=True)
+
+    def _build_nvme_optimizer(self, groups: list[dict]):
+        """ZeRO-Infinity's optimizer step from NVMe (tiertrain.offload.NVMeAdamW): the fp32
+        masters and Adam moments move to swap files, streamed through a few chunk buffers at
+        each step; the RAM copies of the masters are dropped."""
+        from .offload import NVMeAdamW, pieces_from_param_groups
+
+        zc = self.config.zero
+        masters = [u.master for u in self.flat.units]
+        optimizer = NVMeAdamW(masters, pieces_from_param_groups(masters, groups), self.config.optimizer,
+                              self.swapper, rank=self.topology.rank, chunk_bytes=int(zc.nvme_chunk_mb * 2**20),
+                              num_buffers=zc.nvme_buffers)
+        self.flat.drop_masters()
+        return optimizer
 
     def _prefetch_mb(self) -> float:
         """zero.prefetch_mb, or its default for this device. On CPU, gloo's collectives run on
@@ -286,7 +307,11 @@ class Engine:
             coefficient = clip_coefficient(norm, self.config.optimizer.grad_clip).to(self.placement.optimizer)
             for g in grads:
                 g.mul_(coefficient)
-        self.optimizer.step()
+        if self.nvme_optimizer is not None:
+            with self.flat.shard_writer() as updated_shards:
+                self.nvme_optimizer.step(grads, self.schedule.get_last_lr()[0], out=updated_shards)
+        else:
+            self.optimizer.step()
         self.schedule.step()
         self.flat.publish_masters()
         self.flat.zero_grads()
@@ -342,9 +367,14 @@ class Engine:
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients and optimizer state (fp32 master + Adam moments) on this rank."""
         flat = self.flat.memory()
-        moments = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
-                      for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-        host_moments = moments if self.placement.offload_optimizer else 0
+        if self.nvme_optimizer is not None:  # masters and moments, all in swap files
+            moments = self.nvme_optimizer.state_bytes
+            flat["nvme_tier"] += moments
+            host_moments = 0
+        else:
+            moments = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
+                          for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+            host_moments = moments if self.placement.offload_optimizer else 0
         ckpt = checkpoint_memory(self.module)
         return MemoryReport(flat["params"], flat["gathered_params"], flat["grads"], flat["master"] + moments,
                             cpu_tier=flat["cpu_tier"] + host_moments, nvme_tier=flat["nvme_tier"],
@@ -364,10 +394,14 @@ class Engine:
         try:
             yield
             if modifier_rank is not None:
+                edited = [None] * len(self.flat.units)
                 for u in units:
                     self.comm.broadcast(u.full, modifier_rank)
                     lo, hi = u.unit.shard_range(self.flat.shard_rank)
                     self.flat.write_shard(u.unit.index, u.full[lo:hi])
+                    edited[u.unit.index] = u.full[lo:hi]
+                if self.nvme_optimizer is not None:
+                    self.nvme_optimizer.write_masters(edited)
         finally:
             for u in units:
                 self.flat.release(u.unit.index)
@@ -387,15 +421,22 @@ class Engine:
         """Collective: restore the newest committed checkpoint; returns the extras saved with it."""
         return checkpoint.load(self, directory, step)
 
+    def masters(self) -> list[torch.Tensor]:
+        """This rank's fp32 master shard of every unit (read from NVMe when they live there)."""
+        if self.nvme_optimizer is not None:
+            return self.nvme_optimizer.read_masters()
+        return [u.master for u in self.flat.units]
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's fp32 master value, gathered from the shards (collective)."""
         out = {}
-        for u in self.flat.units:
+        masters = self.masters()
+        for u, master in zip(self.flat.units, masters):
             full = torch.empty(u.unit.padded_numel, dtype=torch.float32, device=self.device)
             if self.stage == 0:
-                full.copy_(u.master)
+                full.copy_(master)
             else:
-                self.comm.all_gather(full, u.master)
+                self.comm.all_gather(full, master.to(self.device))
             for slot in u.unit.slots:
                 out[slot.name] = full[slot.offset:slot.end].view(slot.shape).clone()
         return out

@@ -102,6 +102,7 @@ class FlatParameters:
         self.placement = placement
         self.swapper = swapper
         self._writes = []  # swap-outs of shards in flight
+        self.masters_dropped = False
         self.device = device = placement.compute
         self.params = params
         self.comm = comm
@@ -215,15 +216,27 @@ class FlatParameters:
         return self.swapper.swap_in(self._key(index), staged).wait()
 
     def write_shard(self, index: int, values: torch.Tensor) -> None:
-        """Set this rank's shard of unit index (and its master copy) to values."""
+        """Set this rank's shard of unit index (and its master copy, when held here) to values."""
         u = self.units[index]
         if self.on_nvme(index):
             self._swap_out_shard(u, values.to(self.dtype))
             self.wait_writes()
         else:
             u.shard.copy_(values)
-        if u.master is not u.shard:
+        if u.master is not u.shard and not self.masters_dropped:
             u.master.copy_(values)
+
+    def drop_masters(self) -> None:
+        """Free the fp32 masters: an optimizer that keeps its own (on NVMe) writes updated
+        values through :meth:`shard_writer` instead."""
+        for u in self.units:
+            if u.master is not u.shard:
+                u.master = u.master.new_empty(0)
+        self.masters_dropped = True
+
+    def shard_writer(self) -> "ShardWriter":
+        """Where an optimizer holding the masters elsewhere sends updated fp32 values."""
+        return ShardWriter(self)
 
     def gathered_bytes(self) -> int:
         return sum(u.full.numel() * u.full.element_size() for u in self.units
@@ -236,6 +249,8 @@ class FlatParameters:
         units' full buffers with an all-gather (ZeRO §5.1: stages 1-2 all-gather the
         updated parameters). Partitioned units are gathered on their next use."""
         for u in self.units:
+            if self.masters_dropped:
+                break  # the optimizer wrote the shards already (ShardWriter)
             if self.on_nvme(u.unit.index):
                 self._swap_out_shard(u, u.master.to(self.dtype))
             elif u.master is not u.shard:
@@ -275,3 +290,36 @@ class FlatParameters:
             host += grad.numel() * 4 if p.offload_optimizer else 0
         return {"params": params, "gathered_params": self.gathered_bytes(), "grads": grads,
                 "master": master, "cpu_tier": host, "nvme_tier": nvme}
+
+
+class ShardWriter:
+    """Receives updated fp32 master values chunk by chunk, ``writer(unit, start, end,
+    values)``, units in order: copies them into the compute-dtype shards; a unit whose shard
+    lives on NVMe is assembled in a staging tensor and written once the optimizer has moved
+    on to the next unit (so one unit's shard is staged at a time). Use as a context manager:
+    leaving it writes the last unit and waits for the writes."""
+
+    def __init__(self, flat: FlatParameters):
+        self.flat = flat
+        self._staged: dict[int, torch.Tensor] = {}
+
+    def __call__(self, index: int, start: int, end: int, values: torch.Tensor) -> None:
+        flat = self.flat
+        if not flat.on_nvme(index):
+            flat.units[index].shard[start:end].copy_(values)
+            return
+        for other in [i for i in self._staged if i != index]:
+            flat._swap_out_shard(flat.units[other], self._staged.pop(other))
+        staged = self._staged.get(index)
+        if staged is None:  # elements no chunk covers are the padding, which stays zero
+            staged = self._staged[index] = torch.zeros(flat.units[index].unit.shard_numel, dtype=flat.dtype)
+        staged[start:end].copy_(values)
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for index, staged in self._staged.items():
+            self.flat._swap_out_shard(self.flat.units[index], staged)
+        self._staged.clear()
+        self.flat.wait_writes()

@@ -1,0 +1,839 @@
+"""AdamW whose fp32 master weights and moments live on NVMe: ZeRO-Infinity's optimizer step
+from NVMe (PAPERS.md §3, "Optimizer step with NVMe"; ZeRO-Offload §2 is the CPU-memory case).
+
+Between steps this rank's optimizer state — for every ZeRO unit, the fp32 master shard and
+AdamW's ``exp_avg`` and ``exp_avg_sq`` — is held only in swap files (one
+:class:`~tiertrain.offload.swap.TensorSwapper` key per chunk). :meth:`NVMeAdamW.step` streams it
+through CPU memory chunk by chunk, in a ring of ``num_buffers`` aligned buffers of
+``chunk_bytes`` each, with the three kinds of work of the paper overlapped:
+
+* reading chunk i+1 (and further ahead with more buffers) from NVMe — IO worker threads;
+* the AdamW update of chunk i in the calling thread (torch's fused CPU kernel), followed by
+  publishing the updated fp32 parameters of the chunk to the caller's destination (e.g. the
+  compute-dtype shard ``u.shard``, any dtype, or a callback);
+* writing chunk i-1 back to NVMe — IO worker threads, straight from the buffer (no copy).
+
+So the RAM the optimizer needs is ``num_buffers × chunk_bytes`` whatever the model size
+(:attr:`NVMeAdamW.resident_bytes`); the gradients stay where the caller keeps them (the fp32
+gradient shards the reducer produced) and are read in place.
+
+**Chunk records.** A chunk of ``n`` elements is one swap record of ``12·n`` bytes laid out as
+``[master | exp_avg | exp_avg_sq]`` (fp32), so each chunk costs one read and one write request,
+each verified by the swap layer's size and checksum records (sum64 by default).
+
+**Exactness.** The update is torch's own fused CPU AdamW, called through the public functional
+API ``torch.optim.adamw.adamw(..., fused=True)`` on views of each parameter piece inside the
+chunk: bit for bit what ``torch.optim.AdamW(fused=True)`` computes on the same pieces in memory
+(``tests/test_nvme_optimizer.py``). That needs care at chunk boundaries: the kernel runs whole
+SIMD vectors from the start of each tensor it is given and a scalar loop (rounded differently,
+measured: a few elements in every 10k differ) over the last ``numel % vector`` elements, so a
+piece cut at an arbitrary element would round its elements around the cut differently from the
+uncut piece. Chunks therefore cut inside a piece only at multiples of ``ALIGN_ELEMS`` (64, a
+multiple of every CPU vector width of fp32 and of the kernel's 16-element task unit) counted
+from the piece's start; the vectorised/scalar split of every element is then the same as for
+the whole piece. The step count is one per optimizer (every piece is at the same step, as in
+torch), and the learning rate is passed by the caller at every step (the schedule lives in the
+engine).
+
+**Failures.** Every IO error surfaces as the swap layer's exception naming the file or directory
+(:class:`~tiertrain.offload.aio.SwapDirError`, :class:`~tiertrain.offload.aio.SwapSpaceError`,
+:class:`~tiertrain.offload.aio.SwapCorruptionError`, or ``TimeoutError`` after
+``wait_timeout`` — nothing waits unbounded), with a note saying what state is left:
+
+* ``transactional=True`` (default): every chunk's record has two generations on disk; a step
+  reads each chunk's committed generation and writes the other, and only once every write
+  landed does it commit (switch the generations, count the step). A step that fails leaves the NVMe state, the step count and — by
+  streaming the pre-step masters back into the chunks it had already published — the
+  destinations as they were before the step, so the step can be retried (e.g. after freeing
+  disk space). If that restore itself fails the note says so, and the destinations hold new
+  values for a prefix of the chunks until the next successful step or :meth:`publish`. A
+  corrupt or truncated file of generation g fails every retry the same way: load a checkpoint
+  (:meth:`load_state_dict`). Costs twice the disk space (``24`` bytes per parameter).
+* ``transactional=False``: one generation, updated in place (``12`` bytes per parameter on
+  disk). A failed step leaves chunks before the failure updated and the failing one possibly
+  half-written (its record then raises on every read instead of returning stale bytes); the
+  optimizer refuses further steps until :meth:`load_state_dict` restores a consistent state.
+
+**Threads.** The update runs on ``compute_threads`` torch threads during a pass ("auto": one
+fewer than torch's setting), so that a core stays free for the IO workers' copies and
+checksums: on the 2-core benchmark machine, torch's 2 OpenMP threads contending with the IO
+workers made the update 3× and the publish copies 7× slower than 1 thread at 100M parameters,
+and the step about twice as long (bench/results/nvme_optimizer.md).
+
+**Other passes.** :meth:`prefetch` starts the first reads of the next step early (e.g. during
+the gradient-norm all-reduce); :meth:`state_dict` gathers the state from NVMe into CPU tensors,
+:meth:`load_state_dict` writes one back (as the other generation when transactional, so a
+failed load leaves the old state); :meth:`read_masters` / :meth:`write_masters` read or replace
+the fp32 masters alone (full state dicts, parameters edited outside training); :meth:`publish`
+streams the masters into destinations (after a load). :attr:`last_stats` reports bytes moved,
+seconds, achieved GB/s and the overlap of IO and work (:class:`StepStats`).
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import math
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.optim.adamw import adamw as _functional_adamw
+
+from .aio import AsyncIO, SwapSpaceError
+from .buffers import AlignedBufferPool, Buffer, round_up
+from .swap import DEFAULT_WAIT_TIMEOUT, SwapHandle, TensorSwapper
+
+__all__ = ["ALIGN_ELEMS", "NVMeAdamW", "StepStats", "pieces_from_param_groups"]
+
+ALIGN_ELEMS = 64
+"""Cuts inside a parameter piece fall at multiples of this many elements from its start."""
+BYTES_PER_ELEM = 12                      # fp32 master + exp_avg + exp_avg_sq
+DEFAULT_CHUNK_BYTES = 24 << 20
+Piece = Tuple[int, int, float]           # (start, end, weight_decay) in shard elements
+Destination = Union[None, Sequence[Optional[torch.Tensor]], Callable[[int, int, int, torch.Tensor], None]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan: chunks of each shard, cut so that the fused kernel rounds every element as it would
+# for the uncut piece
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Chunk:
+    shard: int
+    index: int                            # chunk number within the shard
+    lo: int                               # shard element range [lo, hi)
+    hi: int
+    groups: Tuple[Tuple[float, Tuple[Tuple[int, int], ...]], ...]   # (wd, chunk-relative ranges)
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def nbytes(self) -> int:
+        return BYTES_PER_ELEM * (self.hi - self.lo)
+
+
+def _check_pieces(s: int, numel: int, pieces: Sequence[Piece]) -> List[Piece]:
+    out, end = [], 0
+    for k, piece in enumerate(pieces):
+        try:
+            a, b, wd = int(piece[0]), int(piece[1]), float(piece[2])
+        except (TypeError, ValueError, IndexError):
+            raise ValueError(f"pieces[{s}][{k}]={piece!r}: expected (start, end, weight_decay)") from None
+        if not 0 <= a <= b <= numel:
+            raise ValueError(f"pieces[{s}][{k}]=({a}, {b}): outside shard {s} of {numel} elements")
+        if a < end:
+            raise ValueError(f"pieces[{s}][{k}]=({a}, {b}) overlaps or precedes the previous piece "
+                             f"(ending at {end}); give each shard's pieces sorted and disjoint")
+        if not math.isfinite(wd) or wd < 0:
+            raise ValueError(f"pieces[{s}][{k}]: weight_decay={wd} must be finite and >= 0")
+        out.append((a, b, wd))
+        end = b
+    return out
+
+
+def _plan(s: int, numel: int, pieces: List[Piece], cap: int) -> List[_Chunk]:
+    """Cut shard ``s`` into chunks of at most ``cap`` elements (a multiple of ALIGN_ELEMS); a cut
+    inside a piece falls at a multiple of ALIGN_ELEMS from the piece's start."""
+    live = [p for p in pieces if p[1] > p[0]]
+    starts = [p[0] for p in live]
+    chunks, lo = [], 0
+    while lo < numel:
+        hi = min(numel, lo + cap)
+        k = bisect.bisect_right(starts, hi - 1) - 1           # last piece starting before hi
+        if hi < numel and k >= 0 and live[k][0] < hi < live[k][1]:
+            a = live[k][0]
+            hi = a + (hi - a) // ALIGN_ELEMS * ALIGN_ELEMS    # > lo: see the module docstring
+        assert lo < hi
+        groups: Dict[float, List[Tuple[int, int]]] = {}
+        for a, b, wd in live:
+            x, y = max(a, lo), min(b, hi)
+            if x < y:
+                groups.setdefault(wd, []).append((x - lo, y - lo))
+        chunks.append(_Chunk(s, len(chunks), lo, hi,
+                             tuple((wd, tuple(r)) for wd, r in groups.items())))
+        lo = hi
+    return chunks
+
+
+def pieces_from_param_groups(shards: Sequence[torch.Tensor], groups: Sequence[dict],
+                             default_weight_decay: float = 0.0) -> List[List[Piece]]:
+    """The ``pieces`` argument from torch-style param groups whose params are contiguous 1-D
+    views of ``shards`` (as Engine._optimizer_groups builds them over ``u.master``): each view
+    becomes (start, end, group's weight_decay) of the shard it lies in. Empty views are skipped."""
+    spans = []
+    for s, t in enumerate(shards):
+        base = t.data_ptr()
+        spans.append((base, base + t.numel() * t.element_size(), s, t))
+    out: List[List[Piece]] = [[] for _ in shards]
+    for gi, g in enumerate(groups):
+        wd = float(g.get("weight_decay", default_weight_decay))
+        for pi, p in enumerate(g["params"]):
+            if p.numel() == 0:
+                continue
+            if p.dtype != torch.float32 or not p.is_contiguous():
+                raise ValueError(f"groups[{gi}].params[{pi}]: expected a contiguous fp32 view of a shard")
+            ptr = p.data_ptr()
+            for lo, hi, s, t in spans:
+                if lo <= ptr < hi and p.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                    a = (ptr - lo) // 4
+                    if a + p.numel() > t.numel():
+                        raise ValueError(f"groups[{gi}].params[{pi}] runs past the end of shard {s}")
+                    out[s].append((a, a + p.numel(), wd))
+                    break
+            else:
+                raise ValueError(f"groups[{gi}].params[{pi}] is not a view of any of the shards")
+    for pieces in out:
+        pieces.sort()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class StepStats:
+    """What one streamed pass (a step, or the pass of state_dict/load/publish) did.
+
+    ``io_seconds``: wall time during which at least one of the pass's IO requests was in flight;
+    ``io_wait_seconds``: time the calling thread was blocked on IO; ``busy_seconds`` =
+    seconds - io_wait: time it worked (AdamW: ``compute_seconds``, copies to the destinations:
+    ``publish_seconds``, and the bookkeeping of the pipeline). ``overlap`` is the fraction of
+    the shorter of IO and work that ran concurrently with the other, (io - io_wait) /
+    min(io, busy): 1 when the pass took only as long as the longer of the two, as the paper's
+    overlapped NVMe step aims for; 0 when they ran one after the other. ``io_hidden`` = 1 -
+    io_wait / io is the fraction of the IO time hidden behind work (at most busy / io, so small
+    whenever the update is much faster than the disk)."""
+
+    op: str = "step"
+    step: int = 0
+    chunks: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    io_seconds: float = 0.0
+    io_wait_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    publish_seconds: float = 0.0
+    _intervals: List[Tuple[float, float]] = field(default_factory=list, repr=False)
+
+    @property
+    def gbps(self) -> float:
+        """Bytes read + written per second of the whole pass (10^9 B/s)."""
+        return (self.bytes_read + self.bytes_written) / self.seconds / 1e9 if self.seconds else 0.0
+
+    @property
+    def io_gbps(self) -> float:
+        """Bytes read + written per second of IO activity (10^9 B/s)."""
+        return (self.bytes_read + self.bytes_written) / self.io_seconds / 1e9 if self.io_seconds else 0.0
+
+    @property
+    def busy_seconds(self) -> float:
+        return max(0.0, self.seconds - self.io_wait_seconds)
+
+    @property
+    def overlap(self) -> float:
+        shorter = min(self.io_seconds, self.busy_seconds)
+        if shorter <= 0:
+            return 0.0
+        return max(0.0, min(1.0, (self.io_seconds - self.io_wait_seconds) / shorter))
+
+    @property
+    def io_hidden(self) -> float:
+        if self.io_seconds <= 0:
+            return 0.0
+        return max(0.0, min(1.0, 1.0 - self.io_wait_seconds / self.io_seconds))
+
+    def _close(self) -> None:
+        total, end = 0.0, -math.inf
+        for a, b in sorted(self._intervals):
+            if b <= end:
+                continue
+            total += b - max(a, end)
+            end = b
+        self.io_seconds = total
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        d.update(gbps=self.gbps, io_gbps=self.io_gbps, busy_seconds=self.busy_seconds,
+                 overlap=self.overlap, io_hidden=self.io_hidden)
+        return d
+
+
+# ---------------------------------------------------------------------------------------------
+# The optimizer
+# ---------------------------------------------------------------------------------------------
+class NVMeAdamW:
+    """AdamW over fp32 master shards kept on NVMe; see the module docstring.
+
+    Args:
+        shards: this rank's fp32 master shards (one flat tensor per ZeRO unit) with their
+            initial values; copied to NVMe here (the caller may free them afterwards).
+        pieces: per shard, the (start, end, weight_decay) element ranges the optimizer updates
+            (sorted, disjoint; 0-length allowed); elements outside every piece (padding) are kept
+            unchanged. None: each shard is one piece with ``config.weight_decay``. See
+            :func:`pieces_from_param_groups` to derive them from param groups of views.
+        config: an :class:`~tiertrain.config.OptimizerConfig` (betas, eps, weight_decay used).
+        swapper: a TensorSwapper to keep the files in (shared with other users of the rank's
+            swap directory; keys are prefixed with ``name``) — or None with ``swap_dir`` to
+            create a private AsyncIO + TensorSwapper (closed by :meth:`close`).
+        chunk_bytes: RAM of one streaming buffer (master + exp_avg + exp_avg_sq of one chunk:
+            ``chunk_bytes // 12`` elements, rounded down to a multiple of 64).
+        num_buffers: ring size (≥ 3): chunk i+1 .. i+num_buffers-2 are read while chunk i is
+            updated and chunk i-1 written. RAM used = num_buffers × chunk_bytes (rounded to pages;
+            less when the largest shard is smaller than one chunk), whatever the model size.
+        transactional: keep two generations on disk so a failed step changes nothing.
+        compute_threads: torch intra-op threads while streaming (set and restored around each
+            pass): "auto" = one fewer than torch's setting (at least 1), leaving a core to the IO
+            threads' copies and checksums; an int; None keeps the caller's setting (see
+            **Threads** in the module docstring).
+    """
+
+    def __init__(self, shards: Sequence[torch.Tensor], pieces: Optional[Sequence[Sequence[Piece]]],
+                 config, swapper: Optional[TensorSwapper] = None, *, swap_dir=None,
+                 rank: Optional[int] = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 num_buffers: int = 4, transactional: bool = True, name: str = "nvme_adamw",
+                 aio_threads: int = 4, aio_block_bytes: int = 8 << 20,
+                 checksum: Optional[str] = "sum64", pin: Optional[bool] = None,
+                 compute_threads: Union[int, str, None] = "auto",
+                 wait_timeout: float = DEFAULT_WAIT_TIMEOUT):
+        if (swapper is None) == (swap_dir is None):
+            raise ValueError("give exactly one of swapper= (a TensorSwapper) or swap_dir=")
+        if num_buffers < 3:
+            raise ValueError(f"num_buffers={num_buffers}: the read/update/write pipeline needs at least 3")
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes={chunk_bytes} must be positive")
+        self.beta1, self.beta2 = (float(b) for b in config.betas)
+        self.eps = float(config.eps)
+        self.transactional = bool(transactional)
+        self.name = name
+        self.wait_timeout = wait_timeout
+        self.step_count = 0
+        self.last_stats: Optional[StepStats] = None
+        self.totals = {"steps": 0, "bytes_read": 0, "bytes_written": 0, "seconds": 0.0}
+        self._closed = False
+        self._broken: Optional[str] = None
+        self._version = 0                 # commits so far (a prefetch is valid for one version)
+        self._prefetched: Dict[int, Tuple[SwapHandle, float]] = {}   # chunk -> (read, submitted)
+        self._prefetch_version = -1
+        self.compute_threads = compute_threads
+        self._lock = threading.Lock()
+        self._shard_numels = [int(t.numel()) for t in shards]
+        if pieces is None:
+            pieces = [[(0, n, float(config.weight_decay))] for n in self._shard_numels]
+        if len(pieces) != len(shards):
+            raise ValueError(f"{len(pieces)} piece lists for {len(shards)} shards")
+        self.pieces = [_check_pieces(s, n, p) for s, (n, p) in enumerate(zip(self._shard_numels, pieces))]
+        for s, t in enumerate(shards):
+            if t.dtype != torch.float32:
+                raise ValueError(f"shards[{s}] is {t.dtype}; master shards are fp32")
+        self.chunk_elems = max(ALIGN_ELEMS, chunk_bytes // BYTES_PER_ELEM // ALIGN_ELEMS * ALIGN_ELEMS)
+        self._chunks = [c for s, (n, p) in enumerate(zip(self._shard_numels, self.pieces))
+                        for c in _plan(s, n, p, self.chunk_elems)]
+        self._gens = [0] * len(self._chunks)   # generation holding each chunk's committed record
+        # The streaming buffers: one private pool, every buffer acquired now and held (no
+        # larger than the largest chunk, so a model smaller than one chunk needs less).
+        biggest = max((c.numel for c in self._chunks), default=0)
+        slot = max(4096, round_up(BYTES_PER_ELEM * biggest, 4096))
+        self.num_buffers = num_buffers
+        self._pool = AlignedBufferPool(num_buffers * slot, slot, pin=pin, acquire_timeout=wait_timeout)
+        self._own_swapper = swapper is None
+        self._aio: Optional[AsyncIO] = None
+        if swapper is None:
+            self._aio = AsyncIO(aio_threads, aio_block_bytes, checksum=checksum)
+            try:
+                swapper = TensorSwapper(swap_dir, self._aio, self._pool, rank=rank, create=True,
+                                        wait_timeout=wait_timeout)
+            except BaseException:
+                self._aio.close(wait_timeout)
+                raise
+        self.swapper = swapper
+        self._owns_keys = False           # until the name is known to be free on the swapper
+        prefix = f"{name}."
+        if any(str(k).startswith(prefix) for k in swapper.keys()):
+            self._release_resources()
+            raise ValueError(f"{swapper.rank_dir} already holds keys named {prefix}*; give each "
+                             f"NVMeAdamW on a swapper its own name")
+        self._owns_keys = True
+        self._slots: List[Buffer] = [self._pool.acquire(slot) for _ in range(num_buffers)]
+        try:
+            self._check_space()
+            initial = [t.detach().reshape(-1) for t in shards]
+
+            def fill(j, ch: _Chunk, p, m, v, stats) -> None:
+                p.copy_(initial[ch.shard][ch.lo:ch.hi])
+                m.zero_()
+                v.zero_()
+            self._commit(self._stream("init", fill, read=False, write=True)[1])
+        except BaseException:
+            self.close()
+            raise
+
+    # -- properties -------------------------------------------------------------------------
+    @property
+    def num_shards(self) -> int:
+        return len(self._shard_numels)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._chunks)
+
+    @property
+    def resident_bytes(self) -> int:
+        """RAM this optimizer holds: the streaming buffers (constant in the model size)."""
+        return self._pool.total_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        """Swap file bytes (page-padded) across the generations kept."""
+        per_gen = sum(round_up(c.nbytes, 4096) for c in self._chunks)
+        return per_gen * (2 if self.transactional else 1)
+
+    @property
+    def state_bytes(self) -> int:
+        """Logical bytes of master + exp_avg + exp_avg_sq (one generation)."""
+        return BYTES_PER_ELEM * sum(self._shard_numels)
+
+    def memory_report(self) -> dict:
+        return {"resident_bytes": self.resident_bytes, "state_bytes": self.state_bytes,
+                "disk_bytes": self.disk_bytes, "chunks": self.num_chunks,
+                "chunk_elems": self.chunk_elems, "num_buffers": self.num_buffers}
+
+    def files(self) -> List[str]:
+        """Paths of the swap files of the current generation, in chunk order."""
+        return [self.swapper._record(self._key(j, g)).path for j, g in enumerate(self._gens)]
+
+    # -- the step ---------------------------------------------------------------------------
+    def prefetch(self) -> int:
+        """Start reading the first chunks of the next step now (e.g. while the gradient norm is
+        all-reduced). Optional; :meth:`step` picks the reads up, any other pass drops them.
+        Returns the number of reads started."""
+        self._check_usable()
+        if self._prefetched or not self._chunks:
+            return 0
+        depth = min(self.num_buffers - 2, len(self._chunks))
+        with self._lock:
+            self._prefetch_version = self._version
+            for j in range(depth):
+                t0 = time.perf_counter()
+                self._prefetched[j] = (self._read(j, j), t0)
+        return depth
+
+    def step(self, grads: Sequence[torch.Tensor], lr: float, out: Destination = None) -> StepStats:
+        """One AdamW step at learning rate ``lr`` with ``grads`` (one fp32 tensor per shard, of
+        the shard's size; only the pieces' ranges are read). ``out``: where the updated fp32
+        parameters go, chunk by chunk, as soon as each is updated — a list with one tensor (any
+        dtype, the shard's size; None to skip) per shard, or ``fn(shard, start, end, fp32)``.
+        Returns once every chunk is written back (and, transactional, committed)."""
+        self._check_usable()
+        grads = self._check_grads(grads)
+        dests = self._check_out(out)
+        lr = float(lr)
+        if not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"lr={lr} must be finite and >= 0")
+        k = self.step_count + 1
+        b1, b2, eps = self.beta1, self.beta2, self.eps
+        published_upto = [0]              # chunks [0, this) were (being) published
+
+        def publish(j: int, ch: _Chunk, p, m, v, stats: StepStats) -> None:
+            if dests is not None:
+                t0 = time.perf_counter()
+                published_upto[0] = j + 1    # counted first: a half-done copy is restored too
+                self._publish_chunk(dests, ch, p)
+                stats.publish_seconds += time.perf_counter() - t0
+
+        def work(j: int, ch: _Chunk, p, m, v, stats: StepStats):
+            t0 = time.perf_counter()
+            g = grads[ch.shard]
+            with torch.no_grad():
+                for wd, ranges in ch.groups:
+                    _functional_adamw(
+                        [p[a:b] for a, b in ranges], [g[ch.lo + a: ch.lo + b] for a, b in ranges],
+                        [m[a:b] for a, b in ranges], [v[a:b] for a, b in ranges], [],
+                        [torch.tensor(float(k - 1)) for _ in ranges], fused=True, amsgrad=False,
+                        beta1=b1, beta2=b2, lr=lr, weight_decay=wd, eps=eps, maximize=False)
+            stats.compute_seconds += time.perf_counter() - t0
+            return publish                   # runs once the chunk's write is submitted
+
+        try:
+            stats, new_gens = self._stream("step", work, read=True, write=True, step=k)
+        except BaseException as e:
+            self._after_failed_step(e, k, dests, published_upto[0])
+            raise
+        self._commit(new_gens)
+        self.step_count = k
+        self.totals["steps"] += 1
+        self.totals["bytes_read"] += stats.bytes_read
+        self.totals["bytes_written"] += stats.bytes_written
+        self.totals["seconds"] += stats.seconds
+        return stats
+
+    def publish(self, out: Destination) -> StepStats:
+        """Stream the current masters into ``out`` (as :meth:`step` does), e.g. after
+        :meth:`load_state_dict`."""
+        self._check_usable()
+        dests = self._check_out(out)
+
+        def work(j, ch, p, m, v, stats):
+            t0 = time.perf_counter()
+            self._publish_chunk(dests, ch, p)
+            stats.publish_seconds += time.perf_counter() - t0
+        return self._stream("publish", work, read=True, write=False)[0]
+
+    # -- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The whole state gathered from NVMe into new CPU tensors: ``step``, ``betas``, ``eps``,
+        ``pieces`` and per shard ``{"master", "exp_avg", "exp_avg_sq"}`` (fp32, shard-sized)."""
+        self._check_usable()
+        shards = [{k: torch.empty(n, dtype=torch.float32) for k in ("master", "exp_avg", "exp_avg_sq")}
+                  for n in self._shard_numels]
+
+        def work(j, ch, p, m, v, stats):
+            d = shards[ch.shard]
+            d["master"][ch.lo:ch.hi].copy_(p)
+            d["exp_avg"][ch.lo:ch.hi].copy_(m)
+            d["exp_avg_sq"][ch.lo:ch.hi].copy_(v)
+        self._stream("state_dict", work, read=True, write=False)
+        return {"step": self.step_count, "betas": (self.beta1, self.beta2), "eps": self.eps,
+                "pieces": [list(p) for p in self.pieces], "shards": shards}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Write ``state`` (from :meth:`state_dict`, possibly of another NVMeAdamW with the same
+        shard sizes and pieces but any chunk size) to NVMe. Transactional: written as the other
+        generation and committed at the end, so a failed load leaves the previous state. Clears
+        the unusable mark a failed non-transactional step leaves."""
+        if self._closed:
+            raise RuntimeError(f"NVMeAdamW({self.name}) is closed")
+        shards = state["shards"]
+        if len(shards) != self.num_shards:
+            raise ValueError(f"state has {len(shards)} shards, this optimizer {self.num_shards}")
+        for s, (d, n) in enumerate(zip(shards, self._shard_numels)):
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                t = d[key]
+                if t.numel() != n or t.dtype != torch.float32:
+                    raise ValueError(f"state shards[{s}][{key!r}] is {t.dtype} of {t.numel()} "
+                                     f"elements; expected fp32 of {n}")
+        if "pieces" in state and [[tuple(x) for x in p] for p in state["pieces"]] != \
+                [list(p) for p in self.pieces]:
+            raise ValueError("state was saved with different pieces (parameter ranges or weight "
+                             "decay) than this optimizer's")
+        flat = [{k: d[k].detach().reshape(-1) for k in ("master", "exp_avg", "exp_avg_sq")}
+                for d in shards]
+
+        def fill(j, ch, p, m, v, stats):
+            d = flat[ch.shard]
+            p.copy_(d["master"][ch.lo:ch.hi])
+            m.copy_(d["exp_avg"][ch.lo:ch.hi])
+            v.copy_(d["exp_avg_sq"][ch.lo:ch.hi])
+        try:
+            new_gens = self._stream("load_state_dict", fill, read=False, write=True)[1]
+        except BaseException as e:
+            if self.transactional and self._broken is None:
+                e.add_note(f"NVMeAdamW({self.name}).load_state_dict failed; the previous state "
+                           f"(step {self.step_count}) is unchanged")
+            else:
+                self._broken = f"load_state_dict failed with {type(e).__name__}: {e}"
+                e.add_note(f"NVMeAdamW({self.name}) state is inconsistent; load a state again")
+            raise
+        self._commit(new_gens)
+        self.step_count = int(state["step"])
+        self._broken = None
+
+    def read_masters(self, shards: Optional[Sequence[int]] = None) -> List[Optional[torch.Tensor]]:
+        """The fp32 master values of ``shards`` (default: all) as new CPU tensors (None for the
+        others), e.g. for a full state dict. Reads those shards' whole records (3× the bytes)."""
+        self._check_usable()
+        wanted = set(range(self.num_shards) if shards is None else shards)
+        out: List[Optional[torch.Tensor]] = [torch.empty(n, dtype=torch.float32) if s in wanted else None
+                                             for s, n in enumerate(self._shard_numels)]
+
+        def work(j, ch, p, m, v, stats):
+            out[ch.shard][ch.lo:ch.hi].copy_(p)
+        self._stream("read_masters", work, positions=self._positions(wanted), read=True, write=False)
+        return out
+
+    def write_masters(self, masters: Sequence[Optional[torch.Tensor]]) -> None:
+        """Replace the master values of the shards given (one tensor of the shard's size, any
+        dtype, or None to keep a shard) and keep their Adam moments — e.g. after parameters were
+        edited outside training (Engine.gathered_parameters with a modifier rank). Atomic per
+        call when transactional, like a step."""
+        self._check_usable()
+        if len(masters) != self.num_shards:
+            raise ValueError(f"{len(masters)} master tensors for {self.num_shards} shards")
+        src = self._check_out(masters)
+        wanted = {s for s, t in enumerate(src) if t is not None}
+
+        def work(j, ch, p, m, v, stats):
+            p.copy_(src[ch.shard][ch.lo:ch.hi])
+        try:
+            new_gens = self._stream("write_masters", work, positions=self._positions(wanted),
+                                    read=True, write=True)[1]
+        except BaseException as e:
+            if not self.transactional:
+                self._broken = f"write_masters failed with {type(e).__name__}: {e}"
+            raise
+        self._commit(new_gens)
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Delete the swap files (and the private swapper/AsyncIO), free the buffers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._cancel_prefetch()
+        finally:
+            self._release_resources()
+
+    def _release_resources(self) -> None:
+        sw = getattr(self, "swapper", None)
+        try:
+            if sw is not None and not self._own_swapper and not sw._closed and self._owns_keys:
+                prefix = f"{self.name}."
+                for key in [k for k in sw.keys() if str(k).startswith(prefix)]:
+                    sw.release(key)
+        finally:
+            try:
+                if sw is not None and self._own_swapper:
+                    sw.close()
+            finally:
+                if self._aio is not None:
+                    self._aio.close(self.wait_timeout)
+                for b in getattr(self, "_slots", []):
+                    b.release()
+
+    def __enter__(self) -> "NVMeAdamW":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"NVMeAdamW({self.name}, shards={self.num_shards}, chunks={self.num_chunks}, "
+                f"step={self.step_count}, resident={self.resident_bytes}, "
+                f"transactional={self.transactional})")
+
+    # -- internals --------------------------------------------------------------------------
+    def _key(self, j: int, gen: int) -> str:
+        ch = self._chunks[j]
+        return f"{self.name}.s{ch.shard}.c{ch.index}.g{gen}"
+
+    def _positions(self, shards) -> List[int]:
+        return [j for j, c in enumerate(self._chunks) if c.shard in shards]
+
+    def _commit(self, new_gens: Dict[int, int]) -> None:
+        for j, g in new_gens.items():
+            self._gens[j] = g
+        self._version += 1
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"NVMeAdamW({self.name}) is closed")
+        if self._broken is not None:
+            raise RuntimeError(f"NVMeAdamW({self.name}) is unusable after a failure ({self._broken}); "
+                               f"restore a state with load_state_dict() first")
+
+    def _check_space(self) -> None:
+        """Fail now, naming the directory, when the disk cannot hold the swap files."""
+        need = self.disk_bytes
+        try:
+            free = shutil.disk_usage(self.swapper.rank_dir).free
+        except OSError:
+            return
+        if free < need:
+            raise SwapSpaceError(f"out of swap space for the optimizer state in {self.swapper.rank_dir}: "
+                                 f"{need} bytes needed ({'two generations of ' if self.transactional else ''}"
+                                 f"{self.state_bytes} bytes of fp32 master + Adam moments), {free} free",
+                                 self.swapper.rank_dir, need)
+
+    def _check_grads(self, grads) -> List[torch.Tensor]:
+        if len(grads) != self.num_shards:
+            raise ValueError(f"{len(grads)} gradients for {self.num_shards} shards")
+        out = []
+        for s, (g, n) in enumerate(zip(grads, self._shard_numels)):
+            if g.numel() != n or g.dtype != torch.float32 or g.device.type != "cpu":
+                raise ValueError(f"grads[{s}] is {g.dtype} of {g.numel()} elements on {g.device}; "
+                                 f"expected fp32 of {n} on the CPU")
+            out.append(g.detach().view(-1))
+        return out
+
+    def _check_out(self, out: Destination):
+        if out is None or callable(out):
+            return out
+        if len(out) != self.num_shards:
+            raise ValueError(f"{len(out)} tensors for {self.num_shards} shards")
+        dests = []
+        for s, (t, n) in enumerate(zip(out, self._shard_numels)):
+            if t is not None and t.numel() != n:
+                raise ValueError(f"tensor {s} has {t.numel()} elements; shard {s} has {n}")
+            dests.append(None if t is None else t.detach().view(-1))
+        return dests
+
+    @staticmethod
+    def _publish_chunk(dests, ch: _Chunk, p: torch.Tensor) -> None:
+        if callable(dests):
+            dests(ch.shard, ch.lo, ch.hi, p)
+        elif dests[ch.shard] is not None:
+            with torch.no_grad():
+                dests[ch.shard][ch.lo:ch.hi].copy_(p)
+
+    def _views(self, i: int, ch: _Chunk):
+        n = ch.numel
+        t = self._slots[i % self.num_buffers].padded[: BYTES_PER_ELEM * n].view(torch.float32)
+        return t[:n], t[n: 2 * n], t[2 * n:]
+
+    def _read(self, j: int, i: int) -> SwapHandle:
+        """Read chunk j's committed record into the buffer of pass position i."""
+        buf = self._slots[i % self.num_buffers].slice(0, self._chunks[j].nbytes)
+        return self.swapper.swap_in(self._key(j, self._gens[j]), buf)
+
+    def _wait(self, h: SwapHandle, stats: StepStats) -> None:
+        t0 = time.perf_counter()
+        try:
+            h.wait(self.wait_timeout)
+        finally:
+            stats.io_wait_seconds += time.perf_counter() - t0
+
+    @staticmethod
+    def _track(h: SwapHandle, stats: StepStats, t0: Optional[float] = None) -> None:
+        t0 = time.perf_counter() if t0 is None else t0
+        h.add_done_callback(lambda _h: stats._intervals.append((t0, time.perf_counter())))
+
+    def _cancel_prefetch(self) -> None:
+        with self._lock:
+            handles, self._prefetched = [h for h, _ in self._prefetched.values()], {}
+        self._drain(handles)
+
+    def _drain(self, handles) -> None:
+        """Wait (bounded) for IO that a failed pass leaves in flight; its errors were or will
+        be reported by the pass itself. A request still running after the timeout may yet write
+        into a buffer, so the optimizer is then marked unusable."""
+        for h in handles:
+            try:
+                h.wait(self.wait_timeout)
+            except TimeoutError as e:
+                self._broken = f"IO still in flight after {self.wait_timeout} s: {e}"
+            except BaseException:  # noqa: BLE001 - reported by the pass that failed
+                pass
+
+    def _stream(self, op: str, work, positions: Optional[List[int]] = None, read: bool = True,
+                write: bool = True, step: Optional[int] = None) -> Tuple[StepStats, Dict[int, int]]:
+        """The pipeline over chunks ``positions`` (default: all, in order). Pass position i uses
+        buffer i % B, free once the write of position i-B finished. The buffer is filled by a
+        read of the chunk's committed record issued up to ``depth`` positions ahead (``read``),
+        or by ``work`` alone; ``work(j, ch, p, m, v, stats)`` runs in this thread (a function it
+        returns runs after the write was submitted); with ``write`` the buffer is then written
+        to the chunk's other generation (transactional) or over its record (in place), and the
+        write overlaps the next positions' work. With writes, depth = B-2, so that the write of
+        position i-1 runs during the work on position i before its buffer is needed again.
+        Returns the stats and the generations written (to commit when the caller is done)."""
+        positions = list(range(len(self._chunks))) if positions is None else positions
+        B = self.num_buffers
+        depth = B - 2 if write else B - 1
+        stats = StepStats(op=op, step=self.step_count if step is None else step,
+                          chunks=len(positions))
+        t_start = time.perf_counter()
+        reads: Dict[int, SwapHandle] = {}
+        writes: Dict[int, SwapHandle] = {}
+        new_gens: Dict[int, int] = {}
+        with self._lock:
+            prefetched = {}
+            if op == "step" and self._prefetch_version == self._version:
+                prefetched, self._prefetched = self._prefetched, {}
+        self._cancel_prefetch()                 # anything else prefetched is stale now
+        for i, (h, t0) in prefetched.items():
+            reads[i] = h
+            stats.bytes_read += self._chunks[positions[i]].nbytes
+            self._track(h, stats, t0)
+        next_read = max(reads, default=-1) + 1
+
+        def free_buffer(i: int) -> None:
+            h = writes.pop(i - B, None)
+            if h is not None:
+                self._wait(h, stats)
+
+        try:
+            with self._compute_threads():
+                for i, j in enumerate(positions):
+                    ch = self._chunks[j]
+                    if read:
+                        while next_read < len(positions) and next_read <= i + depth:
+                            free_buffer(next_read)
+                            h = self._read(positions[next_read], next_read)
+                            self._track(h, stats)
+                            reads[next_read] = h
+                            stats.bytes_read += self._chunks[positions[next_read]].nbytes
+                            next_read += 1
+                        self._wait(reads.pop(i), stats)
+                    else:
+                        free_buffer(i)
+                    p, m, v = self._views(i, ch)
+                    after = work(j, ch, p, m, v, stats)
+                    if write:
+                        gen = self._gens[j]
+                        if self.transactional and op != "init":
+                            gen = 1 - gen           # the committed record stays intact
+                        h = self.swapper.swap_out(self._key(j, gen),
+                                                  self._slots[i % B].slice(0, ch.nbytes))
+                        self._track(h, stats)
+                        writes[i] = h
+                        new_gens[j] = gen
+                        stats.bytes_written += ch.nbytes
+                    if after is not None:
+                        after(j, ch, p, m, v, stats)
+                for i in sorted(writes):
+                    self._wait(writes.pop(i), stats)
+        except BaseException:
+            self._drain(list(reads.values()) + list(writes.values()))
+            raise
+        finally:
+            stats.seconds = time.perf_counter() - t_start
+            stats._close()
+            self.last_stats = stats
+        return stats, new_gens
+
+    @contextlib.contextmanager
+    def _compute_threads(self):
+        """torch's intra-op threads for the pass (``compute_threads``; None leaves them). The
+        setting is process-wide: the pass is synchronous, and it is restored when it ends."""
+        n = self.compute_threads
+        before = torch.get_num_threads()
+        if n == "auto":
+            n = max(1, before - 1)
+        if n is None or n == before:
+            yield
+            return
+        torch.set_num_threads(n)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    def _after_failed_step(self, e: BaseException, k: int, dests, published: int) -> None:
+        where = f"NVMeAdamW({self.name}) step {k} failed ({type(e).__name__})"
+        if not self.transactional:
+            self._broken = f"step {k} failed with {type(e).__name__}: {e}"
+            e.add_note(f"{where}: the optimizer state on NVMe (and the destinations, if any) is "
+                       f"partly updated (chunks before the failure) and the optimizer refuses "
+                       f"further steps; restore a checkpoint with load_state_dict()")
+            return
+        if self._broken is not None:
+            e.add_note(f"{where} and left IO in flight; the optimizer is unusable: {self._broken}")
+            return
+        note = (f"{where}: not applied — the state on NVMe and the step count are those of step "
+                f"{k - 1}")
+        if dests is not None and published:
+            try:
+                self._stream("restore", lambda j, ch, p, m, v, st: self._publish_chunk(dests, ch, p),
+                             positions=list(range(published)), read=True, write=False)
+                note += f"; the {published} chunk(s) already published were restored"
+            except BaseException as e2:  # noqa: BLE001
+                note += (f"; restoring the {published} chunk(s) already published failed too "
+                         f"({type(e2).__name__}: {e2}), so the destinations hold step-{k} values "
+                         f"for those until the next successful step() or publish()")
+        e.add_note(note + "; step() may be retried once the cause is fixed (a corrupt or "
+                          "truncated state file needs load_state_dict from a checkpoint)")
