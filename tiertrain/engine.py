@@ -310,6 +310,7 @@ class Engine:
         if self.nvme_optimizer is not None:
             with self.flat.shard_writer() as updated_shards:
                 self.nvme_optimizer.step(grads, self.schedule.get_last_lr()[0], out=updated_shards)
+            self._lr_source.step()  # no gradients: only keeps the schedule's step-order check satisfied
         else:
             self.optimizer.step()
         self.schedule.step()
