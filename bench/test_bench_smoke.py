@@ -57,3 +57,22 @@ def test_baselines_agree(tmp_path):
     ratios = {q["ratio"]: q for q in data["ratios"]}
     assert "tiertrain3 / fsdp2" in ratios and "tiertrain2 / ddp" in ratios
     assert "## Ratios (same run)" in out.read_text()
+
+
+@pytest.mark.timeout(300)
+def test_tp_megatron_runs(tmp_path):
+    """tiertrain's tp=2 MLP (with and without sequence parallelism) matches tp=1 and, when
+    megatron-core is installed, Megatron's Column/RowParallelLinear; the report is written."""
+    import tp_megatron
+
+    out = tmp_path / "tp.md"
+    rc = tp_megatron.main(["--hidden", "128", "--tokens", "64", "--rounds", "1", "--warmup", "1",
+                           "--steps", "1", "--timeout", "240", "--out", str(out)])
+    assert rc == 0  # non-zero when the numerical check fails
+    text = out.read_text()
+    assert "| tiertrain-tp2 |" in text and "| tiertrain-tp2-sp |" in text
+    if tp_megatron.HAVE_MEGATRON:
+        assert "| megatron-tp2-sp |" in text
+        assert "tiertrain / Megatron, tp=2 + SP" in text
+    else:
+        assert "Megatron-Core not installed" in text
