@@ -235,3 +235,57 @@ def test_launch_local_notices_a_killed_rank():
         launch.launch_local(_rank1_killed, 2, timeout=30)
     assert info.value.rank == 1 and "SIGKILL" in info.value.message
     assert time.monotonic() - start < 20
+
+
+# --------------------------------------------------------------------------- estimate (engine) / plan / tiling
+
+
+def test_estimate_engine_lines_peak_and_overhead(capsys):
+    assert cli.main(["estimate", "--preset", "small", "--dp", "2", "--stage", "3", "--micro-batch", "8",
+                     "--precision", "fp32", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    names = [l["name"] for l in data["lines"]]
+    assert data["peak_at"].startswith("backward of block")
+    for name in ("parameters", "gradients", "optimizer states", "activations (blocks)",
+                 "model-state working memory", "gradient buckets and reductions in flight",
+                 "framework overhead", "allocator retention"):
+        assert name in names, name
+    assert cli.main(["estimate", "--preset", "small", "--stage", "2", "--device", "cuda", "--json"]) == 0
+    cuda = json.loads(capsys.readouterr().out)
+    assert "allocator retention" not in [l["name"] for l in cuda["lines"]]
+    assert cli.main(["estimate", "--preset", "small", "--no-overhead"]) == 0
+    assert "framework overhead" not in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+def test_train_with_activation_checkpointing_and_tiling(tmp_path):
+    """`tiertrain train` applies activations.* and tile_factor (the settings a plan writes)."""
+    from tiertrain.train import run_training
+
+    cfg = cli.load_train_config(None, [*TINY, "--steps", "3", "--logging.progress", "false",
+                                       "--data.cache_dir", str(tmp_path), "--logging.metrics_file", "",
+                                       "--zero.stage", "3", "--activations.checkpoint_every", "1",
+                                       "--activations.offload", "cpu", "--tile_factor", "2"])
+    plain = cli.load_train_config(None, [*TINY, "--steps", "3", "--logging.progress", "false",
+                                         "--data.cache_dir", str(tmp_path), "--logging.metrics_file", "",
+                                         "--zero.stage", "3"])
+    tiled = launch.launch_local(run_training, 2, cfg, timeout=60)
+    straight = launch.launch_local(run_training, 2, plain, timeout=60)
+    assert tiled[0]["steps_run"] == 3 and math.isfinite(tiled[0]["last_loss"])
+    assert tiled[0]["first_loss"] == pytest.approx(straight[0]["first_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--tile_factor", "0"], "tile_factor"),
+    (["--activations.checkpoint_every", "5"], "activations.checkpoint_every"),
+])
+def test_tiling_and_checkpointing_config_errors(capsys, args, field):
+    assert cli.main(["train", "--nproc", "2", *TINY, *args]) == 2
+    assert field in capsys.readouterr().err
+
+
+def test_parse_bytes():
+    assert cli.parse_bytes("24GiB") == 24 * 2**30 and cli.parse_bytes("1.5e9") == 1_500_000_000
+    assert cli.parse_bytes("512 MiB") == 512 * 2**20 and cli.parse_bytes("32GB") == 32 * 10**9
+    with pytest.raises(ValueError, match="not a size"):
+        cli.parse_bytes("12 parsecs")

@@ -4,6 +4,7 @@
     tiertrain config [--config FILE] [--section.key VALUE ...]
     tiertrain estimate (--preset NAME | --layers L --hidden H --heads A [--vocab V --seq S]) [...]
     tiertrain probe [--swap-dir DIR] [--quick] [--out FILE]
+    tiertrain plan (--preset NAME | --layers L --hidden H --heads A | --config FILE) [hardware] [--json] [--out FILE]
 
 Invalid configurations print one ``error: ...`` line to stderr and exit with status 2.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from typing import Any
@@ -27,6 +29,8 @@ commands:
   config     print the resolved training config as YAML, each field with its documentation
   estimate   per-rank memory of a model under a ZeRO layout (formulas of ZeRO / ZeRO-Infinity)
   probe      measure this machine (RAM, memory and disk bandwidth, GPU) and save it as JSON
+  plan       choose ZeRO stage, offload tiers, activation checkpointing and tiling that fit,
+             and write a config for `tiertrain train --config`
 
 Every field of the training config can be overridden on the command line with
 --section.key VALUE (or --section.key=VALUE), e.g.
@@ -237,7 +241,8 @@ def _estimate_parser() -> argparse.ArgumentParser:
     lay.add_argument("--stage", type=int, help="ZeRO stage 0-3 (default 0)")
     lay.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="compute dtype (default bf16)")
     lay.add_argument("--micro-batch", type=int, help="sequences per micro-batch per rank (default 1)")
-    lay.add_argument("--ci", type=int, help="blocks between activation checkpoints; 0 = none (default)")
+    lay.add_argument("--ci", type=int, help="activation checkpoint interval: blocks 0, ci, 2ci, ... are checkpointed "
+                                            "(activations.checkpoint_every); 0 = none (default)")
     lay.add_argument("--tile", type=int, help="memory-centric tiling factor (default 1)")
     lay.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"],
                      help="tier of fp32 master weights and Adam state (default none = device)")
@@ -245,9 +250,18 @@ def _estimate_parser() -> argparse.ArgumentParser:
                      help="tier of the gradient partition (default: same as --offload-optimizer)")
     lay.add_argument("--offload-params", choices=["none", "cpu", "nvme"],
                      help="tier of stage-3 parameter shards (default none = device)")
+    lay.add_argument("--offload-checkpoints", choices=["none", "cpu"],
+                     help="tier of activation checkpoints (activations.offload; default none = device)")
     lay.add_argument("--ranks-per-node", type=int, help="ranks sharing a node (default: all)")
     lay.add_argument("--accounting", choices=["engine", "paper"],
                      help="engine dtypes (default) or the papers' 2+2+K bytes per parameter")
+    lay.add_argument("--bucket-mb", type=float, help="zero.bucket_mb (default 25)")
+    lay.add_argument("--prefetch-mb", type=float, help="zero.prefetch_mb at stage 3 (default 0, the CPU default)")
+    ov = p.add_argument_group("process overhead (engine accounting)")
+    ov.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="compute device: cpu adds the host allocator's retention of transient bytes (default)")
+    ov.add_argument("--probe", metavar="FILE", help="take the overhead measured by `tiertrain probe` from FILE")
+    ov.add_argument("--no-overhead", action="store_true", help="tensor bytes only")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
@@ -289,8 +303,25 @@ def cmd_estimate(argv: list[str]) -> int:
                   micro_batch=a.micro_batch, checkpoint_interval=a.ci, tile_factor=a.tile,
                   optimizer_tier=_tier(a.offload_optimizer), grad_tier=_tier(grad_tier),
                   param_tier=_tier(a.offload_params), ranks_per_node=a.ranks_per_node,
-                  accounting=a.accounting)
-    est = estimate_from_args(**kwargs)
+                  accounting=a.accounting, bucket_mb=a.bucket_mb, prefetch_mb=a.prefetch_mb,
+                  checkpoint_tier=_tier(a.offload_checkpoints),
+                  backend="nccl" if a.device == "cuda" else None)
+    from .estimate.peak import HostOverhead
+
+    if a.no_overhead:
+        overhead = HostOverhead.none()
+    elif a.probe:
+        from .estimate.probe import HardwareProbe
+
+        pr = HardwareProbe.load(a.probe)
+        base = HostOverhead.for_device(a.device)
+        overhead = HostOverhead(pr.framework_overhead_bytes if pr.framework_overhead_bytes is not None
+                                else base.framework_bytes,
+                                base.retention if pr.allocator_retention is None or a.device == "cuda"
+                                else pr.allocator_retention, f"probe file {a.probe}")
+    else:
+        overhead = HostOverhead.for_device(a.device)
+    est = estimate_from_args(overhead=overhead, **kwargs)
     sys.stdout.write(to_json(est) + "\n" if a.json else render_table(est))
     return 0
 
@@ -314,6 +345,8 @@ def format_probe(result: Any) -> str:
             text = f"{value:.2f} GB/s"
         elif name.endswith("_tflops"):
             text = f"{value:.1f} TFLOP/s"
+        elif name.endswith("_gflops"):
+            text = f"{value:.1f} GFLOP/s"
         else:
             text = str(value)
         rows.append((name, text))
@@ -330,11 +363,14 @@ def cmd_probe(argv: list[str]) -> int:
                                 description="Measure this machine's memory, bandwidths and GPU (if any) "
                                             "and save the figures as JSON for the planner.")
     p.add_argument("--swap-dir", metavar="DIR", help="directory to probe as the NVMe tier (a temporary file is written)")
-    p.add_argument("--quick", action="store_true", help="small sizes: seconds, noisier numbers")
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes: seconds, noisier numbers; skips the process-overhead calibration")
+    p.add_argument("--no-overhead", action="store_true",
+                   help="skip the process-overhead calibration (two short 2-rank training runs, ~15 s)")
     p.add_argument("--out", metavar="FILE", default="runs/hardware_probe.json",
                    help="where to save the JSON (default runs/hardware_probe.json; '' to skip)")
     a = p.parse_args(argv)
-    result = probe_module.probe(swap_dir=a.swap_dir, quick=a.quick)
+    result = probe_module.probe(swap_dir=a.swap_dir, quick=a.quick, overhead=False if a.no_overhead else None)
     print(format_probe(result))
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
@@ -343,10 +379,199 @@ def cmd_probe(argv: list[str]) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- plan
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '1.5e9', '512MiB', '32GB' (GB = 1e9, GiB = 2^30) -> bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size: expected e.g. 24GiB, 512MiB, 32GB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    from .models.gpt import PRESETS
+
+    p = argparse.ArgumentParser(
+        prog="tiertrain plan", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Choose the ZeRO stage, offload tiers, activation checkpointing and tiling that fit a\n"
+                    "model on the hardware, by ZeRO-Infinity's placement policy (offload only when memory\n"
+                    "is short; optimizer states and gradients first, to the fastest tier with room; then\n"
+                    "parameters vs activation checkpoints), print the plan with its predicted memory and\n"
+                    "efficiency, and write a config for `tiertrain train --config`.",
+        epilog="hardware: a probe file (default runs/hardware_probe.json when it exists, from `tiertrain probe`)\n"
+               "and/or stated figures, which override it. Exit status 1 when nothing fits.")
+    m = p.add_argument_group("model (a preset, explicit dims, or the model section of a train config)")
+    m.add_argument("--preset", choices=sorted(PRESETS), help="a GPTConfig preset; dims below override it")
+    m.add_argument("--config", metavar="FILE", help="a train config: its model, precision and micro-batch")
+    m.add_argument("--layers", type=int, help="transformer blocks")
+    m.add_argument("--hidden", type=int, help="model width")
+    m.add_argument("--heads", type=int, help="attention heads")
+    m.add_argument("--vocab", type=int, help="vocabulary size (default 256)")
+    m.add_argument("--seq", type=int, help="sequence length (default 128)")
+    m.add_argument("--ffn-mult", type=int, help="MLP width multiple (default 4)")
+    m.add_argument("--micro-batch", type=int, help="sequences per micro-batch per rank (default 8, or the config's)")
+    m.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="compute dtype (default fp32, or the config's)")
+    h = p.add_argument_group("hardware")
+    h.add_argument("--probe", metavar="FILE", help="probe file (default runs/hardware_probe.json if present)")
+    h.add_argument("--nproc", type=int, help="ranks per node (default: number of GPUs, else 2)")
+    h.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    h.add_argument("--ram", metavar="SIZE", help="host RAM per node the job may use (default: MemAvailable)")
+    h.add_argument("--gpu-memory", metavar="SIZE", help="memory per accelerator (default: probed; none on CPU)")
+    h.add_argument("--nvme", metavar="SIZE", help="free NVMe swap space per node (default: probed)")
+    h.add_argument("--swap-dir", metavar="DIR", help="the NVMe tier's directory (written as zero.nvme_path)")
+    h.add_argument("--peak-tflops", type=float, help="achievable compute per rank, TFLOP/s")
+    h.add_argument("--h2d-gbps", type=float, help="host<->device bandwidth per rank, GB/s")
+    h.add_argument("--nvme-gbps", type=float, help="NVMe bandwidth per node, GB/s")
+    h.add_argument("--reserve", type=float, default=0.10, help="fraction of each tier left free (default 0.1)")
+    pol = p.add_argument_group("policy")
+    pol.add_argument("--stages", default="0,1,2,3", help="ZeRO stages allowed (default 0,1,2,3)")
+    pol.add_argument("--tiers", default="cpu,nvme", help="offload tiers allowed (default cpu,nvme)")
+    pol.add_argument("--no-checkpointing", action="store_true", help="never recompute activations")
+    pol.add_argument("--max-tile", type=int, default=16, help="largest tiling factor (default 16; 1 = no tiling)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--out", metavar="FILE", default="runs/plan.yaml",
+                   help="where to write the config (default runs/plan.yaml; '' to skip)")
+    return p
+
+
+def hardware_from_args(a: argparse.Namespace):
+    """Hardware for the planner: the probe file (if any), overridden by stated figures."""
+    from . import launch
+    from .estimate.plan import Hardware
+    from .estimate.probe import HardwareProbe, read_meminfo
+
+    ranks = a.nproc if a.nproc is not None else launch.default_nproc()
+    if ranks < 1:
+        raise ValueError(f"--nproc={ranks} is invalid: expected >= 1")
+    path = a.probe or ("runs/hardware_probe.json" if os.path.isfile("runs/hardware_probe.json") else None)
+    if path:
+        hw = Hardware.from_probe(HardwareProbe.load(path), ranks_per_node=ranks, nodes=a.nodes, reserve=a.reserve)
+        hw.source = f"probe file {path}"
+    else:
+        mem = read_meminfo()
+        hw = Hardware(ranks_per_node=ranks, nodes=a.nodes, reserve=a.reserve,
+                      host_memory=mem.get("MemAvailable", mem.get("MemTotal", 0)), source="this machine's MemAvailable")
+    stated = []
+    if a.ram:
+        hw.host_memory = parse_bytes(a.ram)
+        stated.append("RAM")
+    if a.gpu_memory:
+        hw.device_memory = parse_bytes(a.gpu_memory)
+        stated.append("GPU memory")
+    if a.nvme:
+        hw.nvme_bytes = parse_bytes(a.nvme)
+        stated.append("NVMe")
+    if a.swap_dir:
+        hw.swap_dir = a.swap_dir
+        if not a.nvme:
+            import shutil
+
+            hw.nvme_bytes = shutil.disk_usage(a.swap_dir).free
+    if a.peak_tflops:
+        hw.peak_flops = a.peak_tflops * 1e12
+        stated.append("peak")
+    if a.h2d_gbps:
+        hw.host_device_bw = a.h2d_gbps * 1e9
+    if a.nvme_gbps:
+        hw.nvme_bw = a.nvme_gbps * 1e9
+    if stated:
+        hw.source += " + stated " + ", ".join(stated)
+    return hw.validate()
+
+
+def _config_check(values: dict) -> str | None:
+    """None when this version's train config accepts the plan's sections, else the error."""
+    from .config import ConfigError, from_dict
+    from .train import TrainConfig
+
+    try:
+        from_dict(TrainConfig, values).validate()
+    except (ConfigError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def cmd_plan(argv: list[str]) -> int:
+    from .estimate import ModelDims
+    from .estimate.plan import plan, plan_to_json, render_plan
+    from .models.gpt import GPTConfig
+
+    a = _plan_parser().parse_args(argv)
+    micro, precision = a.micro_batch, a.precision
+    if a.config:
+        cfg = load_train_config(a.config, [])
+        g = cfg.model
+        micro = micro or cfg.batch.micro_batch_size
+        precision = precision or cfg.precision.dtype
+    else:
+        g = GPTConfig.preset(a.preset) if a.preset else None
+    dims: dict[str, Any] = {}
+    if g is not None:
+        dims = dict(n_layers=g.n_layers, hidden=g.hidden, n_heads=g.n_heads, vocab=g.vocab_size,
+                    seq_len=g.seq_len, ffn_mult=g.ffn_mult, tie_embeddings=g.tie_embeddings,
+                    dropout=float(g.dropout) > 0, bias=g.bias)
+    for key, value in (("n_layers", a.layers), ("hidden", a.hidden), ("n_heads", a.heads), ("vocab", a.vocab),
+                       ("seq_len", a.seq), ("ffn_mult", a.ffn_mult)):
+        if value is not None:
+            dims[key] = value
+    missing = [f for f, k in (("--layers", "n_layers"), ("--hidden", "hidden"), ("--heads", "n_heads")) if k not in dims]
+    if missing:
+        raise ValueError(f"plan: missing {', '.join(missing)}; give --preset NAME, --config FILE, or "
+                         f"--layers, --hidden and --heads")
+    dims.setdefault("vocab", GPTConfig.vocab_size)
+    dims.setdefault("seq_len", GPTConfig.seq_len)
+    model = ModelDims(**dims).validate()
+    try:
+        stages = [int(x) for x in a.stages.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--stages={a.stages!r} is invalid: expected e.g. 0,1,2,3") from None
+    if not stages or any(s not in (0, 1, 2, 3) for s in stages):
+        raise ValueError(f"--stages={a.stages!r} is invalid: expected stages among 0,1,2,3")
+    tiers = [t.strip() for t in a.tiers.split(",") if t.strip()]
+    if any(t not in ("cpu", "nvme") for t in tiers):
+        raise ValueError(f"--tiers={a.tiers!r} is invalid: expected a subset of cpu,nvme")
+    if a.max_tile < 1:
+        raise ValueError(f"--max-tile={a.max_tile} is invalid: expected >= 1")
+    hw = hardware_from_args(a)
+    result = plan(model, hw, micro_batch=micro or 8, precision=precision or "fp32", stages=stages, tiers=tiers,
+                  checkpointing=not a.no_checkpointing,
+                  tile_factors=[t for t in (1, 2, 4, 8, 16, 32, 64) if t <= a.max_tile])
+    rejected = _config_check(result.config_dict())
+    if rejected:
+        result.notes.append(f"this version's train config does not accept the plan yet: {rejected}")
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            f.write(result.to_yaml())
+    if a.json:
+        data = json.loads(plan_to_json(result))
+        data["config_file"] = a.out or None
+        data["config_accepted"] = rejected is None
+        sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    else:
+        sys.stdout.write(render_plan(result))
+        if a.out:
+            if not result.fits:
+                print(f"config of the most frugal layout written to {a.out} (for reference: it does not fit)")
+            elif rejected:
+                print(f"config written to {a.out} (not accepted by this version's train config yet)")
+            else:
+                print(f"config written to {a.out} (run: tiertrain train --config {a.out} --nproc {hw.ranks_per_node})")
+    return 0 if result.fits else 1
+
+
 # --------------------------------------------------------------------------- entry point
 
 
-COMMANDS = {"train": cmd_train, "config": cmd_config, "estimate": cmd_estimate, "probe": cmd_probe}
+COMMANDS = {"train": cmd_train, "config": cmd_config, "estimate": cmd_estimate, "probe": cmd_probe,
+            "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:

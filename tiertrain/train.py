@@ -19,6 +19,13 @@ since the previous record; ``tokens_per_s`` counts every rank's tokens; memory f
 are the maximum over ranks. Non-finite numbers are written as ``null`` (strict JSON).
 A fresh run starts the metrics file afresh; a run resumed from a checkpoint appends.
 
+The model is built with ``tile_factor`` (memory-centric tiling of each block's qkv, fc1,
+fc2) and ``activations.*`` (activation checkpointing, tiertrain.offload.activations)
+applied. With ``zero.offload: auto`` the planner (tiertrain.estimate.plan) chooses the ZeRO
+stage, offload tiers, checkpointing and tiling at start-up for the RAM (and GPU memory)
+available then: rank 0 plans and prints the plan, every rank trains with it; when nothing
+fits, every rank raises the same ConfigError naming the short tier and by how much.
+
 With ``checkpoint.dir`` set, the job saves (``engine.save_checkpoint``) every
 ``checkpoint.interval`` steps and at the end, keeping ``checkpoint.keep_last``, with the
 job's step and the sampler's position as extras; with ``checkpoint.resume`` a run finding a
@@ -43,7 +50,8 @@ import torch.distributed as dist
 from .config import Config, ConfigError, _check_positive
 from .models.gpt import GPT, GPTConfig
 
-__all__ = ["DataConfig", "TrainConfig", "run_training", "check_launch", "default_model"]
+__all__ = ["DataConfig", "TrainConfig", "run_training", "check_launch", "default_model", "plan_for_run",
+           "apply_plan"]
 
 
 def default_model() -> GPTConfig:
@@ -88,6 +96,8 @@ class TrainConfig(Config):
     """Optimizer steps to run (each of batch.grad_accum_steps micro-batches per rank)."""
     seed: int = 0
     """Seed of the model initialisation (the same on every rank)."""
+    tile_factor: int = 1
+    """Memory-centric tiling: each block's qkv, fc1 and fc2 run as this many tiles, each its own stage-3 unit (1 = off)."""
 
     def validate(self) -> "TrainConfig":
         for f in dataclasses.fields(Config):
@@ -99,6 +109,14 @@ class TrainConfig(Config):
         self.data.validate("data")
         _check_positive("steps", self.steps)
         _check_positive("seed", self.seed, allow_zero=True)
+        _check_positive("tile_factor", self.tile_factor)
+        if self.tile_factor > self.model.hidden:
+            raise ConfigError(f"tile_factor={self.tile_factor} is invalid: expected 1..model.hidden "
+                              f"({self.model.hidden}; a tile needs at least one output feature)")
+        if self.activations.checkpoint_every > self.model.n_layers:
+            raise ConfigError(f"activations.checkpoint_every={self.activations.checkpoint_every} is invalid: "
+                              f"the model has {self.model.n_layers} blocks; expected 0 (off) or "
+                              f"1..{self.model.n_layers}")
         return self
 
     def engine_config(self) -> Config:
@@ -174,6 +192,120 @@ def _build_dataset(cfg: TrainConfig):
     return bundled_dataset(cfg.model.seq_len, cfg.data.cache_dir)
 
 
+def build_model(cfg: TrainConfig, device: torch.device | None = None) -> GPT:
+    """The job's GPT, tiled (tile_factor) and with activation checkpointing applied
+    (activations.checkpoint_every / offload), ready for wrap()."""
+    model = GPT(cfg.model)
+    if cfg.tile_factor > 1:
+        from .estimate.peak import tile_plan
+        from .tiling import apply_tiling
+
+        apply_tiling(model, tile_plan(cfg.tile_factor))
+    if cfg.activations.checkpoint_every > 0:
+        from .offload.activations import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, cfg.activations, device=device)
+    return model
+
+
+# --------------------------------------------------------------------------- zero.offload: auto
+
+
+def apply_plan(cfg: TrainConfig, plan) -> TrainConfig:
+    """cfg with the plan's stage, tiers, checkpointing and tiling (zero.offload becomes
+    "manual": the choice is made); ConfigError when this version cannot run it."""
+    from .config import from_dict, merge, to_dict
+
+    chosen = plan.config_dict()
+    chosen.pop("model", None)  # the job's own model (the plan was made for it)
+    chosen["zero"]["offload"] = "manual"
+    if "nvme_path" in chosen["zero"] and not chosen["zero"]["nvme_path"]:
+        chosen["zero"]["nvme_path"] = cfg.zero.nvme_path
+    return from_dict(TrainConfig, merge(to_dict(cfg), chosen)).validate()
+
+
+def _local_ranks(world_size: int) -> int:
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    except ValueError:
+        return world_size
+
+
+def plan_for_run(cfg: TrainConfig, world_size: int, device: torch.device | None = None,
+                 probe_path: str | None = None):
+    """The planner's choice for this job (tiertrain.estimate.plan) on this machine now:
+    host RAM available (MemAvailable, capped by a cgroup limit), free device memory with
+    CUDA, the free space of zero.nvme_path as the NVMe tier (none when it is empty), and
+    the bandwidths, compute peak and process overhead of a probe file when one exists
+    (``probe_path``, default $TIERTRAIN_PROBE or runs/hardware_probe.json). Only layouts
+    this version's config accepts are chosen."""
+    import shutil
+
+    from .estimate import ModelDims
+    from .estimate.plan import Hardware, plan
+    from .estimate.probe import HardwareProbe, _cgroup_memory_limit, read_meminfo
+
+    local = _local_ranks(world_size)
+    nodes = max(1, world_size // local)
+    path = probe_path or os.environ.get("TIERTRAIN_PROBE") or "runs/hardware_probe.json"
+    mem = read_meminfo()
+    available = mem.get("MemAvailable", mem.get("MemFree", 0))
+    limit = _cgroup_memory_limit()
+    available = min(available, limit) if limit else available
+    if os.path.isfile(path):
+        hw = Hardware.from_probe(HardwareProbe.load(path), ranks_per_node=local, nodes=nodes)
+        hw.source = f"probe file {path}, RAM available now"
+    else:
+        hw = Hardware(ranks_per_node=local, nodes=nodes, host_memory=available, source="this machine now")
+    hw.host_memory = available
+    if device is not None and device.type == "cuda":
+        hw.device_memory = int(torch.cuda.mem_get_info(device)[0])
+    elif device is not None:
+        hw.device_memory = None
+    hw.swap_dir = cfg.zero.nvme_path or None
+    hw.nvme_bytes = shutil.disk_usage(cfg.zero.nvme_path).free if cfg.zero.nvme_path and \
+        os.path.isdir(cfg.zero.nvme_path) else None
+
+    def allowed(layout) -> str | None:
+        from .estimate.plan import Plan
+
+        stub = Plan(True, dims, layout, None, hw, {}, {}, None, "")
+        try:
+            apply_plan(cfg, stub)
+        except (ConfigError, ValueError) as e:
+            return str(e)
+        return None
+
+    dims = ModelDims.from_gpt_config(cfg.model)
+    return plan(dims, hw, micro_batch=cfg.batch.micro_batch_size, precision=cfg.precision.dtype,
+                bucket_mb=cfg.zero.bucket_mb, allowed=allowed)
+
+
+def _resolve_auto(cfg: TrainConfig, topology) -> TrainConfig:
+    """zero.offload=auto: rank 0 plans, every rank applies the same plan (or raises the same
+    ConfigError naming what is short); rank 0 prints the plan."""
+    from .estimate.plan import render_plan, short_message
+
+    message: list[Any] = [None]
+    if topology.rank == 0:
+        try:
+            chosen = plan_for_run(cfg, topology.world_size, topology.device)
+            if chosen.fits:
+                message[0] = ("ok", apply_plan(cfg, chosen), render_plan(chosen))
+            else:
+                message[0] = ("error", "zero.offload='auto': " + short_message(chosen), render_plan(chosen))
+        except (ConfigError, ValueError) as e:
+            message[0] = ("error", f"zero.offload='auto': {e}", "")
+    if dist.is_initialized() and topology.world_size > 1:
+        dist.broadcast_object_list(message, src=0)
+    kind, value, table = message[0]
+    if topology.rank == 0 and table:
+        print("tiertrain: zero.offload=auto, the planner's choice:\n" + table.rstrip(), flush=True)
+    if kind == "error":
+        raise ConfigError(value)
+    return value
+
+
 def _gather_stats(values: list[float], topology, group) -> torch.Tensor:
     """[dp, len(values)] tensor of every data-parallel rank's values (one collective)."""
     local = torch.tensor(values, dtype=torch.float64, device=topology.device)
@@ -196,9 +328,11 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
     check_launch(cfg, topology.world_size)
     is_main = topology.rank == 0
     dp_group = topology.group("dp")
+    if cfg.zero.offload == "auto":
+        cfg = _resolve_auto(cfg, topology)
 
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model)
+    model = build_model(cfg, topology.device)
     n_params = sum(p.numel() for p in model.parameters())
     dataset = _build_dataset(cfg)
     sampler = ShardedSampler(len(dataset), topology.size("dp"), topology.coord("dp"),

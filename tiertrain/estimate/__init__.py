@@ -6,6 +6,13 @@
 * :mod:`~tiertrain.estimate.probe` — measured CPU/RAM/disk/GPU figures, saved as JSON
   (``probe.probe()``, re-exported here as :func:`probe_hardware` so that
   ``tiertrain.estimate.probe`` remains the module).
+* :mod:`~tiertrain.estimate.peak` — tiertrain's engine buffer by buffer: model states from
+  its own layout, activations of its GPT, and a simulated step giving the per-rank peak
+  (what :func:`estimate` reports with engine accounting), plus the process overhead.
+* :mod:`~tiertrain.estimate.plan` — the placement planner (``tiertrain plan``,
+  ``zero.offload: auto``).
+* :mod:`~tiertrain.estimate.measure` — measured peak memory of real engine runs, and the
+  overhead calibration ``tiertrain probe`` runs.
 * :mod:`~tiertrain.estimate.report` — a plain-text table and JSON of an estimate.
 """
 
@@ -47,6 +54,8 @@ from tiertrain.estimate.memory import (
     zero_max_parameters,
     zero_model_state_bytes,
 )
+from tiertrain.estimate.peak import HostOverhead
+from tiertrain.estimate.plan import Hardware, Plan, PlanError, plan, plan_to_json, render_plan
 from tiertrain.estimate.probe import HardwareProbe, load_probe
 from tiertrain.estimate.probe import probe as probe_hardware  # the name ``probe`` stays the module
 from tiertrain.estimate.report import human_bytes, render_table, to_json
@@ -62,5 +71,6 @@ __all__ = [
     "infinity_mswm_bytes", "infinity_parameters", "model_state_bytes", "module_parameter_sizes",
     "padded_shard", "zero_activation_bytes", "zero_max_parameters", "zero_model_state_bytes",
     "HardwareProbe", "load_probe", "probe_hardware",
+    "HostOverhead", "Hardware", "Plan", "PlanError", "plan", "plan_to_json", "render_plan",
     "human_bytes", "render_table", "to_json",
 ]

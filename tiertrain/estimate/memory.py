@@ -7,8 +7,12 @@ Two families of functions live here, and their names say which is which:
   ZeRO-Infinity §3 memory requirements (model states, activation checkpoints, MSWM, AWM).
 * ``engine_*`` and :func:`estimate` describe what *tiertrain's engine* keeps, byte for
   byte: params in the compute dtype, fp32 gradients, fp32 master weights only for 16-bit
-  compute, fp32 Adam moments, and shards padded to ``ceil(n / dp)``. These are what the
-  engine's measured memory is checked against.
+  compute, fp32 Adam moments, and shards padded to ``ceil(n / dp)``. With a model given as
+  ModelDims or a module (tp = pp = 1), :func:`estimate` goes further, through
+  :mod:`tiertrain.estimate.peak`: the engine's own layout (bucket and unit padding), the
+  activations of tiertrain's GPT, the engine's transient buffers at the simulated peak of a
+  step, and the process overhead — the per-rank peak, checked against real runs in
+  bench/results/estimate_accuracy.md.
 
 Activation memory without checkpointing follows Korthikanti et al. 2022 ("Reducing
 Activation Recomputation in Large Transformer Models", §4) and is an approximation.
@@ -90,6 +94,8 @@ class ModelDims:
     """Dropout is active in training, so its 1-byte masks are kept for backward."""
     stores_attention_scores: bool = False
     """Attention keeps the seq x seq score/softmax tensors (False for fused SDPA/flash)."""
+    bias: bool = True
+    """Linear layers carry biases (GPTConfig.bias)."""
 
     def validate(self) -> "ModelDims":
         """Raise ValueError naming the first invalid field; return self when valid."""
@@ -100,7 +106,7 @@ class ModelDims:
                 f"ModelDims.n_heads={self.n_heads} is invalid: must divide "
                 f"hidden={self.hidden}"
             )
-        for name in ("tie_embeddings", "dropout", "stores_attention_scores"):
+        for name in ("tie_embeddings", "dropout", "stores_attention_scores", "bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"ModelDims.{name}={getattr(self, name)!r} is invalid: must be a bool"
@@ -114,12 +120,15 @@ class ModelDims:
             n_layers=config.n_layers, hidden=config.hidden, n_heads=config.n_heads,
             vocab=config.vocab_size, seq_len=config.seq_len, ffn_mult=config.ffn_mult,
             tie_embeddings=config.tie_embeddings, dropout=float(config.dropout) > 0.0,
+            bias=bool(getattr(config, "bias", True)),
         ).validate()
 
     def block_parameters(self) -> int:
-        """One block: ln1 2h, qkv h·3h+3h, proj h·h+h, ln2 2h, fc1 h·fh+fh, fc2 fh·h+h."""
+        """One block: ln1 2h, qkv h·3h+3h, proj h·h+h, ln2 2h, fc1 h·fh+fh, fc2 fh·h+h
+        (the bias terms only with ``bias``)."""
         h, f = self.hidden, self.ffn_mult * self.hidden
-        return 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h + (h * f + f) + (f * h + h)
+        b = 1 if self.bias else 0
+        return 2 * h + (3 * h * h + b * 3 * h) + (h * h + b * h) + 2 * h + (h * f + b * f) + (f * h + b * h)
 
     def num_parameters(self) -> int:
         """Exact count: nl blocks + token (V·h) and position (seq·h) embeddings + final
@@ -367,7 +376,10 @@ class ZeroLayout:
     checkpoint_tier: str = "device"
     """Where activation checkpoints live: "device" or "cpu" (ZeRO-R / ZeRO-Infinity §5)."""
     checkpoint_interval: int = 0
-    """ci, transformer blocks between two activation checkpoints; 0 = no checkpointing."""
+    """ci, transformer blocks between two activation checkpoints; 0 = no checkpointing.
+    Engine accounting follows ``activations.checkpoint_every``: blocks 0, ci, 2ci, … are
+    checkpointed (⌈nl/ci⌉ checkpoints, as in the paper) and recomputed in backward; the
+    other blocks keep their activations."""
     micro_batch: int = 1
     """bsz, sequences per micro-batch per rank."""
     tile_factor: int = 1
@@ -378,6 +390,15 @@ class ZeroLayout:
     """"engine" (tiertrain's dtypes) or "paper" (ZeRO's 2+2+K bytes per parameter)."""
     ranks_per_node: int = 0
     """Ranks sharing one node's CPU memory and NVMe; 0 = all dp·tp·pp ranks on one node."""
+    bucket_mb: float = 25.0
+    """zero.bucket_mb: stage 0–2 gradient buckets (units) in MiB of fp32 (engine accounting)."""
+    prefetch_mb: float = 0.0
+    """zero.prefetch_mb: stage-3 parameters gathered ahead of use, MiB (0 is the CPU default)."""
+    persistence_threshold: int = 0
+    """zero.persistence_threshold: stage-3 parameters this small stay whole on every rank."""
+    backend: str = "gloo"
+    """Collective backend: "gloo" (CPU; with more than 2 ranks its reduce-scatter and
+    all-gather stage a full-size copy) or "nccl"."""
 
     def validate(self) -> "ZeroLayout":
         """Raise ValueError naming the first invalid field; return self when valid."""
@@ -411,6 +432,15 @@ class ZeroLayout:
             raise ValueError(
                 f"ZeroLayout.accounting={self.accounting!r} is invalid: must be 'engine' or 'paper'"
             )
+        for name in ("bucket_mb", "prefetch_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 \
+                    or (name == "bucket_mb" and value == 0):
+                raise ValueError(f"ZeroLayout.{name}={value!r} is invalid: must be a number "
+                                 + ("> 0" if name == "bucket_mb" else ">= 0"))
+        _positive_int("ZeroLayout", "persistence_threshold", self.persistence_threshold, minimum=0)
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"ZeroLayout.backend={self.backend!r} is invalid: must be 'gloo' or 'nccl'")
         return self
 
     @property
@@ -455,6 +485,9 @@ class Estimate:
     """The labelled items, per rank."""
     notes: list[str] = field(default_factory=list)
     """Assumptions and omissions, in words."""
+    peak_at: str = ""
+    """Engine accounting: the point of the training step where the per-rank peak falls
+    (the transient lines are what is live there); empty for the papers' accounting."""
 
     def by_tier(self) -> dict[str, int]:
         """Bytes per rank in each tier (every tier present, 0 when unused)."""
@@ -489,23 +522,24 @@ class Estimate:
             "per_node": self.per_node(),
             "ranks_per_node": self.layout.node_ranks,
             "notes": list(self.notes),
+            "peak_at": self.peak_at,
         }
 
 
 ModelSpec = ModelDims | int | Sequence[int] | nn.Module | Callable[[], nn.Module]
 
 
-def _resolve_model(model: ModelSpec) -> tuple[int, list[int], ModelDims | None]:
-    """(Ψ, per-tensor sizes, dims or None) of any accepted model description."""
+def _resolve_model(model: ModelSpec) -> tuple[int, list[int], ModelDims | None, nn.Module | None]:
+    """(Ψ, per-tensor sizes, dims or None, module or None) of any accepted model description."""
     if isinstance(model, ModelDims):
         psi = model.validate().num_parameters()
-        return psi, [psi], model
+        return psi, [psi], model, None
     if isinstance(model, int) and not isinstance(model, bool):
         if model <= 0:
             raise ValueError(f"estimate.model={model!r} is invalid: a parameter count must be > 0")
-        return model, [model], None
+        return model, [model], None, None
     if isinstance(model, (list, tuple)):
-        return sum(model), [int(n) for n in model], None
+        return sum(model), [int(n) for n in model], None, None
     if isinstance(model, nn.Module) or callable(model):
         if isinstance(model, nn.Module):
             module = model
@@ -517,7 +551,7 @@ def _resolve_model(model: ModelSpec) -> tuple[int, list[int], ModelDims | None]:
         dims = None
         if config is not None and all(hasattr(config, a) for a in ("n_layers", "hidden", "vocab_size")):
             dims = ModelDims.from_gpt_config(config)
-        return sum(sizes), sizes, dims
+        return sum(sizes), sizes, dims, module
     raise ValueError(
         f"estimate.model={model!r} is invalid: must be ModelDims, a parameter count, a list "
         "of tensor sizes, an nn.Module or a factory returning one"
@@ -603,16 +637,32 @@ def _activation_lines(d: ModelDims, lay: ZeroLayout) -> list[EstimateLine]:
     return lines
 
 
-def estimate(model: ModelSpec, layout: ZeroLayout | None = None) -> Estimate:
+def estimate(model: ModelSpec, layout: ZeroLayout | None = None, overhead: Any = None) -> Estimate:
     """Per-rank memory of training ``model`` under ``layout``, one labelled line per item.
 
     ``model`` is ModelDims (all lines), a parameter count or list of tensor sizes (model
     states only), or an nn.Module / factory (counted on the meta device; a ``.config``
     with GPTConfig's fields also yields dims). Model-parallel ranks hold Ψ/(t·p).
+
+    With engine accounting, a model given as ModelDims or a module, and tp = pp = 1, the
+    lines are tiertrain's engine buffer by buffer (:mod:`tiertrain.estimate.peak`): model
+    states from the engine's own layout (padding, buckets, stage-3 units), and the
+    activations and transient buffers live at the simulated per-rank peak (``peak_at``),
+    plus the process overhead ``overhead`` (:class:`~tiertrain.estimate.peak.HostOverhead`;
+    None: the defaults measured on the reference machine; ``HostOverhead.none()``: 0).
+    Then ``total()`` is the predicted peak per rank.
     """
     lay = (layout or ZeroLayout()).validate()
-    psi, sizes, dims = _resolve_model(model)
+    psi, sizes, dims, module = _resolve_model(model)
     est = Estimate(parameters=psi, layout=lay, dims=dims)
+    if lay.accounting == "engine" and lay.tp * lay.pp == 1 and (module is not None or dims is not None):
+        from tiertrain.estimate.peak import engine_estimate_lines
+
+        lines, notes, where = engine_estimate_lines(module, dims, lay, overhead)
+        est.lines.extend(lines)
+        est.notes.extend(notes)
+        est.peak_at = where
+        return est
     est.lines.extend(_model_state_lines(psi, sizes, lay))
     if dims is not None:
         est.lines.extend(_activation_lines(dims, lay))
@@ -636,10 +686,11 @@ _ALIASES: Mapping[str, str] = MappingProxyType(
 )
 
 
-def estimate_from_args(**kwargs: Any) -> Estimate:
+def estimate_from_args(overhead: Any = None, **kwargs: Any) -> Estimate:
     """Keyword front end for a CLI: ModelDims fields (n_layers, hidden, n_heads, vocab,
     seq_len, ...) or ``params=`` a count or ``module=`` an nn.Module/factory, plus any
-    ZeroLayout field. Aliases: ci, bsz, seq, layers, heads, vocab_size, tile."""
+    ZeroLayout field. Aliases: ci, bsz, seq, layers, heads, vocab_size, tile. ``overhead``
+    as for :func:`estimate`."""
     args = {_ALIASES.get(k, k): v for k, v in kwargs.items() if v is not None}
     dim_names = {f.name for f in fields(ModelDims)}
     lay_names = {f.name for f in fields(ZeroLayout)}
@@ -659,4 +710,4 @@ def estimate_from_args(**kwargs: Any) -> Estimate:
         model = ModelDims(**dim_args)
     else:
         raise ValueError("estimate_from_args: give model dims (n_layers, hidden, ...), params= or module=")
-    return estimate(model, layout)
+    return estimate(model, layout, overhead)

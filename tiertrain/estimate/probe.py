@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 __all__ = ["HardwareProbe", "probe", "load_probe", "read_meminfo", "measure_host_copy_gbps",
-           "measure_direct_io"]
+           "measure_direct_io", "measure_cpu_matmul_gflops"]
 
 
 @dataclass
@@ -62,6 +62,15 @@ class HardwareProbe:
     """Device -> pinned host copy bandwidth, GB/s."""
     bf16_matmul_tflops: float | None = None
     """Achieved bf16 square-matmul throughput, TFLOP/s (the planner's peak)."""
+    cpu_matmul_gflops: float | None = None
+    """Achieved fp32 square-matmul throughput on the CPU with torch's threads, GFLOP/s (the
+    planner's peak without an accelerator)."""
+    framework_overhead_bytes: int | None = None
+    """Peak-RSS increase of a training rank beyond its tensors (gloo, BLAS, autograd,
+    allocator metadata), from a 2-rank run of a negligible GPT (tiertrain.estimate.measure)."""
+    allocator_retention: float | None = None
+    """Fraction of a rank's transient bytes (activations, buckets) the host allocator keeps
+    resident on top of them (glibc heap fragmentation), from a 2-rank run of the small GPT."""
     quick: bool = False
     """Small sizes were used (fast, noisier numbers)."""
     host: str = ""
@@ -145,6 +154,19 @@ def measure_host_copy_gbps(nbytes: int, repeats: int = 3) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
     return 2 * nbytes / best / 1e9
+
+
+def measure_cpu_matmul_gflops(n: int, repeats: int = 3) -> float:
+    """GFLOP/s of an fp32 n×n matmul on the CPU with torch's current threads, best of repeats."""
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    torch.matmul(a, b)  # warm up (BLAS thread pool, page faults)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
 
 
 # --------------------------------------------------------------------------- swap dir
@@ -275,10 +297,14 @@ def _probe_cuda(result: HardwareProbe, quick: bool) -> None:
 # --------------------------------------------------------------------------- entry point
 
 
-def probe(swap_dir: str | os.PathLike[str] | None = None, quick: bool = False) -> HardwareProbe:
+def probe(swap_dir: str | os.PathLike[str] | None = None, quick: bool = False,
+          overhead: bool | None = None) -> HardwareProbe:
     """Measure this machine. ``swap_dir``: directory to probe as the NVMe tier (a
     temporary file is written there and removed). ``quick``: small sizes, for tests
-    (a few seconds at most); the full probe copies 512 MiB of RAM and writes up to 1 GiB."""
+    (a few seconds at most); the full probe copies 512 MiB of RAM and writes up to 1 GiB.
+    ``overhead`` (default: not quick; Linux): also measure a training rank's process
+    overhead with two short 2-rank runs (tiertrain.estimate.measure.calibrate_overhead,
+    ~15 s on 2 cores)."""
     d = _check_swap_dir(swap_dir) if swap_dir is not None else None
     mem = read_meminfo()
     limit = _cgroup_memory_limit()
@@ -295,6 +321,7 @@ def probe(swap_dir: str | os.PathLike[str] | None = None, quick: bool = False) -
     )
     copy_bytes = (64 << 20) if quick else min(512 << 20, max(64 << 20, result.ram_available_bytes // 8))
     result.host_copy_gbps = measure_host_copy_gbps(copy_bytes, repeats=3 if quick else 5)
+    result.cpu_matmul_gflops = measure_cpu_matmul_gflops(256 if quick else 1024)
     if d is not None:
         result.swap_dir = os.path.abspath(d)
         result.swap_free_bytes = shutil.disk_usage(d).free
@@ -309,6 +336,19 @@ def probe(swap_dir: str | os.PathLike[str] | None = None, quick: bool = False) -
         result.swap_write_gbps, result.swap_read_gbps, result.swap_o_direct = w, r, direct
         if note:
             result.notes.append(note)
+    if overhead if overhead is not None else not quick:
+        if os.path.exists("/proc/self/clear_refs"):
+            from tiertrain.estimate.measure import calibrate_overhead
+
+            cal = calibrate_overhead()
+            result.framework_overhead_bytes = cal["framework_bytes"]
+            result.allocator_retention = cal["retention"]
+            result.notes.append(f"overhead calibration: framework run peaks {cal['framework_run']['peak']} B "
+                                f"(tensors {cal['framework_run']['tensors']} B); 6 × 512 GPT stage-2 run peaks "
+                                f"{cal['retention_run']['peak']} B (tensors {cal['retention_run']['tensors']} B, "
+                                f"transient {cal['retention_run']['transient']} B)")
+        else:
+            result.notes.append("overhead not measured: needs Linux /proc (VmHWM reset)")
     if torch.cuda.is_available():
         _probe_cuda(result, quick)
     else:

@@ -49,6 +49,8 @@ def render_table(est: Estimate) -> str:
     totals += [[t, human_bytes(per_rank[t]), human_bytes(per_node[t])] for t in TIERS]
     totals.append(["total", human_bytes(sum(per_rank.values())), human_bytes(sum(per_node.values()))])
     lines += _table(totals, right={1, 2})
+    if est.peak_at:
+        lines.append(f"peak at: {est.peak_at} (engine accounting: the transient lines are what is live there)")
     lines += [f"note: {n}" for n in est.notes]
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,256 @@
+"""Specification of the planner (tiertrain.estimate.plan, `tiertrain plan`, zero.offload=auto).
+
+1. Placement policy (ZeRO-Infinity §3, PAPERS.md): offload only when memory is short; the
+   lowest ZeRO stage that fits; optimizer states and gradients leave the device first, to
+   the fastest tier with room; then parameters (or activation checkpoints); nothing fits →
+   an error naming the tier that is short and by how much.
+2. Without an accelerator the device is host RAM: CPU offload frees nothing, only NVMe does.
+3. The plan is a config `tiertrain train` loads (YAML round trip), and `--json` has a stable shape.
+4. zero.offload=auto in `tiertrain train` runs the planner at start-up and trains with its choice.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tiertrain import cli, launch
+from tiertrain.config import load
+from tiertrain.estimate import ModelDims, estimate
+from tiertrain.estimate.plan import Hardware, PlanError, plan, render_plan
+from tiertrain.train import TrainConfig, apply_plan
+
+GiB = 2**30
+# ~102M parameters: 8 blocks × 1024, vocab 1000, seq 256
+DIMS = ModelDims(n_layers=8, hidden=1024, n_heads=16, vocab=1000, seq_len=256)
+
+
+def gpu(device_gib: float, host_gib: float = 64, nvme_gib: float | None = None, **kw) -> Hardware:
+    return Hardware(ranks_per_node=2, host_memory=int(host_gib * GiB), device_memory=int(device_gib * GiB),
+                    nvme_bytes=None if nvme_gib is None else int(nvme_gib * GiB),
+                    swap_dir=None if nvme_gib is None else "/nvme/swap", peak_flops=100e12,
+                    host_device_bw=20e9, nvme_bw=3e9, **kw)
+
+
+def cpu_only(ram_gib: float, nvme_gib: float | None = None) -> Hardware:
+    return Hardware(ranks_per_node=2, host_memory=int(ram_gib * GiB),
+                    nvme_bytes=None if nvme_gib is None else int(nvme_gib * GiB),
+                    swap_dir=None if nvme_gib is None else "/nvme/swap", peak_flops=20e9, nvme_bw=1e9)
+
+
+def _fits_exactly_as_predicted(p, hw):
+    """The chosen plan's predicted usage is the estimate's, and within every budget."""
+    lay = p.layout
+    est = estimate(ModelDims(**{**DIMS.__dict__}) if p.dims == DIMS else p.dims, lay, hw.overhead)
+    tiers = est.by_tier()
+    if hw.shared:
+        assert p.usage["ram"] == tiers["device"] + tiers["cpu"]
+    else:
+        assert p.usage["device"] == tiers["device"] and p.usage["cpu"] == tiers["cpu"]
+    for t, used in p.usage.items():
+        assert used <= p.budget[t], (t, used, p.budget[t])
+
+
+# --------------------------------------------------------------------------- 1. the policy
+
+
+@pytest.mark.timeout(60)
+def test_everything_fits_lowest_stage_without_offload():
+    hw = gpu(64)
+    p = plan(DIMS, hw, micro_batch=2, precision="bf16")
+    assert p.fits and p.rung == "no offload"
+    lay = p.layout
+    assert (lay.stage, lay.optimizer_tier, lay.param_tier, lay.checkpoint_interval) == (0, "device", "device", 0)
+    _fits_exactly_as_predicted(p, hw)
+
+
+@pytest.mark.timeout(60)
+def test_less_memory_moves_up_the_stages_before_offloading():
+    p = plan(DIMS, gpu(2.0), micro_batch=2, precision="bf16")
+    assert p.fits and p.rung == "no offload" and p.layout.stage in (1, 2, 3)
+    assert p.layout.optimizer_tier == "device"
+
+
+@pytest.mark.timeout(60)
+def test_device_short_sends_optimizer_states_and_gradients_to_cpu_first():
+    hw = gpu(0.9)
+    p = plan(DIMS, hw, micro_batch=2, precision="bf16")
+    assert p.fits and p.rung == "optimizer states and gradients to cpu"
+    lay = p.layout
+    assert lay.optimizer_tier == "cpu" and lay.param_tier == "device" and lay.stage >= 2
+    assert lay.grad_tier == "cpu"
+    # nothing on the device fits: the no-offload rung was tried and rejected
+    assert any(t["rung"] == "no offload" and not t["fits"] for t in p.tried)
+    _fits_exactly_as_predicted(p, hw)
+
+
+@pytest.mark.timeout(60)
+def test_more_short_moves_parameters_too():
+    hw = gpu(0.15)
+    p = plan(DIMS, hw, micro_batch=2, precision="bf16")
+    assert p.fits and p.layout.stage == 3
+    assert p.layout.optimizer_tier == "cpu"
+    assert p.layout.param_tier == "cpu" or p.layout.checkpoint_tier == "cpu"
+    assert p.rung.startswith("optimizer to cpu, ")
+    # the optimizer-only rung was tried first and did not fit
+    assert any(t["rung"] == "optimizer states and gradients to cpu" and not t["fits"] for t in p.tried)
+    _fits_exactly_as_predicted(p, hw)
+
+
+@pytest.mark.timeout(60)
+def test_cpu_full_too_goes_to_nvme():
+    """Optimizer states to the fastest tier *with room*: CPU memory too small → NVMe."""
+    hw = gpu(0.2, host_gib=1.0, nvme_gib=100)
+    p = plan(DIMS, hw, micro_batch=2, precision="bf16")
+    assert p.fits and "nvme" in (p.layout.optimizer_tier, p.layout.param_tier)
+    assert p.config_dict()["zero"]["nvme_path"] == "/nvme/swap"
+
+
+@pytest.mark.timeout(60)
+def test_nothing_fits_names_the_short_tier_and_by_how_much():
+    hw = gpu(0.05, host_gib=0.5)
+    p = plan(DIMS, hw, micro_batch=2, precision="bf16")
+    assert not p.fits and p.short
+    for s in p.short:
+        assert s.need_per_rank > s.have_per_rank and s.short_per_rank == s.need_per_rank - s.have_per_rank
+    text = " ".join(s.describe() for s in p.short)
+    assert "short by" in text and ("device memory" in text or "CPU memory" in text)
+    with pytest.raises(PlanError, match=r"no layout fits .*short by \d"):
+        plan(DIMS, hw, micro_batch=2, precision="bf16", raise_if_short=True)
+    assert "DOES NOT FIT" in render_plan(p) and "error: no layout fits" in render_plan(p)
+
+
+# --------------------------------------------------------------------------- 2. no accelerator
+
+
+@pytest.mark.timeout(60)
+def test_cpu_only_never_offloads_to_cpu_and_uses_nvme_when_ram_is_short():
+    roomy = plan(DIMS, cpu_only(64), micro_batch=2, precision="fp32")
+    assert roomy.fits and roomy.layout.stage == 0 and set(roomy.usage) == {"ram", "nvme"}
+    # model states alone (16 B/param fp32, /2 at stage 3) exceed this RAM: only NVMe helps
+    short = plan(DIMS, cpu_only(1.2, nvme_gib=200), micro_batch=2, precision="fp32")
+    assert short.fits
+    assert short.layout.optimizer_tier == "nvme" or short.layout.param_tier == "nvme"
+    assert "cpu" not in (short.layout.optimizer_tier, short.layout.param_tier, short.layout.checkpoint_tier)
+    none = plan(DIMS, cpu_only(0.5), micro_batch=2, precision="fp32")
+    assert not none.fits and [s.tier for s in none.short] == ["ram"]
+    assert "host RAM" in none.short[0].describe()
+    assert any("NVMe" in n for n in none.notes)
+
+
+def test_budget_and_usage_per_rank():
+    hw = cpu_only(10)
+    assert hw.budget() == {"ram": int(10 * GiB * 0.9 / 2), "nvme": 0}
+    assert gpu(8).budget()["device"] == int(8 * GiB * 0.9)
+    with pytest.raises(ValueError, match="ranks_per_node=0"):
+        Hardware(ranks_per_node=0, host_memory=1).validate()
+    with pytest.raises(ValueError, match="reserve=1.5"):
+        Hardware(ranks_per_node=1, host_memory=1, reserve=1.5).validate()
+
+
+def test_gpu_hardware_does_not_add_host_allocator_retention_to_the_device():
+    assert gpu(8).overhead.retention == 0.0
+    assert cpu_only(8).overhead.retention > 0.0
+    probe = {"ram_available_bytes": 8 * GiB, "framework_overhead_bytes": 20 << 20, "allocator_retention": 0.4,
+             "cpu_matmul_gflops": 40.0, "swap_free_bytes": 10 * GiB, "swap_dir": "/d", "swap_read_gbps": 2.0,
+             "swap_write_gbps": 1.0}
+    hw = Hardware.from_probe(probe, ranks_per_node=2)
+    assert hw.shared and hw.overhead.framework_bytes == 20 << 20 and hw.overhead.retention == 0.4
+    assert hw.peak_flops == 20e9 and hw.nvme_bw == 1e9 and hw.nvme_bytes == 10 * GiB
+
+
+@pytest.mark.timeout(60)
+def test_efficiency_uses_the_bandwidth_model():
+    p = plan(DIMS, gpu(0.9), micro_batch=2, precision="bf16")
+    eff = p.efficiency
+    assert eff is not None and 0 < eff["combined"] < 1
+    opt = [s for s in eff["states"] if s["state"] == "optimizer states"][0]
+    ait = 256 * 2 / 4  # seq·bsz/4
+    assert opt["ait"] == ait and opt["efficiency"] == pytest.approx(ait * 20e9 / (ait * 20e9 + 100e12))
+
+
+# --------------------------------------------------------------------------- 3. config and JSON
+
+
+@pytest.mark.timeout(60)
+def test_plan_yaml_loads_back_as_the_train_config(tmp_path):
+    p = plan(DIMS, gpu(0.9), micro_batch=2, precision="bf16")
+    path = tmp_path / "plan.yaml"
+    path.write_text(p.to_yaml())
+    cfg = load(TrainConfig, str(path))
+    lay = p.layout
+    assert cfg.zero.stage == lay.stage and cfg.zero.offload == "manual"
+    assert cfg.zero.offload_optimizer == "cpu" and cfg.zero.offload_params == "none"
+    assert cfg.activations.checkpoint_every == lay.checkpoint_interval
+    assert cfg.tile_factor == lay.tile_factor and cfg.batch.micro_batch_size == 2
+    assert cfg.precision.dtype == "bf16"
+    assert (cfg.model.n_layers, cfg.model.hidden, cfg.model.n_heads, cfg.model.vocab_size, cfg.model.seq_len) == (
+        8, 1024, 16, 1000, 256)
+    # applying the plan to an existing job keeps its other sections
+    job = load(TrainConfig, None, ["--steps", "7", "--model.n_layers", "8", "--model.hidden", "1024",
+                                   "--model.n_heads", "16"])
+    applied = apply_plan(job, p)
+    assert applied.steps == 7 and applied.zero.stage == lay.stage and applied.zero.offload_optimizer == "cpu"
+
+
+@pytest.mark.timeout(60)
+def test_cli_plan_json_shape(tmp_path, capsys):
+    out = tmp_path / "plan.yaml"
+    code = cli.main(["plan", "--preset", "small", "--micro-batch", "4", "--nproc", "2", "--ram", "16GiB",
+                     "--peak-tflops", "0.02", "--json", "--out", str(out)])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    for key in ("fits", "rung", "parameters", "plan", "memory_per_rank", "budget_per_rank", "peak_at", "lines",
+                "efficiency", "short", "config", "hardware", "tried", "notes", "config_file", "config_accepted"):
+        assert key in data, key
+    assert data["fits"] is True and data["config_accepted"] is True and data["short"] == []
+    assert set(data["plan"]) >= {"stage", "optimizer_tier", "param_tier", "checkpoint_every", "checkpoint_tier",
+                                 "tile_factor", "precision", "micro_batch", "dp"}
+    assert set(data["memory_per_rank"]) == {"ram", "nvme"}
+    assert all({"name", "bytes", "tier", "formula"} <= set(l) for l in data["lines"])
+    assert data["config"]["zero"]["stage"] == data["plan"]["stage"]
+    assert load(TrainConfig, str(out)).zero.stage == data["plan"]["stage"]
+
+
+@pytest.mark.timeout(60)
+def test_cli_plan_table_and_nothing_fits_exit_status(tmp_path, capsys):
+    assert cli.main(["plan", "--preset", "bench", "--nproc", "2", "--ram", "64GiB", "--out", ""]) == 0
+    text = capsys.readouterr().out
+    assert "plan (FITS; rung: no offload)" in text and "zero.stage" in text and "predicted per rank" in text
+    assert cli.main(["plan", "--layers", "48", "--hidden", "8192", "--heads", "64", "--nproc", "2",
+                     "--ram", "16GiB", "--out", str(tmp_path / "p.yaml")]) == 1
+    text = capsys.readouterr().out
+    assert "DOES NOT FIT" in text and "host RAM (device and CPU tiers) short by" in text
+    assert cli.main(["plan", "--layers", "2"]) == 2
+    assert "--hidden" in capsys.readouterr().err
+    assert cli.main(["plan", "--preset", "small", "--ram", "lots"]) == 2
+    assert "not a size" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- 4. zero.offload: auto
+
+TINY = ["--steps", "2", "--model.n_layers", "2", "--model.hidden", "32", "--model.n_heads", "2",
+        "--model.seq_len", "32", "--batch.micro_batch_size", "2", "--logging.progress", "false"]
+
+
+@pytest.mark.timeout(90)
+def test_auto_in_train_picks_and_logs_a_plan(tmp_path, capfd):
+    from tiertrain.train import run_training
+
+    cfg = cli.load_train_config(None, [*TINY, "--zero.offload", "auto", "--zero.stage", "3",
+                                       "--data.cache_dir", str(tmp_path),
+                                       "--logging.metrics_file", str(tmp_path / "m.jsonl")])
+    summaries = launch.launch_local(run_training, 2, cfg, timeout=60)
+    # plenty of RAM for 30k parameters: no offload, the lowest stage (the given stage 3 is replaced)
+    assert [s["zero_stage"] for s in summaries] == [0, 0]
+    out = capfd.readouterr().out
+    assert "zero.offload=auto, the planner's choice" in out and "rung: no offload" in out
+
+
+@pytest.mark.timeout(60)
+def test_auto_in_train_fails_naming_what_is_short(capsys):
+    code = cli.main(["train", "--nproc", "1", *TINY, "--zero.offload", "auto", "--model.n_layers", "48",
+                     "--model.hidden", "8192", "--model.n_heads", "64"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: zero.offload='auto': no layout fits") and "short by" in err

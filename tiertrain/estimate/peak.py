@@ -1,0 +1,614 @@
+"""Per-rank peak memory of tiertrain's engine, buffer by buffer (what the engine allocates,
+not the papers' round numbers).
+
+The model states come from the engine's own layout functions (``tiertrain.zero.layout``)
+applied to the model's parameter shapes (a GPT built on the meta device, or any module):
+flat units padded to a multiple of ``num_shards·64`` elements, stage-0–2 units cut into
+``zero.bucket_mb`` buckets, stage-3 units one per transformer block plus the root. Per unit
+and rank, exactly as ``tiertrain.zero.flat.FlatParameters`` stores it:
+
+* params: the whole unit in the compute dtype (resident units) or this rank's shard (stage 3);
+* grads: fp32, the whole unit at stages 0–1 (``grad_full``), the shard at stages 2–3;
+* master: fp32 shard, absent when the shard already is fp32 in the same memory;
+* Adam moments: 2 × fp32 per *real* element of the shard (padding has no optimizer state).
+
+Transient memory is simulated over one step in the order the engine runs it, and the peak
+is the largest total at any point:
+
+* forward end: every block's saved activations, the head's, and the logits in flight;
+* start of backward (the loss): the head's backward buffers;
+* the backward of each block, last first: the saved activations of the blocks not yet
+  processed, one block's backward buffers (gradient of the MLP input and the largest
+  weight gradient), the stage-3 gathered units (the root stays gathered through forward
+  and backward, plus the block being processed), and the gradient reduction state: at
+  stages 2–3 the fp32 bucket being filled plus up to ``max_in_flight`` (2) reduced buckets
+  in flight, momentarily 3 (``tiertrain.zero.reducer``: a bucket and its reduce-scatter
+  output live until their collective is waited on); at stage 1 the reduce-scatter output
+  of every unit, kept until the optimizer step;
+* the optimizer step (no activations): stage-1 reduce-scatter outputs, the squared-gradient
+  temporary of the global norm, and, on gloo with more than 2 ranks or on NCCL with more
+  than 1, nothing more (the 2-rank gloo path exchanges only the peer's chunk, in place).
+
+Activation sizes are those of ``tiertrain.models.gpt.GPT`` (pre-LN blocks, fused SDPA that
+keeps its output and log-sum-exp instead of the s×s scores, GELU, tied head), counted with
+``torch.autograd.graph.saved_tensors_hooks`` on this code: per block (8 + 2·ffn_mult)·s·b·h
+elements of the compute dtype (x, ln1 out, qkv (3), attention out, x + attn, ln2 out, fc1
+out (f), GELU out (f)), LayerNorm mean/rstd (4·b·s) and the fp32 log-sum-exp (b·a·s).
+Activation checkpointing (``tiertrain.offload.activations``) keeps only the input of every
+k-th block (blocks 0, k, 2k, …) and recomputes that block in backward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = ["ActivationBytes", "PeakBreakdown", "HostOverhead", "gpt_activation_bytes", "gpt_meta_model",
+           "engine_units", "simulate_peak", "stage3_gathered_bytes", "tile_plan", "engine_estimate_lines",
+           "DEFAULT_OVERHEAD_BYTES", "DEFAULT_RETENTION"]
+
+DEFAULT_OVERHEAD_BYTES = 18 * 2**20
+"""Process memory a training rank holds besides tensors (allocator metadata, gloo and
+oneDNN/BLAS buffers, the autograd engine, Python objects), when nothing better is known:
+measured on the reference 2-core CPU machine (bench/results/estimate_accuracy.md) as the
+peak-RSS increase of training a 1-block, 32-wide GPT on 2 gloo ranks less its tensors
+(17.9–18.0 MiB in three runs); ``tiertrain probe`` measures it on the machine at hand
+(``framework_overhead_bytes``, tiertrain.estimate.measure.calibrate_overhead)."""
+
+DEFAULT_RETENTION = 0.5
+"""Share of a rank's transient bytes (activations, buckets, gathered units) that glibc's
+heap keeps resident on top of them, when nothing better is known: measured on the reference
+machine with a 6 × 512 GPT at stage 2, micro-batch 4 (0.48 and 0.51 in two runs; a 6 × 256
+GPT gives 0.24–0.35, the 8 × 640 runs of the table 0.5–0.9 — see
+bench/results/estimate_accuracy.md); ``tiertrain probe`` measures it (``allocator_retention``)."""
+
+
+# --------------------------------------------------------------------------- activations
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Bytes of one micro-batch's activations in tiertrain's GPT (per rank)."""
+
+    block: int
+    """Saved for backward by one block that is not checkpointed."""
+    checkpoint: int
+    """Saved by one checkpointed block: its input only."""
+    head: int
+    """Saved outside the blocks: final-LN input, head input, LN stats, fp32 log-softmax
+    output, position ids, plus the micro-batch's input ids and labels (int64)."""
+    logits_in_flight: int
+    """Forward end: the logits (compute dtype) and, with 16-bit compute, their fp32 copy."""
+    head_backward: int
+    """Start of backward: gradient of the log-softmax output and of its input (fp32), and the
+    16-bit cast of it when the compute dtype is not fp32."""
+    block_backward: int
+    """Inside one block's backward: gradient of the MLP inner activation (f·s·b·h), the
+    residual-stream gradient (s·b·h) and the largest weight gradient (f·h², compute dtype)."""
+    tied_head_grad: int
+    """The head's weight gradient (V·h, compute dtype) held from the head's backward until
+    the embedding's gradient arrives, when the weights are tied (0 otherwise)."""
+
+
+def gpt_activation_bytes(dims: Any, micro_batch: int, precision_bytes: int) -> ActivationBytes:
+    """:class:`ActivationBytes` of ``tiertrain.models.gpt.GPT`` with ``dims``
+    (:class:`~tiertrain.estimate.memory.ModelDims`) at ``micro_batch`` sequences."""
+    D = precision_bytes
+    s, b, h, a, V, f = dims.seq_len, micro_batch, dims.hidden, dims.n_heads, dims.vocab, dims.ffn_mult
+    sbh = s * b * h
+    drop = 1 if dims.dropout else 0
+    # x, ln1 out, qkv (3), attention out, x + attn, ln2 out, fc1 out (f), gelu out (f);
+    # LN mean/rstd (2 per LN, compute dtype), SDPA log-sum-exp (fp32); dropout masks (bool)
+    block = (8 + 2 * f) * sbh * D + 4 * b * s * D + 4 * b * a * s + 2 * drop * sbh
+    head = 2 * sbh * D + 2 * b * s * D + 4 * s * b * V + 8 * s + 2 * 8 * b * s + drop * sbh
+    logits = s * b * V * D + (4 * s * b * V if D != 4 else 0)
+    head_bwd = 2 * 4 * s * b * V + (s * b * V * D if D != 4 else 0)
+    block_bwd = (f + 1) * sbh * D + f * h * h * D
+    tied = V * h * D if dims.tie_embeddings else 0
+    return ActivationBytes(block=block, checkpoint=sbh * D, head=head, logits_in_flight=logits,
+                           head_backward=head_bwd, block_backward=block_bwd, tied_head_grad=tied)
+
+
+# --------------------------------------------------------------------------- the layout
+
+
+def gpt_meta_model(dims: Any, tile_factor: int = 1) -> nn.Module:
+    """tiertrain's GPT with ``dims`` on the meta device (nothing allocated); with
+    ``tile_factor`` > 1 each block's qkv, fc1 and fc2 become TiledLinear (tiertrain.tiling)."""
+    from tiertrain.models.gpt import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=dims.vocab, seq_len=dims.seq_len, n_layers=dims.n_layers,
+                       hidden=dims.hidden, n_heads=dims.n_heads, ffn_mult=dims.ffn_mult,
+                       tie_embeddings=dims.tie_embeddings, dropout=0.1 if dims.dropout else 0.0,
+                       bias=getattr(dims, "bias", True))
+    with torch.device("meta"):
+        model = GPT(config)
+        if tile_factor > 1:
+            from tiertrain.tiling import apply_tiling
+
+            apply_tiling(model, tile_plan(tile_factor))
+    model._tiertrain_tile_factor = tile_factor
+    return model
+
+
+def tile_plan(tile_factor: int) -> dict[str, int]:
+    """The linears tiertrain tiles for a tile factor: each block's qkv, fc1 and fc2 (the
+    (h→3h), (h→4h), (4h→h) operators, ZeRO-Infinity §5.1.3)."""
+    return {"blocks.*.attn.qkv": tile_factor, "blocks.*.mlp.fc1": tile_factor,
+            "blocks.*.mlp.fc2": tile_factor}
+
+
+def _unit_prefixes(model: nn.Module) -> list[str]:
+    """engine.default_unit_modules: the children of every nn.ModuleList."""
+    prefixes = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList):
+            prefixes += [f"{name}.{child}" if name else child for child, _ in module.named_children()]
+    return prefixes
+
+
+_LAYOUTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def engine_units(model: nn.Module, stage: int, dp: int, bucket_mb: float = 25.0,
+                 persistence_threshold: int = 0):
+    """The engine's FlatLayout for ``model`` (any device, meta included): exactly what
+    ``Engine._build_layout`` builds (cached per module; the module must not change)."""
+    from tiertrain.zero.layout import bucket_layout, module_layout
+
+    key = (stage, dp if stage else 1, float(bucket_mb) if stage < 3 else 0.0,
+           persistence_threshold if stage == 3 else 0)
+    cache = _LAYOUTS.setdefault(model, {})
+    if key not in cache:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if stage == 3:
+            cache[key] = module_layout(named, _unit_prefixes(model), dp, persistence_threshold)
+        else:
+            bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
+            cache[key] = bucket_layout(named, 1 if stage == 0 else dp, bucket_numel)
+    return cache[key]
+
+
+# --------------------------------------------------------------------------- simulation
+
+
+@dataclass
+class PeakBreakdown:
+    """What one rank holds at its predicted peak, by item (bytes), and where the peak is."""
+
+    params: int
+    """Parameters (compute dtype): resident units whole, stage-3 units as this rank's shard."""
+    grads: int
+    """fp32 gradients (whole units at stages 0–1, shards at 2–3)."""
+    master: int
+    """fp32 master shards (0 where the fp32 shard is its own master)."""
+    moments: int
+    """Adam m and v (fp32) of the real elements of this rank's shards."""
+    param_tier: str
+    grad_tier: str
+    optimizer_tier: str
+    items: dict[str, int] = field(default_factory=dict)
+    """Transient and activation bytes live at the peak, by item name."""
+    cpu_items: dict[str, int] = field(default_factory=dict)
+    """Bytes held in the CPU tier besides model states (offloaded activation checkpoints)."""
+    where: str = ""
+    """The point of the step where the peak falls."""
+    unit_bytes: dict[str, int] = field(default_factory=dict)
+    """Sizes used: largest unit (compute dtype), bucket, etc. (for the formulas)."""
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.master + self.moments
+
+    @property
+    def transient(self) -> int:
+        return sum(self.items.values()) + sum(self.cpu_items.values())
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.transient
+
+
+def _block_index(name: str, blocks: dict[str, int]) -> int | None:
+    """Block number of a parameter name (the longest matching block prefix), else None."""
+    best = None
+    for prefix, i in blocks.items():
+        if name.startswith(prefix + ".") and (best is None or len(prefix) > len(best[0])):
+            best = (prefix, i)
+    return None if best is None else best[1]
+
+
+def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int,
+                  param_tier: str = "device", optimizer_tier: str = "device",
+                  bucket_mb: float = 25.0, prefetch_mb: float = 0.0, persistence_threshold: int = 0,
+                  backend: str = "gloo", rank: int | None = None,
+                  acts: ActivationBytes | None = None, checkpoint_every: int = 0,
+                  checkpoint_tier: str = "device", max_in_flight: int = 2) -> PeakBreakdown:
+    """Simulate one training step of tiertrain's engine on ``model`` (meta is fine) and
+    return what one rank holds at the peak. ``acts``: the model's activation sizes (None:
+    activations not modelled, model states and engine buffers only). ``rank``: the rank
+    to account (None: rank 0, the largest: ranks differ only in the Adam moments of their
+    shard's real elements, and each unit's padding sits at its end)."""
+    if rank is None:
+        rank = 0  # every rank holds the same buffers; the padding (no Adam state) is at the end
+    D = precision_bytes
+    layout = engine_units(model, stage, dp, bucket_mb, persistence_threshold)
+    units = layout.units
+    shard_rank = rank if layout.num_shards > 1 else 0
+    # ---- persistent model states (FlatParameters + AdamW state)
+    params = grads = master = moments = 0
+    for u in units:
+        params += (u.padded_numel if u.resident else u.shard_numel) * D
+        grads += 4 * (u.padded_numel if stage <= 1 else u.shard_numel)
+        shard_tier = "device" if u.resident else param_tier
+        if not (D == 4 and optimizer_tier == shard_tier != "nvme"):
+            master += 4 * u.shard_numel
+        moments += 8 * sum(b - a for _, a, b in u.shard_pieces(shard_rank))
+    out = PeakBreakdown(params=params, grads=grads, master=master, moments=moments,
+                        param_tier=param_tier if stage == 3 else "device",
+                        grad_tier=("cpu" if optimizer_tier == "nvme" else optimizer_tier) if stage >= 2 else "device",
+                        optimizer_tier=optimizer_tier)
+    full_bytes = {u.index: u.padded_numel * D for u in units}
+    # gloo with > 2 ranks stages a full-size copy for reduce-scatter (fp32) and all-gather
+    staging = backend == "gloo" and dp > 2
+    out.unit_bytes = {"largest_unit": max(u.padded_numel for u in units),
+                      "largest_shard": max(u.shard_numel for u in units)}
+
+    # ---- the step (no activations): stage-1 outputs are counted in backward already
+    step_items = {"global-norm temporary": 4 * max(u.shard_numel for u in units)}  # g.pow(2) of a grad shard
+    if stage == 1:
+        step_items["reduce-scatter outputs (stage 1)"] = sum(4 * u.shard_numel for u in units)
+        if staging:
+            step_items["reduce-scatter outputs (stage 1)"] += sum(4 * u.padded_numel for u in units)
+    if stage in (1, 2) and staging:
+        step_items["all-gather staging"] = sum(D * u.padded_numel for u in units if u.num_shards > 1)
+    best_items, best_where = dict(step_items), "optimizer step"
+
+    cpu_items: dict[str, int] = {}
+    if acts is not None:
+        # ---- blocks: which parameters belong to which block (unit prefixes of ModuleLists)
+        prefixes = [p for p in _unit_prefixes(model) if p.count(".") == 1]  # blocks.i, not tiles
+        blocks = {p: i for i, p in enumerate(prefixes)}
+        n_blocks = len(prefixes)
+        ckpt = set(range(0, n_blocks, checkpoint_every)) if checkpoint_every > 0 else set()
+        saved = [acts.checkpoint if i in ckpt else acts.block for i in range(n_blocks)]
+        ckpt_bytes = acts.checkpoint * len(ckpt)
+        if checkpoint_tier == "cpu" and ckpt:  # the host pool keeps every checkpoint's buffer
+            cpu_items["activation checkpoints (CPU pool)"] = ckpt_bytes
+            saved = [0 if i in ckpt else acts.block for i in range(n_blocks)]
+
+        def act_items(alive_blocks: int) -> dict[str, int]:
+            live = saved[:alive_blocks]
+            full = sum(x for i, x in enumerate(live) if i not in ckpt)
+            chk = sum(x for i, x in enumerate(live) if i in ckpt)
+            d = {"activations (blocks)": full}
+            if ckpt and checkpoint_tier != "cpu":
+                d["activation checkpoints"] = chk
+            return d
+
+        # stage 3: units (by index) of the root and of each block; gathered state
+        root_units = [u.index for u in units if not u.resident and u.label == "<root>"]
+        unit_of_block: dict[int, list[int]] = {}
+        for u in units:
+            if stage == 3 and not u.resident and u.label != "<root>":
+                i = _block_index(u.label + ".x", blocks)
+                if i is not None:
+                    unit_of_block.setdefault(i, []).append(u.index)
+        root_full = sum(full_bytes[i] for i in root_units) if stage == 3 else 0
+        prefetch = int(prefetch_mb * 2**20)
+
+        def gathered_block(i: int) -> int:
+            """Largest stage-3 working set inside block i: the block's own unit plus its
+            largest nested unit (tiles are gathered one at a time), plus prefetch budget."""
+            if stage != 3:
+                return 0
+            us = unit_of_block.get(i, [])
+            own = [full_bytes[x] for x in us if units[x].label.count(".") == 1]
+            nested = [full_bytes[x] for x in us if units[x].label.count(".") > 1]
+            return sum(own) + (max(nested) if nested else 0) + min(prefetch, max(full_bytes.values()))
+
+        points: list[tuple[str, dict[str, int]]] = []
+        # forward end and start of backward
+        fwd = act_items(n_blocks)
+        fwd["activations (embedding, head, logits)"] = acts.head + acts.logits_in_flight
+        if stage == 3:
+            fwd["gathered parameters (stage 3)"] = root_full
+        points.append(("end of forward", fwd))
+        head = act_items(n_blocks)
+        head["activations (embedding, head, logits)"] = acts.head
+        head["backward buffers"] = acts.head_backward + acts.tied_head_grad
+        if stage == 3:
+            head["gathered parameters (stage 3)"] = root_full
+
+        # ---- backward, parameter by parameter in reverse registration order
+        named = [n for n, p in model.named_parameters() if p.requires_grad]
+        slot_unit = {}
+        for u in units:
+            for s_ in u.slots:
+                slot_unit[s_.name] = u.index
+        remaining = {u.index: len(u.slots) for u in units}
+        launch_order = ([u.index for u in units if not u.resident][1:][::-1]
+                        + [u.index for u in units if not u.resident][:1]
+                        + [u.index for u in units if u.resident]) if stage == 3 \
+            else [u.index for u in units]
+        next_launch = 0
+        filling: dict[int, int] = {}      # unit -> bucket bytes (stages 2-3)
+        in_flight: list[int] = []         # bytes of each launched, not yet waited reduction
+        kept_outputs = 0                  # stage 1: reduce-scatter outputs until the step
+        first_root_grad = True
+
+        def engine_items(block: int | None) -> dict[str, int]:
+            d = {}
+            if stage >= 2:
+                d["gradient buckets and reductions in flight"] = sum(filling.values()) + sum(in_flight)
+            elif stage == 1:
+                d["gradient buckets and reductions in flight"] = kept_outputs
+            if stage == 3:
+                d["gathered parameters (stage 3)"] = root_full + (gathered_block(block) if block is not None else 0)
+            return d
+
+        def block_point(b: int, gathered: bool = True) -> dict[str, int]:
+            """Inside block b's backward (b = -1: after the last block, the embeddings')."""
+            d = act_items(b + 1)
+            d["backward buffers"] = (acts.block_backward if b >= 0 else 0) + acts.tied_head_grad
+            if b in ckpt:  # recomputation: the block's activations again (+ its fetched input)
+                d["activation working memory (recompute)"] = acts.block + (
+                    acts.checkpoint if checkpoint_tier == "cpu" else 0)
+            d.update(engine_items(b if gathered and b >= 0 else None))
+            return d
+
+        current_block = None
+        for name in reversed(named):
+            b = _block_index(name, blocks)
+            index = slot_unit[name]
+            u = units[index]
+            if stage >= 2 and index not in filling:  # a bucket opens at its first gradient
+                filling[index] = 4 * u.padded_numel
+            if b is None and current_block is not None:
+                current_block = -1  # past the blocks: the embeddings' backward
+            elif b is not None and b != current_block:
+                current_block = b
+                points.append((f"backward of block {b}", block_point(b)))
+            if first_root_grad and b is None:
+                first_root_grad = False
+                if stage >= 2:  # the root's bucket opens during the head's backward
+                    head["gradient buckets and reductions in flight"] = 4 * u.padded_numel
+            remaining[index] -= 1
+            # launch every unit that is complete, in the fixed launch order
+            while next_launch < len(launch_order) and remaining[launch_order[next_launch]] == 0:
+                li = launch_order[next_launch]
+                lu = units[li]
+                next_launch += 1
+                if stage == 0:
+                    continue
+                cost = 4 * lu.shard_numel + (4 * lu.padded_numel if staging else 0)
+                if stage == 1:
+                    kept_outputs += cost
+                else:
+                    in_flight.append(filling.pop(li, 0) + cost)
+                if current_block is None:
+                    d = dict(head)
+                    d.update(engine_items(None))
+                else:  # a whole block's unit is released (on_unit_grads_done) before its launch
+                    d = block_point(current_block, gathered=current_block >= 0 and lu.label.count(".") > 1)
+                points.append((f"reduction of unit {lu.label}", d))
+                while stage >= 2 and len(in_flight) > max_in_flight:
+                    in_flight.pop(0)
+        points.insert(1, ("start of backward", head))
+        for where, d in points:
+            if sum(d.values()) > sum(best_items.values()):
+                best_items, best_where = d, where
+    else:
+        # no activations: the engine's own buffers at their largest (a bucket plus in-flight
+        # reductions, or the stage-1 outputs), stage-3 gathered: the two largest units
+        d = {}
+        if stage >= 2:
+            biggest = sorted((4 * u.padded_numel + 4 * u.shard_numel for u in units), reverse=True)
+            d["gradient buckets and reductions in flight"] = sum(biggest[:max_in_flight + 1]) + (
+                4 * max(u.padded_numel for u in units))
+        if stage == 1:
+            d["gradient buckets and reductions in flight"] = sum(4 * u.shard_numel for u in units)
+        if stage == 3:
+            d["gathered parameters (stage 3)"] = sum(sorted(full_bytes.values(), reverse=True)[:2])
+        if sum(d.values()) > sum(best_items.values()):
+            best_items, best_where = d, "backward (activations not modelled)"
+    out.items = {k: v for k, v in best_items.items() if v}
+    out.cpu_items = cpu_items
+    out.where = best_where
+    return out
+
+
+# --------------------------------------------------------------------------- process overhead
+
+
+@dataclass(frozen=True)
+class HostOverhead:
+    """Process memory besides tensors, added to the estimate of a rank's peak.
+
+    ``framework_bytes`` is a constant per process (gloo, BLAS/oneDNN workspaces, the
+    autograd engine, allocator metadata, Python objects). ``retention`` is the fraction of
+    the transient bytes at the peak that the host allocator keeps resident on top of them:
+    glibc's malloc raises its mmap threshold to the largest block freed (up to 32 MiB), so
+    after the first step activations, buckets and gathered units come from the heap, whose
+    freed holes stay resident and fragment (see bench/results/estimate_accuracy.md). 0 on
+    CUDA devices, whose caching allocator is not modelled here."""
+
+    framework_bytes: int = DEFAULT_OVERHEAD_BYTES
+    """Constant bytes per rank process."""
+    retention: float = DEFAULT_RETENTION
+    """Fraction of the peak's transient bytes (activations and engine buffers) the host
+    allocator holds on top of them."""
+    source: str = "defaults measured on the reference machine (bench/results/estimate_accuracy.md)"
+    """Where the figures come from."""
+
+    @classmethod
+    def none(cls) -> "HostOverhead":
+        """No overhead: tensor bytes only."""
+        return cls(0, 0.0, "none (tensor bytes only)")
+
+    @classmethod
+    def for_device(cls, device: str) -> "HostOverhead":
+        """The defaults for a compute device: "cpu" (host allocator retention applies to the
+        transient bytes) or "cuda" (they live in the caching allocator: not modelled, 0)."""
+        return cls() if device == "cpu" else cls(DEFAULT_OVERHEAD_BYTES, 0.0, "default framework bytes; CUDA "
+                                                 "caching allocator not modelled")
+
+
+# --------------------------------------------------------------------------- estimate lines
+
+_ITEM_LINES = {
+    # item name -> (line name, formula)
+    "activations (blocks)": ("activations (blocks)",
+                             "(8+2f)·s·b·h·D + LN stats 4·b·s·D + fp32 lse 4·b·a·s per block not yet "
+                             "through backward (tiertrain GPT, fused SDPA; saved_tensors_hooks count)"),
+    "activation checkpoints": ("activation checkpoints",
+                               "s·b·h·D per checkpointed block (its input; blocks 0, ci, 2ci, …)"),
+    "activations (embedding, head, logits)": ("activations (embedding, head, logits)",
+                                              "2·s·b·h·D + 4·s·b·V (fp32 log-softmax) + ids/labels; at forward "
+                                              "end + logits s·b·V·D (+ fp32 copy)"),
+    "activation working memory (recompute)": ("activation working memory",
+                                              "one checkpointed block recomputed in backward: (8+2f)·s·b·h·D "
+                                              "(ZeRO-Infinity §3 AWM, engine blocks)"),
+    "backward buffers": ("backward buffers",
+                         "(f+1)·s·b·h·D activation gradients + f·h²·D weight gradient (+ tied head "
+                         "gradient V·h·D held until the embedding's)"),
+    "gradient buckets and reductions in flight": ("gradient buckets and reductions in flight",
+                                                  "stages 2–3: filling fp32 bucket + ≤3 reduced buckets "
+                                                  "(bucket + shard output) in flight; stage 1: every unit's "
+                                                  "reduce-scatter output until the step (tiertrain.zero.reducer)"),
+    "gathered parameters (stage 3)": ("model-state working memory",
+                                      "gathered stage-3 units, compute dtype: the root (embeddings, final LN) "
+                                      "through forward and backward + the block in use (+ one nested tile unit, "
+                                      "+ prefetch)"),
+    "global-norm temporary": ("step buffers", "optimizer step: squared-gradient temporary of the largest unit"),
+    "reduce-scatter outputs (stage 1)": ("gradient buckets and reductions in flight",
+                                         "stage 1: every unit's reduce-scatter output until the step"),
+    "all-gather staging": ("step buffers", "gloo with > 2 ranks: replicated send buffers of the "
+                                           "post-step all-gather"),
+}
+
+
+def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhead: HostOverhead | None = None):
+    """(lines, notes, peak_at) of :func:`tiertrain.estimate.memory.estimate` for engine
+    accounting: tiertrain's buffers at the simulated peak of one step."""
+    from tiertrain.estimate.memory import PRECISION_BYTES, EstimateLine
+
+    notes: list[str] = []
+    D = PRECISION_BYTES[lay.precision]
+    if module is None:
+        module = gpt_meta_model(dims, lay.tile_factor)
+    elif lay.tile_factor > 1 and getattr(module, "_tiertrain_tile_factor", 1) != lay.tile_factor:
+        notes.append("tile_factor ignored for a given module: tile it with tiertrain.tiling before estimating")
+    acts = gpt_activation_bytes(dims, lay.micro_batch, D) if dims is not None else None
+    if acts is None:
+        notes.append("activations not modelled (no GPT dims): model states and engine buffers only")
+    elif dims.dropout:
+        notes.append("dropout: its 1-byte masks are counted; the attention-dropout path of SDPA is not")
+    if lay.checkpoint_interval and dims is not None and lay.checkpoint_interval > dims.n_layers:
+        raise ValueError(f"ZeroLayout.checkpoint_interval={lay.checkpoint_interval} is invalid: the model has "
+                         f"{dims.n_layers} blocks; expected 0 (off) or 1..{dims.n_layers}")
+    param_tier = lay.param_tier if lay.stage == 3 else "device"
+    pk = simulate_peak(module, dp=lay.dp, stage=lay.stage, precision_bytes=D, param_tier=param_tier,
+                       optimizer_tier=lay.optimizer_tier, bucket_mb=lay.bucket_mb, prefetch_mb=lay.prefetch_mb,
+                       persistence_threshold=lay.persistence_threshold, backend=lay.backend, acts=acts,
+                       checkpoint_every=lay.checkpoint_interval, checkpoint_tier=lay.checkpoint_tier)
+    layout = engine_units(module, lay.stage, lay.dp, lay.bucket_mb, lay.persistence_threshold)
+    n_units = len(layout.units)
+    kind = ("one unit per block + root" if lay.stage == 3 else
+            f"{n_units} bucket(s) of ≤{lay.bucket_mb:g} MiB fp32")
+    pad = f"{n_units} flat units ({kind}) padded to {layout.num_shards}·64 elements"
+    part = "this rank's shard" if layout.num_shards > 1 else "whole"
+    grad_tier = "device" if lay.stage < 2 else ("cpu" if lay.optimizer_tier == "nvme" else lay.optimizer_tier)
+    lines = [
+        EstimateLine("parameters", pk.params, param_tier,
+                     f"{D}·Σ units ({'shards, ZeRO §5.3 P_p' if lay.stage == 3 else 'whole, replicated'}); {pad}"),
+        EstimateLine("gradients", pk.grads, grad_tier,
+                     f"4·Σ units ({'shards, ZeRO §5.2 P_g' if lay.stage >= 2 else 'whole fp32 buffers'})"),
+        EstimateLine("master weights", pk.master, lay.optimizer_tier,
+                     f"4·Σ shards ({part}; none where the fp32 shard is its own master)"),
+        EstimateLine("optimizer states", pk.moments, lay.optimizer_tier,
+                     f"8·(real elements of {part}) (Adam m+v fp32, ZeRO §5.1 P_os; padding excluded)"),
+    ]
+    if lay.optimizer_tier == "nvme":
+        notes.append("optimizer on NVMe: master weights and Adam moments live in swap files; RAM holds "
+                     "the gradient shards and the streaming buffers of tiertrain.offload.NVMeAdamW")
+    # transient lines at the peak (device tier); standard activation lines always listed
+    merged: dict[str, list] = {}
+    order: list[str] = []
+
+    def add(name: str, nbytes: int, tier: str, formula: str) -> None:
+        if name not in merged:
+            merged[name] = [0, tier, formula]
+            order.append(name)
+        merged[name][0] += nbytes
+
+    if acts is not None:
+        add("activations (blocks)", 0, "device", _ITEM_LINES["activations (blocks)"][1])
+        if lay.checkpoint_interval:
+            add("activation checkpoints", 0, lay.checkpoint_tier, _ITEM_LINES["activation checkpoints"][1])
+        add("activations (embedding, head, logits)", 0, "device",
+            _ITEM_LINES["activations (embedding, head, logits)"][1])
+        if lay.checkpoint_interval:
+            add("activation working memory", 0, "device", _ITEM_LINES["activation working memory (recompute)"][1])
+    if lay.stage == 3:
+        add("model-state working memory", 0, "device", _ITEM_LINES["gathered parameters (stage 3)"][1])
+    transient_device = 0
+    for item, nbytes in pk.items.items():
+        name, formula = _ITEM_LINES.get(item, (item, item))
+        add(name, nbytes, "device", formula)
+        transient_device += nbytes
+    for item, nbytes in pk.cpu_items.items():
+        add("activation checkpoints", nbytes, "cpu",
+            "s·b·h·D per checkpointed block, in the host pool (offload='cpu'; kept for reuse)")
+    # NVMe staging buffers in RAM
+    if lay.stage == 3 and lay.param_tier == "nvme":
+        largest_shard = max(u.shard_numel for u in layout.units) * D
+        pool = max(64 << 20, -(-(4 * largest_shard) // (1 << 20)) * (1 << 20))
+        add("NVMe staging buffers", pool, "cpu",
+            "parameter swap pool max(64 MiB, 4·largest shard) (Engine._build_swapper)")
+    if lay.optimizer_tier == "nvme":
+        try:
+            from tiertrain.offload.nvme_optimizer import DEFAULT_CHUNK_BYTES
+        except Exception:  # pragma: no cover - the module is optional here
+            DEFAULT_CHUNK_BYTES = 24 << 20
+        add("NVMe staging buffers", 4 * DEFAULT_CHUNK_BYTES, "cpu",
+            "NVMeAdamW ring: 4 buffers × chunk_bytes (master + m + v of one chunk)")
+    ov = overhead if overhead is not None else HostOverhead()
+    if ov.framework_bytes:
+        add("framework overhead", int(ov.framework_bytes), "cpu",
+            f"per process: gloo/BLAS workspaces, autograd, allocator metadata ({ov.source})")
+    if ov.retention:
+        add("allocator retention", int(ov.retention * transient_device), "device",
+            f"{ov.retention:g} × transient bytes at the peak: glibc heap fragmentation ({ov.source})")
+    for name in order:
+        nbytes, tier, formula = merged[name]
+        lines.append(EstimateLine(name, int(nbytes), tier, formula))
+    notes.append(f"engine accounting: tiertrain's own buffers (zero/layout.py, flat.py, reducer.py, stage3.py) "
+                 f"at the simulated per-rank peak ({pk.where}); transient lines are what is live there")
+    return lines, notes, pk.where
+
+
+def stage3_gathered_bytes(module: nn.Module, precision_bytes: int, dp: int = 2,
+                          persistence_threshold: int = 0) -> int:
+    """Most stage-3 parameter bytes gathered at once in a step (compute dtype): the root unit
+    (gathered from the start of forward to the end of backward) plus the largest block-level
+    unit plus its largest nested unit (a tile). ZeRO-Infinity's MSWM for tiertrain's units;
+    memory-centric tiling lowers it (tiertrain.tiling)."""
+    layout = engine_units(module, 3, dp, persistence_threshold=persistence_threshold)
+    root = sum(u.padded_numel for u in layout.units if not u.resident and u.label == "<root>")
+    blocks: dict[str, int] = {}
+    nested: dict[str, int] = {}
+    for u in layout.units:
+        if u.resident or u.label == "<root>":
+            continue
+        top = ".".join(u.label.split(".")[:2])
+        if u.label.count(".") == 1:
+            blocks[top] = blocks.get(top, 0) + u.padded_numel
+        else:
+            nested[top] = max(nested.get(top, 0), u.padded_numel)
+    block = max((blocks.get(k, 0) + nested.get(k, 0) for k in set(blocks) | set(nested)), default=0)
+    return precision_bytes * (root + block)
