@@ -108,7 +108,8 @@ def test_checkpoint_resume_continues_the_same_run(tmp_path):
     (["--zero.nope", "1"], "zero.nope"),
     (["--batch.global_batch_size", "5"], "batch.global_batch_size"),
     (["--data.path", "/nonexistent/tokens.u16"], "data.path"),
-    (["--parallel.tp", "2"], "parallel.tp"),
+    (["--parallel.tp", "3"], "tp × pp = 3 × 1"),
+    (["--parallel.tp", "2", "--tile_factor", "2"], "tile_factor=2 with parallel.tp=2"),
     (["--nproc", "0"], "--nproc"),
 ])
 def test_train_config_errors(capsys, args, field):
@@ -289,3 +290,17 @@ def test_parse_bytes():
     assert cli.parse_bytes("512 MiB") == 512 * 2**20 and cli.parse_bytes("32GB") == 32 * 10**9
     with pytest.raises(ValueError, match="not a size"):
         cli.parse_bytes("12 parsecs")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", [["--parallel.pp", "2", "--batch.grad_accum_steps", "2", "--model.n_layers", "2"],
+                                    ["--parallel.tp", "2"]])
+def test_train_with_pipeline_or_tensor_parallelism(tmp_path, layout):
+    """`tiertrain train` runs any dp × tp × pp: the GPT is tensor-parallelised before wrap()
+    and cut into pipeline stages by it."""
+    from tiertrain.train import run_training
+
+    cfg = cli.load_train_config(None, [*TINY, "--steps", "3", "--logging.progress", "false", "--zero.stage", "1",
+                                       "--data.cache_dir", str(tmp_path), "--logging.metrics_file", "", *layout])
+    summaries = launch.launch_local(run_training, 2, cfg, timeout=100)
+    assert all(4.0 < s["last_loss"] < 7.0 for s in summaries)

@@ -24,7 +24,7 @@ from .optim import build_adamw, build_schedule, clip_coefficient, decays
 from .precision import DynamicLossScaler, compute_dtype
 from .topology import Topology
 from .zero.construct import forget_partition, full_shape, gather_partitioned, is_partitioned
-from .zero.flat import FlatParameters, Placement
+from .zero.flat import NVME_READ_AHEAD, FlatParameters, Placement
 from .zero.layout import FlatLayout, bucket_layout, module_layout
 from .zero.reducer import GradientReducer
 from .zero.stage3 import REDUCE, STEP, ParameterFetcher
@@ -187,12 +187,13 @@ class Engine:
 
     def _build_swapper(self):
         """This rank's swap directory under zero.nvme_path, with a buffer pool large enough
-        for the prefetch depth of ZeRO-Infinity (reads of 3 units ahead) plus writes."""
+        for the prefetch depth of ZeRO-Infinity (reads of 3 units ahead, in the half of the
+        pool prefetches may hold) and as much again for writes."""
         from .offload import AlignedBufferPool, AsyncIO, TensorSwapper
 
         block = 1 << 20
         largest = max(u.shard_numel for u in self.layout.units) * torch.finfo(self.dtype).bits // 8
-        pool_bytes = max(64 << 20, -(-(4 * largest) // block) * block)
+        pool_bytes = max(64 << 20, -(-(2 * NVME_READ_AHEAD * largest) // block) * block)
         pin = self.device.type == "cuda"
         return TensorSwapper(self.config.zero.nvme_path, AsyncIO(num_threads=4, block_bytes=block),
                              AlignedBufferPool(pool_bytes, block, pin=pin), rank=self.topology.rank, create=True)
@@ -288,6 +289,8 @@ class Engine:
         if not self.at_boundary or self.micro_steps == self._stepped_at:
             return False
         self._stepped_at = self.micro_steps
+        if self.nvme_optimizer is not None:
+            self.nvme_optimizer.prefetch()  # the first chunks' reads overlap the reductions and the norm
         if self.fetcher is not None:
             self.fetcher.agree(STEP)
         self.reducer.wait()

@@ -127,9 +127,9 @@ class TrainConfig(Config):
 def check_launch(cfg: TrainConfig, world_size: int) -> None:
     """ConfigError now, before any process starts, for what would fail on every rank later."""
     pp, dp, tp = cfg.parallel.resolve(world_size)
-    if tp > 1 or pp > 1:
-        raise ConfigError(f"parallel.tp={tp}, parallel.pp={pp}: tensor and pipeline parallelism are "
-                          f"not yet supported by `tiertrain train`; valid: 1")
+    if tp > 1 and cfg.tile_factor > 1:
+        raise ConfigError(f"tile_factor={cfg.tile_factor} with parallel.tp={tp}: tiling a tensor-parallel "
+                          f"model is not supported; valid: tile_factor=1")
     cfg.batch.resolve(dp)
     if cfg.data.path and not os.path.isfile(cfg.data.path):
         raise ConfigError(f"data.path={cfg.data.path!r} is invalid: no such file "
@@ -192,10 +192,23 @@ def _build_dataset(cfg: TrainConfig):
     return bundled_dataset(cfg.model.seq_len, cfg.data.cache_dir)
 
 
-def build_model(cfg: TrainConfig, device: torch.device | None = None) -> GPT:
+def build_model(cfg: TrainConfig, topology=None) -> GPT:
     """The job's GPT, tiled (tile_factor) and with activation checkpointing applied
-    (activations.checkpoint_every / offload), ready for wrap()."""
-    model = GPT(cfg.model)
+    (activations.checkpoint_every / offload), ready for wrap(). At ZeRO stage 3 (untiled)
+    it is built directly in partitioned form, so no rank ever holds the whole model."""
+    import contextlib
+
+    from .zero.construct import partitioned_init
+
+    device = topology.device if topology is not None else None
+    tp = topology.size("tp") if topology is not None else 1
+    partitioned = topology is not None and cfg.zero.stage == 3 and cfg.tile_factor == 1 and tp == 1
+    with partitioned_init(topology) if partitioned else contextlib.nullcontext():
+        model = GPT(cfg.model)
+    if tp > 1:  # Megatron tensor parallelism; pipeline stages are cut by wrap() (parallel.pp)
+        from .parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, topology)
     if cfg.tile_factor > 1:
         from .estimate.peak import tile_plan
         from .tiling import apply_tiling
@@ -332,8 +345,8 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
         cfg = _resolve_auto(cfg, topology)
 
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg, topology.device)
-    n_params = sum(p.numel() for p in model.parameters())
+    model = build_model(cfg, topology)
+    n_params = cfg.model.num_parameters()
     dataset = _build_dataset(cfg)
     sampler = ShardedSampler(len(dataset), topology.size("dp"), topology.coord("dp"),
                              seed=cfg.data.seed, shuffle=cfg.data.shuffle)

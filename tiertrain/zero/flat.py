@@ -37,6 +37,11 @@ from ..comm import Collectives, Work
 from .layout import FlatLayout, Unit
 
 
+NVME_READ_AHEAD = 3
+"""Stage-3 units ahead whose shards are read from NVMe while the current one computes
+(ZeRO-Infinity §6: NVMe→CPU for i+3, CPU→device for i+2, all-gather for i+1)."""
+
+
 @dataclass(frozen=True)
 class Placement:
     """The tier of each kind of state: none (the compute device), cpu or nvme."""
@@ -137,7 +142,12 @@ class FlatParameters:
                 grad = grad_full[lo:hi]
             else:
                 grad_full = None
-                grad = placement.empty(unit.shard_numel, torch.float32, placement.optimizer).zero_()
+                grad = placement.empty(unit.shard_numel, torch.float32, placement.optimizer)
+                if placement.optimizer_tier != "nvme":
+                    # (With the NVMe optimizer, drop_masters() zeroes it once the masters have
+                    # left for NVMe: pages never written take no memory, so a rank never holds
+                    # both fp32 copies, twice its shard of the model, at once.)
+                    grad.zero_()
             buffers = UnitBuffers(unit, full, shard, master, grad, grad_full)
             for slot in unit.slots:
                 params[slot.name].data = full[slot.offset:slot.end].view(slot.shape)
@@ -232,6 +242,8 @@ class FlatParameters:
         for u in self.units:
             if u.master is not u.shard:
                 u.master = u.master.new_empty(0)
+            if u.grad_full is None:
+                u.grad.zero_()
         self.masters_dropped = True
 
     def shard_writer(self) -> "ShardWriter":
