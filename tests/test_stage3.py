@@ -2,12 +2,15 @@
 outside forward, and the prefetch and live-parameter budgets."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+import torch.nn as nn
 
 import tiertrain
 from reference import engine_train, global_batches, make_config, make_model, max_rel_diff, rank_slices, reference_train
-from tiertrain.testing import run_distributed
+from tiertrain.testing import RankFailure, run_distributed
 
 
 def _config(**zero):
@@ -74,3 +77,189 @@ def test_gathered_parameters_reads_and_writes_back_full_values():
         assert torch.equal(after["blocks.1.mlp.fc1.weight"], torch.full_like(before, 0.5))
         assert released, "leaving the context releases the gathered unit again"
         assert torch.isfinite(torch.tensor(loss))
+
+
+# -- ranks that leave the traced order after the first step ----------------------------------
+#
+# The first forward, backward and step are recorded with an agreement before every
+# collective; later ones are checked locally against the recording (zero/stage3.py). A rank
+# that deviates raises CollectiveMismatchError before its next collective; the launcher then
+# stops the others, which wait in the collective it skipped: the run ends in seconds, blaming
+# the deviating rank.
+
+BLOCKS = [0, 1, 2]
+
+
+def _plan(name: str, call: int, rank: int) -> list[int]:
+    """The blocks forward number `call` (0-based, one per micro-batch) runs on `rank`."""
+    later = call >= 2  # the first step (calls 0-1 with accumulation, 0 without) is traced
+    if name == "skip" and later and rank == 1:
+        return [0, 2]
+    if name == "extra" and later and rank == 1:
+        return [0, 1, 2, 2]
+    if name == "swap" and later and rank == 1:
+        return [1, 0, 2]
+    if name == "repeat":  # block 0 twice per forward, once on rank 1 from the third forward
+        return [0, 1, 2] if later and rank == 1 else [0, 0, 1, 2]
+    if name == "accum_skip" and call == 1 and rank == 1:  # 2nd micro-batch of the traced step
+        return [0, 2]
+    if name in ("all_change", "all_change_retrace") and later:  # alike on every rank
+        return [0, 2]
+    return BLOCKS
+
+
+class Planned(nn.Module):
+    """Runs the GPT's blocks in the order _plan gives for each forward."""
+
+    def __init__(self, model, rank, plan):
+        super().__init__()
+        self.model, self.rank, self.plan, self.calls = model, rank, plan, 0
+
+    def forward(self, input_ids, labels):
+        order = _plan(self.plan, self.calls, self.rank)
+        self.calls += 1
+        x = self.model.embed_tokens(input_ids)
+        for i in order:
+            x = self.model.blocks[i](x)
+        return self.model.head_output(x, labels)
+
+
+def _planned_run(rank, world, plan, steps=4, accum=1, check="traced", hook=None):
+    cfg = make_config(zero={"stage": 3, "stage3_check": check},
+                      batch={"micro_batch_size": 2, "grad_accum_steps": accum}, optimizer={"eps": 1e-3})
+    model = Planned(make_model(n_layers=3), rank, plan)
+    engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
+    assert engine.fetcher.check == check
+    losses = []
+    for step, batch in enumerate(global_batches(steps, 2 * world * accum)):
+        if hook is not None:
+            hook(engine, step, rank)
+        losses.append(engine.train_batch(rank_slices(batch, rank, world, 2, accum)))
+    return losses, engine.full_state_dict()
+
+
+def _expect_rank1_deviation(plan, **kwargs):
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        run_distributed(_planned_run, 2, plan, timeout=30, **kwargs)
+    assert failure.value.rank == 1 and failure.value.exc_type == "CollectiveMismatchError", failure.value
+    assert "rank 1 reached" in failure.value.message and "where the trace" in failure.value.message
+    assert time.monotonic() - start < 30
+    return failure.value.message
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("plan, reached, expected", [
+    ("skip", "the forward of unit 'model.blocks.2'", "the forward of unit 'model.blocks.1'"),
+    ("extra", "the forward of unit 'model.blocks.2'", "the end of the forward of unit '<root>'"),
+    ("swap", "the forward of unit 'model.blocks.1'", "the forward of unit 'model.blocks.0'"),
+    ("repeat", "the forward of unit 'model.blocks.1'", "the forward of unit 'model.blocks.0'"),
+])
+def test_rank_leaving_the_traced_order_fails_alone_and_fast(plan, reached, expected):
+    message = _expect_rank1_deviation(plan)
+    assert f"reached {reached}" in message and f"has {expected}" in message, message
+
+
+@pytest.mark.timeout(60)
+def test_deviation_inside_the_first_accumulation_window_is_caught():
+    """With accumulation the first micro-batch is recorded and the second already checked."""
+    message = _expect_rank1_deviation("accum_skip", steps=2, accum=2)
+    assert "forward pass #2" in message
+
+
+def _skip_backward_on_rank1(engine, step, rank):
+    if step == 2 and rank == 1:
+        engine(next(rank_slices(global_batches(1, 4)[0], rank, 2, 2, 1)))  # forward, no backward
+
+
+def _gather_on_rank1(engine, step, rank):
+    if step == 2 and rank == 1:
+        with engine.gathered_parameters([engine.module.model.blocks[0].mlp.fc1.weight]):
+            pass
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("hook, mine, theirs", [
+    (_skip_backward_on_rank1, "the start of a forward pass", "the start of a backward pass"),
+    (_gather_on_rank1, "gathered_parameters() of unit 'model.blocks.0'", "the start of a forward pass"),
+])
+def test_different_passes_on_some_ranks_fail_together(hook, mine, theirs):
+    """What a segment is (a forward, a backward, a fetch outside them) is agreed by every rank."""
+    with pytest.raises(RankFailure, match="ranks executed different modules") as failure:
+        run_distributed(_planned_run, 2, "none", hook=hook, timeout=30)
+    message = failure.value.message if failure.value.rank == 1 else failure.value.others[0]
+    assert f"issued {mine} but other ranks of its group issued {theirs}" in message
+
+
+@pytest.mark.timeout(60)
+def test_order_changed_alike_on_every_rank_fails_clearly_unless_retraced():
+    with pytest.raises(RankFailure, match="retrace") as failure:
+        run_distributed(_planned_run, 2, "all_change", timeout=30)
+    assert failure.value.exc_type == "CollectiveMismatchError"
+    every = run_distributed(_planned_run, 2, "all_change", check="every", timeout=30)[0]
+    retraced = run_distributed(_planned_run, 2, "all_change_retrace", hook=_retrace_at_2, timeout=30)[0]
+    assert retraced[0] == every[0]
+    assert all(torch.equal(retraced[1][k], every[1][k]) for k in every[1])
+
+
+def _retrace_at_2(engine, step, rank):
+    if step == 2:
+        engine.fetcher.retrace()
+
+
+def _eval_between_steps(engine, step, rank):
+    if step in (1, 2):
+        with torch.no_grad():
+            engine(next(rank_slices(global_batches(1, 4)[0], rank, 2, 2, 1)))
+
+
+@pytest.mark.timeout(60)
+def test_identical_eval_forwards_and_checks_change_nothing():
+    """A forward without gradients on every rank is a segment of its own kind; training
+    results are identical whether collectives are checked per segment, one by one, or not."""
+    traced = run_distributed(_planned_run, 2, "none", hook=_eval_between_steps, timeout=30)[0]
+    for check in ("every", "off"):
+        other = run_distributed(_planned_run, 2, "none", check=check, timeout=30)[0]
+        assert traced[0] == other[0]
+        assert all(torch.equal(traced[1][k], other[1][k]) for k in other[1])
+
+
+class Pair(nn.Module):
+    """A unit returning two outputs: on rank 1 both reach the loss, so its backward visits
+    the unit twice (the second visit finds it gathered and issues no collective)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        y = self.block(x)
+        return y, y.clone()
+
+
+class PairModel(nn.Module):
+    def __init__(self, model, rank):
+        super().__init__()
+        self.model, self.rank = model, rank
+        self.pairs = nn.ModuleList(Pair(b) for b in model.blocks)
+        del self.model.blocks
+
+    def forward(self, input_ids, labels):
+        x = self.model.embed_tokens(input_ids)
+        for pair in self.pairs:
+            a, b = pair(x)
+            x = a + (b - b.detach() if self.rank == 1 else 0)
+        return self.model.head_output(x, labels)
+
+
+def _pair_run(rank, world):
+    cfg = make_config(zero={"stage": 3}, batch={"micro_batch_size": 2})
+    engine = tiertrain.wrap(PairModel(make_model(n_layers=2), rank), cfg, tiertrain.Topology.build(cfg.parallel))
+    for batch in global_batches(2, 4):
+        engine.train_batch(rank_slices(batch, rank, world, 2, 1))
+
+
+@pytest.mark.timeout(60)
+def test_first_step_events_without_collectives_are_compared_by_digest():
+    with pytest.raises(RankFailure, match="sequences of partitioned modules they ran before it differ"):
+        run_distributed(_pair_run, 2, timeout=30)

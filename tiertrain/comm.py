@@ -88,6 +88,27 @@ class Collectives:
         # On gloo, all_to_all_single (+ a local sum) beat reduce_scatter_tensor 2× and
         # all_gather_into_tensor 1.5× at 32 MiB: bench/results/gloo_collectives.md.
         self.via_all_to_all = group is not None and dist.get_backend(group) == "gloo"
+        self.broken: str | None = None
+        """Set by :meth:`fail`: this rank left the group's common sequence of collectives."""
+
+    def fail(self, reason: str) -> None:
+        """Mark this rank as out of step with its group (it skipped, added or reordered a
+        collective): every later collective through this object raises instead of meeting a
+        peer's different collective, which gloo would answer with wrong data or an abort."""
+        self.broken = reason
+
+    def _usable(self) -> None:
+        if self.broken is not None:
+            raise CollectiveMismatchError(f"rank {self.rank} is out of step with its group since an earlier "
+                                          f"error, so it issues no more collectives: {self.broken}")
+
+    def _peer_splits(self, numel: int) -> tuple[int, list[int]]:
+        """With 2 ranks: the other rank, and all_to_all split sizes that send `numel`
+        elements to it and none to this rank."""
+        peer = 1 - self.rank
+        splits = [0, 0]
+        splits[peer] = numel
+        return peer, splits
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
                    count: bool = True) -> Work:
@@ -95,6 +116,7 @@ class Collectives:
             self.counter.add("all_reduce", 2 * _nbytes(tensor))
         if self.size == 1:
             return Work(None)
+        self._usable()
         handle = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         work = Work(handle, timeout=self.timeout)
         if not async_op:
@@ -107,7 +129,18 @@ class Collectives:
         if self.size == 1:
             output.copy_(input)
             return Work(None)
-        if self.via_all_to_all:
+        self._usable()
+        if self.via_all_to_all and self.size == 2:
+            # Send only the peer's chunk, receive the peer's copy of mine straight into
+            # output, add my own chunk: no exchange with myself (gloo's all_to_all moves the
+            # self chunk too) and no full-size receive buffer. x0 + x1 in either order is
+            # the same float sum as before, so results are bit-identical.
+            chunks = input.view(2, -1)
+            peer, splits = self._peer_splits(output.numel())
+            handle = dist.all_to_all_single(output, chunks[peer], output_split_sizes=splits,
+                                            input_split_sizes=splits, group=self.group, async_op=True)
+            work = Work(handle, timeout=self.timeout).then(lambda: output.add_(chunks[self.rank]))
+        elif self.via_all_to_all:
             received = torch.empty_like(input)  # chunk i: rank i's copy of this rank's chunk
             handle = dist.all_to_all_single(received, input, group=self.group, async_op=True)
             work = Work(handle, timeout=self.timeout).then(
@@ -126,7 +159,18 @@ class Collectives:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Work(None)
-        if self.via_all_to_all:  # send my shard to every rank; chunk i of output is rank i's shard
+        self._usable()
+        if self.via_all_to_all and self.size == 2:
+            # Send my shard to the peer and receive its shard straight into its chunk of
+            # output (split sizes: nothing to myself); my own chunk is a local copy, made
+            # while the exchange runs. No replicated send buffer, no self exchange.
+            chunks = output.view(2, -1)
+            peer, splits = self._peer_splits(input.numel())
+            handle = dist.all_to_all_single(chunks[peer], input, output_split_sizes=splits,
+                                            input_split_sizes=splits, group=self.group, async_op=True)
+            if chunks[self.rank].data_ptr() != input.data_ptr():  # resident units gather in place
+                chunks[self.rank].copy_(input)
+        elif self.via_all_to_all:  # send my shard to every rank; chunk i of output is rank i's shard
             replicated = input.repeat(self.size)
             handle = dist.all_to_all_single(output, replicated, group=self.group, async_op=True)
         else:
@@ -139,19 +183,23 @@ class Collectives:
     def broadcast(self, tensor: torch.Tensor, src_local_rank: int) -> None:
         if self.size == 1:
             return
+        self._usable()
         src = dist.get_global_rank(self.group, src_local_rank)
         dist.broadcast(tensor, src=src, group=self.group, async_op=True).wait(timeout=self.timeout)
 
-    def check_same(self, code: int, describe) -> None:
-        """Raise CollectiveMismatchError on every rank unless all ranks pass the same code.
+    def check_same(self, code: int, describe, digest: int = 0) -> None:
+        """Raise CollectiveMismatchError on every rank unless all ranks pass the same code
+        (and the same digest, 0 <= digest < 2**62: e.g. a hash of what each rank did since
+        its previous check).
 
-        Costs one 2-element all-reduce. Ranks that diverged (different branches, a skipped
+        Costs one 4-element all-reduce. Ranks that diverged (different branches, a skipped
         module) learn it here, together, instead of hanging or silently exchanging the wrong
         buffers in the collective that follows.
         """
         if self.size == 1:
             return
-        t = torch.tensor([code, -code], dtype=torch.int64)
+        self._usable()
+        t = torch.tensor([code, -code, digest, -digest], dtype=torch.int64)
         self.all_reduce(t, op=dist.ReduceOp.MAX, count=False)
         hi, lo = int(t[0]), -int(t[1])
         if hi != code or lo != code:
@@ -160,4 +208,12 @@ class Collectives:
                 f"{describe(lo) if lo != code else describe(hi)}: ranks executed different modules "
                 f"(a branch taken on some ranks only?). Under ZeRO-3 every rank must run the same "
                 f"sequence of partitioned modules in forward and backward."
+            )
+        if int(t[2]) != digest or -int(t[3]) != digest:
+            raise CollectiveMismatchError(
+                f"rank {self.rank} and other ranks of its group reached {describe(code)} together, but "
+                f"the sequences of partitioned modules they ran before it differ (digest {digest} here, "
+                f"{int(t[2]) if int(t[2]) != digest else -int(t[3])} on another rank): ranks executed "
+                f"different modules (a branch taken on some ranks only?). Under ZeRO-3 every rank must run "
+                f"the same sequence of partitioned modules in forward and backward."
             )

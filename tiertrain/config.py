@@ -198,6 +198,8 @@ class ZeroConfig:
     """Tier holding parameter shards (stage 3): none (device), cpu or nvme."""
     nvme_path: str = ""
     """Swap directory for the nvme tier."""
+    stage3_check: Literal["traced", "every", "off"] = "traced"
+    """Stage 3: ranks agree at the start of each pass and check later passes against the first (traced); every: agree before each collective (modules whose order changes between steps); off."""
     nvme_chunk_mb: float = 24.0
     """NVMe optimizer: MiB per streamed chunk (fp32 master and both Adam moments of its parameters)."""
     nvme_buffers: int = 4

@@ -132,7 +132,7 @@ class Engine:
                        for u in self.layout.units if not u.resident}
             self.fetcher = ParameterFetcher(
                 self.flat, self.comm, modules, prefetch_bytes=int(self._prefetch_mb() * 2**20),
-                max_live_bytes=int(config.zero.max_live_mb * 2**20))
+                max_live_bytes=int(config.zero.max_live_mb * 2**20), check=config.zero.stage3_check)
             # Backward completes blocks last-first, then the root (embeddings are used first
             # in forward, so their gradients come last), then the persistent small parameters.
             partitioned = [u.index for u in self.layout.units if not u.resident]
