@@ -148,7 +148,7 @@ class Engine:
 
         self.nvme_optimizer = None
         if config.zero.offload_optimizer == "nvme":
-            self.nvme_optimizer = self.optimizer = self._build_nvme_optimizer(self._optimizer_groups())
+            self.nvme_optimizer = self.optimizer = self._build_nvme_optimizer()
             # The schedule drives an optimizer; this one only carries the learning rate.
             self._lr_source = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.optimizer.lr)
             self.schedule = build_schedule(self._lr_source, config.schedule)
@@ -198,17 +198,21 @@ class Engine:
         return TensorSwapper(self.config.zero.nvme_path, AsyncIO(num_threads=4, block_bytes=block),
                              AlignedBufferPool(pool_bytes, block, pin=pin), rank=self.topology.rank, create=True)
 
-    def _build_nvme_optimizer(self, groups: list[dict]):
+    def _build_nvme_optimizer(self):
         """ZeRO-Infinity's optimizer step from NVMe (tiertrain.offload.NVMeAdamW): the fp32
         masters and Adam moments move to swap files, streamed through a few chunk buffers at
-        each step; the RAM copies of the masters are dropped."""
+        each step; the RAM copies of the masters are dropped before the gradient shards are
+        first touched."""
         from .offload import NVMeAdamW, pieces_from_param_groups
 
         zc = self.config.zero
         masters = [u.master for u in self.flat.units]
-        optimizer = NVMeAdamW(masters, pieces_from_param_groups(masters, groups), self.config.optimizer,
-                              self.swapper, rank=self.topology.rank, chunk_bytes=int(zc.nvme_chunk_mb * 2**20),
-                              num_buffers=zc.nvme_buffers)
+        groups = self._optimizer_groups()
+        pieces = pieces_from_param_groups(masters, groups)
+        del groups  # views of the masters: they must not outlive drop_masters()
+        optimizer = NVMeAdamW(masters, pieces, self.config.optimizer, self.swapper, rank=self.topology.rank,
+                              chunk_bytes=int(zc.nvme_chunk_mb * 2**20), num_buffers=zc.nvme_buffers)
+        del masters
         self.flat.drop_masters()
         return optimizer
 
