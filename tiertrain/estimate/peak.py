@@ -47,6 +47,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..engine import default_unit_modules
+
 __all__ = ["ActivationBytes", "PeakBreakdown", "HostOverhead", "gpt_activation_bytes", "gpt_meta_model",
            "engine_units", "simulate_peak", "stage3_gathered_bytes", "tile_plan", "engine_estimate_lines",
            "DEFAULT_OVERHEAD_BYTES", "DEFAULT_RETENTION"]
@@ -142,15 +144,6 @@ def tile_plan(tile_factor: int) -> dict[str, int]:
             "blocks.*.mlp.fc2": tile_factor}
 
 
-def _unit_prefixes(model: nn.Module) -> list[str]:
-    """engine.default_unit_modules: the children of every nn.ModuleList."""
-    prefixes = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList):
-            prefixes += [f"{name}.{child}" if name else child for child, _ in module.named_children()]
-    return prefixes
-
-
 _LAYOUTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -166,7 +159,7 @@ def engine_units(model: nn.Module, stage: int, dp: int, bucket_mb: float = 25.0,
     if key not in cache:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if stage == 3:
-            cache[key] = module_layout(named, _unit_prefixes(model), dp, persistence_threshold)
+            cache[key] = module_layout(named, default_unit_modules(model), dp, persistence_threshold)
         else:
             bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
             cache[key] = bucket_layout(named, 1 if stage == 0 else dp, bucket_numel)
@@ -271,7 +264,7 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
     cpu_items: dict[str, int] = {}
     if acts is not None:
         # ---- blocks: which parameters belong to which block (unit prefixes of ModuleLists)
-        prefixes = [p for p in _unit_prefixes(model) if p.count(".") == 1]  # blocks.i, not tiles
+        prefixes = [p for p in default_unit_modules(model) if p.count(".") == 1]  # blocks.i, not tiles
         blocks = {p: i for i, p in enumerate(prefixes)}
         n_blocks = len(prefixes)
         ckpt = set(range(0, n_blocks, checkpoint_every)) if checkpoint_every > 0 else set()
