@@ -41,6 +41,9 @@ from .executor import PipelineExecutor
 from .schedule import gpipe, interleaved_one_f_one_b, one_f_one_b
 from .stage import TIED_FIRST, TIED_LAST, split_gpt, stages_for_rank, sum_tied_gradients
 
+_USE_TRAIN_BATCH = ("with parallel.pp > 1 use engine.train_batch(micro_batches): a pipeline schedule "
+                    "interleaves the forward and backward of several micro-batches")
+
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one_f_one_b}
 """parallel.schedule → the function building that schedule for (p, m, v)."""
 
@@ -132,13 +135,12 @@ class PipelineEngine(Engine):
     # -- training ------------------------------------------------------------------------
 
     def __call__(self, batch: Any) -> torch.Tensor:
-        raise TypeError("with parallel.pp > 1 use engine.train_batch(micro_batches): a pipeline schedule "
-                        "interleaves the forward and backward of several micro-batches")
+        raise TypeError(_USE_TRAIN_BATCH)
 
     forward = __call__
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.__call__(None)
+        raise TypeError(_USE_TRAIN_BATCH)
 
     def _chunk_gradients_final(self, stage: nn.Module) -> None:
         if stage not in self._tied_stages:  # tied chunks wait for the exchange

@@ -171,9 +171,13 @@ class FlatParameters:
         u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
         u.gathered = True
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
-        shard = self.read_shard(index)
-        if self.placement.offload_params and shard.device != self.device:  # ZeRO-Infinity's CPU→device copy
-            shard = shard.to(self.device, non_blocking=True)
+        if self.on_nvme(index):  # NVMe → CPU staging (prefetched), then CPU → device
+            shard = self.read_shard(index).to(self.device, non_blocking=True)
+        elif self.placement.offload_params:  # the CPU→device copy of ZeRO-Infinity's fetch
+            shard = torch.empty(u.shard.numel(), dtype=u.shard.dtype, device=self.device)
+            shard.copy_(u.shard, non_blocking=True)
+        else:
+            shard = u.shard
         u.pending = self.comm.all_gather(u.full, shard, async_op=True)
         u.pending.then(lambda: shard)  # the staged shard lives until the gather completes
         if not async_op:
@@ -217,11 +221,8 @@ class FlatParameters:
             self.swapper.prefetch(keys)
 
     def read_shard(self, index: int) -> torch.Tensor:
-        """This rank's shard of unit index in the compute dtype, wherever it lives (a fresh
-        staging tensor for the NVMe tier; the shard itself otherwise)."""
+        """This rank's shard of unit index, read from its swap file into a fresh host tensor."""
         u = self.units[index]
-        if not self.on_nvme(index):
-            return u.shard
         staged = self.placement.empty(u.unit.shard_numel, self.dtype, self.placement.host)
         return self.swapper.swap_in(self._key(index), staged).wait()
 
@@ -260,13 +261,12 @@ class FlatParameters:
         """Copy updated fp32 masters into the compute-dtype shards, then rebuild resident
         units' full buffers with an all-gather (ZeRO §5.1: stages 1-2 all-gather the
         updated parameters). Partitioned units are gathered on their next use."""
-        for u in self.units:
-            if self.masters_dropped:
-                break  # the optimizer wrote the shards already (ShardWriter)
-            if self.on_nvme(u.unit.index):
-                self._swap_out_shard(u, u.master.to(self.dtype))
-            elif u.master is not u.shard:
-                u.shard.copy_(u.master)
+        if not self.masters_dropped:  # (otherwise the optimizer wrote the shards: ShardWriter)
+            for u in self.units:
+                if self.on_nvme(u.unit.index):
+                    self._swap_out_shard(u, u.master.to(self.dtype))
+                elif u.master is not u.shard:
+                    u.shard.copy_(u.master)
         # All launched before any is waited on: gloo queues them back to back instead of
         # paying one round trip per unit.
         pending = [self.comm.all_gather(u.full, u.shard, async_op=True)
