@@ -100,7 +100,7 @@ def test_more_short_moves_parameters_too():
 @pytest.mark.timeout(60)
 def test_cpu_full_too_goes_to_nvme():
     """Optimizer states to the fastest tier *with room*: CPU memory too small → NVMe."""
-    hw = gpu(0.2, host_gib=1.0, nvme_gib=100)
+    hw = gpu(0.2, host_gib=1.6, nvme_gib=100)  # (1.6 GiB: room to build the model, not for the optimizer)
     p = plan(DIMS, hw, micro_batch=2, precision="bf16")
     assert p.fits and "nvme" in (p.layout.optimizer_tier, p.layout.param_tier)
     assert p.config_dict()["zero"]["nvme_path"] == "/nvme/swap"
@@ -128,12 +128,13 @@ def test_cpu_only_never_offloads_to_cpu_and_uses_nvme_when_ram_is_short():
     roomy = plan(DIMS, cpu_only(64), micro_batch=2, precision="fp32")
     assert roomy.fits and roomy.layout.stage == 0 and set(roomy.usage) == {"ram", "nvme"}
     # model states alone (16 B/param fp32, /2 at stage 3) exceed this RAM: only NVMe helps
-    short = plan(DIMS, cpu_only(1.2, nvme_gib=200), micro_batch=2, precision="fp32")
+    short = plan(DIMS, cpu_only(1.6, nvme_gib=200), micro_batch=2, precision="fp32")  # room to build it
     assert short.fits
     assert short.layout.optimizer_tier == "nvme" or short.layout.param_tier == "nvme"
     assert "cpu" not in (short.layout.optimizer_tier, short.layout.param_tier, short.layout.checkpoint_tier)
     none = plan(DIMS, cpu_only(0.5), micro_batch=2, precision="fp32")
-    assert not none.fits and [s.tier for s in none.short] == ["ram"]
+    assert not none.fits and {s.tier for s in none.short} == {"ram"}
+    assert [s.phase for s in none.short] == ["training", "build"]  # short while training and while built
     assert "host RAM" in none.short[0].describe()
     assert any("NVMe" in n for n in none.notes)
 
@@ -254,3 +255,100 @@ def test_auto_in_train_fails_naming_what_is_short(capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: zero.offload='auto': no layout fits") and "short by" in err
+
+
+# --------------------------------------------------------------------------- 5. the build peak
+# The 2.124 B GPT of bench/larger_than_ram.py and bench/plan_to_train.py: 27 × 2560, 20 heads,
+# vocab 256, seq 64, no biases, bf16, micro-batch 1.
+BIG = ModelDims(n_layers=27, hidden=2560, n_heads=20, vocab=256, seq_len=64, bias=False)
+
+
+def _no_gpu(ram_gib: float, ranks: int, nvme_gib: float = 70) -> Hardware:
+    return Hardware(ranks_per_node=ranks, host_memory=int(ram_gib * GiB), nvme_bytes=int(nvme_gib * GiB),
+                    swap_dir="/tmp/tiertrain-p2t", peak_flops=20e9, nvme_bw=1e9)
+
+
+@pytest.mark.timeout(60)
+def test_build_peak_of_whole_and_partitioned_builds():
+    """Below stage 3 (or tiled) every rank builds the whole model in fp32 (4 B/parameter);
+    stage 3 untiled builds it under partitioned_init (fp32 shards, 4Ψ/dp)."""
+    psi = BIG.num_parameters()
+    from tiertrain.estimate import ZeroLayout
+
+    s2 = estimate(BIG, ZeroLayout(dp=2, stage=2, precision="bf16", micro_batch=1, optimizer_tier="nvme"))
+    assert not s2.build.partitioned and s2.build.host >= 4 * psi
+    s3 = estimate(BIG, ZeroLayout(dp=4, stage=3, precision="bf16", micro_batch=1, optimizer_tier="nvme",
+                                  param_tier="nvme"))
+    assert s3.build.partitioned and 4 * psi / 4 <= s3.build.host < 0.75 * 4 * psi  # well below the whole model
+    tiled = estimate(BIG, ZeroLayout(dp=4, stage=3, precision="bf16", micro_batch=1, optimizer_tier="nvme",
+                                     param_tier="nvme", tile_factor=2))
+    assert not tiled.build.partitioned and tiled.build.host >= 4 * psi
+    d = s3.to_dict()["build_peak"]
+    assert d["partitioned"] is True and d["per_node"]["host"] == 4 * d["per_rank"]["host"]
+
+
+@pytest.mark.timeout(120)
+def test_plan_requires_a_partitioned_stage3_build_when_the_whole_model_does_not_fit_while_built():
+    """Two 80 GiB accelerators, 16 GiB of host RAM: the model states of every stage fit on
+    the devices, but below stage 3 each rank first builds the whole model in fp32 in host RAM
+    (4Ψ ≈ 7.9 GiB a rank, 15.8 GiB a node > 14.4 GiB usable): the plan is stage 3, built
+    partitioned (fp32 shards, 4Ψ/2 a rank), and says why."""
+    hw = gpu(80, host_gib=16)
+    p = plan(BIG, hw, micro_batch=1, precision="bf16")
+    assert p.fits, p.short
+    assert p.layout.stage == 3 and p.layout.tile_factor == 1 and p.estimate.build.partitioned
+    assert p.build_usage["cpu"] <= p.budget["cpu"]
+    below = [t for t in p.tried if t["stage"] < 3]
+    assert below and all(not t["fits"] for t in below)
+    # rejected for the build alone: they fit while training, not while built (host RAM)
+    assert all(t["short"] and all(x["phase"] == "build" and x["tier"] == "cpu" for x in t["short"]) for t in below)
+    assert any("partitioned" in n for n in p.notes)
+    # with enough host RAM for the whole-model build the cheaper stage wins again
+    roomy = plan(BIG, gpu(80, host_gib=64), micro_batch=1, precision="bf16")
+    assert roomy.fits and roomy.layout.stage < 3 and not roomy.estimate.build.partitioned
+
+
+@pytest.mark.timeout(120)
+def test_plan_on_this_machine_counts_the_build_and_keeps_training_as_the_bound():
+    """This machine: 23.5 GiB RAM (MemTotal), 2 ranks, ~70 GiB free in the swap directory.
+    The stage-2 layout with the optimizer on NVMe builds at ~8.4 GiB a rank (whole fp32 model
+    4Ψ, then bf16 params + fp32 master shards, measured within +1% of VmHWM on the 3- and
+    9-block versions of this model) and trains at ~8.7 GiB, both inside 23.5·0.9/2 GiB; with
+    less RAM the training peak (not the build) pushes the plan to stage 3 built partitioned."""
+    p = plan(BIG, _no_gpu(23.5, ranks=2), micro_batch=1, precision="bf16")
+    assert p.fits and p.layout.stage == 2 and p.layout.optimizer_tier == "nvme"
+    assert not p.estimate.build.partitioned
+    assert 4 * BIG.num_parameters() <= p.build_usage["ram"] <= p.budget["ram"]
+    tight = plan(BIG, _no_gpu(18, ranks=2), micro_batch=1, precision="bf16")
+    assert tight.fits and tight.layout.stage == 3 and tight.layout.param_tier == "nvme"
+    assert tight.layout.optimizer_tier == "nvme" and tight.estimate.build.partitioned
+    assert tight.build_usage["ram"] <= tight.budget["ram"] and tight.usage["ram"] <= tight.budget["ram"]
+
+
+@pytest.mark.timeout(60)
+def test_a_model_that_fits_keeps_the_cheaper_plan_and_its_build_is_counted():
+    p = plan(DIMS, cpu_only(64), micro_batch=2, precision="fp32")
+    assert p.fits and p.layout.stage == 0 and p.rung == "no offload"
+    assert not p.estimate.build.partitioned
+    # fp32 whole model while built, then flat params + fp32 grads: at least 8 B per parameter
+    assert p.build_usage["ram"] >= 8 * DIMS.num_parameters()
+
+
+@pytest.mark.timeout(60)
+def test_build_peak_in_the_table_and_json(tmp_path, capsys):
+    args = ["plan", "--layers", "27", "--hidden", "2560", "--heads", "20", "--vocab", "256", "--seq", "64",
+            "--micro-batch", "1", "--precision", "bf16", "--nproc", "2", "--ram", "18GiB", "--nvme", "70GiB",
+            "--swap-dir", str(tmp_path), "--out", ""]
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert "build peak per rank" in text and "build peak: model built partitioned" in text
+    assert "zero.stage                    3" in text
+    assert cli.main(args + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["stage"] == 3 and data["build"]["partitioned"] is True
+    assert data["build_peak_per_node"]["ram"] == 2 * data["build_peak_per_rank"]["ram"]
+    assert 0 < data["build_peak_per_rank"]["ram"] <= data["budget_per_rank"]["ram"]
+    # estimate prints it too
+    assert cli.main(["estimate", "--layers", "27", "--hidden", "2560", "--heads", "20", "--vocab", "256", "--seq",
+                     "64", "--dp", "2", "--stage", "2", "--precision", "bf16", "--offload-optimizer", "nvme"]) == 0
+    assert "build peak (model built whole in fp32 on every rank" in capsys.readouterr().out

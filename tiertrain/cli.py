@@ -321,7 +321,7 @@ def cmd_estimate(argv: list[str]) -> int:
                                 else pr.allocator_retention, f"probe file {a.probe}")
     else:
         overhead = HostOverhead.for_device(a.device)
-    est = estimate_from_args(overhead=overhead, **kwargs)
+    est = estimate_from_args(overhead=overhead, accelerator=a.device == "cuda", **kwargs)
     sys.stdout.write(to_json(est) + "\n" if a.json else render_table(est))
     return 0
 
@@ -416,6 +416,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab", type=int, help="vocabulary size (default 256)")
     m.add_argument("--seq", type=int, help="sequence length (default 128)")
     m.add_argument("--ffn-mult", type=int, help="MLP width multiple (default 4)")
+    m.add_argument("--no-bias", action="store_true", help="linear layers without biases (model.bias: false)")
     m.add_argument("--micro-batch", type=int, help="sequences per micro-batch per rank (default 8, or the config's)")
     m.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="compute dtype (default fp32, or the config's)")
     h = p.add_argument_group("hardware")
@@ -527,6 +528,8 @@ def cmd_plan(argv: list[str]) -> int:
                          f"--layers, --hidden and --heads")
     dims.setdefault("vocab", GPTConfig.vocab_size)
     dims.setdefault("seq_len", GPTConfig.seq_len)
+    if a.no_bias:
+        dims["bias"] = False
     model = ModelDims(**dims).validate()
     try:
         stages = [int(x) for x in a.stages.split(",") if x.strip()]

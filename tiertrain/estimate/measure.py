@@ -53,6 +53,10 @@ class RunSpec:
     """Also record the live-tensor peak with torch.profiler (slow)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment of the measuring process (e.g. MALLOC_MMAP_THRESHOLD_)."""
+    partitioned: bool = False
+    """Build the model the way ``tiertrain train`` does at zero.stage=3 (untiled): directly in
+    partitioned form (``tiertrain.zero.partitioned_init``); False builds it whole on every
+    rank, as ``tiertrain train`` does at stages 0-2."""
 
     def gpt_config(self):
         from tiertrain.models.gpt import GPTConfig
@@ -109,7 +113,14 @@ def _rank(spec_json: str) -> dict[str, Any]:
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         prof.__enter__()
     torch.manual_seed(0)
-    model = GPT(g)
+    if spec.partitioned and cfg.zero.stage == 3:
+        from tiertrain.zero.construct import partitioned_init
+
+        with partitioned_init(topo):
+            model = GPT(g)
+    else:
+        model = GPT(g)
+    construct_peak = _status("VmHWM") - baseline
     handle = None
     if cfg.activations.checkpoint_every:
         from tiertrain.offload.activations import apply_activation_checkpointing
@@ -117,6 +128,7 @@ def _rank(spec_json: str) -> dict[str, Any]:
         handle = apply_activation_checkpointing(model, cfg.activations, device=topo.device)
     engine = wrap(model, cfg, topo)
     build_peak = _status("VmHWM") - baseline
+    after_build = _status("VmRSS") - baseline
     _reset_peak()
     it = iter(batches)
     times = []
@@ -135,7 +147,8 @@ def _rank(spec_json: str) -> dict[str, Any]:
             live += nbytes
             live_peak = max(live_peak, live)
     r = engine.memory_report()
-    out = {"rank": topo.rank, "baseline": baseline, "build_peak": build_peak, "peak": peak,
+    out = {"rank": topo.rank, "baseline": baseline, "construct_peak": construct_peak, "build_peak": build_peak,
+           "after_build": after_build, "peak": peak,
            "after": _status("VmRSS") - baseline, "live_peak": live_peak, "step_s": times,
            "report": {"params": r.params, "gathered_params": r.gathered_params, "grads": r.grads,
                       "optimizer": r.optimizer, "cpu_tier": r.cpu_tier, "total": r.total}}

@@ -488,6 +488,17 @@ class Estimate:
     peak_at: str = ""
     """Engine accounting: the point of the training step where the per-rank peak falls
     (the transient lines are what is live there); empty for the papers' accounting."""
+    build: Any = None
+    """Engine accounting: the per-rank peak of building the model and wrapping it, as
+    ``tiertrain train`` does (:class:`~tiertrain.estimate.peak.BuildPeak`: whole in fp32 on
+    every rank, or under partitioned_init at stage 3 untiled); None otherwise."""
+
+    def build_by_tier(self) -> dict[str, int] | None:
+        """Bytes per rank at the build's peak: {"cpu": host RAM, "device": accelerator}
+        (None when not estimated). On a machine without an accelerator all is "cpu"."""
+        if self.build is None:
+            return None
+        return {"device": self.build.device, "cpu": self.build.host, "nvme": 0}
 
     def by_tier(self) -> dict[str, int]:
         """Bytes per rank in each tier (every tier present, 0 when unused)."""
@@ -523,6 +534,12 @@ class Estimate:
             "ranks_per_node": self.layout.node_ranks,
             "notes": list(self.notes),
             "peak_at": self.peak_at,
+            "build_peak": None if self.build is None else {
+                "partitioned": self.build.partitioned, "where": self.build.where,
+                "per_rank": {"host": self.build.host, "device": self.build.device},
+                "per_node": {"host": self.build.host * self.layout.node_ranks,
+                             "device": self.build.device * self.layout.node_ranks},
+                "items": dict(self.build.items)},
         }
 
 
@@ -637,7 +654,8 @@ def _activation_lines(d: ModelDims, lay: ZeroLayout) -> list[EstimateLine]:
     return lines
 
 
-def estimate(model: ModelSpec, layout: ZeroLayout | None = None, overhead: Any = None) -> Estimate:
+def estimate(model: ModelSpec, layout: ZeroLayout | None = None, overhead: Any = None, *,
+             accelerator: bool = False) -> Estimate:
     """Per-rank memory of training ``model`` under ``layout``, one labelled line per item.
 
     ``model`` is ModelDims (all lines), a parameter count or list of tensor sizes (model
@@ -650,7 +668,9 @@ def estimate(model: ModelSpec, layout: ZeroLayout | None = None, overhead: Any =
     activations and transient buffers live at the simulated per-rank peak (``peak_at``),
     plus the process overhead ``overhead`` (:class:`~tiertrain.estimate.peak.HostOverhead`;
     None: the defaults measured on the reference machine; ``HostOverhead.none()``: 0).
-    Then ``total()`` is the predicted peak per rank.
+    Then ``total()`` is the predicted peak per rank, and ``build`` the peak of building the
+    model and wrapping it as ``tiertrain train`` does (``accelerator``: the flat buffers
+    are on an accelerator, so only the construction and the host tiers count as host RAM).
     """
     lay = (layout or ZeroLayout()).validate()
     psi, sizes, dims, module = _resolve_model(model)
@@ -658,10 +678,13 @@ def estimate(model: ModelSpec, layout: ZeroLayout | None = None, overhead: Any =
     if lay.accounting == "engine" and lay.tp * lay.pp == 1 and (module is not None or dims is not None):
         from tiertrain.estimate.peak import engine_estimate_lines
 
+        from tiertrain.estimate.peak import engine_build_peak
+
         lines, notes, where = engine_estimate_lines(module, dims, lay, overhead)
         est.lines.extend(lines)
         est.notes.extend(notes)
         est.peak_at = where
+        est.build = engine_build_peak(module, dims, lay, overhead, accelerator=accelerator)
         return est
     est.lines.extend(_model_state_lines(psi, sizes, lay))
     if dims is not None:
@@ -686,11 +709,11 @@ _ALIASES: Mapping[str, str] = MappingProxyType(
 )
 
 
-def estimate_from_args(overhead: Any = None, **kwargs: Any) -> Estimate:
+def estimate_from_args(overhead: Any = None, accelerator: bool = False, **kwargs: Any) -> Estimate:
     """Keyword front end for a CLI: ModelDims fields (n_layers, hidden, n_heads, vocab,
     seq_len, ...) or ``params=`` a count or ``module=`` an nn.Module/factory, plus any
     ZeroLayout field. Aliases: ci, bsz, seq, layers, heads, vocab_size, tile. ``overhead``
-    as for :func:`estimate`."""
+    and ``accelerator`` as for :func:`estimate`."""
     args = {_ALIASES.get(k, k): v for k, v in kwargs.items() if v is not None}
     dim_names = {f.name for f in fields(ModelDims)}
     lay_names = {f.name for f in fields(ZeroLayout)}
@@ -710,4 +733,4 @@ def estimate_from_args(overhead: Any = None, **kwargs: Any) -> Estimate:
         model = ModelDims(**dim_args)
     else:
         raise ValueError("estimate_from_args: give model dims (n_layers, hidden, ...), params= or module=")
-    return estimate(model, layout, overhead)
+    return estimate(model, layout, overhead, accelerator=accelerator)

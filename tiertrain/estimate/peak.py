@@ -51,7 +51,8 @@ from ..engine import default_unit_modules
 
 __all__ = ["ActivationBytes", "PeakBreakdown", "HostOverhead", "gpt_activation_bytes", "gpt_meta_model",
            "engine_units", "simulate_peak", "stage3_gathered_bytes", "tile_plan", "engine_estimate_lines",
-           "DEFAULT_OVERHEAD_BYTES", "DEFAULT_RETENTION"]
+           "DEFAULT_OVERHEAD_BYTES", "DEFAULT_RETENTION", "BuildPeak", "simulate_build_peak",
+           "builds_partitioned", "MMAP_THRESHOLD_MAX", "engine_build_peak"]
 
 DEFAULT_OVERHEAD_BYTES = 18 * 2**20
 """Process memory a training rank holds besides tensors (allocator metadata, gloo and
@@ -415,6 +416,187 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
     return out
 
 
+# --------------------------------------------------------------------------- building the model
+
+MMAP_THRESHOLD_MAX = 32 * 2**20
+"""glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit Linux: a block larger than this is always
+mmapped and goes back to the OS when freed; smaller ones may come from the heap (the
+dynamic threshold rises to the largest block freed), whose freed holes stay resident."""
+
+
+def builds_partitioned(stage: int, tile_factor: int = 1, tp: int = 1) -> bool:
+    """Whether ``tiertrain train`` builds the model under ``tiertrain.zero.partitioned_init``
+    (tiertrain.train.build_model): at ZeRO stage 3, untiled, without tensor parallelism.
+    Otherwise every rank builds the whole model in fp32 before wrap() flattens it."""
+    return stage == 3 and tile_factor == 1 and tp == 1
+
+
+@dataclass
+class BuildPeak:
+    """What one rank holds at the peak of building the model and wrapping it (before step 1)."""
+
+    partitioned: bool
+    """Built under partitioned_init (each rank materialises one module at a time)."""
+    host: int
+    """Bytes of host RAM at the build's peak (the whole rank on a machine without an
+    accelerator), including the framework bytes of the process."""
+    device: int
+    """Most bytes on the accelerator during the build (0 without one: they are in ``host``)."""
+    where: str
+    """The phase of the build where host RAM peaks."""
+    items: dict[str, int] = field(default_factory=dict)
+    """What is live at the peak, by item (bytes)."""
+
+    @property
+    def total(self) -> int:
+        return self.host + self.device
+
+
+def simulate_build_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int,
+                        param_tier: str = "device", optimizer_tier: str = "device", bucket_mb: float = 25.0,
+                        persistence_threshold: int = 0, partitioned: bool | None = None,
+                        accelerator: bool = False, framework_bytes: int = 0,
+                        nvme_chunk_bytes: int = 24 << 20, nvme_buffers: int = 4) -> BuildPeak:
+    """Per-rank peak of building ``model`` (meta is fine) the way ``tiertrain train`` does
+    and wrapping it with the engine, before the first step:
+
+    1. **construction** in fp32 on the host: the whole model on every rank
+       (``partitioned=False``), or under ``partitioned_init``: the fp32 shards
+       (⌈n/dp⌉ per parameter) plus the module being initialised, whole;
+    2. **wrap** (``tiertrain.zero.flat.FlatParameters``), unit by unit in layout order: the
+       unit's full flat buffer (compute dtype), a gathered parameter (partitioned builds),
+       its shard on the parameter tier, its fp32 master (where separate) and its fp32
+       gradient (zeroed at once, except with the optimizer on NVMe, whose gradient pages
+       are first written after the masters leave); then the unit's original fp32 tensors
+       are freed;
+    3. the NVMe optimizer's setup: its ring of ``nvme_buffers`` chunk buffers; the masters
+       are dropped and the gradient shards zeroed.
+
+    Freed blocks: a block of at most :data:`MMAP_THRESHOLD_MAX` (32 MiB) may sit in glibc's
+    heap, whose holes stay resident, so such freed originals and masters are counted as
+    still held until the end of the build (an upper bound: later allocations can reuse
+    some of them); larger blocks are mmapped and return to the OS when freed. Buffer pools
+    (NVMe staging) are counted whole. The accelerator's bytes go to ``device`` when
+    ``accelerator``; otherwise every byte is host RAM."""
+    if partitioned is None:
+        partitioned = builds_partitioned(stage, getattr(model, "_tiertrain_tile_factor", 1))
+    D = precision_bytes
+    layout = engine_units(model, stage, dp, bucket_mb, persistence_threshold)
+    units = layout.units
+    numel = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    HOLES = "freed heap blocks still resident (glibc, < 32 MiB)"
+    host: dict[str, int] = {}
+    dev: dict[str, int] = {}
+
+    def alloc(tier: str, name: str, nbytes: int, touched: bool = True) -> int:
+        """Allocate (host blocks ≤ 32 MiB reuse freed heap holes first); returns the bytes
+        that became resident later when the block is touched (0 if touched now)."""
+        nbytes = int(nbytes)
+        if accelerator and tier == "device":
+            dev[name] = dev.get(name, 0) + nbytes
+            return 0
+        reused = min(host.get(HOLES, 0), nbytes) if nbytes <= MMAP_THRESHOLD_MAX else 0
+        host[HOLES] = host.get(HOLES, 0) - reused
+        host[name] = host.get(name, 0) + (nbytes if touched else reused)
+        return 0 if touched else nbytes - reused
+
+    def free(tier: str, name: str, nbytes: int) -> None:
+        nbytes = int(nbytes)
+        if accelerator and tier == "device":
+            dev[name] -= nbytes
+            return
+        host[name] -= nbytes
+        if nbytes <= MMAP_THRESHOLD_MAX:
+            host[HOLES] = host.get(HOLES, 0) + nbytes
+
+    best: tuple[int, str, dict[str, int]] = (-1, "", {})  # host RAM's peak
+    best_dev: tuple[int, dict[str, int]] = (0, {})  # the accelerator's (its own moment)
+
+    def point(where: str, extra_host: dict[str, int] | None = None, extra_dev: dict[str, int] | None = None):
+        nonlocal best, best_dev
+        h = {k: v for k, v in host.items() if v}
+        d = {k: v for k, v in dev.items() if v}
+        for k, v in (extra_host or {}).items():
+            h[k] = h.get(k, 0) + v
+        for k, v in (extra_dev or {}).items():
+            d[k] = d.get(k, 0) + v
+        if sum(h.values()) > best[0]:
+            best = (sum(h.values()), where, h)
+        if sum(d.values()) > best_dev[0]:
+            best_dev = (sum(d.values()), d)
+
+    if framework_bytes:
+        alloc("cpu", "framework overhead", framework_bytes)
+    # ---- 1. construction (fp32, host)
+    ORIG = "model parameters as built (fp32)" if not partitioned else "fp32 parameter shards (partitioned_init)"
+    if partitioned:
+        original = {n: 4 * -(-k // dp) for n, k in numel.items()}
+        leaves: dict[str, int] = {}
+        for n, k in numel.items():
+            leaf = n.rsplit(".", 1)[0] if "." in n else ""
+            leaves[leaf] = leaves.get(leaf, 0) + 4 * k
+        for n in original:
+            alloc("cpu", ORIG, original[n])
+        point("construction (partitioned_init)", {"module being initialised (fp32, whole)": max(leaves.values())})
+    else:
+        original = {n: 4 * k for n, k in numel.items()}
+        for n in original:
+            alloc("cpu", ORIG, original[n])
+        point("construction (whole model, fp32)")
+    # ---- 2. wrap: the engine's swap pool, then FlatParameters unit by unit
+    opt_tier = "device" if optimizer_tier == "device" else "cpu"
+    if stage == 3 and param_tier == "nvme":  # the parameter swapper's pool, used by the shard writes
+        largest = max(u.shard_numel for u in units) * D
+        pool_bytes = max(64 << 20, -(-(6 * largest) // (1 << 20)) * (1 << 20))
+        written = sum(D * u.shard_numel for u in units if not u.resident)
+        alloc("cpu", "NVMe staging buffers", min(pool_bytes, written))
+    masters: list[int] = []
+    untouched_grads = 0
+    for u in units:
+        shard_tier = "device" if u.resident else param_tier
+        th: dict[str, int] = {}
+        td: dict[str, int] = {}
+        if u.resident:
+            alloc("device", "flat parameters", D * u.padded_numel)
+        else:
+            (td if accelerator else th)["unit being flattened (compute dtype)"] = D * u.padded_numel
+            if shard_tier == "nvme":
+                th["shard being written to NVMe"] = D * u.shard_numel
+            else:
+                alloc(shard_tier, "flat parameters", D * u.shard_numel)
+        if partitioned:
+            th["parameter gathered from its shards (fp32)"] = max(4 * numel[s.name] for s in u.slots)
+        if not (D == 4 and optimizer_tier == shard_tier != "nvme"):
+            alloc(opt_tier, "master weights (fp32)", 4 * u.shard_numel)
+            masters.append(4 * u.shard_numel)
+        if stage <= 1:
+            alloc("device", "gradients (fp32)", 4 * u.padded_numel)
+        else:
+            untouched_grads += alloc(opt_tier, "gradients (fp32)", 4 * u.shard_numel,
+                                     touched=optimizer_tier != "nvme")
+        point(f"wrap: flattening unit {u.label}", th, td)
+        for s_ in u.slots:  # the unit's original tensors are freed
+            free("cpu", ORIG, original.pop(s_.name, 0))
+    point("wrap: units flattened")
+    # ---- 3. the NVMe optimizer: its ring; the masters leave, the gradient shards are zeroed
+    if optimizer_tier == "nvme":
+        from tiertrain.offload.nvme_optimizer import BYTES_PER_ELEM
+
+        chunk = min(max(1024, nvme_chunk_bytes // BYTES_PER_ELEM), max(u.shard_numel for u in units))
+        alloc("cpu", "NVMe optimizer chunk buffers", nvme_buffers * BYTES_PER_ELEM * chunk)
+        point("wrap: NVMe optimizer set up (masters still in RAM)")
+        for m in masters:
+            free(opt_tier, "master weights (fp32)", m)
+        host["gradients (fp32)"] = host.get("gradients (fp32)", 0) + untouched_grads
+        point("wrap: masters dropped, gradient shards zeroed")
+    _, where, h = best
+    items = dict(h)
+    for k, v in best_dev[1].items():
+        items[f"{k} (device, at its own peak)"] = v
+    return BuildPeak(partitioned=partitioned, host=sum(h.values()), device=best_dev[0], where=where,
+                     items=items)
+
+
 # --------------------------------------------------------------------------- process overhead
 
 
@@ -583,6 +765,23 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
     notes.append(f"engine accounting: tiertrain's own buffers (zero/layout.py, flat.py, reducer.py, stage3.py) "
                  f"at the simulated per-rank peak ({pk.where}); transient lines are what is live there")
     return lines, notes, pk.where
+
+
+def engine_build_peak(module: nn.Module | None, dims: Any, lay: Any, overhead: HostOverhead | None = None,
+                      accelerator: bool = False) -> BuildPeak:
+    """:func:`simulate_build_peak` of a layout (:class:`~tiertrain.estimate.memory.ZeroLayout`),
+    built as ``tiertrain train`` builds it (partitioned at stage 3 untiled with tp = 1)."""
+    from tiertrain.estimate.memory import PRECISION_BYTES
+
+    if module is None:
+        module = gpt_meta_model(dims, lay.tile_factor)
+    ov = overhead if overhead is not None else HostOverhead()
+    return simulate_build_peak(
+        module, dp=lay.dp, stage=lay.stage, precision_bytes=PRECISION_BYTES[lay.precision],
+        param_tier=lay.param_tier if lay.stage == 3 else "device", optimizer_tier=lay.optimizer_tier,
+        bucket_mb=lay.bucket_mb, persistence_threshold=lay.persistence_threshold,
+        partitioned=builds_partitioned(lay.stage, getattr(module, "_tiertrain_tile_factor", lay.tile_factor), lay.tp),
+        accelerator=accelerator, framework_bytes=int(ov.framework_bytes))
 
 
 def stage3_gathered_bytes(module: nn.Module, precision_bytes: int, dp: int = 2,

@@ -160,6 +160,8 @@ class Shortfall:
     need_per_rank: int
     have_per_rank: int
     ranks_per_node: int
+    phase: str = "training"
+    """"training" (the step's peak) or "build" (building the model and wrapping it)."""
 
     @property
     def short_per_rank(self) -> int:
@@ -176,7 +178,8 @@ class Shortfall:
                 "nvme": "NVMe"}[self.tier]
         have = "no NVMe tier (give a swap directory)" if self.tier == "nvme" and self.have_per_rank == 0 \
             else f"{human_bytes(self.have_per_rank)} available"
-        return (f"{what} short by {human_bytes(self.short_per_rank)} per rank: needs "
+        when = " while the model is built" if self.phase == "build" else ""
+        return (f"{what} short by {human_bytes(self.short_per_rank)} per rank{when}: needs "
                 f"{human_bytes(self.need_per_rank)}, {have}{node}")
 
 
@@ -190,9 +193,12 @@ class Candidate:
     rung: str
     rejected: str | None = None
     """Why the engine cannot run this layout (the ``allowed`` check), else None."""
+    build_usage: dict[str, int] | None = None
+    """Bytes per rank by tier at the peak of building the model (Estimate.build)."""
 
     @property
     def fits(self) -> bool:
+        """Fits while training and while being built (``short`` holds both phases)."""
         return not self.short and self.rejected is None
 
     def summary(self) -> dict[str, Any]:
@@ -200,7 +206,10 @@ class Candidate:
         return {"rung": self.rung, "stage": lay.stage, "optimizer_tier": lay.optimizer_tier,
                 "param_tier": lay.param_tier, "checkpoint_every": lay.checkpoint_interval,
                 "checkpoint_tier": lay.checkpoint_tier, "tile_factor": lay.tile_factor,
-                "usage_per_rank": dict(self.usage), "fits": self.fits,
+                "usage_per_rank": dict(self.usage),
+                "build_peak_per_rank": None if self.build_usage is None else dict(self.build_usage),
+                "built_partitioned": None if self.estimate.build is None else self.estimate.build.partitioned,
+                "fits": self.fits,
                 "short": [asdict(s) | {"short_per_rank": s.short_per_rank} for s in self.short],
                 "rejected": self.rejected,
                 "efficiency": None if self.efficiency is None else self.efficiency["combined"]}
@@ -222,6 +231,8 @@ class Plan:
     short: list[Shortfall] = field(default_factory=list)
     tried: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    build_usage: dict[str, int] | None = None
+    """Bytes per rank by tier at the peak of building the model and wrapping it."""
 
     # -- the engine's configuration -----------------------------------------------------
 
@@ -275,6 +286,12 @@ class Plan:
             "memory_per_rank": dict(self.usage),
             "budget_per_rank": dict(self.budget),
             "peak_at": self.estimate.peak_at,
+            "build_peak_per_rank": None if self.build_usage is None else dict(self.build_usage),
+            "build_peak_per_node": None if self.build_usage is None else
+            {t: b * self.hardware.ranks_per_node for t, b in self.build_usage.items()},
+            "build": None if self.estimate.build is None else {
+                "partitioned": self.estimate.build.partitioned, "where": self.estimate.build.where,
+                "items": dict(self.estimate.build.items)},
             "lines": [asdict(l) for l in self.estimate.lines],
             "efficiency": self.efficiency,
             "short": [asdict(s) | {"short_per_rank": s.short_per_rank, "message": s.describe()} for s in self.short],
@@ -296,9 +313,19 @@ def _usage(est: Estimate, hw: Hardware) -> dict[str, int]:
     return {"device": tiers["device"], "cpu": tiers["cpu"], "nvme": tiers["nvme"]}
 
 
-def _shortfalls(usage: dict[str, int], hw: Hardware) -> list[Shortfall]:
+def _shortfalls(usage: dict[str, int], hw: Hardware, phase: str = "training") -> list[Shortfall]:
     budget = hw.budget()
-    return [Shortfall(t, usage[t], budget[t], hw.ranks_per_node) for t in usage if usage[t] > budget[t]]
+    return [Shortfall(t, usage[t], budget[t], hw.ranks_per_node, phase) for t in usage if usage[t] > budget[t]]
+
+
+def _build_usage(est: Estimate, hw: Hardware) -> dict[str, int] | None:
+    """Bytes per rank by tier at the build's peak (the ranks of a node build at once)."""
+    tiers = est.build_by_tier()
+    if tiers is None:
+        return None
+    if hw.shared:
+        return {"ram": tiers["device"] + tiers["cpu"], "nvme": 0}
+    return {"device": tiers["device"], "cpu": tiers["cpu"], "nvme": 0}
 
 
 def predicted_efficiency(lay: ZeroLayout, dims: ModelDims, hw: Hardware) -> dict[str, Any] | None:
@@ -364,12 +391,13 @@ class _Evaluator:
         lay = dataclasses.replace(lay, grad_tier=("cpu" if opt == "nvme" else opt) if lay.stage >= 2 else "device")
         lay.validate()
         self.count += 1
-        est = estimate(self.model(lay.tile_factor), lay, self.hw.overhead)
+        est = estimate(self.model(lay.tile_factor), lay, self.hw.overhead, accelerator=not self.hw.shared)
         est.dims = self.dims
         usage = _usage(est, self.hw)
-        return Candidate(lay, est, usage, _shortfalls(usage, self.hw),
-                         predicted_efficiency(lay, self.dims, self.hw), rung,
-                         self.allowed(lay) if self.allowed is not None else None)
+        build = _build_usage(est, self.hw)
+        short = _shortfalls(usage, self.hw) + (_shortfalls(build, self.hw, "build") if build else [])
+        return Candidate(lay, est, usage, short, predicted_efficiency(lay, self.dims, self.hw), rung,
+                         self.allowed(lay) if self.allowed is not None else None, build)
 
 
 def _checkpoint_options(n_layers: int) -> list[int]:
@@ -396,6 +424,8 @@ def _score(c: Candidate) -> float:
 def _tiling_can_help(c: Candidate) -> bool:
     """Whether smaller stage-3 units could close the gap: tiling shrinks the gathered units
     and the per-unit gradient buckets (and the allocator's share of them), nothing else."""
+    if any(s.phase == "build" for s in c.short):
+        return False  # a tiled model is built whole (not partitioned): tiling only adds to the build
     lines = {l.name: l.bytes for l in c.estimate.lines}
     shrinkable = lines.get("model-state working memory", 0) + lines.get("gradient buckets and reductions in flight", 0)
     shrinkable = int(shrinkable * 2)  # and the allocator's retention of them (≤ 1× measured)
@@ -536,15 +566,20 @@ def plan(dims: ModelDims, hardware: Hardware, *, micro_batch: int = 1, precision
             c = evaluate("nothing fits", **{**frugal, "tile_factor": max(tiles)})
         tried.append(c.summary())
         result = Plan(False, dims, c.layout, c.estimate, hw, hw.budget(), c.usage, c.efficiency, c.rung,
-                      c.short, tried, notes)
+                      c.short, tried, notes, c.build_usage)
         if not hw.nvme_bytes:
             notes.append("no NVMe tier was given (a probe with --swap-dir, or --nvme-bytes): with one, optimizer "
                          "states and parameters could leave host memory")
         if raise_if_short:
             raise PlanError(short_message(result), result)
         return result
+    if any(t.get("stage", 3) < 3 and any(x.get("phase") == "build" for x in t["short"])
+           and not any(x.get("phase") != "build" for x in t["short"]) for t in tried) and chosen.layout.stage == 3:
+        notes.append("a layout below stage 3 would fit while training but not while the model is built (every "
+                      "rank builds it whole in fp32 below stage 3): stage 3 builds it partitioned "
+                      "(tiertrain.zero.partitioned_init)")
     return Plan(True, dims, chosen.layout, chosen.estimate, hw, hw.budget(), chosen.usage, chosen.efficiency,
-                chosen.rung, [], tried, notes)
+                chosen.rung, [], tried, notes, chosen.build_usage)
 
 
 def short_message(p: Plan) -> str:
@@ -584,14 +619,26 @@ def render_plan(p: Plan) -> str:
             ["activations.offload", "cpu" if lay.checkpoint_interval and lay.checkpoint_tier == "cpu" else "none"],
             ["tile_factor", str(lay.tile_factor)]]
     out += _table(rows, right=set()) + [""]
-    mem = [["tier", "predicted per rank", "budget per rank", "use"]]
+    mem = [["tier", "predicted per rank", "build peak per rank", "budget per rank", "use"]]
+    build = p.build_usage or {}
     for t, used in p.usage.items():
         have = p.budget.get(t, 0)
-        if not used and not have:
+        built = build.get(t, 0)
+        if not used and not have and not built:
             continue
-        share = f"{used / have:.0%}" if have else ("-" if not used else "no tier")
-        mem.append([t, human_bytes(used), human_bytes(have), share])
-    out += _table(mem, right={1, 2, 3}) + [f"peak at: {p.estimate.peak_at}", ""]
+        worst = max(used, built)
+        share = f"{worst / have:.0%}" if have else ("-" if not worst else "no tier")
+        mem.append([t, human_bytes(used), human_bytes(built) if t in build and t != "nvme" else "-",
+                    human_bytes(have), share])
+    out += _table(mem, right={1, 2, 3, 4}) + [f"peak at: {p.estimate.peak_at}"]
+    b = p.estimate.build
+    if b is not None:
+        n = hw.ranks_per_node
+        how = ("partitioned (partitioned_init: fp32 shards, one module whole at a time)" if b.partitioned
+               else "whole in fp32 on every rank, then flattened")
+        out.append(f"build peak: model built {how}; {human_bytes(b.host)} host RAM per rank, "
+                   f"{human_bytes(b.host * n)} per node ({n} ranks), at {b.where}")
+    out.append("")
     lines = [["item", "bytes", "tier"]] + [[l.name, human_bytes(l.bytes), l.tier] for l in p.estimate.lines if l.bytes]
     out += _table(lines, right={1}) + [""]
     if p.efficiency:

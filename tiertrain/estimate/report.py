@@ -51,6 +51,13 @@ def render_table(est: Estimate) -> str:
     lines += _table(totals, right={1, 2})
     if est.peak_at:
         lines.append(f"peak at: {est.peak_at} (engine accounting: the transient lines are what is live there)")
+    if est.build is not None:
+        b, n = est.build, lay.node_ranks
+        how = ("under partitioned_init (one module whole at a time, fp32 shards)" if b.partitioned
+               else "whole in fp32 on every rank")
+        dev = f" + {human_bytes(b.device)} device" if b.device else ""
+        lines.append(f"build peak (model built {how}, then wrapped): {human_bytes(b.host)} host RAM{dev} per rank, "
+                     f"{human_bytes(b.host * n)} per node ({n} ranks), at {b.where}")
     lines += [f"note: {n}" for n in est.notes]
     return "\n".join(lines) + "\n"
 
