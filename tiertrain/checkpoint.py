@@ -68,6 +68,9 @@ def _gather_objects(obj: Any, group) -> list[Any]:
 
 def rank_state(engine: "Engine") -> dict:
     """This rank's complete training state (the engine's state_dict)."""
+    delayed = getattr(engine, "delayed", None)
+    if delayed is not None:  # the update in flight lands in the state (zero.delayed_update)
+        delayed.wait(agree=False)
     if engine.nvme_optimizer is not None:  # masters and moments come back from NVMe
         optimizer = engine.nvme_optimizer.state_dict()
         masters = [shard.pop("master") for shard in optimizer["shards"]]
@@ -75,6 +78,7 @@ def rank_state(engine: "Engine") -> dict:
         optimizer = engine.optimizer.state_dict()
         masters = [u.master.detach().clone() for u in engine.flat.units]
     return {
+        **({"delayed": delayed.state_dict()} if delayed is not None else {}),
         "masters": masters,
         "optimizer": optimizer,
         "schedule": engine.schedule.state_dict(),
@@ -88,6 +92,9 @@ def rank_state(engine: "Engine") -> dict:
 def restore_rank_state(engine: "Engine", state: dict) -> None:
     """Inverse of rank_state: masters are copied in place (the optimizer holds views of
     them), compute-dtype shards and resident full buffers are rebuilt from them."""
+    delayed = getattr(engine, "delayed", None)
+    if delayed is not None:
+        delayed.discard()  # an update still in flight must not write over the loaded masters
     if engine.nvme_optimizer is not None:
         optimizer = state["optimizer"]
         for shard, master in zip(optimizer["shards"], state["masters"]):
@@ -108,6 +115,8 @@ def restore_rank_state(engine: "Engine", state: dict) -> None:
     engine.micro_steps = state["counters"]["micro_steps"]
     engine.steps = state["counters"]["steps"]
     engine.skipped_steps = state["counters"]["skipped_steps"]
+    if delayed is not None:  # a run saved between an update and its publication resumes there
+        delayed.load_state_dict(state.get("delayed"))
     torch.set_rng_state(state["rng"])
 
 

@@ -206,6 +206,12 @@ class ZeroConfig:
     """NVMe optimizer: chunk buffers (reads ahead, the update, the write back); their RAM is buffers × chunk."""
     offload: Literal["manual", "auto"] = "manual"
     """manual: use stage and offload_* as given; auto: the planner (tiertrain plan) chooses them at start-up."""
+    retain_host_memory: bool = True
+    """Keep freed host blocks up to 32 MiB for reuse (glibc mallopt, process-wide): per-step buffers then reuse pages instead of faulting in new ones (tiertrain/host_memory.py)."""
+    delayed_update: bool = False
+    """ZeRO-Offload's one-step delayed update (needs offload_optimizer=cpu): step t's CPU update overlaps step t+1's forward/backward, whose gradients are then computed at parameters one update old."""
+    delayed_update_warmup: int = 40
+    """With delayed_update: the first this-many optimizer steps run synchronously (the paper starts DPU after a few tens)."""
 
     def validate(self, path: str = "zero") -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -227,6 +233,15 @@ class ZeroConfig:
         if self.offload_params != "none" and self.stage != 3:
             raise ConfigError(f"{path}.offload_params={self.offload_params!r} needs {path}.stage=3 "
                               f"(only stage 3 partitions parameters), got stage={self.stage}")
+        _check_positive(f"{path}.delayed_update_warmup", self.delayed_update_warmup, allow_zero=True)
+        if self.delayed_update and self.offload != "manual":
+            raise ConfigError(f"{path}.delayed_update=True is invalid with {path}.offload={self.offload!r}: "
+                              f"set {path}.offload='manual' and {path}.offload_optimizer='cpu'")
+        if self.delayed_update and self.offload_optimizer != "cpu":
+            why = ("the NVMe optimizer writes updated parameters straight into the shards the next forward "
+                   "reads" if self.offload_optimizer == "nvme" else "it delays the CPU optimizer's update")
+            raise ConfigError(f"{path}.delayed_update=True is invalid with {path}.offload_optimizer="
+                              f"{self.offload_optimizer!r}: expected offload_optimizer='cpu' ({why})")
 
 
 @dataclass
@@ -298,6 +313,11 @@ class Config:
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate(f.name)
+        if self.zero.delayed_update and (self.precision.dtype == "fp16" or self.parallel.pp > 1):
+            what = ("precision.dtype='fp16' (loss scaling with overflow skips)" if self.precision.dtype == "fp16"
+                    else f"parallel.pp={self.parallel.pp} (pipeline parallelism)")
+            raise ConfigError(f"zero.delayed_update=True is not supported with {what}: valid with fp32 or bf16, "
+                              f"parallel.pp=1")
         return self
 
 

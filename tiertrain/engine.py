@@ -19,6 +19,7 @@ import torch.nn as nn
 from . import checkpoint
 from .comm import Collectives, CommCounter
 from .config import Config, ConfigError
+from .host_memory import retain_freed_host_memory
 from .offload.activations import apply_activation_checkpointing, checkpoint_memory, checkpointing_of
 from .optim import build_adamw, build_schedule, clip_coefficient, decays
 from .precision import DynamicLossScaler, compute_dtype
@@ -90,6 +91,8 @@ class Engine:
     def __init__(self, model: nn.Module, config: Config, topology: Topology,
                  loss_fn: LossFn | None = None, unit_modules: list[str] | None = None):
         config.validate()
+        if config.zero.retain_host_memory:
+            retain_freed_host_memory()
         if topology.size("pp") > 1 and self.launch_when_ready:
             raise ConfigError(f"parallel.pp={topology.size('pp')}: build the engine with tiertrain.wrap(), which "
                               f"returns a PipelineEngine for pp > 1 (Engine itself is valid only for pp=1)")
@@ -161,6 +164,12 @@ class Engine:
         self.skipped_steps = 0
         self._stepped_at = -1
         self.last_grad_norm = float("nan")
+        self.delayed = None
+        """zero.delayed_update: the one-step delayed CPU update (tiertrain/offload/delayed.py)."""
+        if config.zero.delayed_update:
+            from .offload.delayed import DelayedUpdate
+
+            self.delayed = DelayedUpdate(self)
 
     launch_when_ready = True
     """Gradient reductions start as each unit's gradients arrive (False under pipeline
@@ -276,8 +285,14 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward one micro-batch; gradients are reduced during backward (see reducer)."""
         boundary = (self.micro_steps + 1) % self.accum == 0
+        if boundary and self.nvme_optimizer is not None:
+            # The optimizer state's first chunks do not depend on this backward: reading them
+            # now hides that read behind it instead of stalling the step (ZeRO-Infinity §6).
+            self.nvme_optimizer.prefetch()
         self.reducer.begin(reduce_now=boundary)
-        (loss.float() * (self.scaler.scale / self.accum)).backward()
+        # 1/dp folded in here makes the reduced sum the data-parallel mean: no pass over the
+        # reduced gradients divides them (exact for power-of-two dp, as the scale is).
+        (loss.float() * (self.scaler.scale / (self.accum * self.dp))).backward()
         self.reducer.end_backward()
         if self.fetcher is not None:
             self.fetcher.end_backward()
@@ -294,10 +309,11 @@ class Engine:
             return False
         self._stepped_at = self.micro_steps
         if self.nvme_optimizer is not None:
-            self.nvme_optimizer.prefetch()  # the first chunks' reads overlap the reductions and the norm
+            self.nvme_optimizer.prefetch()  # (no-op when backward started it; a state load drops it)
         if self.fetcher is not None:
             self.fetcher.agree(STEP)
         self.reducer.wait()
+        self.flat.zero_stale_grads()
         self._sum_partial_grads_over_tp()
         grads = [u.grad for u in self.flat.units]
         if self.scaler.enabled:
@@ -306,14 +322,21 @@ class Engine:
         norm = self._global_grad_norm(grads)
         self.last_grad_norm = float(norm)
         if not torch.isfinite(norm):
-            self.flat.zero_grads()
+            self.flat.zero_grads(lazy=self.launch_when_ready)
             self.scaler.update(overflow=True)
             self.skipped_steps += 1
             return False
+        coefficient = None
         if self.config.optimizer.grad_clip > 0:
             coefficient = clip_coefficient(norm, self.config.optimizer.grad_clip).to(self.placement.optimizer)
-            for g in grads:
-                g.mul_(coefficient)
+            if self.delayed is None:  # (the delayed update clips while copying to its snapshot)
+                for g in grads:
+                    g.mul_(coefficient)
+        if self.delayed is not None:  # publishes the previous update, starts this one in the background
+            self.delayed.step(grads, coefficient)
+            self.scaler.update(overflow=False)
+            self.steps += 1
+            return True
         if self.nvme_optimizer is not None:
             with self.flat.shard_writer() as updated_shards:
                 self.nvme_optimizer.step(grads, self.schedule.get_last_lr()[0], out=updated_shards)
@@ -322,7 +345,8 @@ class Engine:
             self.optimizer.step()
         self.schedule.step()
         self.flat.publish_masters()
-        self.flat.zero_grads()
+        # The reducer overwrites each gradient at its next reduction: no pass zeroes them now.
+        self.flat.zero_grads(lazy=self.launch_when_ready)
         self.scaler.update(overflow=False)
         self.steps += 1
         return True
@@ -375,6 +399,10 @@ class Engine:
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients and optimizer state (fp32 master + Adam moments) on this rank."""
         flat = self.flat.memory()
+        if self.delayed is not None:  # the gradient snapshot the background update reads
+            self.delayed.wait(agree=False)  # (the first update creates the Adam moments)
+            flat["grads"] += self.delayed.snapshot_bytes
+            flat["cpu_tier"] += self.delayed.snapshot_bytes
         if self.nvme_optimizer is not None:  # masters and moments, all in swap files
             moments = self.nvme_optimizer.state_bytes
             flat["nvme_tier"] += moments
@@ -393,6 +421,8 @@ class Engine:
         """Full parameters readable outside forward (every rank must enter). With
         modifier_rank set, that data-parallel rank's edits are broadcast and written back
         into every shard and master copy on exit."""
+        if self.delayed is not None:
+            self.delayed.flush()  # what is read or edited is the newest parameters
         wanted = None if params is None else {self.flat.slot_of[p][0] for p in params}
         units = [u for u in self.flat.units if wanted is None or u.unit.index in wanted]
         for u in units:
@@ -423,6 +453,8 @@ class Engine:
 
     def save_checkpoint(self, directory: str, extra: dict | None = None, keep_last: int = 0) -> str:
         """Collective: atomically save every rank's shard under directory/step_N (see checkpoint.py)."""
+        if self.delayed is not None:
+            self.delayed.wait(agree=True)  # the update in flight is saved, not lost
         return checkpoint.save(self, directory, extra, keep_last)
 
     def load_checkpoint(self, directory: str, step: int | None = None) -> dict:
@@ -431,6 +463,8 @@ class Engine:
 
     def masters(self) -> list[torch.Tensor]:
         """This rank's fp32 master shard of every unit (read from NVMe when they live there)."""
+        if self.delayed is not None:
+            self.delayed.wait(agree=False)
         if self.nvme_optimizer is not None:
             return self.nvme_optimizer.read_masters()
         return [u.master for u in self.flat.units]
@@ -438,6 +472,8 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's fp32 master value, gathered from the shards (collective)."""
         out = {}
+        if self.delayed is not None:
+            self.delayed.wait(agree=True)
         masters = self.masters()
         for u, master in zip(self.flat.units, masters):
             full = torch.empty(u.unit.padded_numel, dtype=torch.float32, device=self.device)
@@ -448,6 +484,11 @@ class Engine:
             for slot in u.unit.slots:
                 out[slot.name] = full[slot.offset:slot.end].view(slot.shape).clone()
         return out
+
+    def close(self) -> None:
+        """Finish the delayed update in flight, if any (raising its error), and stop its thread."""
+        if self.delayed is not None:
+            self.delayed.close()
 
 
 def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topology, loss_fn: LossFn | None = None,

@@ -164,7 +164,7 @@ class PipelineEngine(Engine):
         Every rank of a pipeline must be given the same micro-batches."""
         micro = [self._to_device(next(batches)) for _ in range(self.accum)]
         self.reducer.begin(reduce_now=False)
-        loss = self.executor.run(micro, loss_scale=self.scaler.scale)
+        loss = self.executor.run(micro, loss_scale=self.scaler.scale / self.dp)  # 1/dp: see Engine.backward
         if self._tied_stages:
             self._exchange_tied_gradients()
         self.micro_steps += self.accum

@@ -88,6 +88,10 @@ class UnitBuffers:
     grad_full: torch.Tensor | None
     gathered: bool = True
     pending: Work | None = None
+    stale_grad: bool = False
+    """The gradient is logically zero but its memory still holds the previous step's values
+    (:meth:`FlatParameters.zero_grads` with ``lazy=True``): the next reduction overwrites it
+    instead of adding into it, which saves a pass over it to zero it and another to add."""
 
 
 class FlatParameters:
@@ -275,9 +279,22 @@ class FlatParameters:
             work.wait()
         self.wait_writes()
 
-    def zero_grads(self) -> None:
+    def zero_grads(self, lazy: bool = False) -> None:
+        """Zero every gradient; ``lazy``: only mark them stale (see UnitBuffers.stale_grad), for
+        a reducer that writes each unit whole before anything reads it."""
         for u in self.units:
-            (u.grad_full if u.grad_full is not None else u.grad).zero_()
+            if lazy:
+                u.stale_grad = True
+            else:
+                (u.grad_full if u.grad_full is not None else u.grad).zero_()
+                u.stale_grad = False
+
+    def zero_stale_grads(self) -> None:
+        """Zero the gradients still marked stale (units no reduction has written since)."""
+        for u in self.units:
+            if u.stale_grad:
+                (u.grad_full if u.grad_full is not None else u.grad).zero_()
+                u.stale_grad = False
 
     # -- accounting --------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ class GradientReducer:
         self.before_collective = before_collective
         self.launch_when_ready = launch_when_ready
         self.reduce_now = False
+        self._fresh: set[int] = set()  # stage 0-1 units whose stale full gradient this backward overwrites
         self._buckets: dict[int, torch.Tensor] = {}
         self._missing: dict[int, int] = {}
         self._next = 0
@@ -67,6 +68,12 @@ class GradientReducer:
         only accumulate locally (not the accumulation boundary)."""
         self.reduce_now = self.launch_when_ready and (reduce_now or self.stage >= 2)
         self._reset_counts()
+        # A stale full gradient (zeroed lazily after the last step) is overwritten slot by
+        # slot by this backward; the slots that receive nothing are zeroed when it ends.
+        for u in self.flat.units:
+            if u.grad_full is not None and u.stale_grad and self.launch_when_ready:
+                self._fresh.add(u.unit.index)
+                u.stale_grad = False
 
     def _bucket(self, index: int) -> torch.Tensor:
         u = self.flat.units[index]
@@ -89,7 +96,7 @@ class GradientReducer:
         unit = self.flat.units[index]
         target = self._bucket(index)[unit.unit.slots[k].offset:unit.unit.slots[k].end]
         grad = p.grad.reshape(-1)
-        if unit.grad_full is not None or not self.launch_when_ready:
+        if (unit.grad_full is not None and index not in self._fresh) or not self.launch_when_ready:
             target.add_(grad)  # micro-batches accumulate in the persistent buffer (stages 0-1) or bucket
         else:
             target.copy_(grad)
@@ -110,28 +117,47 @@ class GradientReducer:
             self._launch(index)
             self._next += 1
 
+    def _zero_missing(self, index: int) -> None:
+        """Zero the slots of unit `index` that this backward wrote no gradient into, where
+        the buffer holds no other value for them (a fresh bucket, or a stale full gradient)."""
+        u = self.flat.units[index]
+        fresh = index in self._fresh
+        self._fresh.discard(index)
+        if not self._missing[index] or not (fresh or (u.grad_full is None and self.launch_when_ready)):
+            return
+        bucket = self._bucket(index)
+        for k, slot in enumerate(u.unit.slots):
+            if k not in self._arrived[index]:
+                bucket[slot.offset:slot.end].zero_()
+
     def _launch(self, index: int) -> None:
+        """Reduce unit `index`. Gradients arrive already divided by the data-parallel size
+        (the engine folds 1/dp into the loss scale, exact for powers of two), so the reduced
+        sum is the mean and no pass over the result divides it."""
         u = self.flat.units[index]
         bucket = self._bucket(index)
-        if u.grad_full is None and self.launch_when_ready and self._missing[index]:
-            for k, slot in enumerate(u.unit.slots):
-                if k not in self._arrived[index]:
-                    bucket[slot.offset:slot.end].zero_()
-        dp = self.comm.size
+        self._zero_missing(index)
         if self.before_collective is not None:
             self.before_collective(index)
         if self.stage == 0:
-            work = self.comm.all_reduce(bucket, async_op=True).then(lambda: bucket.div_(dp))
+            work = self.comm.all_reduce(bucket, async_op=True)
+        elif self.stage == 1:
+            reduced = torch.empty(u.unit.shard_numel, dtype=torch.float32, device=self.flat.device)
+            work = self.comm.reduce_scatter(reduced, bucket, async_op=True).then(lambda: u.grad.copy_(reduced))
+        elif u.stale_grad and u.grad.device == bucket.device:
+            # The shard's first reduction since the step: reduce-scatter straight into it.
+            u.stale_grad = False
+            work = self.comm.reduce_scatter(u.grad, bucket, async_op=True)
         else:
+            stale, u.stale_grad = u.stale_grad, False
             reduced = torch.empty(u.unit.shard_numel, dtype=torch.float32, device=self.flat.device)
             work = self.comm.reduce_scatter(reduced, bucket, async_op=True)
-            if self.stage == 1:
-                work.then(lambda: u.grad.copy_(reduced.div_(dp)))
-            else:
-                # The closure keeps the bucket alive until its collective has completed.
-                self._buckets.pop(index, None)
-                # "g offload": with the optimizer on the CPU tier, u.grad is host memory.
-                work.then(lambda: (u.grad.add_(reduced.div_(dp).to(u.grad.device, non_blocking=True)), bucket))
+            # "g offload": with the optimizer on the CPU tier, u.grad is host memory.
+            land = u.grad.copy_ if stale else u.grad.add_
+            work.then(lambda: land(reduced.to(u.grad.device, non_blocking=True)))
+        if self.stage >= 2:
+            self._buckets.pop(index, None)
+            work.then(lambda: bucket)  # keeps the bucket alive until its collective has completed
         self._in_flight.append(work)
         # (Pipeline buckets all exist already: capping them would only stall the pipeline.)
         while len(self._in_flight) > self.max_in_flight and self.stage >= 2 and self.launch_when_ready:
@@ -144,6 +170,8 @@ class GradientReducer:
                 if missing and self.on_unit_done is not None:
                     self.on_unit_done(index)
             self._launch_ready(flush=True)
+        for index in list(self._fresh):  # units not reduced in this backward (accumulation)
+            self._zero_missing(index)
 
     def accumulated_gradient(self, p: nn.Parameter) -> torch.Tensor:
         """The flat fp32 gradient accumulated so far for ``p``, before its reduction (a view:

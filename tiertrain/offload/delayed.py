@@ -1,0 +1,273 @@
+"""ZeRO-Offload's one-step delayed parameter update (DPU, PAPERS.md §2), an opt-in mode:
+``zero.delayed_update: true`` with ``zero.offload_optimizer: cpu`` (stages 2-3).
+
+**Schedule.** Number the optimizer steps t = 0, 1, 2, … and write g_t for step t's reduced,
+clipped gradients and θ_t for the fp32 masters after t updates, θ_{t+1} = AdamW(θ_t, g_t)
+at the schedule's learning rate of update t. The synchronous engine computes g_t at θ_t.
+With DPU and W = ``zero.delayed_update_warmup``:
+
+* steps t < W are synchronous: g_t is computed at θ_t and applied before step() returns;
+* from step W on, the update θ_t → θ_{t+1} runs in a background thread while step t+1's
+  forward and backward run at θ_t, so **g_{t+1} is computed at θ_t** (t ≥ W): the
+  parameters a forward sees at step s are θ_s for s ≤ W and θ_{s-1} for s > W.
+
+Every gradient is still applied exactly once, in order, with its own learning rate (the
+schedule steps once per update, as in the synchronous engine) and its own clip coefficient
+(the global norm is that of g_t, the gradients being applied). A flush (below) after the
+last step() leaves θ_N in the masters. ``tests/test_delayed_update.py`` holds the plain
+PyTorch form of this schedule that the engine is checked against.
+
+**At each accumulation boundary** (:meth:`DelayedUpdate.step`, main thread, called by
+Engine.step after the gradient norm): (1) wait for update t-1 and step the schedule;
+(2) agree with every rank that it succeeded (one 1-element all-reduce over the world);
+(3) publish θ_t exactly as the synchronous path does (masters → compute-dtype shards,
+all-gather of resident units); (4) copy g_t × clip coefficient into the **gradient
+snapshot** and zero the gradient shard, which the next backward accumulates into; (5) hand
+update t (AdamW over this rank's master shard, reading the snapshot) to the worker thread.
+During warmup the same five steps run and then the engine waits for the update at once.
+
+**Buffers.** The snapshot is one persistent fp32 buffer per unit, the size of the gradient
+shard, on the optimizer's tier (counted in ``memory_report().grads`` and ``cpu_tier``). A
+master that is the compute shard itself (stage 3, fp32, parameters and optimizer both on
+the CPU tier) gets a separate copy, so the update never writes what a forward reads.
+
+**Errors.** An exception in the update is kept and raised at the next boundary (or flush)
+on **every** rank, as :class:`DelayedUpdateError` naming the failed rank(s), the step and
+the error: the agreement in (2) precedes the collectives of (3), so no rank is left waiting
+in an all-gather for a peer that failed.
+
+**Flushes.** ``save_checkpoint``/``state_dict``/``full_state_dict``/``masters()`` wait for
+the in-flight update without publishing it, so they see θ_{t+1} and the run goes on exactly
+as if they had not been called; a checkpoint also stores the published (one step older)
+compute shards, so a resumed run continues bit-identically (``load_checkpoint`` first
+finishes and discards an update in flight, then restores both). ``gathered_parameters``
+flushes (waits and publishes): what is read or edited is the newest parameters, and the
+next step's gradients are then fresh (staleness 0 for that step). ``memory_report()`` waits
+too. ``Engine.close()`` waits and stops the thread (the worker is also joined at interpreter
+exit, finishing its update). A checkpoint saved with DPU loads into an engine without it
+(the saved masters are published) and vice versa.
+
+**Not supported** (refused by Config.validate): ``offload_optimizer`` none or nvme (the
+NVMe optimizer writes updated values straight into the compute shards the next forward
+reads), ``zero.offload: auto``, fp16 loss scaling, pipeline parallelism.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+
+class DelayedUpdateError(RuntimeError):
+    """The background optimizer update failed on some rank; raised on every rank."""
+
+
+class DelayedUpdate:
+    """Runs one rank's optimizer updates on a worker thread, one step behind; see the module
+    docstring. Built by the engine when ``zero.delayed_update`` is set."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.flat = engine.flat
+        self.optimizer = engine.optimizer
+        self.schedule = engine.schedule
+        self.warmup = engine.config.zero.delayed_update_warmup
+        self.group = engine.topology.world_group() if dist.is_initialized() else None
+        self._untie_masters()
+        # The optimizer reads its gradients from the snapshot, never from the live shard.
+        self.snapshots = [torch.zeros_like(u.grad) for u in self.flat.units]
+        self._rebind(lambda p: p.grad, self.snapshots, lambda u: u.grad, set_grad=True)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiertrain-delayed-update")
+        self._future: Future | None = None
+        self._in_flight_step = -1
+        self.unpublished = False
+        """The masters hold an update the compute shards do not have yet."""
+        self.failed: str | None = None
+        """The error message every rank raises, once an update has failed."""
+        self._error: BaseException | None = None
+        self._unagreed = False  # an update was started since the ranks last agreed
+        self.overlapped_steps = 0
+        """Updates that ran in the background (after the warmup)."""
+
+    # -- construction ------------------------------------------------------------------
+
+    def _untie_masters(self) -> None:
+        """Give a separate master to every unit whose master is its compute shard."""
+        new = [u.master.clone() if u.master is u.shard else None for u in self.flat.units]
+        if any(t is not None for t in new):
+            old = [u.master for u in self.flat.units]
+            self._rebind(lambda p: p, new, lambda u: old[u.unit.index], set_grad=False)
+            for u, t in zip(self.flat.units, new):
+                if t is not None:
+                    u.master = t
+
+    def _rebind(self, get, targets, source_of, set_grad: bool) -> None:
+        """Point every optimizer tensor get(p), a view of source_of(unit), at the same
+        elements of targets[unit] (None: leave it)."""
+        spans = []
+        for u in self.flat.units:
+            src = source_of(u)
+            start = src.data_ptr()
+            spans.append((start, start + src.numel() * src.element_size(), u.unit.index, src.element_size()))
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                t = get(p)
+                if t is None or t.numel() == 0:
+                    continue
+                ptr = t.data_ptr()
+                for lo, hi, index, size in spans:
+                    if lo <= ptr < hi:
+                        target = targets[index]
+                        if target is not None:
+                            view = target[(ptr - lo) // size:(ptr - lo) // size + t.numel()]
+                            if set_grad:
+                                p.grad = view
+                            else:
+                                p.data = view
+                        break
+                else:
+                    raise RuntimeError("an optimizer tensor lies outside every unit's shard")
+
+    # -- the step -----------------------------------------------------------------------
+
+    def step(self, grads: list[torch.Tensor], coefficient: torch.Tensor | None) -> None:
+        """At an accumulation boundary, after the gradient norm (collective on every rank):
+        finish and publish the previous update, then start this step's."""
+        self.wait(agree=True)
+        self.publish()
+        with torch.no_grad():
+            for g, snap in zip(grads, self.snapshots):
+                if coefficient is None:
+                    snap.copy_(g)
+                else:
+                    torch.mul(g, coefficient, out=snap)
+        self.flat.zero_grads()
+        step = self.engine.steps
+        self._in_flight_step = step
+        self._future = self._worker.submit(self._update)
+        self._unagreed = True
+        if step < self.warmup:
+            self.wait(agree=True)
+            self.publish()
+        else:
+            self.overlapped_steps += 1
+
+    def _update(self) -> None:
+        self.optimizer.step()
+
+    def wait(self, agree: bool) -> None:
+        """Wait for the update in flight (if any) and step the schedule for it. agree=True
+        (every rank must call it): all ranks learn whether any rank's update failed since
+        the last agreement, and all raise. agree=False raises a failure on this rank only."""
+        future, self._future = self._future, None
+        if future is not None:
+            error = future.exception()
+            if error is None:
+                self.schedule.step()
+                self.unpublished = True
+            else:
+                self._error = error
+        if agree and self._unagreed:
+            self._unagreed = False
+            if self.group is not None:
+                self._agree(self._error)  # raises on every rank when any rank failed
+        if self._error is not None:
+            if self.failed is None:
+                self.failed = self._describe([(self._rank, self._why(self._error))])
+            raise DelayedUpdateError(self.failed) from self._error
+
+    @property
+    def _rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @staticmethod
+    def _why(error: BaseException) -> str:
+        return f"{type(error).__name__}: {error}"
+
+    def _describe(self, failures: list[tuple[int, str]]) -> str:
+        where = "; ".join(f"rank {r}: {why}" for r, why in failures)
+        return (f"the delayed optimizer update of step {self._in_flight_step} (zero.delayed_update) failed on "
+                f"rank{'s' if len(failures) > 1 else ''} {', '.join(str(r) for r, _ in failures)}: {where}")
+
+    def _agree(self, error: BaseException | None) -> None:
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.engine.device)
+        dist.all_reduce(flag, group=self.group)
+        if int(flag.item()) == 0:
+            return
+        mine = None if error is None else (self._rank, self._why(error))
+        every = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, mine, group=self.group)
+        self.failed = self._describe([f for f in every if f is not None])
+        if error is None:
+            self._error = DelayedUpdateError(self.failed)
+        raise DelayedUpdateError(self.failed) from error
+
+    def publish(self) -> None:
+        """Copy the updated masters into the compute shards and all-gather (collective)."""
+        if self.unpublished:
+            self.flat.publish_masters()
+            self.unpublished = False
+
+    def flush(self) -> None:
+        """Collective: wait for the update in flight and publish it."""
+        self.wait(agree=True)
+        self.publish()
+
+    # -- accounting, checkpoints, shutdown ------------------------------------------------
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self.snapshots)
+
+    def state_dict(self) -> dict:
+        """After wait(): with an update not yet published, this rank's compute-dtype shards
+        (what the next forward reads), so a resumed run sees the same parameters."""
+        if not self.unpublished:
+            return {"published": None}
+        flat = self.flat
+        shards = [flat.read_shard(u.unit.index) if flat.on_nvme(u.unit.index) else u.shard.detach().clone()
+                  for u in flat.units]
+        return {"published": shards}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """After the masters are restored and published: put back the published shards of a
+        checkpoint saved with an update not yet published (collective)."""
+        self.unpublished = False
+        shards = (state or {}).get("published")
+        if shards is None:
+            return
+        flat = self.flat
+        masters = [u.master for u in flat.units]
+        try:  # publish_masters copies "masters" into the shards: hand it the saved shards
+            for u, shard in zip(flat.units, shards):
+                u.master = shard.to(u.shard.device)
+            flat.publish_masters()
+        finally:
+            for u, master in zip(flat.units, masters):
+                u.master = master
+        self.unpublished = True
+
+    def discard(self) -> None:
+        """Before a checkpoint is loaded: finish the update in flight (its result is then
+        overwritten) without raising for it."""
+        future, self._future = self._future, None
+        if future is not None:
+            future.exception()
+        self.unpublished = False
+        self._unagreed = False
+
+    def close(self) -> None:
+        """Wait for the update in flight (raising its error, locally) and stop the thread."""
+        try:
+            self.wait(agree=False)
+        finally:
+            self._worker.shutdown(wait=True)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._future is not None
