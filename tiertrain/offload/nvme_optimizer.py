@@ -415,7 +415,9 @@ class NVMeAdamW:
         self._check_usable()
         if self._prefetched or not self._chunks:
             return 0
-        depth = min(self.num_buffers - 2, len(self._chunks))
+        # Every buffer: none is busy before the step, whose pipeline reuses buffer i only once
+        # the write of position i - B has finished.
+        depth = min(self.num_buffers, len(self._chunks))
         with self._lock:
             self._prefetch_version = self._version
             for j in range(depth):
