@@ -347,6 +347,8 @@ class Engine:
         self.flat.publish_masters()
         # The reducer overwrites each gradient at its next reduction: no pass zeroes them now.
         self.flat.zero_grads(lazy=self.launch_when_ready)
+        if self.fetcher is not None:
+            self.fetcher.prefetch_next_forward()
         self.scaler.update(overflow=False)
         self.steps += 1
         return True

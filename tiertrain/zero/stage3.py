@@ -301,6 +301,12 @@ class ParameterFetcher:
         if self._position >= 0:
             self._prefetch(order, self._position)
 
+    def prefetch_next_forward(self) -> None:
+        """Start reading the first units of the next forward from NVMe (after the step has
+        written their updated shards), so that its first gathers find them read."""
+        if self.traced:
+            self.flat.prefetch_shards(self.traces[False][:NVME_READ_AHEAD])
+
     def _make_pre_forward(self, index: int):
         def hook(module, args):
             if recomputing():  # backward recomputes a checkpointed block: gather, trace nothing
