@@ -16,9 +16,10 @@ heap keeps resident) is measured once, before the rows, by the same calibration 
 `tiertrain probe` runs (two runs of other models: tiertrain.estimate.measure.
 calibrate_overhead), or read from a probe file (--probe). The rows are not used to fit it.
 
-Optional columns: --fixed-threshold repeats every row with MALLOC_MMAP_THRESHOLD_=131072
-(glibc returns every freed block ≥ 128 KiB at once, so RSS ≈ live tensors + a constant: it
-checks the tensor-level prediction without the allocator's retention); --live records the
+Optional columns: --fixed-threshold repeats every row with MALLOC_MMAP_THRESHOLD_=131072 and
+zero.retain_host_memory=false (which would otherwise set the threshold to 32 MiB at wrap()):
+glibc returns every freed block ≥ 128 KiB at once, so RSS ≈ live tensors + a constant: it
+checks the tensor-level prediction without the allocator's retention; --live records the
 live-tensor peak with torch.profiler (the tensor prediction's exact reference, slow).
 
     python bench/estimate_accuracy.py --fixed-threshold --live   # the committed table (~30 min on 2 busy cores)
@@ -66,6 +67,12 @@ ROWS: dict[str, tuple[str, RunSpec]] = {
     "small-s0-mb8": ("small GPT, stage 0, micro-batch 8", RunSpec(SMALL, ["--zero.stage=0"], micro_batch=8)),
 }
 
+# Stage 3 builds the model the way `tiertrain train` does there (tiertrain.train.build_model):
+# directly in partitioned form under tiertrain.zero.partitioned_init, so what the build leaves
+# in the heap is what a real run starts training with.
+for _label, _spec in ROWS.values():
+    _spec.partitioned = any(o == "--zero.stage=3" for o in _spec.overrides)
+
 MiB = 2**20
 
 
@@ -102,7 +109,9 @@ def run_rows(names: list[str], overhead: HostOverhead, fixed: bool, live: bool, 
                "step_s": [min(r["step_s"][1:] or r["step_s"]) for r in ranks],
                "lines": {l.name: l.bytes for l in est.lines}}
         if fixed:
-            franks = measure(RunSpec(**{**asdict(spec), "env": {"MALLOC_MMAP_THRESHOLD_": "131072"}}))
+            # zero.retain_host_memory would set glibc's mmap threshold back to 32 MiB at wrap()
+            franks = measure(RunSpec(**{**asdict(spec), "env": {"MALLOC_MMAP_THRESHOLD_": "131072"},
+                                        "overrides": [*spec.overrides, "--zero.retain_host_memory=false"]}))
             row["fixed_peak"] = [r["peak"] for r in franks]
         if live:
             lranks = measure(RunSpec(**{**asdict(spec), "live": True}))
@@ -142,7 +151,11 @@ def write_markdown(path: str, rows: list[dict], overhead: HostOverhead, calibrat
              f"{rows[0]['spec']['steps'] if rows else '?'} optimizer steps; measured in a fresh process "
              "(`tiertrain.estimate.measure`). *Predicted* is `tiertrain.estimate.estimate` (engine accounting) of "
              "the same run; *measured peak* is VmHWM during training (reset once the model is built) minus VmRSS "
-             "just before it is built, per rank.\n")
+             "just before it is built, per rank. The model is built as `tiertrain train` builds it: whole at "
+             "stages 0–2, under `partitioned_init` at stage 3"
+             + (" (`RunSpec(partitioned=True)`)" if any(r["spec"].get("partitioned") for r in rows) else "")
+             + "; `zero.retain_host_memory` at its default (on: glibc's mmap threshold fixed at 32 MiB and its "
+             "trim threshold at 256 MiB from wrap() on), except in the fixed-threshold column.\n")
     L.append("Process overhead used by every prediction (measured once, before the rows, on other models: "
              f"{overhead.source}): framework {overhead.framework_bytes / MiB:.1f} MiB per process, allocator "
              f"retention {overhead.retention:.2f} × the transient bytes at the peak.")
@@ -247,35 +260,53 @@ NOTES = """## How the estimate is made, and what the errors say
   the step; stage 3 keeps the root unit gathered through forward and backward plus the
   block in use. The peak is the largest total over the step (`peak at`).
 * **Process overhead**: a constant per process (gloo, BLAS/oneDNN workspaces, autograd,
-  Python objects) and the **allocator's retention**. glibc's malloc raises its mmap
-  threshold to the largest block freed (up to 32 MiB), so from the second step on
-  activations, buckets and gathered units come from the heap, whose freed holes stay
-  resident; the fixed-threshold column (MALLOC_MMAP_THRESHOLD_=131072, which disables that
-  adjustment) shows the same runs at tensors + framework within a few percent. The
-  retention is calibrated on another model (see above) and applied to every row as a share
-  of the row's transient bytes; the *implied retention* column is what each row would have
-  needed, (measured − fixed-threshold peak) / transient. It is not a constant: larger
-  tensors (this table's 19 MiB buckets and units) leave more of the heap stranded than the
-  calibration model's, so the estimate runs a few percent low here, and it is not
-  deterministic either: the two ranks of one run, or two runs of one configuration, differ
-  by up to ~10% of the peak (the order in which gloo's threads and the main thread free
-  memory varies), which bounds how close any estimate of peak RSS can be. Disabling the
-  adjustment (the fixed-threshold column) would make RSS predictable to ~2%, but costs
-  page faults on every large allocation (0.6–1 s per GiB allocated measured on this VM,
-  20–30% of a step here), so tiertrain does not do it.
+  Python objects) and the **allocator's retention**. With `zero.retain_host_memory` (the
+  default) the engine fixes glibc's mmap threshold at 32 MiB and its trim threshold at
+  256 MiB when it wraps the model, so every activation, bucket and gathered unit of these
+  models (all ≤ 20 MiB) comes from the heap, and the heap never shrinks: in every run the
+  RSS after the last step equals the peak. The fixed-threshold column
+  (`MALLOC_MMAP_THRESHOLD_=131072` with `zero.retain_host_memory=false`: every freed block
+  ≥ 128 KiB goes back at once) shows the same runs at tensors + framework within a few
+  percent, so every miss beyond that is the heap's retention. It is calibrated on another
+  model (see above) and applied to every row as a share of the row's transient bytes; the
+  *implied retention* column is what each row would have needed, (measured − fixed-threshold
+  peak) / transient.
+* **What the retention is, measured** (separate runs of two stage-3 rows: peak per rank after
+  1, 2 and 4 steps, against tensors + framework at that point; the first optimizer step
+  creates the Adam moments at its end, so step 1's transient peak is without them): stage 3
+  fp32 479–565 / 640–675 / 688–706 MiB against 400 / 551 / 551 (excess 80–165 / 90–125 /
+  137–155), stage 3 bf16 435–444 / 553–556 / 575–584 against 360 / 512 / 512 (excess 75–84 /
+  41–44 / 63–72). The retention is there from the first step (holes the build and the first
+  step leave in the heap), the moments partly fill it (bf16), and each later step adds a few
+  tens of MiB. Where the holes fall depends on the order of allocations and frees, which
+  varies from run to run and from rank to rank (presumably with the timing of gloo's
+  threads): five runs of "stage 3, checkpoint every 2nd block → cpu" measured 608–746 MiB
+  per rank (larger rank 649–746),
+  four of the calibration run gave a retention of 0.43–0.59. That spread (±10% of the peak)
+  bounds how close a single figure can be; the retention this table implies is higher for
+  fp32 stage 3 (0.86–1.2) than for the other rows (0.45–0.72). Other single rules checked
+  against this table do worse: min(moments, transient) puts stage 3 bf16 at +16%, a separate
+  stage-3 retention large enough for the fp32 rows (≥ 0.9) puts stage 3 bf16 (implied 0.48)
+  at +14%, and a share of the moments cannot fit stage 0 (moments 303 MiB, retention 125 MiB) and fp32 stage 3
+  (151.5 MiB, 226 MiB) at once.
 * **Profiler column**: torch.profiler's allocator events give the live-tensor peak; the
-  estimate's tensor bytes are within ~2% of it. One earlier run of this command (same
-  estimator; rejected only for a table-formatting bug) measured the stage-2 checkpointing row at
-  523 MiB live (model 503) while its fixed-threshold RSS agreed with the model, and its
-  peak-RSS errors ranged −9.7%…+0.9% (stage 3 with checkpoints on the CPU: −8.3%): the
-  rows move by several percent from run to run.
-* **Where it misses**: every miss beyond the tensor model is the allocator's retention,
-  which this table under-predicts for the `bench` model (implied 0.4–1.0 against 0.5
-  calibrated). The worst case is stage 3 with checkpoints offloaded to the CPU pool, probably
-  because the pool's buffers are allocated from the heap during forward, between
-  activations, and pin its holes (not verified). Reusing persistent buffers for stage-3 gathers and reduction buckets (as
-  the checkpoint pool already does for checkpoints; ZeRO-R's constant-size buffers) would
-  shrink that retention in the engine itself.
+  estimate's tensor bytes are within −2% … +6% of it. It is 4–6% above it for stage 3,
+  stage 3 with CPU checkpoints and stage 2 with checkpoints, whose live peaks are 16–23 MiB
+  lower than in the previous version of this table (same estimator): the engine in the
+  working tree measured had changed since (changes in progress: gradients zeroed lazily,
+  1/dp folded into the loss scale), which the estimator does not model yet.
+  An earlier version of this table (same estimator, glibc's dynamic threshold) had its
+  peak-RSS errors at −11.5% … +3.2%.
+* **Where it misses**: the fp32 stage-3 rows (−6.6% … −13.8% against the larger rank; the
+  run-to-run spread is about as large). The same holds outside this table for layouts with
+  the optimizer on NVMe, measured separately on a 4 × 1024 GPT (seq 64, bf16, micro-batch 1,
+  2 ranks, 3 steps): the fixed-threshold RSS equals the tensor prediction (stage 2: 380–384
+  vs 378.5 MiB; stage 3, built partitioned: 475 vs 472.1 MiB), but with the heap retained
+  the peaks are 512–516 and 666–710 MiB, an implied retention of ~1.5 and ~1.0 × the
+  transient bytes, so the estimate runs 11–20% low there. Persistent, reused buffers for
+  stage-3 gathers, reduction buckets and the optimizer's temporaries (ZeRO-R's
+  constant-size buffers) would leave fewer holes for the heap to keep; that is an engine
+  change.
 """
 
 

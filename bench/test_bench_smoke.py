@@ -76,3 +76,20 @@ def test_tp_megatron_runs(tmp_path):
         assert "tiertrain / Megatron, tp=2 + SP" in text
     else:
         assert "Megatron-Core not installed" in text
+
+
+@pytest.mark.timeout(300)
+def test_plan_to_train_small_takes_the_nvme_path(tmp_path):
+    """`tiertrain plan` at a low stated RAM puts the 4 × 1024 GPT's optimizer on NVMe, and
+    `tiertrain train --config <plan>` trains it (the loss falls); the report is written."""
+    import plan_to_train
+
+    out = tmp_path / "p2t.md"
+    swap = tmp_path / "swap"
+    rc = plan_to_train.main(["--small", "--steps", "3", "--swap-dir", str(swap), "--out", str(out)])
+    assert rc == 0
+    text = out.read_text()
+    assert "optimizer → nvme" in text or "parameters → nvme" in text
+    assert "(falls)" in text
+    assert "| = **measured increase** (what the plan predicts) |" in text
+    assert not swap.exists()  # the swap directory is removed afterwards

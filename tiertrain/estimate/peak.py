@@ -65,9 +65,10 @@ peak-RSS increase of training a 1-block, 32-wide GPT on 2 gloo ranks less its te
 DEFAULT_RETENTION = 0.5
 """Share of a rank's transient bytes (activations, buckets, gathered units) that glibc's
 heap keeps resident on top of them, when nothing better is known: measured on the reference
-machine with a 6 × 512 GPT at stage 2, micro-batch 4 (0.48 and 0.51 in two runs; a 6 × 256
-GPT gives 0.24–0.35, the 8 × 640 runs of the table 0.5–0.9 — see
-bench/results/estimate_accuracy.md); ``tiertrain probe`` measures it (``allocator_retention``)."""
+machine with a 6 × 512 GPT at stage 2, micro-batch 4, with ``zero.retain_host_memory`` on
+(the default: mmap threshold 32 MiB, trim threshold 256 MiB from wrap() on): 0.43, 0.52,
+0.54 and 0.59 in four runs (the 8 × 640 runs of bench/results/estimate_accuracy.md imply
+0.45–0.72, fp32 stage 3 0.86–1.2); ``tiertrain probe`` measures it (``allocator_retention``)."""
 
 
 # --------------------------------------------------------------------------- activations
@@ -420,8 +421,10 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
 
 MMAP_THRESHOLD_MAX = 32 * 2**20
 """glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit Linux: a block larger than this is always
-mmapped and goes back to the OS when freed; smaller ones may come from the heap (the
-dynamic threshold rises to the largest block freed), whose freed holes stay resident."""
+mmapped and goes back to the OS when freed; smaller ones may come from the heap, whose freed
+holes stay resident (before wrap() glibc's dynamic threshold rises to the largest block
+freed; from wrap() on ``zero.retain_host_memory`` fixes it at this value, so every block up
+to it comes from the heap)."""
 
 
 def builds_partitioned(stage: int, tile_factor: int = 1, tp: int = 1) -> bool:
@@ -607,10 +610,12 @@ class HostOverhead:
     ``framework_bytes`` is a constant per process (gloo, BLAS/oneDNN workspaces, the
     autograd engine, allocator metadata, Python objects). ``retention`` is the fraction of
     the transient bytes at the peak that the host allocator keeps resident on top of them:
-    glibc's malloc raises its mmap threshold to the largest block freed (up to 32 MiB), so
-    after the first step activations, buckets and gathered units come from the heap, whose
-    freed holes stay resident and fragment (see bench/results/estimate_accuracy.md). 0 on
-    CUDA devices, whose caching allocator is not modelled here."""
+    activations, buckets and gathered units of up to 32 MiB come from glibc's heap (with
+    ``zero.retain_host_memory``, the default, from wrap() on; otherwise once the dynamic mmap
+    threshold has risen), whose freed holes stay resident and fragment: it is there from
+    the first step and grows by a few tens of MiB over the next ones, and varies from run to
+    run by ~10% of the peak (see bench/results/estimate_accuracy.md). 0 on CUDA devices,
+    whose caching allocator is not modelled here."""
 
     framework_bytes: int = DEFAULT_OVERHEAD_BYTES
     """Constant bytes per rank process."""
