@@ -59,6 +59,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from ..comm import Collectives
+
 if TYPE_CHECKING:
     from ..engine import Engine
 
@@ -78,6 +80,7 @@ class DelayedUpdate:
         self.schedule = engine.schedule
         self.warmup = engine.config.zero.delayed_update_warmup
         self.group = engine.topology.world_group() if dist.is_initialized() else None
+        self.comm = Collectives(self.group) if self.group is not None else None
         self._untie_masters()
         # The optimizer reads its gradients from the snapshot, never from the live shard.
         self.snapshots = [torch.zeros_like(u.grad) for u in self.flat.units]
@@ -146,7 +149,9 @@ class DelayedUpdate:
                     snap.copy_(g)
                 else:
                     torch.mul(g, coefficient, out=snap)
-        self.flat.zero_grads()
+        # The snapshot holds them now: the next reduction overwrites each gradient, as after a
+        # synchronous step, so no pass zeroes them.
+        self.flat.zero_grads(lazy=self.engine.launch_when_ready)
         step = self.engine.steps
         self._in_flight_step = step
         self._future = self._worker.submit(self._update)
@@ -196,7 +201,7 @@ class DelayedUpdate:
 
     def _agree(self, error: BaseException | None) -> None:
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.engine.device)
-        dist.all_reduce(flag, group=self.group)
+        self.comm.all_reduce(flag, count=False)  # (waited on with the process-group timeout)
         if int(flag.item()) == 0:
             return
         mine = None if error is None else (self._rank, self._why(error))
