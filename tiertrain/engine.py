@@ -25,7 +25,7 @@ from .optim import build_adamw, build_schedule, clip_coefficient, decays
 from .precision import DynamicLossScaler, compute_dtype
 from .topology import Topology
 from .zero.construct import forget_partition, full_shape, gather_partitioned, is_partitioned
-from .zero.flat import NVME_READ_AHEAD, FlatParameters, Placement
+from .zero.flat import SWAP_BLOCK_BYTES, FlatParameters, Placement, swap_pool_bytes
 from .zero.layout import FlatLayout, bucket_layout, module_layout
 from .zero.reducer import GradientReducer
 from .zero.stage3 import REDUCE, STEP, ParameterFetcher
@@ -200,12 +200,12 @@ class Engine:
         pool prefetches may hold) and as much again for writes."""
         from .offload import AlignedBufferPool, AsyncIO, TensorSwapper
 
-        block = 1 << 20
+        block = SWAP_BLOCK_BYTES
         largest = max(u.shard_numel for u in self.layout.units) * torch.finfo(self.dtype).bits // 8
-        pool_bytes = max(64 << 20, -(-(2 * NVME_READ_AHEAD * largest) // block) * block)
         pin = self.device.type == "cuda"
         return TensorSwapper(self.config.zero.nvme_path, AsyncIO(num_threads=4, block_bytes=block),
-                             AlignedBufferPool(pool_bytes, block, pin=pin), rank=self.topology.rank, create=True)
+                             AlignedBufferPool(swap_pool_bytes(largest), block, pin=pin), rank=self.topology.rank,
+                             create=True)
 
     def _build_nvme_optimizer(self):
         """ZeRO-Infinity's optimizer step from NVMe (tiertrain.offload.NVMeAdamW): the fp32

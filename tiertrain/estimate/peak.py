@@ -48,6 +48,7 @@ import torch
 import torch.nn as nn
 
 from ..engine import default_unit_modules
+from ..zero.flat import swap_pool_bytes
 
 __all__ = ["ActivationBytes", "PeakBreakdown", "HostOverhead", "gpt_activation_bytes", "gpt_meta_model",
            "engine_units", "simulate_peak", "stage3_gathered_bytes", "tile_plan", "engine_estimate_lines",
@@ -549,8 +550,7 @@ def simulate_build_peak(model: nn.Module, *, dp: int, stage: int, precision_byte
     # ---- 2. wrap: the engine's swap pool, then FlatParameters unit by unit
     opt_tier = "device" if optimizer_tier == "device" else "cpu"
     if stage == 3 and param_tier == "nvme":  # the parameter swapper's pool, used by the shard writes
-        largest = max(u.shard_numel for u in units) * D
-        pool_bytes = max(64 << 20, -(-(6 * largest) // (1 << 20)) * (1 << 20))
+        pool_bytes = swap_pool_bytes(max(u.shard_numel for u in units) * D)
         written = sum(D * u.shard_numel for u in units if not u.resident)
         alloc("cpu", "NVMe staging buffers", min(pool_bytes, written))
     masters: list[int] = []
@@ -746,10 +746,9 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
             "s·b·h·D per checkpointed block, in the host pool (offload='cpu'; kept for reuse)")
     # NVMe staging buffers in RAM
     if lay.stage == 3 and lay.param_tier == "nvme":
-        largest_shard = max(u.shard_numel for u in layout.units) * D
-        pool = max(64 << 20, -(-(4 * largest_shard) // (1 << 20)) * (1 << 20))
+        pool = swap_pool_bytes(max(u.shard_numel for u in layout.units) * D)
         add("NVMe staging buffers", pool, "cpu",
-            "parameter swap pool max(64 MiB, 4·largest shard) (Engine._build_swapper)")
+            "parameter swap pool max(64 MiB, 2·3·largest shard) (tiertrain.zero.flat.swap_pool_bytes)")
     if lay.optimizer_tier == "nvme":
         try:
             from tiertrain.offload.nvme_optimizer import DEFAULT_CHUNK_BYTES

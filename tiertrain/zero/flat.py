@@ -41,6 +41,17 @@ NVME_READ_AHEAD = 3
 """Stage-3 units ahead whose shards are read from NVMe while the current one computes
 (ZeRO-Infinity §6: NVMe→CPU for i+3, CPU→device for i+2, all-gather for i+1)."""
 
+SWAP_BLOCK_BYTES = 1 << 20
+"""IO block of the parameter swapper (and of its buffer pool)."""
+
+
+def swap_pool_bytes(largest_shard_bytes: int) -> int:
+    """The parameter swapper's buffer pool: room for the reads of NVME_READ_AHEAD units ahead
+    (in the half of the pool prefetches may hold) and as much again for writes, at least
+    64 MiB, in whole IO blocks."""
+    block = SWAP_BLOCK_BYTES
+    return max(64 << 20, -(-(2 * NVME_READ_AHEAD * largest_shard_bytes) // block) * block)
+
 
 @dataclass(frozen=True)
 class Placement:
