@@ -256,7 +256,10 @@ def worker(rank, world, port, fw, args, swap_dir, result_path):
                 st = getattr(getattr(engine, "nvme_optimizer", None), "last_stats", None)
                 if st is not None:
                     phases.update(nvme_opt_s=st.seconds, nvme_opt_io_wait=st.io_wait_seconds,
-                                  nvme_opt_compute=st.compute_seconds)
+                                  nvme_opt_compute=st.compute_seconds, nvme_opt_ready_wait=st.ready_wait_seconds)
+                overlapped = getattr(engine, "last_overlapped_step", None)
+                if overlapped:
+                    phases["chunks_in_bwd"] = overlapped["chunks_done"] / overlapped["chunks"]
                 return loss.detach()
             out["config"] = cfg_dict
         setup_s = time.perf_counter() - t_setup
@@ -522,12 +525,18 @@ def render(rows, args, machine, cmd, bws, loads, load_after, wall_s, tt_opt_note
                      f"{rb:.2f} | {wb:.2f} |")
     ph = [r for r in rows if r["ok"] and r.get("phases_s")]
     if ph:
-        keys = ["fwd", "bwd", "opt", "param_read_wait", "nvme_opt_s", "nvme_opt_io_wait", "nvme_opt_compute"]
+        keys = ["fwd", "bwd", "opt", "param_read_wait", "nvme_opt_s", "nvme_opt_io_wait", "nvme_opt_compute",
+                "nvme_opt_ready_wait", "chunks_in_bwd"]
         L += ["", "## Where the step goes (median over steps of the slowest rank, seconds)", "",
               "fwd / bwd / opt = engine forward, backward, step (the optimizer phase includes the NVMe "
               "optimizer's streaming and the parameter write-back); param_read_wait = time tiertrain's main "
               "thread spent in `flat.read_shard` (NVMe -> RAM parameter reads at gather time, fwd + bwd); "
-              "nvme_opt_* = tiertrain's `nvme_optimizer.last_stats` (seconds, io_wait_seconds, compute_seconds).", "",
+              "nvme_opt_* = tiertrain's `nvme_optimizer.last_stats` (seconds, io_wait_seconds, compute_seconds, "
+              "ready_wait_seconds). Without clipping tiertrain's step runs during backward "
+              "(`zero.overlap_nvme_step`, tiertrain/offload/overlapped_step.py): its pass then starts with the "
+              "boundary backward, so nvme_opt_s spans backward and step, and ready_wait is the time its worker "
+              "waited for gradients; chunks_in_bwd = fraction of the optimizer's chunks updated before "
+              "`engine.step()` was called (`engine.last_overlapped_step`).", "",
               "| run | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
         for r in ph:
             L.append(f"| {r['framework']} | " + " | ".join(

@@ -10,39 +10,49 @@ import torch
 from reference import engine_train, global_batches, make_config, make_model
 from tiertrain.testing import run_distributed
 
-CASES = [  # (stage, offload_optimizer, offload_params, dtype, activation checkpoints)
-    (2, "cpu", "none", "fp32", "none"), (2, "cpu", "none", "bf16", "none"), (2, "cpu", "none", "fp32", "cpu"),
-    (3, "cpu", "none", "fp32", "none"), (3, "none", "cpu", "fp32", "none"), (3, "cpu", "cpu", "fp32", "none"),
-    (3, "cpu", "cpu", "bf16", "none"), (3, "cpu", "cpu", "fp32", "cpu"),
-    (3, "none", "nvme", "fp32", "none"), (3, "cpu", "nvme", "fp32", "none"), (3, "cpu", "nvme", "bf16", "none"),
-    (3, "cpu", "nvme", "fp32", "cpu"),
-    (2, "nvme", "none", "fp32", "none"), (2, "nvme", "none", "bf16", "cpu"), (3, "nvme", "cpu", "fp32", "none"),
-    (3, "nvme", "nvme", "fp32", "none"), (3, "nvme", "nvme", "bf16", "cpu"),
+CASES = [  # (stage, offload_optimizer, offload_params, dtype, activation checkpoints, grad_clip)
+    (2, "cpu", "none", "fp32", "none", 0.05), (2, "cpu", "none", "bf16", "none", 0.05),
+    (2, "cpu", "none", "fp32", "cpu", 0.05), (3, "cpu", "none", "fp32", "none", 0.05),
+    (3, "none", "cpu", "fp32", "none", 0.05), (3, "cpu", "cpu", "fp32", "none", 0.05),
+    (3, "cpu", "cpu", "bf16", "none", 0.05), (3, "cpu", "cpu", "fp32", "cpu", 0.05),
+    (3, "none", "nvme", "fp32", "none", 0.05), (3, "cpu", "nvme", "fp32", "none", 0.05),
+    (3, "cpu", "nvme", "bf16", "none", 0.05), (3, "cpu", "nvme", "fp32", "cpu", 0.05),
+    # The NVMe optimizer with clipping steps after backward; without, it updates each unit
+    # during backward as soon as its gradient is reduced (tiertrain/offload/overlapped_step.py).
+    (2, "nvme", "none", "fp32", "none", 0.05), (2, "nvme", "none", "fp32", "none", 0.0),
+    (2, "nvme", "none", "bf16", "cpu", 0.0), (3, "nvme", "cpu", "fp32", "none", 0.05),
+    (3, "nvme", "cpu", "fp32", "none", 0.0), (3, "nvme", "nvme", "fp32", "none", 0.05),
+    (3, "nvme", "nvme", "fp32", "none", 0.0), (3, "nvme", "nvme", "bf16", "cpu", 0.0),
 ]
 
 
-def _runs(rank, world, stage, offload_optimizer, offload_params, dtype, checkpoints, nvme_path):
+def _runs(rank, world, stage, offload_optimizer, offload_params, dtype, checkpoints, clip, nvme_path):
     out = []
     for opt, par, ckpt in (("none", "none", "none"), (offload_optimizer, offload_params, checkpoints)):
         activations = {"checkpoint_every": 1, "offload": "cpu"} if ckpt == "cpu" else {}
+        # (small stage-2 buckets: several units, so some reductions land during backward)
         cfg = make_config(zero={"stage": stage, "offload_optimizer": opt, "offload_params": par,
-                                "nvme_path": nvme_path}, activations=activations,
+                                "nvme_path": nvme_path, "bucket_mb": 0.02}, activations=activations,
                           precision={"dtype": dtype}, batch={"micro_batch_size": 2, "grad_accum_steps": 2},
-                          optimizer={"grad_clip": 0.05})
+                          optimizer={"grad_clip": clip})
         losses, params, engine = engine_train(rank, world, make_model(), cfg, global_batches(3, 8))
-        out.append((losses, params, engine.memory_report()))
+        out.append((losses, params, engine.memory_report(), engine.last_overlapped_step))
     return out
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("stage,offload_optimizer,offload_params,dtype,checkpoints", CASES)
+@pytest.mark.parametrize("stage,offload_optimizer,offload_params,dtype,checkpoints,clip", CASES)
 def test_offloaded_run_is_identical_to_device_run(tmp_path, stage, offload_optimizer, offload_params, dtype,
-                                                  checkpoints):
-    (base_losses, base_params, base_mem), (losses, params, mem) = run_distributed(
-        _runs, 2, stage, offload_optimizer, offload_params, dtype, checkpoints, str(tmp_path / "swap"),
+                                                  checkpoints, clip):
+    (base_losses, base_params, base_mem, _), (losses, params, mem, overlapped) = run_distributed(
+        _runs, 2, stage, offload_optimizer, offload_params, dtype, checkpoints, clip, str(tmp_path / "swap"),
         timeout=50)[0]
     assert losses == base_losses
     assert all(torch.equal(params[k], base_params[k]) for k in params)
+    if offload_optimizer == "nvme" and clip == 0:  # units were declared ready during backward
+        assert overlapped["shards"] > 1 and 0 < overlapped["shards_ready"] < overlapped["shards"]
+    else:
+        assert overlapped is None
     assert base_mem.cpu_tier == 0
     in_cpu = {"grads": offload_optimizer != "none", "optimizer": offload_optimizer == "cpu",
               "params": offload_params == "cpu"}

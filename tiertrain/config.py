@@ -204,6 +204,8 @@ class ZeroConfig:
     """NVMe optimizer: MiB per streamed chunk (fp32 master and both Adam moments of its parameters)."""
     nvme_buffers: int = 4
     """NVMe optimizer: chunk buffers (reads ahead, the update, the write back); their RAM is buffers × chunk."""
+    overlap_nvme_step: bool = True
+    """NVMe optimizer: update each unit's state during the boundary backward, once its gradient is reduced (not with grad_clip > 0 or fp16, whose global norm gates the step)."""
     offload: Literal["manual", "auto"] = "manual"
     """manual: use stage and offload_* as given; auto: the planner (tiertrain plan) chooses them at start-up."""
     retain_host_memory: bool = True

@@ -150,6 +150,11 @@ class Engine:
             launch_when_ready=self.launch_when_ready)
 
         self.nvme_optimizer = None
+        self._overlapped_step = None
+        """The NVMe optimizer step running during this boundary's backward (see backward())."""
+        self.last_overlapped_step: dict | None = None
+        """Progress of the last overlapped NVMe step when step() began: shards whose gradients
+        were final, and chunks already updated, during backward (OverlappedStep.progress)."""
         if config.zero.offload_optimizer == "nvme":
             self.nvme_optimizer = self.optimizer = self._build_nvme_optimizer()
             # The schedule drives an optimizer; this one only carries the learning rate.
@@ -276,6 +281,7 @@ class Engine:
 
     def __call__(self, batch: Any) -> torch.Tensor:
         """Forward one micro-batch; returns the (unscaled) loss."""
+        self._cancel_overlapped_step()  # (a forward before step() sees the parameters before it)
         if self.fetcher is not None:
             self.fetcher.begin_forward()
         return self.loss_fn(self.module, self._to_device(batch))
@@ -285,18 +291,57 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward one micro-batch; gradients are reduced during backward (see reducer)."""
         boundary = (self.micro_steps + 1) % self.accum == 0
-        if boundary and self.nvme_optimizer is not None:
-            # The optimizer state's first chunks do not depend on this backward: reading them
-            # now hides that read behind it instead of stalling the step (ZeRO-Infinity §6).
-            self.nvme_optimizer.prefetch()
+        if boundary and self.nvme_optimizer is not None and self._overlapped_step is None:
+            if self._can_overlap_nvme_step():
+                self._begin_overlapped_step()
+            else:
+                # The optimizer state's first chunks do not depend on this backward: reading
+                # them now hides that read behind it instead of stalling the step (ZeRO-Infinity §6).
+                self.nvme_optimizer.prefetch()
         self.reducer.begin(reduce_now=boundary)
-        # 1/dp folded in here makes the reduced sum the data-parallel mean: no pass over the
-        # reduced gradients divides them (exact for power-of-two dp, as the scale is).
-        (loss.float() * (self.scaler.scale / (self.accum * self.dp))).backward()
+        try:
+            # 1/dp folded in here makes the reduced sum the data-parallel mean: no pass over the
+            # reduced gradients divides them (exact for power-of-two dp, as the scale is).
+            (loss.float() * (self.scaler.scale / (self.accum * self.dp))).backward()
+        except BaseException:
+            self._cancel_overlapped_step()
+            raise
         self.reducer.end_backward()
         if self.fetcher is not None:
             self.fetcher.end_backward()
         self.micro_steps += 1
+
+    def _can_overlap_nvme_step(self) -> bool:
+        """Whether the NVMe optimizer may update each unit during backward, as soon as its
+        gradient is reduced (tiertrain/offload/overlapped_step.py): only when nothing global —
+        a clipping coefficient, an fp16 unscale, a tensor-parallel sum of partial gradients —
+        changes the gradients between their reduction and the update."""
+        return (self.config.zero.overlap_nvme_step and self.launch_when_ready
+                and self.config.optimizer.grad_clip == 0 and not self.scaler.enabled
+                and not (self.tp_comm.size > 1 and self._partial_grads))
+
+    def _begin_overlapped_step(self) -> None:
+        writer = self.flat.shard_writer()
+        step = self.nvme_optimizer.begin_step([u.grad for u in self.flat.units], self.schedule.get_last_lr()[0],
+                                              out=writer, shard_order=self.reducer.launch_order)
+        self._overlapped_step = (step, writer)
+        self.reducer.on_reduced = step.shard_ready
+
+    def _end_overlapped_step(self, commit: bool) -> None:
+        step, writer = self._overlapped_step
+        self._overlapped_step = None
+        self.reducer.on_reduced = None
+        with writer:  # writes the last unit's shard to NVMe, after a cancel's restore too
+            if commit:
+                step.finish()
+            else:
+                step.cancel()
+
+    def _cancel_overlapped_step(self) -> None:
+        """Undo an overlapped step not yet committed: the parameters it published return to
+        their pre-step values (the step is then run synchronously, if step() follows)."""
+        if self._overlapped_step is not None:
+            self._end_overlapped_step(commit=False)
 
     @property
     def at_boundary(self) -> bool:
@@ -308,10 +353,12 @@ class Engine:
         if not self.at_boundary or self.micro_steps == self._stepped_at:
             return False
         self._stepped_at = self.micro_steps
-        if self.nvme_optimizer is not None:
+        if self.nvme_optimizer is not None and self._overlapped_step is None:
             self.nvme_optimizer.prefetch()  # (no-op when backward started it; a state load drops it)
         if self.fetcher is not None:
             self.fetcher.agree(STEP)
+        if self._overlapped_step is not None:
+            self.last_overlapped_step = self._overlapped_step[0].progress()
         self.reducer.wait()
         self.flat.zero_stale_grads()
         self._sum_partial_grads_over_tp()
@@ -322,6 +369,7 @@ class Engine:
         norm = self._global_grad_norm(grads)
         self.last_grad_norm = float(norm)
         if not torch.isfinite(norm):
+            self._cancel_overlapped_step()
             self.flat.zero_grads(lazy=self.launch_when_ready)
             self.scaler.update(overflow=True)
             self.skipped_steps += 1
@@ -337,7 +385,10 @@ class Engine:
             self.scaler.update(overflow=False)
             self.steps += 1
             return True
-        if self.nvme_optimizer is not None:
+        if self._overlapped_step is not None:  # most units were updated during backward
+            self._end_overlapped_step(commit=True)
+            self._lr_source.step()
+        elif self.nvme_optimizer is not None:
             with self.flat.shard_writer() as updated_shards:
                 self.nvme_optimizer.step(grads, self.schedule.get_last_lr()[0], out=updated_shards)
             self._lr_source.step()  # no gradients: only keeps the schedule's step-order check satisfied
@@ -423,6 +474,7 @@ class Engine:
         """Full parameters readable outside forward (every rank must enter). With
         modifier_rank set, that data-parallel rank's edits are broadcast and written back
         into every shard and master copy on exit."""
+        self._cancel_overlapped_step()
         if self.delayed is not None:
             self.delayed.flush()  # what is read or edited is the newest parameters
         wanted = None if params is None else {self.flat.slot_of[p][0] for p in params}
@@ -448,23 +500,28 @@ class Engine:
 
     def state_dict(self) -> dict:
         """This rank's training state: fp32 master shards, optimizer, schedule, scaler, counters, RNG."""
+        self._cancel_overlapped_step()
         return checkpoint.rank_state(self)
 
     def load_state_dict(self, state: dict) -> None:
+        self._cancel_overlapped_step()
         checkpoint.restore_rank_state(self, state)
 
     def save_checkpoint(self, directory: str, extra: dict | None = None, keep_last: int = 0) -> str:
         """Collective: atomically save every rank's shard under directory/step_N (see checkpoint.py)."""
+        self._cancel_overlapped_step()
         if self.delayed is not None:
             self.delayed.wait(agree=True)  # the update in flight is saved, not lost
         return checkpoint.save(self, directory, extra, keep_last)
 
     def load_checkpoint(self, directory: str, step: int | None = None) -> dict:
         """Collective: restore the newest committed checkpoint; returns the extras saved with it."""
+        self._cancel_overlapped_step()
         return checkpoint.load(self, directory, step)
 
     def masters(self) -> list[torch.Tensor]:
         """This rank's fp32 master shard of every unit (read from NVMe when they live there)."""
+        self._cancel_overlapped_step()
         if self.delayed is not None:
             self.delayed.wait(agree=False)
         if self.nvme_optimizer is not None:
@@ -488,7 +545,9 @@ class Engine:
         return out
 
     def close(self) -> None:
-        """Finish the delayed update in flight, if any (raising its error), and stop its thread."""
+        """Finish the delayed update in flight, if any (raising its error), and stop its thread;
+        cancel an overlapped NVMe step not yet committed."""
+        self._cancel_overlapped_step()
         if self.delayed is not None:
             self.delayed.close()
 

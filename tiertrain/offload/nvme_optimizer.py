@@ -60,6 +60,11 @@ checksums: on the 2-core benchmark machine, torch's 2 OpenMP threads contending 
 workers made the update 3× and the publish copies 7× slower than 1 thread at 100M parameters,
 and the step about twice as long (bench/results/nvme_optimizer.md).
 
+**Overlapped step.** :meth:`begin_step` runs the same step on a worker thread that updates each
+shard's chunks as soon as the caller declares that shard's gradient final, so that the disk
+works during backward (tiertrain/offload/overlapped_step.py; the engine uses it when no global
+norm gates the step).
+
 **Other passes.** :meth:`prefetch` starts the first reads of the next step early (e.g. during
 the gradient-norm all-reduce); :meth:`state_dict` gathers the state from NVMe into CPU tensors,
 :meth:`load_state_dict` writes one back (as the other generation when transactional, so a
@@ -201,8 +206,9 @@ class StepStats:
 
     ``io_seconds``: wall time during which at least one of the pass's IO requests was in flight;
     ``io_wait_seconds``: time the calling thread was blocked on IO; ``busy_seconds`` =
-    seconds - io_wait: time it worked (AdamW: ``compute_seconds``, copies to the destinations:
-    ``publish_seconds``, and the bookkeeping of the pipeline). ``overlap`` is the fraction of
+    seconds - io_wait - ready_wait: time it worked (AdamW: ``compute_seconds``, copies to the
+    destinations: ``publish_seconds``, and the bookkeeping of the pipeline); ``ready_wait_seconds``:
+    time an overlapped step's worker waited for gradients (tiertrain/offload/overlapped_step.py). ``overlap`` is the fraction of
     the shorter of IO and work that ran concurrently with the other, (io - io_wait) /
     min(io, busy): 1 when the pass took only as long as the longer of the two, as the paper's
     overlapped NVMe step aims for; 0 when they ran one after the other. ``io_hidden`` = 1 -
@@ -219,6 +225,7 @@ class StepStats:
     io_wait_seconds: float = 0.0
     compute_seconds: float = 0.0
     publish_seconds: float = 0.0
+    ready_wait_seconds: float = 0.0
     _intervals: List[Tuple[float, float]] = field(default_factory=list, repr=False)
 
     @property
@@ -233,7 +240,7 @@ class StepStats:
 
     @property
     def busy_seconds(self) -> float:
-        return max(0.0, self.seconds - self.io_wait_seconds)
+        return max(0.0, self.seconds - self.io_wait_seconds - self.ready_wait_seconds)
 
     @property
     def overlap(self) -> float:
@@ -262,6 +269,49 @@ class StepStats:
         d.update(gbps=self.gbps, io_gbps=self.io_gbps, busy_seconds=self.busy_seconds,
                  overlap=self.overlap, io_hidden=self.io_hidden)
         return d
+
+
+class _Update:
+    """The work of one step on each chunk: torch's fused AdamW on the chunk's pieces, then the
+    updated masters published to the destinations (after the chunk's write was submitted).
+    ``gate(shard)``, when set, runs first and blocks until the shard's gradient is final (an
+    overlapped step). ``published`` lists the chunks already (being) published, so a failed
+    or cancelled step knows what to restore."""
+
+    def __init__(self, opt: "NVMeAdamW", grads, lr, out):
+        self.grads = opt._check_grads(grads)
+        self.dests = opt._check_out(out)
+        self.lr = float(lr)
+        if not math.isfinite(self.lr) or self.lr < 0:
+            raise ValueError(f"lr={lr} must be finite and >= 0")
+        self.k = opt.step_count + 1
+        self.betas = (opt.beta1, opt.beta2)
+        self.eps = opt.eps
+        self.gate: Optional[Callable[[int, StepStats], None]] = None
+        self.published: List[int] = []
+
+    def work(self, j: int, ch: _Chunk, p, m, v, stats: StepStats):
+        if self.gate is not None:
+            self.gate(ch.shard, stats)
+        t0 = time.perf_counter()
+        g = self.grads[ch.shard]
+        with torch.no_grad():
+            for wd, ranges in ch.groups:
+                _functional_adamw(
+                    [p[a:b] for a, b in ranges], [g[ch.lo + a: ch.lo + b] for a, b in ranges],
+                    [m[a:b] for a, b in ranges], [v[a:b] for a, b in ranges], [],
+                    [torch.tensor(float(self.k - 1)) for _ in ranges], fused=True, amsgrad=False,
+                    beta1=self.betas[0], beta2=self.betas[1], lr=self.lr, weight_decay=wd, eps=self.eps,
+                    maximize=False)
+        stats.compute_seconds += time.perf_counter() - t0
+        return self.publish                  # runs once the chunk's write is submitted
+
+    def publish(self, j: int, ch: _Chunk, p, m, v, stats: StepStats) -> None:
+        if self.dests is not None:
+            t0 = time.perf_counter()
+            self.published.append(j)         # counted first: a half-done copy is restored too
+            NVMeAdamW._publish_chunk(self.dests, ch, p)
+            stats.publish_seconds += time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,6 +370,7 @@ class NVMeAdamW:
         self._version = 0                 # commits so far (a prefetch is valid for one version)
         self._prefetched: Dict[int, Tuple[SwapHandle, float]] = {}   # chunk -> (read, submitted)
         self._prefetch_version = -1
+        self._active = None               # the OverlappedStep in progress, if any
         self.compute_threads = compute_threads
         self._lock = threading.Lock()
         self._shard_numels = [int(t.numel()) for t in shards]
@@ -432,40 +483,38 @@ class NVMeAdamW:
         dtype, the shard's size; None to skip) per shard, or ``fn(shard, start, end, fp32)``.
         Returns once every chunk is written back (and, transactional, committed)."""
         self._check_usable()
-        grads = self._check_grads(grads)
-        dests = self._check_out(out)
-        lr = float(lr)
-        if not math.isfinite(lr) or lr < 0:
-            raise ValueError(f"lr={lr} must be finite and >= 0")
-        k = self.step_count + 1
-        b1, b2, eps = self.beta1, self.beta2, self.eps
-        published_upto = [0]              # chunks [0, this) were (being) published
-
-        def publish(j: int, ch: _Chunk, p, m, v, stats: StepStats) -> None:
-            if dests is not None:
-                t0 = time.perf_counter()
-                published_upto[0] = j + 1    # counted first: a half-done copy is restored too
-                self._publish_chunk(dests, ch, p)
-                stats.publish_seconds += time.perf_counter() - t0
-
-        def work(j: int, ch: _Chunk, p, m, v, stats: StepStats):
-            t0 = time.perf_counter()
-            g = grads[ch.shard]
-            with torch.no_grad():
-                for wd, ranges in ch.groups:
-                    _functional_adamw(
-                        [p[a:b] for a, b in ranges], [g[ch.lo + a: ch.lo + b] for a, b in ranges],
-                        [m[a:b] for a, b in ranges], [v[a:b] for a, b in ranges], [],
-                        [torch.tensor(float(k - 1)) for _ in ranges], fused=True, amsgrad=False,
-                        beta1=b1, beta2=b2, lr=lr, weight_decay=wd, eps=eps, maximize=False)
-            stats.compute_seconds += time.perf_counter() - t0
-            return publish                   # runs once the chunk's write is submitted
-
+        update = _Update(self, grads, lr, out)
         try:
-            stats, new_gens = self._stream("step", work, read=True, write=True, step=k)
+            stats, new_gens = self._stream("step", update.work, read=True, write=True, step=update.k)
         except BaseException as e:
-            self._after_failed_step(e, k, dests, published_upto[0])
+            self._after_failed_step(e, update.k, update.dests, update.published)
             raise
+        return self._complete_step(update.k, stats, new_gens)
+
+    def begin_step(self, grads: Sequence[torch.Tensor], lr: float, out: Destination = None,
+                   shard_order: Optional[Sequence[int]] = None) -> "OverlappedStep":
+        """Start the step of :meth:`step` on a worker thread that updates each shard's chunks
+        once the caller declares the shard's gradient final (:meth:`OverlappedStep.shard_ready`),
+        in ``shard_order`` (default: shard order; give the order in which they become final).
+        Until :meth:`OverlappedStep.finish` (commits) or :meth:`OverlappedStep.cancel` (restores
+        the destinations) every other call on this optimizer raises. See
+        tiertrain/offload/overlapped_step.py."""
+        from .overlapped_step import OverlappedStep
+
+        self._check_usable()
+        if not self.transactional:
+            raise ValueError(f"NVMeAdamW({self.name}).begin_step needs transactional=True: a step "
+                             f"cancelled after some chunks were written must leave the state unchanged")
+        order = list(range(self.num_shards)) if shard_order is None else [int(s) for s in shard_order]
+        if sorted(order) != list(range(self.num_shards)):
+            raise ValueError(f"shard_order={list(shard_order)} is not a permutation of the "
+                             f"{self.num_shards} shards 0..{self.num_shards - 1}")
+        update = _Update(self, grads, lr, out)
+        positions = [j for s in order for j in self._positions({s})]
+        self._active = OverlappedStep(self, update, positions)
+        return self._active
+
+    def _complete_step(self, k: int, stats: StepStats, new_gens: Dict[int, int]) -> StepStats:
         self._commit(new_gens)
         self.step_count = k
         self.totals["steps"] += 1
@@ -587,6 +636,8 @@ class NVMeAdamW:
             return
         self._closed = True
         try:
+            if self._active is not None:
+                self._active.cancel()
             self._cancel_prefetch()
         finally:
             self._release_resources()
@@ -635,6 +686,9 @@ class NVMeAdamW:
     def _check_usable(self) -> None:
         if self._closed:
             raise RuntimeError(f"NVMeAdamW({self.name}) is closed")
+        if self._active is not None:
+            raise RuntimeError(f"NVMeAdamW({self.name}) has step {self.step_count + 1} in progress "
+                               f"(begin_step); finish() or cancel() it first")
         if self._broken is not None:
             raise RuntimeError(f"NVMeAdamW({self.name}) is unusable after a failure ({self._broken}); "
                                f"restore a state with load_state_dict() first")
@@ -723,7 +777,8 @@ class NVMeAdamW:
                 pass
 
     def _stream(self, op: str, work, positions: Optional[List[int]] = None, read: bool = True,
-                write: bool = True, step: Optional[int] = None) -> Tuple[StepStats, Dict[int, int]]:
+                write: bool = True, step: Optional[int] = None,
+                set_threads: bool = True) -> Tuple[StepStats, Dict[int, int]]:
         """The pipeline over chunks ``positions`` (default: all, in order). Pass position i uses
         buffer i % B, free once the write of position i-B finished. The buffer is filled by a
         read of the chunk's committed record issued up to ``depth`` positions ahead (``read``),
@@ -732,7 +787,10 @@ class NVMeAdamW:
         to the chunk's other generation (transactional) or over its record (in place), and the
         write overlaps the next positions' work. With writes, depth = B-2, so that the write of
         position i-1 runs during the work on position i before its buffer is needed again.
-        Returns the stats and the generations written (to commit when the caller is done)."""
+        Returns the stats and the generations written (to commit when the caller is done).
+        ``set_threads=False`` leaves torch's (process-wide) thread setting alone: a pass on a
+        worker thread must not change it under the caller's compute."""
+        in_order = positions is None or positions == list(range(len(self._chunks)))
         positions = list(range(len(self._chunks))) if positions is None else positions
         B = self.num_buffers
         depth = B - 2 if write else B - 1
@@ -744,7 +802,7 @@ class NVMeAdamW:
         new_gens: Dict[int, int] = {}
         with self._lock:
             prefetched = {}
-            if op == "step" and self._prefetch_version == self._version:
+            if op == "step" and in_order and self._prefetch_version == self._version:
                 prefetched, self._prefetched = self._prefetched, {}
         self._cancel_prefetch()                 # anything else prefetched is stale now
         for i, (h, t0) in prefetched.items():
@@ -759,7 +817,7 @@ class NVMeAdamW:
                 self._wait(h, stats)
 
         try:
-            with self._compute_threads():
+            with self._compute_threads() if set_threads else contextlib.nullcontext():
                 for i, j in enumerate(positions):
                     ch = self._chunks[j]
                     if read:
@@ -815,7 +873,7 @@ class NVMeAdamW:
         finally:
             torch.set_num_threads(before)
 
-    def _after_failed_step(self, e: BaseException, k: int, dests, published: int) -> None:
+    def _after_failed_step(self, e: BaseException, k: int, dests, published: List[int]) -> None:
         where = f"NVMeAdamW({self.name}) step {k} failed ({type(e).__name__})"
         if not self.transactional:
             self._broken = f"step {k} failed with {type(e).__name__}: {e}"
@@ -828,14 +886,22 @@ class NVMeAdamW:
             return
         note = (f"{where}: not applied — the state on NVMe and the step count are those of step "
                 f"{k - 1}")
-        if dests is not None and published:
-            try:
-                self._stream("restore", lambda j, ch, p, m, v, st: self._publish_chunk(dests, ch, p),
-                             positions=list(range(published)), read=True, write=False)
-                note += f"; the {published} chunk(s) already published were restored"
-            except BaseException as e2:  # noqa: BLE001
-                note += (f"; restoring the {published} chunk(s) already published failed too "
-                         f"({type(e2).__name__}: {e2}), so the destinations hold step-{k} values "
-                         f"for those until the next successful step() or publish()")
+        try:
+            restored = self._restore_published(dests, published)
+            if restored:
+                note += f"; the {restored} chunk(s) already published were restored"
+        except BaseException as e2:  # noqa: BLE001
+            note += (f"; restoring the chunks already published failed too ({type(e2).__name__}: {e2}), "
+                     f"so the destinations hold step-{k} values for some of them until the next "
+                     f"successful step() or publish()")
         e.add_note(note + "; step() may be retried once the cause is fixed (a corrupt or "
                           "truncated state file needs load_state_dict from a checkpoint)")
+
+    def _restore_published(self, dests, published: Sequence[int]) -> int:
+        """Stream the committed (pre-step) masters back into the destinations of the chunks
+        already published, in the order they were. Returns the chunks restored."""
+        if dests is None or not published:
+            return 0
+        self._stream("restore", lambda j, ch, p, m, v, st: self._publish_chunk(dests, ch, p),
+                     positions=list(published), read=True, write=False)
+        return len(published)

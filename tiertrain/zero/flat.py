@@ -337,11 +337,17 @@ class ShardWriter:
     values)``, units in order: copies them into the compute-dtype shards; a unit whose shard
     lives on NVMe is assembled in a staging tensor and written once the optimizer has moved
     on to the next unit (so one unit's shard is staged at a time). Use as a context manager:
-    leaving it writes the last unit and waits for the writes."""
+    leaving it writes the last unit and waits for the writes.
+
+    Only a completely assembled unit is written: a step that failed or was cancelled part-way
+    through a unit leaves that unit's swap file as it was, i.e. holding the pre-step shard
+    (the optimizer restores, through this writer, only what was published, and the part of
+    the unit that was never published must not be written as anything)."""
 
     def __init__(self, flat: FlatParameters):
         self.flat = flat
         self._staged: dict[int, torch.Tensor] = {}
+        self._covered: dict[int, set[tuple[int, int]]] = {}  # chunk ranges staged, per unit
 
     def __call__(self, index: int, start: int, end: int, values: torch.Tensor) -> None:
         flat = self.flat
@@ -349,17 +355,23 @@ class ShardWriter:
             flat.units[index].shard[start:end].copy_(values)
             return
         for other in [i for i in self._staged if i != index]:
-            flat._swap_out_shard(flat.units[other], self._staged.pop(other))
+            self._write(other)
         staged = self._staged.get(index)
-        if staged is None:  # elements no chunk covers are the padding, which stays zero
-            staged = self._staged[index] = torch.zeros(flat.units[index].unit.shard_numel, dtype=flat.dtype)
+        if staged is None:
+            staged = self._staged[index] = torch.empty(flat.units[index].unit.shard_numel, dtype=flat.dtype)
+            self._covered[index] = set()
         staged[start:end].copy_(values)
+        self._covered[index].add((start, end))  # (a restore republishes the same ranges)
+
+    def _write(self, index: int) -> None:
+        staged, covered = self._staged.pop(index), self._covered.pop(index)
+        if sum(end - start for start, end in covered) == staged.numel():  # chunks tile the shard
+            self.flat._swap_out_shard(self.flat.units[index], staged)
 
     def __enter__(self) -> "ShardWriter":
         return self
 
     def __exit__(self, *exc) -> None:
-        for index, staged in self._staged.items():
-            self.flat._swap_out_shard(self.flat.units[index], staged)
-        self._staged.clear()
+        for index in list(self._staged):
+            self._write(index)
         self.flat.wait_writes()

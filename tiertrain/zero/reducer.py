@@ -47,6 +47,9 @@ class GradientReducer:
         self.on_unit_done = on_unit_done
         self.before_collective = before_collective
         self.launch_when_ready = launch_when_ready
+        self.on_reduced: Callable[[int], None] | None = None
+        """Called with a unit's index once its reduction has landed in the gradient shard (when
+        the collective is waited on, in this thread): an overlapped optimizer step starts on it."""
         self.reduce_now = False
         self._fresh: set[int] = set()  # stage 0-1 units whose stale full gradient this backward overwrites
         self._buckets: dict[int, torch.Tensor] = {}
@@ -158,6 +161,9 @@ class GradientReducer:
         if self.stage >= 2:
             self._buckets.pop(index, None)
             work.then(lambda: bucket)  # keeps the bucket alive until its collective has completed
+        if self.on_reduced is not None:
+            notify = self.on_reduced
+            work.then(lambda: notify(index))
         self._in_flight.append(work)
         # (Pipeline buckets all exist already: capping them would only stall the pipeline.)
         while len(self._in_flight) > self.max_in_flight and self.stage >= 2 and self.launch_when_ready:

@@ -1,0 +1,212 @@
+"""The NVMe optimizer step overlapped with backward (tiertrain/offload/overlapped_step.py): each
+shard's chunks are updated once its gradient is declared final, on a worker thread, and the
+result is the synchronous step bit for bit; a cancelled or failed step commits nothing and
+gives the destinations their pre-step values back."""
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import pytest
+import torch
+
+from reference import make_config, make_model, global_batches, rank_slices
+from test_nvme_optimizer import CFG, CHUNK, LRS, PIECES, SIZES, T, Reference, _assert_same, _grads, _shards
+from tiertrain.offload import AlignedBufferPool, AsyncIO, NVMeAdamW, SwapCorruptionError, TensorSwapper
+from tiertrain.testing import run_distributed
+from tiertrain.zero.flat import ShardWriter
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
+ORDER = [4, 0, 5, 3, 1, 2]  # the order gradients become final (a backward visits units last-first)
+
+
+@pytest.fixture
+def swapper(tmp_path):
+    io = AsyncIO(num_threads=4, block_bytes=1 << 20)
+    sw = TensorSwapper(tmp_path, io, AlignedBufferPool(1 << 20, 1 << 20, pin=False), rank=0, wait_timeout=T)
+    yield sw
+    sw.close()
+    io.close(T)
+
+
+def _wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + T
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+def _chunks_of(opt: NVMeAdamW, shards) -> int:
+    return len(opt._positions(set(shards)))
+
+
+def test_overlapped_step_is_the_synchronous_step_bit_for_bit(swapper):
+    shards = _shards()
+    ref = Reference(shards)
+    opt = NVMeAdamW(shards, PIECES, CFG, swapper, chunk_bytes=CHUNK, wait_timeout=T)
+    outs = [torch.full((n,), math.nan) for n in SIZES]
+    for k, lr in enumerate(LRS[:3]):
+        grads = _grads(k)
+        ref.step(grads, lr)
+        live = [torch.full((n,), math.nan) for n in SIZES]  # gradients land after the step began
+        step = opt.begin_step(live, lr, out=outs, shard_order=ORDER)
+        for s in ORDER[:3]:
+            live[s].copy_(grads[s])
+            step.shard_ready(s)
+        ready = _chunks_of(opt, ORDER[:3])
+        _wait_until(lambda: step.chunks_done == ready, "the ready shards' chunks")
+        time.sleep(0.05)
+        assert step.chunks_done == ready  # nothing past a shard whose gradient is not final
+        assert step.progress() == {"shards_ready": 3, "shards": 6, "chunks_done": ready, "chunks": opt.num_chunks}
+        assert all(torch.equal(outs[s], ref.shards[s]) for s in ORDER[:3])  # published already
+        for s in ORDER[3:]:
+            live[s].copy_(grads[s])
+        stats = step.finish()
+        n = 12 * sum(SIZES)
+        assert (stats.chunks, stats.bytes_read, stats.bytes_written) == (opt.num_chunks, n, n)
+        assert stats.ready_wait_seconds > 0.04 and stats.busy_seconds >= 0
+        assert opt.step_count == k + 1
+    _assert_same(opt, ref)
+    assert all(torch.equal(o, r) for o, r in zip(outs, ref.shards))
+    opt.close()
+
+
+def test_cancel_restores_what_was_published_and_commits_nothing(swapper):
+    shards = _shards(2)
+    ref = Reference(shards)
+    opt = NVMeAdamW(shards, PIECES, CFG, swapper, chunk_bytes=CHUNK, wait_timeout=T)
+    outs = [t.clone() for t in shards]
+    ref.step(_grads(0), LRS[0])
+    opt.step(_grads(0), LRS[0], out=outs)
+    before = [o.clone() for o in outs]
+    step = opt.begin_step(_grads(1), LRS[1], out=outs, shard_order=ORDER)
+    step.shard_ready(ORDER[0])
+    step.shard_ready(ORDER[1])
+    published = _chunks_of(opt, ORDER[:2])
+    _wait_until(lambda: step.chunks_done == published, "two shards' chunks")
+    assert not torch.equal(outs[ORDER[0]], before[ORDER[0]])
+    assert step.cancel() == published
+    assert all(torch.equal(o, b) for o, b in zip(outs, before))
+    assert opt.step_count == 1
+    _assert_same(opt, ref)                        # the state on NVMe is step 1's
+    ref.step(_grads(2), LRS[2])                   # and the next step starts from it
+    opt.step(_grads(2), LRS[2], out=outs)
+    _assert_same(opt, ref)
+    assert all(torch.equal(o, r) for o, r in zip(outs, ref.shards))
+    opt.close()
+
+
+def test_a_step_in_progress_blocks_other_passes_and_bad_input_is_refused(swapper, tmp_path):
+    opt = NVMeAdamW(_shards(), PIECES, CFG, swapper, chunk_bytes=CHUNK, wait_timeout=T)
+    with pytest.raises(ValueError, match=r"shard_order=\[0, 0, 1, 2, 3, 4\] is not a permutation of the 6 shards"):
+        opt.begin_step(_grads(0), LRS[0], shard_order=[0, 0, 1, 2, 3, 4])
+    step = opt.begin_step(_grads(0), LRS[0])
+    for call in (lambda: opt.step(_grads(0), LRS[0]), opt.state_dict, opt.prefetch,
+                 lambda: opt.begin_step(_grads(0), LRS[0])):
+        with pytest.raises(RuntimeError, match="has step 1 in progress"):
+            call()
+    step.finish()
+    with pytest.raises(RuntimeError, match="already ended"):
+        step.cancel()
+    assert opt.step_count == 1
+    step = opt.begin_step(_grads(1), LRS[1])
+    opt.close()                                    # cancels the step in progress
+    assert step.progress()["chunks_done"] == 0
+    in_place = NVMeAdamW(_shards(), PIECES, CFG, swap_dir=tmp_path / "p", rank=0, chunk_bytes=CHUNK,
+                         transactional=False, wait_timeout=T)
+    with pytest.raises(ValueError, match="needs transactional=True"):
+        in_place.begin_step(_grads(0), LRS[0])
+    in_place.close()
+
+
+def test_io_failure_surfaces_at_finish_with_the_previous_state(swapper):
+    shards = _shards(3)
+    opt = NVMeAdamW(shards, PIECES, CFG, swapper, chunk_bytes=CHUNK, wait_timeout=T)
+    outs = [t.clone() for t in shards]
+    opt.step(_grads(0), LRS[0], out=outs)
+    before = [o.clone() for o in outs]
+    path = opt.files()[opt.num_chunks // 2]
+    os.truncate(path, 100)
+    step = opt.begin_step(_grads(1), LRS[1], out=outs)
+    for s in range(len(SIZES)):
+        step.shard_ready(s)
+    with pytest.raises(SwapCorruptionError, match=f"short read from {path}") as e:
+        step.finish()
+    notes = "".join(e.value.__notes__)
+    assert "not applied" in notes and "restored" in notes
+    assert opt.step_count == 1
+    assert all(torch.equal(o, b) for o, b in zip(outs, before))
+    opt.close()
+
+
+class _FakeFlat:
+    """The part of FlatParameters a ShardWriter uses: two units on NVMe."""
+
+    dtype = torch.float32
+
+    def __init__(self):
+        self.units = [type("U", (), {"unit": type("L", (), {"shard_numel": 6})()})() for _ in range(2)]
+        self.written: dict[int, torch.Tensor] = {}
+
+    def on_nvme(self, index):
+        return True
+
+    def _swap_out_shard(self, u, values):
+        self.written[self.units.index(u)] = values.clone()
+
+    def wait_writes(self):
+        pass
+
+
+def test_shard_writer_writes_only_whole_units():
+    """A unit cut short by a failed or cancelled step keeps its swap file (the pre-step shard),
+    even when the restore republishes its chunks into the same staging tensor."""
+    flat = _FakeFlat()
+    with ShardWriter(flat) as writer:
+        writer(0, 0, 4, torch.ones(4))
+        writer(0, 4, 6, torch.ones(2))
+        writer(1, 0, 3, torch.ones(3))        # moving on writes unit 0 (complete)
+        writer(1, 0, 3, torch.zeros(3))       # a restore of the same chunk: still 3 of 6
+    assert set(flat.written) == {0} and torch.equal(flat.written[0], torch.ones(6))
+
+
+# ----------------------------------------------------------------------------- the engine
+def _train_with_a_nan_step(rank, world, stage, nvme_path, overlap):
+    """Three steps; the second's loss is NaN on rank 0, so every rank's reduced gradient is and
+    the engine skips that step. Returns the losses, the final parameters and whether the
+    overlapped step published the NaN update before step() cancelled it."""
+    import tiertrain
+
+    cfg = make_config(zero={"stage": stage, "offload_optimizer": "nvme", "offload_params": "nvme" if stage == 3
+                            else "none", "nvme_path": nvme_path, "bucket_mb": 0.02, "overlap_nvme_step": overlap},
+                      batch={"micro_batch_size": 2, "grad_accum_steps": 1}, optimizer={"grad_clip": 0.0})
+    topology = tiertrain.Topology.build(cfg.parallel)
+    engine = tiertrain.wrap(make_model(), cfg, topology)
+    losses, published_nan = [], False
+    for k, batch in enumerate(global_batches(3, 4)):
+        micro = next(rank_slices(batch, rank, world, 2, 1))
+        loss = engine(micro)
+        engine.backward(loss * float("nan") if (k == 1 and rank == 0) else loss)
+        if k == 1 and overlap:
+            engine.reducer.wait()               # every shard ready: let the worker publish it all
+            step = engine._overlapped_step[0]
+            _wait_until(lambda: step.chunks_done == step.progress()["chunks"], "the NaN update")
+            published_nan = True
+        stepped = engine.step()
+        assert stepped == (k != 1)
+        losses.append(float(loss))
+    return losses, engine.full_state_dict(), published_nan
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_skipped_step_undoes_the_update_published_during_backward(tmp_path, stage):
+    runs = {overlap: run_distributed(_train_with_a_nan_step, 2, stage, str(tmp_path / f"swap{overlap}"), overlap,
+                                     timeout=60)[0] for overlap in (False, True)}
+    (sync_losses, sync_params, _), (losses, params, published_nan) = runs[False], runs[True]
+    assert published_nan
+    assert all(math.isfinite(x) for i, x in enumerate(losses) if i != 1)
+    assert [x for i, x in enumerate(losses) if i != 1] == [x for i, x in enumerate(sync_losses) if i != 1]
+    assert all(torch.equal(params[k], sync_params[k]) for k in params)

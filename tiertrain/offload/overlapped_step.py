@@ -1,0 +1,129 @@
+"""The NVMe optimizer step overlapped with backward (ZeRO-Infinity §6, "overlap-centric design").
+
+A synchronous step streams the whole optimizer state through the disk after backward: on the
+benchmark machine that was 0.56 s of a 0.73 s step phase waiting for 240 MB read and 240 MB
+written per rank (bench/results/zero3_nvme.md). Nothing forces it to wait for the end of
+backward: a unit's chunks need only that unit's final gradient, and under ZeRO the reducer
+knows exactly when that is — when the unit's reduce-scatter at the accumulation boundary has
+landed in the gradient shard. So :meth:`NVMeAdamW.begin_step` starts, at the start of the
+boundary backward, a worker thread that runs the usual read → update → write pipeline over the
+chunks in the order their units' reductions land; each chunk's update waits only for
+:meth:`OverlappedStep.shard_ready` of its shard. The disk works while backward computes, and
+what is left for the step is the last units to be reduced.
+
+What makes it the same step, bit for bit:
+
+* the chunks, the fused kernel on each piece and the step number are those of
+  :meth:`NVMeAdamW.step`; only the order in which chunks are visited changes, and no chunk
+  depends on another;
+* it is valid only when nothing global gates the update: no clipping by the global gradient
+  norm and no fp16 loss scaling (the engine checks, and otherwise runs the synchronous step);
+* the engine still computes the global norm at the step, and when it is not finite (a step
+  the engine skips) :meth:`cancel` restores the published parameters from the committed
+  generation and commits nothing. The same happens when backward raises or anything outside
+  the step needs the state (a checkpoint, a forward before the step);
+* the transactional commit (generation switch, step count) happens in :meth:`finish`, on the
+  caller's thread, only after every write landed; a failed IO raises there with the note of a
+  failed synchronous step (the state on NVMe is the previous step's, published chunks restored).
+
+Threads: the worker does the IO waits, the AdamW kernels and the copies into the
+destinations; the caller's thread keeps computing backward. It does not change torch's
+(process-wide) thread setting, which belongs to the caller. A destination must not be read by
+the caller between ``shard_ready`` and ``finish``: the engine guarantees it, since a unit whose
+gradients are final is not used again in that backward.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, List, Optional
+
+if TYPE_CHECKING:
+    from .nvme_optimizer import NVMeAdamW, StepStats, _Update
+
+
+class StepCancelled(Exception):
+    """Raised inside the worker when the step is cancelled while it waits for a gradient."""
+
+
+class OverlappedStep:
+    """One NVMe optimizer step whose chunks are updated as their shards' gradients become final;
+    created by :meth:`NVMeAdamW.begin_step`. Call :meth:`shard_ready` for each shard (any
+    thread, any order; earlier is better), then exactly one of :meth:`finish` or :meth:`cancel`."""
+
+    def __init__(self, optimizer: "NVMeAdamW", update: "_Update", positions: List[int]):
+        self._opt = optimizer
+        self._update = update
+        self._positions = positions
+        self._ready = [threading.Event() for _ in range(optimizer.num_shards)]
+        self._cancelled = False
+        self._stats: Optional["StepStats"] = None
+        self._new_gens = None
+        self._error: Optional[BaseException] = None
+        self._ended = False
+        update.gate = self._gate
+        self._thread = threading.Thread(target=self._run, name=f"{optimizer.name}-overlapped-step",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def step(self) -> int:
+        """The step number this pass computes."""
+        return self._update.k
+
+    @property
+    def chunks_done(self) -> int:
+        """Chunks updated so far (published, when there are destinations)."""
+        return len(self._update.published)
+
+    def progress(self) -> dict:
+        """How far the step got: shards declared ready and chunks updated, of the totals."""
+        return {"shards_ready": sum(e.is_set() for e in self._ready), "shards": len(self._ready),
+                "chunks_done": self.chunks_done, "chunks": len(self._positions)}
+
+    def shard_ready(self, shard: int) -> None:
+        """Shard ``shard``'s gradient is final: its chunks may be updated now."""
+        self._ready[shard].set()
+
+    def finish(self) -> "StepStats":
+        """Let every remaining shard go, wait for the worker, and commit the step (as
+        :meth:`NVMeAdamW.step` returns). Raises the worker's error, with the state restored as
+        after a failed synchronous step."""
+        self._end()
+        opt = self._opt
+        if self._error is not None:
+            opt._after_failed_step(self._error, self._update.k, self._update.dests, self._update.published)
+            raise self._error
+        return opt._complete_step(self._update.k, self._stats, self._new_gens)
+
+    def cancel(self) -> int:
+        """Stop the step: nothing is committed, and every shard of which a chunk was already
+        published gets its committed (pre-step) masters back. Returns the chunks restored."""
+        self._cancelled = True
+        self._end()
+        return self._opt._restore_published(self._update.dests, self._update.published)
+
+    # -- internals --------------------------------------------------------------------------
+    def _end(self) -> None:
+        if self._ended:
+            raise RuntimeError(f"step {self._update.k} of NVMeAdamW({self._opt.name}) already ended")
+        self._ended = True
+        for event in self._ready:
+            event.set()
+        self._thread.join()
+        self._opt._active = None
+
+    def _gate(self, shard: int, stats: "StepStats") -> None:
+        t0 = time.perf_counter()
+        self._ready[shard].wait()
+        stats.ready_wait_seconds += time.perf_counter() - t0
+        if self._cancelled:
+            raise StepCancelled(f"step {self._update.k} cancelled")
+
+    def _run(self) -> None:
+        try:
+            self._stats, self._new_gens = self._opt._stream(
+                "step", self._update.work, positions=self._positions, read=True, write=True,
+                step=self._update.k, set_threads=False)
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread by finish()
+            self._error = e
