@@ -178,7 +178,20 @@ def launch(fw, args) -> list[dict]:
         for proc in ctx.processes:
             if proc.is_alive():
                 proc.kill()
-        return [{"rank": -1, "ok": False, "error": f"{type(e).__name__}: {str(e)[:2000]}"}]
+        error = f"{type(e).__name__}: {str(e)[:2000]}"
+        # A rank that aborted while its process exited (seen here as "terminate called without
+        # an active exception" after destroy_process_group, in DDP and tiertrain runs alike)
+        # has already written every rank's complete measurement: keep it, and say so.
+        try:
+            with open(path) as f:
+                ranks = json.load(f)
+        except (OSError, ValueError):
+            ranks = None
+        if isinstance(ranks, list) and len(ranks) == args.world and all(r.get("ok") for r in ranks):
+            for r in ranks:
+                r["exit_error"] = error
+            return ranks
+        return [{"rank": -1, "ok": False, "error": error}]
     finally:
         os.unlink(path)
 
@@ -213,10 +226,18 @@ def loadavg() -> str:
 
 def pool_rounds(rounds: list[list[dict]]) -> list[dict]:
     """Per-rank results of several rounds of one framework as one set of ranks: timed steps
-    pooled, peak memory the max, losses/setup from the first round."""
-    bad = next((r for r in rounds if not all(x.get("ok") for x in r)), None)
-    if bad is not None or len(rounds) == 1:
-        return bad if bad is not None else rounds[0]
+    pooled, peak memory the max, losses/setup from the first round. Rounds that failed are
+    left out (and counted in ``rounds_failed``); the framework fails only if every round did."""
+    good = [r for r in rounds if all(x.get("ok") for x in r)]
+    if not good:
+        return rounds[0]
+    failed = [next(x.get("error", "?") for x in r if not x.get("ok")) for r in rounds if r not in good]
+    rounds = good
+    if len(rounds) == 1:
+        pooled = json.loads(json.dumps(rounds[0]))
+        for x in pooled:
+            x["rounds_failed"] = failed
+        return pooled
     pooled = json.loads(json.dumps(rounds[0]))
     for rank, x in enumerate(pooled):
         res = x["result"]
@@ -231,6 +252,8 @@ def pool_rounds(rounds: list[list[dict]]) -> list[dict]:
         for k in ("peak_rss_mib", "peak_over_start_mib", "rss_delta_mib"):
             res[k] = max(o[k] for o in others)
         res["round_medians_s"] = [o["median_step_s"] for o in others]
+        x["rounds_failed"] = failed
+        x["exit_error"] = next((r[rank]["exit_error"] for r in rounds if r[rank].get("exit_error")), None)
     return pooled
 
 
@@ -258,6 +281,8 @@ def summarize(fw, ranks) -> dict:
         "optimizer": res[0]["extra"].get("optimizer") or "torch AdamW",
         "memory_report_mib": res[0]["extra"].get("memory_report_mib"),
         "comm_mib_per_step": res[0]["extra"].get("comm_mib_per_step"),
+        "rounds_failed": ranks[0].get("rounds_failed", []),
+        "exit_error": ranks[0].get("exit_error"),
     }
 
 
@@ -330,6 +355,16 @@ def render(rows, args, machine, cmd, load_after="?") -> str:
                      f"{r['peak_rss_mib']:.0f} | {r['peak_over_start_mib']:.0f} | {r['rss_delta_mib']:.0f} | "
                      f"{r['loss_first']:.4f} -> {r['loss_last']:.4f} | {r.get('max_abs_loss_diff', float('nan')):.1e} | "
                      f"{r.get('load_at_start', '?')} | {r['optimizer']} |")
+    flaky = [r for r in rows if r.get("ok") and (r.get("rounds_failed") or r.get("exit_error"))]
+    if flaky:
+        lines += ["", "Runs that did not end cleanly:"]
+        for r in flaky:
+            if r.get("rounds_failed"):
+                lines.append(f"- {r['framework']}: {len(r['rounds_failed'])} round(s) failed and are left out of "
+                             f"its pooled steps ({r['rounds_failed'][0][:160]})")
+            if r.get("exit_error"):
+                lines.append(f"- {r['framework']}: a rank aborted while exiting, after its measurement was "
+                             f"complete and saved ({r['exit_error'][:160]})")
     ratios = ratio_rows(rows)
     if ratios:
         lines += ["", "## Ratios (same run)", "",

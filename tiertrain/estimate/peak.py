@@ -756,6 +756,10 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
             DEFAULT_CHUNK_BYTES = 24 << 20
         add("NVMe staging buffers", 4 * DEFAULT_CHUNK_BYTES, "cpu",
             "NVMeAdamW ring: 4 buffers × chunk_bytes (master + m + v of one chunk)")
+        if lay.stage == 3 and lay.param_tier == "nvme":
+            add("NVMe parameter write staging", max(u.shard_numel for u in layout.units) * D, "cpu",
+                "one unit's updated shard assembled for its swap write (zero.flat.ShardWriter); "
+                "live during backward when the step overlaps it (zero.overlap_nvme_step)")
     ov = overhead if overhead is not None else HostOverhead()
     if ov.framework_bytes:
         add("framework overhead", int(ov.framework_bytes), "cpu",
