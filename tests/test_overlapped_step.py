@@ -12,22 +12,14 @@ import pytest
 import torch
 
 from reference import make_config, make_model, global_batches, rank_slices
-from test_nvme_optimizer import CFG, CHUNK, LRS, PIECES, SIZES, T, Reference, _assert_same, _grads, _shards
-from tiertrain.offload import AlignedBufferPool, AsyncIO, NVMeAdamW, SwapCorruptionError, TensorSwapper
+from test_nvme_optimizer import (CFG, CHUNK, LRS, PIECES, SIZES, T, Reference, _assert_same, _grads, _shards,
+                                 swapper)  # noqa: F401 - the fixture
+from tiertrain.offload import NVMeAdamW, SwapCorruptionError
 from tiertrain.testing import run_distributed
 from tiertrain.zero.flat import ShardWriter
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 ORDER = [4, 0, 5, 3, 1, 2]  # the order gradients become final (a backward visits units last-first)
-
-
-@pytest.fixture
-def swapper(tmp_path):
-    io = AsyncIO(num_threads=4, block_bytes=1 << 20)
-    sw = TensorSwapper(tmp_path, io, AlignedBufferPool(1 << 20, 1 << 20, pin=False), rank=0, wait_timeout=T)
-    yield sw
-    sw.close()
-    io.close(T)
 
 
 def _wait_until(condition, what: str) -> None:

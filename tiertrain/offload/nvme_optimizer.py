@@ -208,10 +208,10 @@ class StepStats:
     ``io_wait_seconds``: time the calling thread was blocked on IO; ``busy_seconds`` =
     seconds - io_wait - ready_wait: time it worked (AdamW: ``compute_seconds``, copies to the
     destinations: ``publish_seconds``, and the bookkeeping of the pipeline); ``ready_wait_seconds``:
-    time an overlapped step's worker waited for gradients (tiertrain/offload/overlapped_step.py). ``overlap`` is the fraction of
-    the shorter of IO and work that ran concurrently with the other, (io - io_wait) /
-    min(io, busy): 1 when the pass took only as long as the longer of the two, as the paper's
-    overlapped NVMe step aims for; 0 when they ran one after the other. ``io_hidden`` = 1 -
+    time an overlapped step's worker waited for gradients (tiertrain/offload/overlapped_step.py).
+    ``overlap`` is the fraction of the shorter of IO and work that ran concurrently with the
+    other, (io - io_wait) / min(io, busy): 1 when the pass took only as long as the longer of
+    the two, as the paper's overlapped NVMe step aims for; 0 when they ran one after the other. ``io_hidden`` = 1 -
     io_wait / io is the fraction of the IO time hidden behind work (at most busy / io, so small
     whenever the update is much faster than the disk)."""
 
@@ -289,6 +289,7 @@ class _Update:
         self.eps = opt.eps
         self.gate: Optional[Callable[[int, StepStats], None]] = None
         self.published: List[int] = []
+        self.updated = 0
 
     def work(self, j: int, ch: _Chunk, p, m, v, stats: StepStats):
         if self.gate is not None:
@@ -312,6 +313,7 @@ class _Update:
             self.published.append(j)         # counted first: a half-done copy is restored too
             NVMeAdamW._publish_chunk(self.dests, ch, p)
             stats.publish_seconds += time.perf_counter() - t0
+        self.updated += 1                    # (updated and published)
 
 
 # ---------------------------------------------------------------------------------------------

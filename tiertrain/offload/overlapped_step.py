@@ -73,8 +73,8 @@ class OverlappedStep:
 
     @property
     def chunks_done(self) -> int:
-        """Chunks updated so far (published, when there are destinations)."""
-        return len(self._update.published)
+        """Chunks updated (and published to the destinations) so far."""
+        return self._update.updated
 
     def progress(self) -> dict:
         """How far the step got: shards declared ready and chunks updated, of the totals."""
@@ -97,8 +97,8 @@ class OverlappedStep:
         return opt._complete_step(self._update.k, self._stats, self._new_gens)
 
     def cancel(self) -> int:
-        """Stop the step: nothing is committed, and every shard of which a chunk was already
-        published gets its committed (pre-step) masters back. Returns the chunks restored."""
+        """Stop the step: nothing is committed, and every chunk already published gets its
+        committed (pre-step) master values back. Returns the chunks restored."""
         self._cancelled = True
         self._end()
         return self._opt._restore_published(self._update.dests, self._update.published)
