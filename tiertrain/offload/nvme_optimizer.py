@@ -89,6 +89,7 @@ from torch.optim.adamw import adamw as _functional_adamw
 
 from .aio import AsyncIO, SwapSpaceError
 from .buffers import AlignedBufferPool, Buffer, round_up
+from .overlapped_step import OverlappedStep
 from .swap import DEFAULT_WAIT_TIMEOUT, SwapHandle, TensorSwapper
 
 __all__ = ["ALIGN_ELEMS", "NVMeAdamW", "StepStats", "pieces_from_param_groups"]
@@ -494,15 +495,13 @@ class NVMeAdamW:
         return self._complete_step(update.k, stats, new_gens)
 
     def begin_step(self, grads: Sequence[torch.Tensor], lr: float, out: Destination = None,
-                   shard_order: Optional[Sequence[int]] = None) -> "OverlappedStep":
+                   shard_order: Optional[Sequence[int]] = None) -> OverlappedStep:
         """Start the step of :meth:`step` on a worker thread that updates each shard's chunks
         once the caller declares the shard's gradient final (:meth:`OverlappedStep.shard_ready`),
         in ``shard_order`` (default: shard order; give the order in which they become final).
         Until :meth:`OverlappedStep.finish` (commits) or :meth:`OverlappedStep.cancel` (restores
         the destinations) every other call on this optimizer raises. See
         tiertrain/offload/overlapped_step.py."""
-        from .overlapped_step import OverlappedStep
-
         self._check_usable()
         if not self.transactional:
             raise ValueError(f"NVMeAdamW({self.name}).begin_step needs transactional=True: a step "

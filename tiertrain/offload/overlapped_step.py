@@ -67,11 +67,6 @@ class OverlappedStep:
         self._thread.start()
 
     @property
-    def step(self) -> int:
-        """The step number this pass computes."""
-        return self._update.k
-
-    @property
     def chunks_done(self) -> int:
         """Chunks updated (and published to the destinations) so far."""
         return self._update.updated

@@ -294,11 +294,9 @@ class FlatParameters:
         """Zero every gradient; ``lazy``: only mark them stale (see UnitBuffers.stale_grad), for
         a reducer that writes each unit whole before anything reads it."""
         for u in self.units:
-            if lazy:
-                u.stale_grad = True
-            else:
-                (u.grad_full if u.grad_full is not None else u.grad).zero_()
-                u.stale_grad = False
+            u.stale_grad = True
+        if not lazy:
+            self.zero_stale_grads()
 
     def zero_stale_grads(self) -> None:
         """Zero the gradients still marked stale (units no reduction has written since)."""
@@ -346,8 +344,7 @@ class ShardWriter:
 
     def __init__(self, flat: FlatParameters):
         self.flat = flat
-        self._staged: dict[int, torch.Tensor] = {}
-        self._covered: dict[int, set[tuple[int, int]]] = {}  # chunk ranges staged, per unit
+        self._staged: dict[int, tuple[torch.Tensor, set[tuple[int, int]]]] = {}  # unit -> (shard, chunk ranges)
 
     def __call__(self, index: int, start: int, end: int, values: torch.Tensor) -> None:
         flat = self.flat
@@ -356,15 +353,14 @@ class ShardWriter:
             return
         for other in [i for i in self._staged if i != index]:
             self._write(other)
-        staged = self._staged.get(index)
-        if staged is None:
-            staged = self._staged[index] = torch.empty(flat.units[index].unit.shard_numel, dtype=flat.dtype)
-            self._covered[index] = set()
+        if index not in self._staged:
+            self._staged[index] = (torch.empty(flat.units[index].unit.shard_numel, dtype=flat.dtype), set())
+        staged, covered = self._staged[index]
         staged[start:end].copy_(values)
-        self._covered[index].add((start, end))  # (a restore republishes the same ranges)
+        covered.add((start, end))  # (a restore republishes the same ranges)
 
     def _write(self, index: int) -> None:
-        staged, covered = self._staged.pop(index), self._covered.pop(index)
+        staged, covered = self._staged.pop(index)
         if sum(end - start for start, end in covered) == staged.numel():  # chunks tile the shard
             self.flat._swap_out_shard(self.flat.units[index], staged)
 
