@@ -204,6 +204,8 @@ class ZeroConfig:
     """NVMe optimizer: MiB per streamed chunk (fp32 master and both Adam moments of its parameters)."""
     nvme_buffers: int = 4
     """NVMe optimizer: chunk buffers (reads ahead, the update, the write back); their RAM is buffers × chunk."""
+    overlap_param_gather: bool = False
+    """Stages 1-2 (pp=1): the all-gather of updated parameters runs on after step() returns; the next forward waits per unit, at the first operation touching it (call engine.wait_for_parameters() before reading parameters outside the engine in between)."""
     overlap_nvme_step: bool = True
     """NVMe optimizer: update each unit's state during the boundary backward, once its gradient is reduced (not with grad_clip > 0 or fp16, whose global norm gates the step)."""
     offload: Literal["manual", "auto"] = "manual"
@@ -320,6 +322,9 @@ class Config:
                     else f"parallel.pp={self.parallel.pp} (pipeline parallelism)")
             raise ConfigError(f"zero.delayed_update=True is not supported with {what}: valid with fp32 or bf16, "
                               f"parallel.pp=1")
+        if self.zero.overlap_param_gather and self.parallel.pp > 1:
+            raise ConfigError(f"zero.overlap_param_gather=True is not supported with parallel.pp={self.parallel.pp}: "
+                              f"the pipeline runs its stages' forwards itself; valid with parallel.pp=1")
         return self
 
 

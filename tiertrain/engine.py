@@ -27,6 +27,7 @@ from .topology import Topology
 from .zero.construct import forget_partition, full_shape, gather_partitioned, is_partitioned
 from .zero.flat import SWAP_BLOCK_BYTES, FlatParameters, Placement, swap_pool_bytes
 from .zero.layout import FlatLayout, bucket_layout, module_layout
+from .zero.param_gather import WaitForParameters
 from .zero.reducer import GradientReducer
 from .zero.stage3 import REDUCE, STEP, ParameterFetcher
 
@@ -126,6 +127,13 @@ class Engine:
             self.layout, dict(named), self.comm, self.dtype, keep_full_grads=stage <= 1,
             rebuild_param=lambda p: gather_partitioned(p, self.comm) if is_partitioned(p) else p.detach(),
             placement=self.placement, swapper=self.swapper)
+        # Parameter gathers left running by a step (zero.overlap_param_gather) are completed
+        # before model.state_dict() hands out the parameters' storage, and before a forward
+        # called on the model directly, not through the engine (which waits per operation).
+        self._waits_per_operation = False
+        model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self.flat.wait_gathers())
+        model.register_forward_pre_hook(lambda module, args: None if self._waits_per_operation
+                                        else self.flat.wait_gathers())
         for _, p in named:
             forget_partition(p)  # the flat buffers own the shard now
 
@@ -284,12 +292,25 @@ class Engine:
         self._cancel_overlapped_step()  # (a forward before step() sees the parameters before it)
         if self.fetcher is not None:
             self.fetcher.begin_forward()
-        return self.loss_fn(self.module, self._to_device(batch))
+        batch = self._to_device(batch)
+        if not self.flat.gathers_in_flight:
+            return self.loss_fn(self.module, batch)
+        # The step's parameter all-gathers are still running: each operation waits for the
+        # units it touches (zero.overlap_param_gather; tiertrain/zero/param_gather.py).
+        self._waits_per_operation = True
+        try:
+            with WaitForParameters(self.flat):
+                loss = self.loss_fn(self.module, batch)
+        finally:
+            self._waits_per_operation = False
+        self.flat.wait_gathers()  # units no operation touched
+        return loss
 
     forward = __call__
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward one micro-batch; gradients are reduced during backward (see reducer)."""
+        self.flat.wait_gathers()
         boundary = (self.micro_steps + 1) % self.accum == 0
         if boundary and self.nvme_optimizer is not None and self._overlapped_step is None:
             if self._can_overlap_nvme_step():
@@ -337,6 +358,18 @@ class Engine:
             else:
                 step.cancel()
 
+    def wait_for_parameters(self) -> None:
+        """Complete the parameter all-gathers a step left running (zero.overlap_param_gather):
+        call it before reading parameters outside the engine between step() and the next
+        forward. The engine's own entry points, and the model's state_dict(), call it."""
+        self.flat.wait_gathers()
+
+    def _quiesce(self) -> None:
+        """Before reading or replacing the training state: cancel an overlapped NVMe step not
+        yet committed, and complete the parameter all-gathers in flight."""
+        self._cancel_overlapped_step()
+        self.flat.wait_gathers()
+
     def _cancel_overlapped_step(self) -> None:
         """Undo an overlapped step not yet committed: the parameters it published return to
         their pre-step values (the step is then run synchronously, if step() follows)."""
@@ -353,6 +386,7 @@ class Engine:
         if not self.at_boundary or self.micro_steps == self._stepped_at:
             return False
         self._stepped_at = self.micro_steps
+        self.flat.wait_gathers()
         if self.nvme_optimizer is not None and self._overlapped_step is None:
             self.nvme_optimizer.prefetch()  # (no-op when backward started it; a state load drops it)
         if self.fetcher is not None:
@@ -395,7 +429,7 @@ class Engine:
         else:
             self.optimizer.step()
         self.schedule.step()
-        self.flat.publish_masters()
+        self.flat.publish_masters(in_background=self.config.zero.overlap_param_gather)
         # The reducer overwrites each gradient at its next reduction: no pass zeroes them now.
         self.flat.zero_grads(lazy=self.launch_when_ready)
         if self.fetcher is not None:
@@ -474,7 +508,7 @@ class Engine:
         """Full parameters readable outside forward (every rank must enter). With
         modifier_rank set, that data-parallel rank's edits are broadcast and written back
         into every shard and master copy on exit."""
-        self._cancel_overlapped_step()
+        self._quiesce()
         if self.delayed is not None:
             self.delayed.flush()  # what is read or edited is the newest parameters
         wanted = None if params is None else {self.flat.slot_of[p][0] for p in params}
@@ -500,28 +534,28 @@ class Engine:
 
     def state_dict(self) -> dict:
         """This rank's training state: fp32 master shards, optimizer, schedule, scaler, counters, RNG."""
-        self._cancel_overlapped_step()
+        self._quiesce()
         return checkpoint.rank_state(self)
 
     def load_state_dict(self, state: dict) -> None:
-        self._cancel_overlapped_step()
+        self._quiesce()
         checkpoint.restore_rank_state(self, state)
 
     def save_checkpoint(self, directory: str, extra: dict | None = None, keep_last: int = 0) -> str:
         """Collective: atomically save every rank's shard under directory/step_N (see checkpoint.py)."""
-        self._cancel_overlapped_step()
+        self._quiesce()
         if self.delayed is not None:
             self.delayed.wait(agree=True)  # the update in flight is saved, not lost
         return checkpoint.save(self, directory, extra, keep_last)
 
     def load_checkpoint(self, directory: str, step: int | None = None) -> dict:
         """Collective: restore the newest committed checkpoint; returns the extras saved with it."""
-        self._cancel_overlapped_step()
+        self._quiesce()
         return checkpoint.load(self, directory, step)
 
     def masters(self) -> list[torch.Tensor]:
         """This rank's fp32 master shard of every unit (read from NVMe when they live there)."""
-        self._cancel_overlapped_step()
+        self._quiesce()
         if self.delayed is not None:
             self.delayed.wait(agree=False)
         if self.nvme_optimizer is not None:
@@ -547,7 +581,7 @@ class Engine:
     def close(self) -> None:
         """Finish the delayed update in flight, if any (raising its error), and stop its thread;
         cancel an overlapped NVMe step not yet committed."""
-        self._cancel_overlapped_step()
+        self._quiesce()
         if self.delayed is not None:
             self.delayed.close()
 

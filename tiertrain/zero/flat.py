@@ -122,6 +122,7 @@ class FlatParameters:
         self.placement = placement
         self.swapper = swapper
         self._writes = []  # swap-outs of shards in flight
+        self._publishing: set[int] = set()  # resident units whose post-step all-gather is in flight
         self.masters_dropped = False
         self.device = device = placement.compute
         self.params = params
@@ -182,6 +183,7 @@ class FlatParameters:
             if u.pending is not None and not async_op:
                 u.pending.wait()
                 u.pending = None
+                self._publishing.discard(index)
             return
         u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
         u.gathered = True
@@ -272,10 +274,12 @@ class FlatParameters:
 
     # -- after the optimizer step -----------------------------------------------------
 
-    def publish_masters(self) -> None:
+    def publish_masters(self, in_background: bool = False) -> None:
         """Copy updated fp32 masters into the compute-dtype shards, then rebuild resident
         units' full buffers with an all-gather (ZeRO §5.1: stages 1-2 all-gather the
-        updated parameters). Partitioned units are gathered on their next use."""
+        updated parameters). Partitioned units are gathered on their next use.
+        ``in_background``: return with the all-gathers in flight (each unit's ``pending``);
+        :meth:`gather` or :meth:`wait_gathers` completes them (tiertrain/zero/param_gather.py)."""
         if not self.masters_dropped:  # (otherwise the optimizer wrote the shards: ShardWriter)
             for u in self.units:
                 if self.on_nvme(u.unit.index):
@@ -284,11 +288,24 @@ class FlatParameters:
                     u.shard.copy_(u.master)
         # All launched before any is waited on: gloo queues them back to back instead of
         # paying one round trip per unit.
-        pending = [self.comm.all_gather(u.full, u.shard, async_op=True)
-                   for u in self.units if u.unit.resident and u.unit.num_shards > 1]
-        for work in pending:
-            work.wait()
+        self.wait_gathers()
+        for u in self.units:
+            if u.unit.resident and u.unit.num_shards > 1:
+                u.pending = self.comm.all_gather(u.full, u.shard, async_op=True)
+                self._publishing.add(u.unit.index)
+        if not in_background:
+            self.wait_gathers()
         self.wait_writes()
+
+    @property
+    def gathers_in_flight(self) -> bool:
+        """Whether all-gathers launched by ``publish_masters(in_background=True)`` are pending."""
+        return bool(self._publishing)
+
+    def wait_gathers(self) -> None:
+        """Complete the all-gathers ``publish_masters`` left in flight, in launch order."""
+        for index in sorted(self._publishing):
+            self.gather(index)
 
     def zero_grads(self, lazy: bool = False) -> None:
         """Zero every gradient; ``lazy``: only mark them stale (see UnitBuffers.stale_grad), for
