@@ -124,27 +124,36 @@ class Collectives:
         return work
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
-        """Sum input (size × output.numel()) across ranks; this rank keeps chunk `rank` in output."""
+        """Sum input (size × output.numel()) across ranks; this rank keeps chunk `rank` in output.
+        Output may be that chunk of input itself (in place: no separate result to copy back)."""
         self.counter.add("reduce_scatter", _nbytes(input))
         if self.size == 1:
-            output.copy_(input)
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
             return Work(None)
         self._usable()
+        mine = input.view(self.size, -1)[self.rank]
+        in_place = output.data_ptr() == mine.data_ptr()
         if self.via_all_to_all and self.size == 2:
-            # Send only the peer's chunk, receive the peer's copy of mine straight into
-            # output, add my own chunk: no exchange with myself (gloo's all_to_all moves the
-            # self chunk too) and no full-size receive buffer. x0 + x1 in either order is
-            # the same float sum as before, so results are bit-identical.
+            # Send only the peer's chunk, receive the peer's copy of mine, add my own chunk:
+            # no exchange with myself (gloo's all_to_all moves the self chunk too) and no
+            # full-size receive buffer. x0 + x1 in either order is the same float sum, so
+            # in place or not the results are bit-identical.
             chunks = input.view(2, -1)
             peer, splits = self._peer_splits(output.numel())
-            handle = dist.all_to_all_single(output, chunks[peer], output_split_sizes=splits,
+            received = torch.empty_like(output) if in_place else output
+            handle = dist.all_to_all_single(received, chunks[peer], output_split_sizes=splits,
                                             input_split_sizes=splits, group=self.group, async_op=True)
-            work = Work(handle, timeout=self.timeout).then(lambda: output.add_(chunks[self.rank]))
+            work = Work(handle, timeout=self.timeout).then(lambda: output.add_(mine if received is output else received))
         elif self.via_all_to_all:
             received = torch.empty_like(input)  # chunk i: rank i's copy of this rank's chunk
             handle = dist.all_to_all_single(received, input, group=self.group, async_op=True)
             work = Work(handle, timeout=self.timeout).then(
                 lambda: torch.sum(received.view(self.size, -1), dim=0, out=output))
+        elif in_place:
+            result = torch.empty_like(output)
+            handle = dist.reduce_scatter_tensor(result, input, group=self.group, async_op=True)
+            work = Work(handle, timeout=self.timeout).then(lambda: output.copy_(result))
         else:
             handle = dist.reduce_scatter_tensor(output, input, group=self.group, async_op=True)
             work = Work(handle, timeout=self.timeout)

@@ -144,9 +144,8 @@ class GradientReducer:
             self.before_collective(index)
         if self.stage == 0:
             work = self.comm.all_reduce(bucket, async_op=True)
-        elif self.stage == 1:
-            reduced = torch.empty(u.unit.shard_numel, dtype=torch.float32, device=self.flat.device)
-            work = self.comm.reduce_scatter(reduced, bucket, async_op=True).then(lambda: u.grad.copy_(reduced))
+        elif self.stage == 1:  # the shard is this rank's chunk of the full gradient: reduced in place
+            work = self.comm.reduce_scatter(u.grad, bucket, async_op=True)
         elif u.stale_grad and u.grad.device == bucket.device:
             # The shard's first reduction since the step: reduce-scatter straight into it.
             u.stale_grad = False
