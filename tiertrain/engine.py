@@ -580,7 +580,7 @@ class Engine:
 
     def close(self) -> None:
         """Finish the delayed update in flight, if any (raising its error), and stop its thread;
-        cancel an overlapped NVMe step not yet committed."""
+        cancel an overlapped NVMe step not yet committed; complete the parameter gathers in flight."""
         self._quiesce()
         if self.delayed is not None:
             self.delayed.close()

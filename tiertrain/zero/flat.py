@@ -280,6 +280,7 @@ class FlatParameters:
         updated parameters). Partitioned units are gathered on their next use.
         ``in_background``: return with the all-gathers in flight (each unit's ``pending``);
         :meth:`gather` or :meth:`wait_gathers` completes them (tiertrain/zero/param_gather.py)."""
+        self.wait_gathers()  # a gather still sending a shard must finish before it changes
         if not self.masters_dropped:  # (otherwise the optimizer wrote the shards: ShardWriter)
             for u in self.units:
                 if self.on_nvme(u.unit.index):
@@ -288,7 +289,6 @@ class FlatParameters:
                     u.shard.copy_(u.master)
         # All launched before any is waited on: gloo queues them back to back instead of
         # paying one round trip per unit.
-        self.wait_gathers()
         for u in self.units:
             if u.unit.resident and u.unit.num_shards > 1:
                 u.pending = self.comm.all_gather(u.full, u.shard, async_op=True)
