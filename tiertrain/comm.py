@@ -132,19 +132,19 @@ class Collectives:
                 output.copy_(input)
             return Work(None)
         self._usable()
-        mine = input.view(self.size, -1)[self.rank]
+        chunks = input.view(self.size, -1)
+        mine = chunks[self.rank]
         in_place = output.data_ptr() == mine.data_ptr()
         if self.via_all_to_all and self.size == 2:
             # Send only the peer's chunk, receive the peer's copy of mine, add my own chunk:
             # no exchange with myself (gloo's all_to_all moves the self chunk too) and no
             # full-size receive buffer. x0 + x1 in either order is the same float sum, so
             # in place or not the results are bit-identical.
-            chunks = input.view(2, -1)
             peer, splits = self._peer_splits(output.numel())
             received = torch.empty_like(output) if in_place else output
             handle = dist.all_to_all_single(received, chunks[peer], output_split_sizes=splits,
                                             input_split_sizes=splits, group=self.group, async_op=True)
-            work = Work(handle, timeout=self.timeout).then(lambda: output.add_(mine if received is output else received))
+            work = Work(handle, timeout=self.timeout).then(lambda: output.add_(received if in_place else mine))
         elif self.via_all_to_all:
             received = torch.empty_like(input)  # chunk i: rank i's copy of this rank's chunk
             handle = dist.all_to_all_single(received, input, group=self.group, async_op=True)

@@ -127,13 +127,14 @@ class Engine:
             self.layout, dict(named), self.comm, self.dtype, keep_full_grads=stage <= 1,
             rebuild_param=lambda p: gather_partitioned(p, self.comm) if is_partitioned(p) else p.detach(),
             placement=self.placement, swapper=self.swapper)
-        # Parameter gathers left running by a step (zero.overlap_param_gather) are completed
-        # before model.state_dict() hands out the parameters' storage, and before a forward
-        # called on the model directly, not through the engine (which waits per operation).
         self._waits_per_operation = False
-        model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self.flat.wait_gathers())
-        model.register_forward_pre_hook(lambda module, args: None if self._waits_per_operation
-                                        else self.flat.wait_gathers())
+        if config.zero.overlap_param_gather:
+            # Parameter gathers left running by a step are completed before model.state_dict()
+            # hands out the parameters' storage, and before a forward called on the model
+            # directly, not through the engine (which waits per operation).
+            model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self.flat.wait_gathers())
+            model.register_forward_pre_hook(lambda module, args: None if self._waits_per_operation
+                                            else self.flat.wait_gathers())
         for _, p in named:
             forget_partition(p)  # the flat buffers own the shard now
 

@@ -42,13 +42,12 @@ class WaitForParameters(TorchFunctionMode):
     def __init__(self, flat: FlatParameters):
         super().__init__()
         self.flat = flat
-        self._unit_of = {id(p): index for p, (index, _) in flat.slot_of.items()}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.flat.gathers_in_flight:
             for t in _tensors((*args, *kwargs.values())):
-                index = self._unit_of.get(id(t))
-                if index is not None and self.flat.units[index].pending is not None:
-                    self.flat.gather(index)
+                slot = self.flat.slot_of.get(t)  # (tensors hash by identity: only parameters match)
+                if slot is not None and self.flat.units[slot[0]].pending is not None:
+                    self.flat.gather(slot[0])
         return func(*args, **kwargs)
