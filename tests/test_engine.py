@@ -4,12 +4,14 @@ Each case runs the same global batches (same seed, same data) through a plain Py
 model on one process and through tiertrain on 1, 2 or 4 gloo ranks, then compares the
 loss of every step and every final parameter.
 
-Tolerance and why: fp32 runs must match to 1e-6 relative (per tensor: max|a-b| / max|b|).
-These runs use AdamW eps=1e-3. With the default eps=1e-8, elements whose gradient is
-~1e-8 sit where Adam's update lr·g/(|g|+eps) has slope lr/eps ≈ 1e6, so the 1-ulp
-gradient differences that any change of summation order produces (a batch split across
-ranks, a norm summed by shards) become ~1e-6 parameter differences whatever the engine
-does; test_default_eps_tracks_reference shows that case at its honest tolerance.
+Tolerance and why: fp32 runs are bounded by the float64 oracle (tests/reference.py): the
+engine's distance to a float64 run of the reference stays within a few times the fp32
+reference's own distance to it, the rounding noise of this machine's kernels. These runs use
+AdamW eps=1e-3. With the default eps=1e-8, elements whose gradient is ~1e-8 sit where Adam's
+update lr·g/(|g|+eps) has slope lr/eps ≈ 1e6, so the 1-ulp gradient differences that any
+change of summation order produces (a batch split across ranks, a norm summed by shards)
+become ~1e-6 parameter differences whatever the engine does; test_default_eps_tracks_reference
+shows that case at its honest tolerance.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import itertools
 
 import pytest
 
-from reference import engine_train, global_batches, make_config, make_model, max_rel_diff, reference_train
+from reference import Oracle, engine_train, global_batches, make_config, make_model, max_rel_diff, reference_train
 from tiertrain.testing import run_distributed
 
 STEPS = 4
@@ -48,22 +50,30 @@ def _reference(stage, world, v, dtype="fp32"):
     return reference_train(make_model(), cfg, global_batches(STEPS, MICRO * v["accum"] * world))
 
 
-def _check_against_reference(stage, world, dtype, loss_tol, param_tol):
+def _check_against_reference(stage, world, dtype, loss_tol=None, param_tol=None):
+    """fp32: within the float64 oracle's bound. bf16: within loss_tol / param_tol of the fp32
+    reference (bf16 rounding, 2^-8, dominates any fp32 noise)."""
     results = run_distributed(_run_variants, world, stage, dtype, VARIANTS, timeout=80)[0]
     for v, (losses, params) in zip(VARIANTS, results):
+        what = f"stage {stage} {dtype}, {world} ranks, {v}"
+        if dtype == "fp32":
+            oracle = Oracle.run(reference_train, make_model(), _config(stage, v["accum"], v["clip"]),
+                                global_batches(STEPS, MICRO * v["accum"] * world))
+            assert oracle.losses64[-1] < oracle.losses64[0], "the reference itself must learn"
+            oracle.check(losses, params, what)
+            continue
         ref_losses, ref_params = _reference(stage, world, v)
-        assert ref_losses[-1] < ref_losses[0], "the reference itself must learn"
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-        assert loss_err <= loss_tol, f"stage {stage} {dtype}, {world} ranks, {v}: loss differs by {loss_err:.2e}"
+        assert loss_err <= loss_tol, f"{what}: loss differs by {loss_err:.2e}"
         param_err = max_rel_diff(params, ref_params)
-        assert param_err <= param_tol, f"stage {stage} {dtype}, {world} ranks, {v}: parameters differ by {param_err:.2e}"
+        assert param_err <= param_tol, f"{what}: parameters differ by {param_err:.2e}"
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp32_matches_single_process_reference(stage, world):
-    _check_against_reference(stage, world, "fp32", loss_tol=1e-6, param_tol=1e-6)
+    _check_against_reference(stage, world, "fp32")
 
 
 @pytest.mark.timeout(90)

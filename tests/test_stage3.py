@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import tiertrain
-from reference import engine_train, global_batches, make_config, make_model, max_rel_diff, rank_slices, reference_train
+from reference import Oracle, engine_train, global_batches, make_config, make_model, rank_slices, reference_train
 from tiertrain.testing import RankFailure, run_distributed
 
 
@@ -23,17 +23,15 @@ def _train(rank, world, zero):
     return losses, params, resident, engine.flat.peak_gathered_bytes
 
 
-def _reference():
-    return reference_train(make_model(n_layers=3), _config(), global_batches(3, 4))
+def _oracle():
+    return Oracle.run(reference_train, make_model(n_layers=3), _config(), global_batches(3, 4))
 
 
 @pytest.mark.timeout(60)
 def test_persistent_small_parameters_stay_whole_and_train_identically():
     losses, params, resident, _ = run_distributed(_train, 2, {"persistence_threshold": 64}, timeout=50)[0]
-    ref_losses, ref_params = _reference()
     assert resident == ["<persistent>"], "layer norms (32 elements) form one resident unit"
-    assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) <= 1e-6
-    assert max_rel_diff(params, ref_params) <= 1e-6
+    _oracle().check(losses, params, "persistent small parameters")
 
 
 @pytest.mark.timeout(90)

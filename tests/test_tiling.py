@@ -5,32 +5,49 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import tiertrain
-from reference import make_config
+from reference import assert_within_rounding, make_config
 from tiertrain.testing import run_distributed
 from tiertrain.tiling import TiledLinear, apply_tiling
 
 
 @pytest.mark.parametrize("tiles", [1, 3, 8])
 def test_tiled_linear_equals_linear_in_output_and_gradients(tiles):
+    """Tiled and untiled are two fp32 evaluations of the same sums of products (the tiled
+    input gradient adds per-tile partial sums: another association of the same 40 terms).
+    Each must lie within the rounding bound γ_n·Σ|terms| of the float64 result, where n is
+    the length of the sum: in_features + 1 (bias) for the output, out_features for the input
+    gradient, the 35 rows for the weight and bias gradients."""
     torch.manual_seed(0)
     linear = nn.Linear(24, 40)
     tiled = TiledLinear.from_linear(linear, tiles)
     x = torch.randn(5, 7, 24, requires_grad=True)
     x2 = x.detach().clone().requires_grad_()
     y, y2 = linear(x), tiled(x2)
-    torch.testing.assert_close(y2, y, rtol=1e-6, atol=1e-7)
     grad = torch.randn_like(y)
     y.backward(grad)
     y2.backward(grad)
-    # Gradients are sums (over tiles for the input, over 35 rows for weight and bias) whose
-    # terms are the same but whose kernels associate them differently on a column slice:
-    # they agree to the fp32 rounding of such sums (values here are O(1)), not bit for bit.
-    sums = dict(rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(x2.grad, x.grad, **sums)
-    torch.testing.assert_close(torch.cat([t.weight.grad for t in tiled.tiles]), linear.weight.grad, **sums)
-    torch.testing.assert_close(torch.cat([t.bias.grad for t in tiled.tiles]), linear.bias.grad, **sums)
+    w, b = linear.weight.detach().double(), linear.bias.detach().double()
+    x64, g64 = x.detach().double(), grad.double()
+    rows_x, rows_g = x64.reshape(-1, 24), g64.reshape(-1, 40)
+    exact = {  # name: (float64 result, Σ|terms|, n)
+        "output": (F.linear(x64, w, b), F.linear(x64.abs(), w.abs(), b.abs()), 24 + 1),
+        "input grad": (g64 @ w, g64.abs() @ w.abs(), 40),
+        "weight grad": (rows_g.T @ rows_x, rows_g.abs().T @ rows_x.abs(), 35),
+        "bias grad": (rows_g.sum(0), rows_g.abs().sum(0), 35),
+    }
+    results = {
+        "untiled": {"output": y, "input grad": x.grad, "weight grad": linear.weight.grad,
+                    "bias grad": linear.bias.grad},
+        f"{tiles} tiles": {"output": y2, "input grad": x2.grad,
+                           "weight grad": torch.cat([t.weight.grad for t in tiled.tiles]),
+                           "bias grad": torch.cat([t.bias.grad for t in tiled.tiles])},
+    }
+    for form, tensors in results.items():
+        for name, value in tensors.items():
+            assert_within_rounding(value.detach(), *exact[name], f"{form} {name}")
 
 
 def test_bad_tiling_is_named():

@@ -308,7 +308,10 @@ class GPT(nn.Module):
         logits = self.head(self.norm(x))
         if labels is None:
             return logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+        # The loss in at least fp32 (bf16/fp16 logits are upcast); a float64 model keeps float64,
+        # which the tests' float64 oracle relies on.
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), labels.reshape(-1))
 
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
