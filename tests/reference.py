@@ -54,9 +54,10 @@ def reference_train(model, config: Config, batches):
     model = copy.deepcopy(model)
     opt = build_adamw(param_groups(model.named_parameters(), config.optimizer), config.optimizer)
     sched = build_schedule(opt, config.schedule)
+    dtype = next(model.parameters()).dtype
     losses = []
     for batch in batches:
-        loss = default_loss(model, batch)
+        loss = default_loss(model, _floats_to(batch, dtype))
         loss.backward()
         if config.optimizer.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.grad_clip)
@@ -65,6 +66,18 @@ def reference_train(model, config: Config, batches):
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _floats_to(batch, dtype):
+    """Floating-point inputs in the model's dtype (a float64 reference gets float64 inputs), as
+    the engine casts them to its compute dtype."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(dtype) if batch.is_floating_point() else batch
+    if isinstance(batch, dict):
+        return {k: _floats_to(v, dtype) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_floats_to(v, dtype) for v in batch)
+    return batch
 
 
 def rank_slices(batch, rank: int, dp: int, micro: int, accum: int):
@@ -133,8 +146,8 @@ def rel_distances(a: dict, b: dict) -> dict[str, float]:
     """Per parameter: max|a - b| / max|b| (float64 arithmetic)."""
     out = {}
     for name, ref in b.items():
-        ref = ref.double()
-        out[name] = float((a[name].double() - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
+        ref = ref.detach().double()
+        out[name] = float((a[name].detach().double() - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
     return out
 
 
@@ -233,7 +246,7 @@ def assert_within_rounding(actual: torch.Tensor, exact: torch.Tensor, abs_terms:
     Stability of Numerical Algorithms", §3.1): |fl(Σ aᵢbᵢ) - Σ aᵢbᵢ| ≤ γ_n · Σ|aᵢbᵢ|, elementwise.
     exact and abs_terms (Σ|aᵢbᵢ|) are computed in float64 from the same fp32 inputs. Returns the
     worst ratio of error to bound (≤ 1)."""
-    err = (actual.double() - exact).abs()
+    err = (actual.detach().double() - exact).abs()
     bound = gamma(n_terms) * abs_terms
     ratio = float((err / bound.clamp_min(1e-300)).max())
     if not bool((err <= bound).all()):

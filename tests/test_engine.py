@@ -93,12 +93,12 @@ def _default_eps(rank, world, stage):
 
 @pytest.mark.timeout(60)
 def test_default_eps_tracks_reference():
-    """With eps=1e-8 the losses still agree to 1e-6; parameters to 1e-4 (see module docstring)."""
+    """With eps=1e-8, Adam amplifies 1-ulp gradient differences (module docstring) in the fp32
+    reference as much as in the engine: the oracle's noise grows with it, and the bound too."""
     losses, params = run_distributed(_default_eps, 2, 3, timeout=50)[0]
     cfg = make_config(zero={"stage": 3}, batch={"micro_batch_size": MICRO})
-    ref_losses, ref_params = reference_train(make_model(), cfg, global_batches(STEPS, MICRO * 2))
-    assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) <= 1e-6
-    assert max_rel_diff(params, ref_params) <= 1e-4
+    oracle = Oracle.run(reference_train, make_model(), cfg, global_batches(STEPS, MICRO * 2))
+    oracle.check(losses, params, "stage 3, AdamW eps=1e-8")
 
 
 def _fp16_run(rank, world, stage):
