@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
 
 import torch
+
+from _common import machine_lines
 
 
 def _time(fn, warmup: int, steps: int) -> float:
@@ -90,7 +91,7 @@ def main(argv=None) -> None:
         "",
         f"Command: `python {' '.join(sys.argv)}`",
         "",
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"Machine: {'; '.join(machine_lines())}; "
         f"{args.threads} threads; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}.",
         f"Memory bandwidth (best of STREAM copy/triad): {bandwidth / 1e9:.2f} GB/s. {numel / 1e6:.0f}M fp32 parameters, "
         f"median of {args.steps} steps after {args.warmup} warm-up.",

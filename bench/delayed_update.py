@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import tiertrain
+from _common import machine_lines
 from tiertrain.config import from_dict
 from tiertrain.models.gpt import GPT, GPTConfig
 
@@ -42,7 +42,7 @@ def build(delayed: bool, args) -> tiertrain.Engine:
     engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
     engine.update_times, engine.wait_times = [], []
     if delayed:
-        update, wait = engine.delayed._update, engine.delayed.wait
+        update, wait = engine.update._update, engine.update.wait
 
         def timed_update():
             start = time.perf_counter()
@@ -54,16 +54,16 @@ def build(delayed: bool, args) -> tiertrain.Engine:
             wait(agree)
             engine.wait_times.append(time.perf_counter() - start)
 
-        engine.delayed._update, engine.delayed.wait = timed_update, timed_wait
+        engine.update._update, engine.update.wait = timed_update, timed_wait
     else:
-        step = engine.optimizer.step
+        step = engine.update.optimizer.step
 
         def timed_step(*a, **k):
             start = time.perf_counter()
             step(*a, **k)
             engine.update_times.append(time.perf_counter() - start)
 
-        engine.optimizer.step = timed_step
+        engine.update.optimizer.step = timed_step
     return engine
 
 
@@ -118,7 +118,7 @@ def main() -> None:
         "",
         f"Command: `{command}`",
         "",
-        (f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} torch "
+        (f"Machine: {'; '.join(machine_lines())}; {args.threads} torch "
         f"threads; load average before {load_before[0]:.2f}, after {load_after[0]:.2f}."),
         (f"Model: GPT preset `{args.preset}` ({params / 1e6:.1f}M parameters), seq_len {args.seq_len}, micro-batch "
         f"{args.micro_batch}; one process, zero.stage 2, offload_optimizer=cpu, fp32. "

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict
@@ -41,6 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from _common import machine_lines  # noqa: E402
 from tiertrain.estimate.measure import RunSpec, calibrate_overhead, measure, predict  # noqa: E402
 from tiertrain.estimate.peak import HostOverhead  # noqa: E402
 
@@ -127,17 +127,7 @@ def run_rows(names: list[str], overhead: HostOverhead, fixed: bool, live: bool, 
 
 
 def machine() -> str:
-    import torch
-
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    mem = 0
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                mem = int(line.split()[1]) * 1024
-    libc = " ".join(platform.libc_ver())
-    return (f"{platform.machine()}, {cpus} CPUs, {mem / 2**30:.1f} GiB RAM, Linux {platform.release()}, "
-            f"{libc}, Python {platform.python_version()}, torch {torch.__version__}")
+    return "; ".join(machine_lines())
 
 
 def write_markdown(path: str, rows: list[dict], overhead: HostOverhead, calibration: dict | None,

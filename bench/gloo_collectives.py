@@ -28,11 +28,8 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,15 +38,10 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from _common import free_port, init_gloo, loadavg, machine_lines, spawn_ranks
 
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------
@@ -333,12 +325,7 @@ def overlap_test(args, rank, world, results):
 
 
 def worker(rank, world, port, args, result_path):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
+    init_gloo(rank, world, port, threads=args.threads, timeout_s=args.timeout)
     results = {"rows": [], "errors": {}}
     try:
         for size_mib in args.sizes_mib:
@@ -400,21 +387,10 @@ def worker(rank, world, port, args, result_path):
         dist.destroy_process_group()
 
 
-def machine_description() -> str:
-    def sh(cmd):
-        try:
-            return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=20).stdout.strip()
-        except Exception as e:  # noqa: BLE001
-            return f"<{cmd} failed: {e}>"
-
-    return "\n".join([
-        f"nproc: {sh('nproc')}",
-        f"torch: {torch.__version__}  (threads per rank set by --threads)",
-        f"python: {platform.python_version()}  platform: {platform.platform()}",
-        "lscpu | head:",
-        sh("lscpu | head"),
-        f"load average at start: {sh('cat /proc/loadavg')}",
-    ])
+def machine_description(args) -> str:
+    return "\n".join(machine_lines(lscpu_head=True)
+                     + [f"torch threads per rank: {args.threads} (--threads)",
+                        f"load average at start: {loadavg(5)}"])
 
 
 def render(results, args, machine, cmd) -> str:
@@ -495,23 +471,15 @@ def main(argv=None):
                                                  "results", "gloo_collectives.md"))
     args = p.parse_args(argv)
     cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
-    machine = machine_description()
+    machine = machine_description(args)
     print(machine, flush=True)
 
     port = free_port()
     fd, result_path = tempfile.mkstemp(suffix=".json", prefix="gloo_coll_")
     os.close(fd)
-    ctx = mp.start_processes(worker, args=(args.world, port, args, result_path), nprocs=args.world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + args.total_timeout
     try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"workers not done after {args.total_timeout}s")
+        spawn_ranks(worker, (args.world, port, args, result_path), args.world, args.total_timeout, "workers")
     except BaseException:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
         traceback.print_exc()
         sys.exit(1)
     with open(result_path) as f:

@@ -29,9 +29,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
-import subprocess
 import sys
 import time
 
@@ -39,16 +37,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _common import machine_lines, meminfo  # noqa: E402
+
 BYTES_PER_PARAM = 2 + 4 + 12  # bf16 parameter, fp32 gradient, fp32 master + exp_avg + exp_avg_sq
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "larger_than_ram.md")
-
-
-def mem_total() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemTotal in /proc/meminfo")
 
 
 def proc_io() -> tuple[int, int]:
@@ -130,15 +122,6 @@ def rank_main(args, model_cfg):
             "swapper": dict(engine.swapper.stats), "hwm": vm_hwm()}
 
 
-def machine() -> list[str]:
-    cpu = subprocess.run("lscpu | grep 'Model name' | sed 's/.*: *//'", shell=True, capture_output=True,
-                         text=True).stdout.strip()
-    return [f"- host: {platform.node()}, {platform.platform()}",
-            f"- nproc: {os.cpu_count()}; CPU: {cpu}",
-            f"- RAM (MemTotal): {mem_total() / 2**30:.1f} GiB",
-            f"- python {platform.python_version()}, torch {torch.__version__}"]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--swap-dir", default="/tmp/tiertrain-larger-than-ram")
@@ -159,7 +142,8 @@ def main() -> None:
     from tiertrain.launch import launch_local
 
     os.makedirs(args.swap_dir, exist_ok=True)
-    ram = mem_total()
+    ram = meminfo("MemTotal")
+    machine = [f"- {line}" for line in machine_lines(dirs=[args.swap_dir])]
     model_cfg = choose_model(int(args.ratio * ram), args.hidden, args.seq_len)
     n = model_cfg.num_parameters()
     print(f"model: {model_cfg.n_layers} layers × hidden {model_cfg.hidden}: {n / 1e9:.2f} B parameters, "
@@ -191,7 +175,7 @@ def main() -> None:
         f"Command: `python bench/larger_than_ram.py --swap-dir {args.swap_dir} --steps {args.steps} "
         f"--ratio {args.ratio} --lr {args.lr} --data {args.data}` — {datetime.datetime.now():%Y-%m-%d %H:%M}, "
         f"{wall:.0f} s in all.", "",
-        "## Machine", *machine(),
+        "## Machine", *machine,
         f"- swap directory `{args.swap_dir}`: O_DIRECT write {write_gbps:.2f} GB/s, read {read_gbps:.2f} GB/s "
         f"(1 GiB, 8 MiB requests, measured just before training{'; ' + note if note else ''})", "",
         "## Model and placement",

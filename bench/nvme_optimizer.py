@@ -41,33 +41,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+from _common import machine_lines  # noqa: E402
 from tiertrain.config import OptimizerConfig  # noqa: E402
 from tiertrain.offload import AlignedBufferPool, AsyncIO, NVMeAdamW  # noqa: E402
 
 MiB = 1 << 20
-
-
-def sh(cmd: str) -> str:
-    import subprocess
-    try:
-        return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=30).stdout.strip()
-    except Exception as e:  # noqa: BLE001
-        return f"({e})"
-
-
-def machine(d: str) -> list[str]:
-    import platform
-    cpu = sh("lscpu | sed -n 's/^Model name: *//p'")
-    mem = sh("free -h | awk '/^Mem:/ {print $2 \" total, \" $7 \" available\"}'")
-    return [f"- host: {platform.node()}, {platform.platform()}",
-            f"- nproc: {os.cpu_count()} ({sh('nproc')} usable); CPU: {cpu}",
-            f"- memory: {mem}",
-            f"- python {platform.python_version()}, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} torch threads, CPU capability "
-            f"{torch.backends.cpu.get_cpu_capability()}",
-            f"- swap dir `{d}`: filesystem `{sh(f'df --output=fstype {d} | tail -1')}`, device "
-            f"`{sh(f'df --output=source {d} | tail -1')}`; `df -h`: "
-            f"`{sh(f'df -h {d} | tail -1')}`"]
 
 
 class RawIO:
@@ -280,7 +258,7 @@ def main(argv=None) -> int:
     lines = ["# Optimizer step from NVMe: NVMeAdamW vs AdamW in RAM vs the IO lower bound", "",
              f"Command: `python bench/nvme_optimizer.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
              f" — {time.strftime('%Y-%m-%d %H:%M:%S')}, {time.time() - t_start:.0f} s.", "",
-             "## Machine", *machine(args.dir),
+             "## Machine", *[f"- {line}" for line in machine_lines(dirs=[args.dir], torch_threads=True)],
              f"- load average before: {' '.join(f'{x:.2f}' for x in load_before)}; after: "
              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (2 shared cores; other sessions were running)",
              "", "## Method",

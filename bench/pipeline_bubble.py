@@ -30,16 +30,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
+from _common import machine_lines
 from tiertrain import Topology
 from tiertrain.config import ParallelConfig
 from tiertrain.pipeline import (PipelineExecutor, bubble_fraction, gpipe, ideal_bubble, interleaved_one_f_one_b,
@@ -137,13 +136,6 @@ def measure(p, sched_name, v, m, t_f, mode, steps, warmup):
                 worst_rank=statistics.median(max(bubbles[r][s] for r in range(p)) for s in range(steps)))
 
 
-def _sh(cmd: str) -> str:
-    try:
-        return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception as e:  # noqa: BLE001
-        return f"({e})"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pipelines", type=int, nargs="+", default=[2, 4])
@@ -178,14 +170,12 @@ def main(argv=None) -> int:
 
 
 def write_report(args, rows, load_before, load_after) -> None:
-    cpu = _sh("lscpu | grep -i 'model name' | head -1 | cut -d: -f2").strip() or platform.processor()
     cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
     lines = [
         "# Pipeline bubble: measured on gloo CPU vs (p−1)/m and (p−1)/(m·v)",
         "",
         f"- Date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- Machine: `nproc` = {os.cpu_count()} ({len(os.sched_getaffinity(0))} usable), CPU: {cpu}; "
-        f"torch {torch.__version__}, Python {platform.python_version()}, backend gloo, 1 thread per rank",
+        f"- Machine: {'; '.join(machine_lines())}; backend gloo, 1 thread per rank",
         f"- Load average (1/5/15 min) before: {load_before[0]:.2f} / {load_before[1]:.2f} / {load_before[2]:.2f}; "
         f"after: {load_after[0]:.2f} / {load_after[1]:.2f} / {load_after[2]:.2f} (the machine is shared)",
         f"- Command: `{cmd}`",

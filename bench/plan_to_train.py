@@ -29,7 +29,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -40,15 +39,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results", "plan_to_train.md")
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-GiB = 2**30
 
-
-def meminfo(key: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
+from _common import GiB, machine_lines, meminfo  # noqa: E402
 
 
 def run(cmd: list[str], log: list[str]) -> subprocess.CompletedProcess:
@@ -163,15 +155,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['peak_rss_bytes_per_rank'] / GiB:.2f} | {r['mem_bytes_per_rank'] / GiB:.2f} |")
         prev = r["elapsed_s"]
     losses = [r["loss"] for r in records]
-    cpu = subprocess.run("lscpu | grep 'Model name' | sed 's/.*: *//'", shell=True, capture_output=True,
-                         text=True).stdout.strip()
     lines = [
         "# plan → train: a model larger than RAM, placed by `tiertrain plan`", "",
         f"Command: `python bench/plan_to_train.py{(' ' + shlex.join(argv)) if argv else ''}` — "
         f"{datetime.datetime.now():%Y-%m-%d %H:%M}, training {wall:.0f} s.", "",
         "## Machine",
-        f"- {platform.node()}, {platform.platform()}; {os.cpu_count()} CPUs ({cpu}); MemTotal "
-        f"{meminfo('MemTotal') / GiB:.1f} GiB; python {platform.python_version()}",
+        *[f"- {line}" for line in machine_lines()],
         f"- planned with host RAM {parse_bytes(ram) / GiB:.2f} GiB ({'stated: --ram ' + ram if args.ram else 'MemAvailable before the run'}) and the free space of "
         f"`{args.swap_dir}` as the NVMe tier", "",
         "## Commands", "", "```", *commands, "```", "",

@@ -33,11 +33,8 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +48,8 @@ for p in (HERE, ROOT):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+
+from _common import free_port, gather_results, init_gloo, loadavg, machine_lines, spawn_ranks  # noqa: E402
 
 DEFAULT_FRAMEWORKS = ["ddp", "fsdp2", "ds1", "ds2", "ds3"]
 ALL_FRAMEWORKS = ["ddp", "fsdp2", "ds1", "ds2", "ds3", "ds3_p0",
@@ -64,12 +62,6 @@ ALL_RUN_ORDER = ["ddp", "tiertrain0", "tiertrain1", "ds1", "tiertrain2", "ds2",
 RATIOS = [("tiertrain3", "fsdp2", 0.9), ("tiertrain3", "ds3", 0.9), ("tiertrain3", "ds3_p0", None),
           ("tiertrain0", "ddp", 1.05), ("tiertrain1", "ddp", 1.05), ("tiertrain2", "ddp", 1.05),
           ("tiertrain1", "ds1", None), ("tiertrain2", "ds2", None)]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- model + data
@@ -125,14 +117,7 @@ class Batches:
 
 
 def worker(rank, world, port, fw, args, result_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
-    torch.set_num_threads(args.threads)
-    import warnings
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
+    init_gloo(rank, world, port, threads=args.threads, timeout_s=args.timeout)
     from baselines import OptimConfig, run_framework
 
     factory = ModelFactory(args.preset, json.loads(args.model_overrides), args.toy)
@@ -153,11 +138,7 @@ def worker(rank, world, port, fw, args, result_path):
         out.update(ok=True, result=res.to_dict(), model=factory.source(), seq_len=seq)
     except Exception as e:  # noqa: BLE001
         out.update(error=f"{type(e).__name__}: {e}", tb=traceback.format_exc())
-    gathered = [None] * world
-    dist.all_gather_object(gathered, out)
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump(gathered, f, default=str)
+    gather_results(out, result_path)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -165,19 +146,11 @@ def worker(rank, world, port, fw, args, result_path):
 def launch(fw, args) -> list[dict]:
     fd, path = tempfile.mkstemp(prefix=f"baseline_{fw}_", suffix=".json")
     os.close(fd)
-    ctx = mp.start_processes(worker, args=(args.world, free_port(), fw, args, path),
-                             nprocs=args.world, join=False, start_method="spawn")
-    deadline = time.monotonic() + args.run_timeout
     try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{fw}: not done after {args.run_timeout}s")
+        spawn_ranks(worker, (args.world, free_port(), fw, args, path), args.world, args.run_timeout, fw)
         with open(path) as f:
             return json.load(f)
     except BaseException as e:  # noqa: BLE001
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
         error = f"{type(e).__name__}: {str(e)[:2000]}"
         # A rank that aborted while its process exited (seen here as "terminate called without
         # an active exception" after destroy_process_group, in DDP and tiertrain runs alike)
@@ -200,28 +173,8 @@ def launch(fw, args) -> list[dict]:
 
 
 def machine_description() -> str:
-    def sh(cmd):
-        try:
-            return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=20).stdout.strip()
-        except Exception as e:  # noqa: BLE001
-            return f"<{cmd} failed: {e}>"
-
-    try:
-        import importlib.metadata as md
-        ds = md.version("deepspeed")
-    except Exception:  # noqa: BLE001
-        ds = "not installed"
-    return "\n".join([f"nproc: {sh('nproc')}", f"torch: {torch.__version__}, deepspeed: {ds}",
-                      f"python: {platform.python_version()}", "lscpu | head:", sh("lscpu | head"),
-                      f"load average at start: {sh('cat /proc/loadavg')}"])
-
-
-def loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "?"
+    return "\n".join(machine_lines(packages=["deepspeed"], lscpu_head=True)
+                     + [f"load average at start: {loadavg(5)}"])
 
 
 def pool_rounds(rounds: list[list[dict]]) -> list[dict]:
@@ -477,7 +430,7 @@ def main(argv=None):
         if ranks and ranks[0].get("seq_len"):
             row["seq_len"] = ranks[0]["seq_len"]
         rows.append(row)
-    load_after = open("/proc/loadavg").read().strip()
+    load_after = loadavg(5)
     md = render(rows, args, machine, cmd, load_after)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

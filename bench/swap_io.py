@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import re
 import shutil
@@ -38,18 +37,12 @@ import time
 
 import torch
 
+from _common import machine_lines
 from tiertrain.offload import AlignedBufferPool, AsyncIO, TensorSwapper
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 MiB = 1 << 20
-
-
-def sh(cmd: str) -> str:
-    try:
-        return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=30).stdout.strip()
-    except Exception as e:  # noqa: BLE001
-        return f"({e})"
 
 
 def dd_seconds(args) -> float:
@@ -126,20 +119,6 @@ def swapper_e2e(d: str, total: int, pool_mib: int, block: int) -> tuple[float, f
         finally:
             sw.close()
     return tw, tr
-
-
-def machine(dirs) -> list[str]:
-    model = sh("lscpu | sed -n 's/^Model name: *//p'")
-    mem = sh("free -h | awk '/^Mem:/ {print $2 \" total, \" $7 \" available\"}'")
-    lines = [f"- host: {platform.node()}, {platform.platform()}",
-             f"- nproc: {os.cpu_count()} ({sh('nproc')} usable); CPU: {model}",
-             f"- memory: {mem}",
-             f"- python {platform.python_version()}, torch {torch.__version__}"]
-    for d in dirs:
-        lines.append(f"- `{d}`: filesystem `{sh(f'df --output=fstype {d} | tail -1')}`, device "
-                     f"`{sh(f'df --output=source {d} | tail -1')}`; `df -h`: "
-                     f"`{sh(f'df -h {d} | tail -1')}`")
-    return lines
 
 
 def main(argv=None) -> int:
@@ -270,7 +249,7 @@ def main(argv=None) -> int:
             f"{time.time() - t_start:.0f} s.",
             "",
             "## Machine",
-            *machine(dirs),
+            *[f"- {line}" for line in machine_lines(dirs=dirs)],
             f"- load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}; "
             f"after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} (2 shared cores; "
             f"other sessions were running)",

@@ -46,10 +46,8 @@ import datetime
 import importlib.util
 import math
 import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -65,6 +63,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from _common import machine_lines  # noqa: E402
 from tiertrain import Topology  # noqa: E402
 from tiertrain.config import ParallelConfig  # noqa: E402
 from tiertrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear, gather_tensor  # noqa: E402
@@ -330,13 +329,6 @@ def _worker(rank, world, configs, variants, rounds, warmup, steps, min_time, see
 # --------------------------------------------------------------------------- report
 
 
-def _sh(cmd: str) -> str:
-    try:
-        return subprocess.run(cmd, check=False, shell=True, capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception as e:  # noqa: BLE001
-        return f"({e})"
-
-
 def _flops(hidden: int, tokens: int) -> float:
     """fwd+bwd multiply-adds ×2 of h→4h→h with input gradient: 3 × 2 GEMMs × 2·T·h·4h."""
     return 3 * 2 * 2 * tokens * hidden * 4 * hidden
@@ -449,17 +441,14 @@ def reading(res) -> list[str]:
 
 
 def write_report(args, res, variants, skipped, load_before, load_after, wall) -> None:
-    cpu = _sh("lscpu | grep -i 'model name' | head -1 | cut -d: -f2").strip() or platform.processor()
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
     cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
     mg = res["megatron_version"]
     lines = [
         "# Tensor-parallel MLP at tp=2 on gloo CPU: tiertrain vs Megatron-Core",
         "",
         f"- Date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- Machine: `nproc` = {os.cpu_count()} ({len(os.sched_getaffinity(0))} usable), CPU: {cpu}, "
-        f"RAM {mem_gib:.0f} GiB; torch {torch.__version__}, Python {platform.python_version()}, "
-        f"megatron-core {mg or 'not installed'}; backend gloo, 2 processes, 1 compute thread each",
+        f"- Machine: {'; '.join(machine_lines())}, megatron-core {mg or 'not installed'}; "
+        "backend gloo, 2 processes, 1 compute thread each",
         f"- Load average (1/5/15 min) before: {load_before[0]:.2f} / {load_before[1]:.2f} / {load_before[2]:.2f}; "
         f"after: {load_after[0]:.2f} / {load_after[1]:.2f} / {load_after[2]:.2f} (the machine is shared with "
         f"other jobs); whole run {wall:.0f} s",

@@ -48,7 +48,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -67,7 +66,8 @@ for _p in (HERE, ROOT):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+
+from _common import free_port, gather_results, init_gloo, loadavg, machine_lines, spawn_ranks  # noqa: E402
 
 MiB = 1 << 20
 DEFAULT_FRAMEWORKS = ["ds_nvme", "tt_nvme", "tt_ram"]
@@ -76,13 +76,6 @@ TARGET = 0.8
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def sh(cmd: str, timeout: float = 60) -> str:
-    try:
-        return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=timeout).stdout.strip()
-    except Exception as e:  # noqa: BLE001
-        return f"({e})"
 
 
 def proc_io() -> dict[str, int]:
@@ -104,14 +97,6 @@ def tiertrain_nvme_optimizer_supported() -> tuple[bool, str]:
         return True, ""
     except ConfigError as e:
         return False, str(e)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ds_config(args, swap_dir: str, offload: str, micro_batch: int) -> dict:
@@ -159,14 +144,7 @@ def tt_config(args, swap_dir: str, offload_params: str, offload_optimizer: str, 
 
 
 def worker(rank, world, port, fw, args, swap_dir, result_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
-    torch.set_num_threads(args.threads)
-    import warnings
-    warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
+    init_gloo(rank, world, port, threads=args.threads, timeout_s=args.timeout, ignore=Warning)
     from baselines import OptimConfig, current_rss_mib, peak_rss_mib, thread_runqueue_s
     from run_baselines import Batches, ModelFactory
 
@@ -253,7 +231,7 @@ def worker(rank, world, port, fw, args, swap_dir, result_path):
                 t2 = time.perf_counter()
                 engine.step()
                 phases.update(fwd=t1 - t0, bwd=t2 - t1, opt=time.perf_counter() - t2)
-                st = getattr(getattr(engine, "nvme_optimizer", None), "last_stats", None)
+                st = getattr(getattr(getattr(engine, "update", None), "nvme", None), "last_stats", None)
                 if st is not None:
                     phases.update(nvme_opt_s=st.seconds, nvme_opt_io_wait=st.io_wait_seconds,
                                   nvme_opt_compute=st.compute_seconds, nvme_opt_ready_wait=st.ready_wait_seconds)
@@ -311,11 +289,7 @@ def worker(rank, world, port, fw, args, swap_dir, result_path):
                    losses=losses, rec=rec, extra=extra, swap_files_mib=swap_files_mib)
     except Exception as e:  # noqa: BLE001
         out.update(error=f"{type(e).__name__}: {e}", tb=traceback.format_exc())
-    gathered = [None] * world
-    dist.all_gather_object(gathered, out)
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump(gathered, f, default=str)
+    gather_results(out, result_path)
     if engine is not None and hasattr(engine, "destroy"):
         try:
             engine.destroy()
@@ -331,19 +305,11 @@ def launch(fw, args) -> list[dict]:
     os.makedirs(swap_dir, exist_ok=True)
     fd, path = tempfile.mkstemp(prefix=f"zero3_nvme_{fw}_", suffix=".json")
     os.close(fd)
-    ctx = mp.start_processes(worker, args=(args.world, free_port(), fw, args, swap_dir, path),
-                             nprocs=args.world, join=False, start_method="spawn")
-    deadline = time.monotonic() + args.run_timeout
     try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{fw}: not done after {args.run_timeout}s")
+        spawn_ranks(worker, (args.world, free_port(), fw, args, swap_dir, path), args.world, args.run_timeout, fw)
         with open(path) as f:
             return json.load(f)
     except BaseException as e:  # noqa: BLE001
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
         return [{"rank": -1, "ok": False, "error": f"{type(e).__name__}: {str(e)[:3000]}"}]
     finally:
         os.unlink(path)
@@ -370,32 +336,6 @@ def dd_bandwidth(d: str, mib: int) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- report
-
-
-def machine_lines(d: str) -> list[str]:
-    import importlib.metadata as md
-    try:
-        ds = md.version("deepspeed")
-    except Exception:  # noqa: BLE001
-        ds = "not installed"
-    cpu = sh("lscpu | sed -n 's/^Model name: *//p'")
-    mem = sh("free -h | awk '/^Mem:/ {print $2 \" total, \" $7 \" available\"}'")
-    fs = sh(f"df -hT {shlex.quote(d)} | tail -1")
-    dev = sh(f"df --output=source {shlex.quote(d)} | tail -1")
-    aio = sh("dpkg-query -W -f='${Version}' libaio-dev 2>/dev/null") or "not installed"
-    return [f"- host: {platform.node()}, {platform.platform()}",
-            f"- nproc: {os.cpu_count()} ({sh('nproc')} usable); CPU: {cpu}",
-            f"- memory: {mem}",
-            f"- python {platform.python_version()}, torch {torch.__version__}, deepspeed {ds}",
-            f"- swap dir `{d}`: `df -hT`: `{fs}` (device {dev}); libaio-dev: {aio}"]
-
-
-def loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "?"
 
 
 def summarize(fw: str, rounds: list[list[dict]], bw: dict[str, float]) -> dict:
@@ -531,7 +471,7 @@ def render(rows, args, machine, cmd, bws, loads, load_after, wall_s, tt_opt_note
               "fwd / bwd / opt = engine forward, backward, step (the optimizer phase includes the NVMe "
               "optimizer's streaming and the parameter write-back); param_read_wait = time tiertrain's main "
               "thread spent in `flat.read_shard` (NVMe -> RAM parameter reads at gather time, fwd + bwd); "
-              "nvme_opt_* = tiertrain's `nvme_optimizer.last_stats` (seconds, io_wait_seconds, compute_seconds, "
+              "nvme_opt_* = tiertrain's `engine.update.nvme.last_stats` (seconds, io_wait_seconds, compute_seconds, "
               "ready_wait_seconds). Without clipping tiertrain's step runs during backward "
               "(`zero.overlap_nvme_step`, tiertrain/offload/overlapped_step.py): its pass then starts with the "
               "boundary backward, so nvme_opt_s spans backward and step, and ready_wait is the time its worker "
@@ -629,7 +569,7 @@ def main(argv=None):
                   f"{tt_opt_note}\n" + "=" * 100, flush=True)
     os.makedirs(args.nvme_dir, exist_ok=True)
     cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
-    machine = machine_lines(args.nvme_dir)
+    machine = [f"- {line}" for line in machine_lines(dirs=[args.nvme_dir], packages=["deepspeed"], debs=["libaio-dev"])]
     print("\n".join(machine), flush=True)
     t_start = time.perf_counter()
     rounds: dict[str, list] = {fw: [] for fw in fws}

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 import tiertrain
+from _common import machine_lines
 from tiertrain.config import Config, from_dict
 from tiertrain.models.gpt import GPT, GPTConfig
 from tiertrain.testing import run_distributed
@@ -194,7 +195,7 @@ def main(argv=None) -> None:
         "",
         f"Command: `python {' '.join(sys.argv)}`",
         "",
-        f"Machine: {os.cpu_count()} cores ({' '.join(os.uname()[2:3])}), torch {torch.__version__}, 2 gloo ranks, "
+        f"Machine: {'; '.join(machine_lines())}; 2 gloo ranks, "
         f"1 thread each; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after.",
         f"Model: GPT preset `{args.preset}` ({params / 1e6:.1f}M parameters), fp32, micro-batch {args.micro} per rank; "
         f"AdamW fused, no clipping, constant LR; median over {args.rounds} rounds (after {args.warmup} warm-up) of "

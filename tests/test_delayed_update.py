@@ -96,7 +96,7 @@ def _delayed_runs(rank, world, stage):
         cfg = _config(stage, accum, clip, dtype, params=params)
         losses, final, engine = engine_train(rank, world, make_model(), cfg,
                                              global_batches(STEPS, MICRO * accum * world))
-        out.append((losses, final, engine.delayed.overlapped_steps, engine.memory_report()))
+        out.append((losses, final, engine.update.overlapped_steps, engine.memory_report()))
     # warmup >= steps: every update synchronous, bit-identical to the engine without DPU
     sync = [engine_train(rank, world, make_model(), _config(stage, 2, 0.05, delayed=d, warmup=STEPS),
                          global_batches(STEPS, MICRO * 2 * world))[:2] for d in (True, False)]
@@ -158,7 +158,7 @@ def test_update_runs_in_the_background_and_flushes_see_it():
     batches = global_batches(3, MICRO)
     engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
     ran_on, released = [], threading.Event()
-    original = engine.delayed._update
+    original = engine.update._update
 
     def slow_step():
         ran_on.append(threading.current_thread().name)
@@ -166,27 +166,27 @@ def test_update_runs_in_the_background_and_flushes_see_it():
         released.clear()
         original()
 
-    engine.delayed._update = slow_step
+    engine.update._update = slow_step
     oracle = Oracle.run(reference_delayed, make_model(), cfg, batches, warmup=0)
     losses = []
     for i, batch in enumerate(batches):
         losses.append(engine.train_batch(iter([batch])))
-        assert engine.delayed.in_flight
+        assert engine.update.in_flight
         released.set()
     oracle.check(losses, None, "delayed update in the background")
     masters = engine.masters()  # waits
     assert len(ran_on) == 3 and all(name.startswith("tiertrain-delayed-update") for name in ran_on)
-    assert not engine.delayed.in_flight and engine.delayed.unpublished
+    assert not engine.update.in_flight and engine.update.unpublished
     oracle.check(None, engine.full_state_dict(), "delayed update, flushed masters")
     assert all(m is u.master for m, u in zip(masters, engine.flat.units))
     with engine.gathered_parameters():  # publishes: the model's own parameters are the newest
         live = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    assert not engine.delayed.unpublished
+    assert not engine.update.unpublished
     oracle.check(None, live, "delayed update, published parameters")
     engine.train_batch(iter([batches[0]]))
     released.set()
     engine.close()
-    assert not engine.delayed.in_flight
+    assert not engine.update.in_flight
 
 
 # -- checkpoints ----------------------------------------------------------------------------
@@ -206,7 +206,7 @@ def _train(rank, world, stage, directory, mode):
     for i in range(start, RESUME_STEPS):
         losses.append(engine.train_batch(rank_slices(batches[i], rank, world, 2, 2)))
         if mode == "save" and i + 1 == SPLIT:
-            assert engine.delayed.in_flight  # the save catches an update in flight
+            assert engine.update.in_flight  # the save catches an update in flight
             engine.save_checkpoint(directory, extra={"next_batch": i + 1})
     return losses, engine.full_state_dict()
 
@@ -235,7 +235,7 @@ def _fault(rank, world, fail_rank, fail_update):
 
     cfg = _config(2, 1, 0.05, warmup=1)
     engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
-    original, calls = engine.delayed._update, [0]
+    original, calls = engine.update._update, [0]
 
     def step():
         calls[0] += 1
@@ -243,7 +243,7 @@ def _fault(rank, world, fail_rank, fail_update):
             raise RuntimeError("injected fault in the optimizer update")
         original()
 
-    engine.delayed._update = step
+    engine.update._update = step
     batches = global_batches(6, MICRO * world)
     for i, batch in enumerate(batches):
         try:

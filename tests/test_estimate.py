@@ -467,7 +467,7 @@ def _engine_memory_report(rank, world, overrides, model_kw):
     import torch
 
     from tiertrain.config import Config, load
-    from tiertrain.engine import wrap
+    from tiertrain.wrapping import wrap
     from tiertrain.models.gpt import GPT, GPTConfig
     from tiertrain.topology import Topology
 

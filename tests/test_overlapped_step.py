@@ -183,7 +183,7 @@ def _train_with_a_nan_step(rank, world, stage, nvme_path, overlap):
         engine.backward(loss * float("nan") if (k == 1 and rank == 0) else loss)
         if k == 1 and overlap:
             engine.reducer.wait()               # every shard ready: let the worker publish it all
-            step = engine._overlapped_step[0]
+            step = engine.update.in_flight
             _wait_until(lambda: step.chunks_done == step.progress()["chunks"], "the NaN update")
             published_nan = True
         stepped = engine.step()

@@ -8,7 +8,8 @@ Megatron-style tensor/pipeline/data parallelism, behind one engine contract::
     loss = engine(batch); engine.backward(loss); engine.step()
 """
 from .config import Config, ConfigError
-from .engine import Engine, MemoryReport, wrap
+from .engine import Engine, MemoryReport
+from .wrapping import wrap
 from .topology import Topology
 from .zero.construct import partitioned_init
 

@@ -1,9 +1,15 @@
 """Sharded checkpoints: each rank saves its own shard; nothing is lost on failure.
 
+A checkpoint is built from stateful parts (torchtitan's checkpointer): anything with
+``state_dict()``/``load_state_dict()``. The engine hands over its parts (the optimizer-step
+form with the masters and optimizer state, the loss scaler, the counters, the RNG; see
+``Engine.checkpoint_parts``) and a fingerprint of its layout; this module handles files,
+commit and checks, and knows nothing of the engine.
+
 Layout on disk::
 
-    DIR/step_00000120/rank00000.pt   this rank's masters, shards, optimizer, schedule,
-    DIR/step_00000120/rank00001.pt   scaler, counters, RNG state and the caller's extras
+    DIR/step_00000120/rank00000.pt   this rank's parts' states (by part name) and the
+    DIR/step_00000120/rank00001.pt   caller's extras
     DIR/step_00000120/COMMITTED.json written last, by rank 0, once every rank's file is
                                      durable: each rank's layout fingerprint and file sha256
 
@@ -19,15 +25,12 @@ import json
 import os
 import re
 import shutil
-from typing import TYPE_CHECKING, Any
+from typing import Any, Mapping, Protocol
 
 import torch
 import torch.distributed as dist
 
 from .fileio import atomic_write
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 MARKER = "COMMITTED.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -37,15 +40,24 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt or was saved with another layout."""
 
 
-def _fingerprint(engine: "Engine") -> dict:
-    layout = engine.layout
+class Stateful(Protocol):
+    """A checkpoint part."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def layout_fingerprint(layout, topology, stage: int, dtype: str, state_format: str) -> dict:
+    """What a rank's checkpoint must match to load: parallel sizes, ZeRO stage, compute dtype,
+    the optimizer state's format and the flat units (names and sizes)."""
     return {
-        "stage": engine.stage,
-        "dp": engine.dp,
-        "tp": engine.topology.size("tp"),
-        "pp": engine.topology.size("pp"),
-        "dtype": engine.config.precision.dtype,
-        "optimizer_tier": "nvme" if engine.nvme_optimizer is not None else "memory",
+        "stage": stage,
+        "dp": topology.size("dp"),
+        "tp": topology.size("tp"),
+        "pp": topology.size("pp"),
+        "dtype": dtype,
+        "optimizer_tier": state_format,
         "units": [[u.label, u.padded_numel, [s.name for s in u.slots]] for u in layout.units],
     }
 
@@ -66,70 +78,32 @@ def _gather_objects(obj: Any, group) -> list[Any]:
     return out
 
 
-def rank_state(engine: "Engine") -> dict:
-    """This rank's complete training state (the engine's state_dict)."""
-    delayed = getattr(engine, "delayed", None)
-    if delayed is not None:  # the update in flight lands in the state (zero.delayed_update)
-        delayed.wait(agree=False)
-    if engine.nvme_optimizer is not None:  # masters and moments come back from NVMe
-        optimizer = engine.nvme_optimizer.state_dict()
-        masters = [shard.pop("master") for shard in optimizer["shards"]]
-    else:
-        optimizer = engine.optimizer.state_dict()
-        masters = [u.master.detach().clone() for u in engine.flat.units]
-    return {
-        **({"delayed": delayed.state_dict()} if delayed is not None else {}),
-        "masters": masters,
-        "optimizer": optimizer,
-        "schedule": engine.schedule.state_dict(),
-        "scaler": engine.scaler.state_dict(),
-        "counters": {"micro_steps": engine.micro_steps, "steps": engine.steps,
-                     "skipped_steps": engine.skipped_steps},
-        "rng": torch.get_rng_state(),
-    }
+def rank_state(parts: Mapping[str, Stateful]) -> dict:
+    """This rank's complete training state: every part's state, by part name."""
+    return {name: part.state_dict() for name, part in parts.items()}
 
 
-def restore_rank_state(engine: "Engine", state: dict) -> None:
-    """Inverse of rank_state: masters are copied in place (the optimizer holds views of
-    them), compute-dtype shards and resident full buffers are rebuilt from them."""
-    delayed = getattr(engine, "delayed", None)
-    if delayed is not None:
-        delayed.discard()  # an update still in flight must not write over the loaded masters
-    if engine.nvme_optimizer is not None:
-        optimizer = state["optimizer"]
-        for shard, master in zip(optimizer["shards"], state["masters"]):
-            shard["master"] = master.cpu()
-        engine.nvme_optimizer.load_state_dict(optimizer)
-        with engine.flat.shard_writer() as write:
-            for index, master in enumerate(state["masters"]):
-                write(index, 0, master.numel(), master)
-    else:
-        with torch.no_grad():
-            for u, master in zip(engine.flat.units, state["masters"]):
-                u.master.copy_(master)
-        engine.optimizer.load_state_dict(state["optimizer"])
-    engine.flat.publish_masters()
-    engine.flat.zero_grads()
-    engine.schedule.load_state_dict(state["schedule"])
-    engine.scaler.load_state_dict(state["scaler"])
-    engine.micro_steps = state["counters"]["micro_steps"]
-    engine.steps = state["counters"]["steps"]
-    engine.skipped_steps = state["counters"]["skipped_steps"]
-    if delayed is not None:  # a run saved between an update and its publication resumes there
-        delayed.load_state_dict(state.get("delayed"))
-    torch.set_rng_state(state["rng"])
+def restore_rank_state(parts: Mapping[str, Stateful], state: dict) -> None:
+    """Inverse of rank_state, part by part in the parts' order."""
+    missing = [name for name in parts if name not in state]
+    if missing:
+        raise CheckpointError(f"the checkpoint holds no state for {missing}; it has {sorted(state)}")
+    for name, part in parts.items():
+        part.load_state_dict(state[name])
 
 
-def save(engine: "Engine", directory: str, extra: dict | None = None, keep_last: int = 0) -> str:
-    """Save this rank's state under directory/step_NNNNNNNN (collective: every rank calls it)."""
-    step_dir = os.path.join(directory, f"step_{engine.steps:08d}")
-    rank, world = engine.topology.rank, engine.topology.world_size
-    group = engine.topology.world_group()
+def save(parts: Mapping[str, Stateful], directory: str, step: int, topology, fingerprint: dict,
+         extra: dict | None = None, keep_last: int = 0) -> str:
+    """Save this rank's parts under directory/step_NNNNNNNN (collective: every rank calls it);
+    fingerprint: this rank's layout_fingerprint, checked at load."""
+    step_dir = os.path.join(directory, f"step_{step:08d}")
+    rank, world = topology.rank, topology.world_size
+    group = topology.world_group()
     if rank == 0 and os.path.exists(os.path.join(step_dir, MARKER)):
         os.remove(os.path.join(step_dir, MARKER))  # re-saving a step: uncommit it first
     if group is not None:
         dist.barrier(group=group)
-    state = rank_state(engine)
+    state = rank_state(parts)
     state["extra"] = extra or {}
     path = os.path.join(step_dir, f"rank{rank:05d}.pt")
     error = digest = None
@@ -140,12 +114,12 @@ def save(engine: "Engine", directory: str, extra: dict | None = None, keep_last:
     except OSError as e:
         error = f"rank {rank}: writing {path!r} failed: {e.strerror or e}"
     # Each rank's own layout is recorded: under pipeline or tensor parallelism they differ.
-    digests = _gather_objects((digest, error, _fingerprint(engine)), group)
+    digests = _gather_objects((digest, error, fingerprint), group)
     errors = [e for _, e, _ in digests if e]
     if errors:
         raise CheckpointError("checkpoint not committed; " + "; ".join(errors))
     if rank == 0:
-        marker = {"step": engine.steps, "world_size": world, "layouts": [f for _, _, f in digests],
+        marker = {"step": step, "world_size": world, "layouts": [f for _, _, f in digests],
                   "sha256": [d for d, _, _ in digests]}
         atomic_write(os.path.join(step_dir, MARKER), lambda f: f.write(json.dumps(marker, indent=1).encode()))
         if keep_last:
@@ -168,8 +142,10 @@ def committed_steps(directory: str) -> list[int]:
     return sorted(steps)
 
 
-def load(engine: "Engine", directory: str, step: int | None = None) -> dict:
-    """Restore the newest (or the given) committed checkpoint; returns the saved extras."""
+def load(parts: Mapping[str, Stateful], directory: str, step: int | None, topology, fingerprint: dict,
+         device: torch.device) -> dict:
+    """Restore the newest (or the given) committed checkpoint into the parts; returns the
+    saved extras. fingerprint must match the one saved by this rank."""
     steps = committed_steps(directory)
     if not steps:
         raise CheckpointError(f"no committed checkpoint in {directory!r}")
@@ -180,11 +156,11 @@ def load(engine: "Engine", directory: str, step: int | None = None) -> dict:
     step_dir = os.path.join(directory, f"step_{step:08d}")
     with open(os.path.join(step_dir, MARKER)) as f:
         marker = json.load(f)
-    rank = engine.topology.rank
-    if marker["world_size"] != engine.topology.world_size:
+    rank = topology.rank
+    if marker["world_size"] != topology.world_size:
         raise CheckpointError(f"{step_dir!r} was saved by {marker['world_size']} ranks, "
-                              f"this run has {engine.topology.world_size}; resharding is not supported yet")
-    expected, saved = _fingerprint(engine), marker["layouts"][rank]
+                              f"this run has {topology.world_size}; resharding is not supported yet")
+    expected, saved = fingerprint, marker["layouts"][rank]
     for key in ("stage", "dp", "tp", "pp", "dtype", "optimizer_tier"):
         if saved[key] != expected[key]:
             raise CheckpointError(f"{step_dir!r} was saved with {key}={saved[key]!r}, "
@@ -197,6 +173,6 @@ def load(engine: "Engine", directory: str, step: int | None = None) -> dict:
         raise CheckpointError(f"{path!r} is missing from a committed checkpoint")
     if _sha256(path) != marker["sha256"][rank]:
         raise CheckpointError(f"{path!r} is corrupt: its sha256 differs from the one committed")
-    state = torch.load(path, map_location=engine.device, weights_only=False)
-    restore_rank_state(engine, state)
+    state = torch.load(path, map_location=device, weights_only=False)
+    restore_rank_state(parts, state)
     return state["extra"]

@@ -3,15 +3,18 @@
 
 The engine composes small parts and contains none of them: the flat layout and buffers
 (zero/layout.py, zero/flat.py), gradient reduction (zero/reducer.py), stage-3 parameter
-fetching (zero/stage3.py), AdamW and its schedule (optim.py) and loss scaling
-(precision.py). Stage 0 is plain data parallelism, against which the ZeRO stages are
-checked.
+fetching (zero/stage3.py), the overlapped parameter gather (zero/param_gather.py), the
+optimizer step in one of its forms (update/: in memory, from NVMe, overlapped with backward,
+ZeRO-Offload's delayed update; chosen once by update/factory.py), the learning-rate schedule
+(optim.py), loss scaling (precision.py), activation checkpointing and the CPU/NVMe tiers
+(offload/), and checkpoints over stateful parts (checkpoint.py). Stage 0 is plain data
+parallelism, against which the ZeRO stages are checked.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -20,16 +23,18 @@ from . import checkpoint
 from .comm import Collectives, CommCounter
 from .config import Config, ConfigError
 from .host_memory import retain_freed_host_memory
-from .offload.activations import apply_activation_checkpointing, checkpoint_memory, checkpointing_of
-from .optim import build_adamw, build_schedule, clip_coefficient, decays
+from .offload.activations import checkpoint_memory
+from .optim import clip_coefficient, scheduled_lr
 from .precision import DynamicLossScaler, compute_dtype
 from .topology import Topology
+from .update.factory import build_update
 from .zero.construct import forget_partition, full_shape, gather_partitioned, is_partitioned
 from .zero.flat import SWAP_BLOCK_BYTES, FlatParameters, Placement, swap_pool_bytes
 from .zero.layout import FlatLayout, bucket_layout, module_layout
 from .zero.param_gather import WaitForParameters
 from .zero.reducer import GradientReducer
-from .zero.stage3 import REDUCE, STEP, ParameterFetcher
+from .zero.agreement import Event
+from .zero.stage3 import ParameterFetcher
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -86,15 +91,80 @@ def default_unit_modules(model: nn.Module) -> list[str]:
     return prefixes
 
 
+@dataclass
+class TrainState:
+    """The engine's counters: a checkpoint part."""
+
+    micro_steps: int = 0
+    steps: int = 0
+    """Optimizer updates applied; update k uses the schedule's rate for k."""
+    skipped_steps: int = 0
+    """fp16 steps skipped on overflow."""
+
+    def state_dict(self) -> dict:
+        return {"micro_steps": self.micro_steps, "steps": self.steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.micro_steps, self.steps, self.skipped_steps = (state["micro_steps"], state["steps"],
+                                                            state["skipped_steps"])
+
+
+class RNGState:
+    """torch's CPU generator: a checkpoint part, so a resumed run draws the same numbers."""
+
+    def state_dict(self) -> dict:
+        return {"cpu": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state["cpu"])
+
+
+@dataclass(frozen=True)
+class GradientPlan:
+    """Which parameters the engine trains, in which flat layout, and how their gradients are
+    reduced and counted. The default (:func:`default_plan`) serves one model; a pipeline
+    passes its own (per-chunk buckets, reductions launched by the schedule, a tied copy left
+    out of the norm)."""
+
+    named: list[tuple[str, nn.Parameter]]
+    """The trainable parameters, by name, in layout order."""
+    layout: FlatLayout
+    """How they are packed into flat units and sharded over dp."""
+    launch_when_ready: bool = True
+    """Reductions start as each unit's gradients arrive; False: the caller launches them."""
+    counts_in_norm: Callable[[str], bool] = field(default=lambda name: True)
+    """Whether a parameter's gradient counts in the global norm."""
+
+
+def default_plan(model: nn.Module, config: Config, dp: int, unit_modules: list[str] | None = None) -> GradientPlan:
+    """Every trainable parameter of the model; stage 3: one unit per unit module (default:
+    children of ModuleLists) plus the root; stages 0-2: buckets of zero.bucket_mb."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("the model has no trainable parameters")
+    zc, stage = config.zero, config.zero.stage
+    if stage == 3:
+        prefixes = default_unit_modules(model) if unit_modules is None else list(unit_modules)
+        for prefix in prefixes:
+            model.get_submodule(prefix)  # raises AttributeError naming a bad prefix
+        return GradientPlan(named, module_layout(named, prefixes, dp, zc.persistence_threshold, shape_of=full_shape))
+    if any(is_partitioned(p) for _, p in named):
+        raise ConfigError(f"zero.stage={stage}: a model built under partitioned_init needs zero.stage=3")
+    bucket_numel = max(1, int(zc.bucket_mb * 2**20) // 4)
+    return GradientPlan(named, bucket_layout(named, 1 if stage == 0 else dp, bucket_numel))
+
+
 class Engine:
-    """Trains one model on one rank of the topology; see the module docstring."""
+    """Trains one model on one rank of the topology; see the module docstring. plan: what a
+    pipeline changes (see GradientPlan); by default :func:`default_plan`."""
 
     def __init__(self, model: nn.Module, config: Config, topology: Topology,
-                 loss_fn: LossFn | None = None, unit_modules: list[str] | None = None):
+                 loss_fn: LossFn | None = None, unit_modules: list[str] | None = None,
+                 plan: GradientPlan | None = None):
         config.validate()
         if config.zero.retain_host_memory:
             retain_freed_host_memory()
-        if topology.size("pp") > 1 and self.launch_when_ready:
+        if topology.size("pp") > 1 and plan is None:
             raise ConfigError(f"parallel.pp={topology.size('pp')}: build the engine with tiertrain.wrap(), which "
                               f"returns a PipelineEngine for pp > 1 (Engine itself is valid only for pp=1)")
         self.module = model
@@ -114,11 +184,12 @@ class Engine:
         self.accum = config.batch.grad_accum_steps
         self.global_batch_size = config.batch.resolve(self.dp)
 
-        named = self._trainable_parameters(model)
-        if not named:
-            raise ValueError("the model has no trainable parameters")
+        self._on_close: list[Callable[[], None]] = []
+        """What close() undoes, last registered first (hooks, tiers, what wrap() applied)."""
+        self._closed = False
+        plan = plan or default_plan(model, config, self.dp, unit_modules)
+        named, self.layout, self.launch_when_ready = plan.named, plan.layout, plan.launch_when_ready
         self._cast_buffers_and_frozen(model)
-        self.layout = self._build_layout(model, named, unit_modules)
         self.placement = Placement(self.device, optimizer_tier=config.zero.offload_optimizer,
                                    param_tier=config.zero.offload_params)
         self.swapper = self._build_swapper() if "nvme" in (config.zero.offload_optimizer,
@@ -132,9 +203,10 @@ class Engine:
             # Parameter gathers left running by a step are completed before model.state_dict()
             # hands out the parameters' storage, and before a forward called on the model
             # directly, not through the engine (which waits per operation).
-            model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self.flat.wait_gathers())
-            model.register_forward_pre_hook(lambda module, args: None if self._waits_per_operation
-                                            else self.flat.wait_gathers())
+            self._on_close += [
+                model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self.flat.wait_gathers()).remove,
+                model.register_forward_pre_hook(lambda module, args: None if self._waits_per_operation
+                                                else self.flat.wait_gathers()).remove]
         for _, p in named:
             forget_partition(p)  # the flat buffers own the shard now
 
@@ -155,49 +227,27 @@ class Engine:
         self.reducer = GradientReducer(
             self.flat, self.comm, stage, launch_order,
             on_unit_done=self.fetcher.on_unit_grads_done if self.fetcher else None,
-            before_collective=(lambda i: self.fetcher.agree(REDUCE, i)) if self.fetcher else None,
+            before_collective=(lambda i: self.fetcher.agree(Event.REDUCE, i)) if self.fetcher else None,
             launch_when_ready=self.launch_when_ready)
+        self._on_close.append(self.reducer.remove)
+        if self.fetcher is not None:
+            self._on_close.append(self.fetcher.remove)
+        if self.swapper is not None:
+            self._on_close.append(self.swapper.close)  # (removes this rank's swap directory)
 
-        self.nvme_optimizer = None
-        self._overlapped_step = None
-        """The NVMe optimizer step running during this boundary's backward (see backward())."""
-        self.last_overlapped_step: dict | None = None
-        """Progress of the last overlapped NVMe step when step() began: shards whose gradients
-        were final, and chunks already updated, during backward (OverlappedStep.progress)."""
-        if config.zero.offload_optimizer == "nvme":
-            self.nvme_optimizer = self.optimizer = self._build_nvme_optimizer()
-            # The schedule drives an optimizer; this one only carries the learning rate.
-            self._lr_source = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=config.optimizer.lr)
-            self.schedule = build_schedule(self._lr_source, config.schedule)
-        else:
-            self.optimizer = build_adamw(self._optimizer_groups(), config.optimizer)
-            self.schedule = build_schedule(self.optimizer, config.schedule)
+        self._norm_grads, self._partial_grads = self._gradient_views(plan.counts_in_norm)
         self.scaler = DynamicLossScaler(config.precision.loss_scale, enabled=config.precision.dtype == "fp16")
-        self.micro_steps = 0
-        self.steps = 0
-        self.skipped_steps = 0
+        self.update = build_update(
+            self.flat, config, topology, self.reducer, self.swapper, lazy_zero=self.launch_when_ready,
+            global_gradient_changes=(config.optimizer.grad_clip > 0 or self.scaler.enabled
+                                     or (self.tp_comm.size > 1 and bool(self._partial_grads))))
+        """The optimizer step, in the form the configuration asks for (tiertrain/update/)."""
+        self._on_close.append(self.update.close)  # (first undone: its thread, its swap files)
+        self.train_state = TrainState()
         self._stepped_at = -1
         self.last_grad_norm = float("nan")
-        self.delayed = None
-        """zero.delayed_update: the one-step delayed CPU update (tiertrain/offload/delayed.py)."""
-        if config.zero.delayed_update:
-            from .offload.delayed import DelayedUpdate
-
-            self.delayed = DelayedUpdate(self)
-
-    launch_when_ready = True
-    """Gradient reductions start as each unit's gradients arrive (False under pipeline
-    parallelism, where the engine launches each chunk's units after its last backward)."""
 
     # -- construction ----------------------------------------------------------------
-
-    def _trainable_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-
-    def _counts_in_norm(self, name: str) -> bool:
-        """Whether this parameter's gradient counts in the global norm (a pipeline's copy
-        of a tied weight does not: the embedding already counts it)."""
-        return True
 
     def _cast_buffers_and_frozen(self, model: nn.Module) -> None:
         for module in model.modules():
@@ -217,27 +267,11 @@ class Engine:
         block = SWAP_BLOCK_BYTES
         largest = max(u.shard_numel for u in self.layout.units) * torch.finfo(self.dtype).bits // 8
         pin = self.device.type == "cuda"
-        return TensorSwapper(self.config.zero.nvme_path, AsyncIO(num_threads=4, block_bytes=block),
+        aio = AsyncIO(num_threads=4, block_bytes=block)
+        self._on_close.append(aio.close)  # the swapper does not own its IO threads
+        return TensorSwapper(self.config.zero.nvme_path, aio,
                              AlignedBufferPool(swap_pool_bytes(largest), block, pin=pin), rank=self.topology.rank,
                              create=True)
-
-    def _build_nvme_optimizer(self):
-        """ZeRO-Infinity's optimizer step from NVMe (tiertrain.offload.NVMeAdamW): the fp32
-        masters and Adam moments move to swap files, streamed through a few chunk buffers at
-        each step; the RAM copies of the masters are dropped before the gradient shards are
-        first touched."""
-        from .offload import NVMeAdamW, pieces_from_param_groups
-
-        zc = self.config.zero
-        masters = [u.master for u in self.flat.units]
-        groups = self._optimizer_groups()
-        pieces = pieces_from_param_groups(masters, groups)
-        del groups  # views of the masters: they must not outlive drop_masters()
-        optimizer = NVMeAdamW(masters, pieces, self.config.optimizer, self.swapper, rank=self.topology.rank,
-                              chunk_bytes=int(zc.nvme_chunk_mb * 2**20), num_buffers=zc.nvme_buffers)
-        del masters
-        self.flat.drop_masters()
-        return optimizer
 
     def _prefetch_mb(self) -> float:
         """zero.prefetch_mb, or its default for this device. On CPU, gloo's collectives run on
@@ -248,49 +282,56 @@ class Engine:
             return self.config.zero.prefetch_mb
         return 64.0 if self.device.type == "cuda" else 0.0
 
-    def _build_layout(self, model: nn.Module, named, unit_modules) -> FlatLayout:
-        zc = self.config.zero
-        if self.stage == 3:
-            prefixes = default_unit_modules(model) if unit_modules is None else list(unit_modules)
-            for prefix in prefixes:
-                model.get_submodule(prefix)  # raises AttributeError naming a bad prefix
-            return module_layout(named, prefixes, self.dp, zc.persistence_threshold, shape_of=full_shape)
-        if any(is_partitioned(p) for _, p in named):
-            raise ConfigError(f"zero.stage={self.stage}: a model built under partitioned_init needs zero.stage=3")
-        bucket_numel = max(1, int(zc.bucket_mb * 2**20) // 4)
-        return bucket_layout(named, 1 if self.stage == 0 else self.dp, bucket_numel)
-
-    def _optimizer_groups(self) -> list[dict]:
-        """One AdamW tensor per piece of parameter inside this rank's master shard: views, so
-        the update is in place on the flat master, and weight decay follows the parameter."""
-        decay, no_decay = [], []
-        self._partial_grads = []  # sequence-parallel partial gradients, summed over tp
-        counted, all_counted = [], True
+    def _gradient_views(self, counts_in_norm: Callable[[str], bool]):
+        """(gradient pieces counted in the global norm, None meaning all of every unit's
+        shard; sequence-parallel partial gradients, summed over tp at each step)."""
+        partial, counted, all_counted = [], [], True
         tp_rank0 = self.topology.coord("tp") == 0
         for u in self.flat.units:
             for slot, a, b in u.unit.shard_pieces(self.flat.shard_rank):
-                view = u.master[a:b]
-                view.grad = u.grad[a:b]
-                (decay if decays(slot.name, slot.shape) else no_decay).append(view)
+                grad = u.grad[a:b]
                 param = self.flat.params[slot.name]
                 # Replicated parameters count once across tp (on tp rank 0), as in Megatron.
-                if self._counts_in_norm(slot.name) and (tp_rank0 or getattr(param, "tp_sharded", False)):
-                    counted.append(view.grad)
+                if counts_in_norm(slot.name) and (tp_rank0 or getattr(param, "tp_sharded", False)):
+                    counted.append(grad)
                 else:
                     all_counted = False
                 if getattr(param, "tp_partial_grad", False):
-                    self._partial_grads.append(view.grad)
-        self._norm_grads = None if all_counted else counted
-        """Gradient pieces counted in the global norm; None: all of every unit's shard."""
-        groups = [{"params": decay, "weight_decay": self.config.optimizer.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        return [g for g in groups if g["params"]] or [{"params": [self.flat.units[0].master[:0]]}]
+                    partial.append(grad)
+        return (None if all_counted else counted), partial
+
+    # -- counters ----------------------------------------------------------------------
+
+    @property
+    def steps(self) -> int:
+        """Optimizer updates applied so far."""
+        return self.train_state.steps
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches run through backward so far."""
+        return self.train_state.micro_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        """fp16 steps skipped on overflow."""
+        return self.train_state.skipped_steps
+
+    def learning_rate(self, step: int | None = None) -> float:
+        """The schedule's rate for update number `step` (default: the next one)."""
+        return scheduled_lr(self.config.optimizer, self.config.schedule, self.steps if step is None else step)
+
+    @property
+    def last_overlapped_step(self) -> dict | None:
+        """Progress of the last NVMe step overlapped with backward when step() began: shards
+        whose gradients were final, and chunks already updated (OverlappedStep.progress)."""
+        return self.update.last_overlapped_step
 
     # -- the training contract ---------------------------------------------------------
 
     def __call__(self, batch: Any) -> torch.Tensor:
         """Forward one micro-batch; returns the (unscaled) loss."""
-        self._cancel_overlapped_step()  # (a forward before step() sees the parameters before it)
+        self.update.cancel()  # (a forward before step() sees the parameters before it)
         if self.fetcher is not None:
             self.fetcher.begin_forward()
         batch = self._to_device(batch)
@@ -313,51 +354,19 @@ class Engine:
         """Backward one micro-batch; gradients are reduced during backward (see reducer)."""
         self.flat.wait_gathers()
         boundary = (self.micro_steps + 1) % self.accum == 0
-        if boundary and self.nvme_optimizer is not None and self._overlapped_step is None:
-            if self._can_overlap_nvme_step():
-                self._begin_overlapped_step()
-            else:
-                # The optimizer state's first chunks do not depend on this backward: reading
-                # them now hides that read behind it instead of stalling the step (ZeRO-Infinity §6).
-                self.nvme_optimizer.prefetch()
+        self.update.before_backward(boundary, self.learning_rate())
         self.reducer.begin(reduce_now=boundary)
         try:
             # 1/dp folded in here makes the reduced sum the data-parallel mean: no pass over the
             # reduced gradients divides them (exact for power-of-two dp, as the scale is).
             (loss.float() * (self.scaler.scale / (self.accum * self.dp))).backward()
         except BaseException:
-            self._cancel_overlapped_step()
+            self.update.cancel()
             raise
         self.reducer.end_backward()
         if self.fetcher is not None:
             self.fetcher.end_backward()
-        self.micro_steps += 1
-
-    def _can_overlap_nvme_step(self) -> bool:
-        """Whether the NVMe optimizer may update each unit during backward, as soon as its
-        gradient is reduced (tiertrain/offload/overlapped_step.py): only when nothing global —
-        a clipping coefficient, an fp16 unscale, a tensor-parallel sum of partial gradients —
-        changes the gradients between their reduction and the update."""
-        return (self.config.zero.overlap_nvme_step and self.launch_when_ready
-                and self.config.optimizer.grad_clip == 0 and not self.scaler.enabled
-                and not (self.tp_comm.size > 1 and self._partial_grads))
-
-    def _begin_overlapped_step(self) -> None:
-        writer = self.flat.shard_writer()
-        step = self.nvme_optimizer.begin_step([u.grad for u in self.flat.units], self.schedule.get_last_lr()[0],
-                                              out=writer, shard_order=self.reducer.launch_order)
-        self._overlapped_step = (step, writer)
-        self.reducer.on_reduced = step.shard_ready
-
-    def _end_overlapped_step(self, commit: bool) -> None:
-        step, writer = self._overlapped_step
-        self._overlapped_step = None
-        self.reducer.on_reduced = None
-        with writer:  # writes the last unit's shard to NVMe, after a cancel's restore too
-            if commit:
-                step.finish()
-            else:
-                step.cancel()
+        self.train_state.micro_steps += 1
 
     def wait_for_parameters(self) -> None:
         """Complete the parameter all-gathers a step left running (zero.overlap_param_gather):
@@ -366,16 +375,10 @@ class Engine:
         self.flat.wait_gathers()
 
     def _quiesce(self) -> None:
-        """Before reading or replacing the training state: cancel an overlapped NVMe step not
-        yet committed, and complete the parameter all-gathers in flight."""
-        self._cancel_overlapped_step()
+        """Before reading or replacing the training state: cancel work the optimizer step began
+        ahead of step() (an overlapped NVMe step), and complete the parameter all-gathers."""
+        self.update.cancel()
         self.flat.wait_gathers()
-
-    def _cancel_overlapped_step(self) -> None:
-        """Undo an overlapped step not yet committed: the parameters it published return to
-        their pre-step values (the step is then run synchronously, if step() follows)."""
-        if self._overlapped_step is not None:
-            self._end_overlapped_step(commit=False)
 
     @property
     def at_boundary(self) -> bool:
@@ -383,17 +386,18 @@ class Engine:
 
     def step(self) -> bool:
         """Update at an accumulation boundary; returns True when parameters changed
-        (False between boundaries and for fp16 steps skipped on overflow)."""
+        (False between boundaries and for fp16 steps skipped on overflow).
+
+        Megatron's optimizer protocol: the gradients are made ready here (reductions waited,
+        fp16 unscaled, tensor-parallel partial sums, global norm, clip coefficient); the
+        update form (tiertrain/update/) then steps with them."""
         if not self.at_boundary or self.micro_steps == self._stepped_at:
             return False
         self._stepped_at = self.micro_steps
         self.flat.wait_gathers()
-        if self.nvme_optimizer is not None and self._overlapped_step is None:
-            self.nvme_optimizer.prefetch()  # (no-op when backward started it; a state load drops it)
+        self.update.before_step()
         if self.fetcher is not None:
-            self.fetcher.agree(STEP)
-        if self._overlapped_step is not None:
-            self.last_overlapped_step = self._overlapped_step[0].progress()
+            self.fetcher.agree(Event.STEP)
         self.reducer.wait()
         self.flat.zero_stale_grads()
         self._sum_partial_grads_over_tp()
@@ -404,39 +408,19 @@ class Engine:
         norm = self._global_grad_norm(grads)
         self.last_grad_norm = float(norm)
         if not torch.isfinite(norm):
-            self._cancel_overlapped_step()
+            self.update.cancel()
             self.flat.zero_grads(lazy=self.launch_when_ready)
             self.scaler.update(overflow=True)
-            self.skipped_steps += 1
+            self.train_state.skipped_steps += 1
             return False
-        coefficient = None
+        clip = None
         if self.config.optimizer.grad_clip > 0:
-            coefficient = clip_coefficient(norm, self.config.optimizer.grad_clip).to(self.placement.optimizer)
-            if self.delayed is None:  # (the delayed update clips while copying to its snapshot)
-                for g in grads:
-                    g.mul_(coefficient)
-        if self.delayed is not None:  # publishes the previous update, starts this one in the background
-            self.delayed.step(grads, coefficient)
-            self.scaler.update(overflow=False)
-            self.steps += 1
-            return True
-        if self._overlapped_step is not None:  # most units were updated during backward
-            self._end_overlapped_step(commit=True)
-            self._lr_source.step()
-        elif self.nvme_optimizer is not None:
-            with self.flat.shard_writer() as updated_shards:
-                self.nvme_optimizer.step(grads, self.schedule.get_last_lr()[0], out=updated_shards)
-            self._lr_source.step()  # no gradients: only keeps the schedule's step-order check satisfied
-        else:
-            self.optimizer.step()
-        self.schedule.step()
-        self.flat.publish_masters(in_background=self.config.zero.overlap_param_gather)
-        # The reducer overwrites each gradient at its next reduction: no pass zeroes them now.
-        self.flat.zero_grads(lazy=self.launch_when_ready)
-        if self.fetcher is not None:
+            clip = clip_coefficient(norm, self.config.optimizer.grad_clip).to(self.placement.optimizer)
+        self.update.step(grads, clip, self.learning_rate(), self.steps)
+        if self.fetcher is not None and self.update.publishes_in_step:
             self.fetcher.prefetch_next_forward()
         self.scaler.update(overflow=False)
-        self.steps += 1
+        self.train_state.steps += 1
         return True
 
     def _sum_partial_grads_over_tp(self) -> None:
@@ -487,21 +471,11 @@ class Engine:
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients and optimizer state (fp32 master + Adam moments) on this rank."""
         flat = self.flat.memory()
-        if self.delayed is not None:  # the gradient snapshot the background update reads
-            self.delayed.wait(agree=False)  # (the first update creates the Adam moments)
-            flat["grads"] += self.delayed.snapshot_bytes
-            flat["cpu_tier"] += self.delayed.snapshot_bytes
-        if self.nvme_optimizer is not None:  # masters and moments, all in swap files
-            moments = self.nvme_optimizer.state_bytes
-            flat["nvme_tier"] += moments
-            host_moments = 0
-        else:
-            moments = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
-                          for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-            host_moments = moments if self.placement.offload_optimizer else 0
+        extra = self.update.memory()
         ckpt = checkpoint_memory(self.module)
-        return MemoryReport(flat["params"], flat["gathered_params"], flat["grads"], flat["master"] + moments,
-                            cpu_tier=flat["cpu_tier"] + host_moments, nvme_tier=flat["nvme_tier"],
+        return MemoryReport(flat["params"], flat["gathered_params"], flat["grads"] + extra.extra_grads,
+                            flat["master"] + extra.optimizer, cpu_tier=flat["cpu_tier"] + extra.cpu_tier,
+                            nvme_tier=flat["nvme_tier"] + extra.nvme_tier,
                             activation_checkpoints=ckpt.peak_bytes, activation_checkpoints_cpu=ckpt.host_peak_bytes)
 
     @contextlib.contextmanager
@@ -510,8 +484,7 @@ class Engine:
         modifier_rank set, that data-parallel rank's edits are broadcast and written back
         into every shard and master copy on exit."""
         self._quiesce()
-        if self.delayed is not None:
-            self.delayed.flush()  # what is read or edited is the newest parameters
+        self.update.flush()  # what is read or edited is the newest parameters
         wanted = None if params is None else {self.flat.slot_of[p][0] for p in params}
         units = [u for u in self.flat.units if wanted is None or u.unit.index in wanted]
         for u in units:
@@ -527,47 +500,54 @@ class Engine:
                     lo, hi = u.unit.shard_range(self.flat.shard_rank)
                     self.flat.write_shard(u.unit.index, u.full[lo:hi])
                     edited[u.unit.index] = u.full[lo:hi]
-                if self.nvme_optimizer is not None:
-                    self.nvme_optimizer.write_masters(edited)
+                self.update.write_masters(edited)
         finally:
             for u in units:
                 self.flat.release(u.unit.index)
 
+    # -- checkpoints -----------------------------------------------------------------
+
+    def checkpoint_parts(self) -> dict[str, checkpoint.Stateful]:
+        """The stateful parts a checkpoint is made of, in restore order: masters and optimizer
+        (the update form), loss scaler, counters, RNG."""
+        return {"update": self.update, "scaler": self.scaler, "train_state": self.train_state, "rng": RNGState()}
+
+    def checkpoint_fingerprint(self) -> dict:
+        """What a checkpoint of this rank must match to load here."""
+        return checkpoint.layout_fingerprint(self.layout, self.topology, self.stage, self.config.precision.dtype,
+                                             self.update.state_format)
+
     def state_dict(self) -> dict:
-        """This rank's training state: fp32 master shards, optimizer, schedule, scaler, counters, RNG."""
+        """This rank's training state: fp32 master shards, optimizer, scaler, counters, RNG."""
         self._quiesce()
-        return checkpoint.rank_state(self)
+        return checkpoint.rank_state(self.checkpoint_parts())
 
     def load_state_dict(self, state: dict) -> None:
         self._quiesce()
-        checkpoint.restore_rank_state(self, state)
+        checkpoint.restore_rank_state(self.checkpoint_parts(), state)
 
     def save_checkpoint(self, directory: str, extra: dict | None = None, keep_last: int = 0) -> str:
         """Collective: atomically save every rank's shard under directory/step_N (see checkpoint.py)."""
         self._quiesce()
-        if self.delayed is not None:
-            self.delayed.wait(agree=True)  # the update in flight is saved, not lost
-        return checkpoint.save(self, directory, extra, keep_last)
+        self.update.settle(collective=True)  # an update in flight is saved, not lost
+        return checkpoint.save(self.checkpoint_parts(), directory, self.steps, self.topology,
+                               self.checkpoint_fingerprint(), extra, keep_last)
 
     def load_checkpoint(self, directory: str, step: int | None = None) -> dict:
         """Collective: restore the newest committed checkpoint; returns the extras saved with it."""
         self._quiesce()
-        return checkpoint.load(self, directory, step)
+        return checkpoint.load(self.checkpoint_parts(), directory, step, self.topology,
+                               self.checkpoint_fingerprint(), self.device)
 
     def masters(self) -> list[torch.Tensor]:
         """This rank's fp32 master shard of every unit (read from NVMe when they live there)."""
         self._quiesce()
-        if self.delayed is not None:
-            self.delayed.wait(agree=False)
-        if self.nvme_optimizer is not None:
-            return self.nvme_optimizer.read_masters()
-        return [u.master for u in self.flat.units]
+        return self.update.masters()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's fp32 master value, gathered from the shards (collective)."""
         out = {}
-        if self.delayed is not None:
-            self.delayed.wait(agree=True)
+        self.update.settle(collective=True)
         masters = self.masters()
         for u, master in zip(self.flat.units, masters):
             full = torch.empty(u.unit.padded_numel, dtype=torch.float32, device=self.device)
@@ -579,43 +559,33 @@ class Engine:
                 out[slot.name] = full[slot.offset:slot.end].view(slot.shape).clone()
         return out
 
+    def undo_on_close(self, undo: Callable[[], None]) -> None:
+        """Have close() call undo (after what was registered later): wrap() hands over what
+        it applied to the model, e.g. activation checkpointing."""
+        self._on_close.insert(0, undo)
+
     def close(self) -> None:
-        """Finish the delayed update in flight, if any (raising its error), and stop its thread;
-        cancel an overlapped NVMe step not yet committed; complete the parameter gathers in flight."""
-        self._quiesce()
-        if self.delayed is not None:
-            self.delayed.close()
-
-
-def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topology, loss_fn: LossFn | None = None,
-         unit_modules: list[str] | None = None,
-         activation_shape: tuple[int, ...] | Callable[[Any], tuple[int, ...]] | None = None) -> Engine:
-    """Wrap any nn.Module for training under config on topology (no model changes needed).
-
-    loss_fn(model, batch) → scalar loss; by default the model is called on the batch and
-    its output (a tensor, a dict with 'loss', or an object with .loss) gives the loss.
-    unit_modules: stage-3 gather units by module name (default: children of ModuleLists).
-
-    With parallel.pp > 1 this returns a :class:`~tiertrain.pipeline.engine.PipelineEngine`:
-    model is a tiertrain GPT (split into stages here) or this rank's list of stage modules,
-    each called as stage(x, batch); activation_shape is the shape of the tensor passed
-    between stages for a micro-batch (known for GPT stages), or a function of the batch.
-    With activations.checkpoint_every = k > 0, every k-th block (children of ModuleLists)
-    recomputes its activations in backward (tiertrain.offload.activations); apply it
-    yourself before wrap() to choose other blocks.
-    """
-    if (config.activations.checkpoint_every > 0 and isinstance(model, nn.Module)
-            and checkpointing_of(model) is None):
-        # Before any pipeline split: the stages reuse the model's (now checkpointed) blocks.
-        apply_activation_checkpointing(model, config.activations, device=topology.device)
-    if topology.size("pp") > 1:
-        from .pipeline.engine import PipelineEngine, pipeline_stages
-
-        if loss_fn is not None or unit_modules is not None:
-            raise ConfigError(f"parallel.pp={topology.size('pp')}: loss_fn and unit_modules do not apply to a "
-                              f"pipeline (the last stage returns the loss; zero.stage 3 is not pipelined)")
-        stages = pipeline_stages(model, topology, config.parallel.virtual_stages)
-        return PipelineEngine(stages, config, topology, activation_shape=activation_shape)
-    if activation_shape is not None:
-        raise ConfigError("activation_shape is for pipeline parallelism; parallel.pp is 1")
-    return Engine(model, config, topology, loss_fn=loss_fn, unit_modules=unit_modules)
+        """Collective: undo what wrap() did and leave the model as a plain module holding the
+        trained fp32 values (wrap it again, or use it on its own). Finishes the update in
+        flight (raising its error), cancels an overlapped NVMe step not yet committed,
+        completes the parameter gathers in flight, removes every hook, stops the update's
+        thread, deletes swap files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        errors, values = [], None
+        try:
+            self._quiesce()
+            values = self.full_state_dict()
+        except BaseException as e:  # still undo everything, then raise the first error
+            errors.append(e)
+        for undo in reversed(self._on_close):
+            try:
+                undo()
+            except BaseException as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        with torch.no_grad():
+            for name, p in self.flat.params.items():
+                p.data = values[name]

@@ -55,6 +55,12 @@ def lr_factor(step: int, schedule: ScheduleConfig) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def scheduled_lr(optimizer: OptimizerConfig, schedule: ScheduleConfig, step: int) -> float:
+    """The learning rate of update number `step` (0-based): the peak rate times lr_factor, the
+    product torch's LambdaLR forms (so both give the same float)."""
+    return optimizer.lr * lr_factor(step, schedule)
+
+
 def build_schedule(optimizer: torch.optim.Optimizer, schedule: ScheduleConfig) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, schedule))
 

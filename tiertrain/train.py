@@ -333,7 +333,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
     """Train cfg on this rank (inside an initialised process group, or alone); see the
     module docstring. Returns the summary dict (the same keys on every rank)."""
     from .data import ShardedSampler, micro_batches
-    from .engine import wrap
+    from .wrapping import wrap
     from .topology import Topology
 
     cfg.validate()
@@ -394,7 +394,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
                 record = {
                     "step": step,
                     "loss": _finite(mean_loss),
-                    "lr": float(engine.schedule.get_last_lr()[0]),
+                    "lr": engine.learning_rate(),
                     "grad_norm": _finite(engine.last_grad_norm),
                     "tokens_per_s": tokens_per_step * (step - last_logged_step) / max(now - t_last, 1e-9),
                     "mem_bytes_per_rank": mem,

@@ -89,7 +89,7 @@ def _rank(spec_json: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from tiertrain.engine import wrap
+    from tiertrain.wrapping import wrap
     from tiertrain.models.gpt import GPT
     from tiertrain.topology import Topology
 

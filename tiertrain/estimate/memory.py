@@ -29,11 +29,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-PRECISION_BYTES: Mapping[str, int] = MappingProxyType({"fp32": 4, "bf16": 2, "fp16": 2})
-"""Bytes per element of each compute precision (read-only)."""
-
-TIERS: tuple[str, ...] = ("device", "cpu", "nvme")
-"""Memory tiers, fastest first (ZeRO-Infinity §5 offload engine)."""
+from .lines import PRECISION_BYTES, TIERS, EstimateLine
+from .peak import engine_build_peak, engine_estimate_lines
 
 __all__ = [
     "PRECISION_BYTES",
@@ -457,20 +454,6 @@ class ZeroLayout:
 # --------------------------------------------------------------------------- estimate
 
 
-@dataclass(frozen=True)
-class EstimateLine:
-    """One labelled per-rank memory item."""
-
-    name: str
-    """What the bytes hold (e.g. "optimizer states")."""
-    bytes: int
-    """Bytes per rank."""
-    tier: str
-    """Tier holding them: "device", "cpu" or "nvme"."""
-    formula: str
-    """The formula and its source (e.g. "K·Ψ/N_d (ZeRO §5.1, P_os)")."""
-
-
 @dataclass
 class Estimate:
     """Result of :func:`estimate`: labelled per-rank lines plus totals per tier."""
@@ -676,10 +659,6 @@ def estimate(model: ModelSpec, layout: ZeroLayout | None = None, overhead: Any =
     psi, sizes, dims, module = _resolve_model(model)
     est = Estimate(parameters=psi, layout=lay, dims=dims)
     if lay.accounting == "engine" and lay.tp * lay.pp == 1 and (module is not None or dims is not None):
-        from tiertrain.estimate.peak import engine_estimate_lines
-
-        from tiertrain.estimate.peak import engine_build_peak
-
         lines, notes, where = engine_estimate_lines(module, dims, lay, overhead)
         est.lines.extend(lines)
         est.notes.extend(notes)

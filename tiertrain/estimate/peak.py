@@ -49,6 +49,7 @@ import torch.nn as nn
 
 from ..engine import default_unit_modules
 from ..zero.flat import swap_pool_bytes
+from .lines import PRECISION_BYTES, EstimateLine
 
 __all__ = ["ActivationBytes", "PeakBreakdown", "HostOverhead", "gpt_activation_bytes", "gpt_meta_model",
            "engine_units", "simulate_peak", "stage3_gathered_bytes", "tile_plan", "engine_estimate_lines",
@@ -675,8 +676,6 @@ _ITEM_LINES = {
 def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhead: HostOverhead | None = None):
     """(lines, notes, peak_at) of :func:`tiertrain.estimate.memory.estimate` for engine
     accounting: tiertrain's buffers at the simulated peak of one step."""
-    from tiertrain.estimate.memory import PRECISION_BYTES, EstimateLine
-
     notes: list[str] = []
     D = PRECISION_BYTES[lay.precision]
     if module is None:
@@ -779,8 +778,6 @@ def engine_build_peak(module: nn.Module | None, dims: Any, lay: Any, overhead: H
                       accelerator: bool = False) -> BuildPeak:
     """:func:`simulate_build_peak` of a layout (:class:`~tiertrain.estimate.memory.ZeroLayout`),
     built as ``tiertrain train`` builds it (partitioned at stage 3 untiled with tp = 1)."""
-    from tiertrain.estimate.memory import PRECISION_BYTES
-
     if module is None:
         module = gpt_meta_model(dims, lay.tile_factor)
     ov = overhead if overhead is not None else HostOverhead()

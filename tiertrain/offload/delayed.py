@@ -17,13 +17,16 @@ schedule steps once per update, as in the synchronous engine) and its own clip c
 last step() leaves θ_N in the masters. ``tests/test_delayed_update.py`` holds the plain
 PyTorch form of this schedule that the engine is checked against.
 
+It is one form of the optimizer step (tiertrain/update/protocol.py), chosen by the factory.
+
 **At each accumulation boundary** (:meth:`DelayedUpdate.step`, main thread, called by
-Engine.step after the gradient norm): (1) wait for update t-1 and step the schedule;
+Engine.step after the gradient norm): (1) wait for update t-1;
 (2) agree with every rank that it succeeded (one 1-element all-reduce over the world);
 (3) publish θ_t exactly as the synchronous path does (masters → compute-dtype shards,
 all-gather of resident units); (4) copy g_t × clip coefficient into the **gradient
 snapshot** and zero the gradient shard, which the next backward accumulates into; (5) hand
-update t (AdamW over this rank's master shard, reading the snapshot) to the worker thread.
+update t (AdamW over this rank's master shard, reading the snapshot, at update t's rate of
+the schedule) to the worker thread.
 During warmup the same five steps run and then the engine waits for the update at once.
 
 **Buffers.** The snapshot is one persistent fp32 buffer per unit, the size of the gradient
@@ -54,37 +57,38 @@ reads), ``zero.offload: auto``, fp16 loss scaling, pipeline parallelism.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..comm import Collectives
-
-if TYPE_CHECKING:
-    from ..engine import Engine
+from ..optim import build_adamw
+from ..update.protocol import OptimizerUpdate, UpdateMemory, set_learning_rate, shard_param_groups
 
 
 class DelayedUpdateError(RuntimeError):
     """The background optimizer update failed on some rank; raised on every rank."""
 
 
-class DelayedUpdate:
+class DelayedUpdate(OptimizerUpdate):
     """Runs one rank's optimizer updates on a worker thread, one step behind; see the module
-    docstring. Built by the engine when ``zero.delayed_update`` is set."""
+    docstring. group: the process group whose ranks agree on failures (the world; None for
+    one process)."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.flat = engine.flat
-        self.optimizer = engine.optimizer
-        self.schedule = engine.schedule
-        self.warmup = engine.config.zero.delayed_update_warmup
-        self.group = engine.topology.world_group() if dist.is_initialized() else None
-        self.comm = Collectives(self.group) if self.group is not None else None
+    publishes_in_step = False
+
+    def __init__(self, flat, config, lazy_zero: bool, group, device: torch.device):
+        super().__init__(flat, config, lazy_zero)
+        self.device = device
+        self.warmup = config.zero.delayed_update_warmup
+        self.group = group
+        self.comm = Collectives(group) if group is not None else None
         self._untie_masters()
         # The optimizer reads its gradients from the snapshot, never from the live shard.
-        self.snapshots = [torch.zeros_like(u.grad) for u in self.flat.units]
-        self._rebind(lambda p: p.grad, self.snapshots, lambda u: u.grad, set_grad=True)
+        self.snapshots = [torch.zeros_like(u.grad) for u in flat.units]
+        groups = shard_param_groups(flat, [u.master for u in flat.units], self.snapshots,
+                                    config.optimizer.weight_decay)
+        self.optimizer = build_adamw(groups, config.optimizer)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiertrain-delayed-update")
         self._future: Future | None = None
         self._in_flight_step = -1
@@ -97,62 +101,30 @@ class DelayedUpdate:
         self.overlapped_steps = 0
         """Updates that ran in the background (after the warmup)."""
 
-    # -- construction ------------------------------------------------------------------
-
     def _untie_masters(self) -> None:
-        """Give a separate master to every unit whose master is its compute shard."""
-        new = [u.master.clone() if u.master is u.shard else None for u in self.flat.units]
-        if any(t is not None for t in new):
-            old = [u.master for u in self.flat.units]
-            self._rebind(lambda p: p, new, lambda u: old[u.unit.index], set_grad=False)
-            for u, t in zip(self.flat.units, new):
-                if t is not None:
-                    u.master = t
-
-    def _rebind(self, get, targets, source_of, set_grad: bool) -> None:
-        """Point every optimizer tensor get(p), a view of source_of(unit), at the same
-        elements of targets[unit] (None: leave it)."""
-        spans = []
+        """Give a separate master to every unit whose master is its compute shard, so the
+        update never writes what a forward reads."""
         for u in self.flat.units:
-            src = source_of(u)
-            start = src.data_ptr()
-            spans.append((start, start + src.numel() * src.element_size(), u.unit.index, src.element_size()))
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                t = get(p)
-                if t is None or t.numel() == 0:
-                    continue
-                ptr = t.data_ptr()
-                for lo, hi, index, size in spans:
-                    if lo <= ptr < hi:
-                        target = targets[index]
-                        if target is not None:
-                            view = target[(ptr - lo) // size:(ptr - lo) // size + t.numel()]
-                            if set_grad:
-                                p.grad = view
-                            else:
-                                p.data = view
-                        break
-                else:
-                    raise RuntimeError("an optimizer tensor lies outside every unit's shard")
+            if u.master is u.shard:
+                u.master = u.master.clone()
 
     # -- the step -----------------------------------------------------------------------
 
-    def step(self, grads: list[torch.Tensor], coefficient: torch.Tensor | None) -> None:
+    def step(self, grads, clip, lr, step):
         """At an accumulation boundary, after the gradient norm (collective on every rank):
         finish and publish the previous update, then start this step's."""
         self.wait(agree=True)
         self.publish()
         with torch.no_grad():
             for g, snap in zip(grads, self.snapshots):
-                if coefficient is None:
+                if clip is None:
                     snap.copy_(g)
                 else:
-                    torch.mul(g, coefficient, out=snap)
+                    torch.mul(g, clip, out=snap)
         # The snapshot holds them now: the next reduction overwrites each gradient, as after a
         # synchronous step, so no pass zeroes them.
-        self.flat.zero_grads(lazy=self.engine.launch_when_ready)
-        step = self.engine.steps
+        self.flat.zero_grads(lazy=self.lazy_zero)
+        set_learning_rate(self.optimizer, lr)
         self._in_flight_step = step
         self._future = self._worker.submit(self._update)
         self._unagreed = True
@@ -166,14 +138,13 @@ class DelayedUpdate:
         self.optimizer.step()
 
     def wait(self, agree: bool) -> None:
-        """Wait for the update in flight (if any) and step the schedule for it. agree=True
-        (every rank must call it): all ranks learn whether any rank's update failed since
-        the last agreement, and all raise. agree=False raises a failure on this rank only."""
+        """Wait for the update in flight (if any). agree=True (every rank must call it): all
+        ranks learn whether any rank's update failed since the last agreement, and all raise.
+        agree=False raises a failure on this rank only."""
         future, self._future = self._future, None
         if future is not None:
             error = future.exception()
             if error is None:
-                self.schedule.step()
                 self.unpublished = True
             else:
                 self._error = error
@@ -185,6 +156,9 @@ class DelayedUpdate:
             if self.failed is None:
                 self.failed = self._describe([(self._rank, self._why(self._error))])
             raise DelayedUpdateError(self.failed) from self._error
+
+    def settle(self, collective: bool) -> None:
+        self.wait(agree=collective)
 
     @property
     def _rank(self) -> int:
@@ -200,7 +174,7 @@ class DelayedUpdate:
                 f"rank{'s' if len(failures) > 1 else ''} {', '.join(str(r) for r, _ in failures)}: {where}")
 
     def _agree(self, error: BaseException | None) -> None:
-        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.engine.device)
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.device)
         self.comm.all_reduce(flag, count=False)  # (waited on with the process-group timeout)
         if int(flag.item()) == 0:
             return
@@ -223,27 +197,49 @@ class DelayedUpdate:
         self.wait(agree=True)
         self.publish()
 
-    # -- accounting, checkpoints, shutdown ------------------------------------------------
+    # -- masters, accounting, checkpoints, shutdown ----------------------------------------
+
+    def masters(self):
+        self.wait(agree=False)
+        return [u.master for u in self.flat.units]
 
     @property
     def snapshot_bytes(self) -> int:
         return sum(s.numel() * s.element_size() for s in self.snapshots)
 
-    def state_dict(self) -> dict:
-        """After wait(): with an update not yet published, this rank's compute-dtype shards
-        (what the next forward reads), so a resumed run sees the same parameters."""
-        if not self.unpublished:
-            return {"published": None}
-        flat = self.flat
-        shards = [flat.read_shard(u.unit.index) if flat.on_nvme(u.unit.index) else u.shard.detach().clone()
-                  for u in flat.units]
-        return {"published": shards}
+    def memory(self):
+        self.wait(agree=False)  # (the first update creates the Adam moments)
+        moments = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
+                      for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        # The snapshot the background update reads: one more fp32 gradient shard, CPU tier.
+        return UpdateMemory(optimizer=moments, cpu_tier=moments + self.snapshot_bytes,
+                            extra_grads=self.snapshot_bytes)
 
-    def load_state_dict(self, state: dict | None) -> None:
-        """After the masters are restored and published: put back the published shards of a
-        checkpoint saved with an update not yet published (collective)."""
-        self.unpublished = False
-        shards = (state or {}).get("published")
+    def state_dict(self):
+        """After the update in flight (if any): masters, optimizer and, with an update not yet
+        published, this rank's compute-dtype shards (what the next forward reads), so a
+        resumed run sees the same parameters."""
+        self.wait(agree=False)
+        published = None
+        if self.unpublished:
+            flat = self.flat
+            published = [flat.read_shard(u.unit.index) if flat.on_nvme(u.unit.index) else u.shard.detach().clone()
+                         for u in flat.units]
+        return {"masters": [u.master.detach().clone() for u in self.flat.units],
+                "optimizer": self.optimizer.state_dict(), "published": published}
+
+    def load_state_dict(self, state):
+        """Finish and discard an update in flight, restore masters and optimizer, publish them;
+        then put back the published shards of a checkpoint saved with an update not yet
+        published (collective)."""
+        self.discard()
+        with torch.no_grad():
+            for u, master in zip(self.flat.units, state["masters"]):
+                u.master.copy_(master)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.flat.publish_masters()
+        self.flat.zero_grads()
+        shards = state.get("published")
         if shards is None:
             return
         flat = self.flat

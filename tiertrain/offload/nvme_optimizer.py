@@ -81,14 +81,13 @@ import math
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.optim.adamw import adamw as _functional_adamw
 
 from .aio import AsyncIO, SwapSpaceError
 from .buffers import AlignedBufferPool, Buffer, round_up
+from .chunk_update import BYTES_PER_ELEM, Chunk, ChunkUpdate, StepStats, publish_chunk
 from .overlapped_step import OverlappedStep
 from .swap import DEFAULT_WAIT_TIMEOUT, SwapHandle, TensorSwapper
 
@@ -96,7 +95,6 @@ __all__ = ["ALIGN_ELEMS", "NVMeAdamW", "StepStats", "pieces_from_param_groups"]
 
 ALIGN_ELEMS = 64
 """Cuts inside a parameter piece fall at multiples of this many elements from its start."""
-BYTES_PER_ELEM = 12                      # fp32 master + exp_avg + exp_avg_sq
 DEFAULT_CHUNK_BYTES = 24 << 20
 Piece = Tuple[int, int, float]           # (start, end, weight_decay) in shard elements
 Destination = Union[None, Sequence[Optional[torch.Tensor]], Callable[[int, int, int, torch.Tensor], None]]
@@ -106,23 +104,6 @@ Destination = Union[None, Sequence[Optional[torch.Tensor]], Callable[[int, int, 
 # Plan: chunks of each shard, cut so that the fused kernel rounds every element as it would
 # for the uncut piece
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Chunk:
-    shard: int
-    index: int                            # chunk number within the shard
-    lo: int                               # shard element range [lo, hi)
-    hi: int
-    groups: Tuple[Tuple[float, Tuple[Tuple[int, int], ...]], ...]   # (wd, chunk-relative ranges)
-
-    @property
-    def numel(self) -> int:
-        return self.hi - self.lo
-
-    @property
-    def nbytes(self) -> int:
-        return BYTES_PER_ELEM * (self.hi - self.lo)
-
-
 def _check_pieces(s: int, numel: int, pieces: Sequence[Piece]) -> List[Piece]:
     out, end = [], 0
     for k, piece in enumerate(pieces):
@@ -142,7 +123,7 @@ def _check_pieces(s: int, numel: int, pieces: Sequence[Piece]) -> List[Piece]:
     return out
 
 
-def _plan(s: int, numel: int, pieces: List[Piece], cap: int) -> List[_Chunk]:
+def _plan(s: int, numel: int, pieces: List[Piece], cap: int) -> List[Chunk]:
     """Cut shard ``s`` into chunks of at most ``cap`` elements (a multiple of ALIGN_ELEMS); a cut
     inside a piece falls at a multiple of ALIGN_ELEMS from the piece's start."""
     live = [p for p in pieces if p[1] > p[0]]
@@ -160,8 +141,8 @@ def _plan(s: int, numel: int, pieces: List[Piece], cap: int) -> List[_Chunk]:
             x, y = max(a, lo), min(b, hi)
             if x < y:
                 groups.setdefault(wd, []).append((x - lo, y - lo))
-        chunks.append(_Chunk(s, len(chunks), lo, hi,
-                             tuple((wd, tuple(r)) for wd, r in groups.items())))
+        chunks.append(Chunk(s, len(chunks), lo, hi,
+                            tuple((wd, tuple(r)) for wd, r in groups.items())))
         lo = hi
     return chunks
 
@@ -196,125 +177,6 @@ def pieces_from_param_groups(shards: Sequence[torch.Tensor], groups: Sequence[di
     for pieces in out:
         pieces.sort()
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Statistics
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class StepStats:
-    """What one streamed pass (a step, or the pass of state_dict/load/publish) did.
-
-    ``io_seconds``: wall time during which at least one of the pass's IO requests was in flight;
-    ``io_wait_seconds``: time the calling thread was blocked on IO; ``busy_seconds`` =
-    seconds - io_wait - ready_wait: time it worked (AdamW: ``compute_seconds``, copies to the
-    destinations: ``publish_seconds``, and the bookkeeping of the pipeline); ``ready_wait_seconds``:
-    time an overlapped step's worker waited for gradients (tiertrain/offload/overlapped_step.py).
-    ``overlap`` is the fraction of the shorter of IO and work that ran concurrently with the
-    other, (io - io_wait) / min(io, busy): 1 when the pass took only as long as the longer of
-    the two, as the paper's overlapped NVMe step aims for; 0 when they ran one after the other. ``io_hidden`` = 1 -
-    io_wait / io is the fraction of the IO time hidden behind work (at most busy / io, so small
-    whenever the update is much faster than the disk)."""
-
-    op: str = "step"
-    step: int = 0
-    chunks: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    seconds: float = 0.0
-    io_seconds: float = 0.0
-    io_wait_seconds: float = 0.0
-    compute_seconds: float = 0.0
-    publish_seconds: float = 0.0
-    ready_wait_seconds: float = 0.0
-    _intervals: List[Tuple[float, float]] = field(default_factory=list, repr=False)
-
-    @property
-    def gbps(self) -> float:
-        """Bytes read + written per second of the whole pass (10^9 B/s)."""
-        return (self.bytes_read + self.bytes_written) / self.seconds / 1e9 if self.seconds else 0.0
-
-    @property
-    def io_gbps(self) -> float:
-        """Bytes read + written per second of IO activity (10^9 B/s)."""
-        return (self.bytes_read + self.bytes_written) / self.io_seconds / 1e9 if self.io_seconds else 0.0
-
-    @property
-    def busy_seconds(self) -> float:
-        return max(0.0, self.seconds - self.io_wait_seconds - self.ready_wait_seconds)
-
-    @property
-    def overlap(self) -> float:
-        shorter = min(self.io_seconds, self.busy_seconds)
-        if shorter <= 0:
-            return 0.0
-        return max(0.0, min(1.0, (self.io_seconds - self.io_wait_seconds) / shorter))
-
-    @property
-    def io_hidden(self) -> float:
-        if self.io_seconds <= 0:
-            return 0.0
-        return max(0.0, min(1.0, 1.0 - self.io_wait_seconds / self.io_seconds))
-
-    def _close(self) -> None:
-        total, end = 0.0, -math.inf
-        for a, b in sorted(self._intervals):
-            if b <= end:
-                continue
-            total += b - max(a, end)
-            end = b
-        self.io_seconds = total
-
-    def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
-        d.update(gbps=self.gbps, io_gbps=self.io_gbps, busy_seconds=self.busy_seconds,
-                 overlap=self.overlap, io_hidden=self.io_hidden)
-        return d
-
-
-class _Update:
-    """The work of one step on each chunk: torch's fused AdamW on the chunk's pieces, then the
-    updated masters published to the destinations (after the chunk's write was submitted).
-    ``gate(shard)``, when set, runs first and blocks until the shard's gradient is final (an
-    overlapped step). ``published`` lists the chunks already (being) published, so a failed
-    or cancelled step knows what to restore."""
-
-    def __init__(self, opt: "NVMeAdamW", grads, lr, out):
-        self.grads = opt._check_grads(grads)
-        self.dests = opt._check_out(out)
-        self.lr = float(lr)
-        if not math.isfinite(self.lr) or self.lr < 0:
-            raise ValueError(f"lr={lr} must be finite and >= 0")
-        self.k = opt.step_count + 1
-        self.betas = (opt.beta1, opt.beta2)
-        self.eps = opt.eps
-        self.gate: Optional[Callable[[int, StepStats], None]] = None
-        self.published: List[int] = []
-        self.updated = 0
-
-    def work(self, j: int, ch: _Chunk, p, m, v, stats: StepStats):
-        if self.gate is not None:
-            self.gate(ch.shard, stats)
-        t0 = time.perf_counter()
-        g = self.grads[ch.shard]
-        with torch.no_grad():
-            for wd, ranges in ch.groups:
-                _functional_adamw(
-                    [p[a:b] for a, b in ranges], [g[ch.lo + a: ch.lo + b] for a, b in ranges],
-                    [m[a:b] for a, b in ranges], [v[a:b] for a, b in ranges], [],
-                    [torch.tensor(float(self.k - 1)) for _ in ranges], fused=True, amsgrad=False,
-                    beta1=self.betas[0], beta2=self.betas[1], lr=self.lr, weight_decay=wd, eps=self.eps,
-                    maximize=False)
-        stats.compute_seconds += time.perf_counter() - t0
-        return self.publish                  # runs once the chunk's write is submitted
-
-    def publish(self, j: int, ch: _Chunk, p, m, v, stats: StepStats) -> None:
-        if self.dests is not None:
-            t0 = time.perf_counter()
-            self.published.append(j)         # counted first: a half-done copy is restored too
-            NVMeAdamW._publish_chunk(self.dests, ch, p)
-            stats.publish_seconds += time.perf_counter() - t0
-        self.updated += 1                    # (updated and published)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,7 +280,7 @@ class NVMeAdamW:
             self._check_space()
             initial = [t.detach().reshape(-1) for t in shards]
 
-            def fill(j, ch: _Chunk, p, m, v, stats) -> None:
+            def fill(j, ch: Chunk, p, m, v, stats) -> None:
                 p.copy_(initial[ch.shard][ch.lo:ch.hi])
                 m.zero_()
                 v.zero_()
@@ -486,13 +348,13 @@ class NVMeAdamW:
         dtype, the shard's size; None to skip) per shard, or ``fn(shard, start, end, fp32)``.
         Returns once every chunk is written back (and, transactional, committed)."""
         self._check_usable()
-        update = _Update(self, grads, lr, out)
+        update = self._new_update(grads, lr, out)
         try:
-            stats, new_gens = self._stream("step", update.work, read=True, write=True, step=update.k)
+            stats, new_gens = self.stream_step(update)
         except BaseException as e:
-            self._after_failed_step(e, update.k, update.dests, update.published)
+            self.recover_failed_step(e, update)
             raise
-        return self._complete_step(update.k, stats, new_gens)
+        return self.commit_step(update, stats, new_gens)
 
     def begin_step(self, grads: Sequence[torch.Tensor], lr: float, out: Destination = None,
                    shard_order: Optional[Sequence[int]] = None) -> OverlappedStep:
@@ -510,19 +372,48 @@ class NVMeAdamW:
         if sorted(order) != list(range(self.num_shards)):
             raise ValueError(f"shard_order={list(shard_order)} is not a permutation of the "
                              f"{self.num_shards} shards 0..{self.num_shards - 1}")
-        update = _Update(self, grads, lr, out)
+        update = self._new_update(grads, lr, out)
         positions = [j for s in order for j in self._positions({s})]
         self._active = OverlappedStep(self, update, positions)
         return self._active
 
-    def _complete_step(self, k: int, stats: StepStats, new_gens: Dict[int, int]) -> StepStats:
+    # -- the pieces of a step, shared by step() and OverlappedStep ----------------------------
+    def stream_step(self, update: ChunkUpdate, positions: Optional[List[int]] = None, *,
+                    set_threads: bool = True) -> Tuple[StepStats, Dict[int, int]]:
+        """Run ``update`` over the chunks at ``positions`` (default: all, in order, picking up
+        :meth:`prefetch`'s reads): read each chunk, update it and write it back (to its other
+        generation when transactional). Returns the stats and the generations written, for
+        :meth:`commit_step`; nothing is committed yet. ``set_threads=False`` leaves torch's
+        process-wide thread setting alone (a pass on a worker thread). Only for a step begun by
+        :meth:`step` or :meth:`begin_step`."""
+        return self._stream("step", update.work, positions=positions, read=True, write=True,
+                            step=update.step_number, set_threads=set_threads)
+
+    def commit_step(self, update: ChunkUpdate, stats: StepStats, new_gens: Dict[int, int]) -> StepStats:
+        """Make the generations a step wrote current and count the step; returns its stats."""
         self._commit(new_gens)
-        self.step_count = k
+        self.step_count = update.step_number
         self.totals["steps"] += 1
         self.totals["bytes_read"] += stats.bytes_read
         self.totals["bytes_written"] += stats.bytes_written
         self.totals["seconds"] += stats.seconds
         return stats
+
+    def recover_failed_step(self, error: BaseException, update: ChunkUpdate) -> None:
+        """After ``update``'s pass raised ``error``: restore the chunks it already published
+        (transactional) or mark the optimizer unusable, and add a note to ``error`` saying
+        what state is left. The caller re-raises ``error``."""
+        self._after_failed_step(error, update.step_number, update.dests, update.published)
+
+    def restore_published(self, update: ChunkUpdate) -> int:
+        """Stream the committed (pre-step) masters back into the destinations of the chunks
+        ``update`` already published (a cancelled step). Returns the chunks restored."""
+        return self._restore_published(update.dests, update.published)
+
+    def end_overlapped_step(self) -> None:
+        """Called by the OverlappedStep of :meth:`begin_step` once it has finished or been
+        cancelled: the optimizer accepts other calls again."""
+        self._active = None
 
     def publish(self, out: Destination) -> StepStats:
         """Stream the current masters into ``out`` (as :meth:`step` does), e.g. after
@@ -532,7 +423,7 @@ class NVMeAdamW:
 
         def work(j, ch, p, m, v, stats):
             t0 = time.perf_counter()
-            self._publish_chunk(dests, ch, p)
+            publish_chunk(dests, ch, p)
             stats.publish_seconds += time.perf_counter() - t0
         return self._stream("publish", work, read=True, write=False)[0]
 
@@ -730,15 +621,12 @@ class NVMeAdamW:
             dests.append(None if t is None else t.detach().view(-1))
         return dests
 
-    @staticmethod
-    def _publish_chunk(dests, ch: _Chunk, p: torch.Tensor) -> None:
-        if callable(dests):
-            dests(ch.shard, ch.lo, ch.hi, p)
-        elif dests[ch.shard] is not None:
-            with torch.no_grad():
-                dests[ch.shard][ch.lo:ch.hi].copy_(p)
+    def _new_update(self, grads, lr, out: Destination) -> ChunkUpdate:
+        """The update of the next step, with ``grads`` and ``out`` checked against the shards."""
+        return ChunkUpdate(self._check_grads(grads), self._check_out(out), lr, step_number=self.step_count + 1,
+                           betas=(self.beta1, self.beta2), eps=self.eps)
 
-    def _views(self, i: int, ch: _Chunk):
+    def _views(self, i: int, ch: Chunk):
         n = ch.numel
         t = self._slots[i % self.num_buffers].padded[: BYTES_PER_ELEM * n].view(torch.float32)
         return t[:n], t[n: 2 * n], t[2 * n:]
@@ -758,7 +646,7 @@ class NVMeAdamW:
     @staticmethod
     def _track(h: SwapHandle, stats: StepStats, t0: Optional[float] = None) -> None:
         t0 = time.perf_counter() if t0 is None else t0
-        h.add_done_callback(lambda _h: stats._intervals.append((t0, time.perf_counter())))
+        h.add_done_callback(lambda _h: stats.record_io(t0, time.perf_counter()))
 
     def _cancel_prefetch(self) -> None:
         with self._lock:
@@ -853,7 +741,7 @@ class NVMeAdamW:
             raise
         finally:
             stats.seconds = time.perf_counter() - t_start
-            stats._close()
+            stats.sum_io_time()
             self.last_stats = stats
         return stats, new_gens
 
@@ -903,6 +791,6 @@ class NVMeAdamW:
         already published, in the order they were. Returns the chunks restored."""
         if dests is None or not published:
             return 0
-        self._stream("restore", lambda j, ch, p, m, v, st: self._publish_chunk(dests, ch, p),
+        self._stream("restore", lambda j, ch, p, m, v, st: publish_chunk(dests, ch, p),
                      positions=list(published), read=True, write=False)
         return len(published)

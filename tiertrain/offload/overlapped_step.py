@@ -36,10 +36,31 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, List, Optional
+from typing import Dict, List, Optional, Protocol, Tuple
 
-if TYPE_CHECKING:
-    from .nvme_optimizer import NVMeAdamW, StepStats, _Update
+from .chunk_update import ChunkUpdate, StepStats
+
+
+class SteppedOptimizer(Protocol):
+    """What an OverlappedStep needs of the optimizer whose step it runs: NVMeAdamW, whose
+    methods of the same names document them. Declared here so that this module needs nothing
+    from nvme_optimizer.py, which imports it to build OverlappedSteps."""
+
+    name: str
+
+    @property
+    def num_shards(self) -> int: ...
+
+    def stream_step(self, update: ChunkUpdate, positions: Optional[List[int]] = None, *,
+                    set_threads: bool = True) -> Tuple[StepStats, Dict[int, int]]: ...
+
+    def commit_step(self, update: ChunkUpdate, stats: StepStats, new_gens: Dict[int, int]) -> StepStats: ...
+
+    def recover_failed_step(self, error: BaseException, update: ChunkUpdate) -> None: ...
+
+    def restore_published(self, update: ChunkUpdate) -> int: ...
+
+    def end_overlapped_step(self) -> None: ...
 
 
 class StepCancelled(Exception):
@@ -51,13 +72,13 @@ class OverlappedStep:
     created by :meth:`NVMeAdamW.begin_step`. Call :meth:`shard_ready` for each shard (any
     thread, any order; earlier is better), then exactly one of :meth:`finish` or :meth:`cancel`."""
 
-    def __init__(self, optimizer: "NVMeAdamW", update: "_Update", positions: List[int]):
+    def __init__(self, optimizer: SteppedOptimizer, update: ChunkUpdate, positions: List[int]):
         self._opt = optimizer
         self._update = update
         self._positions = positions
         self._ready = [threading.Event() for _ in range(optimizer.num_shards)]
         self._cancelled = False
-        self._stats: Optional["StepStats"] = None
+        self._stats: Optional[StepStats] = None
         self._new_gens = None
         self._error: Optional[BaseException] = None
         self._ended = False
@@ -80,45 +101,43 @@ class OverlappedStep:
         """Shard ``shard``'s gradient is final: its chunks may be updated now."""
         self._ready[shard].set()
 
-    def finish(self) -> "StepStats":
+    def finish(self) -> StepStats:
         """Let every remaining shard go, wait for the worker, and commit the step (as
         :meth:`NVMeAdamW.step` returns). Raises the worker's error, with the state restored as
         after a failed synchronous step."""
         self._end()
-        opt = self._opt
         if self._error is not None:
-            opt._after_failed_step(self._error, self._update.k, self._update.dests, self._update.published)
+            self._opt.recover_failed_step(self._error, self._update)
             raise self._error
-        return opt._complete_step(self._update.k, self._stats, self._new_gens)
+        return self._opt.commit_step(self._update, self._stats, self._new_gens)
 
     def cancel(self) -> int:
         """Stop the step: nothing is committed, and every chunk already published gets its
         committed (pre-step) master values back. Returns the chunks restored."""
         self._cancelled = True
         self._end()
-        return self._opt._restore_published(self._update.dests, self._update.published)
+        return self._opt.restore_published(self._update)
 
     # -- internals --------------------------------------------------------------------------
     def _end(self) -> None:
         if self._ended:
-            raise RuntimeError(f"step {self._update.k} of NVMeAdamW({self._opt.name}) already ended")
+            raise RuntimeError(f"step {self._update.step_number} of NVMeAdamW({self._opt.name}) already ended")
         self._ended = True
         for event in self._ready:
             event.set()
         self._thread.join()
-        self._opt._active = None
+        self._opt.end_overlapped_step()
 
-    def _gate(self, shard: int, stats: "StepStats") -> None:
+    def _gate(self, shard: int, stats: StepStats) -> None:
         t0 = time.perf_counter()
         self._ready[shard].wait()
         stats.ready_wait_seconds += time.perf_counter() - t0
         if self._cancelled:
-            raise StepCancelled(f"step {self._update.k} cancelled")
+            raise StepCancelled(f"step {self._update.step_number} cancelled")
 
     def _run(self) -> None:
         try:
-            self._stats, self._new_gens = self._opt._stream(
-                "step", self._update.work, positions=self._positions, read=True, write=True,
-                step=self._update.k, set_threads=False)
+            self._stats, self._new_gens = self._opt.stream_step(self._update, self._positions,
+                                                                set_threads=False)
         except BaseException as e:  # noqa: BLE001 - raised on the caller's thread by finish()
             self._error = e

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 from ..config import Config, ConfigError
-from ..engine import Engine
+from ..engine import Engine, GradientPlan
 from ..models.gpt import GPT
 from ..topology import Topology
 from ..zero.layout import FlatLayout, bucket_layout, concatenate
@@ -79,12 +79,46 @@ def gpt_activation_shape(stage: nn.Module) -> Callable[[dict], tuple[int, ...]]:
     return shape
 
 
+def pipeline_plan(stages: Sequence[nn.Module], config: Config, dp: int) -> GradientPlan:
+    """What differs from the one-model engine: the stages' own parameter names (the model's:
+    ``blocks.5.mlp.fc1.weight``); buckets per chunk (one never spans two chunks), so a chunk's
+    units can be reduced as soon as its backward is over; reductions launched by the schedule
+    (``launch_when_ready=False``); the last stage's copy of a tied embedding left out of the
+    gradient norm (the first stage's embedding already counts it). Also returns, per chunk,
+    the indices of its units."""
+    named, seen = [], {}
+    for k, stage in enumerate(stages):
+        for name, p in stage.named_parameters():
+            if name in seen:
+                raise ValueError(f"parameter name {name!r} appears in local stages {seen[name]} and {k}; "
+                                 f"stages of one rank must hold distinct parameters")
+            seen[name] = k
+            if p.requires_grad:
+                named.append((name, p))
+    if not named:
+        raise ValueError("the model has no trainable parameters")
+    bucket_numel = max(1, int(config.zero.bucket_mb * 2**20) // 4)
+    shards = 1 if config.zero.stage == 0 else dp
+    layouts = [bucket_layout([(n, p) for n, p in s.named_parameters() if p.requires_grad], shards, bucket_numel)
+               for s in stages]
+    tied_copy_in_norm = not any(getattr(s, "tied", False) and s.is_last and not s.is_first for s in stages)
+    return GradientPlan(named, concatenate(layouts, [f"chunk{k}" for k in range(len(stages))]),
+                        launch_when_ready=False,
+                        counts_in_norm=lambda name: tied_copy_in_norm or name != TIED_LAST)
+
+
+def units_of_chunks(layout: FlatLayout, n_chunks: int) -> list[list[int]]:
+    """The flat unit indices of each chunk (pipeline_plan labels them chunkK)."""
+    out = [[] for _ in range(n_chunks)]
+    for u in layout.units:
+        out[int(u.label.split(".", 1)[0].removeprefix("chunk"))].append(u.index)
+    return out
+
+
 class PipelineEngine(Engine):
     """Trains this rank's pipeline stages; see the module docstring. Use :meth:`train_batch`
     (a schedule interleaves the forward and backward of several micro-batches, so there is
     no separate forward/backward call)."""
-
-    launch_when_ready = False
 
     def __init__(self, stages: Sequence[nn.Module], config: Config, topology: Topology,
                  activation_shape: tuple[int, ...] | Callable[[dict], tuple[int, ...]] | None = None,
@@ -94,43 +128,14 @@ class PipelineEngine(Engine):
                               f"would gather every stage's parameters for each micro-batch; valid: 0, 1, 2")
         self.stages = list(stages)
         self._tied_stages = [s for s in self.stages if getattr(s, "tied", False)]
-        super().__init__(nn.ModuleList(self.stages), config, topology)
+        plan = pipeline_plan(self.stages, config, topology.size("dp"))
+        super().__init__(nn.ModuleList(self.stages), config, topology, plan=plan)
+        self._units_of_chunk = units_of_chunks(self.layout, len(self.stages))
         if activation_shape is None and all(hasattr(s, "arch") for s in self.stages):
             activation_shape = gpt_activation_shape(self.stages[0])
         self.executor = PipelineExecutor(
             self.stages, topology, SCHEDULES[config.parallel.schedule], activation_shape, dtype=self.dtype,
             tied=False, timeout=timeout, grads_ready=self._chunk_gradients_final)
-
-    # -- construction (overrides) ------------------------------------------------------
-
-    def _trainable_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        """The stages' own parameter names (the model's names: ``blocks.5.mlp.fc1.weight``)."""
-        named, seen = [], {}
-        for k, stage in enumerate(self.stages):
-            for name, p in stage.named_parameters():
-                if name in seen:
-                    raise ValueError(f"parameter name {name!r} appears in local stages {seen[name]} and {k}; "
-                                     f"stages of one rank must hold distinct parameters")
-                seen[name] = k
-                if p.requires_grad:
-                    named.append((name, p))
-        return named
-
-    def _build_layout(self, model, named, unit_modules) -> FlatLayout:
-        """Buckets per chunk (one never spans two chunks), so a chunk's units can be reduced
-        as soon as its backward is over."""
-        bucket_numel = max(1, int(self.config.zero.bucket_mb * 2**20) // 4)
-        shards = 1 if self.stage == 0 else self.dp
-        layouts = [bucket_layout([(n, p) for n, p in s.named_parameters() if p.requires_grad], shards, bucket_numel)
-                   for s in self.stages]
-        self._units_of_chunk, start = [], 0
-        for layout in layouts:
-            self._units_of_chunk.append(list(range(start, start + len(layout.units))))
-            start += len(layout.units)
-        return concatenate(layouts, [f"chunk{k}" for k in range(len(self.stages))])
-
-    def _counts_in_norm(self, name: str) -> bool:
-        return not (name == TIED_LAST and any(s.is_last and not s.is_first for s in self._tied_stages))
 
     # -- training ------------------------------------------------------------------------
 
@@ -167,6 +172,6 @@ class PipelineEngine(Engine):
         loss = self.executor.run(micro, loss_scale=self.scaler.scale / self.dp)  # 1/dp: see Engine.backward
         if self._tied_stages:
             self._exchange_tied_gradients()
-        self.micro_steps += self.accum
+        self.train_state.micro_steps += self.accum
         self.step()
         return loss

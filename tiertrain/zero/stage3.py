@@ -8,68 +8,23 @@ record the order in which units run; later steps use that trace to prefetch the 
 all-gathers (asynchronously, within a byte budget) while the current unit computes, in
 forward order during forward and in the recorded backward order during backward.
 
-Collective agreement. Ranks must issue the same collectives in the same order; when they do
-not (a module run on some ranks only), gloo exchanges mismatched buffers or aborts and NCCL
-hangs. With ``check="traced"`` (the default) each rank's work is a sequence of *segments* —
-a forward pass, a backward pass, an optimizer step, a ``gathered_parameters`` fetch outside
-them — and
-
-* every segment opens with one small agreement (Collectives.check_same) on what opens,
-  which also compares a digest of the segment just recorded, if one was;
-* the first segment of each kind (forward with or without gradients, backward, ...) is
-  *recorded*: its events — each unit's forward, end of forward, backward, last gradient,
-  reduce-scatter — are logged, and each of its collectives is agreed first, as before;
-* later segments of that kind are *checked locally* against the recording, event by event
-  (no communication). A rank whose event differs (a skipped, extra or reordered module), or
-  that opens a segment before the previous one reached its end, raises
-  CollectiveMismatchError before issuing its next collective, and its Collectives refuses
-  every later one. Its peers wait in the collective it skipped until it exits: then gloo
-  fails their collective ("Connection closed by peer") and the launcher stops them, naming
-  the deviating rank (tiertrain.launch, run_distributed; torchrun stops the job too). With
-  NCCL the peers wait until the launcher stops them or the process-group timeout.
-
-So a step costs three small agreements (forward, backward, step) instead of one before each
-of its collectives (about three per unit), and none stands between the asynchronous
-reduce-scatters of a backward, which each used to wait for. Prefetch needs no check of its
-own: it is a function of the trace and of the checked events. A model whose module order
-changes between steps *alike on every rank* fails with the same error; call ``retrace()``
-(collective) whenever the order changes, or use ``check="every"`` (an agreement before every
-collective, as in the first step; "off": none).
+Collective agreement (every rank issuing the same collectives in the same order) is checked
+by tiertrain/zero/agreement.py: the fetcher reports each unit's events to it and asks it
+before each collective. Prefetch needs no check of its own: it is a function of the trace
+and of the checked events.
 """
 from __future__ import annotations
 
-import array
 import contextlib
-import hashlib
 import threading
-from collections import Counter
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from ..comm import CollectiveMismatchError, Collectives
+from ..comm import Collectives
+from .agreement import CHECKS, CollectiveAgreement, Event
 from .flat import NVME_READ_AHEAD, FlatParameters
-
-GATHER, REDUCE, STEP = 1, 2, 3  # collectives agreed one by one (codes shared with the engine)
-FORWARD, BACKWARD, OUTSIDE, RETRACE = 4, 5, 6, 7  # what opens a segment (agreed by every rank)
-VISIT, RELEASE, BACKWARD_VISIT, GRADS_DONE, RECOMPUTE, RECOMPUTE_END = 8, 9, 10, 11, 12, 13  # local events
-CHECKS = ("traced", "every", "off")
-_KIND = {GATHER: "the all-gather of", REDUCE: "the gradient reduce-scatter of", VISIT: "the forward of",
-         RELEASE: "the end of the forward of", BACKWARD_VISIT: "the backward of",
-         GRADS_DONE: "the last gradient of", RECOMPUTE: "the recomputed forward of",
-         RECOMPUTE_END: "the end of the recomputed forward of"}
-_SEGMENT = {0: "start", FORWARD: "forward pass", BACKWARD: "backward pass", STEP: "optimizer step",
-            OUTSIDE: "gathered_parameters() fetch", RETRACE: "retrace()"}
-
-
-def _code(kind: int, index: int = 0) -> int:
-    return (kind << 20) + index
-
-
-def _digest(trace: list[int]) -> int:
-    """A 56-bit hash of a trace, the same in every process."""
-    return int.from_bytes(hashlib.blake2b(array.array("q", trace).tobytes(), digest_size=7).digest(), "little")
 
 
 _recompute = threading.local()
@@ -118,20 +73,13 @@ class ParameterFetcher:
         check = {True: "traced", False: "off", None: "off"}.get(check, check)
         if check not in CHECKS:
             raise ValueError(f"check={check!r} is invalid: expected one of {', '.join(CHECKS)}")
-        self.check = check if comm.size > 1 else "off"
+        self.agreement = CollectiveAgreement(comm, self._unit_label, check if comm.size > 1 else "off")
         self.traces: dict[bool, list[int]] = {False: [], True: []}  # forward, backward unit order
         self.traced = False
         self._position = -1
         self._in_backward = False
         self._depth = 0  # unit forwards in progress
         self._backward_begun: set[int] = set()  # units whose backward began, grads not yet done
-        # check="traced": the open segment, its events' trace, where this rank is in it
-        self._event_traces: dict[tuple, list[int]] = {}
-        self._segment: tuple = (0,)
-        self._trace: list[int] = []
-        self._recording = True
-        self._pos = 0
-        self._opened: Counter = Counter()
         self._handles = []
         for index, module in unit_modules.items():
             self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(index)))
@@ -139,101 +87,47 @@ class ParameterFetcher:
 
     # -- collective agreement --------------------------------------------------------
 
+    @property
+    def check(self) -> str:
+        """How collectives are agreed: "traced", "every" or "off" (tiertrain/zero/agreement.py)."""
+        return self.agreement.check
+
+    @check.setter
+    def check(self, check: str) -> None:
+        self.agreement.check = check
+
+    def _unit_label(self, index: int) -> str:
+        return self.flat.units[index].unit.label if 0 <= index < len(self.flat.units) else f"#{index}"
+
     def describe(self, code: int) -> str:
-        kind, index = divmod(code, 1 << 20)
-        if kind == STEP:
-            return "the optimizer step"
-        if kind == FORWARD:
-            return "the start of a forward pass" + ("" if index else " without gradients")
-        if kind == BACKWARD:
-            return "the start of a backward pass"
-        if kind == RETRACE:
-            return "retrace()"
-        label = self.flat.units[index].unit.label if 0 <= index < len(self.flat.units) else f"#{index}"
-        if kind == OUTSIDE:
-            return f"gathered_parameters() of unit '{label}'"
-        return f"{_KIND.get(kind, 'collective')} unit '{label}'"
+        """Words for an event code, as in mismatch errors (CollectiveAgreement.describe)."""
+        return self.agreement.describe(code)
 
     def agree(self, kind: int, index: int = 0) -> None:
         """Called by the engine before the gradient reduce-scatter of unit `index` (REDUCE)
         and at the optimizer step (STEP)."""
-        if kind == STEP:
-            self._open(STEP)
+        if kind == Event.STEP:
+            self.agreement.open(Event.STEP)
             return
-        if kind == REDUCE:
+        if kind == Event.REDUCE:
             self._enter_backward()
-        self._log(kind, index)
-        self._before_collective(kind, index)
+        self.agreement.log(kind, index)
+        self.agreement.before_collective(kind, index)
 
     def retrace(self) -> None:
         """Forget the traced orders; the next segments are recorded (and agreed collective by
         collective) again. Collective: every rank calls it at the same point, between steps,
         e.g. when the model's module order changes on purpose, alike on every rank."""
-        self._open(RETRACE)
+        self.agreement.open(Event.RETRACE)
         self.traces = {False: [], True: []}
         self.traced = False
-        self._event_traces = {self._segment: self._trace}
-
-    def _open(self, kind: int, index: int = 0, key: tuple | None = None) -> None:
-        """Open a segment: a forward pass, a backward pass, an optimizer step, a fetch
-        outside them. The previous segment must have run to the end of its trace; all ranks
-        agree on what opens, and on the digest of the segment just recorded, if one was."""
-        if self.check != "traced":
-            if self.check == "every" and kind in (STEP, OUTSIDE):
-                self.comm.check_same(_code(STEP if kind == STEP else GATHER, index), self.describe)
-            return
-        if not self._recording and self._pos != len(self._trace):
-            self._deviate(self.describe(_code(kind, index)))
-        digest = _digest(self._trace) if self._recording else 0
-        self.comm.check_same(_code(kind, index), self.describe, digest)
-        key = key or (kind,)
-        self._segment = key
-        self._opened[key] += 1
-        trace = self._event_traces.get(key)
-        self._recording = trace is None
-        self._trace = self._event_traces.setdefault(key, [])
-        self._pos = 0
-
-    def _log(self, kind: int, index: int) -> None:
-        """One event of this rank's segment: recorded, or checked against the recording."""
-        if self.check != "traced":
-            return
-        code = _code(kind, index)
-        if self._recording:
-            self._trace.append(code)
-            return
-        pos = self._pos
-        if pos >= len(self._trace) or self._trace[pos] != code:
-            self._deviate(self.describe(code))
-        self._pos = pos + 1
-
-    def _before_collective(self, kind: int, index: int) -> None:
-        if self.check == "every" or (self.check == "traced" and self._recording):
-            self.comm.check_same(_code(kind, index), self.describe)
-
-    def _deviate(self, happened: str) -> None:
-        """This rank left the trace every rank agreed on: stop before its next collective."""
-        kind = self._segment[0]
-        name = _SEGMENT.get(kind, "segment") + (" without gradients" if self._segment == (FORWARD, False) else "")
-        expected = (self.describe(self._trace[self._pos]) if self._pos < len(self._trace)
-                    else f"the end of the {name}")
-        message = (
-            f"rank {self.comm.rank} reached {happened} as event {self._pos + 1} of its {name} "
-            f"#{self._opened[self._segment]}, where the trace of every {name} (recorded on the first one and "
-            f"identical on every rank) has {expected}: ranks executed different modules, or a module order "
-            f"that changes between steps. This rank stops before issuing another collective; the other ranks "
-            f"wait in the collective it skips until the launcher stops them (tiertrain.launch and torchrun do). "
-            f"Under ZeRO-3 every rank must run the same partitioned modules in the same order; if the order "
-            f"changes on purpose, alike on every rank, call engine.fetcher.retrace() on every rank when it "
-            f"changes, or construct the fetcher with check='every' (an agreement before every collective).")
-        self.comm.fail(message)
-        raise CollectiveMismatchError(message)
+        self.agreement.forget_recordings()
 
     def _enter_backward(self) -> None:
         if not self._in_backward:
             self._in_backward = True
             self._position = -1
-            self._open(BACKWARD)
+            self.agreement.open(Event.BACKWARD)
 
     # -- fetching ----------------------------------------------------------------------
 
@@ -242,17 +136,17 @@ class ParameterFetcher:
         Outside forward and backward this opens a segment of its own, agreed by every rank;
         inside them it is one more event of the pass."""
         if self._depth > 0 or self._in_backward:
-            self._log(GATHER, index)
+            self.agreement.log(Event.GATHER, index)
             self._fetch(index)
         else:
-            self._open(OUTSIDE, index)
+            self.agreement.open(Event.OUTSIDE, index)
             self.flat.gather(index)
 
     def _fetch(self, index: int) -> None:
         """Gather unit `index` now (no-op if gathered). Every gather the hooks issue goes
         through here, so that it is agreed first while its segment is being recorded."""
         if not self.flat.units[index].gathered:
-            self._before_collective(GATHER, index)
+            self.agreement.before_collective(Event.GATHER, index)
         self.flat.gather(index)
 
     def _prefetch(self, order: list[int], position: int) -> None:
@@ -265,7 +159,7 @@ class ParameterFetcher:
             if self.max_live_bytes and self.flat.gathered_bytes() + nbytes > self.max_live_bytes:
                 break
             if not u.gathered:
-                self._before_collective(GATHER, index)
+                self.agreement.before_collective(Event.GATHER, index)
                 self.flat.gather(index, async_op=True)
             budget -= nbytes
 
@@ -275,20 +169,20 @@ class ParameterFetcher:
         self._depth = 0
         self._backward_begun.clear()
         grad = torch.is_grad_enabled()
-        self._open(FORWARD, int(grad), key=(FORWARD, grad))
+        self.agreement.open(Event.FORWARD, int(grad), key=(Event.FORWARD, grad))
 
     def end_backward(self) -> None:
         """The first forward+backward has been traced; later steps prefetch from the traces."""
         if self.traces[False]:
             self.traced = True
-        if self._in_backward and self.check == "traced" and not self._recording and self._pos != len(self._trace):
-            self._deviate("the end of backward")
+        if self._in_backward:
+            self.agreement.expect_segment_end("the end of backward")
         self._in_backward = False
 
     def _visit(self, index: int, backward: bool) -> None:
         if backward:
             self._enter_backward()
-            self._log(BACKWARD_VISIT, index)
+            self.agreement.log(Event.BACKWARD_VISIT, index)
         order = self.traces[backward]
         if not self.traced:
             order.append(index)
@@ -313,10 +207,10 @@ class ParameterFetcher:
                 # No _depth here: checkpoint's early stop can end the recomputation inside
                 # this unit, so its post-hook may never run (backward is the context anyway).
                 self._enter_backward()
-                self._log(RECOMPUTE, index)
+                self.agreement.log(Event.RECOMPUTE, index)
                 self.fetch(index)
                 return
-            self._log(VISIT, index)  # first: every run is an event
+            self.agreement.log(Event.VISIT, index)  # first: every run is an event
             self._depth += 1
             self._visit(index, backward=False)
         return hook
@@ -324,10 +218,10 @@ class ParameterFetcher:
     def _make_post_forward(self, index: int):
         def hook(module, args, output):
             if not recomputing():
-                self._log(RELEASE, index)
+                self.agreement.log(Event.RELEASE, index)
                 self._depth -= 1
             else:  # released as after a forward, unless its backward has begun
-                self._log(RECOMPUTE_END, index)
+                self.agreement.log(Event.RECOMPUTE_END, index)
                 if index not in self._backward_begun:
                     self.flat.release(index)
                 return
@@ -352,7 +246,7 @@ class ParameterFetcher:
 
     def on_unit_grads_done(self, index: int) -> None:
         self._enter_backward()
-        self._log(GRADS_DONE, index)
+        self.agreement.log(Event.GRADS_DONE, index)
         self._backward_begun.discard(index)
         self.flat.release(index)
 

@@ -1,0 +1,129 @@
+"""ZeRO-Infinity's optimizer step from NVMe as an update form (tiertrain/update/protocol.py):
+the fp32 masters and Adam moments live in swap files and stream through a few chunk buffers
+at each step (:class:`~.nvme_optimizer.NVMeAdamW`); updated values go straight into the
+compute shards through the flat parameters' ShardWriter.
+
+:class:`NVMeUpdate` runs the step when step() is called, after reading the first chunks
+during the step's last backward (ZeRO-Infinity §6: the read does not depend on the
+gradients). :class:`OverlappedNVMeUpdate` goes further: each unit's chunks are updated as
+soon as its gradient reduction lands (tiertrain/offload/overlapped_step.py), which the
+factory chooses only when nothing global (clipping, an fp16 unscale, a tensor-parallel sum of
+partial gradients) changes the gradients between their reduction and the update.
+"""
+from __future__ import annotations
+
+from ..update.protocol import OptimizerUpdate, UpdateMemory, scale_gradients, shard_param_groups
+from .nvme_optimizer import NVMeAdamW, pieces_from_param_groups
+
+
+class NVMeUpdate(OptimizerUpdate):
+    """The NVMe optimizer stepped synchronously in step()."""
+
+    state_format = "nvme"
+
+    def __init__(self, flat, config, lazy_zero: bool, swapper, rank: int):
+        super().__init__(flat, config, lazy_zero)
+        zc = config.zero
+        masters = [u.master for u in flat.units]
+        groups = shard_param_groups(flat, masters, [u.grad for u in flat.units], config.optimizer.weight_decay)
+        pieces = pieces_from_param_groups(masters, groups)
+        del groups  # views of the masters: they must not outlive drop_masters()
+        self.nvme = NVMeAdamW(masters, pieces, config.optimizer, swapper, rank=rank,
+                              chunk_bytes=int(zc.nvme_chunk_mb * 2**20), num_buffers=zc.nvme_buffers)
+        del masters
+        # The RAM copies of the masters go before the gradient shards are first touched.
+        flat.drop_masters()
+
+    def before_backward(self, boundary, lr):
+        if boundary:
+            self.nvme.prefetch()
+
+    def before_step(self):
+        self.nvme.prefetch()  # (no-op when backward started it; a state load drops it)
+
+    def step(self, grads, clip, lr, step):
+        scale_gradients(grads, clip)
+        with self.flat.shard_writer() as updated_shards:
+            self.nvme.step(grads, lr, out=updated_shards)
+        self.publish_and_reset()
+
+    def masters(self):
+        return self.nvme.read_masters()
+
+    def write_masters(self, edited):
+        self.nvme.write_masters(edited)
+
+    def memory(self):
+        return UpdateMemory(optimizer=self.nvme.state_bytes, nvme_tier=self.nvme.state_bytes)
+
+    def close(self):
+        """Delete the optimizer's swap files and free its buffers."""
+        self.nvme.close()
+
+    def state_dict(self):
+        optimizer = self.nvme.state_dict()
+        masters = [shard.pop("master") for shard in optimizer["shards"]]
+        return {"masters": masters, "optimizer": optimizer}
+
+    def load_state_dict(self, state):
+        optimizer = state["optimizer"]
+        for shard, master in zip(optimizer["shards"], state["masters"]):
+            shard["master"] = master.cpu()
+        self.nvme.load_state_dict(optimizer)
+        with self.flat.shard_writer() as write:
+            for index, master in enumerate(state["masters"]):
+                write(index, 0, master.numel(), master)
+        self.flat.publish_masters()
+        self.flat.zero_grads()
+
+
+class OverlappedNVMeUpdate(NVMeUpdate):
+    """The NVMe optimizer step running during the step's last backward, unit by unit."""
+
+    def __init__(self, flat, config, lazy_zero: bool, swapper, rank: int, reducer):
+        super().__init__(flat, config, lazy_zero, swapper, rank)
+        self.reducer = reducer
+        self._in_flight = None
+        """(OverlappedStep, ShardWriter) of the step running during this boundary's backward."""
+
+    def before_backward(self, boundary, lr):
+        if boundary and self._in_flight is None:
+            writer = self.flat.shard_writer()
+            step = self.nvme.begin_step([u.grad for u in self.flat.units], lr, out=writer,
+                                        shard_order=self.reducer.launch_order)
+            self._in_flight = (step, writer)
+            self.reducer.on_reduced = step.shard_ready
+
+    def before_step(self):
+        if self._in_flight is None:
+            super().before_step()
+        else:
+            self.last_overlapped_step = self._in_flight[0].progress()
+
+    def step(self, grads, clip, lr, step):
+        if self._in_flight is None:  # cancelled since (a forward came first): run it now
+            super().step(grads, clip, lr, step)
+            return
+        self._end(commit=True)  # most units were updated during backward
+        self.publish_and_reset()
+
+    def cancel(self):
+        """The parameters an uncommitted step published return to their pre-step values (the
+        step then runs synchronously, if step() follows)."""
+        if self._in_flight is not None:
+            self._end(commit=False)
+
+    @property
+    def in_flight(self):
+        """The OverlappedStep running now, or None."""
+        return None if self._in_flight is None else self._in_flight[0]
+
+    def _end(self, commit: bool) -> None:
+        step, writer = self._in_flight
+        self._in_flight = None
+        self.reducer.on_reduced = None
+        with writer:  # writes the last unit's shard to NVMe, after a cancel's restore too
+            if commit:
+                step.finish()
+            else:
+                step.cancel()

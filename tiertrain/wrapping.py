@@ -1,0 +1,56 @@
+"""``tiertrain.wrap``: the one entry point that turns a model into an engine, above both
+engines (tiertrain/engine.py for one model, tiertrain/pipeline/engine.py for pipeline
+stages), so neither imports the other's module for it."""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch.nn as nn
+
+from .config import Config, ConfigError
+from .engine import Engine, LossFn
+from .offload.activations import apply_activation_checkpointing, checkpointing_of
+from .pipeline.engine import PipelineEngine, pipeline_stages
+from .topology import Topology
+
+
+def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topology, loss_fn: LossFn | None = None,
+         unit_modules: list[str] | None = None,
+         activation_shape: tuple[int, ...] | Callable[[Any], tuple[int, ...]] | None = None) -> Engine:
+    """Wrap any nn.Module for training under config on topology (no model changes needed).
+
+    loss_fn(model, batch) → scalar loss; by default the model is called on the batch and
+    its output (a tensor, a dict with 'loss', or an object with .loss) gives the loss.
+    unit_modules: stage-3 gather units by module name (default: children of ModuleLists).
+
+    With parallel.pp > 1 this returns a :class:`~tiertrain.pipeline.engine.PipelineEngine`:
+    model is a tiertrain GPT (split into stages here) or this rank's list of stage modules,
+    each called as stage(x, batch); activation_shape is the shape of the tensor passed
+    between stages for a micro-batch (known for GPT stages), or a function of the batch.
+    With activations.checkpoint_every = k > 0, every k-th block (children of ModuleLists)
+    recomputes its activations in backward (tiertrain.offload.activations); apply it
+    yourself before wrap() to choose other blocks.
+    """
+    if topology.size("pp") > 1 and (loss_fn is not None or unit_modules is not None):
+        raise ConfigError(f"parallel.pp={topology.size('pp')}: loss_fn and unit_modules do not apply to a "
+                          f"pipeline (the last stage returns the loss; zero.stage 3 is not pipelined)")
+    if topology.size("pp") == 1 and activation_shape is not None:
+        raise ConfigError("activation_shape is for pipeline parallelism; parallel.pp is 1")
+    checkpointing = None
+    if (config.activations.checkpoint_every > 0 and isinstance(model, nn.Module)
+            and checkpointing_of(model) is None):
+        # Before any pipeline split: the stages reuse the model's (now checkpointed) blocks.
+        checkpointing = apply_activation_checkpointing(model, config.activations, device=topology.device)
+    try:
+        if topology.size("pp") > 1:
+            stages = pipeline_stages(model, topology, config.parallel.virtual_stages)
+            engine = PipelineEngine(stages, config, topology, activation_shape=activation_shape)
+        else:
+            engine = Engine(model, config, topology, loss_fn=loss_fn, unit_modules=unit_modules)
+    except BaseException:
+        if checkpointing is not None:  # a failed wrap leaves the model as it found it
+            checkpointing.remove()
+        raise
+    if checkpointing is not None:
+        engine.undo_on_close(checkpointing.remove)  # close() hands the model back unchanged
+    return engine
