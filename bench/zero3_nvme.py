@@ -212,15 +212,15 @@ def worker(rank, world, port, fw, args, swap_dir, result_path):
             opt_name = f"tiertrain AdamW(fused), params:{tiers[0]} optimizer:{tiers[1]}"
 
             if swapper is not None:  # measurement only: time the main thread blocks reading param shards
-                _read_shard = engine.flat.read_shard
+                _read_shard = engine.flat.shards.read
 
-                def timed_read_shard(index):
+                def timed_read_shard(index, shard):
                     t = time.perf_counter()
                     try:
-                        return _read_shard(index)
+                        return _read_shard(index, shard)
                     finally:
                         phases["param_read_wait"] = phases.get("param_read_wait", 0.0) + time.perf_counter() - t
-                engine.flat.read_shard = timed_read_shard
+                engine.flat.shards.read = timed_read_shard
 
             def step(b):
                 phases["param_read_wait"] = 0.0
@@ -470,7 +470,7 @@ def render(rows, args, machine, cmd, bws, loads, load_after, wall_s, tt_opt_note
         L += ["", "## Where the step goes (median over steps of the slowest rank, seconds)", "",
               "fwd / bwd / opt = engine forward, backward, step (the optimizer phase includes the NVMe "
               "optimizer's streaming and the parameter write-back); param_read_wait = time tiertrain's main "
-              "thread spent in `flat.read_shard` (NVMe -> RAM parameter reads at gather time, fwd + bwd); "
+              "thread spent in `flat.shards.read` (NVMe -> RAM parameter reads at gather time, fwd + bwd); "
               "nvme_opt_* = tiertrain's `engine.update.nvme.last_stats` (seconds, io_wait_seconds, compute_seconds, "
               "ready_wait_seconds). Without clipping tiertrain's step runs during backward "
               "(`zero.overlap_nvme_step`, tiertrain/offload/overlapped_step.py): its pass then starts with the "

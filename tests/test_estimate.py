@@ -459,63 +459,70 @@ def test_bad_function_arguments_are_named():
         estimate(0)
 
 
+# --------------------------------------------------------------------------- tiers
+
+
+def test_tiers_are_the_tier_members_and_any_spelling_becomes_one():
+    """One vocabulary (tiertrain.tiers.Tier): TIERS, the layout's fields, every line's tier and
+    the keys of by_tier() are members; "none" (the configuration's spelling) is the device.
+    Members compare and hash like their strings, and JSON writes them as strings."""
+    from tiertrain.estimate import TIERS
+    from tiertrain.tiers import Tier
+
+    assert TIERS == (Tier.DEVICE, Tier.CPU, Tier.NVME)
+    lay = ZeroLayout(dp=2, stage=3, optimizer_tier="none", param_tier="cpu", checkpoint_tier=Tier.CPU,
+                     checkpoint_interval=1).validate()
+    assert (lay.optimizer_tier, lay.param_tier, lay.grad_tier) == (Tier.DEVICE, Tier.CPU, Tier.DEVICE)
+    assert ZeroLayout().optimizer_tier is Tier.DEVICE
+    est = estimate(ModelDims(n_layers=2, hidden=64, n_heads=4, vocab=100, seq_len=32), lay)
+    assert all(type(line.tier) is Tier for line in est.lines)
+    assert list(est.by_tier()) == list(TIERS) and est.total("cpu") == est.total(Tier.CPU) > 0
+    data = json.loads(to_json(est))
+    assert set(data["per_rank"]) == {"device", "cpu", "nvme"} and data["layout"]["param_tier"] == "cpu"
+
+
+# --------------------------------------------------------------------------- reductions
+
+
+def _reduction_bytes(stage, dp=2, backend="gloo", optimizer_tier="device", precision_bytes=4):
+    from tiertrain.estimate.peak import engine_units, gpt_meta_model, simulate_peak
+
+    model = gpt_meta_model(ModelDims(n_layers=2, hidden=64, n_heads=4, vocab=100, seq_len=32))
+    pk = simulate_peak(model, dp=dp, stage=stage, precision_bytes=precision_bytes, bucket_mb=0.01, backend=backend,
+                       optimizer_tier=optimizer_tier)
+    return pk, engine_units(model, stage, dp, 0.01).units
+
+
+def test_stage2_reductions_land_in_the_gradient_shard():
+    """tiertrain.zero.reducer: after a step the gradient shards are zeroed lazily and the next
+    reduction reduce-scatters straight into its shard, so a reduction in flight holds its
+    bucket and no output of its own; only with an accelerator and the optimizer (and so the
+    shards) in host memory does it go through a shard-sized device output. Activations not
+    modelled: the filling bucket + 3 reductions in flight at their largest."""
+    key = "gradient buckets and reductions in flight"
+    pk, units = _reduction_bytes(2)
+    buckets = sorted((4 * u.padded_numel for u in units), reverse=True)
+    assert pk.items[key] == sum(buckets[:3]) + buckets[0]
+    pk, units = _reduction_bytes(2, backend="nccl", optimizer_tier="cpu")
+    with_output = sorted((4 * u.padded_numel + 4 * u.shard_numel for u in units), reverse=True)
+    assert pk.items[key] == sum(with_output[:3]) + buckets[0]
+
+
+@pytest.mark.parametrize("dp,receive", [(2, "shard"), (3, "full")])
+def test_stage1_reduces_in_place_and_holds_nothing_at_the_step(dp, receive):
+    """Stage 1 reduce-scatters each unit's full gradient in place into its shard: until the
+    step waits on them, a shard-sized receive buffer each (2-rank gloo: the peer's copy of
+    this rank's chunk), or a full-size one on gloo with more ranks; at the optimizer step
+    they are gone (waited, and freed, before the gradient norm). (bf16: the step's own
+    buffers, gloo's replicated all-gather sends with 3 ranks, stay below them.)"""
+    pk, units = _reduction_bytes(1, dp=dp, precision_bytes=2)
+    size = {"shard": lambda u: u.shard_numel, "full": lambda u: u.padded_numel}[receive]
+    assert pk.items == {"gradient buckets and reductions in flight": sum(4 * size(u) for u in units)}
+    assert pk.where != "optimizer step"
+
+
 # --------------------------------------------------------------------------- against the engine
-
-
-def _engine_memory_report(rank, world, overrides, model_kw):
-    """One engine step on a tiny GPT; this rank's memory_report() as a dict."""
-    import torch
-
-    from tiertrain.config import Config, load
-    from tiertrain.wrapping import wrap
-    from tiertrain.models.gpt import GPT, GPTConfig
-    from tiertrain.topology import Topology
-
-    cfg = load(Config, None, ["--batch.micro_batch_size=2", *overrides])
-    topo = Topology.build(cfg.parallel)
-    torch.manual_seed(0)
-    g = GPTConfig(**model_kw)
-    engine = wrap(GPT(g), cfg, topo)
-    ids = torch.randint(0, g.vocab_size, (2, g.seq_len))
-    engine.train_batch(iter([{"input_ids": ids, "labels": ids}]))
-    r = engine.memory_report()
-    return {"params": r.params, "grads": r.grads, "optimizer": r.optimizer, "cpu_tier": r.cpu_tier}
-
-
-TINY_GPT = dict(n_layers=2, hidden=40, n_heads=2, seq_len=24, vocab_size=100)  # sizes that need padding
-
-
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize("overrides,precision,opt_tier,param_tier", [
-    (["--zero.stage=1", "--zero.bucket_mb=0.01"], "fp32", "device", "device"),
-    (["--zero.stage=3", "--precision.dtype=bf16", "--zero.offload_optimizer=cpu", "--zero.offload_params=cpu"],
-     "bf16", "cpu", "cpu"),
-])
-def test_model_states_equal_the_engines_memory_report(overrides, precision, opt_tier, param_tier):
-    """Per rank, to the byte: params, grads, optimizer (fp32 master + Adam moments) and the
-    CPU tier's share, for buckets/units padded to 2·64 elements (ranks differ: the last
-    shard holds the padding, which has no Adam state)."""
-    from tiertrain.estimate.peak import gpt_meta_model, simulate_peak
-    from tiertrain.models.gpt import GPTConfig
-    from tiertrain.testing import run_distributed
-
-    reports = run_distributed(_engine_memory_report, 2, overrides, TINY_GPT, timeout=25)
-    dims = ModelDims.from_gpt_config(GPTConfig(**TINY_GPT))
-    stage = int(overrides[0].split("=")[1])
-    bucket = 0.01 if "--zero.bucket_mb=0.01" in overrides else 25.0
-    for rank, rep in enumerate(reports):
-        pk = simulate_peak(gpt_meta_model(dims), dp=2, stage=stage, precision_bytes=4 if precision == "fp32" else 2,
-                           param_tier=param_tier, optimizer_tier=opt_tier, bucket_mb=bucket, rank=rank)
-        assert (pk.params, pk.grads, pk.master + pk.moments) == (rep["params"], rep["grads"], rep["optimizer"])
-        cpu = (pk.params if param_tier == "cpu" else 0) + (pk.grads + pk.master + pk.moments if opt_tier == "cpu" else 0)
-        assert cpu == rep["cpu_tier"]
-    est = estimate(dims, ZeroLayout(dp=2, stage=stage, precision=precision, optimizer_tier=opt_tier,
-                                    param_tier=param_tier, bucket_mb=bucket))
-    lines = {l.name: l for l in est.lines}
-    assert lines["parameters"].bytes == max(r["params"] for r in reports)
-    assert lines["master weights"].bytes + lines["optimizer states"].bytes == max(r["optimizer"] for r in reports)
-    if opt_tier == "cpu":
-        assert {lines[n].tier for n in ("gradients", "master weights", "optimizer states")} == {"cpu"}
+# (the model states of a real engine step, every stage and tier: tests/test_estimate_vs_engine.py)
 
 
 @pytest.mark.parametrize("dtype,D", [("float32", 4), ("bfloat16", 2)])

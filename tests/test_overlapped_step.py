@@ -134,19 +134,22 @@ def test_io_failure_surfaces_at_finish_with_the_previous_state(swapper):
 
 
 class _FakeFlat:
-    """The part of FlatParameters a ShardWriter uses: two units on NVMe."""
+    """The part of FlatParameters a ShardWriter uses: two units on NVMe, whose store (shards)
+    records what is written."""
 
     dtype = torch.float32
 
     def __init__(self):
-        self.units = [type("U", (), {"unit": type("L", (), {"shard_numel": 6})()})() for _ in range(2)]
+        self.units = [type("U", (), {"unit": type("L", (), {"shard_numel": 6})(), "shard": None})()
+                      for _ in range(2)]
         self.written: dict[int, torch.Tensor] = {}
+        self.shards = self
 
     def on_nvme(self, index):
         return True
 
-    def _swap_out_shard(self, u, values):
-        self.written[self.units.index(u)] = values.clone()
+    def write(self, index, shard, values):
+        self.written[index] = values.clone()
 
     def wait_writes(self):
         pass

@@ -18,6 +18,7 @@ from tiertrain import cli, launch
 from tiertrain.config import load
 from tiertrain.estimate import ModelDims, estimate
 from tiertrain.estimate.plan import Hardware, PlanError, plan, render_plan
+from tiertrain.tiers import Tier
 from tiertrain.train import TrainConfig, apply_plan
 
 GiB = 2**30
@@ -181,7 +182,7 @@ def test_plan_yaml_loads_back_as_the_train_config(tmp_path):
     cfg = load(TrainConfig, str(path))
     lay = p.layout
     assert cfg.zero.stage == lay.stage and cfg.zero.offload == "manual"
-    assert cfg.zero.offload_optimizer == "cpu" and cfg.zero.offload_params == "none"
+    assert Tier(cfg.zero.offload_optimizer) is Tier.CPU and Tier(cfg.zero.offload_params) is Tier.DEVICE
     assert cfg.activations.checkpoint_every == lay.checkpoint_interval
     assert cfg.tile_factor == lay.tile_factor and cfg.batch.micro_batch_size == 2
     assert cfg.precision.dtype == "bf16"
@@ -319,7 +320,9 @@ def test_plan_on_this_machine_counts_the_build_and_keeps_training_as_the_bound()
     assert p.fits and p.layout.stage == 2 and p.layout.optimizer_tier == "nvme"
     assert not p.estimate.build.partitioned
     assert 4 * BIG.num_parameters() <= p.build_usage["ram"] <= p.budget["ram"]
-    tight = plan(BIG, _no_gpu(18, ranks=2), micro_batch=1, precision="bf16")
+    # (at 18 GiB stage 3 with the parameters on the device fits since the estimator stopped
+    # counting a shard-sized output per stage-3 reduction in flight: they land in the shard)
+    tight = plan(BIG, _no_gpu(17, ranks=2), micro_batch=1, precision="bf16")
     assert tight.fits and tight.layout.stage == 3 and tight.layout.param_tier == "nvme"
     assert tight.layout.optimizer_tier == "nvme" and tight.estimate.build.partitioned
     assert tight.build_usage["ram"] <= tight.budget["ram"] and tight.usage["ram"] <= tight.budget["ram"]

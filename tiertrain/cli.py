@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from .config import ConfigError, field_docs, load
+from .tiers import Tier
 
 USAGE = """\
 usage: tiertrain <command> [options]
@@ -101,6 +102,8 @@ def _all_docs(cls: type) -> dict[str, str]:
 def _scalar(value: Any) -> str:
     if isinstance(value, tuple):
         value = list(value)
+    if isinstance(value, Tier):
+        value = value.config_name
     text = yaml.safe_dump(value, default_flow_style=True, width=10**9).strip()
     if text.endswith("\n..."):
         text = text[: -len("\n...")]
@@ -266,8 +269,8 @@ def _estimate_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _tier(value: str | None) -> str | None:
-    return None if value is None else ("device" if value == "none" else value)
+def _tier(value: str | None) -> Tier | None:
+    return None if value is None else Tier(value)
 
 
 def cmd_estimate(argv: list[str]) -> int:

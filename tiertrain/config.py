@@ -17,6 +17,8 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from .tiers import Tier
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names field, value and what is valid."""
@@ -26,12 +28,24 @@ def _fail(path: str, value: Any, valid: str) -> None:
     raise ConfigError(f"{path}={value!r} is invalid: expected {valid}")
 
 
+def parse_tier(path: str, value: Any, allowed: tuple[Tier, ...] = tuple(Tier)) -> Tier:
+    """value as a Tier ("none" is the device), or a ConfigError naming what is valid."""
+    try:
+        tier = Tier(value)
+    except ValueError:
+        tier = None
+    if tier not in allowed:
+        shown = value.config_name if isinstance(value, Tier) else value
+        _fail(path, shown, "one of " + ", ".join(repr(t.config_name) for t in allowed)
+              + (" ('device' is the same as 'none')" if Tier.DEVICE in allowed else ""))
+    return tier
+
+
 def _check_positive(path: str, value: int | float, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         _fail(path, value, "a value >= 0" if allow_zero else "a value > 0")
 
 
-Tier = Literal["none", "cpu", "nvme"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
 Dtype = Literal["fp32", "bf16", "fp16"]
 
@@ -192,10 +206,10 @@ class ZeroConfig:
     """Stage 3: cap on gathered parameter MiB resident at once; 0 means no cap beyond what is in use."""
     persistence_threshold: int = 0
     """Stage 3: parameters with at most this many elements stay whole on every rank."""
-    offload_optimizer: Tier = "none"
-    """Tier holding fp32 master weights and optimizer state: none (device), cpu or nvme."""
-    offload_params: Tier = "none"
-    """Tier holding parameter shards (stage 3): none (device), cpu or nvme."""
+    offload_optimizer: Tier = Tier.DEVICE
+    """Tier holding fp32 master weights and optimizer state: none (the device), cpu or nvme."""
+    offload_params: Tier = Tier.DEVICE
+    """Tier holding parameter shards (stage 3): none (the device), cpu or nvme."""
     nvme_path: str = ""
     """Swap directory for the nvme tier."""
     stage3_check: Literal["traced", "every", "off"] = "traced"
@@ -217,7 +231,12 @@ class ZeroConfig:
     delayed_update_warmup: int = 40
     """With delayed_update: the first this-many optimizer steps run synchronously (the paper starts DPU after a few tens)."""
 
+    def __post_init__(self) -> None:
+        self.offload_optimizer = parse_tier("zero.offload_optimizer", self.offload_optimizer)
+        self.offload_params = parse_tier("zero.offload_params", self.offload_params)
+
     def validate(self, path: str = "zero") -> None:
+        self.__post_init__()  # (fields assigned after construction)
         if self.stage not in (0, 1, 2, 3):
             _fail(f"{path}.stage", self.stage, "one of 0, 1, 2, 3")
         _check_positive(f"{path}.bucket_mb", self.bucket_mb)
@@ -231,11 +250,11 @@ class ZeroConfig:
         if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
             raise ConfigError(f"{path}.nvme_path='' is invalid with an nvme tier: give a directory on the "
                               f"NVMe device (one subdirectory per rank is created in it)")
-        if self.offload_optimizer != "none" and self.stage < 2:
-            raise ConfigError(f"{path}.offload_optimizer={self.offload_optimizer!r} needs {path}.stage 2 or 3 "
-                              f"(ZeRO-Offload builds on stage 2), got stage={self.stage}")
-        if self.offload_params != "none" and self.stage != 3:
-            raise ConfigError(f"{path}.offload_params={self.offload_params!r} needs {path}.stage=3 "
+        if self.offload_optimizer.offloaded and self.stage < 2:
+            raise ConfigError(f"{path}.offload_optimizer='{self.offload_optimizer.config_name}' needs {path}.stage "
+                              f"2 or 3 (ZeRO-Offload builds on stage 2), got stage={self.stage}")
+        if self.offload_params.offloaded and self.stage != 3:
+            raise ConfigError(f"{path}.offload_params='{self.offload_params.config_name}' needs {path}.stage=3 "
                               f"(only stage 3 partitions parameters), got stage={self.stage}")
         _check_positive(f"{path}.delayed_update_warmup", self.delayed_update_warmup, allow_zero=True)
         if self.delayed_update and self.offload != "manual":
@@ -245,20 +264,31 @@ class ZeroConfig:
             why = ("the NVMe optimizer writes updated parameters straight into the shards the next forward "
                    "reads" if self.offload_optimizer == "nvme" else "it delays the CPU optimizer's update")
             raise ConfigError(f"{path}.delayed_update=True is invalid with {path}.offload_optimizer="
-                              f"{self.offload_optimizer!r}: expected offload_optimizer='cpu' ({why})")
+                              f"'{self.offload_optimizer.config_name}': expected offload_optimizer='cpu' ({why})")
+
+
+ACTIVATION_TIERS = (Tier.DEVICE, Tier.CPU)
+"""Where activation checkpoints may live."""
 
 
 @dataclass
 class ActivationConfig:
     checkpoint_every: int = 0
     """Recompute activations in backward for every k-th transformer block (full-block checkpointing); 0 disables."""
-    offload: Literal["none", "cpu"] = "none"
-    """Tier holding the checkpointed block inputs between forward and backward: none (device) or cpu."""
+    offload: Tier = Tier.DEVICE
+    """Tier holding the checkpointed block inputs between forward and backward: none (the device) or cpu."""
+
+    def __post_init__(self) -> None:
+        # Any tier parses here; activation checkpointing names the ones it supports (device, cpu).
+        self.offload = parse_tier("activations.offload", self.offload)
 
     def validate(self, path: str = "activations") -> None:
+        self.__post_init__()
         _check_positive(f"{path}.checkpoint_every", self.checkpoint_every, allow_zero=True)
-        if self.offload != "none" and self.checkpoint_every == 0:
-            _fail(f"{path}.offload", self.offload,
+        if self.offload not in ACTIVATION_TIERS:
+            parse_tier(f"{path}.offload", self.offload, ACTIVATION_TIERS)
+        if self.offload.offloaded and self.checkpoint_every == 0:
+            _fail(f"{path}.offload", self.offload.config_name,
                   f"'none' while {path}.checkpoint_every=0 (there are no checkpoints to offload)")
 
 
@@ -357,6 +387,8 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def _describe(tp: Any) -> str:
+    if tp is Tier:
+        return "one of " + ", ".join(repr(t.config_name) for t in Tier)
     origin = get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
@@ -383,6 +415,8 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
         if not isinstance(value, dict):
             _fail(path, value, f"a table of {tp.__name__} fields")
         return from_dict(tp, value, path)
+    if tp is Tier:
+        return parse_tier(path, value)
     if origin is Literal:
         if value in get_args(tp) and type(value) is type(get_args(tp)[0]):
             return value
@@ -446,6 +480,8 @@ def from_dict(cls: type[T], data: dict, path: str = "") -> T:
 def to_dict(obj: Any) -> dict:
     """A dataclass as a plain nested dict (tuples become lists), ready for YAML/JSON."""
     def plain(v: Any) -> Any:
+        if isinstance(v, Tier):
+            return v.config_name
         if isinstance(v, tuple):
             return [plain(x) for x in v]
         if isinstance(v, dict):

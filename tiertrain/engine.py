@@ -13,7 +13,7 @@ parallelism, against which the ZeRO stages are checked.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -27,13 +27,14 @@ from .offload.activations import checkpoint_memory
 from .optim import clip_coefficient, scheduled_lr
 from .precision import DynamicLossScaler, compute_dtype
 from .topology import Topology
-from .update.factory import build_update
-from .zero.construct import forget_partition, full_shape, gather_partitioned, is_partitioned
-from .zero.flat import SWAP_BLOCK_BYTES, FlatParameters, Placement, swap_pool_bytes
-from .zero.layout import FlatLayout, bucket_layout, module_layout
-from .zero.param_gather import WaitForParameters
-from .zero.reducer import GradientReducer
+from .train_state import RNGState, TrainState
+from .update.factory import UpdateContext, UpdateFactory, build_update
 from .zero.agreement import Event
+from .zero.construct import forget_partition, gather_partitioned, is_partitioned
+from .zero.flat import SWAP_BLOCK_BYTES, FlatParameters, Placement, swap_pool_bytes
+from .zero.param_gather import WaitForParameters
+from .zero.plan import GradientPlan, default_plan
+from .zero.reducer import GradientReducer
 from .zero.stage3 import ParameterFetcher
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -82,85 +83,14 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return loss
 
 
-def default_unit_modules(model: nn.Module) -> list[str]:
-    """Stage-3 units: each child of every nn.ModuleList (transformer blocks), plus the root."""
-    prefixes = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList):
-            prefixes += [f"{name}.{child}" if name else child for child, _ in module.named_children()]
-    return prefixes
-
-
-@dataclass
-class TrainState:
-    """The engine's counters: a checkpoint part."""
-
-    micro_steps: int = 0
-    steps: int = 0
-    """Optimizer updates applied; update k uses the schedule's rate for k."""
-    skipped_steps: int = 0
-    """fp16 steps skipped on overflow."""
-
-    def state_dict(self) -> dict:
-        return {"micro_steps": self.micro_steps, "steps": self.steps, "skipped_steps": self.skipped_steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.micro_steps, self.steps, self.skipped_steps = (state["micro_steps"], state["steps"],
-                                                            state["skipped_steps"])
-
-
-class RNGState:
-    """torch's CPU generator: a checkpoint part, so a resumed run draws the same numbers."""
-
-    def state_dict(self) -> dict:
-        return {"cpu": torch.get_rng_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        torch.set_rng_state(state["cpu"])
-
-
-@dataclass(frozen=True)
-class GradientPlan:
-    """Which parameters the engine trains, in which flat layout, and how their gradients are
-    reduced and counted. The default (:func:`default_plan`) serves one model; a pipeline
-    passes its own (per-chunk buckets, reductions launched by the schedule, a tied copy left
-    out of the norm)."""
-
-    named: list[tuple[str, nn.Parameter]]
-    """The trainable parameters, by name, in layout order."""
-    layout: FlatLayout
-    """How they are packed into flat units and sharded over dp."""
-    launch_when_ready: bool = True
-    """Reductions start as each unit's gradients arrive; False: the caller launches them."""
-    counts_in_norm: Callable[[str], bool] = field(default=lambda name: True)
-    """Whether a parameter's gradient counts in the global norm."""
-
-
-def default_plan(model: nn.Module, config: Config, dp: int, unit_modules: list[str] | None = None) -> GradientPlan:
-    """Every trainable parameter of the model; stage 3: one unit per unit module (default:
-    children of ModuleLists) plus the root; stages 0-2: buckets of zero.bucket_mb."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not named:
-        raise ValueError("the model has no trainable parameters")
-    zc, stage = config.zero, config.zero.stage
-    if stage == 3:
-        prefixes = default_unit_modules(model) if unit_modules is None else list(unit_modules)
-        for prefix in prefixes:
-            model.get_submodule(prefix)  # raises AttributeError naming a bad prefix
-        return GradientPlan(named, module_layout(named, prefixes, dp, zc.persistence_threshold, shape_of=full_shape))
-    if any(is_partitioned(p) for _, p in named):
-        raise ConfigError(f"zero.stage={stage}: a model built under partitioned_init needs zero.stage=3")
-    bucket_numel = max(1, int(zc.bucket_mb * 2**20) // 4)
-    return GradientPlan(named, bucket_layout(named, 1 if stage == 0 else dp, bucket_numel))
-
-
 class Engine:
     """Trains one model on one rank of the topology; see the module docstring. plan: what a
-    pipeline changes (see GradientPlan); by default :func:`default_plan`."""
+    pipeline changes (see GradientPlan); by default :func:`default_plan`. update_factory:
+    builds the optimizer-step form (tiertrain/update/); by default the configured one."""
 
     def __init__(self, model: nn.Module, config: Config, topology: Topology,
                  loss_fn: LossFn | None = None, unit_modules: list[str] | None = None,
-                 plan: GradientPlan | None = None):
+                 plan: GradientPlan | None = None, update_factory: UpdateFactory = build_update):
         config.validate()
         if config.zero.retain_host_memory:
             retain_freed_host_memory()
@@ -237,10 +167,10 @@ class Engine:
 
         self._norm_grads, self._partial_grads = self._gradient_views(plan.counts_in_norm)
         self.scaler = DynamicLossScaler(config.precision.loss_scale, enabled=config.precision.dtype == "fp16")
-        self.update = build_update(
+        self.update = update_factory(UpdateContext(
             self.flat, config, topology, self.reducer, self.swapper, lazy_zero=self.launch_when_ready,
             global_gradient_changes=(config.optimizer.grad_clip > 0 or self.scaler.enabled
-                                     or (self.tp_comm.size > 1 and bool(self._partial_grads))))
+                                     or (self.tp_comm.size > 1 and bool(self._partial_grads)))))
         """The optimizer step, in the form the configuration asks for (tiertrain/update/)."""
         self._on_close.append(self.update.close)  # (first undone: its thread, its swap files)
         self.train_state = TrainState()

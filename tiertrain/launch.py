@@ -243,6 +243,12 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args, timeout: float = DEF
         raise ValueError(f"nproc={nproc} is invalid: expected >= 1")
     # Every rank imports torch._dynamo when it builds an optimizer (≈3 s of CPU): import it
     # once here, so that forked ranks share it instead of each importing it again.
+    # torch._dynamo is private, and kept: the optimizer imports it lazily on first use (through
+    # torch's internal _disable_dynamo wrappers), and no public API just loads it: the public
+    # torch.compiler functions (disable, reset, ...) import it only as a side effect of doing
+    # something else, and a forkserver preload takes module names, not calls.
+    # tests/test_private_apis.py fails if the module goes away, if building an optimizer stops
+    # importing it (the preload is then dead weight) or if `import torch` already does.
     import torch._dynamo  # noqa: F401
 
     method = start_method or ("forkserver" if _cuda_devices() else "fork")

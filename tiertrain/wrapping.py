@@ -12,11 +12,13 @@ from .engine import Engine, LossFn
 from .offload.activations import apply_activation_checkpointing, checkpointing_of
 from .pipeline.engine import PipelineEngine, pipeline_stages
 from .topology import Topology
+from .update.factory import UpdateFactory, build_update
 
 
 def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topology, loss_fn: LossFn | None = None,
          unit_modules: list[str] | None = None,
-         activation_shape: tuple[int, ...] | Callable[[Any], tuple[int, ...]] | None = None) -> Engine:
+         activation_shape: tuple[int, ...] | Callable[[Any], tuple[int, ...]] | None = None,
+         update_factory: UpdateFactory = build_update) -> Engine:
     """Wrap any nn.Module for training under config on topology (no model changes needed).
 
     loss_fn(model, batch) → scalar loss; by default the model is called on the batch and
@@ -29,7 +31,8 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
     between stages for a micro-batch (known for GPT stages), or a function of the batch.
     With activations.checkpoint_every = k > 0, every k-th block (children of ModuleLists)
     recomputes its activations in backward (tiertrain.offload.activations); apply it
-    yourself before wrap() to choose other blocks.
+    yourself before wrap() to choose other blocks. update_factory builds the optimizer-step
+    form from an UpdateContext (tiertrain/update/factory.py); by default the configured one.
     """
     if topology.size("pp") > 1 and (loss_fn is not None or unit_modules is not None):
         raise ConfigError(f"parallel.pp={topology.size('pp')}: loss_fn and unit_modules do not apply to a "
@@ -44,9 +47,11 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
     try:
         if topology.size("pp") > 1:
             stages = pipeline_stages(model, topology, config.parallel.virtual_stages)
-            engine = PipelineEngine(stages, config, topology, activation_shape=activation_shape)
+            engine = PipelineEngine(stages, config, topology, activation_shape=activation_shape,
+                                    update_factory=update_factory)
         else:
-            engine = Engine(model, config, topology, loss_fn=loss_fn, unit_modules=unit_modules)
+            engine = Engine(model, config, topology, loss_fn=loss_fn, unit_modules=unit_modules,
+                            update_factory=update_factory)
     except BaseException:
         if checkpointing is not None:  # a failed wrap leaves the model as it found it
             checkpointing.remove()

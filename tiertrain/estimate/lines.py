@@ -13,13 +13,16 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
+from ..tiers import Tier
+
 PRECISION_BYTES: Mapping[str, int] = MappingProxyType({"fp32": 4, "bf16": 2, "fp16": 2})
 """Bytes per element of each compute precision (read-only)."""
 
-TIERS: tuple[str, ...] = ("device", "cpu", "nvme")
-"""Memory tiers, fastest first (ZeRO-Infinity §5 offload engine)."""
+TIERS: tuple[Tier, ...] = (Tier.DEVICE, Tier.CPU, Tier.NVME)
+"""Memory tiers, fastest first (ZeRO-Infinity §5 offload engine): the members of
+:class:`tiertrain.tiers.Tier` (str-valued, so they also compare equal to "device" etc.)."""
 
-__all__ = ["PRECISION_BYTES", "TIERS", "EstimateLine"]
+__all__ = ["PRECISION_BYTES", "TIERS", "Tier", "EstimateLine"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,10 @@ class EstimateLine:
     """What the bytes hold (e.g. "optimizer states")."""
     bytes: int
     """Bytes per rank."""
-    tier: str
-    """Tier holding them: "device", "cpu" or "nvme"."""
+    tier: Tier
+    """Tier holding them (a spelling Tier accepts, e.g. "cpu", is converted to the member)."""
     formula: str
     """The formula and its source (e.g. "K·Ψ/N_d (ZeRO §5.1, P_os)")."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tier", Tier(self.tier))

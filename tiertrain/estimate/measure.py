@@ -195,18 +195,8 @@ def predict(spec: RunSpec, overhead: Any = None):
     """The estimate (:func:`tiertrain.estimate.estimate`, engine accounting) of ``spec``'s run."""
     from tiertrain.estimate.memory import ModelDims, ZeroLayout, estimate
 
-    cfg = spec.config()
     dims = ModelDims.from_gpt_config(spec.gpt_config())
-    tier = {"none": "device", "cpu": "cpu", "nvme": "nvme"}
-    lay = ZeroLayout(dp=spec.ranks, stage=cfg.zero.stage, precision=cfg.precision.dtype,
-                     optimizer_tier=tier[cfg.zero.offload_optimizer],
-                     param_tier=tier[cfg.zero.offload_params] if cfg.zero.stage == 3 else "device",
-                     checkpoint_interval=cfg.activations.checkpoint_every,
-                     checkpoint_tier="cpu" if cfg.activations.offload == "cpu" else "device",
-                     micro_batch=spec.micro_batch, bucket_mb=cfg.zero.bucket_mb,
-                     prefetch_mb=cfg.zero.prefetch_mb or 0.0,
-                     persistence_threshold=cfg.zero.persistence_threshold, backend="gloo")
-    return estimate(dims, lay, overhead)
+    return estimate(dims, ZeroLayout.from_config(spec.config(), spec.ranks), overhead)
 
 
 # --------------------------------------------------------------------------- calibration

@@ -29,12 +29,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from .lines import PRECISION_BYTES, TIERS, EstimateLine
-from .peak import engine_build_peak, engine_estimate_lines
+from .lines import PRECISION_BYTES, TIERS, EstimateLine, Tier
+from .peak import engine_build_peak, engine_estimate_lines, engine_grad_tier
 
 __all__ = [
     "PRECISION_BYTES",
     "TIERS",
+    "Tier",
     "ModelDims",
     "ZeroLayout",
     "Estimate",
@@ -350,6 +351,9 @@ def padded_shard(n: int, dp: int, alignment: int = 1) -> int:
     return -(-n // (dp * alignment)) * alignment
 
 
+_TIER_FIELDS = ("optimizer_tier", "param_tier", "grad_tier", "checkpoint_tier")
+
+
 @dataclass
 class ZeroLayout:
     """How a model is laid out over ranks and memory tiers (the estimator's input)."""
@@ -364,14 +368,14 @@ class ZeroLayout:
     """ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters (ZeRO §5)."""
     precision: str = "bf16"
     """Compute dtype of params and activations: "fp32", "bf16" or "fp16"."""
-    optimizer_tier: str = "device"
-    """Where fp32 master weights and Adam moments live: "device", "cpu" or "nvme"."""
-    param_tier: str = "device"
+    optimizer_tier: Tier = Tier.DEVICE
+    """Where fp32 master weights and Adam moments live: any :class:`~tiertrain.tiers.Tier`."""
+    param_tier: Tier = Tier.DEVICE
     """Where the (stage-3 partitioned) parameters live; off-device requires stage 3."""
-    grad_tier: str = "device"
+    grad_tier: Tier = Tier.DEVICE
     """Where the gradient partition lives between backward and the optimizer step."""
-    checkpoint_tier: str = "device"
-    """Where activation checkpoints live: "device" or "cpu" (ZeRO-R / ZeRO-Infinity §5)."""
+    checkpoint_tier: Tier = Tier.DEVICE
+    """Where activation checkpoints live: Tier.DEVICE or Tier.CPU (ZeRO-R / ZeRO-Infinity §5)."""
     checkpoint_interval: int = 0
     """ci, transformer blocks between two activation checkpoints; 0 = no checkpointing.
     Engine accounting follows ``activations.checkpoint_every``: blocks 0, ci, 2ci, … are
@@ -397,8 +401,18 @@ class ZeroLayout:
     """Collective backend: "gloo" (CPU; with more than 2 ranks its reduce-scatter and
     all-gather stage a full-size copy) or "nccl"."""
 
+    def __post_init__(self) -> None:
+        # A tier given by any spelling Tier accepts ("cpu", "none", a member) becomes the
+        # member; anything else is left for validate() to name.
+        for name in _TIER_FIELDS:
+            try:
+                setattr(self, name, Tier(getattr(self, name)))
+            except (ValueError, TypeError):
+                pass
+
     def validate(self) -> "ZeroLayout":
         """Raise ValueError naming the first invalid field; return self when valid."""
+        self.__post_init__()  # (tier fields assigned after construction)
         for name in ("dp", "tp", "pp", "micro_batch", "tile_factor", "alignment"):
             _positive_int("ZeroLayout", name, getattr(self, name))
         for name in ("checkpoint_interval", "ranks_per_node"):
@@ -411,18 +425,20 @@ class ZeroLayout:
                 f"must be one of {sorted(PRECISION_BYTES)}"
             )
         for name in ("optimizer_tier", "param_tier", "grad_tier"):
-            if getattr(self, name) not in TIERS:
+            if not isinstance(getattr(self, name), Tier):
                 raise ValueError(
-                    f"ZeroLayout.{name}={getattr(self, name)!r} is invalid: must be one of {list(TIERS)}"
+                    f"ZeroLayout.{name}={getattr(self, name)!r} is invalid: must be one of "
+                    f"{[t.value for t in TIERS]}"
                 )
-        if self.checkpoint_tier not in ("device", "cpu"):
+        if self.checkpoint_tier not in (Tier.DEVICE, Tier.CPU):
+            shown = self.checkpoint_tier.value if isinstance(self.checkpoint_tier, Tier) else self.checkpoint_tier
             raise ValueError(
-                f"ZeroLayout.checkpoint_tier={self.checkpoint_tier!r} is invalid: "
+                f"ZeroLayout.checkpoint_tier={shown!r} is invalid: "
                 "must be 'device' or 'cpu'"
             )
-        if self.param_tier != "device" and self.stage != 3:
+        if self.param_tier is not Tier.DEVICE and self.stage != 3:
             raise ValueError(
-                f"ZeroLayout.param_tier={self.param_tier!r} is invalid with stage={self.stage}: "
+                f"ZeroLayout.param_tier={self.param_tier.value!r} is invalid with stage={self.stage}: "
                 "parameters can leave the device only when partitioned (stage 3)"
             )
         if self.accounting not in ("engine", "paper"):
@@ -439,6 +455,26 @@ class ZeroLayout:
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"ZeroLayout.backend={self.backend!r} is invalid: must be 'gloo' or 'nccl'")
         return self
+
+    @classmethod
+    def from_config(cls, config: Any, world_size: int, backend: str = "gloo") -> "ZeroLayout":
+        """The layout a ``tiertrain.config.Config`` (read by attribute, not imported) trains
+        with on ``world_size`` ranks: stage, precision, micro-batch, buckets, prefetch,
+        persistence, activation checkpointing, and the tiers, read with :class:`Tier` (a
+        configuration may hold a member or a spelling such as "none"). The gradient tier is
+        where the engine keeps gradients for that stage and optimizer tier; parameters leave
+        the device only at stage 3. ``zero.prefetch_mb`` unset is 0 (the CPU default)."""
+        z, acts = config.zero, config.activations
+        pp, dp, tp = config.parallel.resolve(world_size)
+        optimizer_tier = Tier(z.offload_optimizer)
+        return cls(dp=dp, tp=tp, pp=pp, stage=z.stage, precision=config.precision.dtype,
+                   optimizer_tier=optimizer_tier,
+                   param_tier=Tier(z.offload_params) if z.stage == 3 else Tier.DEVICE,
+                   grad_tier=engine_grad_tier(z.stage, optimizer_tier),
+                   checkpoint_tier=Tier(acts.offload), checkpoint_interval=acts.checkpoint_every,
+                   micro_batch=config.batch.micro_batch_size, bucket_mb=z.bucket_mb,
+                   prefetch_mb=z.prefetch_mb or 0.0, persistence_threshold=z.persistence_threshold,
+                   backend=backend).validate()
 
     @property
     def world_size(self) -> int:
@@ -476,27 +512,28 @@ class Estimate:
     ``tiertrain train`` does (:class:`~tiertrain.estimate.peak.BuildPeak`: whole in fp32 on
     every rank, or under partitioned_init at stage 3 untiled); None otherwise."""
 
-    def build_by_tier(self) -> dict[str, int] | None:
-        """Bytes per rank at the build's peak: {"cpu": host RAM, "device": accelerator}
-        (None when not estimated). On a machine without an accelerator all is "cpu"."""
+    def build_by_tier(self) -> dict[Tier, int] | None:
+        """Bytes per rank at the build's peak: {CPU: host RAM, DEVICE: accelerator, NVME: 0}
+        (None when not estimated). On a machine without an accelerator all is CPU."""
         if self.build is None:
             return None
-        return {"device": self.build.device, "cpu": self.build.host, "nvme": 0}
+        return {Tier.DEVICE: self.build.device, Tier.CPU: self.build.host, Tier.NVME: 0}
 
-    def by_tier(self) -> dict[str, int]:
+    def by_tier(self) -> dict[Tier, int]:
         """Bytes per rank in each tier (every tier present, 0 when unused)."""
         out = {t: 0 for t in TIERS}
         for line in self.lines:
             out[line.tier] += line.bytes
         return out
 
-    def per_node(self) -> dict[str, int]:
+    def per_node(self) -> dict[Tier, int]:
         """Bytes per node in each tier: per-rank bytes x ``layout.node_ranks``."""
         return {t: b * self.layout.node_ranks for t, b in self.by_tier().items()}
 
-    def total(self, tier: str | None = None) -> int:
-        """Bytes per rank, in one tier or (None) across all tiers."""
-        return sum(l.bytes for l in self.lines if tier is None or l.tier == tier)
+    def total(self, tier: Tier | str | None = None) -> int:
+        """Bytes per rank, in one tier (a Tier, or a spelling it accepts) or (None) across all tiers."""
+        tier = None if tier is None else Tier(tier)
+        return sum(l.bytes for l in self.lines if tier is None or l.tier is tier)
 
     def line(self, name: str) -> EstimateLine:
         """The line called ``name``; ValueError listing the names when absent."""
@@ -613,17 +650,17 @@ def _activation_lines(d: ModelDims, lay: ZeroLayout) -> list[EstimateLine]:
     score_c = f"{((2 * dt + m) if drop else dt) / lay.tp:g}" if scores else "0"
     layer_f = f"s·b·h·{dense_c}" + (f" + a·s²·b·{score_c}" if scores else "")
     lines = [EstimateLine("activations (embedding, head, logits)",
-                          math.ceil(activation_bytes_head(s, b, h, d.vocab, dt, drop)), "device",
+                          math.ceil(activation_bytes_head(s, b, h, d.vocab, dt, drop)), Tier.DEVICE,
                           "s·b·h·(m+2D) + s·b·V·(D+4) (≈, Korthikanti 2022 §4.3)")]
     if ci == 0:
-        lines.insert(0, EstimateLine("activations (blocks)", math.ceil(nl * layer), "device",
+        lines.insert(0, EstimateLine("activations (blocks)", math.ceil(nl * layer), Tier.DEVICE,
                                      f"nl·({layer_f}) (≈ Korthikanti 2022 §4.1; D={dt} B)"))
     else:
         n_ckpt = math.ceil(nl / ci)
         lines.insert(0, EstimateLine("activation checkpoints", dt * b * s * h * n_ckpt, lay.checkpoint_tier,
                                      f"{dt}·bsz·seq·hd·⌈nl/ci⌉ (ZeRO-Infinity §3)"))
         awm = (infinity_awm_bytes(b, s, ci, h, a) if paper else math.ceil(min(ci, nl) * layer))
-        lines.insert(1, EstimateLine("activation working memory", awm, "device",
+        lines.insert(1, EstimateLine("activation working memory", awm, Tier.DEVICE,
                                      "bsz·seq·ci·(16·hd+2·attn_heads·seq) (ZeRO-Infinity §3 AWM)" if paper
                                      else f"ci·({layer_f}) (ZeRO-Infinity §3 AWM; layer ≈ Korthikanti 2022)"))
     if lay.stage == 3:
@@ -633,7 +670,7 @@ def _activation_lines(d: ModelDims, lay: ZeroLayout) -> list[EstimateLine]:
             pb = PRECISION_BYTES[lay.precision]
             mswm = (pb + 4) * d.largest_operator_elements() / (lay.tile_factor * lay.tp)
             f = f"({pb}+4)·max(f·hd², V·hd)/(tile·t) (ZeRO-Infinity §3 MSWM, engine dtypes)"
-        lines.append(EstimateLine("model-state working memory", math.ceil(mswm), "device", f))
+        lines.append(EstimateLine("model-state working memory", math.ceil(mswm), Tier.DEVICE, f))
     return lines
 
 

@@ -10,7 +10,9 @@ and rank, exactly as ``tiertrain.zero.flat.FlatParameters`` stores it:
 * params: the whole unit in the compute dtype (resident units) or this rank's shard (stage 3);
 * grads: fp32, the whole unit at stages 0–1 (``grad_full``), the shard at stages 2–3;
 * master: fp32 shard, absent when the shard already is fp32 in the same memory;
-* Adam moments: 2 × fp32 per *real* element of the shard (padding has no optimizer state).
+* Adam moments: 2 × fp32 per *real* element of the shard (padding has no optimizer state),
+  except on NVMe, whose swap files hold master and moments for the whole shard
+  (``tiertrain.offload.nvme_optimizer.NVMeAdamW.state_bytes``).
 
 Transient memory is simulated over one step in the order the engine runs it, and the peak
 is the largest total at any point:
@@ -22,12 +24,15 @@ is the largest total at any point:
   weight gradient), the stage-3 gathered units (the root stays gathered through forward
   and backward, plus the block being processed), and the gradient reduction state: at
   stages 2–3 the fp32 bucket being filled plus up to ``max_in_flight`` (2) reduced buckets
-  in flight, momentarily 3 (``tiertrain.zero.reducer``: a bucket and its reduce-scatter
-  output live until their collective is waited on); at stage 1 the reduce-scatter output
-  of every unit, kept until the optimizer step;
-* the optimizer step (no activations): stage-1 reduce-scatter outputs, the squared-gradient
-  temporary of the global norm, and, on gloo with more than 2 ranks or on NCCL with more
-  than 1, nothing more (the 2-rank gloo path exchanges only the peer's chunk, in place).
+  in flight, momentarily 3 (``tiertrain.zero.reducer``: a bucket lives until its
+  collective is waited on; the reduction lands straight in the lazily zeroed gradient
+  shard, through a shard-sized output only when the shard is off the bucket's device); at
+  stage 1, which reduce-scatters in place into the full gradient, every unit's shard-sized
+  receive buffer, kept until the optimizer step waits for the reductions; gloo with more
+  than 2 ranks receives full-size copies instead;
+* the optimizer step (no activations): the reductions have been waited on, so only the
+  squared-gradient temporary of the global norm and, on gloo with more than 2 ranks, the
+  replicated send buffers of the post-step all-gather (stages 1–2).
 
 Activation sizes are those of ``tiertrain.models.gpt.GPT`` (pre-LN blocks, fused SDPA that
 keeps its output and log-sum-exp instead of the s×s scores, GELU, tied head), counted with
@@ -47,30 +52,33 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..engine import default_unit_modules
+from ..zero.plan import default_unit_modules
 from ..zero.flat import swap_pool_bytes
-from .lines import PRECISION_BYTES, EstimateLine
+from .lines import PRECISION_BYTES, EstimateLine, Tier
 
 __all__ = ["ActivationBytes", "PeakBreakdown", "HostOverhead", "gpt_activation_bytes", "gpt_meta_model",
            "engine_units", "simulate_peak", "stage3_gathered_bytes", "tile_plan", "engine_estimate_lines",
            "DEFAULT_OVERHEAD_BYTES", "DEFAULT_RETENTION", "BuildPeak", "simulate_build_peak",
-           "builds_partitioned", "MMAP_THRESHOLD_MAX", "engine_build_peak"]
+           "builds_partitioned", "MMAP_THRESHOLD_MAX", "engine_build_peak", "engine_grad_tier"]
 
 DEFAULT_OVERHEAD_BYTES = 18 * 2**20
 """Process memory a training rank holds besides tensors (allocator metadata, gloo and
-oneDNN/BLAS buffers, the autograd engine, Python objects), when nothing better is known:
-measured on the reference 2-core CPU machine (bench/results/estimate_accuracy.md) as the
-peak-RSS increase of training a 1-block, 32-wide GPT on 2 gloo ranks less its tensors
-(17.9–18.0 MiB in three runs); ``tiertrain probe`` measures it on the machine at hand
-(``framework_overhead_bytes``, tiertrain.estimate.measure.calibrate_overhead)."""
+oneDNN/BLAS buffers, the autograd engine, Python objects), when nothing better is known. It
+does not grow with the model, so it is calibrated on the smallest run that trains (a 1-block,
+32-wide GPT on 2 gloo ranks: peak-RSS increase less its tensors); the default is that
+calibration on the reference CPU machine, recorded in bench/results/estimate_accuracy.md
+("Process overhead", "Calibration runs"). ``tiertrain probe`` measures it on the machine at
+hand (``framework_overhead_bytes``, tiertrain.estimate.measure.calibrate_overhead)."""
 
 DEFAULT_RETENTION = 0.5
 """Share of a rank's transient bytes (activations, buckets, gathered units) that glibc's
-heap keeps resident on top of them, when nothing better is known: measured on the reference
-machine with a 6 × 512 GPT at stage 2, micro-batch 4, with ``zero.retain_host_memory`` on
-(the default: mmap threshold 32 MiB, trim threshold 256 MiB from wrap() on): 0.43, 0.52,
-0.54 and 0.59 in four runs (the 8 × 640 runs of bench/results/estimate_accuracy.md imply
-0.45–0.72, fp32 stage 3 0.86–1.2); ``tiertrain probe`` measures it (``allocator_retention``)."""
+heap keeps resident on top of them, when nothing better is known. Freed holes in the heap stay
+resident (with ``zero.retain_host_memory`` on, the default: mmap threshold 32 MiB, trim
+threshold 256 MiB from wrap() on), and where they fall varies from run to run, so a single round
+figure near the calibration is used: a 6 × 512 GPT at stage 2, micro-batch 4, on the reference
+CPU machine; bench/results/estimate_accuracy.md records that calibration, its spread over runs
+and the share each of its runs implies ("What the retention is, measured").
+``tiertrain probe`` measures it (``allocator_retention``)."""
 
 
 # --------------------------------------------------------------------------- activations
@@ -185,9 +193,9 @@ class PeakBreakdown:
     """fp32 master shards (0 where the fp32 shard is its own master)."""
     moments: int
     """Adam m and v (fp32) of the real elements of this rank's shards."""
-    param_tier: str
-    grad_tier: str
-    optimizer_tier: str
+    param_tier: Tier
+    grad_tier: Tier
+    optimizer_tier: Tier
     items: dict[str, int] = field(default_factory=dict)
     """Transient and activation bytes live at the peak, by item name."""
     cpu_items: dict[str, int] = field(default_factory=dict)
@@ -210,6 +218,16 @@ class PeakBreakdown:
         return self.model_states + self.transient
 
 
+def engine_grad_tier(stage: int, optimizer_tier: Tier) -> Tier:
+    """Where the engine keeps the fp32 gradients: whole units on the device at stages 0–1;
+    from stage 2 the gradient shards live with the optimizer (``zero.flat.Placement``), in
+    RAM when the optimizer is on NVMe (its swap files hold masters and moments only)."""
+    optimizer_tier = Tier(optimizer_tier)
+    if stage < 2:
+        return Tier.DEVICE
+    return Tier.CPU if optimizer_tier is Tier.NVME else optimizer_tier
+
+
 def _block_index(name: str, blocks: dict[str, int]) -> int | None:
     """Block number of a parameter name (the longest matching block prefix), else None."""
     best = None
@@ -220,11 +238,11 @@ def _block_index(name: str, blocks: dict[str, int]) -> int | None:
 
 
 def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int,
-                  param_tier: str = "device", optimizer_tier: str = "device",
+                  param_tier: Tier = Tier.DEVICE, optimizer_tier: Tier = Tier.DEVICE,
                   bucket_mb: float = 25.0, prefetch_mb: float = 0.0, persistence_threshold: int = 0,
                   backend: str = "gloo", rank: int | None = None,
                   acts: ActivationBytes | None = None, checkpoint_every: int = 0,
-                  checkpoint_tier: str = "device", max_in_flight: int = 2) -> PeakBreakdown:
+                  checkpoint_tier: Tier = Tier.DEVICE, max_in_flight: int = 2) -> PeakBreakdown:
     """Simulate one training step of tiertrain's engine on ``model`` (meta is fine) and
     return what one rank holds at the peak. ``acts``: the model's activation sizes (None:
     activations not modelled, model states and engine buffers only). ``rank``: the rank
@@ -232,6 +250,7 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
     shard's real elements, and each unit's padding sits at its end)."""
     if rank is None:
         rank = 0  # every rank holds the same buffers; the padding (no Adam state) is at the end
+    param_tier, optimizer_tier, checkpoint_tier = Tier(param_tier), Tier(optimizer_tier), Tier(checkpoint_tier)
     D = precision_bytes
     layout = engine_units(model, stage, dp, bucket_mb, persistence_threshold)
     units = layout.units
@@ -241,26 +260,41 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
     for u in units:
         params += (u.padded_numel if u.resident else u.shard_numel) * D
         grads += 4 * (u.padded_numel if stage <= 1 else u.shard_numel)
-        shard_tier = "device" if u.resident else param_tier
-        if not (D == 4 and optimizer_tier == shard_tier != "nvme"):
+        shard_tier = Tier.DEVICE if u.resident else param_tier
+        if not (D == 4 and optimizer_tier == shard_tier != Tier.NVME):
             master += 4 * u.shard_numel
-        moments += 8 * sum(b - a for _, a, b in u.shard_pieces(shard_rank))
+        if optimizer_tier is Tier.NVME:  # NVMeAdamW's chunks tile the whole shard, padding included
+            moments += 8 * u.shard_numel
+        else:
+            moments += 8 * sum(b - a for _, a, b in u.shard_pieces(shard_rank))
     out = PeakBreakdown(params=params, grads=grads, master=master, moments=moments,
-                        param_tier=param_tier if stage == 3 else "device",
-                        grad_tier=("cpu" if optimizer_tier == "nvme" else optimizer_tier) if stage >= 2 else "device",
+                        param_tier=param_tier if stage == 3 else Tier.DEVICE,
+                        grad_tier=engine_grad_tier(stage, optimizer_tier),
                         optimizer_tier=optimizer_tier)
     full_bytes = {u.index: u.padded_numel * D for u in units}
     # gloo with > 2 ranks stages a full-size copy for reduce-scatter (fp32) and all-gather
     staging = backend == "gloo" and dp > 2
+    # stages 2-3: a reduction lands straight in the gradient shard (lazily zeroed after the
+    # step) when the shard is on the bucket's device; with an accelerator and the optimizer
+    # off it, the shard is host memory and the reduction goes through a device output first
+    direct = backend == "gloo" or optimizer_tier is Tier.DEVICE
+
+    def reduction_temporary(u) -> int:
+        """fp32 bytes unit u's reduce-scatter allocates until it is waited on, besides its
+        bucket (tiertrain.zero.reducer._launch, tiertrain.comm.Collectives.reduce_scatter):
+        gloo with > 2 ranks receives every rank's copy of this rank's chunk (full size);
+        otherwise stage 1 (in place into the full gradient) receives the peer's copy in a
+        shard-sized buffer, and stages 2-3 need a shard-sized output only when not direct."""
+        if staging:
+            return 4 * u.padded_numel + (0 if stage == 1 or direct else 4 * u.shard_numel)
+        return 0 if stage >= 2 and direct else 4 * u.shard_numel
+
     out.unit_bytes = {"largest_unit": max(u.padded_numel for u in units),
                       "largest_shard": max(u.shard_numel for u in units)}
 
-    # ---- the step (no activations): stage-1 outputs are counted in backward already
+    # ---- the step (no activations): every reduction was waited on (and its temporaries
+    # freed) before the gradient norm, so only the step's own buffers are live
     step_items = {"global-norm temporary": 4 * max(u.shard_numel for u in units)}  # g.pow(2) of a grad shard
-    if stage == 1:
-        step_items["reduce-scatter outputs (stage 1)"] = sum(4 * u.shard_numel for u in units)
-        if staging:
-            step_items["reduce-scatter outputs (stage 1)"] += sum(4 * u.padded_numel for u in units)
     if stage in (1, 2) and staging:
         step_items["all-gather staging"] = sum(D * u.padded_numel for u in units if u.num_shards > 1)
     best_items, best_where = dict(step_items), "optimizer step"
@@ -274,7 +308,7 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
         ckpt = set(range(0, n_blocks, checkpoint_every)) if checkpoint_every > 0 else set()
         saved = [acts.checkpoint if i in ckpt else acts.block for i in range(n_blocks)]
         ckpt_bytes = acts.checkpoint * len(ckpt)
-        if checkpoint_tier == "cpu" and ckpt:  # the host pool keeps every checkpoint's buffer
+        if checkpoint_tier is Tier.CPU and ckpt:  # the host pool keeps every checkpoint's buffer
             cpu_items["activation checkpoints (CPU pool)"] = ckpt_bytes
             saved = [0 if i in ckpt else acts.block for i in range(n_blocks)]
 
@@ -283,7 +317,7 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
             full = sum(x for i, x in enumerate(live) if i not in ckpt)
             chk = sum(x for i, x in enumerate(live) if i in ckpt)
             d = {"activations (blocks)": full}
-            if ckpt and checkpoint_tier != "cpu":
+            if ckpt and checkpoint_tier is not Tier.CPU:
                 d["activation checkpoints"] = chk
             return d
 
@@ -335,7 +369,7 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
         next_launch = 0
         filling: dict[int, int] = {}      # unit -> bucket bytes (stages 2-3)
         in_flight: list[int] = []         # bytes of each launched, not yet waited reduction
-        kept_outputs = 0                  # stage 1: reduce-scatter outputs until the step
+        kept_outputs = 0                  # stage 1: reduce-scatter temporaries until the step
         first_root_grad = True
 
         def engine_items(block: int | None) -> dict[str, int]:
@@ -354,7 +388,7 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
             d["backward buffers"] = (acts.block_backward if b >= 0 else 0) + acts.tied_head_grad
             if b in ckpt:  # recomputation: the block's activations again (+ its fetched input)
                 d["activation working memory (recompute)"] = acts.block + (
-                    acts.checkpoint if checkpoint_tier == "cpu" else 0)
+                    acts.checkpoint if checkpoint_tier is Tier.CPU else 0)
             d.update(engine_items(b if gathered and b >= 0 else None))
             return d
 
@@ -382,7 +416,7 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
                 next_launch += 1
                 if stage == 0:
                     continue
-                cost = 4 * lu.shard_numel + (4 * lu.padded_numel if staging else 0)
+                cost = reduction_temporary(lu)
                 if stage == 1:
                     kept_outputs += cost
                 else:
@@ -401,14 +435,14 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
                 best_items, best_where = d, where
     else:
         # no activations: the engine's own buffers at their largest (a bucket plus in-flight
-        # reductions, or the stage-1 outputs), stage-3 gathered: the two largest units
+        # reductions, or the stage-1 temporaries), stage-3 gathered: the two largest units
         d = {}
         if stage >= 2:
-            biggest = sorted((4 * u.padded_numel + 4 * u.shard_numel for u in units), reverse=True)
+            biggest = sorted((4 * u.padded_numel + reduction_temporary(u) for u in units), reverse=True)
             d["gradient buckets and reductions in flight"] = sum(biggest[:max_in_flight + 1]) + (
                 4 * max(u.padded_numel for u in units))
         if stage == 1:
-            d["gradient buckets and reductions in flight"] = sum(4 * u.shard_numel for u in units)
+            d["gradient buckets and reductions in flight"] = sum(reduction_temporary(u) for u in units)
         if stage == 3:
             d["gathered parameters (stage 3)"] = sum(sorted(full_bytes.values(), reverse=True)[:2])
         if sum(d.values()) > sum(best_items.values()):
@@ -458,7 +492,7 @@ class BuildPeak:
 
 
 def simulate_build_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int,
-                        param_tier: str = "device", optimizer_tier: str = "device", bucket_mb: float = 25.0,
+                        param_tier: Tier = Tier.DEVICE, optimizer_tier: Tier = Tier.DEVICE, bucket_mb: float = 25.0,
                         persistence_threshold: int = 0, partitioned: bool | None = None,
                         accelerator: bool = False, framework_bytes: int = 0,
                         nvme_chunk_bytes: int = 24 << 20, nvme_buffers: int = 4) -> BuildPeak:
@@ -485,6 +519,7 @@ def simulate_build_peak(model: nn.Module, *, dp: int, stage: int, precision_byte
     ``accelerator``; otherwise every byte is host RAM."""
     if partitioned is None:
         partitioned = builds_partitioned(stage, getattr(model, "_tiertrain_tile_factor", 1))
+    param_tier, optimizer_tier = Tier(param_tier), Tier(optimizer_tier)
     D = precision_bytes
     layout = engine_units(model, stage, dp, bucket_mb, persistence_threshold)
     units = layout.units
@@ -493,11 +528,11 @@ def simulate_build_peak(model: nn.Module, *, dp: int, stage: int, precision_byte
     host: dict[str, int] = {}
     dev: dict[str, int] = {}
 
-    def alloc(tier: str, name: str, nbytes: int, touched: bool = True) -> int:
+    def alloc(tier: Tier, name: str, nbytes: int, touched: bool = True) -> int:
         """Allocate (host blocks ≤ 32 MiB reuse freed heap holes first); returns the bytes
         that became resident later when the block is touched (0 if touched now)."""
         nbytes = int(nbytes)
-        if accelerator and tier == "device":
+        if accelerator and tier is Tier.DEVICE:
             dev[name] = dev.get(name, 0) + nbytes
             return 0
         reused = min(host.get(HOLES, 0), nbytes) if nbytes <= MMAP_THRESHOLD_MAX else 0
@@ -505,9 +540,9 @@ def simulate_build_peak(model: nn.Module, *, dp: int, stage: int, precision_byte
         host[name] = host.get(name, 0) + (nbytes if touched else reused)
         return 0 if touched else nbytes - reused
 
-    def free(tier: str, name: str, nbytes: int) -> None:
+    def free(tier: Tier, name: str, nbytes: int) -> None:
         nbytes = int(nbytes)
-        if accelerator and tier == "device":
+        if accelerator and tier is Tier.DEVICE:
             dev[name] -= nbytes
             return
         host[name] -= nbytes
@@ -531,7 +566,7 @@ def simulate_build_peak(model: nn.Module, *, dp: int, stage: int, precision_byte
             best_dev = (sum(d.values()), d)
 
     if framework_bytes:
-        alloc("cpu", "framework overhead", framework_bytes)
+        alloc(Tier.CPU, "framework overhead", framework_bytes)
     # ---- 1. construction (fp32, host)
     ORIG = "model parameters as built (fp32)" if not partitioned else "fp32 parameter shards (partitioned_init)"
     if partitioned:
@@ -541,53 +576,53 @@ def simulate_build_peak(model: nn.Module, *, dp: int, stage: int, precision_byte
             leaf = n.rsplit(".", 1)[0] if "." in n else ""
             leaves[leaf] = leaves.get(leaf, 0) + 4 * k
         for n in original:
-            alloc("cpu", ORIG, original[n])
+            alloc(Tier.CPU, ORIG, original[n])
         point("construction (partitioned_init)", {"module being initialised (fp32, whole)": max(leaves.values())})
     else:
         original = {n: 4 * k for n, k in numel.items()}
         for n in original:
-            alloc("cpu", ORIG, original[n])
+            alloc(Tier.CPU, ORIG, original[n])
         point("construction (whole model, fp32)")
     # ---- 2. wrap: the engine's swap pool, then FlatParameters unit by unit
-    opt_tier = "device" if optimizer_tier == "device" else "cpu"
-    if stage == 3 and param_tier == "nvme":  # the parameter swapper's pool, used by the shard writes
+    opt_tier = Tier.DEVICE if optimizer_tier is Tier.DEVICE else Tier.CPU
+    if stage == 3 and param_tier is Tier.NVME:  # the parameter swapper's pool, used by the shard writes
         pool_bytes = swap_pool_bytes(max(u.shard_numel for u in units) * D)
         written = sum(D * u.shard_numel for u in units if not u.resident)
-        alloc("cpu", "NVMe staging buffers", min(pool_bytes, written))
+        alloc(Tier.CPU, "NVMe staging buffers", min(pool_bytes, written))
     masters: list[int] = []
     untouched_grads = 0
     for u in units:
-        shard_tier = "device" if u.resident else param_tier
+        shard_tier = Tier.DEVICE if u.resident else param_tier
         th: dict[str, int] = {}
         td: dict[str, int] = {}
         if u.resident:
-            alloc("device", "flat parameters", D * u.padded_numel)
+            alloc(Tier.DEVICE, "flat parameters", D * u.padded_numel)
         else:
             (td if accelerator else th)["unit being flattened (compute dtype)"] = D * u.padded_numel
-            if shard_tier == "nvme":
+            if shard_tier is Tier.NVME:
                 th["shard being written to NVMe"] = D * u.shard_numel
             else:
                 alloc(shard_tier, "flat parameters", D * u.shard_numel)
         if partitioned:
             th["parameter gathered from its shards (fp32)"] = max(4 * numel[s.name] for s in u.slots)
-        if not (D == 4 and optimizer_tier == shard_tier != "nvme"):
+        if not (D == 4 and optimizer_tier == shard_tier != Tier.NVME):
             alloc(opt_tier, "master weights (fp32)", 4 * u.shard_numel)
             masters.append(4 * u.shard_numel)
         if stage <= 1:
-            alloc("device", "gradients (fp32)", 4 * u.padded_numel)
+            alloc(Tier.DEVICE, "gradients (fp32)", 4 * u.padded_numel)
         else:
             untouched_grads += alloc(opt_tier, "gradients (fp32)", 4 * u.shard_numel,
-                                     touched=optimizer_tier != "nvme")
+                                     touched=optimizer_tier is not Tier.NVME)
         point(f"wrap: flattening unit {u.label}", th, td)
         for s_ in u.slots:  # the unit's original tensors are freed
-            free("cpu", ORIG, original.pop(s_.name, 0))
+            free(Tier.CPU, ORIG, original.pop(s_.name, 0))
     point("wrap: units flattened")
     # ---- 3. the NVMe optimizer: its ring; the masters leave, the gradient shards are zeroed
-    if optimizer_tier == "nvme":
+    if optimizer_tier is Tier.NVME:
         from tiertrain.offload.nvme_optimizer import BYTES_PER_ELEM
 
         chunk = min(max(1024, nvme_chunk_bytes // BYTES_PER_ELEM), max(u.shard_numel for u in units))
-        alloc("cpu", "NVMe optimizer chunk buffers", nvme_buffers * BYTES_PER_ELEM * chunk)
+        alloc(Tier.CPU, "NVMe optimizer chunk buffers", nvme_buffers * BYTES_PER_ELEM * chunk)
         point("wrap: NVMe optimizer set up (masters still in RAM)")
         for m in masters:
             free(opt_tier, "master weights (fp32)", m)
@@ -614,8 +649,8 @@ class HostOverhead:
     activations, buckets and gathered units of up to 32 MiB come from glibc's heap (with
     ``zero.retain_host_memory``, the default, from wrap() on; otherwise once the dynamic mmap
     threshold has risen), whose freed holes stay resident and fragment: it is there from
-    the first step and grows by a few tens of MiB over the next ones, and varies from run to
-    run by ~10% of the peak (see bench/results/estimate_accuracy.md). 0 on CUDA devices,
+    the first step, grows over the next ones, and varies from run to run (the spread is
+    measured in bench/results/estimate_accuracy.md). 0 on CUDA devices,
     whose caching allocator is not modelled here."""
 
     framework_bytes: int = DEFAULT_OVERHEAD_BYTES
@@ -658,16 +693,17 @@ _ITEM_LINES = {
                          "(f+1)·s·b·h·D activation gradients + f·h²·D weight gradient (+ tied head "
                          "gradient V·h·D held until the embedding's)"),
     "gradient buckets and reductions in flight": ("gradient buckets and reductions in flight",
-                                                  "stages 2–3: filling fp32 bucket + ≤3 reduced buckets "
-                                                  "(bucket + shard output) in flight; stage 1: every unit's "
-                                                  "reduce-scatter output until the step (tiertrain.zero.reducer)"),
+                                                  "stages 2–3: filling fp32 bucket + ≤3 reduced buckets in "
+                                                  "flight (landing straight in the gradient shard; a shard "
+                                                  "output only when the shard is off the bucket's device); "
+                                                  "stage 1: every unit's shard-sized receive buffer (in-place "
+                                                  "reduce-scatter) until the step waits; gloo > 2 ranks: "
+                                                  "full-size receives (tiertrain.zero.reducer, comm)"),
     "gathered parameters (stage 3)": ("model-state working memory",
                                       "gathered stage-3 units, compute dtype: the root (embeddings, final LN) "
                                       "through forward and backward + the block in use (+ one nested tile unit, "
                                       "+ prefetch)"),
     "global-norm temporary": ("step buffers", "optimizer step: squared-gradient temporary of the largest unit"),
-    "reduce-scatter outputs (stage 1)": ("gradient buckets and reductions in flight",
-                                         "stage 1: every unit's reduce-scatter output until the step"),
     "all-gather staging": ("step buffers", "gloo with > 2 ranks: replicated send buffers of the "
                                            "post-step all-gather"),
 }
@@ -690,9 +726,10 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
     if lay.checkpoint_interval and dims is not None and lay.checkpoint_interval > dims.n_layers:
         raise ValueError(f"ZeroLayout.checkpoint_interval={lay.checkpoint_interval} is invalid: the model has "
                          f"{dims.n_layers} blocks; expected 0 (off) or 1..{dims.n_layers}")
-    param_tier = lay.param_tier if lay.stage == 3 else "device"
+    param_tier = Tier(lay.param_tier) if lay.stage == 3 else Tier.DEVICE
+    optimizer_tier = Tier(lay.optimizer_tier)
     pk = simulate_peak(module, dp=lay.dp, stage=lay.stage, precision_bytes=D, param_tier=param_tier,
-                       optimizer_tier=lay.optimizer_tier, bucket_mb=lay.bucket_mb, prefetch_mb=lay.prefetch_mb,
+                       optimizer_tier=optimizer_tier, bucket_mb=lay.bucket_mb, prefetch_mb=lay.prefetch_mb,
                        persistence_threshold=lay.persistence_threshold, backend=lay.backend, acts=acts,
                        checkpoint_every=lay.checkpoint_interval, checkpoint_tier=lay.checkpoint_tier)
     layout = engine_units(module, lay.stage, lay.dp, lay.bucket_mb, lay.persistence_threshold)
@@ -701,70 +738,72 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
             f"{n_units} bucket(s) of ≤{lay.bucket_mb:g} MiB fp32")
     pad = f"{n_units} flat units ({kind}) padded to {layout.num_shards}·64 elements"
     part = "this rank's shard" if layout.num_shards > 1 else "whole"
-    grad_tier = "device" if lay.stage < 2 else ("cpu" if lay.optimizer_tier == "nvme" else lay.optimizer_tier)
+    grad_tier = engine_grad_tier(lay.stage, optimizer_tier)
     lines = [
         EstimateLine("parameters", pk.params, param_tier,
                      f"{D}·Σ units ({'shards, ZeRO §5.3 P_p' if lay.stage == 3 else 'whole, replicated'}); {pad}"),
         EstimateLine("gradients", pk.grads, grad_tier,
                      f"4·Σ units ({'shards, ZeRO §5.2 P_g' if lay.stage >= 2 else 'whole fp32 buffers'})"),
-        EstimateLine("master weights", pk.master, lay.optimizer_tier,
+        EstimateLine("master weights", pk.master, optimizer_tier,
                      f"4·Σ shards ({part}; none where the fp32 shard is its own master)"),
-        EstimateLine("optimizer states", pk.moments, lay.optimizer_tier,
+        EstimateLine("optimizer states", pk.moments, optimizer_tier,
+                     f"8·(elements of {part}) (Adam m+v fp32, ZeRO §5.1 P_os; in NVMe swap files, padding "
+                     f"included)" if optimizer_tier is Tier.NVME else
                      f"8·(real elements of {part}) (Adam m+v fp32, ZeRO §5.1 P_os; padding excluded)"),
     ]
-    if lay.optimizer_tier == "nvme":
+    if optimizer_tier is Tier.NVME:
         notes.append("optimizer on NVMe: master weights and Adam moments live in swap files; RAM holds "
                      "the gradient shards and the streaming buffers of tiertrain.offload.NVMeAdamW")
     # transient lines at the peak (device tier); standard activation lines always listed
     merged: dict[str, list] = {}
     order: list[str] = []
 
-    def add(name: str, nbytes: int, tier: str, formula: str) -> None:
+    def add(name: str, nbytes: int, tier: Tier, formula: str) -> None:
         if name not in merged:
             merged[name] = [0, tier, formula]
             order.append(name)
         merged[name][0] += nbytes
 
     if acts is not None:
-        add("activations (blocks)", 0, "device", _ITEM_LINES["activations (blocks)"][1])
+        add("activations (blocks)", 0, Tier.DEVICE, _ITEM_LINES["activations (blocks)"][1])
         if lay.checkpoint_interval:
             add("activation checkpoints", 0, lay.checkpoint_tier, _ITEM_LINES["activation checkpoints"][1])
-        add("activations (embedding, head, logits)", 0, "device",
+        add("activations (embedding, head, logits)", 0, Tier.DEVICE,
             _ITEM_LINES["activations (embedding, head, logits)"][1])
         if lay.checkpoint_interval:
-            add("activation working memory", 0, "device", _ITEM_LINES["activation working memory (recompute)"][1])
+            add("activation working memory", 0, Tier.DEVICE, _ITEM_LINES["activation working memory (recompute)"][1])
     if lay.stage == 3:
-        add("model-state working memory", 0, "device", _ITEM_LINES["gathered parameters (stage 3)"][1])
+        add("model-state working memory", 0, Tier.DEVICE, _ITEM_LINES["gathered parameters (stage 3)"][1])
     transient_device = 0
     for item, nbytes in pk.items.items():
         name, formula = _ITEM_LINES.get(item, (item, item))
-        add(name, nbytes, "device", formula)
+        add(name, nbytes, Tier.DEVICE, formula)
         transient_device += nbytes
     for item, nbytes in pk.cpu_items.items():
-        add("activation checkpoints", nbytes, "cpu",
+        add("activation checkpoints", nbytes, Tier.CPU,
             "s·b·h·D per checkpointed block, in the host pool (offload='cpu'; kept for reuse)")
     # NVMe staging buffers in RAM
-    if lay.stage == 3 and lay.param_tier == "nvme":
+    if param_tier is Tier.NVME:
         pool = swap_pool_bytes(max(u.shard_numel for u in layout.units) * D)
-        add("NVMe staging buffers", pool, "cpu",
+        add("NVMe staging buffers", pool, Tier.CPU,
             "parameter swap pool max(64 MiB, 2·3·largest shard) (tiertrain.zero.flat.swap_pool_bytes)")
-    if lay.optimizer_tier == "nvme":
+    if optimizer_tier is Tier.NVME:
         try:
             from tiertrain.offload.nvme_optimizer import DEFAULT_CHUNK_BYTES
         except Exception:  # pragma: no cover - the module is optional here
             DEFAULT_CHUNK_BYTES = 24 << 20
-        add("NVMe staging buffers", 4 * DEFAULT_CHUNK_BYTES, "cpu",
+        add("NVMe staging buffers", 4 * DEFAULT_CHUNK_BYTES, Tier.CPU,
             "NVMeAdamW ring: 4 buffers × chunk_bytes (master + m + v of one chunk)")
-        if lay.stage == 3 and lay.param_tier == "nvme":
-            add("NVMe parameter write staging", max(u.shard_numel for u in layout.units) * D, "cpu",
+        if param_tier is Tier.NVME:
+            add("NVMe parameter write staging", max(u.shard_numel for u in layout.units) * D, Tier.CPU,
                 "one unit's updated shard assembled for its swap write (zero.flat.ShardWriter); "
                 "live during backward when the step overlaps it (zero.overlap_nvme_step)")
     ov = overhead if overhead is not None else HostOverhead()
     if ov.framework_bytes:
-        add("framework overhead", int(ov.framework_bytes), "cpu",
+        add("framework overhead", int(ov.framework_bytes), Tier.CPU,
             f"per process: gloo/BLAS workspaces, autograd, allocator metadata ({ov.source})")
     if ov.retention:
-        add("allocator retention", int(ov.retention * transient_device), "device",
+        add("allocator retention", int(ov.retention * transient_device), Tier.DEVICE,
             f"{ov.retention:g} × transient bytes at the peak: glibc heap fragmentation ({ov.source})")
     for name in order:
         nbytes, tier, formula = merged[name]
@@ -783,7 +822,7 @@ def engine_build_peak(module: nn.Module | None, dims: Any, lay: Any, overhead: H
     ov = overhead if overhead is not None else HostOverhead()
     return simulate_build_peak(
         module, dp=lay.dp, stage=lay.stage, precision_bytes=PRECISION_BYTES[lay.precision],
-        param_tier=lay.param_tier if lay.stage == 3 else "device", optimizer_tier=lay.optimizer_tier,
+        param_tier=lay.param_tier if lay.stage == 3 else Tier.DEVICE, optimizer_tier=lay.optimizer_tier,
         bucket_mb=lay.bucket_mb, persistence_threshold=lay.persistence_threshold,
         partitioned=builds_partitioned(lay.stage, getattr(module, "_tiertrain_tile_factor", lay.tile_factor), lay.tp),
         accelerator=accelerator, framework_bytes=int(ov.framework_bytes))

@@ -39,9 +39,14 @@ from tiertrain.estimate.bandwidth import (
     ait_params_grads,
 )
 from tiertrain.estimate.memory import Estimate, ModelDims, ZeroLayout, estimate
-from tiertrain.estimate.peak import HostOverhead, gpt_meta_model
+from tiertrain.estimate.peak import HostOverhead, engine_grad_tier, gpt_meta_model
+from tiertrain.tiers import Tier
 
-__all__ = ["Hardware", "Plan", "Shortfall", "plan", "PlanError", "render_plan", "plan_to_json"]
+__all__ = ["Hardware", "Plan", "Shortfall", "plan", "PlanError", "render_plan", "plan_to_json", "RAM"]
+
+RAM = "ram"
+"""The budget key of host RAM on a machine without an accelerator, where the device and CPU
+tiers are one pool (not a :class:`~tiertrain.tiers.Tier`: a budget, not a placement)."""
 
 
 class PlanError(ValueError):
@@ -112,16 +117,16 @@ class Hardware:
     def ranks(self) -> int:
         return self.nodes * self.ranks_per_node
 
-    def budget(self) -> dict[str, int]:
-        """Bytes per rank each tier may hold ("ram" for the shared device+CPU pool)."""
+    def budget(self) -> dict[Tier | str, int]:
+        """Bytes per rank each tier may hold (:data:`RAM` for the shared device+CPU pool)."""
         keep = 1 - self.reserve
-        out: dict[str, int] = {}
+        out: dict[Tier | str, int] = {}
         if self.shared:
-            out["ram"] = int(self.host_memory * keep / self.ranks_per_node)
+            out[RAM] = int(self.host_memory * keep / self.ranks_per_node)
         else:
-            out["device"] = int(self.device_memory * keep)
-            out["cpu"] = int(self.host_memory * keep / self.ranks_per_node)
-        out["nvme"] = int(self.nvme_bytes * keep / self.ranks_per_node) if self.nvme_bytes else 0
+            out[Tier.DEVICE] = int(self.device_memory * keep)
+            out[Tier.CPU] = int(self.host_memory * keep / self.ranks_per_node)
+        out[Tier.NVME] = int(self.nvme_bytes * keep / self.ranks_per_node) if self.nvme_bytes else 0
         return out
 
     @classmethod
@@ -155,8 +160,8 @@ class Hardware:
 class Shortfall:
     """One tier that cannot hold what the layout needs."""
 
-    tier: str
-    """"device", "cpu", "ram" (shared device+CPU) or "nvme"."""
+    tier: Tier | str
+    """A Tier, or :data:`RAM` (the shared device+CPU pool of a machine without an accelerator)."""
     need_per_rank: int
     have_per_rank: int
     ranks_per_node: int
@@ -171,12 +176,12 @@ class Shortfall:
         from tiertrain.estimate.report import human_bytes
 
         node = ""
-        if self.tier != "device" and self.ranks_per_node > 1:
+        if self.tier != Tier.DEVICE and self.ranks_per_node > 1:
             node = (f" ({human_bytes(self.need_per_rank * self.ranks_per_node)} per node of "
                     f"{human_bytes(self.have_per_rank * self.ranks_per_node)})")
-        what = {"ram": "host RAM (device and CPU tiers)", "cpu": "CPU memory", "device": "device memory",
-                "nvme": "NVMe"}[self.tier]
-        have = "no NVMe tier (give a swap directory)" if self.tier == "nvme" and self.have_per_rank == 0 \
+        what = {RAM: "host RAM (device and CPU tiers)", Tier.CPU: "CPU memory", Tier.DEVICE: "device memory",
+                Tier.NVME: "NVMe"}[self.tier]
+        have = "no NVMe tier (give a swap directory)" if self.tier == Tier.NVME and self.have_per_rank == 0 \
             else f"{human_bytes(self.have_per_rank)} available"
         when = " while the model is built" if self.phase == "build" else ""
         return (f"{what} short by {human_bytes(self.short_per_rank)} per rank{when}: needs "
@@ -239,11 +244,12 @@ class Plan:
     def config_dict(self) -> dict[str, Any]:
         """The sections of a ``tiertrain train`` config (TrainConfig) this plan sets."""
         lay, d = self.layout, self.dims
-        tier = {"device": "none", "cpu": "cpu", "nvme": "nvme"}
+        # Plain strings (YAML cannot write an enum), in the configuration's spelling ("none"
+        # for the device), which every version of the config parser reads.
         zero: dict[str, Any] = {"stage": lay.stage, "offload": "manual",
-                                "offload_optimizer": tier[lay.optimizer_tier],
-                                "offload_params": tier[lay.param_tier], "bucket_mb": lay.bucket_mb}
-        if "nvme" in (lay.optimizer_tier, lay.param_tier):
+                                "offload_optimizer": Tier(lay.optimizer_tier).config_name,
+                                "offload_params": Tier(lay.param_tier).config_name, "bucket_mb": lay.bucket_mb}
+        if Tier.NVME in (lay.optimizer_tier, lay.param_tier):
             zero["nvme_path"] = self.hardware.swap_dir or ""
         return {
             "model": {"n_layers": d.n_layers, "hidden": d.hidden, "n_heads": d.n_heads, "vocab_size": d.vocab,
@@ -253,7 +259,7 @@ class Plan:
             "batch": {"micro_batch_size": lay.micro_batch},
             "zero": zero,
             "activations": {"checkpoint_every": lay.checkpoint_interval,
-                            "offload": "cpu" if lay.checkpoint_interval and lay.checkpoint_tier == "cpu" else "none"},
+                            "offload": _checkpoint_offload(lay).config_name},
             "tile_factor": lay.tile_factor,
         }
 
@@ -306,26 +312,32 @@ class Plan:
 # --------------------------------------------------------------------------- evaluation
 
 
-def _usage(est: Estimate, hw: Hardware) -> dict[str, int]:
+def _checkpoint_offload(lay: ZeroLayout) -> Tier:
+    """The tier activation checkpoints are offloaded to (activations.offload): the layout's
+    checkpoint tier when it checkpoints at all, else the device."""
+    return Tier(lay.checkpoint_tier) if lay.checkpoint_interval else Tier.DEVICE
+
+
+def _usage(est: Estimate, hw: Hardware) -> dict[Tier | str, int]:
     tiers = est.by_tier()
     if hw.shared:
-        return {"ram": tiers["device"] + tiers["cpu"], "nvme": tiers["nvme"]}
-    return {"device": tiers["device"], "cpu": tiers["cpu"], "nvme": tiers["nvme"]}
+        return {RAM: tiers[Tier.DEVICE] + tiers[Tier.CPU], Tier.NVME: tiers[Tier.NVME]}
+    return {Tier.DEVICE: tiers[Tier.DEVICE], Tier.CPU: tiers[Tier.CPU], Tier.NVME: tiers[Tier.NVME]}
 
 
-def _shortfalls(usage: dict[str, int], hw: Hardware, phase: str = "training") -> list[Shortfall]:
+def _shortfalls(usage: dict[Tier | str, int], hw: Hardware, phase: str = "training") -> list[Shortfall]:
     budget = hw.budget()
     return [Shortfall(t, usage[t], budget[t], hw.ranks_per_node, phase) for t in usage if usage[t] > budget[t]]
 
 
-def _build_usage(est: Estimate, hw: Hardware) -> dict[str, int] | None:
+def _build_usage(est: Estimate, hw: Hardware) -> dict[Tier | str, int] | None:
     """Bytes per rank by tier at the build's peak (the ranks of a node build at once)."""
     tiers = est.build_by_tier()
     if tiers is None:
         return None
     if hw.shared:
-        return {"ram": tiers["device"] + tiers["cpu"], "nvme": 0}
-    return {"device": tiers["device"], "cpu": tiers["cpu"], "nvme": 0}
+        return {RAM: tiers[Tier.DEVICE] + tiers[Tier.CPU], Tier.NVME: 0}
+    return {Tier.DEVICE: tiers[Tier.DEVICE], Tier.CPU: tiers[Tier.CPU], Tier.NVME: 0}
 
 
 def predicted_efficiency(lay: ZeroLayout, dims: ModelDims, hw: Hardware) -> dict[str, Any] | None:
@@ -341,26 +353,26 @@ def predicted_efficiency(lay: ZeroLayout, dims: ModelDims, hw: Hardware) -> dict
     per_rank_nvme = hw.nvme_bw / hw.ranks_per_node if hw.nvme_bw else None
     states = []
 
-    def link(tier: str, partitioned: bool) -> float | None:
-        if tier == "device":
+    def link(tier: Tier, partitioned: bool) -> float | None:
+        if tier is Tier.DEVICE:
             return None
-        if tier == "cpu":
+        if tier is Tier.CPU:
             bw = None if hw.shared else hw.host_device_bw
         else:
             bw = per_rank_nvme
         return None if bw is None else bw * (lay.dp if partitioned else 1)
 
     for name, tier, ait, f, part in (
-        ("optimizer states", lay.optimizer_tier, ait_optimizer_states(s, b), "seq·bsz/4", False),
-        ("params+grads", lay.param_tier, ait_params_grads(s, b), "seq·bsz", True),
-        ("activation checkpoints", lay.checkpoint_tier if lay.checkpoint_interval else "device",
+        ("optimizer states", Tier(lay.optimizer_tier), ait_optimizer_states(s, b), "seq·bsz/4", False),
+        ("params+grads", Tier(lay.param_tier), ait_params_grads(s, b), "seq·bsz", True),
+        ("activation checkpoints", _checkpoint_offload(lay),
          ait_activation_checkpoints(h, max(1, lay.checkpoint_interval)), "24·hd·ci", False),
     ):
         bw = link(tier, part)
-        if tier == "device":
+        if tier is Tier.DEVICE:
             continue
         if bw is None:
-            if not (hw.shared and tier == "cpu"):
+            if not (hw.shared and tier is Tier.CPU):
                 states.append({"state": name, "tier": tier, "ait": ait, "bandwidth": None, "efficiency": None,
                                "formula": f"AIT = {f} (ZeRO-Infinity §4.1); link bandwidth unknown"})
             continue
@@ -387,8 +399,8 @@ class _Evaluator:
 
     def __call__(self, rung: str, **changes: Any) -> Candidate:
         lay = dataclasses.replace(self.base, **changes)
-        opt = lay.optimizer_tier  # the engine keeps gradient shards with the optimizer (NVMe: in RAM)
-        lay = dataclasses.replace(lay, grad_tier=("cpu" if opt == "nvme" else opt) if lay.stage >= 2 else "device")
+        # the engine keeps gradient shards with the optimizer (NVMe: in RAM)
+        lay = dataclasses.replace(lay, grad_tier=engine_grad_tier(lay.stage, lay.optimizer_tier))
         lay.validate()
         self.count += 1
         est = estimate(self.model(lay.tile_factor), lay, self.hw.overhead, accelerator=not self.hw.shared)
@@ -461,23 +473,24 @@ def _first_fit(evaluate, rung: str, tried: list, ks: list[int], tiles: list[int]
 
 
 def plan(dims: ModelDims, hardware: Hardware, *, micro_batch: int = 1, precision: str = "bf16",
-         stages: Iterable[int] = (0, 1, 2, 3), tiers: Iterable[str] = ("cpu", "nvme"),
+         stages: Iterable[int] = (0, 1, 2, 3), tiers: Iterable[Tier | str] = (Tier.CPU, Tier.NVME),
          checkpointing: bool = True, tile_factors: Iterable[int] = (1, 2, 4, 8, 16),
          bucket_mb: float = 25.0, backend: str | None = None, raise_if_short: bool = False,
          allowed=None) -> Plan:
     """Choose stage, tiers, checkpoint interval and tile factor for training ``dims`` on
     ``hardware`` (see the module docstring for the policy). ``tiers``: offload tiers the
-    engine may use ("cpu", "nvme"; NVMe also needs ``hardware.nvme_bytes``). Returns the
+    engine may use (Tier.CPU, Tier.NVME or their spellings; NVMe also needs ``hardware.nvme_bytes``). Returns the
     :class:`Plan`; when nothing fits, ``plan.fits`` is False and ``plan.short`` says what is
     short (``raise_if_short``: raise :class:`PlanError` instead). ``allowed(layout)``: None
     when the engine can run the layout, else the reason (such layouts are skipped)."""
     dims = dims.validate()
     hw = hardware.validate()
     stages = sorted(set(stages))
-    tiers = [t for t in ("cpu", "nvme") if t in set(tiers)]
+    wanted = {Tier(t) for t in tiers}
+    tiers = [t for t in (Tier.CPU, Tier.NVME) if t in wanted]
     if not hw.nvme_bytes:
-        tiers = [t for t in tiers if t != "nvme"]
-    fast_tiers = [t for t in tiers if not (hw.shared and t == "cpu")]  # CPU tier = device pool on CPU
+        tiers = [t for t in tiers if t is not Tier.NVME]
+    fast_tiers = [t for t in tiers if not (hw.shared and t is Tier.CPU)]  # CPU tier = device pool on CPU
     base = ZeroLayout(dp=hw.ranks, stage=0, precision=precision, micro_batch=micro_batch,
                       ranks_per_node=hw.ranks_per_node, bucket_mb=bucket_mb,
                       backend=backend or ("gloo" if hw.shared else "nccl"))
@@ -518,7 +531,7 @@ def plan(dims: ModelDims, hardware: Hardware, *, micro_batch: int = 1, precision
                 break
     # 3. parameters or checkpoints (stage 3), optimizer on the fastest tier with room (or on
     #    the device when no offload tier may hold it, e.g. an engine without an NVMe optimizer)
-    opt_options = fast_tiers + ["device"]
+    opt_options = fast_tiers + [Tier.DEVICE]
     if chosen is None and 3 in stages:
         for opt in opt_options:
             options = []
@@ -530,7 +543,7 @@ def plan(dims: ModelDims, hardware: Hardware, *, micro_batch: int = 1, precision
                     break
             if ks and not hw.shared:
                 c = _first_fit(evaluate, f"optimizer to {opt}, activation checkpoints to cpu", tried, ks, tiles,
-                               stage=3, optimizer_tier=opt, checkpoint_tier="cpu")
+                               stage=3, optimizer_tier=opt, checkpoint_tier=Tier.CPU)
                 if c is not None:
                     options.append(c)
             if options:
@@ -544,7 +557,7 @@ def plan(dims: ModelDims, hardware: Hardware, *, micro_batch: int = 1, precision
         for opt in opt_options:
             for ptier in fast_tiers:
                 c = _first_fit(evaluate, f"optimizer to {opt}, parameters to {ptier}, checkpoints to cpu", tried,
-                               ks, tiles, stage=3, optimizer_tier=opt, param_tier=ptier, checkpoint_tier="cpu")
+                               ks, tiles, stage=3, optimizer_tier=opt, param_tier=ptier, checkpoint_tier=Tier.CPU)
                 if c is not None:
                     chosen = c
                     break
@@ -553,14 +566,14 @@ def plan(dims: ModelDims, hardware: Hardware, *, micro_batch: int = 1, precision
 
     if chosen is None:
         # the most frugal layout allowed, to say what is short
-        big = fast_tiers[-1] if fast_tiers else "device"
+        big = fast_tiers[-1] if fast_tiers else Tier.DEVICE
         frugal = dict(stage=max(stages), checkpoint_interval=ks[-1] if ks else 0, tile_factor=1)
-        if max(stages) >= 2 and big != "device":
+        if max(stages) >= 2 and big is not Tier.DEVICE:
             frugal["optimizer_tier"] = big
-        if max(stages) == 3 and big != "device":
+        if max(stages) == 3 and big is not Tier.DEVICE:
             frugal["param_tier"] = big
-        if ks and not hw.shared and "cpu" in tiers:
-            frugal["checkpoint_tier"] = "cpu"
+        if ks and not hw.shared and Tier.CPU in tiers:
+            frugal["checkpoint_tier"] = Tier.CPU
         c = evaluate("nothing fits", **frugal)
         if max(stages) == 3 and max(tiles) > 1 and _tiling_can_help(c):
             c = evaluate("nothing fits", **{**frugal, "tile_factor": max(tiles)})
@@ -613,10 +626,10 @@ def render_plan(p: Plan) -> str:
     out.append(f"plan ({status}; rung: {p.rung})")
     rows = [["setting", "value"],
             ["zero.stage", str(lay.stage)],
-            ["zero.offload_optimizer", {"device": "none"}.get(lay.optimizer_tier, lay.optimizer_tier)],
-            ["zero.offload_params", {"device": "none"}.get(lay.param_tier, lay.param_tier)],
+            ["zero.offload_optimizer", Tier(lay.optimizer_tier).config_name],
+            ["zero.offload_params", Tier(lay.param_tier).config_name],
             ["activations.checkpoint_every", str(lay.checkpoint_interval)],
-            ["activations.offload", "cpu" if lay.checkpoint_interval and lay.checkpoint_tier == "cpu" else "none"],
+            ["activations.offload", _checkpoint_offload(lay).config_name],
             ["tile_factor", str(lay.tile_factor)]]
     out += _table(rows, right=set()) + [""]
     mem = [["tier", "predicted per rank", "build peak per rank", "budget per rank", "use"]]
@@ -628,7 +641,7 @@ def render_plan(p: Plan) -> str:
             continue
         worst = max(used, built)
         share = f"{worst / have:.0%}" if have else ("-" if not worst else "no tier")
-        mem.append([t, human_bytes(used), human_bytes(built) if t in build and t != "nvme" else "-",
+        mem.append([str(t), human_bytes(used), human_bytes(built) if t in build and t != Tier.NVME else "-",
                     human_bytes(have), share])
     out += _table(mem, right={1, 2, 3, 4}) + [f"peak at: {p.estimate.peak_at}"]
     b = p.estimate.build

@@ -1,4 +1,7 @@
-"""A GPT-2-style decoder-only transformer, written to be split later.
+"""A GPT-2-style decoder-only transformer, laid out to be split by name: tensor
+parallelism (:mod:`tiertrain.parallel.tp_plan`) shards its matrices and pipeline
+parallelism (:mod:`tiertrain.pipeline.stage`, :func:`~tiertrain.pipeline.split_gpt`)
+cuts it into stages of whole blocks.
 
 The module tree is fixed so that tensor and pipeline parallelism can find the
 pieces by name:

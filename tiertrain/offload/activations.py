@@ -62,15 +62,16 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ActivationConfig, ConfigError
-from ..zero.stage3 import recomputation
+from ..config import ACTIVATION_TIERS, ActivationConfig, ConfigError, parse_tier
+from ..tiers import Tier
+from ..zero.recompute import recomputation
 
 __all__ = ["ActivationCheckpointing", "CheckpointMemory", "HostCheckpointPool",
            "apply_activation_checkpointing", "checkpoint_blocks", "checkpoint_memory",
            "checkpointing_of"]
 
 _ATTR = "_tiertrain_activation_checkpointing"
-_OFFLOAD = ("none", "cpu")
+_OFFLOAD = ACTIVATION_TIERS
 
 
 # --------------------------------------------------------------------------- blocks
@@ -330,7 +331,7 @@ class ActivationCheckpointing:
         self.blocks = blocks
         k = config.checkpoint_every
         self.checkpointed = blocks[::k] if k > 0 else []
-        self.pool = HostCheckpointPool(pin) if self.offload == "cpu" else None
+        self.pool = HostCheckpointPool(pin) if self.offload == Tier.CPU else None
         self._counters = _Counters()
         self._storages: dict[int, list[int]] = {}
         self._installed: list[tuple[nn.Module, object]] = []
@@ -346,7 +347,7 @@ class ActivationCheckpointing:
     def _pack(self, x: torch.Tensor):
         if isinstance(x, nn.Parameter):  # model state, not an activation: leave it alone
             return x
-        return _OnHost(self, x) if self.offload == "cpu" else _OnDevice(self, x)
+        return _OnHost(self, x) if self.offload == Tier.CPU else _OnDevice(self, x)
 
     @staticmethod
     def _unpack(packed) -> torch.Tensor:
@@ -393,7 +394,7 @@ class ActivationCheckpointing:
 
     def __repr__(self) -> str:
         return (f"ActivationCheckpointing(checkpoint_every={self.config.checkpoint_every}, "
-                f"offload={self.offload!r}, checkpointed={self.checkpointed})")
+                f"offload='{self.offload.config_name}', checkpointed={self.checkpointed})")
 
 
 def apply_activation_checkpointing(model: nn.Module, config: ActivationConfig,
@@ -411,9 +412,7 @@ def apply_activation_checkpointing(model: nn.Module, config: ActivationConfig,
     if isinstance(k, bool) or not isinstance(k, int):
         raise ConfigError(f"activations.checkpoint_every={k!r} is invalid: expected an int >= 0 "
                           f"(0 = off, k = every k-th block)")
-    if config.offload not in _OFFLOAD:
-        raise ConfigError(f"activations.offload={config.offload!r} is invalid: expected one of "
-                          f"{', '.join(map(repr, _OFFLOAD))}")
+    config.offload = parse_tier("activations.offload", config.offload, _OFFLOAD)
     config.validate()
     if _ATTR in model.__dict__:
         raise RuntimeError(f"activation checkpointing is already applied to this {type(model).__name__} "

@@ -28,10 +28,11 @@ finds fewer bytes than requested (a truncated file) raises :class:`SwapCorruptio
 expected and the actual byte count. The record lives in the caller's memory (the swapper keeps
 it per key): swap files never outlive the process that wrote them, so there is no on-disk header
 to keep in sync and no extra IO. The default checksum is :func:`sum64` (position-weighted 64-bit
-page sums, numpy, ~7.6 GB/s per core here); ``checksum="crc32"`` is stronger but ran at only
-1.5–2.3 GB/s per core on this loaded 2-core machine, about the disk's bandwidth. Measured cost at
-4 threads (bench/results/swap_io.md, 256 MiB): crc32 −16 % write / −24 % read, sum64 within the
-noise; an earlier interleaved A/B under heavier load gave crc32 −37 % / −23 %, sum64 −14 % / 0.
+page sums computed by numpy's SIMD reductions), chosen because it costs less CPU per byte than
+``zlib.crc32``: the checksums run on the same few cores as the optimizer update and the copies,
+and a checksum that cannot keep up with the disk would slow every swap. ``checksum="crc32"`` is
+stronger (see :func:`sum64`) at a higher CPU cost. bench/results/swap_io.md has the IO
+throughput at 4 threads without a checksum, with sum64 and with crc32 (the "random data" rows).
 ``checksum=None`` turns verification off (sizes are still checked).
 
 Errors always name the path: :class:`SwapSpaceError` for ENOSPC/EDQUOT/EFBIG (with the bytes
@@ -166,11 +167,11 @@ def sum64(data) -> int:
     """A fast position-aware checksum: per 4 KiB page the wrapping 64-bit sum of its words, and
     over the pages their plain sum and their sum weighted by page number (both mod 2^64); the
     bytes after the last whole page go through CRC-32. One pass of numpy reductions (SIMD, GIL
-    released): ~7.6 GB/s per core here against 2.3 GB/s for zlib.crc32 on the same loaded
-    machine. It catches any change of a single byte or of bytes within one 64-bit word, a
-    truncated, zeroed or stale page (unless its sum happens to be unchanged) and pages written
-    to the wrong place; it can miss changes that cancel in the sum, e.g. two words of a page
-    swapped, which CRC-32 ("crc32") would catch at ~3x the CPU cost."""
+    released), which is why it is cheaper per byte than zlib.crc32. It catches any change of a
+    single byte or of bytes within one 64-bit word, a truncated, zeroed or stale page (unless
+    its sum happens to be unchanged) and pages written to the wrong place; it can miss changes
+    that cancel in the sum, e.g. two words of a page swapped, which CRC-32 ("crc32") would catch
+    at a higher CPU cost."""
     mv = memoryview(data).cast("B")
     n = mv.nbytes
     full = n - n % _PAGE

@@ -10,7 +10,10 @@ shard's gradient). Both modules build on this one, so neither needs the other's 
 The update is torch's fused CPU AdamW through the public functional API
 ``torch.optim.adamw.adamw(..., fused=True)``, bit for bit what ``torch.optim.AdamW(fused=True)``
 computes on the same pieces (see the nvme_optimizer module docstring for the chunk cuts that
-keep it so).
+keep it so). Calling the kernel on pieces of a chunk rather than on whole parameter pieces
+relies on a private property of that kernel (its split into whole SIMD vectors from each
+tensor's start and a scalar tail), for which torch has no public guarantee or API;
+tests/test_private_apis.py fails if it changes.
 """
 from __future__ import annotations
 
@@ -169,6 +172,8 @@ class ChunkUpdate:
         t0 = time.perf_counter()
         g = self.grads[ch.shard]
         with torch.no_grad():
+            # Pieces cut at ALIGN_ELEMS from their start: bit for bit the whole-piece update only
+            # through the kernel's private vector/scalar split (tests/test_private_apis.py).
             for wd, ranges in ch.groups:
                 _functional_adamw(
                     [p[a:b] for a, b in ranges], [g[ch.lo + a: ch.lo + b] for a, b in ranges],

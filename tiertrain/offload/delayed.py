@@ -222,9 +222,7 @@ class DelayedUpdate(OptimizerUpdate):
         self.wait(agree=False)
         published = None
         if self.unpublished:
-            flat = self.flat
-            published = [flat.read_shard(u.unit.index) if flat.on_nvme(u.unit.index) else u.shard.detach().clone()
-                         for u in flat.units]
+            published = [self.flat.read_shard(u.unit.index) for u in self.flat.units]
         return {"masters": [u.master.detach().clone() for u in self.flat.units],
                 "optimizer": self.optimizer.state_dict(), "published": published}
 

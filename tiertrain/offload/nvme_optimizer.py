@@ -25,15 +25,18 @@ each verified by the swap layer's size and checksum records (sum64 by default).
 API ``torch.optim.adamw.adamw(..., fused=True)`` on views of each parameter piece inside the
 chunk: bit for bit what ``torch.optim.AdamW(fused=True)`` computes on the same pieces in memory
 (``tests/test_nvme_optimizer.py``). That needs care at chunk boundaries: the kernel runs whole
-SIMD vectors from the start of each tensor it is given and a scalar loop (rounded differently,
-measured: a few elements in every 10k differ) over the last ``numel % vector`` elements, so a
-piece cut at an arbitrary element would round its elements around the cut differently from the
-uncut piece. Chunks therefore cut inside a piece only at multiples of ``ALIGN_ELEMS`` (64, a
-multiple of every CPU vector width of fp32 and of the kernel's 16-element task unit) counted
-from the piece's start; the vectorised/scalar split of every element is then the same as for
-the whole piece. The step count is one per optimizer (every piece is at the same step, as in
-torch), and the learning rate is passed by the caller at every step (the schedule lives in the
-engine).
+SIMD vectors from the start of each tensor it is given and a scalar loop over the last
+``numel % vector`` elements, which rounds some elements differently, so a piece cut at an
+arbitrary element would round its elements around the cut differently from the uncut piece.
+Chunks therefore cut inside a piece only at multiples of ``ALIGN_ELEMS`` (64, a multiple of
+every CPU vector width of fp32 and of the kernel's 16-element task unit) counted from the
+piece's start; the vectorised/scalar split of every element is then the same as for the whole
+piece. That split is the kernel's internal behaviour, not something torch documents, and no
+public API updates part of a tensor exactly as the whole would be updated: the library relies
+on it, and ``tests/test_private_apis.py`` fails if it changes (whole and cut pieces compared
+bit for bit, under 1 and 2 threads, including the cuts :func:`_plan` makes). The step count is
+one per optimizer (every piece is at the same step, as in torch), and the learning rate is
+passed by the caller at every step (the schedule lives in the engine).
 
 **Failures.** Every IO error surfaces as the swap layer's exception naming the file or directory
 (:class:`~tiertrain.offload.aio.SwapDirError`, :class:`~tiertrain.offload.aio.SwapSpaceError`,
@@ -56,9 +59,9 @@ engine).
 
 **Threads.** The update runs on ``compute_threads`` torch threads during a pass ("auto": one
 fewer than torch's setting), so that a core stays free for the IO workers' copies and
-checksums: on the 2-core benchmark machine, torch's 2 OpenMP threads contending with the IO
-workers made the update 3× and the publish copies 7× slower than 1 thread at 100M parameters,
-and the step about twice as long (bench/results/nvme_optimizer.md).
+checksums: OpenMP threads on every core contend with the IO workers, which slows the update, the
+publish copies and the whole step (bench/results/nvme_optimizer.md, the "2 compute thread(s)"
+row against the "auto" rows, on 2 cores).
 
 **Overlapped step.** :meth:`begin_step` runs the same step on a worker thread that updates each
 shard's chunks as soon as the caller declares that shard's gradient final, so that the disk
@@ -94,7 +97,9 @@ from .swap import DEFAULT_WAIT_TIMEOUT, SwapHandle, TensorSwapper
 __all__ = ["ALIGN_ELEMS", "NVMeAdamW", "StepStats", "pieces_from_param_groups"]
 
 ALIGN_ELEMS = 64
-"""Cuts inside a parameter piece fall at multiples of this many elements from its start."""
+"""Cuts inside a parameter piece fall at multiples of this many elements from its start, so that
+the fused AdamW kernel's private vector/scalar split of every element is the one of the uncut
+piece (module docstring; checked by tests/test_private_apis.py)."""
 DEFAULT_CHUNK_BYTES = 24 << 20
 Piece = Tuple[int, int, float]           # (start, end, weight_decay) in shard elements
 Destination = Union[None, Sequence[Optional[torch.Tensor]], Callable[[int, int, int, torch.Tensor], None]]

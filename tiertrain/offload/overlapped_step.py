@@ -1,8 +1,8 @@
 """The NVMe optimizer step overlapped with backward (ZeRO-Infinity §6, "overlap-centric design").
 
-A synchronous step streams the whole optimizer state through the disk after backward: on the
-benchmark machine that was 0.56 s of a 0.73 s step phase waiting for 240 MB read and 240 MB
-written per rank (bench/results/zero3_nvme.md). Nothing forces it to wait for the end of
+A synchronous step streams the whole optimizer state through the disk after backward, and its
+step phase is then mostly waiting for that IO (the nvme_opt_io_wait column of
+bench/results/zero3_nvme.md, measured by bench/zero3_nvme.py). Nothing forces it to wait for the end of
 backward: a unit's chunks need only that unit's final gradient, and under ZeRO the reducer
 knows exactly when that is — when the unit's reduce-scatter at the accumulation boundary has
 landed in the gradient shard. So :meth:`NVMeAdamW.begin_step` starts, at the start of the

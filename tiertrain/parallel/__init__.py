@@ -1,4 +1,5 @@
-"""Model parallelism: Megatron tensor and sequence parallelism (pipeline parallelism to come).
+"""Model parallelism: Megatron tensor and sequence parallelism (pipeline parallelism is in
+:mod:`tiertrain.pipeline`).
 
 * :mod:`tiertrain.parallel.tensor` — the f/g communication operators, column/row-parallel
   linears, vocab-parallel embedding and cross-entropy, gradient sync and norm helpers.

@@ -33,10 +33,12 @@ import torch
 import torch.nn as nn
 
 from ..config import Config, ConfigError
-from ..engine import Engine, GradientPlan
+from ..engine import Engine
 from ..models.gpt import GPT
 from ..topology import Topology
+from ..update.factory import UpdateFactory, build_update
 from ..zero.layout import FlatLayout, bucket_layout, concatenate
+from ..zero.plan import GradientPlan
 from .executor import PipelineExecutor
 from .schedule import gpipe, interleaved_one_f_one_b, one_f_one_b
 from .stage import TIED_FIRST, TIED_LAST, split_gpt, stages_for_rank, sum_tied_gradients
@@ -122,14 +124,14 @@ class PipelineEngine(Engine):
 
     def __init__(self, stages: Sequence[nn.Module], config: Config, topology: Topology,
                  activation_shape: tuple[int, ...] | Callable[[dict], tuple[int, ...]] | None = None,
-                 timeout: float = 300.0):
+                 timeout: float = 300.0, update_factory: UpdateFactory = build_update):
         if config.zero.stage == 3:
             raise ConfigError(f"zero.stage=3 with parallel.pp={topology.size('pp')} is not supported: stage 3 "
                               f"would gather every stage's parameters for each micro-batch; valid: 0, 1, 2")
         self.stages = list(stages)
         self._tied_stages = [s for s in self.stages if getattr(s, "tied", False)]
         plan = pipeline_plan(self.stages, config, topology.size("dp"))
-        super().__init__(nn.ModuleList(self.stages), config, topology, plan=plan)
+        super().__init__(nn.ModuleList(self.stages), config, topology, plan=plan, update_factory=update_factory)
         self._units_of_chunk = units_of_chunks(self.layout, len(self.stages))
         if activation_shape is None and all(hasattr(s, "arch") for s in self.stages):
             activation_shape = gpt_activation_shape(self.stages[0])

@@ -14,8 +14,8 @@ communication actions post ``isend``/``irecv`` (:mod:`tiertrain.pipeline.p2p`).
 * **Memory.** A stage's output activation is released as soon as it is handed to
   ``isend``: its ``.data`` is replaced by a 1-element tensor (Megatron's
   ``deallocate_output_tensor``); the send keeps the buffer alive until it completes, and the
-  backward runs from the output's ``grad_fn`` (which does not need the output's values)
-  through the autograd engine directly. What backward needs is kept by autograd as usual.
+  backward runs from the output's gradient edge (its ``grad_fn``, which does not need the
+  output's values; :func:`backward_from`). What backward needs is kept by autograd as usual.
 * **Loss and gradients.** The last stage's loss of each micro-batch is scaled by ``1/m``
   before its backward, so the stage parameters' ``.grad`` accumulate the gradient of the
   mean loss over the ``m`` micro-batches, exactly as a non-pipelined run with gradient
@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.autograd.variable import Variable
+from torch.autograd.graph import get_gradient_edge
 
 from .p2p import PendingTransfer, PipeComm, transfer_tag
 from .schedule import Action, ActionKind, Schedule, lower, one_f_one_b, stage_rank, timeline
@@ -45,6 +45,12 @@ def release_output(t: torch.Tensor) -> int:
     """Free an output activation's storage while keeping its ``grad_fn`` (Megatron's
     ``deallocate_output_tensor``); only valid for a tensor autograd does not save by identity
     (outputs of view ops are left alone). Returns the bytes released from ``t``."""
+    # ``Tensor._base`` is private, and kept: no public API says whether a tensor is a view
+    # (the "Tensor Views" docs only compare two tensors' storage pointers, which needs the base
+    # at hand, and storage sizes cannot tell ``x.view(shape)``, a view over all of ``x``'s
+    # storage, from a tensor that owns its storage). A view is skipped because swapping its ``.data`` frees
+    # nothing while its base holds the storage (Megatron tests ``_base`` for the same reason).
+    # tests/test_private_apis.py fails if ``_base`` stops telling views from non-views.
     if t._base is not None or t.numel() <= 1:
         return 0
     nbytes = t.numel() * t.element_size()
@@ -53,11 +59,11 @@ def release_output(t: torch.Tensor) -> int:
 
 
 def backward_from(output: torch.Tensor, grad: torch.Tensor) -> None:
-    """``output.backward(grad)`` for an output whose storage was released: calls the autograd
-    engine directly, which checks ``grad`` against the shape recorded in the graph instead of
-    the (released) tensor's shape. Megatron's ``custom_backward``."""
-    Variable._execution_engine.run_backward(
-        (output,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)
+    """``output.backward(grad)`` for an output whose storage was released (Megatron's
+    ``custom_backward``): backpropagates from the output's gradient edge
+    (``torch.autograd.graph.get_gradient_edge``), for which ``torch.autograd.backward`` checks
+    ``grad`` against the shape recorded in the graph instead of the (released) tensor's shape."""
+    torch.autograd.backward(get_gradient_edge(output), grad)
 
 
 class PipelineExecutor:

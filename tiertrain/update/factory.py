@@ -1,31 +1,69 @@
-"""Chooses the optimizer-step form once, from the configuration (tiertrain/update/protocol.py)."""
+"""Chooses the optimizer-step form once, from the configuration (tiertrain/update/protocol.py).
+
+The engine takes any factory with this signature (``Engine(..., update_factory=...)``,
+``tiertrain.wrap(..., update_factory=...)``): a form of one's own plugs in without an edit to
+the engine."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch.distributed as dist
 
 from ..offload.delayed import DelayedUpdate
 from ..offload.nvme_update import NVMeUpdate, OverlappedNVMeUpdate
+from ..tiers import Tier
 from .in_memory import InMemoryUpdate
 from .protocol import OptimizerUpdate
 
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..topology import Topology
+    from ..zero.flat import FlatParameters
+    from ..zero.reducer import GradientReducer
 
-def build_update(flat, config, topology, reducer, swapper, *, lazy_zero: bool,
-                 global_gradient_changes: bool) -> OptimizerUpdate:
+
+@dataclass(frozen=True)
+class UpdateContext:
+    """What the engine offers an update form to be built from."""
+
+    flat: "FlatParameters"
+    """The flat units: masters, gradient shards, compute shards of this rank."""
+    config: "Config"
+    """The whole configuration (optimizer, schedule, zero sections)."""
+    topology: "Topology"
+    """This rank's place in the process grid."""
+    reducer: "GradientReducer"
+    """Gradient reduction: reports each unit whose reduction landed (on_reduced)."""
+    swapper: Any
+    """The NVMe swapper (TensorSwapper) when a tier is on NVMe, else None."""
+    lazy_zero: bool
+    """Reductions launch as gradients arrive and overwrite each gradient whole: zeroing may
+    only mark gradients stale."""
+    global_gradient_changes: bool
+    """Something global (clipping, an fp16 unscale, a tensor-parallel sum of partial gradients)
+    changes the gradients after their reduction, so no unit may be updated before step()."""
+
+
+UpdateFactory = Callable[[UpdateContext], OptimizerUpdate]
+
+
+def build_update(context: UpdateContext) -> OptimizerUpdate:
     """The form for this configuration:
 
     * ``zero.offload_optimizer: nvme`` → the NVMe optimizer; overlapped with backward when
-      ``zero.overlap_nvme_step`` is set, reductions launch as gradients arrive (lazy_zero) and
-      nothing global changes the gradients after their reduction (global_gradient_changes:
-      clipping, an fp16 unscale, a tensor-parallel sum of partial gradients);
+      ``zero.overlap_nvme_step`` is set, reductions launch as gradients arrive and nothing
+      global changes the gradients after their reduction;
     * ``zero.delayed_update`` → ZeRO-Offload's one-step delayed update;
     * otherwise torch AdamW in memory (device or CPU tier).
     """
-    zc = config.zero
-    if zc.offload_optimizer == "nvme":
-        if zc.overlap_nvme_step and lazy_zero and not global_gradient_changes:
-            return OverlappedNVMeUpdate(flat, config, lazy_zero, swapper, topology.rank, reducer)
-        return NVMeUpdate(flat, config, lazy_zero, swapper, topology.rank)
+    c = context
+    zc = c.config.zero
+    if zc.offload_optimizer == Tier.NVME:
+        if zc.overlap_nvme_step and c.lazy_zero and not c.global_gradient_changes:
+            return OverlappedNVMeUpdate(c.flat, c.config, c.lazy_zero, c.swapper, c.topology.rank, c.reducer)
+        return NVMeUpdate(c.flat, c.config, c.lazy_zero, c.swapper, c.topology.rank)
     if zc.delayed_update:
-        group = topology.world_group() if dist.is_initialized() else None
-        return DelayedUpdate(flat, config, lazy_zero, group, topology.device)
-    return InMemoryUpdate(flat, config, lazy_zero)
+        group = c.topology.world_group() if dist.is_initialized() else None
+        return DelayedUpdate(c.flat, c.config, c.lazy_zero, group, c.topology.device)
+    return InMemoryUpdate(c.flat, c.config, c.lazy_zero)

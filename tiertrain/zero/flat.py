@@ -19,12 +19,12 @@ runs there ("g offload", "p update", "p swap"); with parameters offloaded (stage
 ``shard`` lives in CPU memory and is copied to the device before each all-gather. On a
 machine without an accelerator both tiers are host memory, and the same copies run.
 
-With parameters on the NVMe tier, a partitioned unit's ``shard`` has no storage: its bytes
-live in a swap file (one per unit, through :class:`~tiertrain.offload.TensorSwapper`). A
-gather reads it into a staging tensor (NVMe → CPU; :meth:`FlatParameters.prefetch_shards`
-starts those reads ahead of use, so the read of unit i+3 overlaps the compute of unit i),
-copies it to the device and all-gathers it; after each optimizer step the updated shard is
-written back ("p swap" of ZeRO-Infinity §6).
+Partitioned units' shards live in the store of the parameter tier
+(tiertrain/offload/shard_store.py): on the device, in CPU memory, or in one swap file per
+unit, where the ``shard`` tensor has no storage and each gather reads the file
+(:meth:`FlatParameters.prefetch_shards` starts those reads ahead of use, so the read of unit
+i+3 overlaps the compute of unit i); after each optimizer step the updated shard is written
+back ("p swap" of ZeRO-Infinity §6).
 """
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ import torch
 import torch.nn as nn
 
 from ..comm import Collectives, Work
+from ..offload.shard_store import shard_store
+from ..tiers import Tier
 from .layout import FlatLayout, Unit
 
 
@@ -55,21 +57,25 @@ def swap_pool_bytes(largest_shard_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class Placement:
-    """The tier of each kind of state: none (the compute device), cpu or nvme."""
+    """The tier of each kind of state (tiertrain/tiers.py)."""
 
     compute: torch.device = torch.device("cpu")
-    optimizer_tier: str = "none"
-    param_tier: str = "none"
+    optimizer_tier: Tier = Tier.DEVICE
+    param_tier: Tier = Tier.DEVICE
+
+    def __post_init__(self) -> None:  # (frozen: through object.__setattr__)
+        object.__setattr__(self, "optimizer_tier", Tier(self.optimizer_tier))
+        object.__setattr__(self, "param_tier", Tier(self.param_tier))
 
     @property
     def offload_optimizer(self) -> bool:
         """Master weights, optimizer state and gradient shards live off the device."""
-        return self.optimizer_tier != "none"
+        return self.optimizer_tier.offloaded
 
     @property
     def offload_params(self) -> bool:
         """Partitioned parameter shards live off the device (stage 3)."""
-        return self.param_tier != "none"
+        return self.param_tier.offloaded
 
     @property
     def host(self) -> torch.device:
@@ -116,12 +122,10 @@ class FlatParameters:
     def __init__(self, layout: FlatLayout, params: dict[str, nn.Parameter], comm: Collectives,
                  dtype: torch.dtype, keep_full_grads: bool, rebuild_param=None,
                  placement: Placement = Placement(), swapper=None):
-        if placement.param_tier == "nvme" and swapper is None:
-            raise ValueError("parameters on the nvme tier need a TensorSwapper")
+        self.shards = shard_store(placement, dtype, swapper)
+        """Where partitioned units' shards live (the parameter tier)."""
         self.layout = layout
         self.placement = placement
-        self.swapper = swapper
-        self._writes = []  # swap-outs of shards in flight
         self._publishing: set[int] = set()  # resident units whose post-step all-gather is in flight
         self.masters_dropped = False
         self.device = device = placement.compute
@@ -144,11 +148,11 @@ class FlatParameters:
             if unit.resident:
                 shard = full[lo:hi]
             else:
-                shard = placement.empty(unit.shard_numel, dtype, placement.param_shards)
+                shard = self.shards.allocate(unit.shard_numel)
                 shard.copy_(full[lo:hi])
             # The master is the shard itself when both are fp32 in the same memory.
-            shard_tier = "none" if unit.resident else placement.param_tier
-            if dtype == torch.float32 and placement.optimizer_tier == shard_tier != "nvme":
+            shard_tier = Tier.DEVICE if unit.resident else placement.param_tier
+            if dtype == torch.float32 and placement.optimizer_tier == shard_tier != Tier.NVME:
                 master = shard
             else:
                 master = placement.empty(unit.shard_numel, torch.float32, placement.optimizer)
@@ -159,7 +163,7 @@ class FlatParameters:
             else:
                 grad_full = None
                 grad = placement.empty(unit.shard_numel, torch.float32, placement.optimizer)
-                if placement.optimizer_tier != "nvme":
+                if placement.optimizer_tier != Tier.NVME:
                     # (With the NVMe optimizer, drop_masters() zeroes it once the masters have
                     # left for NVMe: pages never written take no memory, so a rank never holds
                     # both fp32 copies, twice its shard of the model, at once.)
@@ -170,8 +174,7 @@ class FlatParameters:
             self.units.append(buffers)
             if not unit.resident:
                 self.release(unit.index)
-                if self.on_nvme(unit.index):
-                    self._swap_out_shard(buffers, shard)
+                self.shards.write(unit.index, shard, shard)  # (to its file, on NVMe)
         self.wait_writes()
 
     # -- stage 3: gather before use, release after -------------------------------------
@@ -188,13 +191,8 @@ class FlatParameters:
         u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
         u.gathered = True
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
-        if self.on_nvme(index):  # NVMe → CPU staging (prefetched), then CPU → device
-            shard = self.read_shard(index).to(self.device, non_blocking=True)
-        elif self.placement.offload_params:  # the CPU→device copy of ZeRO-Infinity's fetch
-            shard = torch.empty(u.shard.numel(), dtype=u.shard.dtype, device=self.device)
-            shard.copy_(u.shard, non_blocking=True)
-        else:
-            shard = u.shard
+        # (NVMe → CPU staging, prefetched; CPU → device: ZeRO-Infinity's fetch)
+        shard = self.shards.gather_input(index, u.shard, self.device)
         u.pending = self.comm.all_gather(u.full, shard, async_op=True)
         u.pending.then(lambda: shard)  # the staged shard lives until the gather completes
         if not async_op:
@@ -212,45 +210,35 @@ class FlatParameters:
         u.full.untyped_storage().resize_(0)
         u.gathered = False
 
-    # -- the NVMe tier ------------------------------------------------------------------
+    # -- the parameter tier ---------------------------------------------------------------
 
     def on_nvme(self, index: int) -> bool:
-        return self.placement.param_tier == "nvme" and not self.units[index].unit.resident
-
-    def _key(self, index: int) -> str:
-        return f"param_shard{index}"
-
-    def _swap_out_shard(self, u: UnitBuffers, values: torch.Tensor) -> None:
-        """Write values (the unit's shard) to its swap file; the shard itself keeps no storage."""
-        self._writes.append(self.swapper.swap_out(self._key(u.unit.index), values))
-        u.shard.untyped_storage().resize_(0)
+        """Whether unit index's shard lives in a swap file (its shard tensor has no storage)."""
+        return self.shards.tier == Tier.NVME and not self.units[index].unit.resident
 
     def wait_writes(self) -> None:
         """Wait for the shard writes in flight; raises the first IO error (naming the file)."""
-        writes, self._writes = self._writes, []
-        for handle in writes:
-            handle.wait()
+        self.shards.wait_writes()
 
     def prefetch_shards(self, indices) -> None:
-        """Start reading these units' shards from NVMe (a hint: skipped when the pool is full)."""
-        keys = [self._key(i) for i in indices if self.on_nvme(i) and not self.units[i].gathered]
-        if keys:
-            self.swapper.prefetch(keys)
+        """Start reading these units' shards from their tier (a hint: skipped when not useful)."""
+        self.shards.prefetch([i for i in indices if not self.units[i].unit.resident and not self.units[i].gathered])
 
     def read_shard(self, index: int) -> torch.Tensor:
-        """This rank's shard of unit index, read from its swap file into a fresh host tensor."""
+        """A copy of this rank's compute-dtype shard of unit index (read from its file on NVMe)."""
         u = self.units[index]
-        staged = self.placement.empty(u.unit.shard_numel, self.dtype, self.placement.host)
-        return self.swapper.swap_in(self._key(index), staged).wait()
+        if u.unit.resident:
+            return u.shard.detach().clone()
+        return self.shards.read(index, u.shard)
 
     def write_shard(self, index: int, values: torch.Tensor) -> None:
         """Set this rank's shard of unit index (and its master copy, when held here) to values."""
         u = self.units[index]
-        if self.on_nvme(index):
-            self._swap_out_shard(u, values.to(self.dtype))
-            self.wait_writes()
-        else:
+        if u.unit.resident:
             u.shard.copy_(values)
+        else:
+            self.shards.write(index, u.shard, values)
+            self.shards.wait_writes()
         if u.master is not u.shard and not self.masters_dropped:
             u.master.copy_(values)
 
@@ -283,10 +271,12 @@ class FlatParameters:
         self.wait_gathers()  # a gather still sending a shard must finish before it changes
         if not self.masters_dropped:  # (otherwise the optimizer wrote the shards: ShardWriter)
             for u in self.units:
-                if self.on_nvme(u.unit.index):
-                    self._swap_out_shard(u, u.master.to(self.dtype))
-                elif u.master is not u.shard:
+                if u.master is u.shard:
+                    continue
+                if u.unit.resident:
                     u.shard.copy_(u.master)
+                else:
+                    self.shards.write(u.unit.index, u.shard, u.master)
         # All launched before any is waited on: gloo queues them back to back instead of
         # paying one round trip per unit.
         for u in self.units:
@@ -335,8 +325,8 @@ class FlatParameters:
             else:
                 nbytes = u.unit.shard_numel * u.full.element_size()
                 params += nbytes
-                host += nbytes if p.param_tier == "cpu" else 0
-                nvme += nbytes if p.param_tier == "nvme" else 0
+                host += nbytes if p.param_tier == Tier.CPU else 0
+                nvme += nbytes if p.param_tier == Tier.NVME else 0
             if u.master is not u.shard:
                 master += u.master.numel() * 4
                 host += u.master.numel() * 4 if p.offload_optimizer else 0
@@ -379,7 +369,7 @@ class ShardWriter:
     def _write(self, index: int) -> None:
         staged, covered = self._staged.pop(index)
         if sum(end - start for start, end in covered) == staged.numel():  # chunks tile the shard
-            self.flat._swap_out_shard(self.flat.units[index], staged)
+            self.flat.shards.write(index, self.flat.units[index].shard, staged)
 
     def __enter__(self) -> "ShardWriter":
         return self

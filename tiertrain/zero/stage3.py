@@ -15,8 +15,6 @@ and of the checked events.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
 from typing import Any
 
 import torch
@@ -25,27 +23,7 @@ import torch.nn as nn
 from ..comm import Collectives
 from .agreement import CHECKS, CollectiveAgreement, Event
 from .flat import NVME_READ_AHEAD, FlatParameters
-
-
-_recompute = threading.local()
-
-
-@contextlib.contextmanager
-def recomputation():
-    """Marks backward's recomputation of a checkpointed block (tiertrain.offload.activations).
-    The forward hooks of stage-3 units inside the block fire again: under this context they
-    gather without recording the unit in the traced order or prefetching from it, and release
-    afterwards only units whose backward has not begun (the unit whose backward asked for the
-    recomputation keeps its parameters; the others are gathered again by their own backward)."""
-    _recompute.depth = getattr(_recompute, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _recompute.depth -= 1
-
-
-def recomputing() -> bool:
-    return getattr(_recompute, "depth", 0) > 0
+from .recompute import recomputing
 
 
 def _tensors(obj: Any):

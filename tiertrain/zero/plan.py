@@ -1,0 +1,59 @@
+"""Which parameters an engine trains and how: the flat layout they are packed into, whether
+their gradient reductions launch as gradients arrive, and which gradients count in the
+global norm. One model gets :func:`default_plan`; a pipeline builds its own
+(tiertrain/pipeline/engine.py: per-chunk buckets, reductions launched by the schedule, the
+tied embedding's copy left out of the norm)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch.nn as nn
+
+from ..config import Config, ConfigError
+from .construct import full_shape, is_partitioned
+from .layout import FlatLayout, bucket_layout, module_layout
+
+
+def default_unit_modules(model: nn.Module) -> list[str]:
+    """Stage-3 units: each child of every nn.ModuleList (transformer blocks), plus the root."""
+    prefixes = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList):
+            prefixes += [f"{name}.{child}" if name else child for child, _ in module.named_children()]
+    return prefixes
+
+
+@dataclass(frozen=True)
+class GradientPlan:
+    """Which parameters the engine trains, in which flat layout, and how their gradients are
+    reduced and counted. The default (:func:`default_plan`) serves one model; a pipeline
+    passes its own (per-chunk buckets, reductions launched by the schedule, a tied copy left
+    out of the norm)."""
+
+    named: list[tuple[str, nn.Parameter]]
+    """The trainable parameters, by name, in layout order."""
+    layout: FlatLayout
+    """How they are packed into flat units and sharded over dp."""
+    launch_when_ready: bool = True
+    """Reductions start as each unit's gradients arrive; False: the caller launches them."""
+    counts_in_norm: Callable[[str], bool] = field(default=lambda name: True)
+    """Whether a parameter's gradient counts in the global norm."""
+
+
+def default_plan(model: nn.Module, config: Config, dp: int, unit_modules: list[str] | None = None) -> GradientPlan:
+    """Every trainable parameter of the model; stage 3: one unit per unit module (default:
+    children of ModuleLists) plus the root; stages 0-2: buckets of zero.bucket_mb."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("the model has no trainable parameters")
+    zc, stage = config.zero, config.zero.stage
+    if stage == 3:
+        prefixes = default_unit_modules(model) if unit_modules is None else list(unit_modules)
+        for prefix in prefixes:
+            model.get_submodule(prefix)  # raises AttributeError naming a bad prefix
+        return GradientPlan(named, module_layout(named, prefixes, dp, zc.persistence_threshold, shape_of=full_shape))
+    if any(is_partitioned(p) for _, p in named):
+        raise ConfigError(f"zero.stage={stage}: a model built under partitioned_init needs zero.stage=3")
+    bucket_numel = max(1, int(zc.bucket_mb * 2**20) // 4)
+    return GradientPlan(named, bucket_layout(named, 1 if stage == 0 else dp, bucket_numel))
