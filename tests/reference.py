@@ -48,11 +48,15 @@ def global_batches(n_steps: int, global_batch: int, seq_len: int = 16, seed: int
     return out
 
 
-def reference_train(model, config: Config, batches):
+def reference_train(model, config: Config, batches, build_optimizer=None):
     """Plain PyTorch: the whole global batch in one forward (mean loss over every token),
-    clip_grad_norm_, AdamW with the same param groups and schedule."""
+    clip_grad_norm_, AdamW with the same param groups and schedule (or the optimizer
+    build_optimizer(model) returns)."""
     model = copy.deepcopy(model)
-    opt = build_adamw(param_groups(model.named_parameters(), config.optimizer), config.optimizer)
+    if build_optimizer is None:
+        opt = build_adamw(param_groups(model.named_parameters(), config.optimizer), config.optimizer)
+    else:
+        opt = build_optimizer(model)
     sched = build_schedule(opt, config.schedule)
     dtype = next(model.parameters()).dtype
     losses = []

@@ -10,17 +10,15 @@ through the same parts as the built-in forms.
 from __future__ import annotations
 
 import ast
-import copy
 from pathlib import Path
 
 import pytest
 import torch
 
 import tiertrain
-from reference import Oracle, engine_train, global_batches, make_config, make_model, rank_slices
-from tiertrain.engine import default_loss
+from reference import Oracle, engine_train, global_batches, make_config, make_model, rank_slices, reference_train
 from tiertrain.testing import run_distributed
-from tiertrain.update import OptimizerUpdate, UpdateMemory, scale_gradients, shard_param_groups
+from tiertrain.update import OptimizerUpdate, UpdateMemory, restore_masters, scale_gradients, shard_param_groups
 
 LR, MOMENTUM, STEPS, MICRO = 0.5, 0.9, 4, 2
 
@@ -56,29 +54,12 @@ class SGDUpdate(OptimizerUpdate):
                 "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state):
-        with torch.no_grad():
-            for u, master in zip(self.flat.units, state["masters"]):
-                u.master.copy_(master)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.flat.publish_masters()
-        self.flat.zero_grads()
+        restore_masters(self.flat, self.optimizer, state)
 
 
-def sgd_reference(model, config, batches):
-    """One process: the whole global batch, clip_grad_norm_, SGD at the schedule's rate."""
-    model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    sched = tiertrain.optim.build_schedule(opt, config.schedule)
-    losses = []
-    for batch in batches:
-        loss = default_loss(model, batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+def torch_sgd(model):
+    """The single-process reference's optimizer: torch SGD with momentum over every parameter."""
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
 
 def _config(stage, pp=1):
@@ -116,8 +97,8 @@ def _run(rank, world, stage, pp, checkpoint_dir):
 @pytest.mark.parametrize("stage,pp", [(1, 1), (2, 1), (3, 1), (1, 2)])
 def test_a_form_written_outside_the_library_trains_like_torch_sgd(stage, pp, tmp_path):
     results = run_distributed(_run, 2, stage, pp, str(tmp_path), timeout=100)
-    oracle = Oracle.run(sgd_reference, make_model(n_layers=4), _config(stage, pp),
-                        global_batches(STEPS, MICRO * 2))
+    oracle = Oracle.run(reference_train, make_model(n_layers=4), _config(stage, pp),
+                        global_batches(STEPS, MICRO * 2), build_optimizer=torch_sgd)
     assert oracle.losses64[-1] < oracle.losses64[0], "the reference itself must learn"
     merged = {}
     for losses, params in results:

@@ -205,3 +205,47 @@ def test_hugging_face_llama_wrapped_without_changes(stage):
     cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2}, optimizer={"eps": 1e-3})
     oracle = Oracle.run(reference_train, _llama(), cfg, _hf_batches(2))
     oracle.check(losses, params, f"Llama at stage {stage}")
+
+
+# -- an encoder-decoder: a tensor computed in one unit, consumed by the next ones ----------------
+
+def _t5():
+    """T5: one embedding shared by both stacks (and the head); the relative-position bias is
+    computed in block 0 of each stack and passed on, through every later block's attention
+    layer (a nested unit: each child of T5Block.layer), which returns it unchanged."""
+    config = transformers.T5Config(vocab_size=256, d_model=32, d_ff=64, num_layers=3, num_decoder_layers=3,
+                                   num_heads=4, d_kv=8, relative_attention_num_buckets=8, dropout_rate=0.0,
+                                   decoder_start_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def _t5_batches(world, steps=4):
+    return [{"input_ids": b["input_ids"], "labels": b["labels"]} for b in global_batches(steps, 2 * world)]
+
+
+def _t5_run(rank, world, stage):
+    cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2}, optimizer={"eps": 1e-3})
+    topology = tiertrain.Topology.build(cfg.parallel)
+    engine = tiertrain.wrap(_t5(), cfg, topology)
+    losses, left_gathered = [], set()
+    for batch in _t5_batches(world):
+        loss = engine(next(rank_slices(batch, rank, world, 2, 1)))
+        engine.backward(loss)
+        # Backward leaves no partitioned unit gathered (one left would hold pre-step values).
+        left_gathered |= {u.unit.label for u in engine.flat.units if u.gathered and not u.unit.resident}
+        engine.step()
+        t = torch.tensor([loss.item()], dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        losses.append(float(t) / world)
+    return losses, engine.full_state_dict(), left_gathered
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hugging_face_t5_encoder_decoder_trains_exactly(stage):
+    losses, params, left_gathered = run_distributed(_t5_run, 2, stage, timeout=100)[0]
+    assert not left_gathered, f"units still gathered after backward: {sorted(left_gathered)}"
+    cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2}, optimizer={"eps": 1e-3})
+    oracle = Oracle.run(reference_train, _t5(), cfg, _t5_batches(2))
+    oracle.check(losses, params, f"T5 at stage {stage}")

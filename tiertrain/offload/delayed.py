@@ -63,7 +63,7 @@ import torch.distributed as dist
 
 from ..comm import Collectives
 from ..optim import build_adamw
-from ..update.protocol import OptimizerUpdate, UpdateMemory, set_learning_rate, shard_param_groups
+from ..update.protocol import OptimizerUpdate, UpdateMemory, restore_masters, set_learning_rate, shard_param_groups
 
 
 class DelayedUpdateError(RuntimeError):
@@ -231,12 +231,7 @@ class DelayedUpdate(OptimizerUpdate):
         then put back the published shards of a checkpoint saved with an update not yet
         published (collective)."""
         self.discard()
-        with torch.no_grad():
-            for u, master in zip(self.flat.units, state["masters"]):
-                u.master.copy_(master)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.flat.publish_masters()
-        self.flat.zero_grads()
+        restore_masters(self.flat, self.optimizer, state)
         shards = state.get("published")
         if shards is None:
             return

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..optim import build_adamw
-from .protocol import OptimizerUpdate, UpdateMemory, scale_gradients, set_learning_rate, shard_param_groups
+from .protocol import (OptimizerUpdate, UpdateMemory, restore_masters, scale_gradients, set_learning_rate,
+                       shard_param_groups)
 
 
 class InMemoryUpdate(OptimizerUpdate):
@@ -36,9 +37,4 @@ class InMemoryUpdate(OptimizerUpdate):
                 "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state):
-        with torch.no_grad():
-            for u, master in zip(self.flat.units, state["masters"]):
-                u.master.copy_(master)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.flat.publish_masters()
-        self.flat.zero_grads()
+        restore_masters(self.flat, self.optimizer, state)

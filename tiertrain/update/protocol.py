@@ -70,6 +70,17 @@ def scale_gradients(grads: list[torch.Tensor], clip: torch.Tensor | None) -> Non
             g.mul_(clip)
 
 
+def restore_masters(flat: "FlatParameters", optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """A checkpoint's masters copied in place (the optimizer holds views of them) and its
+    optimizer state loaded; then the masters published and the gradients zeroed."""
+    with torch.no_grad():
+        for u, master in zip(flat.units, state["masters"]):
+            u.master.copy_(master)
+    optimizer.load_state_dict(state["optimizer"])
+    flat.publish_masters()
+    flat.zero_grads()
+
+
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """The schedule's rate for this update, in every group (as LambdaLR would set it)."""
     for group in optimizer.param_groups:

@@ -269,6 +269,12 @@ class FlatParameters:
         ``in_background``: return with the all-gathers in flight (each unit's ``pending``);
         :meth:`gather` or :meth:`wait_gathers` completes them (tiertrain/zero/param_gather.py)."""
         self.wait_gathers()  # a gather still sending a shard must finish before it changes
+        # A partitioned unit still gathered holds the parameters before this update: release
+        # it, so its next use gathers the new shards (a unit left gathered by an irregular
+        # backward would otherwise feed stale values to the next forward, silently).
+        for u in self.units:
+            if not u.unit.resident:
+                self.release(u.unit.index)
         if not self.masters_dropped:  # (otherwise the optimizer wrote the shards: ShardWriter)
             for u in self.units:
                 if u.master is u.shard:

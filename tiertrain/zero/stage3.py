@@ -61,7 +61,7 @@ class ParameterFetcher:
         self._handles = []
         for index, module in unit_modules.items():
             self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(index)))
-            self._handles.append(module.register_forward_hook(self._make_post_forward(index)))
+            self._handles.append(module.register_forward_hook(self._make_post_forward(index), with_kwargs=True))
 
     # -- collective agreement --------------------------------------------------------
 
@@ -194,7 +194,7 @@ class ParameterFetcher:
         return hook
 
     def _make_post_forward(self, index: int):
-        def hook(module, args, output):
+        def hook(module, args, kwargs, output):
             if not recomputing():
                 self.agreement.log(Event.RELEASE, index)
                 self._depth -= 1
@@ -204,8 +204,14 @@ class ParameterFetcher:
                     self.flat.release(index)
                 return
             if torch.is_grad_enabled():
+                # The unit's backward begins when the gradient of a tensor it produced arrives.
+                # A tensor it only passed through (an input returned as an output, as T5's
+                # layers return the position bias they were given) says nothing about this
+                # unit: its gradient may arrive after the unit's backward is over, and a
+                # backward visit then would gather the unit again with nothing to release it.
+                passed_through = {id(t) for t in _tensors((args, kwargs))}
                 for t in _tensors(output):
-                    if t.requires_grad:
+                    if t.requires_grad and id(t) not in passed_through:
                         t.register_hook(lambda grad, index=index: self._visit_backward(index))
             self.flat.release(index)
         return hook
