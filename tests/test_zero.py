@@ -249,3 +249,42 @@ def test_hugging_face_t5_encoder_decoder_trains_exactly(stage):
     cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2}, optimizer={"eps": 1e-3})
     oracle = Oracle.run(reference_train, _t5(), cfg, _t5_batches(2))
     oracle.check(losses, params, f"T5 at stage {stage}")
+
+
+# -- more Hugging Face families at stage 3 -------------------------------------------------------
+
+def _hf_family(name):
+    """Small configs, no download: an encoder-decoder with learned positions (BART), an encoder
+    with a masked-LM head tied to its embedding (BERT), a decoder with tied embeddings (GPT-2)."""
+    torch.manual_seed(0)
+    T = transformers
+    if name == "bart":
+        return T.BartForConditionalGeneration(T.BartConfig(
+            vocab_size=256, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0,
+            eos_token_id=2, decoder_start_token_id=2))
+    if name == "bert":
+        return T.BertForMaskedLM(T.BertConfig(
+            vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+FAMILIES = ("bart", "bert", "gpt2")
+
+
+def _families_run(rank, world):
+    cfg = make_config(zero={"stage": 3}, batch={"micro_batch_size": 2}, optimizer={"eps": 1e-3})
+    return {name: engine_train(rank, world, _hf_family(name), cfg, _t5_batches(world, steps=3))[:2]
+            for name in FAMILIES}
+
+
+@pytest.mark.timeout(150)
+def test_hugging_face_encoder_decoder_encoder_and_decoder_families_at_stage3():
+    results = run_distributed(_families_run, 2, timeout=140)[0]
+    cfg = make_config(zero={"stage": 3}, batch={"micro_batch_size": 2}, optimizer={"eps": 1e-3})
+    for name in FAMILIES:
+        oracle = Oracle.run(reference_train, _hf_family(name), cfg, _t5_batches(2, steps=3))
+        oracle.check(*results[name], f"{name} at stage 3")
