@@ -114,12 +114,7 @@ def engine_train(rank, world, model, config: Config, batches, prepare=None):
 def max_rel_diff(a: dict, b: dict) -> float:
     """Largest over parameters of max|a - b| / max|b|: the difference relative to each
     tensor's scale (elementwise ratios would divide by values that are merely near zero)."""
-    worst = 0.0
-    for name, ref in b.items():
-        ref = ref.double()
-        diff = (a[name].double() - ref).abs().max() / ref.abs().max().clamp_min(1e-12)
-        worst = max(worst, float(diff))
-    return worst
+    return max(rel_distances(a, b).values(), default=0.0)
 
 
 # -- the float64 oracle ---------------------------------------------------------------------

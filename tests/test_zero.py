@@ -220,7 +220,9 @@ def _t5():
     return transformers.T5ForConditionalGeneration(config)
 
 
-def _t5_batches(world, steps=4):
+def _labelled_batches(world, steps=4):
+    """Batches with labels of their own (not the inputs shifted): what seq2seq and masked-LM
+    heads take."""
     return [{"input_ids": b["input_ids"], "labels": b["labels"]} for b in global_batches(steps, 2 * world)]
 
 
@@ -229,7 +231,7 @@ def _t5_run(rank, world, stage):
     topology = tiertrain.Topology.build(cfg.parallel)
     engine = tiertrain.wrap(_t5(), cfg, topology)
     losses, left_gathered = [], set()
-    for batch in _t5_batches(world):
+    for batch in _labelled_batches(world):
         loss = engine(next(rank_slices(batch, rank, world, 2, 1)))
         engine.backward(loss)
         # Backward leaves no partitioned unit gathered (one left would hold pre-step values).
@@ -247,7 +249,7 @@ def test_hugging_face_t5_encoder_decoder_trains_exactly(stage):
     losses, params, left_gathered = run_distributed(_t5_run, 2, stage, timeout=100)[0]
     assert not left_gathered, f"units still gathered after backward: {sorted(left_gathered)}"
     cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2}, optimizer={"eps": 1e-3})
-    oracle = Oracle.run(reference_train, _t5(), cfg, _t5_batches(2))
+    oracle = Oracle.run(reference_train, _t5(), cfg, _labelled_batches(2))
     oracle.check(losses, params, f"T5 at stage {stage}")
 
 
@@ -277,7 +279,7 @@ FAMILIES = ("bart", "bert", "gpt2")
 
 def _families_run(rank, world):
     cfg = make_config(zero={"stage": 3}, batch={"micro_batch_size": 2}, optimizer={"eps": 1e-3})
-    return {name: engine_train(rank, world, _hf_family(name), cfg, _t5_batches(world, steps=3))[:2]
+    return {name: engine_train(rank, world, _hf_family(name), cfg, _labelled_batches(world, steps=3))[:2]
             for name in FAMILIES}
 
 
@@ -286,5 +288,5 @@ def test_hugging_face_encoder_decoder_encoder_and_decoder_families_at_stage3():
     results = run_distributed(_families_run, 2, timeout=140)[0]
     cfg = make_config(zero={"stage": 3}, batch={"micro_batch_size": 2}, optimizer={"eps": 1e-3})
     for name in FAMILIES:
-        oracle = Oracle.run(reference_train, _hf_family(name), cfg, _t5_batches(2, steps=3))
+        oracle = Oracle.run(reference_train, _hf_family(name), cfg, _labelled_batches(2, steps=3))
         oracle.check(*results[name], f"{name} at stage 3")

@@ -26,6 +26,7 @@ from .host_memory import retain_freed_host_memory
 from .offload.activations import checkpoint_memory
 from .optim import clip_coefficient, scheduled_lr
 from .precision import DynamicLossScaler, compute_dtype
+from .tiers import Tier
 from .topology import Topology
 from .train_state import RNGState, TrainState
 from .update.factory import UpdateContext, UpdateFactory, build_update
@@ -122,8 +123,8 @@ class Engine:
         self._cast_buffers_and_frozen(model)
         self.placement = Placement(self.device, optimizer_tier=config.zero.offload_optimizer,
                                    param_tier=config.zero.offload_params)
-        self.swapper = self._build_swapper() if "nvme" in (config.zero.offload_optimizer,
-                                                           config.zero.offload_params) else None
+        self.swapper = self._build_swapper() if Tier.NVME in (config.zero.offload_optimizer,
+                                                              config.zero.offload_params) else None
         self.flat = FlatParameters(
             self.layout, dict(named), self.comm, self.dtype, keep_full_grads=stage <= 1,
             rebuild_param=lambda p: gather_partitioned(p, self.comm) if is_partitioned(p) else p.detach(),

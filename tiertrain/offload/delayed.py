@@ -63,7 +63,8 @@ import torch.distributed as dist
 
 from ..comm import Collectives
 from ..optim import build_adamw
-from ..update.protocol import OptimizerUpdate, UpdateMemory, restore_masters, set_learning_rate, shard_param_groups
+from ..update.protocol import (OptimizerUpdate, UpdateMemory, optimizer_state_bytes, restore_masters,
+                               set_learning_rate, shard_param_groups)
 
 
 class DelayedUpdateError(RuntimeError):
@@ -209,8 +210,7 @@ class DelayedUpdate(OptimizerUpdate):
 
     def memory(self):
         self.wait(agree=False)  # (the first update creates the Adam moments)
-        moments = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
-                      for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        moments = optimizer_state_bytes(self.optimizer)
         # The snapshot the background update reads: one more fp32 gradient shard, CPU tier.
         return UpdateMemory(optimizer=moments, cpu_tier=moments + self.snapshot_bytes,
                             extra_grads=self.snapshot_bytes)

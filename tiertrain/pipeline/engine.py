@@ -37,7 +37,7 @@ from ..engine import Engine
 from ..models.gpt import GPT
 from ..topology import Topology
 from ..update.factory import UpdateFactory, build_update
-from ..zero.layout import FlatLayout, bucket_layout, concatenate
+from ..zero.layout import bucket_layout, concatenate
 from ..zero.plan import GradientPlan
 from .executor import PipelineExecutor
 from .schedule import gpipe, interleaved_one_f_one_b, one_f_one_b
@@ -81,13 +81,13 @@ def gpt_activation_shape(stage: nn.Module) -> Callable[[dict], tuple[int, ...]]:
     return shape
 
 
-def pipeline_plan(stages: Sequence[nn.Module], config: Config, dp: int) -> GradientPlan:
+def pipeline_plan(stages: Sequence[nn.Module], config: Config, dp: int) -> tuple[GradientPlan, list[list[int]]]:
     """What differs from the one-model engine: the stages' own parameter names (the model's:
     ``blocks.5.mlp.fc1.weight``); buckets per chunk (one never spans two chunks), so a chunk's
     units can be reduced as soon as its backward is over; reductions launched by the schedule
     (``launch_when_ready=False``); the last stage's copy of a tied embedding left out of the
     gradient norm (the first stage's embedding already counts it). Also returns, per chunk,
-    the indices of its units."""
+    the indices of its flat units (in layout order, chunk after chunk)."""
     named, seen = [], {}
     for k, stage in enumerate(stages):
         for name, p in stage.named_parameters():
@@ -103,18 +103,15 @@ def pipeline_plan(stages: Sequence[nn.Module], config: Config, dp: int) -> Gradi
     shards = 1 if config.zero.stage == 0 else dp
     layouts = [bucket_layout([(n, p) for n, p in s.named_parameters() if p.requires_grad], shards, bucket_numel)
                for s in stages]
+    units_of_chunk, start = [], 0
+    for layout in layouts:
+        units_of_chunk.append(list(range(start, start + len(layout.units))))
+        start += len(layout.units)
     tied_copy_in_norm = not any(getattr(s, "tied", False) and s.is_last and not s.is_first for s in stages)
-    return GradientPlan(named, concatenate(layouts, [f"chunk{k}" for k in range(len(stages))]),
+    plan = GradientPlan(named, concatenate(layouts, [f"chunk{k}" for k in range(len(stages))]),
                         launch_when_ready=False,
                         counts_in_norm=lambda name: tied_copy_in_norm or name != TIED_LAST)
-
-
-def units_of_chunks(layout: FlatLayout, n_chunks: int) -> list[list[int]]:
-    """The flat unit indices of each chunk (pipeline_plan labels them chunkK)."""
-    out = [[] for _ in range(n_chunks)]
-    for u in layout.units:
-        out[int(u.label.split(".", 1)[0].removeprefix("chunk"))].append(u.index)
-    return out
+    return plan, units_of_chunk
 
 
 class PipelineEngine(Engine):
@@ -130,9 +127,8 @@ class PipelineEngine(Engine):
                               f"would gather every stage's parameters for each micro-batch; valid: 0, 1, 2")
         self.stages = list(stages)
         self._tied_stages = [s for s in self.stages if getattr(s, "tied", False)]
-        plan = pipeline_plan(self.stages, config, topology.size("dp"))
+        plan, self._units_of_chunk = pipeline_plan(self.stages, config, topology.size("dp"))
         super().__init__(nn.ModuleList(self.stages), config, topology, plan=plan, update_factory=update_factory)
-        self._units_of_chunk = units_of_chunks(self.layout, len(self.stages))
         if activation_shape is None and all(hasattr(s, "arch") for s in self.stages):
             activation_shape = gpt_activation_shape(self.stages[0])
         self.executor = PipelineExecutor(

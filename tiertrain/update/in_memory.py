@@ -2,11 +2,9 @@
 on the device or the CPU tier (ZeRO stages 0-3; ZeRO-Offload with offload_optimizer=cpu)."""
 from __future__ import annotations
 
-import torch
-
 from ..optim import build_adamw
-from .protocol import (OptimizerUpdate, UpdateMemory, restore_masters, scale_gradients, set_learning_rate,
-                       shard_param_groups)
+from .protocol import (OptimizerUpdate, UpdateMemory, optimizer_state_bytes, restore_masters, scale_gradients,
+                       set_learning_rate, shard_param_groups)
 
 
 class InMemoryUpdate(OptimizerUpdate):
@@ -28,8 +26,7 @@ class InMemoryUpdate(OptimizerUpdate):
         return [u.master for u in self.flat.units]
 
     def memory(self):
-        moments = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
-                      for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        moments = optimizer_state_bytes(self.optimizer)
         return UpdateMemory(optimizer=moments, cpu_tier=moments if self.flat.placement.offload_optimizer else 0)
 
     def state_dict(self):

@@ -81,6 +81,13 @@ def restore_masters(flat: "FlatParameters", optimizer: torch.optim.Optimizer, st
     flat.zero_grads()
 
 
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of a torch optimizer's per-element state (Adam's moments; scalar step counts not
+    included)."""
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values()
+               for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """The schedule's rate for this update, in every group (as LambdaLR would set it)."""
     for group in optimizer.param_groups:
@@ -123,12 +130,10 @@ class OptimizerUpdate(ABC):
     def cancel(self) -> None:
         """Undo work started ahead of step() that step() will not commit."""
 
-    def publish_and_reset(self, in_background: bool | None = None) -> None:
-        """The updated masters into the compute shards (all-gather at stages 1-2), then the
-        gradients zeroed for the next step."""
-        if in_background is None:
-            in_background = self.config.zero.overlap_param_gather
-        self.flat.publish_masters(in_background=in_background)
+    def publish_and_reset(self) -> None:
+        """The updated masters into the compute shards (all-gather at stages 1-2, left running
+        with zero.overlap_param_gather), then the gradients zeroed for the next step."""
+        self.flat.publish_masters(in_background=self.config.zero.overlap_param_gather)
         self.flat.zero_grads(lazy=self.lazy_zero)
 
     # -- outside the step ----------------------------------------------------------------
