@@ -48,16 +48,25 @@ def global_batches(n_steps: int, global_batch: int, seq_len: int = 16, seed: int
     return out
 
 
-def reference_train(model, config: Config, batches, build_optimizer=None):
+CONFIG_SCHEDULE = "config"
+"""reference_train's default lr_scheduler: config.schedule as a LambdaLR."""
+
+
+def reference_train(model, config: Config, batches, build_optimizer=None, lr_scheduler=CONFIG_SCHEDULE):
     """Plain PyTorch: the whole global batch in one forward (mean loss over every token),
     clip_grad_norm_, AdamW with the same param groups and schedule (or the optimizer
-    build_optimizer(model) returns)."""
+    build_optimizer(model) returns). lr_scheduler: config.schedule's LambdaLR by default,
+    None for each group's constant rate (a client optimizer without a scheduler), or a
+    factory callable(optimizer) -> LRScheduler, stepped after every update."""
     model = copy.deepcopy(model)
     if build_optimizer is None:
         opt = build_adamw(param_groups(model.named_parameters(), config.optimizer), config.optimizer)
     else:
         opt = build_optimizer(model)
-    sched = build_schedule(opt, config.schedule)
+    if lr_scheduler == CONFIG_SCHEDULE:
+        sched = build_schedule(opt, config.schedule)
+    else:
+        sched = None if lr_scheduler is None else lr_scheduler(opt)
     dtype = next(model.parameters()).dtype
     losses = []
     for batch in batches:
@@ -66,7 +75,8 @@ def reference_train(model, config: Config, batches, build_optimizer=None):
         if config.optimizer.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.grad_clip)
         opt.step()
-        sched.step()
+        if sched is not None:
+            sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -91,14 +101,18 @@ def rank_slices(batch, rank: int, dp: int, micro: int, accum: int):
         yield {k: v[start:start + micro] for k, v in batch.items()}
 
 
-def engine_train(rank, world, model, config: Config, batches, prepare=None):
+def engine_train(rank, world, model, config: Config, batches, prepare=None, wrap_kwargs=None):
     """Run the engine on this rank over the global batches; returns (mean loss over the
     data-parallel ranks per step, this rank's fp32 parameters, engine). prepare(model,
-    topology) may transform the model before wrapping (e.g. tensor parallelism)."""
+    topology) may transform the model before wrapping (e.g. tensor parallelism).
+    wrap_kwargs: more arguments of tiertrain.wrap (e.g. optimizer=, lr_scheduler=), or a
+    function of the model returning them (an optimizer built on its parameters)."""
     topology = tiertrain.Topology.build(config.parallel)
     if prepare is not None:
         model = prepare(model, topology)
-    engine = tiertrain.wrap(model, config, topology)
+    if callable(wrap_kwargs):
+        wrap_kwargs = wrap_kwargs(model)
+    engine = tiertrain.wrap(model, config, topology, **(wrap_kwargs or {}))
     dp = topology.size("dp")
     losses = []
     for batch in batches:

@@ -12,6 +12,8 @@ from .engine import Engine, MemoryReport
 from .wrapping import wrap
 from .topology import Topology
 from .zero.construct import partitioned_init
+from .pretrained import LoadReport, PretrainedMismatchError, load_pretrained
 
-__all__ = ["Config", "ConfigError", "Engine", "MemoryReport", "Topology", "partitioned_init", "wrap"]
+__all__ = ["Config", "ConfigError", "Engine", "LoadReport", "MemoryReport", "PretrainedMismatchError", "Topology",
+           "load_pretrained", "partitioned_init", "wrap"]
 __version__ = "0.1.0"

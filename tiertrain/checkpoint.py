@@ -51,7 +51,10 @@ class Stateful(Protocol):
 def layout_fingerprint(layout, topology, stage: int, dtype: str, state_format: str) -> dict:
     """What a rank's checkpoint must match to load: parallel sizes, ZeRO stage, compute dtype,
     the optimizer state's format and the flat units (names and sizes)."""
+    frozen = {"frozen_units": [[u.label, u.padded_numel, [s.name for s in u.slots]] for u in layout.frozen]} \
+        if layout.frozen else {}
     return {
+        **frozen,
         "stage": stage,
         "dp": topology.size("dp"),
         "tp": topology.size("tp"),

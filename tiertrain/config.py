@@ -96,7 +96,9 @@ class OptimizerConfig:
     eps: float = 1e-8
     """AdamW epsilon."""
     weight_decay: float = 0.1
-    """Decoupled weight decay, applied to parameters with 2 or more dimensions only."""
+    """Decoupled weight decay of the default AdamW, on the parameters weight_decay_on names."""
+    weight_decay_on: Literal["matrices", "all"] = "matrices"
+    """Parameters weight decay applies to: matrices (2+ dims: not biases or norm gains), or all."""
     grad_clip: float = 1.0
     """Clip gradients to this global L2 norm across all shards; 0 disables clipping."""
     impl: Literal["auto", "fused", "foreach", "single"] = "auto"
@@ -109,6 +111,8 @@ class OptimizerConfig:
                 _fail(f"{path}.betas[{i}]", b, "a value in [0, 1)")
         _check_positive(f"{path}.eps", self.eps)
         _check_positive(f"{path}.weight_decay", self.weight_decay, allow_zero=True)
+        if self.weight_decay_on not in ("matrices", "all"):
+            _fail(f"{path}.weight_decay_on", self.weight_decay_on, "'matrices' or 'all'")
         _check_positive(f"{path}.grad_clip", self.grad_clip, allow_zero=True)
 
 

@@ -24,15 +24,16 @@ from .comm import Collectives, CommCounter
 from .config import Config, ConfigError
 from .host_memory import retain_freed_host_memory
 from .offload.activations import checkpoint_memory
-from .optim import clip_coefficient, scheduled_lr
+from .optim import OptimizerArg, SchedulerFactory, client_optimizer, clip_coefficient, scheduled_lr
 from .precision import DynamicLossScaler, compute_dtype
 from .tiers import Tier
 from .topology import Topology
 from .train_state import RNGState, TrainState
 from .update.factory import UpdateContext, UpdateFactory, build_update
 from .zero.agreement import Event
-from .zero.construct import forget_partition, gather_partitioned, is_partitioned
-from .zero.flat import SWAP_BLOCK_BYTES, FlatParameters, Placement, swap_pool_bytes
+from .zero.construct import check_no_partitioned_init, forget_partition, gather_partitioned, is_partitioned
+from .zero.flat import SWAP_BLOCK_BYTES, FlatParameters, FrozenShards, Placement, swap_pool_bytes
+from .zero.layout import ROOT
 from .zero.param_gather import WaitForParameters
 from .zero.plan import GradientPlan, default_plan
 from .zero.reducer import GradientReducer
@@ -57,6 +58,8 @@ class MemoryReport:
     """Peak bytes of activation checkpoints (saved block inputs) between a forward and its backward; not model state."""
     activation_checkpoints_cpu: int = 0
     """Of activation_checkpoints, the bytes held in the CPU tier (activations.offload=cpu)."""
+    frozen_params: int = 0
+    """Of params, the bytes of frozen parameters (requires_grad=False): their shards at stage 3."""
 
     @property
     def total(self) -> int:
@@ -87,12 +90,18 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
 class Engine:
     """Trains one model on one rank of the topology; see the module docstring. plan: what a
     pipeline changes (see GradientPlan); by default :func:`default_plan`. update_factory:
-    builds the optimizer-step form (tiertrain/update/); by default the configured one."""
+    builds the optimizer-step form (tiertrain/update/); by default the configured one.
+    optimizer, param_groups, lr_scheduler: the user's own (tiertrain/optim.py
+    client_optimizer); by default AdamW and the schedule of config."""
 
     def __init__(self, model: nn.Module, config: Config, topology: Topology,
                  loss_fn: LossFn | None = None, unit_modules: list[str] | None = None,
-                 plan: GradientPlan | None = None, update_factory: UpdateFactory = build_update):
+                 plan: GradientPlan | None = None, update_factory: UpdateFactory = build_update,
+                 optimizer: OptimizerArg | None = None, param_groups: list[dict] | None = None,
+                 lr_scheduler: SchedulerFactory | None = None):
         config.validate()
+        check_no_partitioned_init("tiertrain.wrap()")
+        client = client_optimizer(model, config, optimizer, param_groups, lr_scheduler)
         if config.zero.retain_host_memory:
             retain_freed_host_memory()
         if topology.size("pp") > 1 and plan is None:
@@ -120,13 +129,13 @@ class Engine:
         self._closed = False
         plan = plan or default_plan(model, config, self.dp, unit_modules)
         named, self.layout, self.launch_when_ready = plan.named, plan.layout, plan.launch_when_ready
-        self._cast_buffers_and_frozen(model)
+        self._cast_buffers_and_frozen(model, {n for n, _ in plan.frozen})
         self.placement = Placement(self.device, optimizer_tier=config.zero.offload_optimizer,
                                    param_tier=config.zero.offload_params)
         self.swapper = self._build_swapper() if Tier.NVME in (config.zero.offload_optimizer,
                                                               config.zero.offload_params) else None
         self.flat = FlatParameters(
-            self.layout, dict(named), self.comm, self.dtype, keep_full_grads=stage <= 1,
+            self.layout, dict(named + plan.frozen), self.comm, self.dtype, keep_full_grads=stage <= 1,
             rebuild_param=lambda p: gather_partitioned(p, self.comm) if is_partitioned(p) else p.detach(),
             placement=self.placement, swapper=self.swapper)
         self._waits_per_operation = False
@@ -138,16 +147,16 @@ class Engine:
                 model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self.flat.wait_gathers()).remove,
                 model.register_forward_pre_hook(lambda module, args: None if self._waits_per_operation
                                                 else self.flat.wait_gathers()).remove]
-        for _, p in named:
+        for _, p in named + plan.frozen:
             forget_partition(p)  # the flat buffers own the shard now
 
         self.fetcher = None
         if stage == 3:
-            modules = {u.index: (model if u.label == "<root>" else model.get_submodule(u.label))
-                       for u in self.layout.units if not u.resident}
+            modules, frozen_of = self._unit_modules(model)
             self.fetcher = ParameterFetcher(
                 self.flat, self.comm, modules, prefetch_bytes=int(self._prefetch_mb() * 2**20),
-                max_live_bytes=int(config.zero.max_live_mb * 2**20), check=config.zero.stage3_check)
+                max_live_bytes=int(config.zero.max_live_mb * 2**20), check=config.zero.stage3_check,
+                frozen_of=frozen_of)
             # Backward completes blocks last-first, then the root (embeddings are used first
             # in forward, so their gradients come last), then the persistent small parameters.
             partitioned = [u.index for u in self.layout.units if not u.resident]
@@ -171,7 +180,8 @@ class Engine:
         self.update = update_factory(UpdateContext(
             self.flat, config, topology, self.reducer, self.swapper, lazy_zero=self.launch_when_ready,
             global_gradient_changes=(config.optimizer.grad_clip > 0 or self.scaler.enabled
-                                     or (self.tp_comm.size > 1 and bool(self._partial_grads)))))
+                                     or (self.tp_comm.size > 1 and bool(self._partial_grads))),
+            optimizer=client))
         """The optimizer step, in the form the configuration asks for (tiertrain/update/)."""
         self._on_close.append(self.update.close)  # (first undone: its thread, its swap files)
         self.train_state = TrainState()
@@ -180,14 +190,32 @@ class Engine:
 
     # -- construction ----------------------------------------------------------------
 
-    def _cast_buffers_and_frozen(self, model: nn.Module) -> None:
+    def _unit_modules(self, model: nn.Module) -> tuple[dict[int, nn.Module], dict[int, list[int]]]:
+        """Stage 3: the module whose hooks gather each partitioned unit (by the unit's index;
+        a module with trained parameters is keyed by its trained unit), and the frozen units
+        gathered with each."""
+        def module(label: str) -> nn.Module:
+            return model if label == ROOT else model.get_submodule(label)
+
+        keys = {u.label: u.index for u in self.layout.units if not u.resident}
+        frozen_of: dict[int, list[int]] = {}
+        for u in self.layout.frozen:
+            key = keys.setdefault(u.label, u.index)
+            frozen_of.setdefault(key, []).append(u.index)
+        return {index: module(label) for label, index in keys.items()}, frozen_of
+
+    def _cast_buffers_and_frozen(self, model: nn.Module, in_layout: set[str]) -> None:
+        """Buffers and frozen parameters the flat units do not hold, in the compute dtype on
+        the device (a small frozen parameter built under partitioned_init gathered whole)."""
         for module in model.modules():
             for name, buf in list(module.named_buffers(recurse=False)):
                 dtype = self.dtype if buf.is_floating_point() else buf.dtype
                 setattr(module, name, buf.to(device=self.device, dtype=dtype))
-            for name, p in module.named_parameters(recurse=False):
-                if not p.requires_grad:
-                    p.data = p.data.to(device=self.device, dtype=self.dtype)
+        for name, p in model.named_parameters():
+            if not p.requires_grad and name not in in_layout:
+                value = gather_partitioned(p, self.comm) if is_partitioned(p) else p.data
+                forget_partition(p)
+                p.data = value.to(device=self.device, dtype=self.dtype)
 
     def _build_swapper(self):
         """This rank's swap directory under zero.nvme_path, with a buffer pool large enough
@@ -196,7 +224,7 @@ class Engine:
         from .offload import AlignedBufferPool, AsyncIO, TensorSwapper
 
         block = SWAP_BLOCK_BYTES
-        largest = max(u.shard_numel for u in self.layout.units) * torch.finfo(self.dtype).bits // 8
+        largest = max(u.shard_numel for u in self.layout.all_units) * torch.finfo(self.dtype).bits // 8
         pin = self.device.type == "cuda"
         aio = AsyncIO(num_threads=4, block_bytes=block)
         self._on_close.append(aio.close)  # the swapper does not own its IO threads
@@ -249,8 +277,16 @@ class Engine:
         return self.train_state.skipped_steps
 
     def learning_rate(self, step: int | None = None) -> float:
-        """The schedule's rate for update number `step` (default: the next one)."""
-        return scheduled_lr(self.config.optimizer, self.config.schedule, self.steps if step is None else step)
+        """The rate of update number `step` (default: the next one), of the first param group:
+        config.schedule's, or with a client optimizer or lr_scheduler the optimizer's own (then
+        only the next update's rate is known)."""
+        own = self.update.own_learning_rate()
+        if own is None:
+            return scheduled_lr(self.config.optimizer, self.config.schedule, self.steps if step is None else step)
+        if step is not None and step != self.steps:
+            raise ValueError(f"learning_rate(step={step}): with a client optimizer or lr_scheduler only the next "
+                             f"update's rate (step {self.steps}) is known")
+        return own
 
     @property
     def last_overlapped_step(self) -> dict | None:
@@ -266,16 +302,19 @@ class Engine:
         if self.fetcher is not None:
             self.fetcher.begin_forward()
         batch = self._to_device(batch)
-        if not self.flat.gathers_in_flight:
+        check = self.fetcher.use_check() if self.fetcher is not None else None
+        if check is None and not self.flat.gathers_in_flight:
             return self.loss_fn(self.module, batch)
-        # The step's parameter all-gathers are still running: each operation waits for the
-        # units it touches (zero.overlap_param_gather; tiertrain/zero/param_gather.py).
-        self._waits_per_operation = True
-        try:
-            with WaitForParameters(self.flat):
-                loss = self.loss_fn(self.module, batch)
-        finally:
-            self._waits_per_operation = False
+        with contextlib.ExitStack() as context:
+            if check is not None:  # stage 3's first forward: no parameter read outside its unit
+                context.enter_context(check)
+            if self.flat.gathers_in_flight:
+                # The step's parameter all-gathers are still running: each operation waits for
+                # the units it touches (zero.overlap_param_gather; tiertrain/zero/param_gather.py).
+                self._waits_per_operation = True
+                context.callback(setattr, self, "_waits_per_operation", False)
+                context.enter_context(WaitForParameters(self.flat))
+            loss = self.loss_fn(self.module, batch)
         self.flat.wait_gathers()  # units no operation touched
         return loss
 
@@ -404,10 +443,16 @@ class Engine:
         flat = self.flat.memory()
         extra = self.update.memory()
         ckpt = checkpoint_memory(self.module)
-        return MemoryReport(flat["params"], flat["gathered_params"], flat["grads"] + extra.extra_grads,
+        # Frozen parameters outside the flat units (stages 0-2, and small ones at stage 3) are
+        # whole on every rank.
+        whole_frozen = sum(p.numel() * p.element_size() for p in self.module.parameters()
+                           if not p.requires_grad and p not in self.flat.unit_of)
+        frozen_shards = sum(u.unit.shard_numel * u.full.element_size() for u in self.flat.frozen_units)
+        return MemoryReport(flat["params"] + whole_frozen, flat["gathered_params"], flat["grads"] + extra.extra_grads,
                             flat["master"] + extra.optimizer, cpu_tier=flat["cpu_tier"] + extra.cpu_tier,
                             nvme_tier=flat["nvme_tier"] + extra.nvme_tier,
-                            activation_checkpoints=ckpt.peak_bytes, activation_checkpoints_cpu=ckpt.host_peak_bytes)
+                            activation_checkpoints=ckpt.peak_bytes, activation_checkpoints_cpu=ckpt.host_peak_bytes,
+                            frozen_params=whole_frozen + frozen_shards)
 
     @contextlib.contextmanager
     def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None, modifier_rank: int | None = None):
@@ -416,8 +461,8 @@ class Engine:
         into every shard and master copy on exit."""
         self._quiesce()
         self.update.flush()  # what is read or edited is the newest parameters
-        wanted = None if params is None else {self.flat.slot_of[p][0] for p in params}
-        units = [u for u in self.flat.units if wanted is None or u.unit.index in wanted]
+        wanted = None if params is None else {self.flat.unit_index(p) for p in params}
+        units = [u for u in self.flat.all_units if wanted is None or u.unit.index in wanted]
         for u in units:
             if self.fetcher is not None and not u.gathered:
                 self.fetcher.fetch(u.unit.index)
@@ -430,7 +475,8 @@ class Engine:
                     self.comm.broadcast(u.full, modifier_rank)
                     lo, hi = u.unit.shard_range(self.flat.shard_rank)
                     self.flat.write_shard(u.unit.index, u.full[lo:hi])
-                    edited[u.unit.index] = u.full[lo:hi]
+                    if u.trainable:
+                        edited[u.unit.index] = u.full[lo:hi]
                 self.update.write_masters(edited)
         finally:
             for u in units:
@@ -441,7 +487,10 @@ class Engine:
     def checkpoint_parts(self) -> dict[str, checkpoint.Stateful]:
         """The stateful parts a checkpoint is made of, in restore order: masters and optimizer
         (the update form), loss scaler, counters, RNG."""
-        return {"update": self.update, "scaler": self.scaler, "train_state": self.train_state, "rng": RNGState()}
+        parts = {"update": self.update, "scaler": self.scaler, "train_state": self.train_state, "rng": RNGState()}
+        if self.flat.frozen_units:
+            parts["frozen"] = FrozenShards(self.flat)
+        return parts
 
     def checkpoint_fingerprint(self) -> dict:
         """What a checkpoint of this rank must match to load here."""
@@ -476,18 +525,24 @@ class Engine:
         return self.update.masters()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter's fp32 master value, gathered from the shards (collective)."""
+        """Every parameter's value in fp32, by name (collective): trained ones from their fp32
+        masters, frozen ones from their compute-dtype values, all gathered from the shards."""
         out = {}
         self.update.settle(collective=True)
         masters = self.masters()
-        for u, master in zip(self.flat.units, masters):
+        shards = list(zip(self.flat.units, masters))
+        shards += [(u, self.flat.read_shard(u.unit.index).float()) for u in self.flat.frozen_units]
+        for u, shard in shards:
             full = torch.empty(u.unit.padded_numel, dtype=torch.float32, device=self.device)
             if self.stage == 0:
-                full.copy_(master)
+                full.copy_(shard)
             else:
-                self.comm.all_gather(full, master.to(self.device))
+                self.comm.all_gather(full, shard.to(self.device))
             for slot in u.unit.slots:
                 out[slot.name] = full[slot.offset:slot.end].view(slot.shape).clone()
+        for name, p in self.module.named_parameters():
+            if name not in out and not p.requires_grad:  # frozen and whole on every rank
+                out[name] = p.detach().float().clone()
         return out
 
     def undo_on_close(self, undo: Callable[[], None]) -> None:

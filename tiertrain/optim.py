@@ -1,19 +1,73 @@
-"""AdamW over (sharded) fp32 master tensors, warmup + cosine schedule, and the
-weight-decay grouping shared by the engine and by single-process references.
+"""AdamW over (sharded) fp32 master tensors, warmup + cosine schedule, the weight-decay
+grouping shared by the engine and by single-process references, and the optimizer and
+schedule a user brings (``tiertrain.wrap(..., optimizer=, param_groups=, lr_scheduler=)``),
+resolved here against the model's parameter names before the engine builds the same
+optimizer over its flat shards (tiertrain/update/protocol.py).
+
+**Which settings apply.** ``config.optimizer`` (lr, betas, eps, weight_decay,
+weight_decay_on, impl) and ``config.schedule`` describe the *default* optimizer, torch AdamW:
+
+* nothing given: AdamW from config, decay split by ``optimizer.weight_decay_on``, the rate of
+  ``config.schedule`` set into every group at each update (the engine's original path);
+* ``param_groups=`` and/or ``lr_scheduler=`` without ``optimizer=``: AdamW from config over
+  those groups (a group's own keys win; weight_decay defaults to config's), scheduled by
+  ``lr_scheduler`` or else by ``config.schedule`` as a LambdaLR, which scales each group's own
+  lr (the same float the default path computes for one group);
+* ``optimizer=``: config.optimizer's hyper-parameters and config.schedule do not apply. The
+  groups' own hyper-parameters are used, changed only by ``lr_scheduler`` (none: constant).
+
+``optimizer.grad_clip`` applies in every case. Schedulers step once per update applied (an
+fp16 step skipped on overflow steps nothing), as DeepSpeed does.
+
+The optimizer is stepped over *pieces* of parameters (each rank's slice of a flat shard), so
+it must be elementwise (SGD, Adam, AdamW, RMSprop, Adagrad, ...): an optimizer that reads a
+whole tensor at once (LBFGS, SparseAdam, Adafactor, Muon) is refused. Every ZeRO stage and
+the CPU optimizer tier run any such optimizer; the NVMe tier streams AdamW, Adam and SGD
+(tiertrain/elementwise.py: one lr and one set of rule hyper-parameters for every group,
+per-group weight decay), refusing others with the tiers that run them.
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
-from typing import Iterable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
+import torch.nn as nn
 
-from .config import OptimizerConfig, ScheduleConfig
+from .config import Config, ConfigError, OptimizerConfig, ScheduleConfig
+from .elementwise import streamed_update
+from .tiers import Tier
+from .zero.construct import full_shape
+
+SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+"""Builds the learning-rate scheduler of the optimizer it is given (the engine's own)."""
+OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+"""Builds an optimizer over torch-style param groups."""
+OptimizerArg = Union[torch.optim.Optimizer, type, OptimizerFactory]
+"""wrap(optimizer=...): an Optimizer subclass, a factory of param groups, or an instance."""
+
+NOT_ELEMENTWISE = {
+    "LBFGS": "it minimises over all parameters at once with a closure",
+    "SparseAdam": "it needs sparse gradients",
+    "Adafactor": "it factors the second moment over each whole matrix",
+    "Muon": "it orthogonalises each whole matrix",
+}
+"""torch optimizers that cannot step a parameter piece by piece (the flat shards cut
+parameters into pieces), with why."""
+
+_NOT_OPTIONS = ("params", "initial_lr", "param_names")
+"""Group keys that are not hyper-parameters: the tensors, what a scheduler built on the user's
+instance recorded, the names torch may keep."""
 
 
-def decays(name: str, shape: tuple[int, ...] | torch.Size) -> bool:
-    """Weight decay applies to matrices (weights, embeddings), not to biases or norm gains."""
-    return len(shape) >= 2
+def decays(name: str, shape: tuple[int, ...] | torch.Size, on: str = "matrices") -> bool:
+    """Whether weight decay applies (OptimizerConfig.weight_decay_on): to every parameter
+    ("all"), or to matrices (weights, embeddings) and not to biases or norm gains."""
+    return on == "all" or len(shape) >= 2
 
 
 def param_groups(named_params: Iterable[tuple[str, torch.Tensor]], config: OptimizerConfig) -> list[dict]:
@@ -21,7 +75,7 @@ def param_groups(named_params: Iterable[tuple[str, torch.Tensor]], config: Optim
     decay, no_decay = [], []
     for name, p in named_params:
         if p.requires_grad:
-            (decay if decays(name, p.shape) else no_decay).append(p)
+            (decay if decays(name, p.shape, config.weight_decay_on) else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": config.weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
@@ -41,7 +95,7 @@ def _kernel_flags(impl: str) -> dict:
 def build_adamw(groups: list[dict], config: OptimizerConfig) -> torch.optim.AdamW:
     """torch AdamW with the configured kernel; groups as from param_groups (or their shards)."""
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps,
-                             **_kernel_flags(config.impl))
+                             weight_decay=config.weight_decay, **_kernel_flags(config.impl))
 
 
 def lr_factor(step: int, schedule: ScheduleConfig) -> float:
@@ -68,3 +122,198 @@ def build_schedule(optimizer: torch.optim.Optimizer, schedule: ScheduleConfig) -
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """The factor torch.nn.utils.clip_grad_norm_ applies: min(1, max_norm / (norm + 1e-6))."""
     return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
+# -- the client's optimizer and schedule -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """One group of the client's optimizer: its parameters by name, its hyper-parameters."""
+
+    names: tuple[str, ...]
+    options: dict[str, Any]
+    """Every key of the group but "params" (lr, weight_decay, betas, momentum, ...)."""
+
+
+@dataclass(frozen=True)
+class ClientOptimizer:
+    """The optimizer and schedule a user brought, resolved against the model's parameter
+    names (:func:`client_optimizer`): an update form builds ``build`` over the pieces of its
+    flat shards, one group per entry of ``groups``, and applies ``lr_scheduler`` to it."""
+
+    build: OptimizerFactory
+    """Builds the optimizer over param groups (each: "params" and the group's options)."""
+    groups: tuple[ParamGroup, ...]
+    """Every trainable parameter in exactly one group, in the user's group order."""
+    lr_scheduler: SchedulerFactory | None
+    """Applied to the optimizer the engine builds; None: each group keeps its rate."""
+    name: str
+    """The optimizer's class name, for messages."""
+
+    def group_index(self) -> dict[str, int]:
+        """Parameter name → index of its group."""
+        return {name: i for i, g in enumerate(self.groups) for name in g.names}
+
+    def options(self) -> list[dict]:
+        """Each group's hyper-parameters, in group order (copies)."""
+        return [dict(g.options) for g in self.groups]
+
+    def stand_in(self) -> torch.optim.Optimizer:
+        """The optimizer built over one zero-size tensor per group: its class and every group's
+        hyper-parameters with the defaults filled in, never stepped on data. Forms whose
+        update runs elsewhere (a worker thread, the NVMe stream) schedule this one."""
+        return self.build([{"params": [torch.empty(0)], **g.options} for g in self.groups])
+
+
+def client_optimizer(model: nn.Module, config: Config, optimizer: OptimizerArg | None = None,
+                     param_groups: Sequence[dict] | None = None,
+                     lr_scheduler: SchedulerFactory | None = None) -> ClientOptimizer | None:
+    """What ``wrap(optimizer=, param_groups=, lr_scheduler=)`` asks for, checked against the
+    model before anything is built; None when none is given (the default AdamW path).
+
+    optimizer: an Optimizer subclass (called as cls(groups)), a factory callable(groups),
+    or an instance built on the model's parameters (its class, constructor defaults and
+    param_groups with their hyper-parameters are read; the instance itself is never
+    stepped). param_groups: dicts whose "params" are parameters or parameter names, the
+    other keys the group's hyper-parameters. Without either, one group holds every trainable
+    parameter (the default AdamW: the weight_decay_on split). See the module docstring for
+    which of config.optimizer and config.schedule apply.
+    """
+    if optimizer is None and param_groups is None and lr_scheduler is None:
+        return None
+    if lr_scheduler is not None and not callable(lr_scheduler):
+        raise TypeError(f"lr_scheduler={lr_scheduler!r}: expected a factory callable(optimizer) -> LRScheduler, "
+                        f"e.g. functools.partial(torch.optim.lr_scheduler.StepLR, step_size=10)")
+    named = list(model.named_parameters())
+    canonical = {id(p): n for n, p in named}  # (a tied parameter: its first name)
+    aliases = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+    instance_groups = None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if param_groups is not None:
+            raise ConfigError(f"param_groups= was given with a {type(optimizer).__name__} instance, whose own "
+                              f"param_groups define the groups: give one or the other")
+        build = _rebuild(type(optimizer), optimizer.defaults)
+        instance_groups = optimizer.param_groups
+    elif optimizer is None:
+        build = partial(build_adamw, config=config.optimizer)
+    elif isinstance(optimizer, type):
+        if not issubclass(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer={optimizer.__name__}: expected a torch.optim.Optimizer subclass, a "
+                            f"factory callable(param_groups) -> Optimizer, or an Optimizer instance")
+        build = optimizer
+    elif callable(optimizer):
+        build = optimizer
+    else:
+        raise TypeError(f"optimizer={optimizer!r}: expected a torch.optim.Optimizer subclass, a factory "
+                        f"callable(param_groups) -> Optimizer, or an Optimizer instance")
+    if instance_groups is not None:
+        groups = _resolve_groups(named, aliases, instance_groups,
+                                 f"the {type(optimizer).__name__} instance's param_groups")
+    elif param_groups is not None:
+        groups = _resolve_groups(named, aliases, param_groups, "param_groups")
+    elif optimizer is None:
+        groups = _decay_split(named, config.optimizer)
+    else:
+        groups = (ParamGroup(tuple(n for n, p in named if p.requires_grad), {}),)
+    if optimizer is None and lr_scheduler is None:
+        lr_scheduler = partial(build_schedule, schedule=config.schedule)
+    stand_in = ClientOptimizer(build, groups, lr_scheduler, "").stand_in()
+    if not isinstance(stand_in, torch.optim.Optimizer):
+        raise TypeError(f"optimizer={optimizer!r} built a {type(stand_in).__name__}, not a torch.optim.Optimizer")
+    name = type(stand_in).__name__
+    if name in NOT_ELEMENTWISE:
+        raise ConfigError(f"optimizer {name} cannot train under tiertrain: {NOT_ELEMENTWISE[name]}, while each "
+                          f"rank steps pieces of parameters (its slice of the flat shards); use an elementwise "
+                          f"optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...)")
+    if config.zero.offload_optimizer == Tier.NVME:
+        streamed_update(stand_in)  # refused before the engine makes swap files
+    return ClientOptimizer(build, groups, lr_scheduler, name)
+
+
+def _rebuild(cls: type, defaults: dict) -> OptimizerFactory:
+    """cls over new groups with the constructor arguments among an instance's defaults (the
+    groups carry every hyper-parameter; this only satisfies a constructor that requires some)."""
+    try:
+        accepted = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return cls
+    any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    return partial(cls, **{k: v for k, v in defaults.items() if any_keyword or k in accepted})
+
+
+def _decay_split(named: list[tuple[str, torch.Tensor]], config: OptimizerConfig) -> tuple[ParamGroup, ...]:
+    """The default AdamW's groups (param_groups above) by name: decayed, then not (by the
+    logical shape: under partitioned_init a parameter holds only its shard)."""
+    trainable = [(n, full_shape(p)) for n, p in named if p.requires_grad]
+    decay = tuple(n for n, shape in trainable if decays(n, shape, config.weight_decay_on))
+    no_decay = tuple(n for n, shape in trainable if not decays(n, shape, config.weight_decay_on))
+    groups = (ParamGroup(decay, {"weight_decay": config.weight_decay}), ParamGroup(no_decay, {"weight_decay": 0.0}))
+    return tuple(g for g in groups if g.names)
+
+
+def _resolve_groups(named: list[tuple[str, torch.Tensor]], aliases: dict[str, str], groups: Sequence[dict],
+                    source: str) -> tuple[ParamGroup, ...]:
+    """The groups by parameter name, checked: every name or tensor is a parameter of the
+    model, trainable, in one group only, and every trainable parameter is in a group.
+    aliases: every name of a parameter (tied ones have several) → its named_parameters() name."""
+    if isinstance(groups, dict) or not isinstance(groups, Sequence):
+        raise ConfigError(f"{source}: expected a list of dicts, got {type(groups).__name__}")
+    by_id = {id(p): n for n, p in named}
+    frozen = {n for n, p in named if not p.requires_grad}
+    seen: dict[str, int] = {}
+    out = []
+    for i, group in enumerate(groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise ConfigError(f"{source}[{i}]={_short(group)}: expected a dict with 'params' (parameters or "
+                              f"parameter names) and the group's hyper-parameters")
+        params = group["params"]
+        params = [params] if isinstance(params, (str, torch.Tensor)) else list(params)
+        names = []
+        for p in params:
+            name = _name_of(p, by_id, aliases, f"{source}[{i}]")
+            if seen.get(name) == i:
+                continue  # (listed twice, or under two names of a tied parameter)
+            if name in frozen:
+                raise ConfigError(f"{source}[{i}] lists {name!r}, which is frozen (requires_grad=False): frozen "
+                                  f"parameters are not trained and hold no optimizer state; leave it out of "
+                                  f"every group")
+            if name in seen:
+                shown = f"{p!r} (tied to {name!r})" if isinstance(p, str) and p != name else repr(name)
+                raise ConfigError(f"{shown} is in {source}[{seen[name]}] and in {source}[{i}]: a parameter "
+                                  f"belongs to one group")
+            seen[name] = i
+            names.append(name)
+        out.append(ParamGroup(tuple(names), {k: v for k, v in group.items() if k not in _NOT_OPTIONS}))
+    missing = [n for n, p in named if p.requires_grad and n not in seen]
+    if missing:
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        shown = ", ".join(repr(n) for n in missing[:8]) + more
+        plural = len(missing) > 1
+        raise ConfigError(f"trainable parameter{'s' if plural else ''} {shown} {'are' if plural else 'is'} in no "
+                          f"group of {source}: put every parameter with requires_grad=True in one group (or set "
+                          f"requires_grad=False to freeze it)")
+    return tuple(out)
+
+
+def _name_of(p: Any, by_id: dict[int, str], aliases: dict[str, str], where: str) -> str:
+    """The model's name of a group entry (a parameter or a parameter name), or a ConfigError."""
+    if isinstance(p, str):
+        if p in aliases:
+            return aliases[p]
+        known = list(aliases)
+        close = difflib.get_close_matches(p, known, n=5, cutoff=0.5)
+        hint = f"close names: {', '.join(map(repr, close))}" if close else \
+            f"its parameters are named like {', '.join(map(repr, known[:5]))}"
+        raise ConfigError(f"{where} names {p!r}, which is not a parameter of the model; {hint}")
+    if isinstance(p, torch.Tensor):
+        if id(p) in by_id:
+            return by_id[id(p)]
+        raise ConfigError(f"{where} holds a tensor of shape {tuple(p.shape)} that is not a parameter of the "
+                          f"model: build groups from model.named_parameters(), or by parameter name")
+    raise ConfigError(f"{where} holds {_short(p)}: expected parameters or parameter names")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -10,6 +10,7 @@ import torch.nn as nn
 from .config import Config, ConfigError
 from .engine import Engine, LossFn
 from .offload.activations import apply_activation_checkpointing, checkpointing_of
+from .optim import OptimizerArg, SchedulerFactory
 from .pipeline.engine import PipelineEngine, pipeline_stages
 from .topology import Topology
 from .update.factory import UpdateFactory, build_update
@@ -18,7 +19,8 @@ from .update.factory import UpdateFactory, build_update
 def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topology, loss_fn: LossFn | None = None,
          unit_modules: list[str] | None = None,
          activation_shape: tuple[int, ...] | Callable[[Any], tuple[int, ...]] | None = None,
-         update_factory: UpdateFactory = build_update) -> Engine:
+         update_factory: UpdateFactory = build_update, optimizer: OptimizerArg | None = None,
+         param_groups: list[dict] | None = None, lr_scheduler: SchedulerFactory | None = None) -> Engine:
     """Wrap any nn.Module for training under config on topology (no model changes needed).
 
     loss_fn(model, batch) → scalar loss; by default the model is called on the batch and
@@ -33,10 +35,23 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
     recomputes its activations in backward (tiertrain.offload.activations); apply it
     yourself before wrap() to choose other blocks. update_factory builds the optimizer-step
     form from an UpdateContext (tiertrain/update/factory.py); by default the configured one.
+
+    Your own optimizer and schedule (tiertrain/optim.py says which config settings then apply):
+    optimizer is an Optimizer subclass (``torch.optim.SGD``), a factory
+    ``callable(param_groups) -> Optimizer`` (``functools.partial(torch.optim.SGD, lr=0.1)``)
+    or an instance built on the model's parameters (its class, defaults and param_groups are
+    read; the engine builds the same optimizer over its flat shards). param_groups: dicts
+    whose "params" are parameters or parameter names, plus the group's hyper-parameters
+    (e.g. no weight decay for biases and norms). lr_scheduler: ``callable(optimizer) ->
+    LRScheduler``, applied to the engine's optimizer and stepped once per update applied.
     """
     if topology.size("pp") > 1 and (loss_fn is not None or unit_modules is not None):
         raise ConfigError(f"parallel.pp={topology.size('pp')}: loss_fn and unit_modules do not apply to a "
                           f"pipeline (the last stage returns the loss; zero.stage 3 is not pipelined)")
+    if topology.size("pp") > 1 and any(x is not None for x in (optimizer, param_groups, lr_scheduler)):
+        raise ConfigError(f"parallel.pp={topology.size('pp')}: optimizer, param_groups and lr_scheduler are not "
+                          f"supported with pipeline parallelism yet (configure AdamW and schedule in config); "
+                          f"they work with parallel.pp=1")
     if topology.size("pp") == 1 and activation_shape is not None:
         raise ConfigError("activation_shape is for pipeline parallelism; parallel.pp is 1")
     checkpointing = None
@@ -51,7 +66,8 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
                                     update_factory=update_factory)
         else:
             engine = Engine(model, config, topology, loss_fn=loss_fn, unit_modules=unit_modules,
-                            update_factory=update_factory)
+                            update_factory=update_factory, optimizer=optimizer, param_groups=param_groups,
+                            lr_scheduler=lr_scheduler)
     except BaseException:
         if checkpointing is not None:  # a failed wrap leaves the model as it found it
             checkpointing.remove()

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..zero.plan import default_unit_modules
+from ..zero.plan import default_unit_modules, parameter_aliases
 from ..zero.flat import swap_pool_bytes
 from .lines import PRECISION_BYTES, EstimateLine, Tier
 
@@ -171,7 +171,9 @@ def engine_units(model: nn.Module, stage: int, dp: int, bucket_mb: float = 25.0,
     if key not in cache:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if stage == 3:
-            cache[key] = module_layout(named, default_unit_modules(model), dp, persistence_threshold)
+            frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+            cache[key] = module_layout(named, default_unit_modules(model), dp, persistence_threshold,
+                                       frozen_params=frozen, aliases=parameter_aliases(model))
         else:
             bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
             cache[key] = bucket_layout(named, 1 if stage == 0 else dp, bucket_numel)
@@ -267,6 +269,12 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
             moments += 8 * u.shard_numel
         else:
             moments += 8 * sum(b - a for _, a, b in u.shard_pieces(shard_rank))
+    # Frozen parameters: stage 3's frozen units as shards, the rest whole on every rank
+    # (no gradient, master or moments either way).
+    params += D * sum(u.shard_numel for u in layout.frozen)
+    in_frozen_units = {s_.name for u in layout.frozen for s_ in u.slots}
+    params += D * sum(p.numel() for n, p in model.named_parameters()
+                      if not p.requires_grad and n not in in_frozen_units)
     out = PeakBreakdown(params=params, grads=grads, master=master, moments=moments,
                         param_tier=param_tier if stage == 3 else Tier.DEVICE,
                         grad_tier=engine_grad_tier(stage, optimizer_tier),

@@ -7,10 +7,10 @@ whether the step runs synchronously (NVMeAdamW.step) or on a worker thread durin
 (:class:`~tiertrain.offload.overlapped_step.OverlappedStep`, which gates each chunk on its
 shard's gradient). Both modules build on this one, so neither needs the other's internals.
 
-The update is torch's fused CPU AdamW through the public functional API
-``torch.optim.adamw.adamw(..., fused=True)``, bit for bit what ``torch.optim.AdamW(fused=True)``
-computes on the same pieces (see the nvme_optimizer module docstring for the chunk cuts that
-keep it so). Calling the kernel on pieces of a chunk rather than on whole parameter pieces
+The update is an elementwise rule (tiertrain/elementwise.py): by default torch's fused CPU
+AdamW through the public functional API ``torch.optim.adamw.adamw(..., fused=True)``, bit for
+bit what ``torch.optim.AdamW(fused=True)`` computes on the same pieces (see the nvme_optimizer
+module docstring for the chunk cuts that keep it so); SGD with momentum likewise. Calling the kernel on pieces of a chunk rather than on whole parameter pieces
 relies on a private property of that kernel (its split into whole SIMD vectors from each
 tensor's start and a scalar tail), for which torch has no public guarantee or API;
 tests/test_private_apis.py fails if it changes.
@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
 import torch
-from torch.optim.adamw import adamw as _functional_adamw
+
+from ..elementwise import ElementwiseRule
 
 __all__ = ["BYTES_PER_ELEM", "Chunk", "ChunkUpdate", "StepStats", "publish_chunk"]
 
-BYTES_PER_ELEM = 12                      # fp32 master + exp_avg + exp_avg_sq
+BYTES_PER_ELEM = 12                      # fp32 master + two state slots (AdamW: exp_avg, exp_avg_sq)
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ def publish_chunk(dests, ch: Chunk, p: torch.Tensor) -> None:
 
 
 class ChunkUpdate:
-    """The work of one step on each chunk: torch's fused AdamW on the chunk's pieces, then the
+    """The work of one step on each chunk: the rule (torch's fused AdamW, SGD) on the chunk's pieces, then the
     updated masters published to the destinations (after the chunk's write was submitted).
     ``gate(shard, stats)``, when set, runs first and blocks until the shard's gradient is final
     (an overlapped step). ``published`` lists the chunks already (being) published, so a failed
@@ -149,24 +150,22 @@ class ChunkUpdate:
     and None, a list with one flat tensor (or None) per shard, or a callable (see
     :func:`publish_chunk`). ``step_number`` is the step this update makes (1 for the first)."""
 
-    def __init__(self, grads: List[torch.Tensor], dests, lr: float, step_number: int,
-                 betas: Tuple[float, float], eps: float):
+    def __init__(self, grads: List[torch.Tensor], dests, lr: float, step_number: int, rule: ElementwiseRule):
         self.grads = grads
         self.dests = dests
         self.lr = float(lr)
         if not math.isfinite(self.lr) or self.lr < 0:
             raise ValueError(f"lr={lr} must be finite and >= 0")
         self.step_number = step_number
-        self.betas = betas
-        self.eps = eps
+        self.rule = rule
         self.gate: Optional[Callable[[int, StepStats], None]] = None
         self.published: List[int] = []
         self.updated = 0
 
     def work(self, j: int, ch: Chunk, p, m, v, stats: StepStats):
-        """The AdamW update of chunk ``ch`` (its values ``p``, ``m``, ``v`` in a streaming
-        buffer); returns :meth:`publish`, which the pass runs once the chunk's write is
-        submitted."""
+        """The update of chunk ``ch`` (its values ``p`` and state slots ``m``, ``v`` in a
+        streaming buffer); returns :meth:`publish`, which the pass runs once the chunk's write
+        is submitted."""
         if self.gate is not None:
             self.gate(ch.shard, stats)
         t0 = time.perf_counter()
@@ -175,12 +174,9 @@ class ChunkUpdate:
             # Pieces cut at ALIGN_ELEMS from their start: bit for bit the whole-piece update only
             # through the kernel's private vector/scalar split (tests/test_private_apis.py).
             for wd, ranges in ch.groups:
-                _functional_adamw(
-                    [p[a:b] for a, b in ranges], [g[ch.lo + a: ch.lo + b] for a, b in ranges],
-                    [m[a:b] for a, b in ranges], [v[a:b] for a, b in ranges], [],
-                    [torch.tensor(float(self.step_number - 1)) for _ in ranges], fused=True, amsgrad=False,
-                    beta1=self.betas[0], beta2=self.betas[1], lr=self.lr, weight_decay=wd, eps=self.eps,
-                    maximize=False)
+                self.rule.apply([p[a:b] for a, b in ranges], [g[ch.lo + a: ch.lo + b] for a, b in ranges],
+                                [m[a:b] for a, b in ranges], [v[a:b] for a, b in ranges],
+                                self.step_number, self.lr, wd)
         stats.compute_seconds += time.perf_counter() - t0
         return self.publish                  # runs once the chunk's write is submitted
 

@@ -62,9 +62,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Collectives
-from ..optim import build_adamw
-from ..update.protocol import (OptimizerUpdate, UpdateMemory, optimizer_state_bytes, restore_masters,
-                               set_learning_rate, shard_param_groups)
+from ..update.protocol import (GroupSchedule, OptimizerUpdate, UpdateMemory, optimizer_state_bytes, restore_masters,
+                               shard_optimizer)
 
 
 class DelayedUpdateError(RuntimeError):
@@ -78,7 +77,7 @@ class DelayedUpdate(OptimizerUpdate):
 
     publishes_in_step = False
 
-    def __init__(self, flat, config, lazy_zero: bool, group, device: torch.device):
+    def __init__(self, flat, config, lazy_zero: bool, group, device: torch.device, client=None):
         super().__init__(flat, config, lazy_zero)
         self.device = device
         self.warmup = config.zero.delayed_update_warmup
@@ -87,9 +86,11 @@ class DelayedUpdate(OptimizerUpdate):
         self._untie_masters()
         # The optimizer reads its gradients from the snapshot, never from the live shard.
         self.snapshots = [torch.zeros_like(u.grad) for u in flat.units]
-        groups = shard_param_groups(flat, [u.master for u in flat.units], self.snapshots,
-                                    config.optimizer.weight_decay)
-        self.optimizer = build_adamw(groups, config.optimizer)
+        self.optimizer = shard_optimizer(flat, [u.master for u in flat.units], self.snapshots, config, client)
+        # A client lr_scheduler steps a stand-in on this thread while the worker steps the
+        # optimizer; its hyper-parameters reach the optimizer between updates (GroupSchedule).
+        self.schedule = GroupSchedule() if client is None else \
+            GroupSchedule(client.stand_in(), client.lr_scheduler, stand_in=True)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiertrain-delayed-update")
         self._future: Future | None = None
         self._in_flight_step = -1
@@ -111,6 +112,9 @@ class DelayedUpdate(OptimizerUpdate):
 
     # -- the step -----------------------------------------------------------------------
 
+    def own_learning_rate(self):
+        return self.schedule.learning_rate()
+
     def step(self, grads, clip, lr, step):
         """At an accumulation boundary, after the gradient norm (collective on every rank):
         finish and publish the previous update, then start this step's."""
@@ -125,9 +129,10 @@ class DelayedUpdate(OptimizerUpdate):
         # The snapshot holds them now: the next reduction overwrites each gradient, as after a
         # synchronous step, so no pass zeroes them.
         self.flat.zero_grads(lazy=self.lazy_zero)
-        set_learning_rate(self.optimizer, lr)
+        self.schedule.apply(self.optimizer, lr)  # (no update in flight: waited above)
         self._in_flight_step = step
         self._future = self._worker.submit(self._update)
+        self.schedule.advance()
         self._unagreed = True
         if step < self.warmup:
             self.wait(agree=True)
@@ -224,7 +229,8 @@ class DelayedUpdate(OptimizerUpdate):
         if self.unpublished:
             published = [self.flat.read_shard(u.unit.index) for u in self.flat.units]
         return {"masters": [u.master.detach().clone() for u in self.flat.units],
-                "optimizer": self.optimizer.state_dict(), "published": published}
+                "optimizer": self.optimizer.state_dict(), "published": published,
+                "schedule": self.schedule.state_dict()}
 
     def load_state_dict(self, state):
         """Finish and discard an update in flight, restore masters and optimizer, publish them;
@@ -232,6 +238,7 @@ class DelayedUpdate(OptimizerUpdate):
         published (collective)."""
         self.discard()
         restore_masters(self.flat, self.optimizer, state)
+        self.schedule.load_state_dict(state.get("schedule"))
         shards = state.get("published")
         if shards is None:
             return

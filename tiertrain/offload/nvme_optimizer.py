@@ -88,6 +88,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..elementwise import AdamWRule, ElementwiseRule
 from .aio import AsyncIO, SwapSpaceError
 from .buffers import AlignedBufferPool, Buffer, round_up
 from .chunk_update import BYTES_PER_ELEM, Chunk, ChunkUpdate, StepStats, publish_chunk
@@ -198,6 +199,8 @@ class NVMeAdamW:
             unchanged. None: each shard is one piece with ``config.weight_decay``. See
             :func:`pieces_from_param_groups` to derive them from param groups of views.
         config: an :class:`~tiertrain.config.OptimizerConfig` (betas, eps, weight_decay used).
+        rule: the update (tiertrain/elementwise.py); None: AdamW with config's betas and eps.
+            A step may pass another rule (a scheduler changed betas or momentum).
         swapper: a TensorSwapper to keep the files in (shared with other users of the rank's
             swap directory; keys are prefixed with ``name``) — or None with ``swap_dir`` to
             create a private AsyncIO + TensorSwapper (closed by :meth:`close`).
@@ -220,15 +223,14 @@ class NVMeAdamW:
                  aio_threads: int = 4, aio_block_bytes: int = 8 << 20,
                  checksum: Optional[str] = "sum64", pin: Optional[bool] = None,
                  compute_threads: Union[int, str, None] = "auto",
-                 wait_timeout: float = DEFAULT_WAIT_TIMEOUT):
+                 wait_timeout: float = DEFAULT_WAIT_TIMEOUT, rule: Optional[ElementwiseRule] = None):
         if (swapper is None) == (swap_dir is None):
             raise ValueError("give exactly one of swapper= (a TensorSwapper) or swap_dir=")
         if num_buffers < 3:
             raise ValueError(f"num_buffers={num_buffers}: the read/update/write pipeline needs at least 3")
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes={chunk_bytes} must be positive")
-        self.beta1, self.beta2 = (float(b) for b in config.betas)
-        self.eps = float(config.eps)
+        self.rule = rule or AdamWRule(tuple(float(b) for b in config.betas), float(config.eps))
         self.transactional = bool(transactional)
         self.name = name
         self.wait_timeout = wait_timeout
@@ -346,14 +348,16 @@ class NVMeAdamW:
                 self._prefetched[j] = (self._read(j, j), t0)
         return depth
 
-    def step(self, grads: Sequence[torch.Tensor], lr: float, out: Destination = None) -> StepStats:
+    def step(self, grads: Sequence[torch.Tensor], lr: float, out: Destination = None,
+             rule: Optional[ElementwiseRule] = None) -> StepStats:
         """One AdamW step at learning rate ``lr`` with ``grads`` (one fp32 tensor per shard, of
         the shard's size; only the pieces' ranges are read). ``out``: where the updated fp32
         parameters go, chunk by chunk, as soon as each is updated — a list with one tensor (any
         dtype, the shard's size; None to skip) per shard, or ``fn(shard, start, end, fp32)``.
-        Returns once every chunk is written back (and, transactional, committed)."""
+        Returns once every chunk is written back (and, transactional, committed). ``rule``:
+        this step's update (default: the optimizer's)."""
         self._check_usable()
-        update = self._new_update(grads, lr, out)
+        update = self._new_update(grads, lr, out, rule)
         try:
             stats, new_gens = self.stream_step(update)
         except BaseException as e:
@@ -362,7 +366,8 @@ class NVMeAdamW:
         return self.commit_step(update, stats, new_gens)
 
     def begin_step(self, grads: Sequence[torch.Tensor], lr: float, out: Destination = None,
-                   shard_order: Optional[Sequence[int]] = None) -> OverlappedStep:
+                   shard_order: Optional[Sequence[int]] = None,
+                   rule: Optional[ElementwiseRule] = None) -> OverlappedStep:
         """Start the step of :meth:`step` on a worker thread that updates each shard's chunks
         once the caller declares the shard's gradient final (:meth:`OverlappedStep.shard_ready`),
         in ``shard_order`` (default: shard order; give the order in which they become final).
@@ -377,7 +382,7 @@ class NVMeAdamW:
         if sorted(order) != list(range(self.num_shards)):
             raise ValueError(f"shard_order={list(shard_order)} is not a permutation of the "
                              f"{self.num_shards} shards 0..{self.num_shards - 1}")
-        update = self._new_update(grads, lr, out)
+        update = self._new_update(grads, lr, out, rule)
         positions = [j for s in order for j in self._positions({s})]
         self._active = OverlappedStep(self, update, positions)
         return self._active
@@ -434,8 +439,9 @@ class NVMeAdamW:
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The whole state gathered from NVMe into new CPU tensors: ``step``, ``betas``, ``eps``,
-        ``pieces`` and per shard ``{"master", "exp_avg", "exp_avg_sq"}`` (fp32, shard-sized)."""
+        """The whole state gathered from NVMe into new CPU tensors: ``step``, ``rule`` (its
+        words), ``pieces`` and per shard ``{"master", "exp_avg", "exp_avg_sq"}`` (fp32,
+        shard-sized; the rule's two state slots under AdamW's names, see rule.state_names)."""
         self._check_usable()
         shards = [{k: torch.empty(n, dtype=torch.float32) for k in ("master", "exp_avg", "exp_avg_sq")}
                   for n in self._shard_numels]
@@ -446,7 +452,7 @@ class NVMeAdamW:
             d["exp_avg"][ch.lo:ch.hi].copy_(m)
             d["exp_avg_sq"][ch.lo:ch.hi].copy_(v)
         self._stream("state_dict", work, read=True, write=False)
-        return {"step": self.step_count, "betas": (self.beta1, self.beta2), "eps": self.eps,
+        return {"step": self.step_count, "rule": repr(self.rule),
                 "pieces": [list(p) for p in self.pieces], "shards": shards}
 
     def load_state_dict(self, state: dict) -> None:
@@ -626,10 +632,10 @@ class NVMeAdamW:
             dests.append(None if t is None else t.detach().view(-1))
         return dests
 
-    def _new_update(self, grads, lr, out: Destination) -> ChunkUpdate:
+    def _new_update(self, grads, lr, out: Destination, rule: Optional[ElementwiseRule] = None) -> ChunkUpdate:
         """The update of the next step, with ``grads`` and ``out`` checked against the shards."""
         return ChunkUpdate(self._check_grads(grads), self._check_out(out), lr, step_number=self.step_count + 1,
-                           betas=(self.beta1, self.beta2), eps=self.eps)
+                           rule=rule or self.rule)
 
     def _views(self, i: int, ch: Chunk):
         n = ch.numel

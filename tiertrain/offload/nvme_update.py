@@ -12,27 +12,60 @@ partial gradients) changes the gradients between their reduction and the update.
 """
 from __future__ import annotations
 
-from ..update.protocol import OptimizerUpdate, UpdateMemory, scale_gradients, shard_param_groups
+from ..config import ConfigError
+from ..elementwise import AdamWRule, ElementwiseRule, streamed_update
+from ..update.protocol import GroupSchedule, OptimizerUpdate, UpdateMemory, scale_gradients, shard_param_groups
 from .nvme_optimizer import NVMeAdamW, pieces_from_param_groups
 
-
 class NVMeUpdate(OptimizerUpdate):
-    """The NVMe optimizer stepped synchronously in step()."""
+    """The NVMe optimizer stepped synchronously in step(). A client AdamW, Adam or SGD (see
+    tiertrain/elementwise.py streamed_update) is streamed with its groups' weight decays; its
+    lr_scheduler runs on a stand-in whose rate and rule hyper-parameters (betas, momentum)
+    each step reads."""
 
     state_format = "nvme"
 
-    def __init__(self, flat, config, lazy_zero: bool, swapper, rank: int):
+    def __init__(self, flat, config, lazy_zero: bool, swapper, rank: int, client=None):
         super().__init__(flat, config, lazy_zero)
         zc = config.zero
         masters = [u.master for u in flat.units]
-        groups = shard_param_groups(flat, masters, [u.grad for u in flat.units], config.optimizer.weight_decay)
+        grads = [u.grad for u in flat.units]
+        if client is None:
+            groups = shard_param_groups(flat, masters, grads, config.optimizer.weight_decay,
+                                        weight_decay_on=config.optimizer.weight_decay_on)
+            rule: ElementwiseRule = AdamWRule(tuple(config.optimizer.betas), config.optimizer.eps)
+            self.schedule = GroupSchedule()
+        else:
+            stand_in = client.stand_in()
+            streamed = streamed_update(stand_in)
+            groups = shard_param_groups(flat, masters, grads, group_of=client.group_index().__getitem__,
+                                        options=[{"weight_decay": d} for d in streamed.weight_decays])
+            rule = streamed.rule
+            self._weight_decays = streamed.weight_decays
+            self.schedule = GroupSchedule(stand_in, client.lr_scheduler, stand_in=True)
         pieces = pieces_from_param_groups(masters, groups)
         del groups  # views of the masters: they must not outlive drop_masters()
         self.nvme = NVMeAdamW(masters, pieces, config.optimizer, swapper, rank=rank,
-                              chunk_bytes=int(zc.nvme_chunk_mb * 2**20), num_buffers=zc.nvme_buffers)
+                              chunk_bytes=int(zc.nvme_chunk_mb * 2**20), num_buffers=zc.nvme_buffers, rule=rule)
         del masters
         # The RAM copies of the masters go before the gradient shards are first touched.
         flat.drop_masters()
+
+    def own_learning_rate(self):
+        return self.schedule.learning_rate()
+
+    def _rate(self, lr: float) -> tuple[float, ElementwiseRule | None]:
+        """The rate and rule of this update: the engine's rate (config.schedule) with the
+        optimizer's rule, or the client stand-in's rate and rule, which its scheduler may
+        have changed (OneCycleLR cycles momentum or beta1). Its weight decays are fixed in the
+        stream's pieces."""
+        if self.schedule.holder is None:
+            return lr, None
+        streamed = streamed_update(self.schedule.holder)
+        if streamed.weight_decays != self._weight_decays:
+            raise ConfigError(f"zero.offload_optimizer=nvme keeps each group's weight decay fixed; the lr_scheduler "
+                              f"changed them from {self._weight_decays} to {streamed.weight_decays}")
+        return streamed.lr, streamed.rule
 
     def before_backward(self, boundary, lr):
         if boundary:
@@ -43,8 +76,10 @@ class NVMeUpdate(OptimizerUpdate):
 
     def step(self, grads, clip, lr, step):
         scale_gradients(grads, clip)
+        lr, rule = self._rate(lr)
         with self.flat.shard_writer() as updated_shards:
-            self.nvme.step(grads, lr, out=updated_shards)
+            self.nvme.step(grads, lr, out=updated_shards, rule=rule)
+        self.schedule.advance()
         self.publish_and_reset()
 
     def masters(self):
@@ -63,13 +98,14 @@ class NVMeUpdate(OptimizerUpdate):
     def state_dict(self):
         optimizer = self.nvme.state_dict()
         masters = [shard.pop("master") for shard in optimizer["shards"]]
-        return {"masters": masters, "optimizer": optimizer}
+        return {"masters": masters, "optimizer": optimizer, "schedule": self.schedule.state_dict()}
 
     def load_state_dict(self, state):
         optimizer = state["optimizer"]
         for shard, master in zip(optimizer["shards"], state["masters"]):
             shard["master"] = master.cpu()
         self.nvme.load_state_dict(optimizer)
+        self.schedule.load_state_dict(state.get("schedule"))
         with self.flat.shard_writer() as write:
             for index, master in enumerate(state["masters"]):
                 write(index, 0, master.numel(), master)
@@ -80,17 +116,18 @@ class NVMeUpdate(OptimizerUpdate):
 class OverlappedNVMeUpdate(NVMeUpdate):
     """The NVMe optimizer step running during the step's last backward, unit by unit."""
 
-    def __init__(self, flat, config, lazy_zero: bool, swapper, rank: int, reducer):
-        super().__init__(flat, config, lazy_zero, swapper, rank)
+    def __init__(self, flat, config, lazy_zero: bool, swapper, rank: int, reducer, client=None):
+        super().__init__(flat, config, lazy_zero, swapper, rank, client)
         self.reducer = reducer
         self._in_flight = None
         """(OverlappedStep, ShardWriter) of the step running during this boundary's backward."""
 
     def before_backward(self, boundary, lr):
         if boundary and self._in_flight is None:
+            lr, rule = self._rate(lr)
             writer = self.flat.shard_writer()
             step = self.nvme.begin_step([u.grad for u in self.flat.units], lr, out=writer,
-                                        shard_order=self.reducer.launch_order)
+                                        shard_order=self.reducer.launch_order, rule=rule)
             self._in_flight = (step, writer)
             self.reducer.on_reduced = step.shard_ready
 
@@ -105,6 +142,7 @@ class OverlappedNVMeUpdate(NVMeUpdate):
             super().step(grads, clip, lr, step)
             return
         self._end(commit=True)  # most units were updated during backward
+        self.schedule.advance()
         self.publish_and_reset()
 
     def cancel(self):

@@ -18,6 +18,7 @@ from .protocol import OptimizerUpdate
 
 if TYPE_CHECKING:
     from ..config import Config
+    from ..optim import ClientOptimizer
     from ..topology import Topology
     from ..zero.flat import FlatParameters
     from ..zero.reducer import GradientReducer
@@ -43,6 +44,9 @@ class UpdateContext:
     global_gradient_changes: bool
     """Something global (clipping, an fp16 unscale, a tensor-parallel sum of partial gradients)
     changes the gradients after their reduction, so no unit may be updated before step()."""
+    optimizer: "ClientOptimizer | None" = None
+    """The optimizer, param groups and lr_scheduler the user brought (tiertrain/optim.py
+    client_optimizer); None: the default AdamW with config.schedule."""
 
 
 UpdateFactory = Callable[[UpdateContext], OptimizerUpdate]
@@ -56,14 +60,18 @@ def build_update(context: UpdateContext) -> OptimizerUpdate:
       global changes the gradients after their reduction;
     * ``zero.delayed_update`` → ZeRO-Offload's one-step delayed update;
     * otherwise torch AdamW in memory (device or CPU tier).
+
+    Each form builds the client's optimizer (context.optimizer) instead of the default AdamW
+    when there is one; the NVMe form streams only Adam/AdamW (offload/nvme_update.py).
     """
     c = context
     zc = c.config.zero
     if zc.offload_optimizer == Tier.NVME:
         if zc.overlap_nvme_step and c.lazy_zero and not c.global_gradient_changes:
-            return OverlappedNVMeUpdate(c.flat, c.config, c.lazy_zero, c.swapper, c.topology.rank, c.reducer)
-        return NVMeUpdate(c.flat, c.config, c.lazy_zero, c.swapper, c.topology.rank)
+            return OverlappedNVMeUpdate(c.flat, c.config, c.lazy_zero, c.swapper, c.topology.rank, c.reducer,
+                                        c.optimizer)
+        return NVMeUpdate(c.flat, c.config, c.lazy_zero, c.swapper, c.topology.rank, c.optimizer)
     if zc.delayed_update:
         group = c.topology.world_group() if dist.is_initialized() else None
-        return DelayedUpdate(c.flat, c.config, c.lazy_zero, group, c.topology.device)
-    return InMemoryUpdate(c.flat, c.config, c.lazy_zero)
+        return DelayedUpdate(c.flat, c.config, c.lazy_zero, group, c.topology.device, c.optimizer)
+    return InMemoryUpdate(c.flat, c.config, c.lazy_zero, c.optimizer)

@@ -1,25 +1,30 @@
-"""The optimizer step in memory: torch's AdamW over views of this rank's fp32 master shards,
-on the device or the CPU tier (ZeRO stages 0-3; ZeRO-Offload with offload_optimizer=cpu)."""
+"""The optimizer step in memory: torch's AdamW (or the client's optimizer, see
+tiertrain/optim.py) over views of this rank's fp32 master shards, on the device or the CPU
+tier (ZeRO stages 0-3; ZeRO-Offload with offload_optimizer=cpu)."""
 from __future__ import annotations
 
-from ..optim import build_adamw
-from .protocol import (OptimizerUpdate, UpdateMemory, optimizer_state_bytes, restore_masters, scale_gradients,
-                       set_learning_rate, shard_param_groups)
+from .protocol import (GroupSchedule, OptimizerUpdate, UpdateMemory, optimizer_state_bytes, restore_masters,
+                       scale_gradients, shard_optimizer)
 
 
 class InMemoryUpdate(OptimizerUpdate):
-    """AdamW (torch, fused kernel by default) stepping the flat masters in place."""
+    """AdamW (torch, fused kernel by default), or the client's optimizer and lr_scheduler,
+    stepping the flat masters in place."""
 
-    def __init__(self, flat, config, lazy_zero: bool):
+    def __init__(self, flat, config, lazy_zero: bool, client=None):
         super().__init__(flat, config, lazy_zero)
-        groups = shard_param_groups(flat, [u.master for u in flat.units], [u.grad for u in flat.units],
-                                    config.optimizer.weight_decay)
-        self.optimizer = build_adamw(groups, config.optimizer)
+        self.optimizer = shard_optimizer(flat, [u.master for u in flat.units], [u.grad for u in flat.units],
+                                         config, client)
+        self.schedule = GroupSchedule() if client is None else GroupSchedule(self.optimizer, client.lr_scheduler)
+
+    def own_learning_rate(self):
+        return self.schedule.learning_rate()
 
     def step(self, grads, clip, lr, step):
         scale_gradients(grads, clip)
-        set_learning_rate(self.optimizer, lr)
+        self.schedule.apply(self.optimizer, lr)
         self.optimizer.step()
+        self.schedule.advance()
         self.publish_and_reset()
 
     def masters(self):
@@ -31,7 +36,8 @@ class InMemoryUpdate(OptimizerUpdate):
 
     def state_dict(self):
         return {"masters": [u.master.detach().clone() for u in self.flat.units],
-                "optimizer": self.optimizer.state_dict()}
+                "optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict()}
 
     def load_state_dict(self, state):
         restore_masters(self.flat, self.optimizer, state)
+        self.schedule.load_state_dict(state.get("schedule"))

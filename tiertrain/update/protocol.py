@@ -23,14 +23,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from ..optim import decays
+from ..checkpoint import CheckpointError
+from ..optim import build_adamw, decays
 
 if TYPE_CHECKING:
     from ..config import Config
+    from ..optim import ClientOptimizer, SchedulerFactory
     from ..zero.flat import FlatParameters
 
 
@@ -49,18 +51,52 @@ class UpdateMemory:
 
 
 def shard_param_groups(flat: "FlatParameters", masters: list[torch.Tensor], grads: list[torch.Tensor],
-                       weight_decay: float) -> list[dict]:
-    """AdamW groups over this rank's shard of every unit: one tensor per piece of a parameter
-    (views of masters[unit], with .grad the same view of grads[unit]), so the update is in
-    place on the flat buffers and weight decay follows the parameter (optim.decays)."""
-    decay, no_decay = [], []
+                       weight_decay: float = 0.0, *, weight_decay_on: str = "matrices",
+                       group_of: Callable[[str], int] | None = None,
+                       options: Sequence[dict] | None = None) -> list[dict]:
+    """Optimizer groups over this rank's shard of every unit: one tensor per piece of a
+    parameter (views of masters[unit], with .grad the same view of grads[unit]), so the update
+    is in place on the flat buffers.
+
+    By default the AdamW split: weight decay follows the parameter (optim.decays with
+    weight_decay_on); empty groups are dropped. With group_of (parameter name → index into
+    options) there is one group per entry of options, holding that group's hyper-parameters,
+    kept even where this rank holds no piece of it: every rank's optimizer then has the same
+    groups, so a schedule, the reported rate (group 0) and checkpoints agree across ranks."""
+    if group_of is None:
+        shapes = {s.name: s.shape for u in flat.units for s in u.unit.slots}
+
+        def decay_group(name: str) -> int:
+            return 0 if decays(name, shapes[name], weight_decay_on) else 1
+        group_of, keep_empty = decay_group, False
+        options = [{"weight_decay": weight_decay}, {"weight_decay": 0.0}]
+    else:
+        keep_empty = True
+    groups = [{**o, "params": []} for o in options]
     for u, master, grad in zip(flat.units, masters, grads):
         for slot, a, b in u.unit.shard_pieces(flat.shard_rank):
             view = master[a:b]
             view.grad = grad[a:b]
-            (decay if decays(slot.name, slot.shape) else no_decay).append(view)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            try:
+                index = group_of(slot.name)
+            except KeyError:
+                raise ValueError(f"parameter {slot.name!r} of the flat layout is in no optimizer group") from None
+            groups[index]["params"].append(view)
+    if keep_empty:
+        return groups
     return [g for g in groups if g["params"]] or [{"params": [masters[0][:0]]}]
+
+
+def shard_optimizer(flat: "FlatParameters", masters: list[torch.Tensor], grads: list[torch.Tensor],
+                    config: "Config", client: "ClientOptimizer | None") -> torch.optim.Optimizer:
+    """The optimizer an in-memory form steps: the default AdamW from config.optimizer, or the
+    client's optimizer built over its groups' pieces (see shard_param_groups)."""
+    if client is None:
+        groups = shard_param_groups(flat, masters, grads, config.optimizer.weight_decay,
+                                    weight_decay_on=config.optimizer.weight_decay_on)
+        return build_adamw(groups, config.optimizer)
+    return client.build(shard_param_groups(flat, masters, grads, group_of=client.group_index().__getitem__,
+                                           options=client.options()))
 
 
 def scale_gradients(grads: list[torch.Tensor], clip: torch.Tensor | None) -> None:
@@ -94,6 +130,89 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+def _options(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+class GroupSchedule:
+    """Who sets each update's hyper-parameters on the optimizer a form steps.
+
+    * Default path (holder None): the engine's rate of config.schedule, passed to step(), is
+      set into every group (set_learning_rate).
+    * Client path: the groups keep their own hyper-parameters, changed only by the client's
+      lr_scheduler, applied to ``holder`` and stepped once after each update applied (never
+      for an fp16 step skipped on overflow: step() is not called then). The holder is the
+      optimizer the form steps, or a stand-in (ClientOptimizer.stand_in) for forms whose
+      update runs on another thread or outside torch: apply() copies its hyper-parameters
+      onto the stepped optimizer before each update, so a scheduler never writes what a
+      running update reads.
+    """
+
+    def __init__(self, holder: torch.optim.Optimizer | None = None,
+                 lr_scheduler: "SchedulerFactory | None" = None, stand_in: bool = False):
+        self.holder = holder
+        self.stand_in = stand_in
+        """The holder is a stand-in, not the optimizer the form steps."""
+        self.scheduler = None
+        if holder is not None and lr_scheduler is not None:
+            self.scheduler = lr_scheduler(holder)
+            if not (callable(getattr(self.scheduler, "step", None))
+                    and callable(getattr(self.scheduler, "state_dict", None))):
+                raise TypeError(f"lr_scheduler built a {type(self.scheduler).__name__}; expected a "
+                                f"torch.optim.lr_scheduler.LRScheduler (step(), state_dict())")
+
+    def learning_rate(self) -> float | None:
+        """The rate of the next update (first group); None on the default path."""
+        return None if self.holder is None else float(self.holder.param_groups[0]["lr"])
+
+    def apply(self, optimizer: torch.optim.Optimizer, lr: float) -> None:
+        """Before an update: the default path's rate into every group, or the stand-in's
+        hyper-parameters onto the optimizer (nothing when the holder is that optimizer)."""
+        if self.holder is None:
+            set_learning_rate(optimizer, lr)
+        elif self.stand_in:
+            for group, scheduled in zip(optimizer.param_groups, self.holder.param_groups, strict=True):
+                group.update(_options(scheduled))
+
+    def advance(self) -> None:
+        """After an update was applied: the scheduler's next rates."""
+        if self.scheduler is None:
+            return
+        if self.stand_in:
+            # The stand-in holds only zero-size tensors without gradients, so its step()
+            # changes nothing; it tells torch's scheduler that the optimizer stepped first.
+            self.holder.step()
+        self.scheduler.step()
+
+    def state_dict(self) -> dict | None:
+        """Each group's hyper-parameters and the scheduler's state (None on the default path)."""
+        if self.holder is None:
+            return None
+        return {"groups": [_options(g) for g in self.holder.param_groups],
+                "scheduler": None if self.scheduler is None else self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Restore what state_dict saved; a checkpoint of the other path is refused (its
+        rates would silently differ from the ones this run schedules)."""
+        if (state is None) != (self.holder is None):
+            raise CheckpointError("the checkpoint was saved " + ("without" if state is None else "with")
+                             + " a client optimizer or lr_scheduler (wrap(optimizer=, param_groups=, lr_scheduler=)) "
+                             + "and this engine " + ("has one" if state is None else "has none") + ": build it as "
+                             + "the saving run did")
+        if state is None:
+            return
+        if len(state["groups"]) != len(self.holder.param_groups):
+            raise CheckpointError(f"the checkpoint's optimizer has {len(state['groups'])} param groups, this one "
+                             f"{len(self.holder.param_groups)}: give the same param_groups as the saving run")
+        for group, saved in zip(self.holder.param_groups, state["groups"]):
+            group.update(saved)
+        if (state["scheduler"] is None) != (self.scheduler is None):
+            raise CheckpointError("the checkpoint was saved " + ("without" if state["scheduler"] is None else "with")
+                             + " an lr_scheduler and this engine " + ("has one" if self.scheduler else "has none"))
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+
 class OptimizerUpdate(ABC):
     """One form of the optimizer step over this rank's flat shards; see the module docstring."""
 
@@ -112,6 +231,12 @@ class OptimizerUpdate(ABC):
         self.config = config
         self.lazy_zero = lazy_zero
         """The reducer overwrites each gradient at its next reduction: zeroing only marks them."""
+
+    def own_learning_rate(self) -> float | None:
+        """The rate of the next update when the form's own schedule sets it (a client
+        optimizer or lr_scheduler: its first group's); None: the engine's config.schedule
+        does, and passes it to before_backward() and step()."""
+        return None
 
     # -- the step ------------------------------------------------------------------------
 

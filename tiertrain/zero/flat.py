@@ -109,6 +109,8 @@ class UnitBuffers:
     """The gradient is logically zero but its memory still holds the previous step's values
     (:meth:`FlatParameters.zero_grads` with ``lazy=True``): the next reduction overwrites it
     instead of adding into it, which saves a pass over it to zero it and another to add."""
+    trainable: bool = True
+    """False for a frozen unit: no gradient, no master (both zero-sized)."""
 
 
 class FlatParameters:
@@ -137,19 +139,41 @@ class FlatParameters:
         self.slot_of: dict[nn.Parameter, tuple[int, int]] = {}
         # With one shard (stage 0) every rank owns the whole unit.
         self.shard_rank = rank = comm.rank if layout.num_shards > 1 else 0
+        self._all: list[UnitBuffers] = []
+        self.frozen_units: list[UnitBuffers] = []
+        """Stage 3's frozen units: shards gathered and released like the others, no gradient
+        or master (the layout's ``frozen``)."""
+        self.unit_of: dict[nn.Parameter, tuple[int, int]] = {}
+        """Every parameter in the layout (trained and frozen) → (unit index, slot index)."""
         for unit in layout.units:
-            full = torch.zeros(unit.padded_numel, dtype=dtype, device=device)
-            for k, slot in enumerate(unit.slots):
-                p = params[slot.name]
-                value = rebuild_param(p) if rebuild_param is not None else p.detach()
-                full[slot.offset:slot.end].copy_(value.reshape(-1))
+            self.units.append(self._build_unit(unit, params, rebuild_param, keep_full_grads, trainable=True))
+        for unit in layout.frozen:
+            self.frozen_units.append(self._build_unit(unit, params, rebuild_param, keep_full_grads, trainable=False))
+        self.wait_writes()
+
+    def _build_unit(self, unit: Unit, params, rebuild_param, keep_full_grads: bool, trainable: bool) -> UnitBuffers:
+        """Pack unit's parameters into its full buffer, cut this rank's shard (into the
+        parameter tier's store when partitioned), allocate master and gradient (trained units
+        only) and point the parameters at their slots."""
+        placement, dtype, device, rank = self.placement, self.dtype, self.device, self.shard_rank
+        full = torch.zeros(unit.padded_numel, dtype=dtype, device=device)
+        for k, slot in enumerate(unit.slots):
+            p = params[slot.name]
+            value = rebuild_param(p) if rebuild_param is not None else p.detach()
+            full[slot.offset:slot.end].copy_(value.reshape(-1))
+            self.unit_of[p] = (unit.index, k)
+            if trainable:
                 self.slot_of[p] = (unit.index, k)
-            lo, hi = unit.shard_range(rank)
-            if unit.resident:
-                shard = full[lo:hi]
-            else:
-                shard = self.shards.allocate(unit.shard_numel)
-                shard.copy_(full[lo:hi])
+        lo, hi = unit.shard_range(rank)
+        if unit.resident:
+            shard = full[lo:hi]
+        else:
+            shard = self.shards.allocate(unit.shard_numel)
+            shard.copy_(full[lo:hi])
+        if not trainable:
+            master = grad = torch.empty(0, dtype=torch.float32, device=device)
+            grad_full = None
+        else:
             # The master is the shard itself when both are fp32 in the same memory.
             shard_tier = Tier.DEVICE if unit.resident else placement.param_tier
             if dtype == torch.float32 and placement.optimizer_tier == shard_tier != Tier.NVME:
@@ -168,20 +192,30 @@ class FlatParameters:
                     # left for NVMe: pages never written take no memory, so a rank never holds
                     # both fp32 copies, twice its shard of the model, at once.)
                     grad.zero_()
-            buffers = UnitBuffers(unit, full, shard, master, grad, grad_full)
-            for slot in unit.slots:
-                params[slot.name].data = full[slot.offset:slot.end].view(slot.shape)
-            self.units.append(buffers)
-            if not unit.resident:
-                self.release(unit.index)
-                self.shards.write(unit.index, shard, shard)  # (to its file, on NVMe)
-        self.wait_writes()
+        buffers = UnitBuffers(unit, full, shard, master, grad, grad_full, trainable=trainable)
+        for slot in unit.slots:
+            params[slot.name].data = full[slot.offset:slot.end].view(slot.shape)
+        self._all.append(buffers)  # units are built in index order
+        if not unit.resident:
+            self.release(unit.index)
+            self.shards.write(unit.index, shard, shard)  # (to its file, on NVMe)
+        return buffers
+
+    @property
+    def all_units(self) -> list[UnitBuffers]:
+        """Every unit, trained then frozen, so that position i holds the unit of index i
+        (``units`` holds the trained ones, which have gradients and masters)."""
+        return self._all
+
+    def unit_index(self, p: nn.Parameter) -> int:
+        """The index of the unit holding parameter p (trained or frozen)."""
+        return self.unit_of[p][0]
 
     # -- stage 3: gather before use, release after -------------------------------------
 
     def gather(self, index: int, async_op: bool = False) -> None:
         """Rebuild unit `index`'s full buffer from every rank's shard (no-op if present)."""
-        u = self.units[index]
+        u = self._all[index]
         if u.gathered:
             if u.pending is not None and not async_op:
                 u.pending.wait()
@@ -201,7 +235,7 @@ class FlatParameters:
 
     def release(self, index: int) -> None:
         """Free unit `index`'s full buffer; its parameters keep their shapes but no storage."""
-        u = self.units[index]
+        u = self._all[index]
         if u.unit.resident or not u.gathered:
             return
         if u.pending is not None:
@@ -214,7 +248,7 @@ class FlatParameters:
 
     def on_nvme(self, index: int) -> bool:
         """Whether unit index's shard lives in a swap file (its shard tensor has no storage)."""
-        return self.shards.tier == Tier.NVME and not self.units[index].unit.resident
+        return self.shards.tier == Tier.NVME and not self._all[index].unit.resident
 
     def wait_writes(self) -> None:
         """Wait for the shard writes in flight; raises the first IO error (naming the file)."""
@@ -222,24 +256,24 @@ class FlatParameters:
 
     def prefetch_shards(self, indices) -> None:
         """Start reading these units' shards from their tier (a hint: skipped when not useful)."""
-        self.shards.prefetch([i for i in indices if not self.units[i].unit.resident and not self.units[i].gathered])
+        self.shards.prefetch([i for i in indices if not self._all[i].unit.resident and not self._all[i].gathered])
 
     def read_shard(self, index: int) -> torch.Tensor:
         """A copy of this rank's compute-dtype shard of unit index (read from its file on NVMe)."""
-        u = self.units[index]
+        u = self._all[index]
         if u.unit.resident:
             return u.shard.detach().clone()
         return self.shards.read(index, u.shard)
 
     def write_shard(self, index: int, values: torch.Tensor) -> None:
         """Set this rank's shard of unit index (and its master copy, when held here) to values."""
-        u = self.units[index]
+        u = self._all[index]
         if u.unit.resident:
             u.shard.copy_(values)
         else:
             self.shards.write(index, u.shard, values)
             self.shards.wait_writes()
-        if u.master is not u.shard and not self.masters_dropped:
+        if u.trainable and u.master is not u.shard and not self.masters_dropped:
             u.master.copy_(values)
 
     def drop_masters(self) -> None:
@@ -257,7 +291,7 @@ class FlatParameters:
         return ShardWriter(self)
 
     def gathered_bytes(self) -> int:
-        return sum(u.full.numel() * u.full.element_size() for u in self.units
+        return sum(u.full.numel() * u.full.element_size() for u in self._all
                    if u.gathered and not u.unit.resident)
 
     # -- after the optimizer step -----------------------------------------------------
@@ -272,7 +306,7 @@ class FlatParameters:
         # A partitioned unit still gathered holds the parameters before this update: release
         # it, so its next use gathers the new shards (a unit left gathered by an irregular
         # backward would otherwise feed stale values to the next forward, silently).
-        for u in self.units:
+        for u in self._all:
             if not u.unit.resident:
                 self.release(u.unit.index)
         if not self.masters_dropped:  # (otherwise the optimizer wrote the shards: ShardWriter)
@@ -325,7 +359,7 @@ class FlatParameters:
         and how many in the NVMe tier (optimizer moments are counted by the engine)."""
         params = grads = master = host = nvme = 0
         p = self.placement
-        for u in self.units:
+        for u in self._all:
             if u.unit.resident:
                 params += u.full.numel() * u.full.element_size()
             else:
@@ -384,3 +418,23 @@ class ShardWriter:
         for index in list(self._staged):
             self._write(index)
         self.flat.wait_writes()
+
+
+class FrozenShards:
+    """This rank's shards of stage 3's frozen units as a checkpoint part: the frozen weights
+    (a pretrained backbone) are model state too, and a checkpoint restores them with the rest."""
+
+    def __init__(self, flat: FlatParameters):
+        self.flat = flat
+
+    def state_dict(self) -> dict:
+        return {"shards": [self.flat.read_shard(u.unit.index) for u in self.flat.frozen_units]}
+
+    def load_state_dict(self, state: dict) -> None:
+        shards = state["shards"]
+        if len(shards) != len(self.flat.frozen_units):
+            raise ValueError(f"the checkpoint holds {len(shards)} frozen shards; this model has "
+                             f"{len(self.flat.frozen_units)} frozen units")
+        for u, values in zip(self.flat.frozen_units, shards):
+            self.flat.release(u.unit.index)
+            self.flat.write_shard(u.unit.index, values.to(self.flat.dtype))

@@ -65,10 +65,23 @@ class Unit:
 
 @dataclass(frozen=True)
 class FlatLayout:
-    """All units of a model; rank r owns shard r of each."""
+    """All units of a model; rank r owns shard r of each.
+
+    ``units`` are the trained units (gradients, fp32 masters, optimizer state). ``frozen``
+    holds stage 3's partitioned frozen parameters (``requires_grad=False``: a pretrained
+    backbone under adapters): sharded and gathered like the others, with no gradient, master
+    or optimizer state. Their indices continue after the trained units', and each carries the
+    label of the module it belongs to, so it is gathered together with that module's trained
+    unit."""
 
     units: tuple[Unit, ...]
     num_shards: int
+    frozen: tuple[Unit, ...] = ()
+
+    @property
+    def all_units(self) -> tuple[Unit, ...]:
+        """Trained units, then frozen ones: position i holds the unit of index i."""
+        return self.units + self.frozen
 
     @property
     def numel(self) -> int:
@@ -81,8 +94,12 @@ class FlatLayout:
     def shard_numel(self) -> int:
         return sum(u.shard_numel for u in self.units)
 
+    @property
+    def frozen_numel(self) -> int:
+        return sum(u.numel for u in self.frozen)
+
     def locate(self, name: str) -> tuple[Unit, Slot]:
-        for unit in self.units:
+        for unit in self.all_units:
             for slot in unit.slots:
                 if slot.name == name:
                     return unit, slot
@@ -91,8 +108,8 @@ class FlatLayout:
     def describe(self) -> str:
         lines = [f"FlatLayout: {len(self.units)} units, {self.numel} elements "
                  f"({self.padded_numel} padded), {self.num_shards} shards"]
-        for u in self.units:
-            kind = "resident" if u.resident else "partitioned"
+        for u in self.all_units:
+            kind = ("resident" if u.resident else "partitioned") + (" frozen" if u in self.frozen else "")
             lines.append(f"  unit {u.index} [{u.label}] {kind}: {len(u.slots)} params, "
                          f"{u.numel} → {u.padded_numel} elements, shard {u.shard_numel}")
         return "\n".join(lines)
@@ -145,33 +162,61 @@ def concatenate(layouts: Iterable[FlatLayout], labels: Iterable[str]) -> FlatLay
     return FlatLayout(tuple(units), shards.pop())
 
 
+ROOT = "<root>"
+"""The label of stage 3's unit of parameters that belong to no unit module."""
+
+
 def module_layout(named_params: Iterable[tuple[str, torch.Tensor]], unit_prefixes: list[str],
                   num_shards: int, persistence_threshold: int = 0, align: int = 64,
-                  shape_of: Callable[[torch.Tensor], torch.Size] | None = None) -> FlatLayout:
+                  shape_of: Callable[[torch.Tensor], torch.Size] | None = None,
+                  frozen_params: Iterable[tuple[str, torch.Tensor]] = (),
+                  aliases: dict[str, list[str]] | None = None) -> FlatLayout:
     """Stage 3: one partitioned unit per module prefix (e.g. ``blocks.3``), one for the
     remaining (root) parameters, and one resident unit for parameters of at most
     persistence_threshold elements, which stay whole on every rank (ZeRO-Infinity's
     persistent parameters).
 
-    Unit 0 is the root unit; module units follow in the given order.
+    Unit 0 is the root unit; module units follow in the given order. frozen_params are
+    grouped by the same prefixes into frozen units (FlatLayout.frozen), labelled like the
+    module's trained unit; frozen parameters of at most persistence_threshold elements are
+    left out (they stay whole on every rank, as plain parameters).
+
+    aliases: every name of a parameter registered under several (a tied embedding and head,
+    a weight shared by two blocks). Such a parameter belongs to the deepest unit whose module
+    contains every one of its names, the root at worst: a module that uses it then always
+    runs inside that unit's module, while the parameter is gathered.
     """
     shape_of = shape_of or (lambda p: p.shape)
-    groups: dict[str, list] = {prefix: [] for prefix in [""] + unit_prefixes}
-    persistent = []
     ordered = sorted(unit_prefixes, key=len, reverse=True)  # deepest prefix wins
-    for name, p in named_params:
-        if torch.Size(shape_of(p)).numel() <= persistence_threshold:
-            persistent.append((name, p))
-            continue
-        owner = next((pre for pre in ordered if name.startswith(pre + ".")), "")
-        groups[owner].append((name, p))
+    aliases = aliases or {}
 
+    def owner(name: str) -> str:
+        names = aliases.get(name, [name])
+        return next((pre for pre in ordered if all(n.startswith(pre + ".") for n in names)), "")
+
+    def by_owner(named) -> tuple[dict[str, list], list]:
+        groups: dict[str, list] = {prefix: [] for prefix in [""] + unit_prefixes}
+        small = []
+        for name, p in named:
+            if torch.Size(shape_of(p)).numel() <= persistence_threshold:
+                small.append((name, p))
+                continue
+            groups[owner(name)].append((name, p))
+        return groups, small
+
+    groups, persistent = by_owner(named_params)
     units = []
     for prefix, named in groups.items():
         if named or prefix == "":
             entries = [(n, shape_of(p)) for n, p in named]
-            units.append(_unit(len(units), prefix or "<root>", entries, num_shards, align, False))
+            units.append(_unit(len(units), prefix or ROOT, entries, num_shards, align, False))
     if persistent:
         entries = [(n, shape_of(p)) for n, p in persistent]
         units.append(_unit(len(units), "<persistent>", entries, num_shards, align, True))
-    return FlatLayout(tuple(units), num_shards)
+    frozen_groups, _ = by_owner(frozen_params)
+    frozen = []
+    for prefix, named in frozen_groups.items():
+        if named:
+            entries = [(n, shape_of(p)) for n, p in named]
+            frozen.append(_unit(len(units) + len(frozen), prefix or ROOT, entries, num_shards, align, False))
+    return FlatLayout(tuple(units), num_shards, tuple(frozen))

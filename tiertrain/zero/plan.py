@@ -24,6 +24,15 @@ def default_unit_modules(model: nn.Module) -> list[str]:
     return prefixes
 
 
+def parameter_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """For each parameter registered under several names (tied weights), by its first name
+    (the one named_parameters() gives): all of its names."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {group[0]: group for group in names.values() if len(group) > 1}
+
+
 @dataclass(frozen=True)
 class GradientPlan:
     """Which parameters the engine trains, in which flat layout, and how their gradients are
@@ -39,21 +48,32 @@ class GradientPlan:
     """Reductions start as each unit's gradients arrive; False: the caller launches them."""
     counts_in_norm: Callable[[str], bool] = field(default=lambda name: True)
     """Whether a parameter's gradient counts in the global norm."""
+    frozen: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    """Frozen parameters partitioned in the layout's frozen units (stage 3), by name."""
 
 
 def default_plan(model: nn.Module, config: Config, dp: int, unit_modules: list[str] | None = None) -> GradientPlan:
     """Every trainable parameter of the model; stage 3: one unit per unit module (default:
-    children of ModuleLists) plus the root; stages 0-2: buckets of zero.bucket_mb."""
+    children of ModuleLists) plus the root; stages 0-2: buckets of zero.bucket_mb.
+
+    Frozen parameters (requires_grad=False) are partitioned too at stage 3, in frozen units
+    beside their module's trained unit (ZeRO-3 shards every parameter, not only those it
+    trains: a frozen backbone under adapters is most of the model); at stages 0-2 they stay
+    whole on every rank, as data parallelism keeps them."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("the model has no trainable parameters")
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
     zc, stage = config.zero, config.zero.stage
     if stage == 3:
         prefixes = default_unit_modules(model) if unit_modules is None else list(unit_modules)
         for prefix in prefixes:
             model.get_submodule(prefix)  # raises AttributeError naming a bad prefix
-        return GradientPlan(named, module_layout(named, prefixes, dp, zc.persistence_threshold, shape_of=full_shape))
-    if any(is_partitioned(p) for _, p in named):
+        layout = module_layout(named, prefixes, dp, zc.persistence_threshold, shape_of=full_shape,
+                               frozen_params=frozen, aliases=parameter_aliases(model))
+        in_layout = {s.name for u in layout.frozen for s in u.slots}
+        return GradientPlan(named, layout, frozen=[(n, p) for n, p in frozen if n in in_layout])
+    if any(is_partitioned(p) for _, p in named + frozen):
         raise ConfigError(f"zero.stage={stage}: a model built under partitioned_init needs zero.stage=3")
     bucket_numel = max(1, int(zc.bucket_mb * 2**20) // 4)
     return GradientPlan(named, bucket_layout(named, 1 if stage == 0 else dp, bucket_numel))

@@ -3,7 +3,12 @@
 Forward pre-hooks gather a unit's parameters just before its module runs; forward hooks
 release them afterwards and hang a hook on the module's outputs, so that backward gathers
 them again just before the module's backward; the gradient reducer reports when a unit's
-gradients are complete, and the unit is released again. The first forward and backward
+gradients are complete, and the unit is released again. Frozen parameters of a module
+(``requires_grad=False``) sit in a frozen unit beside its trained one (FlatLayout.frozen) and
+are gathered with it; being needed by backward for the gradients of the module's inputs, not
+for gradients of their own, they are released once the gradients of every input of every call
+of the module are ready (and its trained parameters' gradients are done), or at the end of
+backward when that cannot be known. The first forward and backward
 record the order in which units run; later steps use that trace to prefetch the next units'
 all-gathers (asynchronously, within a byte budget) while the current unit computes, in
 forward order during forward and in the recorded backward order during backward.
@@ -19,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from ..comm import Collectives
 from .agreement import CHECKS, CollectiveAgreement, Event
@@ -37,14 +43,55 @@ def _tensors(obj: Any):
             yield from _tensors(x)
 
 
+METADATA = frozenset({"__get__", "size", "dim", "numel", "element_size", "is_floating_point", "is_complex",
+                      "__len__", "__hash__", "__eq__", "__repr__", "__format__", "data_ptr", "untyped_storage"})
+"""Tensor functions that read only a tensor's metadata (shape, dtype, device): harmless on a
+released parameter (``PreTrainedModel.dtype`` reads the first parameter's dtype in forward)."""
+
+
+class ReleasedParameterCheck(TorchFunctionMode):
+    """While stage 3 records its first forward: a torch operation given a parameter whose unit
+    is not gathered raises, naming the parameter and its unit, instead of reading freed memory.
+    That happens when a module uses another unit's parameter without registering it (reading
+    ``other_module.weight`` in its own forward): the layout cannot know that the two run
+    together. Registered aliases (tied weights) are placed by the layout, see module_layout."""
+
+    def __init__(self, flat: FlatParameters):
+        super().__init__()
+        self.flat = flat
+        self._unit_of = {id(p): (index, k) for p, (index, k) in flat.unit_of.items()
+                         if not flat.all_units[index].unit.resident}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in METADATA:
+            for t in _tensors((args, kwargs)):
+                hit = self._unit_of.get(id(t))
+                if hit is not None and not self.flat.all_units[hit[0]].gathered:
+                    unit = self.flat.all_units[hit[0]].unit
+                    raise RuntimeError(
+                        f"zero.stage=3: {getattr(func, '__name__', func)} used parameter "
+                        f"{unit.slots[hit[1]].name!r} while its unit {unit.label!r} was not gathered: a module "
+                        f"read another unit's parameter without registering it. Register it in the module "
+                        f"that uses it (a tied alias), or pass unit_modules to wrap() so that both modules "
+                        f"are one unit (e.g. their common parent)")
+        return func(*args, **kwargs)
+
+
 class ParameterFetcher:
     """Gathers, prefetches and releases stage-3 units around their modules, and keeps every
     rank's collectives in step (``check``: "traced", "every" or "off"; see the module
     docstring). Set ``check`` before the first forward."""
 
     def __init__(self, flat: FlatParameters, comm: Collectives, unit_modules: dict[int, nn.Module],
-                 prefetch_bytes: int, max_live_bytes: int = 0, check: str | bool = "traced"):
+                 prefetch_bytes: int, max_live_bytes: int = 0, check: str | bool = "traced",
+                 frozen_of: dict[int, list[int]] | None = None):
         self.flat = flat
+        self.frozen_of = frozen_of or {}
+        """unit_modules' unit → the frozen units gathered and released with it (a frozen-only
+        module's unit is its own key: its list holds itself)."""
+        self._open_calls: dict[int, int] = {}  # key unit → calls whose input gradients are pending
+        self._grads_done: set[int] = set()  # key units whose trained gradients are complete
         self.comm = comm
         self.prefetch_bytes = prefetch_bytes
         self.max_live_bytes = max_live_bytes
@@ -52,6 +99,7 @@ class ParameterFetcher:
         if check not in CHECKS:
             raise ValueError(f"check={check!r} is invalid: expected one of {', '.join(CHECKS)}")
         self.agreement = CollectiveAgreement(comm, self._unit_label, check if comm.size > 1 else "off")
+        self._check_uses = check  # (also on one rank, where there is nothing to agree)
         self.traces: dict[bool, list[int]] = {False: [], True: []}  # forward, backward unit order
         self.traced = False
         self._position = -1
@@ -73,9 +121,11 @@ class ParameterFetcher:
     @check.setter
     def check(self, check: str) -> None:
         self.agreement.check = check
+        self._check_uses = check
 
     def _unit_label(self, index: int) -> str:
-        return self.flat.units[index].unit.label if 0 <= index < len(self.flat.units) else f"#{index}"
+        units = self.flat.all_units
+        return units[index].unit.label if 0 <= index < len(units) else f"#{index}"
 
     def describe(self, code: int) -> str:
         """Words for an event code, as in mismatch errors (CollectiveAgreement.describe)."""
@@ -120,19 +170,30 @@ class ParameterFetcher:
             self.agreement.open(Event.OUTSIDE, index)
             self.flat.gather(index)
 
+    def _with_frozen(self, index: int) -> list[int]:
+        """The units a module's hooks gather for unit index: it and its frozen companions."""
+        return list(dict.fromkeys([index] + self.frozen_of.get(index, [])))
+
     def _fetch(self, index: int) -> None:
-        """Gather unit `index` now (no-op if gathered). Every gather the hooks issue goes
-        through here, so that it is agreed first while its segment is being recorded."""
-        if not self.flat.units[index].gathered:
-            self.agreement.before_collective(Event.GATHER, index)
-        self.flat.gather(index)
+        """Gather unit `index` and its frozen companions now (no-op for those gathered). Every
+        gather the hooks issue goes through here, so that it is agreed first while its segment
+        is being recorded."""
+        for i in self._with_frozen(index):
+            if not self.flat.all_units[i].gathered:
+                self.agreement.before_collective(Event.GATHER, i)
+            self.flat.gather(i)
+
+    def _release(self, index: int) -> None:
+        """Release unit `index` and its frozen companions (after a forward)."""
+        for i in self._with_frozen(index):
+            self.flat.release(i)
 
     def _prefetch(self, order: list[int], position: int) -> None:
         budget = self.prefetch_bytes
-        for index in order[position + 1:]:
+        for index in [i for key in order[position + 1:] for i in self._with_frozen(key)]:
             if budget <= 0:
                 break
-            u = self.flat.units[index]
+            u = self.flat.all_units[index]
             nbytes = u.full.numel() * u.full.element_size()
             if self.max_live_bytes and self.flat.gathered_bytes() + nbytes > self.max_live_bytes:
                 break
@@ -141,11 +202,21 @@ class ParameterFetcher:
                 self.flat.gather(index, async_op=True)
             budget -= nbytes
 
+    def use_check(self) -> TorchFunctionMode | None:
+        """The check of parameter uses for this forward (``with`` it around the forward), or
+        None: it runs while the first forward is recorded, and every forward with check
+        "every" (not with "off")."""
+        if self._check_uses == "off" or (self.traced and self._check_uses != "every"):
+            return None
+        return ReleasedParameterCheck(self.flat)
+
     def begin_forward(self) -> None:
         self._position = -1
         self._in_backward = False
         self._depth = 0
         self._backward_begun.clear()
+        self._open_calls.clear()
+        self._grads_done.clear()
         grad = torch.is_grad_enabled()
         self.agreement.open(Event.FORWARD, int(grad), key=(Event.FORWARD, grad))
 
@@ -156,6 +227,10 @@ class ParameterFetcher:
         if self._in_backward:
             self.agreement.expect_segment_end("the end of backward")
         self._in_backward = False
+        for u in self.flat.frozen_units:  # those no rule released (see _note_call)
+            self.flat.release(u.unit.index)
+        self._open_calls.clear()
+        self._grads_done.clear()
 
     def _visit(self, index: int, backward: bool) -> None:
         if backward:
@@ -168,7 +243,8 @@ class ParameterFetcher:
             return
         self._position = self._locate(index, self._position, order)
         if self._position >= 0:  # NVMe reads first: they take longest (ZeRO-Infinity §6)
-            self.flat.prefetch_shards(order[self._position + 1:self._position + 1 + NVME_READ_AHEAD])
+            ahead = order[self._position + 1:self._position + 1 + NVME_READ_AHEAD]
+            self.flat.prefetch_shards([i for key in ahead for i in self._with_frozen(key)])
         self._fetch(index)
         if self._position >= 0:
             self._prefetch(order, self._position)
@@ -177,7 +253,8 @@ class ParameterFetcher:
         """Start reading the first units of the next forward from NVMe (after the step has
         written their updated shards), so that its first gathers find them read."""
         if self.traced:
-            self.flat.prefetch_shards(self.traces[False][:NVME_READ_AHEAD])
+            ahead = self.traces[False][:NVME_READ_AHEAD]
+            self.flat.prefetch_shards([i for key in ahead for i in self._with_frozen(key)])
 
     def _make_pre_forward(self, index: int):
         def hook(module, args):
@@ -201,7 +278,7 @@ class ParameterFetcher:
             else:  # released as after a forward, unless its backward has begun
                 self.agreement.log(Event.RECOMPUTE_END, index)
                 if index not in self._backward_begun:
-                    self.flat.release(index)
+                    self._release(index)
                 return
             if torch.is_grad_enabled():
                 # The unit's backward begins when the gradient of a tensor it produced arrives.
@@ -210,11 +287,47 @@ class ParameterFetcher:
                 # unit: its gradient may arrive after the unit's backward is over, and a
                 # backward visit then would gather the unit again with nothing to release it.
                 passed_through = {id(t) for t in _tensors((args, kwargs))}
-                for t in _tensors(output):
-                    if t.requires_grad and id(t) not in passed_through:
-                        t.register_hook(lambda grad, index=index: self._visit_backward(index))
-            self.flat.release(index)
+                produced = [t for t in _tensors(output) if t.requires_grad and id(t) not in passed_through]
+                for t in produced:
+                    t.register_hook(lambda grad, index=index: self._visit_backward(index))
+                if produced and index in self.frozen_of:
+                    self._note_call(index, [t for t in _tensors((args, kwargs)) if t.requires_grad])
+            self._release(index)
         return hook
+
+    def _note_call(self, index: int, inputs: list[torch.Tensor]) -> None:
+        """A call of a module with frozen parameters, whose outputs will bring a backward: its
+        frozen units may go once the gradients of all its inputs are ready (the frozen weights'
+        last use in backward computes them). A leaf input (a parameter passed in) gives no such
+        signal before its accumulation, nor does a call without inputs that need gradients
+        while its unit trains nothing: those keep the frozen units until the end of backward."""
+        if any(t.is_leaf for t in inputs) or (not inputs and self.frozen_of[index] == [index]):
+            self._open_calls[index] = self._open_calls.get(index, 0) + 1  # never closed: until the end
+            return
+        if not inputs:
+            return
+        self._open_calls[index] = self._open_calls.get(index, 0) + 1
+        pending = [len(inputs)]
+
+        def input_grad_ready(grad, index=index, pending=pending):
+            pending[0] -= 1
+            if pending[0] == 0:
+                self._open_calls[index] -= 1
+                self._release_frozen_when_done(index)
+
+        for t in inputs:
+            t.register_hook(input_grad_ready)
+
+    def _release_frozen_when_done(self, index: int) -> None:
+        """Release unit index's frozen units once every call's input gradients are ready and
+        (for a unit that also trains) its trained gradients are complete."""
+        if self._open_calls.get(index, 0) > 0:
+            return
+        trains = self.frozen_of[index] != [index]
+        if trains and index not in self._grads_done:
+            return
+        for i in self.frozen_of[index]:
+            self.flat.release(i)
 
     def _visit_backward(self, index: int) -> None:
         self._backward_begun.add(index)
@@ -233,9 +346,12 @@ class ParameterFetcher:
         self.agreement.log(Event.GRADS_DONE, index)
         self._backward_begun.discard(index)
         self.flat.release(index)
+        if index in self.frozen_of:
+            self._grads_done.add(index)
+            self._release_frozen_when_done(index)
 
     def release_all(self) -> None:
-        for u in self.flat.units:
+        for u in self.flat.all_units:
             self.flat.release(u.unit.index)
 
     def remove(self) -> None:

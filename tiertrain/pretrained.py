@@ -1,0 +1,447 @@
+"""Pretrained weights from a Hugging Face safetensors checkpoint into any form of model, with
+bounded memory: ``tiertrain.load_pretrained(target, path)``.
+
+ZeRO-Infinity §6 ("ease of use") asks that a model too large for one rank can be built
+partitioned (:func:`tiertrain.partitioned_init`) and trained without code changes; a model
+that large must also be *loadable* without ever existing whole on a rank. So every rank reads
+from the checkpoint only the part it keeps:
+
+* an :class:`~tiertrain.Engine` (any ZeRO stage and tier): for each partitioned unit, only the
+  rows of each tensor that overlap this rank's shard (``safe_open(...).get_slice(name)[a:b]``
+  reads just those bytes of the memory-mapped file), written into the compute shard and,
+  cast to fp32 from the checkpoint's own values, into the master copy; resident units (stages
+  0-2, stage 3's persistent parameters), which every rank holds whole, read whole tensors,
+  one at a time;
+* a model built under :func:`tiertrain.partitioned_init` and not yet wrapped: each parameter's
+  1/dp flat shard, from the rows that hold it;
+* a plain module: whole tensors, one at a time.
+
+No rank ever holds more than one tensor's read on top of the model (one unit's shard more
+when the shard or the master lives on NVMe, whose files are written whole), and the load
+itself needs no communication: each rank reads its own slices from the shared files (an
+engine first completes an update still in flight, as any engine operation does). Names are matched as Hugging
+Face matches them: a parameter shared under several names (tied embeddings) is found under
+any of them, and a checkpoint of the base model loads into a model with a head (or the
+reverse) through ``base_model_prefix``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .engine import Engine
+from .topology import Topology
+from .zero.construct import full_shape, is_partitioned
+from .zero.flat import UnitBuffers
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class PretrainedMismatchError(ValueError):
+    """The checkpoint does not fit the model: tensors missing, unexpected, or of another shape.
+    Raised before anything is written, on every rank alike (each checks the same headers), so
+    the model is left as it was and no rank is left waiting in a collective."""
+
+
+@dataclass
+class LoadReport:
+    """What one rank read. Under an engine at stage 3 each rank reads about 1/dp of the
+    checkpoint; ``largest_read`` bounds the extra memory the load needed."""
+
+    loaded: list[str] = field(default_factory=list)
+    """Model tensors (canonical parameter names, then buffers) given checkpoint values."""
+    missing: list[str] = field(default_factory=list)
+    """Model tensors the checkpoint has no value for (kept as they were; strict=True raises)."""
+    unexpected: list[str] = field(default_factory=list)
+    """Checkpoint tensors with no place in the model (strict=True raises)."""
+    ignored: list[str] = field(default_factory=list)
+    """Checkpoint or model names skipped by design: further aliases of a tied tensor, values of
+    non-persistent buffers, names the model class declares ignorable
+    (``_keys_to_ignore_on_load_unexpected`` / ``_missing``), and a head's tensors when the
+    checkpoint of a model with a head is loaded into its base model."""
+    name_mapping: str = "as is"
+    """How model names map to checkpoint names: 'as is', 'with prefix P.' (a checkpoint of the
+    model with a head, into its base model) or 'without prefix P.' (the reverse)."""
+    files: list[str] = field(default_factory=list)
+    """The safetensors files of the checkpoint."""
+    bytes_read: int = 0
+    """Bytes this rank read from the checkpoint (in the file's dtype)."""
+    largest_read: int = 0
+    """The largest single read, in bytes: at most one whole tensor, whatever the model's size."""
+    reads: int = 0
+    """How many reads (slices or whole tensors) this rank made."""
+
+
+# -- the checkpoint --------------------------------------------------------------------------------
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[str]:
+    """The safetensors files of a checkpoint: ``path`` itself when it is a .safetensors file;
+    in a directory, the shards its ``model.safetensors.index.json`` lists, else
+    ``model.safetensors``."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        if not path.endswith(".safetensors"):
+            raise ValueError(f"load_pretrained: {path!r} is not a .safetensors file; give a Hugging Face "
+                             f"checkpoint directory (with {SINGLE_FILE} or {INDEX_FILE}) or a .safetensors file "
+                             f"(PyTorch .bin checkpoints: re-save with save_pretrained(..., safe_serialization=True))")
+        return [path]
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"load_pretrained: {path!r} does not exist; expected a Hugging Face checkpoint "
+                                f"directory (with {SINGLE_FILE}, or {INDEX_FILE} and its shards) or a .safetensors file")
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"load_pretrained: {index!r} has no 'weight_map' (expected {{tensor name: shard file}})")
+        names = sorted(set(weight_map.values()))
+        absent = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+        if absent:
+            raise FileNotFoundError(f"load_pretrained: {index!r} lists shard files missing from {path!r}: "
+                                    f"{_listing(absent)}")
+        return [os.path.join(path, n) for n in names]
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(single):
+        return [single]
+    present = sorted(os.listdir(path))
+    raise FileNotFoundError(f"load_pretrained: no {SINGLE_FILE} or {INDEX_FILE} in {path!r} (it holds "
+                            f"{_listing(present) if present else 'nothing'}); expected a Hugging Face checkpoint "
+                            f"saved with save_pretrained(..., safe_serialization=True)")
+
+
+class _Checkpoint:
+    """The open safetensors files (memory-mapped: only the bytes read are touched) and the
+    accounting of what was read."""
+
+    def __init__(self, files: list[str], stack: ExitStack, report: LoadReport):
+        from safetensors import safe_open
+
+        self.report = report
+        self._handle: dict[str, Any] = {}
+        self._file: dict[str, str] = {}
+        for path in files:
+            handle = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            for key in handle.keys():
+                if key in self._file:
+                    raise ValueError(f"load_pretrained: tensor {key!r} is in both {self._file[key]!r} and {path!r}")
+                self._handle[key], self._file[key] = handle, path
+
+    def keys(self) -> list[str]:
+        return list(self._handle)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._handle[key].get_slice(key).get_shape())
+
+    def _count(self, t: torch.Tensor) -> torch.Tensor:
+        nbytes = t.numel() * t.element_size()
+        self.report.bytes_read += nbytes
+        self.report.largest_read = max(self.report.largest_read, nbytes)
+        self.report.reads += 1
+        return t
+
+    def read(self, key: str) -> torch.Tensor:
+        """The whole tensor."""
+        return self._count(self._handle[key].get_tensor(key))
+
+    def read_flat(self, key: str, shape: tuple[int, ...], start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of the row-major flattened tensor, reading only the rows of
+        the first dimension that hold them (rows start//row .. (end-1)//row)."""
+        if len(shape) == 0:
+            return self.read(key).reshape(-1)[start:end]
+        row = math.prod(shape[1:])
+        r0, r1 = start // row, (end - 1) // row + 1
+        rows = self._count(self._handle[key].get_slice(key)[r0:r1])
+        return rows.reshape(-1)[start - r0 * row:end - r0 * row]
+
+
+# -- the model's tensors and their checkpoint names ----------------------------------------------
+
+
+@dataclass
+class _Target:
+    """One model tensor (a Parameter or a persistent buffer) under all its names."""
+
+    aliases: tuple[str, ...]
+    tensor: torch.Tensor
+    shape: tuple[int, ...]
+    is_param: bool
+    key: str | None = None  # its checkpoint name, once matched
+
+    @property
+    def name(self) -> str:
+        return self.aliases[0]  # the name named_parameters() (deduplicated) gives, as the layout's
+
+
+def _targets(module: nn.Module) -> tuple[list[_Target], set[str]]:
+    """The model's parameters and persistent buffers, grouped by identity (a tied tensor once,
+    under every name), and the names of its non-persistent buffers."""
+    groups: dict[int, _Target] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in groups:
+            groups[id(p)].aliases += (name,)
+        else:
+            groups[id(p)] = _Target((name,), p, tuple(full_shape(p)), True)
+    persistent = set(module.state_dict(keep_vars=True))
+    transient = set()
+    for name, b in module.named_buffers(remove_duplicate=False):
+        if name not in persistent:
+            transient.add(name)
+        elif id(b) in groups:
+            groups[id(b)].aliases += (name,)
+        else:
+            groups[id(b)] = _Target((name,), b, tuple(b.shape), False)
+    return list(groups.values()), transient
+
+
+def _patterns(module: nn.Module, attribute: str) -> list[re.Pattern]:
+    """Hugging Face's per-class lists of names to ignore (regular expressions)."""
+    value = getattr(module, attribute, None) or ()
+    return [re.compile(p) for p in value if isinstance(p, str)]
+
+
+def _name_maps(module: nn.Module) -> list[tuple[str, Callable[[str], str]]]:
+    """Candidate maps from model names to checkpoint names: as is; and for a Hugging Face
+    model, with its base_model_prefix added (the checkpoint is of the model with a head,
+    loaded into the base model) or removed (a checkpoint of the base model, into a model with
+    a head: the head's own names stay as they are)."""
+    maps: list[tuple[str, Callable[[str], str]]] = [("as is", lambda n: n)]
+    prefix = getattr(module, "base_model_prefix", "")
+    if isinstance(prefix, str) and prefix:
+        dot = prefix + "."
+        maps.append((f"with prefix {dot}", lambda n: dot + n))
+        maps.append((f"without prefix {dot}", lambda n: n[len(dot):] if n.startswith(dot) else n))
+    return maps
+
+
+def _match(module: nn.Module, ckpt: _Checkpoint, strict: bool, report: LoadReport) -> list[_Target]:
+    """Pair each model tensor with its checkpoint name; check shapes; raise (strict) on
+    missing or unexpected tensors, always on a shape mismatch, before anything is read."""
+    targets, transient = _targets(module)
+    keys = set(ckpt.keys())
+    maps = _name_maps(module)
+
+    def found(to_key) -> int:
+        return sum(any(to_key(a) in keys for a in t.aliases) for t in targets)
+
+    label, to_key = max(maps, key=lambda m: found(m[1]))  # (max keeps the first of equals: as is)
+    report.name_mapping = label
+    consumed: set[str] = set()
+    for t in targets:
+        matches = [to_key(a) for a in t.aliases if to_key(a) in keys]
+        if matches:
+            t.key = matches[0]
+            consumed.update(matches)
+            report.ignored += matches[1:]  # the same tensor again, under a tied name
+    ignore_unexpected = _patterns(module, "_keys_to_ignore_on_load_unexpected")
+    ignore_missing = _patterns(module, "_keys_to_ignore_on_load_missing")
+    transient_keys = {to_key(n) for n in transient}
+    outside_base = label.startswith("with prefix")  # a head's tensors, for a base model
+    dot = label.rsplit(" ", 1)[-1]
+    for key in sorted(keys - consumed):
+        if key in transient_keys or any(p.search(key) for p in ignore_unexpected) or (
+                outside_base and not key.startswith(dot)):
+            report.ignored.append(key)
+        else:
+            report.unexpected.append(key)
+    for t in targets:
+        if t.key is None:
+            if any(p.search(a) for p in ignore_missing for a in t.aliases):
+                report.ignored.append(t.name)
+            else:
+                report.missing.append(t.name)
+    problems = []
+    if strict and report.missing:
+        problems.append(f"missing from the checkpoint ({len(report.missing)}): {_listing(report.missing)}")
+    if strict and report.unexpected:
+        problems.append(f"in the checkpoint but not in the model ({len(report.unexpected)}): "
+                        f"{_listing(report.unexpected)}")
+    mismatched = [f"{t.name} (checkpoint {t.key!r}): checkpoint {ckpt.shape(t.key)}, model {t.shape}"
+                  for t in targets if t.key is not None and ckpt.shape(t.key) != t.shape]
+    if mismatched:
+        problems.append(f"shapes differ ({len(mismatched)}): {_listing(mismatched)}")
+    if problems:
+        hint = " (pass strict=False to load the tensors that do match)" if not mismatched else ""
+        raise PretrainedMismatchError(
+            f"load_pretrained: the checkpoint {_listing(report.files, 3)} does not fit this "
+            f"{type(module).__name__} (model names mapped to checkpoint names {label}): "
+            + "; ".join(problems) + hint)
+    return [t for t in targets if t.key is not None]
+
+
+def _listing(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", … and {len(names) - limit} more" if len(names) > limit else "")
+
+
+# -- writing ---------------------------------------------------------------------------------------
+
+
+def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict: bool = True, *,
+                    topology: Topology | None = None) -> LoadReport:
+    """Load a Hugging Face safetensors checkpoint (a directory with ``model.safetensors``, or
+    sharded ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``; or a
+    single ``.safetensors`` file) into ``target``, reading on each rank only what that rank
+    keeps (see the module docstring), and return what this rank read.
+
+    target: an Engine (tiertrain.wrap; every rank calls this, as for any engine operation:
+    an update still in flight is completed first), a model built under
+    :func:`tiertrain.partitioned_init` and not yet wrapped (``topology``: the one it was built
+    with; default: all ranks of torch.distributed as the data-parallel group), or a plain
+    module. After loading, an engine's compute shards hold the values in the compute dtype
+    and its fp32 masters hold them cast from the checkpoint's own values; optimizer state is
+    left as it was (load before training).
+
+    strict: raise :class:`PretrainedMismatchError` when a model tensor has no checkpoint value
+    or a checkpoint tensor has no place in the model (besides tied aliases and names the
+    model declares ignorable); otherwise keep such model tensors unchanged and report them.
+    A tensor of another shape always raises; another dtype is cast.
+    """
+    from .pipeline.engine import PipelineEngine
+
+    if isinstance(target, PipelineEngine):
+        raise TypeError("load_pretrained: a PipelineEngine's stages have their own parameter names; load the "
+                        "checkpoint into the model before tiertrain.wrap (parallel.pp > 1)")
+    if isinstance(target, Engine) and target._closed:
+        raise ValueError("load_pretrained: the engine is closed; load into engine.module, now a plain module")
+    module = target.module if isinstance(target, Engine) else target
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"load_pretrained: target must be a tiertrain Engine or an nn.Module, "
+                        f"got {type(target).__name__}")
+    report = LoadReport(files=checkpoint_files(path))
+    with ExitStack() as stack, torch.no_grad():
+        ckpt = _Checkpoint(report.files, stack, report)
+        matched = _match(module, ckpt, strict, report)
+        tp = [t.name for t in matched if getattr(t.tensor, "tp_sharded", False)]
+        if tp:
+            raise NotImplementedError(f"load_pretrained: {_listing(tp, 5)} are tensor-parallel slices; load the "
+                                      f"checkpoint before tiertrain.parallel.apply_tensor_parallel")
+        if isinstance(target, Engine):
+            _into_engine(target, matched, ckpt)
+        else:
+            _into_module(matched, ckpt, topology)
+        report.loaded = [t.name for t in matched]
+    return report
+
+
+def _into_module(matched: list[_Target], ckpt: _Checkpoint, topology: Topology | None) -> None:
+    """Case (b) and (c): a partitioned_init parameter gets its shard, anything else its
+    whole value, one tensor at a time."""
+    rank = size = None
+    for t in matched:
+        if t.is_param and is_partitioned(t.tensor):
+            if rank is None:
+                rank, size = _dp_rank_and_size(topology)
+            _into_partitioned_param(t, ckpt, rank, size)
+        else:
+            t.tensor.data.copy_(ckpt.read(t.key).reshape(t.shape))
+
+
+def _dp_rank_and_size(topology: Topology | None) -> tuple[int, int]:
+    if topology is not None:
+        group = topology.group("dp")
+        return dist.get_rank(group), dist.get_world_size(group)
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _into_partitioned_param(t: _Target, ckpt: _Checkpoint, rank: int, dp: int) -> None:
+    """partitioned_init's layout: rank r holds flat elements [r·n, (r+1)·n) of the
+    parameter, n = ceil(numel / dp), zero-padded past the end."""
+    numel = math.prod(t.shape)
+    per_rank = -(-numel // dp)
+    if t.tensor.numel() != per_rank:
+        raise ValueError(f"load_pretrained: {t.name} holds {t.tensor.numel()} elements, but its shard of "
+                         f"{numel} over dp={dp} ranks has {per_rank}: pass topology= (the one partitioned_init "
+                         f"was given)")
+    lo, hi = rank * per_rank, min((rank + 1) * per_rank, numel)
+    if lo < hi:
+        t.tensor.data[:hi - lo].copy_(ckpt.read_flat(t.key, t.shape, lo, hi))
+
+
+def _into_engine(engine: Engine, matched: list[_Target], ckpt: _Checkpoint) -> None:
+    """Case (a): each unit's slots on this rank, then the tensors outside the layout (frozen
+    parameters stages 0-2 leave whole, buffers) copied into the module."""
+    engine._quiesce()
+    engine.update.flush()  # an update in flight must not land on top of the loaded values
+    flat = engine.flat
+    keyed = {t.name: t for t in matched}
+    placed: set[str] = set()
+    for u in flat.all_units:
+        slots = {slot.name: keyed[slot.name] for slot in u.unit.slots if slot.name in keyed}
+        placed.update(slot.name for slot in u.unit.slots)
+        if slots:
+            _into_unit(engine, u, slots, ckpt)
+    for t in matched:
+        if t.name not in placed:
+            t.tensor.data.copy_(ckpt.read(t.key).reshape(t.shape))
+
+
+def _into_unit(engine: Engine, u: UnitBuffers, slots: dict[str, _Target], ckpt: _Checkpoint) -> None:
+    """One unit on this rank. Resident: every slot whole into the unit's full buffer (every
+    rank holds it whole), this rank's piece into the master. Partitioned: this rank's piece
+    of each slot, read as the rows that hold it, into the shard and the master. A shard or a
+    master on NVMe is assembled for the unit here and written once."""
+    flat = engine.flat
+    index, rank = u.unit.index, flat.shard_rank
+    lo, hi = u.unit.shard_range(rank)
+    pieces = u.unit.shard_pieces(rank)
+    masters_elsewhere = u.trainable and flat.masters_dropped  # the NVMe optimizer keeps them
+    master = None
+    if masters_elsewhere:
+        complete = all(slot.name in slots for slot, _, _ in pieces)
+        master = (torch.zeros(u.unit.shard_numel, dtype=torch.float32) if complete
+                  else _master_shard(engine, index))
+    elif u.trainable and u.master is not u.shard:
+        master = u.master
+
+    if u.unit.resident:
+        for slot in u.unit.slots:
+            if slot.name not in slots:
+                continue
+            values = ckpt.read(slots[slot.name].key).reshape(-1)
+            u.full[slot.offset:slot.end].copy_(values)
+            a, b = max(lo, slot.offset), min(hi, slot.end)
+            if master is not None and a < b:
+                master[a - lo:b - lo].copy_(values[a - slot.offset:b - slot.offset])
+    else:
+        flat.release(index)  # a gathered copy would hold the old values
+        staged = flat.read_shard(index) if flat.on_nvme(index) else None
+        shard = u.shard if staged is None else staged
+        for slot, a, b in pieces:
+            if slot.name not in slots:
+                continue
+            values = ckpt.read_flat(slots[slot.name].key, slot.shape, lo + a - slot.offset, lo + b - slot.offset)
+            shard[a:b].copy_(values)
+            if master is not None:
+                master[a:b].copy_(values)
+        if staged is not None:
+            flat.shards.write(index, u.shard, staged)
+            flat.wait_writes()
+    if masters_elsewhere:
+        edited: list[torch.Tensor | None] = [None] * len(flat.units)
+        edited[index] = master
+        engine.update.write_masters(edited)
+
+
+def _master_shard(engine: Engine, index: int) -> torch.Tensor:
+    """This rank's fp32 master shard of trained unit index, read where the optimizer keeps it
+    (only that unit's when the NVMe optimizer can read one: not the whole rank's masters)."""
+    nvme = getattr(engine.update, "nvme", None)
+    if nvme is not None and hasattr(nvme, "read_masters"):
+        return nvme.read_masters(shards=[index])[index]
+    return engine.update.masters()[index].detach().clone()
+
+
+__all__ = ["LoadReport", "PretrainedMismatchError", "checkpoint_files", "load_pretrained"]
