@@ -25,7 +25,9 @@ HERE = Path(__file__).resolve().parent
 CORRECTNESS = ["test_oracle.py", "test_engine.py", "test_activation_checkpointing.py", "test_delayed_update.py",
                "test_engine_pp.py", "test_engine_tp.py", "test_stage3.py", "test_zero.py", "test_pipeline.py",
                "test_tensor_parallel.py", "test_tiling.py", "test_gpt.py", "test_comm.py", "test_checkpoint.py",
-               "test_offload.py", "test_param_gather.py", "test_overlapped_step.py", "test_nvme_optimizer.py"]
+               "test_offload.py", "test_param_gather.py", "test_overlapped_step.py", "test_nvme_optimizer.py",
+               "test_zoo.py", "test_frozen.py", "test_stage3_graphs.py", "test_client_optimizer.py",
+               "test_pretrained.py"]
 QUICK = ["test_oracle.py", *(f"test_engine.py::test_fp32_matches_single_process_reference[{stage}-{world}]"
                              for stage in range(4) for world in (2, 4))]
 

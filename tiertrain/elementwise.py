@@ -32,9 +32,10 @@ class ElementwiseRule(ABC):
     two slots (``first``, ``second``: fp32, the pieces' sizes, zero before the first step)."""
 
     @abstractmethod
-    def apply(self, params: Tensors, grads: Tensors, first: Tensors, second: Tensors, step_number: int,
+    def apply(self, params: Tensors, grads: Tensors, first: Tensors, second: Tensors, steps: Sequence[int],
               lr: float, weight_decay: float) -> None:
-        """Update number step_number (1 for the first) of params from grads."""
+        """Update params from grads; steps: each tensor's update number (1 for its first: a
+        parameter skipped in a step, having no gradient on any rank, is one update behind)."""
 
     @property
     @abstractmethod
@@ -55,9 +56,9 @@ class AdamWRule(ElementwiseRule):
     def state_names(self) -> tuple[str, str]:
         return ("exp_avg", "exp_avg_sq")
 
-    def apply(self, params, grads, first, second, step_number, lr, weight_decay):
+    def apply(self, params, grads, first, second, steps, lr, weight_decay):
         functional_adamw(list(params), list(grads), list(first), list(second), [],
-                         [torch.tensor(float(step_number - 1)) for _ in params], fused=True, amsgrad=False,
+                         [torch.tensor(float(step - 1)) for step in steps], fused=True, amsgrad=False,
                          beta1=self.betas[0], beta2=self.betas[1], lr=lr, weight_decay=weight_decay, eps=self.eps,
                          maximize=False)
 
@@ -76,14 +77,15 @@ class SGDRule(ElementwiseRule):
     def state_names(self) -> tuple[str, str]:
         return ("momentum_buffer", "unused")
 
-    def apply(self, params, grads, first, second, step_number, lr, weight_decay):
-        buffers = list(first) if step_number > 1 else [None] * len(params)
+    def apply(self, params, grads, first, second, steps, lr, weight_decay):
+        buffers = [slot if step > 1 else None for slot, step in zip(first, steps)]
         functional_sgd(list(params), list(grads), buffers, foreach=False, weight_decay=weight_decay,
                        momentum=self.momentum, lr=lr, dampening=self.dampening, nesterov=self.nesterov,
                        maximize=False)
-        if step_number == 1 and self.momentum:
-            for slot, buffer in zip(first, buffers):
-                slot.copy_(buffer)
+        if self.momentum:
+            for slot, buffer, step in zip(first, buffers, steps):
+                if step == 1:  # (torch made a new buffer)
+                    slot.copy_(buffer)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from .zero.flat import SWAP_BLOCK_BYTES, FlatParameters, FrozenShards, Placement
 from .zero.layout import ROOT
 from .zero.param_gather import WaitForParameters
 from .zero.plan import GradientPlan, default_plan
-from .zero.reducer import GradientReducer
+from .zero.reducer import GradientReducer, unused_parameters
 from .zero.stage3 import ParameterFetcher
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -325,7 +325,11 @@ class Engine:
         self.flat.wait_gathers()
         boundary = (self.micro_steps + 1) % self.accum == 0
         self.update.before_backward(boundary, self.learning_rate())
-        self.reducer.begin(reduce_now=boundary)
+        # Stage 3 interleaves gathers with reductions, so a unit must complete at the same point
+        # of backward on every rank, also where this rank's data leaves a parameter unused (an
+        # expert no token was routed to): such parameters are found in the graph now.
+        absent = unused_parameters(loss, self.flat.slot_of) if self.stage == 3 else ()
+        self.reducer.begin(reduce_now=boundary, absent=absent)
         try:
             # 1/dp folded in here makes the reduced sum the data-parallel mean: no pass over the
             # reduced gradients divides them (exact for power-of-two dp, as the scale is).
@@ -344,11 +348,17 @@ class Engine:
         forward. The engine's own entry points, and the model's state_dict(), call it."""
         self.flat.wait_gathers()
 
-    def _quiesce(self) -> None:
-        """Before reading or replacing the training state: cancel work the optimizer step began
-        ahead of step() (an overlapped NVMe step), and complete the parameter all-gathers."""
+    def quiesce(self) -> None:
+        """Before reading or replacing the training state from outside (tiertrain.pretrained):
+        cancel work the optimizer step began ahead of step() (an overlapped NVMe step), and
+        complete the parameter all-gathers."""
         self.update.cancel()
         self.flat.wait_gathers()
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() has handed the model back."""
+        return self._closed
 
     @property
     def at_boundary(self) -> bool:
@@ -369,6 +379,7 @@ class Engine:
         if self.fetcher is not None:
             self.fetcher.agree(Event.STEP)
         self.reducer.wait()
+        unused = self._unused_on_every_rank()
         self.flat.zero_stale_grads()
         self._sum_partial_grads_over_tp()
         grads = [u.grad for u in self.flat.units]
@@ -386,12 +397,30 @@ class Engine:
         clip = None
         if self.config.optimizer.grad_clip > 0:
             clip = clip_coefficient(norm, self.config.optimizer.grad_clip).to(self.placement.optimizer)
+        if unused:
+            self.update.leave_unchanged(unused)
         self.update.step(grads, clip, self.learning_rate(), self.steps)
         if self.fetcher is not None and self.update.publishes_in_step:
             self.fetcher.prefetch_next_forward()
         self.scaler.update(overflow=False)
         self.train_state.steps += 1
         return True
+
+    def _unused_on_every_rank(self) -> frozenset[str]:
+        """The parameters no data-parallel rank computed a gradient for since the last step
+        (one small all-reduce of a flag per parameter). torch leaves a parameter whose .grad is
+        None unchanged; the update must too, where the flat buffers hold zeros for it."""
+        slots = [(u.unit.index, k) for u in self.flat.units for k in range(len(u.unit.slots))]
+        position = {slot: i for i, slot in enumerate(slots)}
+        flags = torch.zeros(len(slots), dtype=torch.int32, device=self.device)
+        used = [position[slot] for slot in self.reducer.take_used()]
+        if used:
+            flags[torch.tensor(used, device=self.device)] = 1
+        self.comm.all_reduce(flags, count=False)
+        if bool(flags.all()):
+            return frozenset()
+        return frozenset(self.flat.units[index].unit.slots[k].name
+                         for (index, k), flag in zip(slots, flags.tolist()) if not flag)
 
     def _sum_partial_grads_over_tp(self) -> None:
         """Sequence parallelism leaves replicated parameters (LayerNorms, row biases) with
@@ -459,7 +488,7 @@ class Engine:
         """Full parameters readable outside forward (every rank must enter). With
         modifier_rank set, that data-parallel rank's edits are broadcast and written back
         into every shard and master copy on exit."""
-        self._quiesce()
+        self.quiesce()
         self.update.flush()  # what is read or edited is the newest parameters
         wanted = None if params is None else {self.flat.unit_index(p) for p in params}
         units = [u for u in self.flat.all_units if wanted is None or u.unit.index in wanted]
@@ -499,29 +528,29 @@ class Engine:
 
     def state_dict(self) -> dict:
         """This rank's training state: fp32 master shards, optimizer, scaler, counters, RNG."""
-        self._quiesce()
+        self.quiesce()
         return checkpoint.rank_state(self.checkpoint_parts())
 
     def load_state_dict(self, state: dict) -> None:
-        self._quiesce()
+        self.quiesce()
         checkpoint.restore_rank_state(self.checkpoint_parts(), state)
 
     def save_checkpoint(self, directory: str, extra: dict | None = None, keep_last: int = 0) -> str:
         """Collective: atomically save every rank's shard under directory/step_N (see checkpoint.py)."""
-        self._quiesce()
+        self.quiesce()
         self.update.settle(collective=True)  # an update in flight is saved, not lost
         return checkpoint.save(self.checkpoint_parts(), directory, self.steps, self.topology,
                                self.checkpoint_fingerprint(), extra, keep_last)
 
     def load_checkpoint(self, directory: str, step: int | None = None) -> dict:
         """Collective: restore the newest committed checkpoint; returns the extras saved with it."""
-        self._quiesce()
+        self.quiesce()
         return checkpoint.load(self.checkpoint_parts(), directory, step, self.topology,
                                self.checkpoint_fingerprint(), self.device)
 
     def masters(self) -> list[torch.Tensor]:
         """This rank's fp32 master shard of every unit (read from NVMe when they live there)."""
-        self._quiesce()
+        self.quiesce()
         return self.update.masters()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -561,7 +590,7 @@ class Engine:
         self._closed = True
         errors, values = [], None
         try:
-            self._quiesce()
+            self.quiesce()
             values = self.full_state_dict()
         except BaseException as e:  # still undo everything, then raise the first error
             errors.append(e)

@@ -312,7 +312,7 @@ def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict:
     if isinstance(target, PipelineEngine):
         raise TypeError("load_pretrained: a PipelineEngine's stages have their own parameter names; load the "
                         "checkpoint into the model before tiertrain.wrap (parallel.pp > 1)")
-    if isinstance(target, Engine) and target._closed:
+    if isinstance(target, Engine) and target.closed:
         raise ValueError("load_pretrained: the engine is closed; load into engine.module, now a plain module")
     module = target.module if isinstance(target, Engine) else target
     if not isinstance(module, nn.Module):
@@ -373,7 +373,7 @@ def _into_partitioned_param(t: _Target, ckpt: _Checkpoint, rank: int, dp: int) -
 def _into_engine(engine: Engine, matched: list[_Target], ckpt: _Checkpoint) -> None:
     """Case (a): each unit's slots on this rank, then the tensors outside the layout (frozen
     parameters stages 0-2 leave whole, buffers) copied into the module."""
-    engine._quiesce()
+    engine.quiesce()
     engine.update.flush()  # an update in flight must not land on top of the loaded values
     flat = engine.flat
     keyed = {t.name: t for t in matched}

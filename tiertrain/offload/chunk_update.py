@@ -150,7 +150,8 @@ class ChunkUpdate:
     and None, a list with one flat tensor (or None) per shard, or a callable (see
     :func:`publish_chunk`). ``step_number`` is the step this update makes (1 for the first)."""
 
-    def __init__(self, grads: List[torch.Tensor], dests, lr: float, step_number: int, rule: ElementwiseRule):
+    def __init__(self, grads: List[torch.Tensor], dests, lr: float, step_number: int, rule: ElementwiseRule,
+                 piece_step: Optional[Callable[[int, int], Optional[int]]] = None, skip: frozenset = frozenset()):
         self.grads = grads
         self.dests = dests
         self.lr = float(lr)
@@ -158,6 +159,11 @@ class ChunkUpdate:
             raise ValueError(f"lr={lr} must be finite and >= 0")
         self.step_number = step_number
         self.rule = rule
+        self.piece_step = piece_step or (lambda shard, element: step_number)
+        """(shard, element) → the update number of the piece holding that element in this step,
+        or None when the piece is left unchanged (no rank computed its gradient)."""
+        self.skip = skip
+        """(shard, piece start) of the pieces this step leaves unchanged (counted at commit)."""
         self.gate: Optional[Callable[[int, StepStats], None]] = None
         self.published: List[int] = []
         self.updated = 0
@@ -174,9 +180,12 @@ class ChunkUpdate:
             # Pieces cut at ALIGN_ELEMS from their start: bit for bit the whole-piece update only
             # through the kernel's private vector/scalar split (tests/test_private_apis.py).
             for wd, ranges in ch.groups:
-                self.rule.apply([p[a:b] for a, b in ranges], [g[ch.lo + a: ch.lo + b] for a, b in ranges],
-                                [m[a:b] for a, b in ranges], [v[a:b] for a, b in ranges],
-                                self.step_number, self.lr, wd)
+                steps = [self.piece_step(ch.shard, ch.lo + a) for a, _ in ranges]
+                ranges = [r for r, step in zip(ranges, steps) if step is not None]
+                if ranges:
+                    self.rule.apply([p[a:b] for a, b in ranges], [g[ch.lo + a: ch.lo + b] for a, b in ranges],
+                                    [m[a:b] for a, b in ranges], [v[a:b] for a, b in ranges],
+                                    [step for step in steps if step is not None], self.lr, wd)
         stats.compute_seconds += time.perf_counter() - t0
         return self.publish                  # runs once the chunk's write is submitted
 

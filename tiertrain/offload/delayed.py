@@ -62,8 +62,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Collectives
-from ..update.protocol import (GroupSchedule, OptimizerUpdate, UpdateMemory, optimizer_state_bytes, restore_masters,
-                               shard_optimizer)
+from ..update.protocol import (GroupSchedule, OptimizerUpdate, UpdateMemory, gradients_hidden, optimizer_state_bytes,
+                               restore_masters, shard_optimizer)
 
 
 class DelayedUpdateError(RuntimeError):
@@ -94,6 +94,8 @@ class DelayedUpdate(OptimizerUpdate):
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiertrain-delayed-update")
         self._future: Future | None = None
         self._in_flight_step = -1
+        self._updating_without: frozenset[str] = frozenset()
+        """Parameters the update in flight leaves unchanged (leave_unchanged)."""
         self.unpublished = False
         """The masters hold an update the compute shards do not have yet."""
         self.failed: str | None = None
@@ -131,6 +133,7 @@ class DelayedUpdate(OptimizerUpdate):
         self.flat.zero_grads(lazy=self.lazy_zero)
         self.schedule.apply(self.optimizer, lr)  # (no update in flight: waited above)
         self._in_flight_step = step
+        self._updating_without, self.unchanged = self.unchanged, frozenset()  # (read by the worker)
         self._future = self._worker.submit(self._update)
         self.schedule.advance()
         self._unagreed = True
@@ -141,7 +144,8 @@ class DelayedUpdate(OptimizerUpdate):
             self.overlapped_steps += 1
 
     def _update(self) -> None:
-        self.optimizer.step()
+        with gradients_hidden(self.optimizer, self._updating_without):
+            self.optimizer.step()
 
     def wait(self, agree: bool) -> None:
         """Wait for the update in flight (if any). agree=True (every rank must call it): all

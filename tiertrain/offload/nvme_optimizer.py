@@ -251,6 +251,11 @@ class NVMeAdamW:
         if len(pieces) != len(shards):
             raise ValueError(f"{len(pieces)} piece lists for {len(shards)} shards")
         self.pieces = [_check_pieces(s, n, p) for s, (n, p) in enumerate(zip(self._shard_numels, pieces))]
+        self._piece_starts = [[a for a, _, _ in p] for p in self.pieces]
+        self.skipped = [[0] * len(p) for p in self.pieces]
+        """Per shard and piece: the steps that left the piece unchanged (its parameter had no
+        gradient on any rank), so its own update number is the optimizer's minus these, as torch
+        keeps one step count per parameter."""
         for s, t in enumerate(shards):
             if t.dtype != torch.float32:
                 raise ValueError(f"shards[{s}] is {t.dtype}; master shards are fp32")
@@ -349,15 +354,16 @@ class NVMeAdamW:
         return depth
 
     def step(self, grads: Sequence[torch.Tensor], lr: float, out: Destination = None,
-             rule: Optional[ElementwiseRule] = None) -> StepStats:
+             rule: Optional[ElementwiseRule] = None, skip: frozenset = frozenset()) -> StepStats:
         """One AdamW step at learning rate ``lr`` with ``grads`` (one fp32 tensor per shard, of
         the shard's size; only the pieces' ranges are read). ``out``: where the updated fp32
         parameters go, chunk by chunk, as soon as each is updated — a list with one tensor (any
         dtype, the shard's size; None to skip) per shard, or ``fn(shard, start, end, fp32)``.
         Returns once every chunk is written back (and, transactional, committed). ``rule``:
-        this step's update (default: the optimizer's)."""
+        this step's update (default: the optimizer's). ``skip``: (shard, piece start) of the
+        pieces this step leaves unchanged, their state included."""
         self._check_usable()
-        update = self._new_update(grads, lr, out, rule)
+        update = self._new_update(grads, lr, out, rule, skip)
         try:
             stats, new_gens = self.stream_step(update)
         except BaseException as e:
@@ -403,6 +409,8 @@ class NVMeAdamW:
         """Make the generations a step wrote current and count the step; returns its stats."""
         self._commit(new_gens)
         self.step_count = update.step_number
+        for shard, start in update.skip:
+            self.skipped[shard][self._piece_starts[shard].index(start)] += 1
         self.totals["steps"] += 1
         self.totals["bytes_read"] += stats.bytes_read
         self.totals["bytes_written"] += stats.bytes_written
@@ -452,7 +460,7 @@ class NVMeAdamW:
             d["exp_avg"][ch.lo:ch.hi].copy_(m)
             d["exp_avg_sq"][ch.lo:ch.hi].copy_(v)
         self._stream("state_dict", work, read=True, write=False)
-        return {"step": self.step_count, "rule": repr(self.rule),
+        return {"step": self.step_count, "rule": repr(self.rule), "skipped": [list(c) for c in self.skipped],
                 "pieces": [list(p) for p in self.pieces], "shards": shards}
 
     def load_state_dict(self, state: dict) -> None:
@@ -495,6 +503,7 @@ class NVMeAdamW:
             raise
         self._commit(new_gens)
         self.step_count = int(state["step"])
+        self.skipped = [list(c) for c in state.get("skipped", [[0] * len(p) for p in self.pieces])]
         self._broken = None
 
     def read_masters(self, shards: Optional[Sequence[int]] = None) -> List[Optional[torch.Tensor]]:
@@ -632,10 +641,24 @@ class NVMeAdamW:
             dests.append(None if t is None else t.detach().view(-1))
         return dests
 
-    def _new_update(self, grads, lr, out: Destination, rule: Optional[ElementwiseRule] = None) -> ChunkUpdate:
-        """The update of the next step, with ``grads`` and ``out`` checked against the shards."""
-        return ChunkUpdate(self._check_grads(grads), self._check_out(out), lr, step_number=self.step_count + 1,
-                           rule=rule or self.rule)
+    def _new_update(self, grads, lr, out: Destination, rule: Optional[ElementwiseRule] = None,
+                    skip: frozenset = frozenset()) -> ChunkUpdate:
+        """The update of the next step, with ``grads`` and ``out`` checked against the shards;
+        skip: (shard, piece start) of the pieces it leaves unchanged."""
+        step_number = self.step_count + 1
+        skipped = self.skipped
+
+        def piece_step(shard: int, element: int) -> Optional[int]:
+            k = bisect.bisect_right(self._piece_starts[shard], element) - 1
+            if (shard, self._piece_starts[shard][k]) in skip:
+                return None
+            return step_number - skipped[shard][k]
+        return ChunkUpdate(self._check_grads(grads), self._check_out(out), lr, step_number=step_number,
+                           rule=rule or self.rule, piece_step=piece_step if skip or self._any_skipped() else None,
+                           skip=skip)
+
+    def _any_skipped(self) -> bool:
+        return any(any(counts) for counts in self.skipped)
 
     def _views(self, i: int, ch: Chunk):
         n = ch.numel

@@ -51,6 +51,12 @@ class NVMeUpdate(OptimizerUpdate):
         # The RAM copies of the masters go before the gradient shards are first touched.
         flat.drop_masters()
 
+    def _pieces_of(self, names: frozenset[str]) -> frozenset[tuple[int, int]]:
+        """(unit, start in the shard) of this rank's pieces of the named parameters: the
+        pieces the NVMe optimizer leaves unchanged."""
+        return frozenset((u.unit.index, a) for u in self.flat.units
+                         for slot, a, b in u.unit.shard_pieces(self.flat.shard_rank) if slot.name in names and a < b)
+
     def own_learning_rate(self):
         return self.schedule.learning_rate()
 
@@ -77,8 +83,9 @@ class NVMeUpdate(OptimizerUpdate):
     def step(self, grads, clip, lr, step):
         scale_gradients(grads, clip)
         lr, rule = self._rate(lr)
+        skip, self.unchanged = self._pieces_of(self.unchanged), frozenset()
         with self.flat.shard_writer() as updated_shards:
-            self.nvme.step(grads, lr, out=updated_shards, rule=rule)
+            self.nvme.step(grads, lr, out=updated_shards, rule=rule, skip=skip)
         self.schedule.advance()
         self.publish_and_reset()
 
@@ -144,6 +151,11 @@ class OverlappedNVMeUpdate(NVMeUpdate):
         self._end(commit=True)  # most units were updated during backward
         self.schedule.advance()
         self.publish_and_reset()
+
+    def leave_unchanged(self, names):
+        super().leave_unchanged(names)
+        if names:  # the step running since backward updated them too: step() redoes it without
+            self.cancel()
 
     def cancel(self):
         """The parameters an uncommitted step published return to their pre-step values (the

@@ -3,8 +3,8 @@ tiertrain/optim.py) over views of this rank's fp32 master shards, on the device 
 tier (ZeRO stages 0-3; ZeRO-Offload with offload_optimizer=cpu)."""
 from __future__ import annotations
 
-from .protocol import (GroupSchedule, OptimizerUpdate, UpdateMemory, optimizer_state_bytes, restore_masters,
-                       scale_gradients, shard_optimizer)
+from .protocol import (GroupSchedule, OptimizerUpdate, UpdateMemory, gradients_hidden, optimizer_state_bytes,
+                       restore_masters, scale_gradients, shard_optimizer)
 
 
 class InMemoryUpdate(OptimizerUpdate):
@@ -23,7 +23,9 @@ class InMemoryUpdate(OptimizerUpdate):
     def step(self, grads, clip, lr, step):
         scale_gradients(grads, clip)
         self.schedule.apply(self.optimizer, lr)
-        self.optimizer.step()
+        with gradients_hidden(self.optimizer, self.unchanged):
+            self.optimizer.step()
+        self.unchanged = frozenset()
         self.schedule.advance()
         self.publish_and_reset()
 

@@ -21,6 +21,8 @@ part) and ``close``.
 """
 from __future__ import annotations
 
+import contextlib
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -77,6 +79,7 @@ def shard_param_groups(flat: "FlatParameters", masters: list[torch.Tensor], grad
         for slot, a, b in u.unit.shard_pieces(flat.shard_rank):
             view = master[a:b]
             view.grad = grad[a:b]
+            setattr(view, SLOT_NAME, slot.name)  # (see gradients_hidden)
             try:
                 index = group_of(slot.name)
             except KeyError:
@@ -97,6 +100,29 @@ def shard_optimizer(flat: "FlatParameters", masters: list[torch.Tensor], grads: 
         return build_adamw(groups, config.optimizer)
     return client.build(shard_param_groups(flat, masters, grads, group_of=client.group_index().__getitem__,
                                            options=client.options()))
+
+
+SLOT_NAME = "tiertrain_parameter"
+"""The attribute naming the parameter a piece of an optimizer group belongs to."""
+
+
+@contextlib.contextmanager
+def gradients_hidden(optimizer: torch.optim.Optimizer, names: frozenset[str]):
+    """Within: the pieces of the named parameters have no .grad, so torch's optimizer leaves
+    them and their state unchanged, as it does for a parameter whose .grad is None in one
+    process (a parameter no rank used this step: an expert no token was routed to)."""
+    hidden = []
+    if names:
+        for group in optimizer.param_groups:
+            for view in group["params"]:
+                if getattr(view, SLOT_NAME, None) in names and view.grad is not None:
+                    hidden.append((view, view.grad))
+                    view.grad = None
+    try:
+        yield
+    finally:
+        for view, grad in hidden:
+            view.grad = grad
 
 
 def scale_gradients(grads: list[torch.Tensor], clip: torch.Tensor | None) -> None:
@@ -254,6 +280,16 @@ class OptimizerUpdate(ABC):
 
     def cancel(self) -> None:
         """Undo work started ahead of step() that step() will not commit."""
+
+    unchanged: frozenset[str] = frozenset()
+    """Parameters the next step() leaves unchanged, optimizer state included (see
+    leave_unchanged)."""
+
+    def leave_unchanged(self, names: frozenset[str]) -> None:
+        """Before step(): these parameters had no gradient on any rank in this step (an expert
+        no token was routed to). torch's optimizers skip a parameter whose .grad is None: no
+        update, no weight decay, no moment decay, no step count; the next step() must too."""
+        self.unchanged = names
 
     def publish_and_reset(self) -> None:
         """The updated masters into the compute shards (all-gather at stages 1-2, left running

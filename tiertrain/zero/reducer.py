@@ -26,7 +26,7 @@ so between steps only the gradient shard persists.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -51,6 +51,8 @@ class GradientReducer:
         """Called with a unit's index once its reduction has landed in the gradient shard (when
         the collective is waited on, in this thread): an overlapped optimizer step starts on it."""
         self.reduce_now = False
+        self.used: set[tuple[int, int]] = set()
+        """(unit, slot) of the parameters that received a gradient since the last take_used()."""
         self._fresh: set[int] = set()  # stage 0-1 units whose stale full gradient this backward overwrites
         self._buckets: dict[int, torch.Tensor] = {}
         self._missing: dict[int, int] = {}
@@ -64,13 +66,21 @@ class GradientReducer:
     def _reset_counts(self) -> None:
         self._missing = {u.unit.index: len(u.unit.slots) for u in self.flat.units}
         self._arrived: dict[int, set[int]] = {u.unit.index: set() for u in self.flat.units}
+        self._absent: set[tuple[int, int]] = set()
         self._next = 0
 
-    def begin(self, reduce_now: bool) -> None:
+    def begin(self, reduce_now: bool, absent: Iterable[nn.Parameter] = ()) -> None:
         """Called before each backward: reduce_now is False for stage 0/1 micro-batches that
-        only accumulate locally (not the accumulation boundary)."""
+        only accumulate locally (not the accumulation boundary). absent: parameters this
+        backward will give no gradient (not in the loss's graph; see unused_parameters): their
+        units complete without them, when their last used parameter's gradient arrives, as on
+        a rank that does use them (DDP's find_unused_parameters)."""
         self.reduce_now = self.launch_when_ready and (reduce_now or self.stage >= 2)
         self._reset_counts()
+        for p in absent:
+            index, k = self.flat.slot_of[p]
+            self._absent.add((index, k))
+            self._missing[index] -= 1
         # A stale full gradient (zeroed lazily after the last step) is overwritten slot by
         # slot by this backward; the slots that receive nothing are zeroed when it ends.
         for u in self.flat.units:
@@ -96,6 +106,11 @@ class GradientReducer:
 
     def _on_grad(self, p: nn.Parameter) -> None:
         index, k = self.flat.slot_of[p]
+        if (index, k) in self._absent:
+            raise RuntimeError(f"parameter {self.flat.units[index].unit.slots[k].name!r} received a gradient although "
+                               f"it is not in the loss's autograd graph: a backward inside backward (reentrant "
+                               f"activation checkpointing: use use_reentrant=False) hides parameters from it")
+        self.used.add((index, k))
         unit = self.flat.units[index]
         target = self._bucket(index)[unit.unit.slots[k].offset:unit.unit.slots[k].end]
         grad = p.grad.reshape(-1)
@@ -126,7 +141,8 @@ class GradientReducer:
         u = self.flat.units[index]
         fresh = index in self._fresh
         self._fresh.discard(index)
-        if not self._missing[index] or not (fresh or (u.grad_full is None and self.launch_when_ready)):
+        complete = len(self._arrived[index]) == len(u.unit.slots)
+        if complete or not (fresh or (u.grad_full is None and self.launch_when_ready)):
             return
         bucket = self._bucket(index)
         for k, slot in enumerate(u.unit.slots):
@@ -178,6 +194,11 @@ class GradientReducer:
         for index in list(self._fresh):  # units not reduced in this backward (accumulation)
             self._zero_missing(index)
 
+    def take_used(self) -> set[tuple[int, int]]:
+        """(unit, slot) of the parameters that received a gradient since the last call."""
+        used, self.used = self.used, set()
+        return used
+
     def accumulated_gradient(self, p: nn.Parameter) -> torch.Tensor:
         """The flat fp32 gradient accumulated so far for ``p``, before its reduction (a view:
         editing it edits what will be reduced; the pipeline's tied-weight exchange uses it)."""
@@ -201,3 +222,23 @@ class GradientReducer:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def unused_parameters(loss: torch.Tensor, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    """Those of params that the loss's autograd graph does not reach (no gradient will flow to
+    them in this backward): a walk from loss.grad_fn over next_functions to the gradient
+    accumulators, whose .variable is the parameter. Empty when the graph holds a reentrant
+    checkpoint, which hides the parameters inside it (they are then not reported absent)."""
+    seen, reached, stack = set(), set(), [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if type(fn).__name__ == "CheckpointFunctionBackward":
+            return []
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return [p for p in params if id(p) not in reached]
