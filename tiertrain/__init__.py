@@ -12,8 +12,9 @@ from .engine import Engine, MemoryReport
 from .wrapping import wrap
 from .topology import Topology
 from .zero.construct import partitioned_init
+from .export import ExportReport
 from .pretrained import LoadReport, PretrainedMismatchError, load_pretrained
 
-__all__ = ["Config", "ConfigError", "Engine", "LoadReport", "MemoryReport", "PretrainedMismatchError", "Topology",
+__all__ = ["Config", "ConfigError", "Engine", "ExportReport", "LoadReport", "MemoryReport", "PretrainedMismatchError", "Topology",
            "load_pretrained", "partitioned_init", "wrap"]
 __version__ = "0.1.0"

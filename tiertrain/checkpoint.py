@@ -17,14 +17,26 @@ Each file is written to a temporary name, fsynced and renamed into place, so a c
 leaves either the old checkpoint or a directory without COMMITTED.json, which loading
 ignores. Loading verifies the checksum of this rank's file and that the layout (stage,
 data-parallel size, units) is the one saved; a mismatch is an error naming what differs.
+
+No code runs on load: a rank file is read with ``torch.load(weights_only=True)``, torch's
+restricted unpickler (tensors, dicts, lists, tuples, sets, numbers, strings, dtypes, devices,
+sizes), because a checkpoint directory may come from anyone and whoever writes its files also
+writes the checksums in COMMITTED.json. A file asking for anything else (a pickled callable,
+a class) is refused with an error naming it. So that every checkpoint this module writes
+loads that way, :func:`plain_state` checks (and where lossless, converts) the parts' states at
+save time, and the caller's ``extra`` must be JSON-like (:func:`json_like_extra`).
 """
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
+import sys
+from collections import Counter, OrderedDict
 from typing import Any, Mapping, Protocol
 
 import torch
@@ -81,6 +93,160 @@ def _gather_objects(obj: Any, group) -> list[Any]:
     return out
 
 
+# -- what a checkpoint may hold -------------------------------------------------------------
+
+_PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+"""Leaf types torch's weights-only unpickler rebuilds (a subset of its allowlist, see
+torch._weights_only_unpickler._get_allowed_globals); exact types, not subclasses: a subclass
+is pickled by its own class, which that unpickler refuses."""
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_VALID = ("a checkpoint part's state may hold only tensors, None, bool, int, float, complex, str, bytes, "
+          "torch.dtype, torch.device, torch.Size and dict/list/tuple/set of them (it is loaded with "
+          "torch.load(weights_only=True), which rebuilds nothing else)")
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__module__}.{type(value).__qualname__} ({text[:60]}{'...' if len(text) > 60 else ''})"
+
+
+def _plain_scalar(value: Any) -> tuple[bool, Any]:
+    """(True, the plain equivalent) for a scalar the weights-only unpickler would refuse but
+    whose plain value compares equal (so load_state_dict sees the same thing): numpy scalars,
+    IntEnum/StrEnum-like members, other int/float/str subclasses. (False, None) otherwise."""
+    numpy = sys.modules.get("numpy")  # (never imported here: state holding numpy has it loaded)
+    if numpy is not None and isinstance(value, numpy.generic):
+        plain = value.item()  # (a longdouble or datetime64 stays non-plain: refused)
+        return (True, plain) if type(plain) in _PLAIN_LEAVES else (False, None)
+    for base in (int, float, str):
+        if isinstance(value, base):  # (an Enum member here mixes in base: equal to its value)
+            return True, getattr(base, f"__{base.__name__}__")(value)
+    return False, None
+
+
+def plain_state(value: Any, path: str = "state") -> Any:
+    """``value`` with only the types torch.load(weights_only=True) rebuilds, so that a
+    checkpoint saved from it loads without unpickling code. Lossless conversions are made
+    (numpy scalars, int/float/str subclasses such as IntEnum, namedtuples to tuples, dict and
+    frozenset subclasses to dict and set); anything else (an object, a plain Enum, a numpy
+    array, a tensor subclass) is a CheckpointError naming its key path, e.g.
+    ``state['update']['optimizer']['state'][0]['step']``. Tensors are kept as they are (not
+    copied), so storage sharing survives torch.save."""
+    return _plain(value, path, set())
+
+
+def _plain(value: Any, path: str, open_containers: set[int]) -> Any:
+    kind = type(value)
+    if kind in _PLAIN_LEAVES:
+        return value
+    if isinstance(value, torch.Tensor):
+        if kind not in _PLAIN_TENSORS:
+            raise CheckpointError(f"checkpoint {path} is a tensor subclass {_describe(value)}: {_VALID}; "
+                                  f"save a plain tensor (e.g. .as_subclass(torch.Tensor) or its local shard)")
+        return value
+    if isinstance(value, (dict, list, tuple, set, frozenset)):
+        if id(value) in open_containers:
+            raise CheckpointError(f"checkpoint {path} contains itself (a reference cycle): {_VALID}")
+        open_containers.add(id(value))
+        try:
+            if isinstance(value, dict):
+                items = {_plain_key(k, path): _plain(v, f"{path}[{k!r}]", open_containers) for k, v in value.items()}
+                return kind(items) if kind in (OrderedDict, Counter) else items
+            if isinstance(value, (set, frozenset)):
+                return {_plain_key(v, f"{path} (a set)") for v in value}
+            items = [_plain(v, f"{path}[{i}]", open_containers) for i, v in enumerate(value)]
+            return items if isinstance(value, list) else tuple(items)  # (a namedtuple: a tuple)
+        finally:
+            open_containers.discard(id(value))
+    converted, plain = _plain_scalar(value)
+    if converted:
+        return plain
+    hint = ""
+    if isinstance(value, enum.Enum):
+        hint = "; save its .value and rebuild the member in load_state_dict"
+    elif type(value).__module__ == "numpy":
+        hint = "; save torch.from_numpy(...) or .tolist() instead"
+    raise CheckpointError(f"checkpoint {path} is {_describe(value)}: {_VALID}{hint}")
+
+
+def _plain_key(key: Any, path: str) -> Any:
+    """A dict key or set element: a plain scalar, or a tuple of them."""
+    if type(key) in _PLAIN_LEAVES:
+        return key
+    if isinstance(key, tuple):
+        return tuple(_plain_key(k, path) for k in key)
+    converted, plain = _plain_scalar(key)
+    if converted:
+        return plain
+    raise CheckpointError(f"checkpoint {path} has the key {_describe(key)}: {_VALID}")
+
+
+def json_like_extra(extra: Mapping[str, Any] | None) -> dict:
+    """The caller's extras, checked: a dict of str keys whose values are None, bool, int,
+    float, str, or lists/tuples/dicts (str keys) of them. What resumes a loop (a step, a data
+    sampler's counters) fits; tensors and objects belong in a checkpoint part. Checked at save
+    time, so a checkpoint that could not be loaded safely is never written."""
+    if extra is None:
+        return {}
+    if type(extra) is not dict:
+        raise CheckpointError(f"save_checkpoint(extra=) must be a dict of JSON-like values, "
+                              f"got {_describe(extra)}")
+    _check_json_like(extra, "extra")
+    return extra
+
+
+def _check_json_like(value: Any, path: str) -> None:
+    kind = type(value)
+    if kind in (type(None), bool, int, float, str):
+        return
+    if kind in (list, tuple):
+        for i, v in enumerate(value):
+            _check_json_like(v, f"{path}[{i}]")
+        return
+    if kind is dict:
+        for k, v in value.items():
+            if type(k) is not str:
+                raise CheckpointError(f"save_checkpoint(extra=): {path} has the key {_describe(k)}; "
+                                      f"extras are JSON-like: keys must be str")
+            _check_json_like(v, f"{path}[{k!r}]")
+        return
+    raise CheckpointError(f"save_checkpoint(extra=): {path} is {_describe(value)}; extras are JSON-like: "
+                          f"None, bool, int, float, str and lists/tuples/dicts (str keys) of them")
+
+
+def _unpickler_reason(message: str) -> str:
+    """The point of torch's weights-only refusal (the global it would not import, or its
+    reason), without its advice to retry with the full unpickler (the one thing not to do
+    with a file from elsewhere)."""
+    found = re.search(r"GLOBAL ([\w.]+)", message)
+    if found:
+        return f"a pickled reference to {found.group(1)}"
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    for line in lines:
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].strip()
+    boilerplate = ("Weights only load failed", "Check the documentation", "(1)", "(2)")
+    return next((line for line in lines if not line.startswith(boilerplate)), "an object it does not rebuild")
+
+
+def _load_rank_file(path: str, device: torch.device, mmap: bool = False) -> dict:
+    """torch.load with the weights-only unpickler: nothing in the file can run code. mmap:
+    tensors stay in the file's pages until read (resharding reads parts of several files)."""
+    try:
+        state = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path!r} is refused: loading it would unpickle {_unpickler_reason(str(e))}, "
+                              f"which torch.load(weights_only=True) does not run; a tiertrain checkpoint "
+                              f"holds only tensors and plain values, so this file was not written by "
+                              f"tiertrain or was changed since") from None
+    except Exception as e:  # (a malformed archive whose checksum was committed as well)
+        raise CheckpointError(f"{path!r} could not be read: {type(e).__name__}: {e}") from e
+    if not isinstance(state, dict) or "extra" not in state:
+        raise CheckpointError(f"{path!r} does not hold a tiertrain rank state (a dict of parts and "
+                              f"'extra'); it holds {type(state).__name__}")
+    return state
+
+
 def rank_state(parts: Mapping[str, Stateful]) -> dict:
     """This rank's complete training state: every part's state, by part name."""
     return {name: part.state_dict() for name, part in parts.items()}
@@ -96,18 +262,30 @@ def restore_rank_state(parts: Mapping[str, Stateful], state: dict) -> None:
 
 
 def save(parts: Mapping[str, Stateful], directory: str, step: int, topology, fingerprint: dict,
-         extra: dict | None = None, keep_last: int = 0) -> str:
+         extra: dict | None = None, keep_last: int = 0, shards: dict | None = None) -> str:
     """Save this rank's parts under directory/step_NNNNNNNN (collective: every rank calls it);
-    fingerprint: this rank's layout_fingerprint, checked at load."""
+    fingerprint: this rank's layout_fingerprint, checked at load; extra: JSON-like values
+    returned by load; shards: this rank's shard layout (reshard.describe, JSON-like), kept in
+    COMMITTED.json so a run at another dp size or stage can find each value. A state that torch.load(weights_only=True) could not rebuild (see
+    plain_state, json_like_extra) is a CheckpointError on every rank before anything is written."""
     step_dir = os.path.join(directory, f"step_{step:08d}")
     rank, world = topology.rank, topology.world_size
     group = topology.world_group()
+    # Checked before anything is written or uncommitted; every rank learns every rank's
+    # problem, so none is left waiting in a collective for one that raised.
+    problem = None
+    try:
+        state = plain_state(rank_state(parts))
+        state["extra"] = json_like_extra(extra)
+    except CheckpointError as e:
+        problem = f"rank {rank}: {e}"
+    problems = [p for p in _gather_objects(problem, group) if p]
+    if problems:
+        raise CheckpointError(f"checkpoint of step {step} not saved; " + "; ".join(problems))
     if rank == 0 and os.path.exists(os.path.join(step_dir, MARKER)):
         os.remove(os.path.join(step_dir, MARKER))  # re-saving a step: uncommit it first
     if group is not None:
         dist.barrier(group=group)
-    state = rank_state(parts)
-    state["extra"] = extra or {}
     path = os.path.join(step_dir, f"rank{rank:05d}.pt")
     error = digest = None
     try:  # every rank reports success or its error, so no rank waits on a failed one
@@ -117,13 +295,15 @@ def save(parts: Mapping[str, Stateful], directory: str, step: int, topology, fin
     except OSError as e:
         error = f"rank {rank}: writing {path!r} failed: {e.strerror or e}"
     # Each rank's own layout is recorded: under pipeline or tensor parallelism they differ.
-    digests = _gather_objects((digest, error, fingerprint), group)
-    errors = [e for _, e, _ in digests if e]
+    digests = _gather_objects((digest, error, fingerprint, shards), group)
+    errors = [e for _, e, _, _ in digests if e]
     if errors:
         raise CheckpointError("checkpoint not committed; " + "; ".join(errors))
     if rank == 0:
-        marker = {"step": step, "world_size": world, "layouts": [f for _, _, f in digests],
-                  "sha256": [d for d, _, _ in digests]}
+        marker = {"step": step, "world_size": world, "layouts": [f for _, _, f, _ in digests],
+                  "sha256": [d for d, _, _, _ in digests]}
+        if all(s is not None for _, _, _, s in digests):
+            marker["shards"] = [s for _, _, _, s in digests]
         atomic_write(os.path.join(step_dir, MARKER), lambda f: f.write(json.dumps(marker, indent=1).encode()))
         if keep_last:
             for old in committed_steps(directory)[:-keep_last]:
@@ -131,6 +311,16 @@ def save(parts: Mapping[str, Stateful], directory: str, step: int, topology, fin
     if group is not None:
         dist.barrier(group=group)
     return step_dir
+
+
+def _layout_changed(marker: dict, topology, fingerprint: dict) -> bool:
+    """The checkpoint was saved at another data-parallel size or ZeRO stage than this run's
+    (what resharding may bridge; any other difference is refused as before)."""
+    rank = topology.rank
+    if marker["world_size"] != topology.world_size or rank >= len(marker["layouts"]):
+        return True
+    saved = marker["layouts"][rank]
+    return saved["dp"] != fingerprint["dp"] or saved["stage"] != fingerprint["stage"]
 
 
 def committed_steps(directory: str) -> list[int]:
@@ -146,9 +336,13 @@ def committed_steps(directory: str) -> list[int]:
 
 
 def load(parts: Mapping[str, Stateful], directory: str, step: int | None, topology, fingerprint: dict,
-         device: torch.device) -> dict:
+         device: torch.device, shards: dict | None = None, optimizer_state: dict | None = None,
+         reshard: bool = True) -> dict:
     """Restore the newest (or the given) committed checkpoint into the parts; returns the
-    saved extras. fingerprint must match the one saved by this rank."""
+    saved extras. fingerprint must match the one saved by this rank, except that with reshard
+    (and shards, this rank's reshard.describe, and optimizer_state, its optimizer's
+    state_dict) a checkpoint saved at another data-parallel size or ZeRO stage is cut to
+    this rank's layout (tiertrain/reshard.py)."""
     steps = committed_steps(directory)
     if not steps:
         raise CheckpointError(f"no committed checkpoint in {directory!r}")
@@ -160,6 +354,13 @@ def load(parts: Mapping[str, Stateful], directory: str, step: int | None, topolo
     with open(os.path.join(step_dir, MARKER)) as f:
         marker = json.load(f)
     rank = topology.rank
+    if reshard and shards is not None and _layout_changed(marker, topology, fingerprint):
+        from . import reshard as resharding  # (imports zero.layout; loaded only when needed)
+        resharding.check_reshardable(step_dir, marker, fingerprint, shards)
+        if optimizer_state is None:
+            raise CheckpointError(f"{step_dir!r} was saved at another layout; resharding needs this rank's "
+                                  f"optimizer state_dict (load(optimizer_state=))")
+        return resharding.load_resharded(parts, step_dir, marker, rank, shards, optimizer_state)
     if marker["world_size"] != topology.world_size:
         raise CheckpointError(f"{step_dir!r} was saved by {marker['world_size']} ranks, "
                               f"this run has {topology.world_size}; resharding is not supported yet")
@@ -176,6 +377,6 @@ def load(parts: Mapping[str, Stateful], directory: str, step: int | None, topolo
         raise CheckpointError(f"{path!r} is missing from a committed checkpoint")
     if _sha256(path) != marker["sha256"][rank]:
         raise CheckpointError(f"{path!r} is corrupt: its sha256 differs from the one committed")
-    state = torch.load(path, map_location=device, weights_only=False)
+    state = _load_rank_file(path, device)
     restore_rank_state(parts, state)
     return state["extra"]

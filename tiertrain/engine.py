@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
 
 from . import checkpoint
+from . import reshard as reshard_module
 from .comm import Collectives, CommCounter
 from .config import Config, ConfigError
 from .host_memory import retain_freed_host_memory
@@ -38,6 +39,9 @@ from .zero.param_gather import WaitForParameters
 from .zero.plan import GradientPlan, default_plan
 from .zero.reducer import GradientReducer, unused_parameters
 from .zero.stage3 import ParameterFetcher
+
+if TYPE_CHECKING:
+    from .export import ExportReport
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -185,6 +189,7 @@ class Engine:
         """The optimizer step, in the form the configuration asks for (tiertrain/update/)."""
         self._on_close.append(self.update.close)  # (first undone: its thread, its swap files)
         self.train_state = TrainState()
+        self._slot_position: dict[tuple[int, int], int] | None = None  # (unit, slot) → flag index
         self._stepped_at = -1
         self.last_grad_norm = float("nan")
 
@@ -410,8 +415,11 @@ class Engine:
         """The parameters no data-parallel rank computed a gradient for since the last step
         (one small all-reduce of a flag per parameter). torch leaves a parameter whose .grad is
         None unchanged; the update must too, where the flat buffers hold zeros for it."""
-        slots = [(u.unit.index, k) for u in self.flat.units for k in range(len(u.unit.slots))]
-        position = {slot: i for i, slot in enumerate(slots)}
+        if self._slot_position is None:
+            slots = [(u.unit.index, k) for u in self.flat.units for k in range(len(u.unit.slots))]
+            self._slot_position = {slot: i for i, slot in enumerate(slots)}
+        position = self._slot_position
+        slots = list(position)
         flags = torch.zeros(len(slots), dtype=torch.int32, device=self.device)
         used = [position[slot] for slot in self.reducer.take_used()]
         if used:
@@ -540,13 +548,21 @@ class Engine:
         self.quiesce()
         self.update.settle(collective=True)  # an update in flight is saved, not lost
         return checkpoint.save(self.checkpoint_parts(), directory, self.steps, self.topology,
-                               self.checkpoint_fingerprint(), extra, keep_last)
+                               self.checkpoint_fingerprint(), extra, keep_last,
+                               shards=reshard_module.describe(self.flat, self.update))
 
-    def load_checkpoint(self, directory: str, step: int | None = None) -> dict:
-        """Collective: restore the newest committed checkpoint; returns the extras saved with it."""
+    def load_checkpoint(self, directory: str, step: int | None = None, reshard: bool = True) -> dict:
+        """Collective: restore the newest committed checkpoint; returns the extras saved with it.
+        A checkpoint saved at another data-parallel size or ZeRO stage is resharded to this
+        run's layout (tiertrain/reshard.py; the in-memory optimizer only); reshard=False
+        refuses it instead."""
         self.quiesce()
+        optimizer = getattr(self.update, "optimizer", None)
+        optimizer_state = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else None
         return checkpoint.load(self.checkpoint_parts(), directory, step, self.topology,
-                               self.checkpoint_fingerprint(), self.device)
+                               self.checkpoint_fingerprint(), self.device,
+                               shards=reshard_module.describe(self.flat, self.update),
+                               optimizer_state=optimizer_state, reshard=reshard)
 
     def masters(self) -> list[torch.Tensor]:
         """This rank's fp32 master shard of every unit (read from NVMe when they live there)."""
@@ -573,6 +589,18 @@ class Engine:
             if name not in out and not p.requires_grad:  # frozen and whole on every rank
                 out[name] = p.detach().float().clone()
         return out
+
+    def save_pretrained(self, directory: str, dtype: torch.dtype | str | None = None,
+                        max_shard_bytes: int | None = None) -> "ExportReport":
+        """Collective: write the model as a Hugging Face safetensors checkpoint (config
+        included) that ``type(model).from_pretrained`` and tiertrain.load_pretrained load,
+        the ranks writing its files in parallel and no rank ever holding the whole model
+        (ZeRO-Infinity §6): one unit gathered at a time. Values: the fp32 masters (frozen
+        parameters: their compute-dtype values), in dtype (None: fp32). max_shard_bytes:
+        tensor bytes per file at most (default 5 GB). See tiertrain/export.py."""
+        from .export import save_pretrained
+
+        return save_pretrained(self, directory, dtype=dtype, max_shard_bytes=max_shard_bytes)
 
     def undo_on_close(self, undo: Callable[[], None]) -> None:
         """Have close() call undo (after what was registered later): wrap() hands over what

@@ -33,6 +33,7 @@ import datetime
 import io
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -316,4 +317,16 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args, timeout: float = DEF
     finally:
         _stop(procs)
         del store
-    return [torch.load(io.BytesIO(values[r]), weights_only=False) for r in range(nproc)]
+    return [_unpickle_result(values[r]) for r in range(nproc)]
+
+
+def _unpickle_result(payload: bytes) -> Any:
+    """A worker's return value, as its torch.save wrote it (_worker), with the full unpickler.
+
+    Unpickling is acceptable here, unlike for checkpoint files (tiertrain/checkpoint.py):
+    the bytes come from our own child processes (started by launch_local, running the
+    function this process handed them) over a multiprocessing queue, and are never read
+    from a file. The results are arbitrary Python objects (dataclasses, memory reports,
+    tuples of them), which torch's weights-only unpickler would refuse. An explicit pickle_module selects the full
+    unpickler (torch.load's weights_only default is False then)."""
+    return torch.load(io.BytesIO(payload), pickle_module=pickle)
