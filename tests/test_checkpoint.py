@@ -67,7 +67,7 @@ def _save_then(rank, world, directory, action):
         cfg = make_config(zero={"stage": 3}, batch={"micro_batch_size": 2})
         engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
     torch.distributed.barrier()
-    engine.load_checkpoint(directory)
+    engine.load_checkpoint(directory, reshard=action != "other_stage")
 
 
 @pytest.mark.timeout(60)
@@ -77,7 +77,8 @@ def test_corrupt_shard_is_refused_with_its_path(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_layout_mismatch_is_refused(tmp_path):
+def test_layout_mismatch_is_refused_when_resharding_is_off(tmp_path):
+    """(With resharding on, the default, tests/test_reshard.py loads it at the new stage.)"""
     with pytest.raises(RankFailure, match=r"saved with stage=2, this run has stage=3"):
         run_distributed(_save_then, 2, str(tmp_path), "other_stage", timeout=40)
 

@@ -16,7 +16,10 @@ Layout on disk::
 Each file is written to a temporary name, fsynced and renamed into place, so a crash
 leaves either the old checkpoint or a directory without COMMITTED.json, which loading
 ignores. Loading verifies the checksum of this rank's file and that the layout (stage,
-data-parallel size, units) is the one saved; a mismatch is an error naming what differs.
+data-parallel size, units) is the one saved; a mismatch is an error naming what differs,
+except a checkpoint saved at another data-parallel size or ZeRO stage, which is cut to this
+run's layout when it can be (tiertrain/reshard.py, from each rank's shard layout recorded in
+COMMITTED.json under "shards").
 
 No code runs on load: a rank file is read with ``torch.load(weights_only=True)``, torch's
 restricted unpickler (tensors, dicts, lists, tuples, sets, numbers, strings, dtypes, devices,
@@ -77,7 +80,7 @@ def layout_fingerprint(layout, topology, stage: int, dtype: str, state_format: s
     }
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -229,7 +232,7 @@ def _unpickler_reason(message: str) -> str:
     return next((line for line in lines if not line.startswith(boilerplate)), "an object it does not rebuild")
 
 
-def _load_rank_file(path: str, device: torch.device, mmap: bool = False) -> dict:
+def load_rank_file(path: str, device: torch.device, mmap: bool = False) -> dict:
     """torch.load with the weights-only unpickler: nothing in the file can run code. mmap:
     tensors stay in the file's pages until read (resharding reads parts of several files)."""
     try:
@@ -291,7 +294,7 @@ def save(parts: Mapping[str, Stateful], directory: str, step: int, topology, fin
     try:  # every rank reports success or its error, so no rank waits on a failed one
         os.makedirs(step_dir, exist_ok=True)
         atomic_write(path, lambda f: torch.save(state, f))
-        digest = _sha256(path)
+        digest = file_sha256(path)
     except OSError as e:
         error = f"rank {rank}: writing {path!r} failed: {e.strerror or e}"
     # Each rank's own layout is recorded: under pipeline or tensor parallelism they differ.
@@ -313,7 +316,7 @@ def save(parts: Mapping[str, Stateful], directory: str, step: int, topology, fin
     return step_dir
 
 
-def _layout_changed(marker: dict, topology, fingerprint: dict) -> bool:
+def layout_changed(marker: dict, topology, fingerprint: dict) -> bool:
     """The checkpoint was saved at another data-parallel size or ZeRO stage than this run's
     (what resharding may bridge; any other difference is refused as before)."""
     rank = topology.rank
@@ -335,14 +338,8 @@ def committed_steps(directory: str) -> list[int]:
     return sorted(steps)
 
 
-def load(parts: Mapping[str, Stateful], directory: str, step: int | None, topology, fingerprint: dict,
-         device: torch.device, shards: dict | None = None, optimizer_state: dict | None = None,
-         reshard: bool = True) -> dict:
-    """Restore the newest (or the given) committed checkpoint into the parts; returns the
-    saved extras. fingerprint must match the one saved by this rank, except that with reshard
-    (and shards, this rank's reshard.describe, and optimizer_state, its optimizer's
-    state_dict) a checkpoint saved at another data-parallel size or ZeRO stage is cut to
-    this rank's layout (tiertrain/reshard.py)."""
+def find_committed(directory: str, step: int | None = None) -> tuple[str, dict]:
+    """(step directory, its commit marker) of the newest (or the given) committed checkpoint."""
     steps = committed_steps(directory)
     if not steps:
         raise CheckpointError(f"no committed checkpoint in {directory!r}")
@@ -352,18 +349,19 @@ def load(parts: Mapping[str, Stateful], directory: str, step: int | None, topolo
         raise CheckpointError(f"no committed checkpoint for step {step} in {directory!r}; committed: {steps}")
     step_dir = os.path.join(directory, f"step_{step:08d}")
     with open(os.path.join(step_dir, MARKER)) as f:
-        marker = json.load(f)
+        return step_dir, json.load(f)
+
+
+def load(parts: Mapping[str, Stateful], directory: str, step: int | None, topology, fingerprint: dict,
+         device: torch.device) -> dict:
+    """Restore the newest (or the given) committed checkpoint into the parts; returns the
+    saved extras. fingerprint must match the one saved by this rank (a checkpoint of another
+    data-parallel size or ZeRO stage loads through tiertrain/reshard.py instead)."""
+    step_dir, marker = find_committed(directory, step)
     rank = topology.rank
-    if reshard and shards is not None and _layout_changed(marker, topology, fingerprint):
-        from . import reshard as resharding  # (imports zero.layout; loaded only when needed)
-        resharding.check_reshardable(step_dir, marker, fingerprint, shards)
-        if optimizer_state is None:
-            raise CheckpointError(f"{step_dir!r} was saved at another layout; resharding needs this rank's "
-                                  f"optimizer state_dict (load(optimizer_state=))")
-        return resharding.load_resharded(parts, step_dir, marker, rank, shards, optimizer_state)
     if marker["world_size"] != topology.world_size:
         raise CheckpointError(f"{step_dir!r} was saved by {marker['world_size']} ranks, "
-                              f"this run has {topology.world_size}; resharding is not supported yet")
+                              f"this run has {topology.world_size} (Engine.load_checkpoint reshards it unless reshard=False)")
     expected, saved = fingerprint, marker["layouts"][rank]
     for key in ("stage", "dp", "tp", "pp", "dtype", "optimizer_tier"):
         if saved[key] != expected[key]:
@@ -375,8 +373,8 @@ def load(parts: Mapping[str, Stateful], directory: str, step: int | None, topolo
     path = os.path.join(step_dir, f"rank{rank:05d}.pt")
     if not os.path.exists(path):
         raise CheckpointError(f"{path!r} is missing from a committed checkpoint")
-    if _sha256(path) != marker["sha256"][rank]:
+    if file_sha256(path) != marker["sha256"][rank]:
         raise CheckpointError(f"{path!r} is corrupt: its sha256 differs from the one committed")
-    state = _load_rank_file(path, device)
+    state = load_rank_file(path, device)
     restore_rank_state(parts, state)
     return state["extra"]

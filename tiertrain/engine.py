@@ -557,12 +557,13 @@ class Engine:
         run's layout (tiertrain/reshard.py; the in-memory optimizer only); reshard=False
         refuses it instead."""
         self.quiesce()
-        optimizer = getattr(self.update, "optimizer", None)
-        optimizer_state = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else None
-        return checkpoint.load(self.checkpoint_parts(), directory, step, self.topology,
-                               self.checkpoint_fingerprint(), self.device,
-                               shards=reshard_module.describe(self.flat, self.update),
-                               optimizer_state=optimizer_state, reshard=reshard)
+        fingerprint = self.checkpoint_fingerprint()
+        step_dir, marker = checkpoint.find_committed(directory, step)
+        if reshard and checkpoint.layout_changed(marker, self.topology, fingerprint):
+            return reshard_module.load_resharded(self.checkpoint_parts(), step_dir, marker, self.topology.rank,
+                                                 fingerprint, reshard_module.describe(self.flat, self.update),
+                                                 self.update)
+        return checkpoint.load(self.checkpoint_parts(), directory, step, self.topology, fingerprint, self.device)
 
     def masters(self) -> list[torch.Tensor]:
         """This rank's fp32 master shard of every unit (read from NVMe when they live there)."""
