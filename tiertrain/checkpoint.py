@@ -12,6 +12,9 @@ Layout on disk::
     DIR/step_00000120/rank00001.pt   caller's extras
     DIR/step_00000120/COMMITTED.json written last, by rank 0, once every rank's file is
                                      durable: each rank's layout fingerprint and file sha256
+    DIR/step_00000120/export.json ...  the caller's extra files (save(files=)), written by rank 0
+                                     before the marker, which lists their sha256 under "files"
+                                     (the engine's: what tiertrain/consolidate.py exports from)
 
 Each file is written to a temporary name, fsynced and renamed into place, so a crash
 leaves either the old checkpoint or a directory without COMMITTED.json, which loading
@@ -49,6 +52,7 @@ from .fileio import atomic_write
 
 MARKER = "COMMITTED.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_EXTRA_FILE = re.compile(r"^(?!rank\d+\.pt$)[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
 class CheckpointError(RuntimeError):
@@ -265,12 +269,16 @@ def restore_rank_state(parts: Mapping[str, Stateful], state: dict) -> None:
 
 
 def save(parts: Mapping[str, Stateful], directory: str, step: int, topology, fingerprint: dict,
-         extra: dict | None = None, keep_last: int = 0, shards: dict | None = None) -> str:
+         extra: dict | None = None, keep_last: int = 0, shards: dict | None = None,
+         files: Mapping[str, Any] | None = None) -> str:
     """Save this rank's parts under directory/step_NNNNNNNN (collective: every rank calls it);
     fingerprint: this rank's layout_fingerprint, checked at load; extra: JSON-like values
     returned by load; shards: this rank's shard layout (reshard.describe, JSON-like), kept in
-    COMMITTED.json so a run at another dp size or stage can find each value. A state that torch.load(weights_only=True) could not rebuild (see
-    plain_state, json_like_extra) is a CheckpointError on every rank before anything is written."""
+    COMMITTED.json so a run at another dp size or stage can find each value; files: {name:
+    bytes, or a callable writing to a binary file} written by rank 0 into the step directory
+    (atomically, before the commit marker, which lists each with its sha256 under "files").
+    A state that torch.load(weights_only=True) could not rebuild (see plain_state,
+    json_like_extra) is a CheckpointError on every rank before anything is written."""
     step_dir = os.path.join(directory, f"step_{step:08d}")
     rank, world = topology.rank, topology.world_size
     group = topology.world_group()
@@ -291,12 +299,21 @@ def save(parts: Mapping[str, Stateful], directory: str, step: int, topology, fin
         dist.barrier(group=group)
     path = os.path.join(step_dir, f"rank{rank:05d}.pt")
     error = digest = None
+    file_digests: dict[str, str] = {}
     try:  # every rank reports success or its error, so no rank waits on a failed one
         os.makedirs(step_dir, exist_ok=True)
         atomic_write(path, lambda f: torch.save(state, f))
         digest = file_sha256(path)
-    except OSError as e:
-        error = f"rank {rank}: writing {path!r} failed: {e.strerror or e}"
+        if rank == 0:
+            for name, content in (files or {}).items():
+                if not _EXTRA_FILE.match(name) or name == MARKER:
+                    raise CheckpointError(f"checkpoint file name {name!r} is not allowed (a plain file name, "
+                                          f"not {MARKER} nor a rank file)")
+                target = os.path.join(step_dir, name)
+                atomic_write(target, (lambda f, c=content: f.write(c)) if isinstance(content, bytes) else content)
+                file_digests[name] = file_sha256(target)
+    except (OSError, CheckpointError) as e:
+        error = f"rank {rank}: writing {path!r} failed: {getattr(e, 'strerror', None) or e}"
     # Each rank's own layout is recorded: under pipeline or tensor parallelism they differ.
     digests = _gather_objects((digest, error, fingerprint, shards), group)
     errors = [e for _, e, _, _ in digests if e]
@@ -307,6 +324,8 @@ def save(parts: Mapping[str, Stateful], directory: str, step: int, topology, fin
                   "sha256": [d for d, _, _, _ in digests]}
         if all(s is not None for _, _, _, s in digests):
             marker["shards"] = [s for _, _, _, s in digests]
+        if file_digests:
+            marker["files"] = file_digests
         atomic_write(os.path.join(step_dir, MARKER), lambda f: f.write(json.dumps(marker, indent=1).encode()))
         if keep_last:
             for old in committed_steps(directory)[:-keep_last]:

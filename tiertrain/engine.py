@@ -547,9 +547,25 @@ class Engine:
         """Collective: atomically save every rank's shard under directory/step_N (see checkpoint.py)."""
         self.quiesce()
         self.update.settle(collective=True)  # an update in flight is saved, not lost
+        files = {}
+        if self.topology.size("pp") == 1 and self.topology.size("tp") == 1:
+            # What an offline export (tiertrain/consolidate.py) needs beyond the shards: the
+            # names Hugging Face writes, what the module holds whole, the model's HF config.
+            import json
+
+            from . import export as export_module
+            names, held = export_module.checkpoint_names(self.module, self.flat)
+            held = [(n, t) for n, t in held if export_module.writable_dtype(t.dtype)]
+            files["export.json"] = json.dumps({"names": names, "held": [n for n, _ in held]},
+                                              indent=1).encode()
+            if held:
+                files["held_tensors.safetensors"] = lambda f: export_module.write_safetensors(f, held)
+            hf = export_module.hf_config_json(self.module)
+            if hf is not None:
+                files["hf_config.json"] = json.dumps(hf, indent=1).encode()
         return checkpoint.save(self.checkpoint_parts(), directory, self.steps, self.topology,
                                self.checkpoint_fingerprint(), extra, keep_last,
-                               shards=reshard_module.describe(self.flat, self.update))
+                               shards=reshard_module.describe(self.flat, self.update), files=files)
 
     def load_checkpoint(self, directory: str, step: int | None = None, reshard: bool = True) -> dict:
         """Collective: restore the newest committed checkpoint; returns the extras saved with it.

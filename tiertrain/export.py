@@ -204,32 +204,15 @@ def _model_tensors(engine: "Engine", dtype: torch.dtype) -> list[_Item]:
     """The checkpoint's tensors in the model's order: each tensor of ``state_dict()`` once
     (grouped by identity: a tied parameter is one object under several names), the layout's
     parameters by unit and slot, then what the module holds whole."""
-    module = engine.module
     flat = engine.flat
-    groups: dict[int, tuple[list[str], torch.Tensor]] = {}
-    for name, t in module.state_dict(keep_vars=True).items():
-        if not isinstance(t, torch.Tensor):
-            continue
-        groups.setdefault(id(t), ([], t))[0].append(name)
-    tied, ignored = _tied_copy_patterns(module), _ignored_on_save(module)
-    in_units: dict[tuple[int, int], str] = {}
-    held: list[tuple[str, torch.Tensor]] = []
-    for names, t in groups.values():
-        names = [n for n in names if n not in ignored]
-        if not names:
-            continue
-        name = _kept_name(names, tied)
-        place = flat.unit_of.get(t) if isinstance(t, nn.Parameter) else None
-        if place is not None:
-            in_units[place] = name
-        elif isinstance(t, nn.Parameter) and t.requires_grad:
-            raise RuntimeError(f"save_pretrained: trained parameter {name!r} is not in the engine's layout")
-        else:
-            held.append((name, t))
+    names, held = checkpoint_names(engine.module, flat)
+    trained_outside = [name for name, t in held if isinstance(t, nn.Parameter) and t.requires_grad]
+    if trained_outside:
+        raise RuntimeError(f"save_pretrained: trained parameter {trained_outside[0]!r} is not in the engine's layout")
     items: list[_Item] = []
     for u in flat.all_units:
-        for k, slot in enumerate(u.unit.slots):
-            name = in_units.get((u.unit.index, k))
+        for slot in u.unit.slots:
+            name = names.get(slot.name)
             if name is not None:
                 items.append(_Item(name, slot.shape, dtype, len(items), u.unit.index, slot=slot))
     for name, t in held:
@@ -580,4 +563,116 @@ def save_pretrained(engine: "Engine", directory: str | os.PathLike, dtype: torch
     return report
 
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportReport", "resolve_dtype", "save_pretrained"]
+# -- reusable pieces (the offline export, tiertrain/consolidate.py) --------------------------------
+
+TensorItem = _Item
+"""One tensor of a checkpoint to write: name, shape, dtype as written, position in the model's
+order; for an offline writer, unit=None and value=None (the value is handed to write())."""
+StreamedFile = _StreamedFile
+"""A safetensors file written tensor by tensor, complete (renamed into place) or absent."""
+
+
+def checkpoint_names(module: nn.Module, flat) -> tuple[dict[str, str], list[tuple[str, torch.Tensor]]]:
+    """What a Hugging Face checkpoint of module holds, as save_pretrained (above) writes it:
+    ({layout parameter name: the name it is written under} for every parameter of the engine's
+    layout that state_dict() holds (a tied parameter once, under the name Hugging Face keeps),
+    [(name, tensor)] for what the module holds whole (persistent buffers, frozen parameters
+    outside the layout), in state_dict order)."""
+    groups: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if isinstance(t, torch.Tensor):
+            groups.setdefault(id(t), ([], t))[0].append(name)
+    tied, ignored = _tied_copy_patterns(module), _ignored_on_save(module)
+    slot_names = {(u.unit.index, k): slot.name for u in flat.all_units for k, slot in enumerate(u.unit.slots)}
+    in_units: dict[str, str] = {}
+    held: list[tuple[str, torch.Tensor]] = []
+    for names, t in groups.values():
+        names = [n for n in names if n not in ignored]
+        if not names:
+            continue
+        name = _kept_name(names, tied)
+        place = flat.unit_of.get(t) if isinstance(t, nn.Parameter) else None
+        if place is not None:
+            in_units[slot_names[place]] = name
+        else:
+            held.append((name, t))
+    return in_units, held
+
+
+def write_safetensors(f: BinaryIO, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """A whole safetensors file of these tensors (in their own dtypes) into the binary file f."""
+    items = sorted((_Item(name, tuple(t.shape), t.dtype, k, None, value=t) for k, (name, t) in enumerate(tensors)),
+                   key=lambda i: (-i.dtype.itemsize, i.position))
+    f.write(_header(tuple(items)))
+    for item in items:
+        data = item.value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        f.write(memoryview(data.numpy()))
+
+
+def writable_dtype(dtype: torch.dtype) -> bool:
+    """Whether a safetensors file written here can hold this dtype."""
+    return dtype in _SAFETENSORS_DTYPE
+
+
+def plan_files(items: list[_Item], max_shard_bytes: int) -> _Plan:
+    """The files one writer writes items into (the same naming and order as save_pretrained)."""
+    return _plan(items, 1, max_shard_bytes)
+
+
+def write_index(directory: str, plan: _Plan) -> None:
+    """model.safetensors.index.json of a plan of several files (none for a single file)."""
+    if len(plan.files) > 1:
+        index = {"metadata": {"total_size": plan.total_size}, "weight_map": dict(sorted(plan.weight_map.items()))}
+        text = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+        atomic_write(os.path.join(directory, INDEX_FILE), lambda f: f.write(text))
+    _fsync_directory(directory)
+
+
+def remove_stale(directory: str, plan: _Plan) -> None:
+    """An earlier export's index, its files this plan does not replace, and leftover temporaries."""
+    _remove_stale(directory, plan)
+
+
+def hf_config_json(module: nn.Module) -> dict | None:
+    """{"config": ..., "generation_config": ...} of a Hugging Face model, as plain JSON (the
+    config's architectures set to the model's class), so that it can be written as config.json
+    without the model's code; None for a model without a Hugging Face config."""
+    config = getattr(module, "config", None)
+    if config is None or not callable(getattr(config, "to_dict", None)):
+        return None
+    to_json = getattr(config, "to_json_string", None)
+    try:
+        data = json.loads(to_json(use_diff=False)) if callable(to_json) else json.loads(json.dumps(config.to_dict(),
+                                                                                                    default=str))
+    except (TypeError, ValueError):  # (a config that does not serialize: the checkpoint is saved without it)
+        return None
+    data["architectures"] = [type(module).__name__]
+    out = {"config": data, "generation_config": None}
+    generation = getattr(module, "generation_config", None)
+    can_generate = getattr(module, "can_generate", None)
+    if generation is not None and callable(can_generate) and can_generate():
+        gen_json = getattr(generation, "to_json_string", None)
+        if callable(gen_json):
+            out["generation_config"] = json.loads(gen_json(use_diff=True))
+    return out
+
+
+def write_hf_config(directory: str, saved: dict, dtype: torch.dtype) -> list[str]:
+    """config.json (and generation_config.json) from hf_config_json's output, with the dtype
+    written; returns the files written."""
+    config = dict(saved["config"])
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    written = []
+    for name, data in (("config.json", config), ("generation_config.json", saved.get("generation_config"))):
+        if data is None:
+            continue
+        text = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+        atomic_write(os.path.join(directory, name), lambda f, text=text: f.write(text))
+        written.append(name)
+    return written
+
+
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportReport", "StreamedFile", "TensorItem", "checkpoint_names",
+           "hf_config_json", "plan_files", "remove_stale", "resolve_dtype", "save_pretrained", "write_hf_config",
+           "write_index", "write_safetensors", "writable_dtype"]

@@ -185,6 +185,37 @@ def _frozen_pieces(rank: int, shards: dict) -> list[_Piece]:
     return out
 
 
+def unit_pieces(rank: int, shards: dict, kind: str) -> list[_Piece]:
+    """Every parameter piece rank holds in its "units" (trained: its fp32 masters) or "frozen"
+    (compute-dtype shards) according to its shard layout (describe()), found from the units
+    alone (no optimizer piece order needed: any update form)."""
+    out = []
+    for k, entry in enumerate(shards[kind]):
+        unit = _unit_of(entry, k)
+        shard = shards["shard_rank"] if unit.num_shards > 1 else 0
+        for slot, a, b in unit.shard_pieces(shard):
+            lo = _param_start(unit, shard, slot.offset, a)
+            out.append(_Piece(rank, slot.name, lo, lo + b - a, k, a))
+    return out
+
+
+def parameter_slots(shards: dict, kind: str) -> list[tuple[int, Slot]]:
+    """(unit position, slot) of every parameter in a shard layout's units of this kind, in order."""
+    return [(k, slot) for k, entry in enumerate(shards[kind]) for slot in _unit_of(entry, k).slots]
+
+
+def covering_pieces(name: str, numel: int, saved: dict[str, list[_Piece]],
+                    step_dir: str) -> list[tuple[_Piece, int, int]]:
+    """(saved piece, lo, hi) covering elements [0, numel) of parameter name exactly once (saved:
+    pieces_by_name's output); a CheckpointError if any element is missing."""
+    return _overlaps(_Piece(-1, name, 0, numel, 0, 0), saved, step_dir)
+
+
+def pieces_by_name(pieces: list[_Piece], prefer: int = 0) -> dict[str, list[_Piece]]:
+    """The pieces by parameter, one per element range (see _by_name)."""
+    return _by_name(pieces, prefer)
+
+
 def _by_name(pieces: list[_Piece], prefer: int) -> dict[str, list[_Piece]]:
     """Saved pieces by parameter, one per element range: where ranks hold the same range
     (stage 0: every rank the whole unit), the preferred rank's (this rank: its file is read

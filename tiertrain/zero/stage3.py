@@ -43,10 +43,22 @@ def _tensors(obj: Any):
             yield from _tensors(x)
 
 
-METADATA = frozenset({"__get__", "size", "dim", "numel", "element_size", "is_floating_point", "is_complex",
-                      "__len__", "__hash__", "__eq__", "__repr__", "__format__", "data_ptr", "untyped_storage"})
+METADATA = frozenset({"size", "dim", "numel", "element_size", "is_floating_point", "is_complex", "__len__",
+                      "__hash__", "__eq__", "__repr__", "__format__", "data_ptr", "untyped_storage"})
 """Tensor functions that read only a tensor's metadata (shape, dtype, device): harmless on a
 released parameter (``PreTrainedModel.dtype`` reads the first parameter's dtype in forward)."""
+
+VALUE_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag", "grad"})
+"""Tensor properties that hand out the values (a view of them): checked like operations; the
+other property getters (shape, dtype, device, requires_grad, ...) read metadata."""
+
+
+def _reads_values(func) -> bool:
+    """Whether a torch function given a tensor reads (or hands out a view of) its values."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", "") in VALUE_PROPERTIES
+    return name not in METADATA
 
 
 class ReleasedParameterCheck(TorchFunctionMode):
@@ -64,7 +76,7 @@ class ReleasedParameterCheck(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") not in METADATA:
+        if _reads_values(func):
             for t in _tensors((args, kwargs)):
                 hit = self._unit_of.get(id(t))
                 if hit is not None and not self.flat.all_units[hit[0]].gathered:

@@ -1,0 +1,272 @@
+"""Offline export of a sharded checkpoint as a Hugging Face checkpoint: ``tiertrain export``.
+
+One process, no model code, no torch.distributed: the committed step's rank files (every
+checksum verified first) are opened memory-mapped with ``torch.load(weights_only=True,
+mmap=True)`` and each parameter, in the layout's order, is assembled from its pieces across the
+rank files (tiertrain/reshard.py finds them from the shard layouts in COMMITTED.json): trained
+parameters from the fp32 masters, frozen ones from their compute-dtype shards. It is cast to
+the dtype asked for, written into the safetensors file streaming at that moment (the writer of
+tiertrain/export.py: same file names, headers, order and index as ``engine.save_pretrained``),
+and dropped before the next; the pages of the rank files it was read from are released too
+(Linux), so the memory held is about one parameter whatever the model's size.
+
+What the shards do not hold was recorded by ``Engine.save_checkpoint`` beside them:
+``export.json`` (the names Hugging Face writes, a tied parameter once; what the module holds
+whole), ``held_tensors.safetensors`` (persistent buffers, frozen parameters outside the layout)
+and ``hf_config.json`` (the model's Hugging Face config, written out as ``config.json`` so that
+``transformers.AutoModel*.from_pretrained(OUT_DIR)`` loads the result). A checkpoint saved
+before these existed exports its layout's parameters under their own names, with no config.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import struct
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from . import checkpoint
+from .checkpoint import MARKER, CheckpointError, file_sha256, load_rank_file
+from .export import (DEFAULT_MAX_SHARD_BYTES, DTYPES, StreamedFile, TensorItem, plan_files, remove_stale,
+                     write_hf_config, write_index)
+from .reshard import covering_pieces, parameter_slots, pieces_by_name, unit_pieces
+
+EXPORT_INFO = "export.json"
+HELD_TENSORS = "held_tensors.safetensors"
+HF_CONFIG = "hf_config.json"
+
+_FROM_SAFETENSORS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                     "U8": torch.uint8, "BOOL": torch.bool}
+
+
+@dataclass
+class ConsolidateReport:
+    """What export_checkpoint wrote."""
+
+    directory: str
+    step: int
+    dtype: torch.dtype
+    files: list[str] = field(default_factory=list)
+    """The safetensors files, in order."""
+    config_files: list[str] = field(default_factory=list)
+    """config.json (and generation_config.json) when the run's model had a Hugging Face config."""
+    weight_map: dict[str, str] = field(default_factory=dict)
+    tensors: int = 0
+    bytes_written: int = 0
+    """Tensor bytes written (headers not counted)."""
+    total_size: int = 0
+    largest_tensor: int = 0
+    """The largest tensor written, in bytes (as written)."""
+    peak_assembled: int = 0
+    """The most bytes of tensors this export allocated at once (one tensor being assembled)."""
+    notes: list[str] = field(default_factory=list)
+
+
+def _dtype(dtype) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    raise ValueError(f"unknown dtype {dtype!r}: use one of bf16, fp16, fp32")
+
+
+def _step_dir(checkpoint_dir: str, step: int | None) -> tuple[str, dict]:
+    if not os.path.isdir(checkpoint_dir):
+        raise CheckpointError(f"{checkpoint_dir!r} is not a checkpoint directory: it does not exist "
+                              f"or is not a directory")
+    if os.path.exists(os.path.join(checkpoint_dir, MARKER)):  # a step directory itself
+        with open(os.path.join(checkpoint_dir, MARKER)) as f:
+            marker = json.load(f)
+        if step is not None and marker["step"] != step:
+            raise CheckpointError(f"{checkpoint_dir!r} is the checkpoint of step {marker['step']}, not {step}")
+        return checkpoint_dir, marker
+    names = os.listdir(checkpoint_dir)
+    if not any(checkpoint._STEP_DIR.match(n) for n in names):
+        raise CheckpointError(f"{checkpoint_dir!r} is not a checkpoint directory: it holds no step_NNNNNNNN "
+                              f"directory (Engine.save_checkpoint writes them)")
+    return checkpoint.find_committed(checkpoint_dir, step)
+
+
+def _verify(step_dir: str, marker: dict) -> None:
+    """Every rank file and every extra file, against the sha256 committed."""
+    expected = {f"rank{r:05d}.pt": d for r, d in enumerate(marker["sha256"])}
+    expected.update(marker.get("files") or {})
+    for name, digest in expected.items():
+        path = os.path.join(step_dir, name)
+        if not os.path.exists(path):
+            raise CheckpointError(f"{path!r} is missing from a committed checkpoint")
+        if file_sha256(path) != digest:
+            raise CheckpointError(f"{path!r} is corrupt: its sha256 differs from the one committed")
+
+
+_libc = None
+
+
+def _release_file_pages(paths: set[str]) -> None:
+    """Drop this process's mapped pages of these files (memory-mapped by torch.load, only ever
+    read: clean pages, read again from the file if touched again), so that what was read for
+    one tensor (and what the kernel mapped around it) does not stay resident. Linux only (the
+    mappings are found in /proc/self/maps); elsewhere a no-op."""
+    global _libc
+    if not paths or not sys.platform.startswith("linux"):
+        return
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except OSError:
+        return
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] in paths:
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            _libc.madvise(lo, hi - lo, 4)  # MADV_DONTNEED
+
+
+def _read_header(path: str) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return 8 + length, json.loads(f.read(length))
+
+
+def _read_held(path: str, base: int, entry: dict) -> torch.Tensor:
+    dtype = _FROM_SAFETENSORS[entry["dtype"]]
+    a, b = entry["data_offsets"]
+    out = torch.empty(b - a, dtype=torch.uint8)
+    with open(path, "rb") as f:
+        f.seek(base + a)
+        f.readinto(memoryview(out.numpy()))
+    return out.view(dtype).reshape(entry["shape"])
+
+
+def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | None = None,
+                      dtype: torch.dtype | str | None = None,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ConsolidateReport:
+    """Write the newest (or the given) committed checkpoint in checkpoint_dir as a Hugging Face
+    checkpoint in out_dir (safetensors files, the index when there are several, config.json when
+    the run's model had a Hugging Face config), floating-point tensors in dtype (fp32 default).
+    See the module docstring. Errors: CheckpointError (no checkpoint, a corrupt or missing file,
+    a layout it cannot export), ValueError (dtype, max_shard_bytes)."""
+    target = _dtype(dtype)
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be a positive number of bytes, got {max_shard_bytes!r}")
+    if sys.byteorder != "little":
+        raise NotImplementedError("safetensors files are little-endian; this machine is not")
+    checkpoint_dir, out_dir = os.fspath(checkpoint_dir), os.fspath(out_dir)
+    step_dir, marker = _step_dir(checkpoint_dir, step)
+    for key in ("tp", "pp"):
+        sizes = {layout[key] for layout in marker["layouts"]}
+        if sizes != {1}:
+            raise CheckpointError(f"{step_dir!r} was saved at {key}={sorted(sizes)}; the export supports {key}=1")
+    saved_shards = marker.get("shards")
+    if saved_shards is None:
+        raise CheckpointError(f"{step_dir!r} records no shard layout (saved before resharding existed); "
+                              f"it cannot be exported offline")
+    _verify(step_dir, marker)
+    report = ConsolidateReport(out_dir, marker["step"], target)
+    extra_files = marker.get("files") or {}
+
+    info = None
+    if EXPORT_INFO in extra_files:
+        with open(os.path.join(step_dir, EXPORT_INFO)) as f:
+            info = json.load(f)
+    else:
+        report.notes.append("the checkpoint records no export names (saved by an older version): parameters are "
+                            "written under their own names, without buffers or config")
+
+    # What to write, in the model's order: the layout's parameters (trained, then frozen
+    # units), then what the module held whole.
+    first = saved_shards[0]
+    params: list[tuple] = []  # (kind, layout name, written name, shape, numel)
+    for kind in ("units", "frozen"):
+        for _, slot in parameter_slots(first, kind):
+            name = slot.name if info is None else info["names"].get(slot.name)
+            if name is not None:
+                params.append((kind, slot.name, name, slot.shape, slot.numel))
+    items: list[TensorItem] = []
+    sources: dict[int, tuple] = {}
+    for kind, layout_name, name, shape, numel in params:
+        item = TensorItem(name, tuple(shape), target, len(items), None)
+        sources[id(item)] = ("param", kind, layout_name, numel)
+        items.append(item)
+    held_path = os.path.join(step_dir, HELD_TENSORS)
+    held_base, held_header = (0, {})
+    if info is not None and info.get("held") and HELD_TENSORS in extra_files:
+        held_base, held_header = _read_header(held_path)
+        for name in info["held"]:
+            entry = held_header[name]
+            saved = _FROM_SAFETENSORS[entry["dtype"]]
+            item = TensorItem(name, tuple(entry["shape"]), target if saved.is_floating_point else saved,
+                              len(items), None)
+            sources[id(item)] = ("held", entry)
+            items.append(item)
+
+    # Where each parameter's pieces lie: one piece per element range (stage 0: every rank
+    # holds the whole unit; rank 0's is read).
+    pieces = {kind: pieces_by_name([p for r, s in enumerate(saved_shards) for p in unit_pieces(r, s, kind)])
+              for kind in ("units", "frozen")}
+    states: dict[int, dict] = {}
+    touched: set[str] = set()
+
+    def state(rank: int) -> dict:
+        if rank not in states:
+            states[rank] = load_rank_file(os.path.join(step_dir, f"rank{rank:05d}.pt"), torch.device("cpu"),
+                                          mmap=True)
+        return states[rank]
+
+    def assemble(item: TensorItem) -> torch.Tensor:
+        source = sources[id(item)]
+        if source[0] == "held":
+            return _read_held(held_path, held_base, source[1]).to(item.dtype)
+        _, kind, layout_name, numel = source
+        out = torch.empty(numel, dtype=item.dtype)
+        report.peak_assembled = max(report.peak_assembled, out.numel() * out.element_size())
+        for piece, lo, hi in covering_pieces(layout_name, numel, pieces[kind], step_dir):
+            st = state(piece.rank)
+            flat = st["update"]["masters"][piece.unit] if kind == "units" else st["frozen"]["shards"][piece.unit]
+            src = flat[piece.start + lo - piece.lo:piece.start + hi - piece.lo]
+            out[lo:hi].copy_(src)
+            touched.add(os.path.realpath(os.path.join(step_dir, f"rank{piece.rank:05d}.pt")))
+        _release_file_pages(touched)
+        touched.clear()
+        return out.view(item.shape)
+
+    plan = plan_files(items, max_shard_bytes)
+    report.files = [f.name for f in plan.files]
+    report.weight_map = plan.weight_map
+    report.total_size = plan.total_size
+    os.makedirs(out_dir, exist_ok=True)
+    remove_stale(out_dir, plan)
+    if HF_CONFIG in extra_files:
+        with open(os.path.join(step_dir, HF_CONFIG)) as f:
+            report.config_files = write_hf_config(out_dir, json.load(f), target)
+    with torch.no_grad():
+        for spec in plan.files:
+            writer = StreamedFile(out_dir, spec)
+            try:
+                for item in spec.items:
+                    value = assemble(item)
+                    if item.dtype.is_floating_point:
+                        report.peak_assembled = max(report.peak_assembled, value.numel() * value.element_size())
+                    report.bytes_written += writer.write(item, value)
+                    report.tensors += 1
+                    report.largest_tensor = max(report.largest_tensor, item.nbytes)
+                    del value  # (dropped before the next tensor is assembled)
+                writer.commit()
+            except BaseException:
+                writer.abort()
+                raise
+    write_index(out_dir, plan)
+    states.clear()
+    return report
+
+
+__all__ = ["ConsolidateReport", "export_checkpoint"]
