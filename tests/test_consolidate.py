@@ -36,16 +36,7 @@ def _llama_big():
         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False))
 
 
-def _bart():
-    """BART: a persistent buffer (final_logits_bias), one embedding shared by both stacks."""
-    return transformers.BartForConditionalGeneration(transformers.BartConfig(
-        vocab_size=256, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
-        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0,
-        eos_token_id=2, decoder_start_token_id=2))
-
-
-BUILDERS = {"llama": zoo.llama_gqa, "gpt2": zoo.gpt2_tied, "big": _llama_big, "bart": _bart, "lora": zoo.lora}
+BUILDERS = {"llama": zoo.llama_gqa, "gpt2": zoo.gpt2_tied, "big": _llama_big, "bart": zoo.bart, "lora": zoo.lora}
 CASES = {
     "llama3": ("llama", {"stage": 3}),
     "gpt2_1": ("gpt2", {"stage": 1}),

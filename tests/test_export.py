@@ -28,16 +28,7 @@ SMALL_SHARDS = 16 * 1024
 """Bytes per file in the sharded exports: several files per rank for these small models."""
 
 
-def _bart():
-    """BART: a persistent buffer (final_logits_bias), and one embedding shared by both stacks."""
-    return transformers.BartForConditionalGeneration(transformers.BartConfig(
-        vocab_size=256, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
-        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0,
-        eos_token_id=2, decoder_start_token_id=2))
-
-
-BUILDERS = {"llama": zoo.llama_gqa, "gpt2": zoo.gpt2_tied, "t5": zoo.t5, "lora": zoo.lora, "bart": _bart}
+BUILDERS = {"llama": zoo.llama_gqa, "gpt2": zoo.gpt2_tied, "t5": zoo.t5, "lora": zoo.lora, "bart": zoo.bart}
 CAUSAL = {"llama": True, "gpt2": True, "t5": False, "lora": True, "bart": False}
 
 # label -> (model, zero section, precision section, exports: (directory, save_pretrained kwargs),

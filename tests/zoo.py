@@ -100,6 +100,17 @@ def mistral_window():
         num_key_value_heads=2, max_position_embeddings=32, sliding_window=4, tie_word_embeddings=False))
 
 
+def bart():
+    """Encoder-decoder with learned positions: a persistent buffer (final_logits_bias) and one
+    embedding shared by both stacks (for the export tests; not in the zoo's MODELS)."""
+    T = _transformers()
+    return T.BartForConditionalGeneration(T.BartConfig(
+        vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0,
+        eos_token_id=2, decoder_start_token_id=2))
+
+
 # name -> (builder, whether the model predicts its inputs: causal LMs take labels=input_ids and
 # shift them themselves; seq2seq and masked-LM heads take labels of their own)
 MODELS = {

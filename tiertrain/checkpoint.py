@@ -357,6 +357,22 @@ def committed_steps(directory: str) -> list[int]:
     return sorted(steps)
 
 
+def rank_file_name(rank: int) -> str:
+    """The name of rank's file in a step directory."""
+    return f"rank{rank:05d}.pt"
+
+
+def verified_file(step_dir: str, name: str, sha256: str) -> str:
+    """The path of a committed checkpoint's file, once it exists and its content has the
+    sha256 committed for it (a CheckpointError naming the file otherwise)."""
+    path = os.path.join(step_dir, name)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path!r} is missing from a committed checkpoint")
+    if file_sha256(path) != sha256:
+        raise CheckpointError(f"{path!r} is corrupt: its sha256 differs from the one committed")
+    return path
+
+
 def find_committed(directory: str, step: int | None = None) -> tuple[str, dict]:
     """(step directory, its commit marker) of the newest (or the given) committed checkpoint."""
     steps = committed_steps(directory)
@@ -389,11 +405,6 @@ def load(parts: Mapping[str, Stateful], directory: str, step: int | None, topolo
     if saved["units"] != expected["units"]:
         raise CheckpointError(f"{step_dir!r} was saved with another unit layout "
                               f"(a different model or zero.bucket_mb)")
-    path = os.path.join(step_dir, f"rank{rank:05d}.pt")
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path!r} is missing from a committed checkpoint")
-    if file_sha256(path) != marker["sha256"][rank]:
-        raise CheckpointError(f"{path!r} is corrupt: its sha256 differs from the one committed")
-    state = load_rank_file(path, device)
+    state = load_rank_file(verified_file(step_dir, rank_file_name(rank), marker["sha256"][rank]), device)
     restore_rank_state(parts, state)
     return state["extra"]

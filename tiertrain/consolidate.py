@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from . import checkpoint
-from .checkpoint import MARKER, CheckpointError, file_sha256, load_rank_file
-from .export import (DEFAULT_MAX_SHARD_BYTES, DTYPES, StreamedFile, TensorItem, plan_files, remove_stale,
+from .checkpoint import MARKER, CheckpointError, load_rank_file, rank_file_name, verified_file
+from .export import (DEFAULT_MAX_SHARD_BYTES, StreamedFile, TensorItem, plan_files, remove_stale, resolve_dtype,
                      write_hf_config, write_index)
 from .reshard import covering_pieces, parameter_slots, pieces_by_name, unit_pieces
 
@@ -66,16 +66,6 @@ class ConsolidateReport:
     notes: list[str] = field(default_factory=list)
 
 
-def _dtype(dtype) -> torch.dtype:
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, str) and dtype.lower() in DTYPES:
-        return DTYPES[dtype.lower()]
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    raise ValueError(f"unknown dtype {dtype!r}: use one of bf16, fp16, fp32")
-
-
 def _step_dir(checkpoint_dir: str, step: int | None) -> tuple[str, dict]:
     if not os.path.isdir(checkpoint_dir):
         raise CheckpointError(f"{checkpoint_dir!r} is not a checkpoint directory: it does not exist "
@@ -95,14 +85,10 @@ def _step_dir(checkpoint_dir: str, step: int | None) -> tuple[str, dict]:
 
 def _verify(step_dir: str, marker: dict) -> None:
     """Every rank file and every extra file, against the sha256 committed."""
-    expected = {f"rank{r:05d}.pt": d for r, d in enumerate(marker["sha256"])}
+    expected = {rank_file_name(r): d for r, d in enumerate(marker["sha256"])}
     expected.update(marker.get("files") or {})
     for name, digest in expected.items():
-        path = os.path.join(step_dir, name)
-        if not os.path.exists(path):
-            raise CheckpointError(f"{path!r} is missing from a committed checkpoint")
-        if file_sha256(path) != digest:
-            raise CheckpointError(f"{path!r} is corrupt: its sha256 differs from the one committed")
+        verified_file(step_dir, name, digest)
 
 
 _libc = None
@@ -155,7 +141,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     the run's model had a Hugging Face config), floating-point tensors in dtype (fp32 default).
     See the module docstring. Errors: CheckpointError (no checkpoint, a corrupt or missing file,
     a layout it cannot export), ValueError (dtype, max_shard_bytes)."""
-    target = _dtype(dtype)
+    target = resolve_dtype(dtype, what="tiertrain export")
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive number of bytes, got {max_shard_bytes!r}")
     if sys.byteorder != "little":
@@ -218,7 +204,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
 
     def state(rank: int) -> dict:
         if rank not in states:
-            states[rank] = load_rank_file(os.path.join(step_dir, f"rank{rank:05d}.pt"), torch.device("cpu"),
+            states[rank] = load_rank_file(os.path.join(step_dir, rank_file_name(rank)), torch.device("cpu"),
                                           mmap=True)
         return states[rank]
 
@@ -234,7 +220,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
             flat = st["update"]["masters"][piece.unit] if kind == "units" else st["frozen"]["shards"][piece.unit]
             src = flat[piece.start + lo - piece.lo:piece.start + hi - piece.lo]
             out[lo:hi].copy_(src)
-            touched.add(os.path.realpath(os.path.join(step_dir, f"rank{piece.rank:05d}.pt")))
+            touched.add(os.path.realpath(os.path.join(step_dir, rank_file_name(piece.rank))))
         _release_file_pages(touched)
         touched.clear()
         return out.view(item.shape)

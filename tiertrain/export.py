@@ -105,15 +105,16 @@ class ExportReport:
     """Tensor bytes of the whole checkpoint."""
 
 
-def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
-    """The dtype to write floating-point tensors in: fp32 (the masters' own) by default."""
+def resolve_dtype(dtype: torch.dtype | str | None, what: str = "save_pretrained") -> torch.dtype:
+    """The dtype to write floating-point tensors in: fp32 (the masters' own) by default; what
+    names the caller in the error."""
     if dtype is None:
         return torch.float32
     if isinstance(dtype, str) and dtype.lower() in DTYPES:
         return DTYPES[dtype.lower()]
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
-    raise ValueError(f"save_pretrained: dtype={dtype!r} is not supported; use None (fp32, the masters' values), "
+    raise ValueError(f"{what}: unknown dtype {dtype!r}; use None (fp32, the masters' values), "
                      f"torch.float32, torch.bfloat16 or torch.float16 (or one of {sorted(DTYPES)})")
 
 

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from .checkpoint import CheckpointError, Stateful, load_rank_file, file_sha256, restore_rank_state
+from .checkpoint import (CheckpointError, Stateful, load_rank_file, rank_file_name, restore_rank_state,
+                         verified_file)
 from .update.protocol import SLOT_NAME
 from .zero.layout import Slot, Unit
 
@@ -253,11 +254,7 @@ class _Files:
 
     def __call__(self, rank: int) -> dict:
         if rank not in self.states:
-            path = os.path.join(self.step_dir, f"rank{rank:05d}.pt")
-            if not os.path.exists(path):
-                raise CheckpointError(f"{path!r} is missing from a committed checkpoint")
-            if file_sha256(path) != self.marker["sha256"][rank]:
-                raise CheckpointError(f"{path!r} is corrupt: its sha256 differs from the one committed")
+            path = verified_file(self.step_dir, rank_file_name(rank), self.marker["sha256"][rank])
             self.states[rank] = load_rank_file(path, torch.device("cpu"), mmap=True)
         return self.states[rank]
 

@@ -102,6 +102,7 @@ class ParameterFetcher:
         self.frozen_of = frozen_of or {}
         """unit_modules' unit → the frozen units gathered and released with it (a frozen-only
         module's unit is its own key: its list holds itself)."""
+        self._gathered_with = {key: list(dict.fromkeys([key] + frozen)) for key, frozen in self.frozen_of.items()}
         self._open_calls: dict[int, int] = {}  # key unit → calls whose input gradients are pending
         self._grads_done: set[int] = set()  # key units whose trained gradients are complete
         self.comm = comm
@@ -184,7 +185,7 @@ class ParameterFetcher:
 
     def _with_frozen(self, index: int) -> list[int]:
         """The units a module's hooks gather for unit index: it and its frozen companions."""
-        return list(dict.fromkeys([index] + self.frozen_of.get(index, [])))
+        return self._gathered_with.get(index) or [index]
 
     def _fetch(self, index: int) -> None:
         """Gather unit `index` and its frozen companions now (no-op for those gathered). Every
