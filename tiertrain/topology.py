@@ -86,9 +86,9 @@ class Topology:
 
 
 def default_device() -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is present, else cpu."""
-    if torch.cuda.is_available():
-        import os
+    """The accelerator of LOCAL_RANK when there is one (cuda:LOCAL_RANK), else cpu."""
+    import os
 
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    return torch.device("cpu")
+    from .device import default_device as accelerator_of
+
+    return accelerator_of(int(os.environ.get("LOCAL_RANK", "0")))

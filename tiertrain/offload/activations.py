@@ -13,9 +13,10 @@ block (PAPERS.md §3: checkpoints ≈ 2·bsz·seq·hd·nl/ci bytes in fp16, ci =
 working memory of the one block being recomputed (AWM).
 
 With ``config.offload == "cpu"`` the checkpoints live in host memory between forward and
-backward. On CUDA each block input is copied into a pinned host buffer with a non_blocking
-copy on a side stream (the forward continues meanwhile), and copied back on the compute
-stream when backward starts recomputing that block. Each checkpoint crosses the link twice
+backward. Each block input is copied into a (pinned, on an accelerator) host buffer on the
+device's copy stream (the forward continues meanwhile), and copied back, the recomputation
+waiting for it, when backward starts recomputing that block (tiertrain/device.py: the same
+calls on every device; on the CPU the deferred-copy harness checks their waits). Each checkpoint crosses the link twice
 (saved once, fetched once) per ci blocks of compute, an arithmetic intensity of 24·hd·ci
 (ZeRO-Infinity §4, PAPERS.md §3), so 1–2 GB/s keep the GPU busy: that is why its placement
 policy sends checkpoints to the CPU before parameters. (The copy back is not prefetched
@@ -63,6 +64,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ACTIVATION_TIERS, ActivationConfig, ConfigError, parse_tier
+from ..device import Copy, DeviceStreams, accelerator_available, is_accelerator
 from ..tiers import Tier
 from ..zero.recompute import recomputation
 
@@ -168,10 +170,10 @@ class _Counters:
 
 
 class HostCheckpointPool:
-    """Host buffers for offloaded checkpoints (pinned when they will feed a CUDA device),
+    """Host buffers for offloaded checkpoints (pinned when they will feed an accelerator),
     kept after use and handed out again by exact byte size, so a training loop whose block
-    inputs repeat their shapes allocates host memory in its first step only. On CUDA a
-    returned buffer carries the event of its last copy, and is reused only after it."""
+    inputs repeat their shapes allocates host memory in its first step only. A returned buffer
+    carries its last copy (a Transfer), and is reused only once the host has waited for it."""
 
     def __init__(self, pin: bool):
         self.pin = pin
@@ -206,16 +208,6 @@ class HostCheckpointPool:
         return (HostCheckpointPool, (self.pin,))
 
 
-_side_streams: dict[torch.device, object] = {}
-
-
-def _side_stream(device: torch.device):
-    stream = _side_streams.get(device)
-    if stream is None:
-        stream = _side_streams[device] = torch.cuda.Stream(device=device)
-    return stream
-
-
 class _OnDevice:
     """A checkpoint kept where it is (offload='none'); counts its storage once however many
     blocks received the same tensor."""
@@ -248,44 +240,30 @@ class _OnDevice:
 class _OnHost:
     """A checkpoint copied into the CPU tier (offload='cpu')."""
 
-    __slots__ = ("buf", "host", "device", "ready", "last_use", "owner", "nbytes")
+    __slots__ = ("buf", "host", "device", "saved", "back", "owner", "nbytes")
 
     def __init__(self, owner: "ActivationCheckpointing", x: torch.Tensor):
         self.owner, self.device = owner, x.device
         self.nbytes = x.numel() * x.element_size()
         self.buf = owner.pool.take(self.nbytes)
         self.host = self.buf.view(x.dtype).view(x.shape)
-        self.ready = self.last_use = None
-        if x.device.type == "cuda" and owner.pool.pin:
-            # Device → pinned host on a side stream, ordered after the work that produced x;
-            # record_stream keeps x's memory from being reused before the copy has read it.
-            stream = _side_stream(x.device)
-            stream.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(stream):
-                self.host.copy_(x, non_blocking=True)
-                self.ready = torch.cuda.Event()
-                self.ready.record(stream)
-            x.record_stream(stream)
-        else:
-            self.host.copy_(x)
+        self.back = None
+        # Device → (pinned) host on the copy stream, ordered after the work that produced x,
+        # while the forward goes on (tiertrain/device.py).
+        self.saved = owner.streams(x.device).copy(self.host, x, Copy.ACTIVATION_TO_HOST)
         owner._counters.add(0, self.nbytes)
 
     def unpack(self) -> torch.Tensor:
         """Back to the device it came from, just before the block is recomputed."""
+        streams = self.owner.streams(self.device)
         out = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
-        if self.ready is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(self.ready)
-            out.copy_(self.host, non_blocking=True)
-            self.last_use = torch.cuda.Event()
-            self.last_use.record(current)
-        else:
-            out.copy_(self.host)
-        return out
+        self.saved.wait(streams.copy_stream)  # the copy back reads what the copy out wrote
+        self.back = streams.copy(out, self.host, Copy.ACTIVATION_TO_DEVICE)
+        return self.back.wait()  # the recomputation reads it
 
     def __del__(self):
         owner = self.owner
-        owner.pool.give(self.buf, self.last_use if self.last_use is not None else self.ready)
+        owner.pool.give(self.buf, self.back if self.back is not None else self.saved)
         owner._counters.add(0, -self.nbytes)
 
 
@@ -332,6 +310,7 @@ class ActivationCheckpointing:
         k = config.checkpoint_every
         self.checkpointed = blocks[::k] if k > 0 else []
         self.pool = HostCheckpointPool(pin) if self.offload == Tier.CPU else None
+        self._streams: dict[torch.device, DeviceStreams] = {}
         self._counters = _Counters()
         self._storages: dict[int, list[int]] = {}
         self._installed: list[tuple[nn.Module, object]] = []
@@ -341,6 +320,12 @@ class ActivationCheckpointing:
             previous = module.__dict__.get("forward")
             module.forward = _CheckpointedForward(self, module, previous)
             self._installed.append((module, previous))
+
+    def streams(self, device: torch.device) -> DeviceStreams:
+        """The streams and copies of the device a checkpoint comes from."""
+        if device not in self._streams:
+            self._streams[device] = DeviceStreams(device)
+        return self._streams[device]
 
     # -- saved-tensor hooks (see the module docstring) ------------------------------
 
@@ -426,10 +411,7 @@ def apply_activation_checkpointing(model: nn.Module, config: ActivationConfig,
         shown = names if len(names) <= 4 else names[:2] + ["…"] + names[-1:]
         raise ConfigError(f"activations.checkpoint_every={k} is invalid: the model has {len(names)} "
                           f"block(s) ({', '.join(shown)}); expected 0 (off) or 1..{len(names)}")
-    if device is None:
-        pin = torch.cuda.is_available()
-    else:
-        pin = torch.device(device).type == "cuda"
+    pin = accelerator_available() if device is None else is_accelerator(device)
     handle = ActivationCheckpointing(model, config, names, pin)
     model.__dict__[_ATTR] = handle
     return handle

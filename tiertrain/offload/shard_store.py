@@ -7,11 +7,17 @@ reach the all-gather:
 
 * :class:`DeviceShards`: in device memory; the all-gather sends the shard itself;
 * :class:`HostShards`: in (pinned) CPU memory; each gather first copies it to the device
-  (ZeRO-Infinity's CPU→device step);
+  (ZeRO-Infinity's CPU→device step) on the device's copy stream, started ahead of use by
+  :meth:`stage` so that the copy of unit i+2 overlaps the compute of unit i;
 * :class:`NVMeShards`: in one swap file per unit (through a TensorSwapper); the shard tensor
   keeps no storage. Each gather reads the file into a host staging tensor (NVMe→CPU, started
-  ahead of use by :meth:`prefetch`) and copies that to the device; a write ("p swap" of
-  ZeRO-Infinity §6) goes out asynchronously until :meth:`wait_writes`.
+  ahead of use by :meth:`prefetch`) and copies that to the device (CPU→device, when the
+  gather needs it); a write ("p swap" of ZeRO-Infinity §6) goes out asynchronously until
+  :meth:`wait_writes`.
+
+:meth:`gather_input` returns a :class:`~tiertrain.device.Transfer`: the all-gather waits for
+it before reading its input (tiertrain/device.py; on the CPU the wait is the deferred-copy
+harness's check).
 
 Resident units (stages 0-2, stage-3 persistent parameters) never use a store: their shard is
 a view of the unit's full buffer on the device.
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from ..device import Copy, DeviceStreams, Transfer
 from ..tiers import Tier
 
 
@@ -28,9 +35,10 @@ class DeviceShards:
 
     tier = Tier.DEVICE
 
-    def __init__(self, placement, dtype: torch.dtype):
+    def __init__(self, placement, dtype: torch.dtype, streams: DeviceStreams):
         self.placement = placement
         self.dtype = dtype
+        self.streams = streams
 
     def allocate(self, numel: int) -> torch.Tensor:
         """A new shard tensor on this tier."""
@@ -45,26 +53,49 @@ class DeviceShards:
         """A copy of unit index's stored shard values."""
         return shard.detach().clone()
 
-    def gather_input(self, index: int, shard: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """Unit index's shard on the compute device, as the all-gather's input."""
-        return shard
+    def gather_input(self, index: int, shard: torch.Tensor) -> Transfer:
+        """Unit index's shard on the compute device, as the all-gather's input (wait for it)."""
+        return Transfer(shard, Copy.PARAM_TO_DEVICE, self.streams)
 
     def prefetch(self, indices) -> None:
         """Start bringing these units' shards closer (a hint)."""
+
+    def stage(self, indices, shards) -> None:
+        """Start copying these units' shards (shards: index → shard tensor) to the device
+        (a hint, for units gathered soon)."""
+
+    def drop_staged(self) -> None:
+        """Forget the copies stage() started (before the shards change)."""
 
     def wait_writes(self) -> None:
         """Complete the writes in flight."""
 
 
 class HostShards(DeviceShards):
-    """Shards in CPU memory, pinned when the device is a GPU; copied to the device per gather."""
+    """Shards in CPU memory, pinned when the device is an accelerator; copied to the device per
+    gather, on the copy stream, ahead of use when staged."""
 
     tier = Tier.CPU
 
-    def gather_input(self, index, shard, device):
-        staged = torch.empty(shard.numel(), dtype=shard.dtype, device=device)
-        staged.copy_(shard, non_blocking=True)
-        return staged
+    def __init__(self, placement, dtype, streams):
+        super().__init__(placement, dtype, streams)
+        self._staged: dict[int, Transfer] = {}  # copies to the device started by stage()
+
+    def gather_input(self, index, shard):
+        staged = self._staged.pop(index, None)
+        return staged if staged is not None else self.streams.to_device(shard, Copy.PARAM_TO_DEVICE)
+
+    def stage(self, indices, shards):
+        for index in indices:
+            if index not in self._staged:
+                self._staged[index] = self.streams.to_device(shards[index], Copy.PARAM_TO_DEVICE)
+
+    def drop_staged(self):
+        self._staged.clear()
+
+    def write(self, index, shard, values):
+        self._staged.pop(index, None)  # (a copy of the values before this write)
+        super().write(index, shard, values)
 
 
 class NVMeShards(DeviceShards):
@@ -72,8 +103,8 @@ class NVMeShards(DeviceShards):
 
     tier = Tier.NVME
 
-    def __init__(self, placement, dtype, swapper):
-        super().__init__(placement, dtype)
+    def __init__(self, placement, dtype, streams, swapper):
+        super().__init__(placement, dtype, streams)
         self.swapper = swapper
         self._writes = []  # swap-outs in flight
 
@@ -89,8 +120,8 @@ class NVMeShards(DeviceShards):
         staged = self.placement.empty(shard.numel(), self.dtype, self.placement.host)
         return self.swapper.swap_in(self._key(index), staged).wait()
 
-    def gather_input(self, index, shard, device):
-        return self.read(index, shard).to(device, non_blocking=True)
+    def gather_input(self, index, shard):
+        return self.streams.to_device(self.read(index, shard), Copy.PARAM_TO_DEVICE)
 
     def prefetch(self, indices):
         keys = [self._key(i) for i in indices]
@@ -104,10 +135,11 @@ class NVMeShards(DeviceShards):
             handle.wait()
 
 
-def shard_store(placement, dtype: torch.dtype, swapper=None) -> DeviceShards:
+def shard_store(placement, dtype: torch.dtype, streams: DeviceStreams, swapper=None) -> DeviceShards:
     """The store of placement.param_tier."""
     if placement.param_tier == Tier.NVME:
         if swapper is None:
             raise ValueError("parameters on the nvme tier need a TensorSwapper")
-        return NVMeShards(placement, dtype, swapper)
-    return HostShards(placement, dtype) if placement.param_tier == Tier.CPU else DeviceShards(placement, dtype)
+        return NVMeShards(placement, dtype, streams, swapper)
+    kind = HostShards if placement.param_tier == Tier.CPU else DeviceShards
+    return kind(placement, dtype, streams)

@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import Collectives, Work
+from ..device import DeviceStreams, is_accelerator
 from ..offload.shard_store import shard_store
 from ..tiers import Tier
 from .layout import FlatLayout, Unit
@@ -42,6 +43,10 @@ from .layout import FlatLayout, Unit
 NVME_READ_AHEAD = 3
 """Stage-3 units ahead whose shards are read from NVMe while the current one computes
 (ZeRO-Infinity §6: NVMe→CPU for i+3, CPU→device for i+2, all-gather for i+1)."""
+
+COPY_AHEAD = 2
+"""Stage-3 units ahead whose CPU-tier shards are copied to the device (on the copy stream)
+while the current one computes: i+1 and i+2 (the all-gather of i+1 then finds its input there)."""
 
 SWAP_BLOCK_BYTES = 1 << 20
 """IO block of the parameter swapper (and of its buffer pool)."""
@@ -92,7 +97,7 @@ class Placement:
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Host tensors are pinned when an accelerator will copy from them."""
         t = torch.empty(numel, dtype=dtype, device=device)
-        return t.pin_memory() if device.type == "cpu" and self.compute.type == "cuda" else t
+        return t.pin_memory() if device.type == "cpu" and is_accelerator(self.compute) else t
 
 
 @dataclass
@@ -124,7 +129,9 @@ class FlatParameters:
     def __init__(self, layout: FlatLayout, params: dict[str, nn.Parameter], comm: Collectives,
                  dtype: torch.dtype, keep_full_grads: bool, rebuild_param=None,
                  placement: Placement = Placement(), swapper=None):
-        self.shards = shard_store(placement, dtype, swapper)
+        self.streams = DeviceStreams(placement.compute)
+        """The compute device's streams and tier transfers (tiertrain/device.py)."""
+        self.shards = shard_store(placement, dtype, self.streams, swapper)
         """Where partitioned units' shards live (the parameter tier)."""
         self.layout = layout
         self.placement = placement
@@ -225,8 +232,9 @@ class FlatParameters:
         u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
         u.gathered = True
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
-        # (NVMe → CPU staging, prefetched; CPU → device: ZeRO-Infinity's fetch)
-        shard = self.shards.gather_input(index, u.shard, self.device)
+        # (NVMe → CPU staging, prefetched; CPU → device on the copy stream, staged ahead:
+        # ZeRO-Infinity's fetch). The all-gather reads the copy: it waits for it.
+        shard = self.shards.gather_input(index, u.shard).wait()
         u.pending = self.comm.all_gather(u.full, shard, async_op=True)
         u.pending.then(lambda: shard)  # the staged shard lives until the gather completes
         if not async_op:
@@ -258,6 +266,12 @@ class FlatParameters:
         """Start reading these units' shards from their tier (a hint: skipped when not useful)."""
         self.shards.prefetch([i for i in indices if not self._all[i].unit.resident and not self._all[i].gathered])
 
+    def stage_shards(self, indices) -> None:
+        """Start copying these units' shards from the CPU tier to the device (a hint: the
+        copy of a unit gathered two units from now overlaps the current unit's compute)."""
+        wanted = [i for i in indices if not self._all[i].unit.resident and not self._all[i].gathered]
+        self.shards.stage(wanted, {i: self._all[i].shard for i in wanted})
+
     def read_shard(self, index: int) -> torch.Tensor:
         """A copy of this rank's compute-dtype shard of unit index (read from its file on NVMe)."""
         u = self._all[index]
@@ -267,6 +281,7 @@ class FlatParameters:
 
     def write_shard(self, index: int, values: torch.Tensor) -> None:
         """Set this rank's shard of unit index (and its master copy, when held here) to values."""
+        self.shards.drop_staged()
         u = self._all[index]
         if u.unit.resident:
             u.shard.copy_(values)
@@ -288,6 +303,7 @@ class FlatParameters:
 
     def shard_writer(self) -> "ShardWriter":
         """Where an optimizer holding the masters elsewhere sends updated fp32 values."""
+        self.shards.drop_staged()  # (copies of the shards before the update)
         return ShardWriter(self)
 
     def gathered_bytes(self) -> int:
@@ -303,6 +319,7 @@ class FlatParameters:
         ``in_background``: return with the all-gathers in flight (each unit's ``pending``);
         :meth:`gather` or :meth:`wait_gathers` completes them (tiertrain/zero/param_gather.py)."""
         self.wait_gathers()  # a gather still sending a shard must finish before it changes
+        self.shards.drop_staged()  # (copies of the shards before this update)
         # A partitioned unit still gathered holds the parameters before this update: release
         # it, so its next use gathers the new shards (a unit left gathered by an irregular
         # backward would otherwise feed stale values to the next forward, silently).

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import Collectives, Work
+from ..device import Copy
 from .flat import FlatParameters
 
 
@@ -170,9 +171,13 @@ class GradientReducer:
             stale, u.stale_grad = u.stale_grad, False
             reduced = torch.empty(u.unit.shard_numel, dtype=torch.float32, device=self.flat.device)
             work = self.comm.reduce_scatter(reduced, bucket, async_op=True)
-            # "g offload": with the optimizer on the CPU tier, u.grad is host memory.
+            # "g offload": with the optimizer on the CPU tier, u.grad is host memory; the
+            # reduced shard is copied there on the copy stream, and the host waits for the copy
+            # before adding it (on a GPU an unwaited device→host copy is still in flight).
             land = u.grad.copy_ if stale else u.grad.add_
-            work.then(lambda: land(reduced.to(u.grad.device, non_blocking=True)))
+            streams = self.flat.streams
+            to_grad = streams.to_host if u.grad.device.type == "cpu" else streams.to_device
+            work.then(lambda: land(to_grad(reduced, Copy.GRAD_TO_HOST).synchronize()))
         if self.stage >= 2:
             self._buckets.pop(index, None)
             work.then(lambda: bucket)  # keeps the bucket alive until its collective has completed

@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..comm import Collectives
 from .agreement import CHECKS, CollectiveAgreement, Event
-from .flat import NVME_READ_AHEAD, FlatParameters
+from .flat import COPY_AHEAD, NVME_READ_AHEAD, FlatParameters
 from .recompute import recomputing
 
 
@@ -258,6 +258,8 @@ class ParameterFetcher:
         if self._position >= 0:  # NVMe reads first: they take longest (ZeRO-Infinity §6)
             ahead = order[self._position + 1:self._position + 1 + NVME_READ_AHEAD]
             self.flat.prefetch_shards([i for key in ahead for i in self._with_frozen(key)])
+            # then the CPU → device copies of the next units, on the copy stream
+            self.flat.stage_shards([i for key in ahead[:COPY_AHEAD] for i in self._with_frozen(key)])
         self._fetch(index)
         if self._position >= 0:
             self._prefetch(order, self._position)
