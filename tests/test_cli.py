@@ -67,14 +67,16 @@ def test_bad_override_exits_2_naming_the_field(tmp_path):
     assert not (tmp_path / "runs").exists()  # nothing was started
 
 
-def test_failing_rank_exits_nonzero_with_its_error(tmp_path):
+def test_a_too_short_token_file_is_one_line_before_any_rank_starts(tmp_path):
+    """(Once raised on every rank, with a worker traceback; a failing rank's report is
+    tests/test_faults_config.py's.)"""
     tokens = tmp_path / "short.u16"
-    tokens.write_bytes(b"\x01\x00" * 8)  # 8 tokens: too short for seq_len 32, raised on every rank
+    tokens.write_bytes(b"\x01\x00" * 8)  # 8 tokens: too short for seq_len 32
     proc = _tiertrain(["train", "--nproc", "2", *TINY, "--data.path", str(tokens),
                        "--logging.metrics_file", ""], cwd=tmp_path)
-    assert proc.returncode == 1
-    assert "error: rank" in proc.stderr and "too large" in proc.stderr
-    assert "Traceback" in proc.stderr
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: data.path=") and "short.u16" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_checkpoint_resume_continues_the_same_run(tmp_path):

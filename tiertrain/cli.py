@@ -1,20 +1,24 @@
 """The ``tiertrain`` command: train, show the resolved config, estimate memory, probe hardware.
 
-    tiertrain train [--config FILE] [--nproc N] [--timeout S] [--section.key VALUE ...]
+    tiertrain train [--config FILE] [--nproc N] [--timeout S] [--resume DIR] [--section.key VALUE ...]
     tiertrain config [--config FILE] [--section.key VALUE ...]
     tiertrain estimate (--preset NAME | --layers L --hidden H --heads A [--vocab V --seq S]) [...]
     tiertrain probe [--swap-dir DIR] [--quick] [--out FILE]
     tiertrain plan (--preset NAME | --layers L --hidden H --heads A | --config FILE) [hardware] [--json] [--out FILE]
 
-Invalid configurations print one ``error: ...`` line to stderr and exit with status 2.
+Invalid configurations print one ``error: ...`` line to stderr and exit with status 2; a
+refused checkpoint or a diverged run (CheckpointError, NonFiniteError), in this process or
+in a worker rank, one line and status 1. ``tiertrain --debug <command>`` adds the traceback.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
+import traceback
 from typing import Any
 
 import yaml
@@ -26,7 +30,7 @@ USAGE = """\
 usage: tiertrain <command> [options]
 
 commands:
-  train      train a GPT (default: ~1.9M parameters, bundled corpus, 2 local processes)
+  train      train a GPT (default: ~1.85M parameters, bundled corpus, 2 local processes)
   config     print the resolved training config as YAML, each field with its documentation
   estimate   per-rank memory of a model under a ZeRO layout (formulas of ZeRO / ZeRO-Infinity)
   probe      measure this machine (RAM, memory and disk bandwidth, GPU) and save it as JSON
@@ -46,7 +50,8 @@ Multi-node (or any torchrun launch): run on every node
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
       -m tiertrain.cli train --zero.stage 3 ...
 
-`tiertrain <command> --help` describes a command's options.
+`tiertrain <command> --help` describes a command's options; `tiertrain --debug <command>`
+shows the traceback behind an error.
 """
 
 _OVERRIDES_HELP = """\
@@ -149,7 +154,7 @@ def _error(message: str, code: int = 2) -> int:
 def _train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tiertrain train", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="tiertrain train [-h] [--config FILE] [--nproc N] [--timeout S] [--section.key VALUE ...]",
+        usage="tiertrain train [-h] [--config FILE] [--nproc N] [--timeout S] [--resume DIR] [--section.key VALUE ...]",
         description="Train a GPT with the tiertrain engine. With no options: the default job\n"
                     "(see `tiertrain config`) on 2 local gloo processes (one per GPU with CUDA).",
         epilog=_OVERRIDES_HELP + "\nmulti-node (run on every node; --nproc is then ignored):\n"
@@ -158,8 +163,15 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", help="YAML or TOML file with config sections")
     p.add_argument("--nproc", type=int, metavar="N",
                    help="local processes to start (default: number of GPUs, else 2; 1 runs in this process)")
+    from .comm import DEFAULT_TIMEOUT_S
+
     p.add_argument("--timeout", type=float, metavar="S", default=None,
-                   help="process-group timeout in seconds: a collective stuck longer fails the run (default 600)")
+                   help="seconds any collective, pipeline transfer or swap IO may wait before the run fails "
+                        f"(default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--resume", metavar="DIR", default=None,
+                   help="continue the run checkpointed in DIR (its newest committed checkpoint) at this "
+                        "command's --nproc, parallel.* and zero.* (resharded on load); sets checkpoint.dir=DIR "
+                        "and checkpoint.resume=true")
     return p
 
 
@@ -167,11 +179,14 @@ def cmd_train(argv: list[str]) -> int:
     from . import launch
     from .train import check_launch, run_training
 
-    own, overrides = _split_args(argv, {"--config": True, "--nproc": True, "--timeout": True})
+    own, overrides = _split_args(argv, {"--config": True, "--nproc": True, "--timeout": True, "--resume": True})
     args = _train_parser().parse_args(own)
     timeout = args.timeout if args.timeout is not None else launch.DEFAULT_TIMEOUT_S
-    if timeout <= 0:
-        raise ConfigError(f"--timeout={timeout} is invalid: expected seconds > 0")
+    if not (math.isfinite(timeout) and timeout > 0):  # (NaN passes `<= 0`: it compares false)
+        raise ConfigError(f"--timeout={timeout} is invalid: expected a finite number of seconds > 0")
+    if args.resume is not None:
+        _check_resumable(args.resume)
+        overrides = [*overrides, "--checkpoint.dir", args.resume, "--checkpoint.resume", "true"]
     cfg = load_train_config(args.config, overrides)
 
     if launch.under_torchrun():
@@ -186,20 +201,49 @@ def cmd_train(argv: list[str]) -> int:
         raise ConfigError(f"--nproc={nproc} is invalid: expected >= 1")
     check_launch(cfg, nproc)
     if nproc == 1:
-        run_training(cfg)
+        launch.run(run_training, cfg, timeout=timeout)  # alone, with the run's timeout and SIGTERM handling
         return 0
+    launch.launch_local(run_training, nproc, cfg, timeout=timeout)  # (a WorkerFailure is reported by main)
+    return 0
+
+
+def _check_resumable(directory: str) -> None:
+    """--resume DIR needs a committed checkpoint in DIR (a ConfigError naming DIR otherwise)."""
+    from .checkpoint import CheckpointError, find_committed
+
+    if not os.path.isdir(directory):
+        raise ConfigError(f"--resume={directory!r} is invalid: no such directory (expected the checkpoint.dir "
+                          f"of an earlier run)")
     try:
-        launch.launch_local(run_training, nproc, cfg, timeout=timeout)
-    except launch.WorkerFailure as failure:
-        if failure.exc_type == "ConfigError":
-            return _error(failure.message)
+        find_committed(directory)
+    except CheckpointError as e:
+        raise ConfigError(f"--resume={directory!r} is invalid: {e} (expected the checkpoint.dir of an earlier "
+                          f"run)") from None
+
+
+USER_ERRORS = {"ConfigError": 2, "CheckpointError": 1, "NonFiniteError": 1}
+"""Exceptions that report a user's mistake or a refusal the user acts on, by class name (the
+form a worker's failure arrives in), with the exit status: one line, no traceback (unless
+--debug). Anything else is a failure of the program and keeps its traceback."""
+
+
+def _user_error_code(exc: BaseException) -> int | None:
+    return next((USER_ERRORS[c.__name__] for c in type(exc).__mro__ if c.__name__ in USER_ERRORS), None)
+
+
+def _report_worker_failure(failure, debug: bool) -> int:
+    """A worker rank's failure (launch.WorkerFailure): a user error as its one line, anything
+    else (or everything with --debug) with the rank's traceback and the other ranks' notes."""
+    code = USER_ERRORS.get(failure.exc_type or "")
+    if code is None or debug:
         if failure.details:
             print(failure.details.rstrip(), file=sys.stderr)
         for other in failure.others:
             print(f"note: also failed: {other}", file=sys.stderr)
-        kind = f"{failure.exc_type}: " if failure.exc_type else ""
-        return _error(f"rank {failure.rank} failed: {kind}{failure.message}", code=1)
-    return 0
+    if code is not None:
+        return _error(failure.message, code=code)
+    kind = f"{failure.exc_type}: " if failure.exc_type else ""
+    return _error(f"rank {failure.rank} failed: {kind}{failure.message}", code=1)
 
 
 # --------------------------------------------------------------------------- config
@@ -409,9 +453,17 @@ def _plan_parser() -> argparse.ArgumentParser:
                     "model on the hardware, by ZeRO-Infinity's placement policy (offload only when memory\n"
                     "is short; optimizer states and gradients first, to the fastest tier with room; then\n"
                     "parameters vs activation checkpoints), print the plan with its predicted memory and\n"
-                    "efficiency, and write a config for `tiertrain train --config`.",
+                    "efficiency, and write a config for `tiertrain train --config`.\n\n"
+                    "With an accelerator (--layout 3d, the default when the hardware has one) it first chooses\n"
+                    "the tensor/pipeline/data-parallel sizes (t, p, d), the micro-batches m and the virtual\n"
+                    "stages v by Megatron PTD-P's rules (t within a node, the smallest t·p that fits, tensor\n"
+                    "before pipeline, interleaving when the bubble (p-1)/(m·v) exceeds 10%), and prints the\n"
+                    "alternatives it rejected and why.",
         epilog="hardware: a probe file (default runs/hardware_probe.json when it exists, from `tiertrain probe`)\n"
-               "and/or stated figures, which override it. Exit status 1 when nothing fits.")
+               "and/or stated figures, which override it. Exit status 1 when nothing fits.\n\n"
+               "a stated machine (no GPU needed here):\n"
+               "  tiertrain plan --layers 32 --hidden 4096 --heads 32 --vocab 32000 --seq 2048 --no-bias \\\n"
+               "      --nodes 2 --nproc 8 --gpu-memory 80GiB --ram 1TiB --global-batch 512 --out plan.yaml")
     m = p.add_argument_group("model (a preset, explicit dims, or the model section of a train config)")
     m.add_argument("--preset", choices=sorted(PRESETS), help="a GPTConfig preset; dims below override it")
     m.add_argument("--config", metavar="FILE", help="a train config: its model, precision and micro-batch")
@@ -441,6 +493,21 @@ def _plan_parser() -> argparse.ArgumentParser:
     pol.add_argument("--tiers", default="cpu,nvme", help="offload tiers allowed (default cpu,nvme)")
     pol.add_argument("--no-checkpointing", action="store_true", help="never recompute activations")
     pol.add_argument("--max-tile", type=int, default=16, help="largest tiling factor (default 16; 1 = no tiling)")
+    pol.add_argument("--layout", choices=["auto", "3d", "dp"], default="auto",
+                     help="3d: choose tensor/pipeline/data sizes (t, p, d), micro-batches m and virtual stages v by "
+                          "Megatron PTD-P's rules (tiertrain/estimate/layout3d.py), falling back to the ZeRO ladder "
+                          "at t=p=1 when no 3D layout fits the devices; dp: the ZeRO ladder over data parallelism "
+                          "only; auto (default): 3d when the hardware has an accelerator (probed or --gpu-memory), "
+                          "else dp")
+    p3 = p.add_argument_group("3D layout (--layout 3d; defaults there: --micro-batch 1, --precision bf16)")
+    p3.add_argument("--global-batch", type=int, metavar="B",
+                    help="samples per optimizer step (default: the config's batch.global_batch_size)")
+    p3.add_argument("--intra-node-gbps", type=float,
+                    help="per-rank collective bandwidth within a node, GB/s (default 150: NVLink)")
+    p3.add_argument("--inter-node-gbps", type=float,
+                    help="per-rank bandwidth across nodes, GB/s (default 25: one 200 Gb/s HDR adapter per GPU)")
+    p3.add_argument("--interleave-above", type=float,
+                    help="bubble fraction above which interleaving (v > 1) is used (default 0.1)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--out", metavar="FILE", default="runs/plan.yaml",
                    help="where to write the config (default runs/plan.yaml; '' to skip)")
@@ -504,6 +571,70 @@ def _config_check(values: dict) -> str | None:
     return None
 
 
+def _config_check_3d(values: dict, world_size: int) -> str | None:
+    """None when the train config accepts a 3D plan's sections and its process grid and
+    batch resolve on ``world_size`` ranks (what ``tiertrain train`` checks first), else the error."""
+    from .config import ConfigError, from_dict
+    from .train import TrainConfig
+
+    try:
+        cfg = from_dict(TrainConfig, values).validate()
+        _, dp, _ = cfg.parallel.resolve(world_size)
+        cfg.batch.resolve(dp)
+    except (ConfigError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def _cmd_plan_3d(a: argparse.Namespace, model: Any, hw: Any, micro: int | None, precision: str | None,
+                 config_global_batch: int, ladder: dict[str, Any]) -> int:
+    """`tiertrain plan` with the 3D search (tiertrain.estimate.layout3d): the chosen (t, p, d, m,
+    v), the rejected alternatives, and the config; exit status 1 when nothing fits."""
+    from .estimate.layout3d import Interconnect, Policy3D, plan3d, plan3d_to_json, render_plan3d
+
+    if hw.device_memory is None:
+        raise ValueError("--layout 3d needs an accelerator's memory: give --gpu-memory SIZE (e.g. 80GiB) for a "
+                         "stated machine, or a probe file of one")
+    global_batch = a.global_batch or config_global_batch
+    if not global_batch:
+        raise ValueError("plan --layout 3d: missing --global-batch B (samples per optimizer step; it sets the "
+                         "micro-batches m = B / (d · micro-batch)), or a --config with batch.global_batch_size; "
+                         "--layout dp plans data parallelism only and needs none")
+    net = Interconnect()
+    if a.intra_node_gbps is not None:
+        net.intra_node_bw = a.intra_node_gbps * 1e9
+    if a.inter_node_gbps is not None:
+        net.inter_node_bw = a.inter_node_gbps * 1e9
+    policy = Policy3D(recompute=ladder["checkpointing"])
+    if a.interleave_above is not None:
+        policy.interleave_above = a.interleave_above
+    result = plan3d(model, hw, global_batch=global_batch, micro_batch=micro or 1, precision=precision or "bf16",
+                    interconnect=net, policy=policy, ladder=ladder)
+    rejected = _config_check_3d(result.config_dict(), hw.ranks)
+    if rejected:
+        result.notes.append(f"this version's train config does not accept the plan: {rejected}")
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            f.write(result.to_yaml())
+    if a.json:
+        data = json.loads(plan3d_to_json(result))
+        data["config_file"] = a.out or None
+        data["config_accepted"] = rejected is None
+        sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    else:
+        sys.stdout.write(render_plan3d(result))
+        if a.out:
+            if not result.fits:
+                print(f"config of the most frugal layout written to {a.out} (for reference: it does not fit)")
+            elif rejected:
+                print(f"config written to {a.out} (not accepted by this version's train config)")
+            else:
+                print(f"config written to {a.out} (run on each of the {hw.nodes} node(s): torchrun --nnodes "
+                      f"{hw.nodes} --nproc-per-node {hw.ranks_per_node} ... -m tiertrain.cli train --config {a.out})")
+    return 0 if result.fits else 1
+
+
 def cmd_plan(argv: list[str]) -> int:
     from .estimate import ModelDims
     from .estimate.plan import plan, plan_to_json, render_plan
@@ -511,11 +642,13 @@ def cmd_plan(argv: list[str]) -> int:
 
     a = _plan_parser().parse_args(argv)
     micro, precision = a.micro_batch, a.precision
+    config_global_batch = 0
     if a.config:
         cfg = load_train_config(a.config, [])
         g = cfg.model
         micro = micro or cfg.batch.micro_batch_size
         precision = precision or cfg.precision.dtype
+        config_global_batch = cfg.batch.global_batch_size
     else:
         g = GPTConfig.preset(a.preset) if a.preset else None
     dims: dict[str, Any] = {}
@@ -548,6 +681,10 @@ def cmd_plan(argv: list[str]) -> int:
     if a.max_tile < 1:
         raise ValueError(f"--max-tile={a.max_tile} is invalid: expected >= 1")
     hw = hardware_from_args(a)
+    if a.layout == "3d" or (a.layout == "auto" and hw.device_memory is not None):
+        return _cmd_plan_3d(a, model, hw, micro, precision, config_global_batch,
+                            dict(stages=stages, tiers=tiers, checkpointing=not a.no_checkpointing,
+                                 tile_factors=[t for t in (1, 2, 4, 8, 16, 32, 64) if t <= a.max_tile]))
     result = plan(model, hw, micro_batch=micro or 8, precision=precision or "fp32", stages=stages, tiers=tiers,
                   checkpointing=not a.no_checkpointing,
                   tile_factors=[t for t in (1, 2, 4, 8, 16, 32, 64) if t <= a.max_tile])
@@ -613,10 +750,15 @@ def cmd_export(argv: list[str]) -> int:
     p.add_argument("--step", type=int, default=None, help="the committed step to export (default: the newest)")
     p.add_argument("--dtype", default="fp32", help="bf16, fp16 or fp32 (default: fp32, the masters' values)")
     p.add_argument("--max-shard-bytes", type=int, default=None, help="tensor bytes per file at most (default 5e9)")
+    p.add_argument("--format", choices=["hf", "safetensors"], default=None,
+                   help="hf: a from_pretrained directory (config.json included; needs a Hugging Face model); "
+                        "safetensors: the tensor files and index only (default: hf when the run's model had a "
+                        "Hugging Face config)")
     args = p.parse_args(argv)
     kwargs = {} if args.max_shard_bytes is None else {"max_shard_bytes": args.max_shard_bytes}
     try:
-        report = export_checkpoint(args.checkpoint, args.out, step=args.step, dtype=args.dtype, **kwargs)
+        report = export_checkpoint(args.checkpoint, args.out, step=args.step, dtype=args.dtype,
+                                   format=args.format, **kwargs)
     except CheckpointError as e:
         return _error(str(e), code=1)
     except OSError as e:
@@ -646,6 +788,9 @@ COMMANDS = {"train": cmd_train, "config": cmd_config, "estimate": cmd_estimate, 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tiertrain`` command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = argv[:1] == ["--debug"]
+    if debug:
+        argv = argv[1:]
     if not argv or argv[0] in ("-h", "--help", "help"):
         sys.stdout.write(USAGE)
         return 0 if argv else 2
@@ -660,17 +805,6 @@ def main(argv: list[str] | None = None) -> int:
                       f"(`tiertrain --help`)")
     try:
         return command(argv[1:])
-    except ConfigError as e:
-        return _error(str(e))
-    except yaml.YAMLError as e:
-        return _error(f"invalid YAML: {' '.join(str(e).split())}")
-    except ValueError as e:
-        # The estimator and the probe report bad arguments as ValueError. Training reports
-        # configuration errors as ConfigError (above); any other ValueError raised while
-        # training is a failure of the run and keeps its traceback.
-        if command is cmd_train:
-            raise
-        return _error(str(e))
     except BrokenPipeError:  # `tiertrain config | head`
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -678,6 +812,28 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except yaml.YAMLError as e:
+        if debug:
+            traceback.print_exc()
+        return _error(f"invalid YAML: {' '.join(str(e).split())}")
+    except Exception as e:
+        launch = sys.modules.get("tiertrain.launch")  # (imported by whatever started workers)
+        if launch is not None and isinstance(e, launch.WorkerFailure):
+            return _report_worker_failure(e, debug)
+        code = _user_error_code(e)
+        if code is None:
+            # The estimator and the probe report bad arguments as ValueError. Training reports
+            # configuration errors as ConfigError; any other ValueError raised while training
+            # is a failure of the run and keeps its traceback, like every other exception.
+            if isinstance(e, ValueError) and command is not cmd_train:
+                if debug:
+                    traceback.print_exc()
+                return _error(str(e))
+            raise
+        if debug:
+            traceback.print_exc()
+        text = str(e).strip()
+        return _error(text.splitlines()[0] if text else type(e).__name__, code=code)
 
 
 if __name__ == "__main__":

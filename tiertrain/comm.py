@@ -9,17 +9,152 @@ move 2Ψ (reduce-scatter of gradients + all-gather of parameters), stage 3 moves
 from __future__ import annotations
 
 import datetime
+import math
+import os
+import re
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+DEFAULT_TIMEOUT_S = 600.0
+"""The run's timeout when none is given (``tiertrain train --timeout``): the longest any
+collective, point-to-point transfer or swap IO may wait before the run fails."""
+
+TIMEOUT_ENV = "TIERTRAIN_TIMEOUT_S"
+"""Set by tiertrain.launch in every rank (to the process group's timeout), so that waits
+built deep inside the engine (collectives, pipeline transfers, swap IO) use the same value
+as the process group without each constructor being handed it."""
+
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+
+
+def run_timeout() -> float:
+    """The run's one timeout in seconds: $TIERTRAIN_TIMEOUT_S (set by tiertrain.launch from
+    ``--timeout`` for every rank), else DEFAULT_TIMEOUT_S. Read at construction time of each
+    waiting object, not at import: the launcher imports this module before it knows the value."""
+    value = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        seconds = float(value)
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+    return seconds if math.isfinite(seconds) and seconds > 0 else DEFAULT_TIMEOUT_S
 
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks issued different collectives (e.g. took different branches under ZeRO-3)."""
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within the run's timeout. ``rank`` (global) timed out
+    waiting for ``waiting_for``; ``missing_ranks`` (global) are the ranks of the group that
+    had not issued that collective when the wait ended (empty when all had: the transfer
+    itself stalled, e.g. a peer stopped or a link died mid-way)."""
+
+    def __init__(self, message: str, rank: int, waiting_for: str, missing_ranks: list[int]):
+        super().__init__(message)
+        self.rank = rank
+        self.waiting_for = waiting_for
+        self.missing_ranks = missing_ranks
+
+
+class PeerLost(RuntimeError):
+    """A collective failed because a peer's connection closed (its process or its node died).
+    ``rank`` (global) is the rank that noticed, ``lost_ranks`` the ranks it lost (global; all
+    the group's ranks on other nodes when the peer could not be told apart)."""
+
+    def __init__(self, message: str, rank: int, waiting_for: str, lost_ranks: list[int]):
+        super().__init__(message)
+        self.rank = rank
+        self.waiting_for = waiting_for
+        self.lost_ranks = lost_ranks
+
+
+_CONNECTION_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe",
+                    "connection refused", "read error", "write error")
+"""How gloo words a peer that went away (transport/tcp/pair.cc)."""
+
+
+def _node_of(rank: int) -> int | None:
+    """The node (torchrun's GROUP_RANK) a global rank runs on: torchrun numbers ranks node by
+    node, LOCAL_WORLD_SIZE per node. None when not known."""
+    try:
+        return rank // int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError, ZeroDivisionError):
+        return None
+
+
+def is_connection_lost(error: BaseException) -> bool:
+    """Whether error is the backend's word for a peer whose connection closed."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(words in text for words in _CONNECTION_LOST)
+
+
+def peer_lost(error: BaseException, me: int, ranks: list[int], what: str | None = None,
+              number: int | None = None) -> PeerLost:
+    """The one-line error for a peer whose connection closed: which rank (and node) noticed,
+    during what, and which rank(s) and node it lost. gloo names only the peer's address
+    (``Connection closed by peer [10.0.0.2]:6788``); the node follows from torchrun's
+    numbering (_node_of). ``ranks``: the global ranks of the group the error came from."""
+    text = " ".join(str(error).split())
+    found = re.search(r"\[([0-9A-Fa-f.:]+)\]:\d+", text)
+    address = found.group(1) if found else None
+    others = [r for r in ranks if r != me]
+    my_node = _node_of(me)
+    remote = [r for r in others if _node_of(r) is not None and _node_of(r) != my_node]
+    if len(others) == 1:
+        lost = others
+    elif address and not address.startswith("127.") and remote:
+        lost = remote  # another node's address: one of the ranks there
+    else:
+        lost = others
+
+    def where(r: int) -> str:
+        node = _node_of(r)
+        return f"rank {r}" + (f" on node {node}" if node is not None and my_node is not None else "")
+
+    nodes = sorted({_node_of(r) for r in lost} - {None, my_node})
+    who = ((where(lost[0]) if len(lost) == 1 else f"one of ranks {lost}" if lost else "a peer")
+           + (f" ({address})" if address else ""))
+    why = f"node {nodes[0]} or its process died?" if len(nodes) == 1 else "its process died?"
+    gloo = re.sub(r"^\[[^\]]*\] ", "", text).split(" This is typically")[0]
+    during = (f" during {what}" + (f", collective #{number}" if number else "") + f" of the group of ranks {ranks}"
+              if what else "")
+    head = (f"rank {me}" + (f" (node {my_node})" if my_node is not None else "") +
+            f" lost its connection to {who}{during}: {why} ({gloo})")
+    return PeerLost(head, me, what or "", lost)
+
+
+class Arrivals:
+    """How many collectives each rank of a group has issued, kept in the group's c10d store
+    (one counter per rank, ``store.add``), so that a rank whose wait times out can name the
+    ranks that never issued the collective it waits for, even when those ranks are stopped
+    or hung and cannot answer. The counters live in the store rather than in this object so
+    that every Collectives object built on the same group (the engine's, the stage-3
+    constructor's, a delayed update's) counts into the same per-rank sequence.
+
+    One store round trip per collective (~30 µs on localhost, measured); a store that stops
+    answering disables the counts (the run then fails with the plain timeout message)
+    rather than failing the collective."""
+
+    PREFIX = "tiertrain/issued/"
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int):
+        self.store = group.get_group_store()
+        self.rank = rank
+        self.size = size
+        self.ranks = dist.get_process_group_ranks(group)
+
+    def issue(self) -> int:
+        """Count one more collective issued by this rank; returns its number (1-based)."""
+        return int(self.store.add(f"{self.PREFIX}{self.rank}", 1))
+
+    def counts(self) -> dict[int, int]:
+        """Collectives issued so far by each group rank (0 for a rank that issued none)."""
+        keys = [f"{self.PREFIX}{r}" for r in range(self.size)]
+        return {r: int(self.store.add(k, 0)) for r, k in enumerate(keys)}
 
 
 @dataclass
@@ -45,12 +180,17 @@ class CommCounter:
 
 
 class Work:
-    """A pending collective; ``wait()`` blocks (with a timeout) and runs its completion step once."""
+    """A pending collective; ``wait()`` blocks (with a timeout) and runs its completion step once.
 
-    def __init__(self, handle, on_done=None, timeout: datetime.timedelta = DEFAULT_TIMEOUT):
+    ``explain(error)``, when given, turns the backend's timeout or lost-connection error into
+    the exception to raise (Collectives names the collective, the ranks that did not arrive
+    or the peer that went away)."""
+
+    def __init__(self, handle, on_done=None, timeout: datetime.timedelta | None = None, explain=None):
         self._handle = handle
         self._on_done = on_done
-        self._timeout = timeout
+        self._timeout = timeout if timeout is not None else datetime.timedelta(seconds=run_timeout())
+        self._explain = explain
 
     def then(self, on_done) -> "Work":
         """Run on_done once, after the collective and any earlier completion steps."""
@@ -60,7 +200,14 @@ class Work:
 
     def wait(self) -> None:
         if self._handle is not None:
-            self._handle.wait(timeout=self._timeout)
+            try:
+                self._handle.wait(timeout=self._timeout)
+            except RuntimeError as e:  # gloo: "Timed out waiting …", c10d: "… timed out …"
+                if self._explain is None:
+                    raise
+                if "timed out" in str(e).lower() or is_connection_lost(e):
+                    raise self._explain(e) from e
+                raise
             self._handle = None
         if self._on_done is not None:
             done, self._on_done = self._on_done, None
@@ -79,12 +226,21 @@ class Collectives:
     """
 
     def __init__(self, group: dist.ProcessGroup | None, counter: CommCounter | None = None,
-                 timeout: datetime.timedelta = DEFAULT_TIMEOUT):
+                 timeout: datetime.timedelta | None = None):
         self.group = group
         self.size = 1 if group is None else dist.get_world_size(group)
         self.rank = 0 if group is None else dist.get_rank(group)
         self.counter = counter if counter is not None else CommCounter()
-        self.timeout = timeout
+        # One timeout for the run (run_timeout(): what the launcher gave the process group),
+        # not a constant of this module: a shorter constant here used to cut every wait at
+        # 300 s whatever --timeout said.
+        self.timeout = timeout if timeout is not None else datetime.timedelta(seconds=run_timeout())
+        self.arrivals: Arrivals | None = None
+        if group is not None and self.size > 1:
+            try:
+                self.arrivals = Arrivals(group, self.rank, self.size)
+            except Exception:  # noqa: BLE001 - a group without a store: plain timeout messages
+                self.arrivals = None
         # On gloo, all_to_all_single (+ a local sum) beat reduce_scatter_tensor 2× and
         # all_gather_into_tensor 1.5× at 32 MiB: bench/results/gloo_collectives.md.
         self.via_all_to_all = group is not None and dist.get_backend(group) == "gloo"
@@ -102,6 +258,52 @@ class Collectives:
             raise CollectiveMismatchError(f"rank {self.rank} is out of step with its group since an earlier "
                                           f"error, so it issues no more collectives: {self.broken}")
 
+    def _work(self, handle, what: str, number: int | None) -> Work:
+        """A Work whose timeout says what this rank waited for and which ranks never issued it."""
+        started = time.monotonic()
+        return Work(handle, timeout=self.timeout,
+                    explain=lambda error: self._explain(what, number, started, error))
+
+    def _issue(self) -> int | None:
+        """Count the collective about to be issued in the group's arrival counters."""
+        if self.arrivals is None:
+            return None
+        try:
+            return self.arrivals.issue()
+        except Exception:  # noqa: BLE001 - the store went away: keep training, lose the counts
+            self.arrivals = None
+            return None
+
+    def _explain(self, what: str, number: int | None, started: float, error: BaseException) -> RuntimeError:
+        me = dist.get_global_rank(self.group, self.rank)
+        ranks = dist.get_process_group_ranks(self.group)
+        if "timed out" not in str(error).lower():
+            return peer_lost(error, me, ranks, what, number)
+        waited = time.monotonic() - started
+        head = (f"rank {me} timed out after {waited:.0f} s (timeout {self.timeout.total_seconds():g} s) "
+                f"waiting for {what}" + (f", collective #{number}" if number else "") +
+                f" of the group of ranks {ranks}")
+        missing: list[int] = []
+        detail = ""
+        if number is not None and self.arrivals is not None:
+            try:
+                counts = self.arrivals.counts()
+            except Exception as e:  # noqa: BLE001 - the store is gone too (a node died?)
+                detail = f"; the arrival counters could not be read ({type(e).__name__}: {e})"
+            else:
+                behind = {r: c for r, c in counts.items() if c < number and r != self.rank}
+                missing = [ranks[r] for r in sorted(behind)]
+                if missing:
+                    detail = "; " + ", ".join(f"rank {ranks[r]} did not arrive (it issued {c} collectives on this "
+                                              f"group, this one is #{number})" for r, c in sorted(behind.items()))
+                    detail += ": stopped, hung or slower than the timeout"
+                else:
+                    detail = ("; every rank of the group issued it, so the transfer itself stalled "
+                              "(a peer stopped or its connection died mid-collective)")
+        if not detail:
+            detail = f" ({' '.join(str(error).split())})"
+        return CollectiveTimeout(head + detail, me, what, missing)
+
     def _peer_splits(self, numel: int) -> tuple[int, list[int]]:
         """With 2 ranks: the other rank, and all_to_all split sizes that send `numel`
         elements to it and none to this rank."""
@@ -117,8 +319,9 @@ class Collectives:
         if self.size == 1:
             return Work(None)
         self._usable()
+        number = self._issue()
         handle = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
-        work = Work(handle, timeout=self.timeout)
+        work = self._work(handle, f"all_reduce of {tensor.numel()} {tensor.dtype} elements", number)
         if not async_op:
             work.wait()
         return work
@@ -132,6 +335,8 @@ class Collectives:
                 output.copy_(input)
             return Work(None)
         self._usable()
+        number = self._issue()
+        what = f"reduce_scatter of {input.numel()} {input.dtype} elements"
         chunks = input.view(self.size, -1)
         mine = chunks[self.rank]
         in_place = output.data_ptr() == mine.data_ptr()
@@ -144,19 +349,19 @@ class Collectives:
             received = torch.empty_like(output) if in_place else output
             handle = dist.all_to_all_single(received, chunks[peer], output_split_sizes=splits,
                                             input_split_sizes=splits, group=self.group, async_op=True)
-            work = Work(handle, timeout=self.timeout).then(lambda: output.add_(received if in_place else mine))
+            work = self._work(handle, what, number).then(lambda: output.add_(received if in_place else mine))
         elif self.via_all_to_all:
             received = torch.empty_like(input)  # chunk i: rank i's copy of this rank's chunk
             handle = dist.all_to_all_single(received, input, group=self.group, async_op=True)
-            work = Work(handle, timeout=self.timeout).then(
+            work = self._work(handle, what, number).then(
                 lambda: torch.sum(received.view(self.size, -1), dim=0, out=output))
         elif in_place:
             result = torch.empty_like(output)
             handle = dist.reduce_scatter_tensor(result, input, group=self.group, async_op=True)
-            work = Work(handle, timeout=self.timeout).then(lambda: output.copy_(result))
+            work = self._work(handle, what, number).then(lambda: output.copy_(result))
         else:
             handle = dist.reduce_scatter_tensor(output, input, group=self.group, async_op=True)
-            work = Work(handle, timeout=self.timeout)
+            work = self._work(handle, what, number)
         if not async_op:
             work.wait()
         return work
@@ -169,6 +374,7 @@ class Collectives:
                 output.copy_(input)
             return Work(None)
         self._usable()
+        number = self._issue()
         if self.via_all_to_all and self.size == 2:
             # Send my shard to the peer and receive its shard straight into its chunk of
             # output (split sizes: nothing to myself); my own chunk is a local copy, made
@@ -184,7 +390,7 @@ class Collectives:
             handle = dist.all_to_all_single(output, replicated, group=self.group, async_op=True)
         else:
             handle = dist.all_gather_into_tensor(output, input, group=self.group, async_op=True)
-        work = Work(handle, timeout=self.timeout)
+        work = self._work(handle, f"all_gather of {output.numel()} {output.dtype} elements", number)
         if not async_op:
             work.wait()
         return work
@@ -193,8 +399,10 @@ class Collectives:
         if self.size == 1:
             return
         self._usable()
+        number = self._issue()
         src = dist.get_global_rank(self.group, src_local_rank)
-        dist.broadcast(tensor, src=src, group=self.group, async_op=True).wait(timeout=self.timeout)
+        handle = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
+        self._work(handle, f"broadcast of {tensor.numel()} {tensor.dtype} elements from rank {src}", number).wait()
 
     def check_same(self, code: int, describe, digest: int = 0) -> None:
         """Raise CollectiveMismatchError on every rank unless all ranks pass the same code

@@ -8,6 +8,7 @@ would be valid.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -26,6 +27,30 @@ class ConfigError(ValueError):
 
 def _fail(path: str, value: Any, valid: str) -> None:
     raise ConfigError(f"{path}={value!r} is invalid: expected {valid}")
+
+
+class _NonFinite(ConfigError):
+    """A number field given inf or NaN (kept apart so that a union such as ``float | None``
+    reports it as such rather than as "a number or null")."""
+
+
+def check_finite(obj: Any, path: str = "") -> None:
+    """ConfigError naming the first float field of dataclass obj (nested dataclasses and
+    tuples included) that is inf or NaN. Every range check below compares with ``<`` or
+    ``>``, which inf passes and NaN slips through (a comparison with NaN is always false),
+    so a config built in code is checked here as the loader checks what it parses."""
+    for f in dataclasses.fields(obj):
+        _check_finite_value(f"{path}.{f.name}" if path else f.name, getattr(obj, f.name))
+
+
+def _check_finite_value(path: str, value: Any) -> None:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        check_finite(value, path)
+    elif isinstance(value, tuple):
+        for i, v in enumerate(value):
+            _check_finite_value(f"{path}[{i}]", v)
+    elif isinstance(value, float) and not math.isfinite(value):
+        _fail(path, value, "a finite number")
 
 
 def parse_tier(path: str, value: Any, allowed: tuple[Tier, ...] = tuple(Tier)) -> Tier:
@@ -82,9 +107,12 @@ class PrecisionConfig:
     """Compute dtype of parameters and activations; master weights and Adam state are always fp32."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Dynamic loss scaling, used only when dtype is fp16."""
+    max_consecutive_skips: int = 20
+    """Steps skipped in a row for non-finite gradients (any dtype) after which the run stops with an error naming the step, the loss scale and the first non-finite gradient."""
 
     def validate(self, path: str = "precision") -> None:
         self.loss_scale.validate(f"{path}.loss_scale")
+        _check_positive(f"{path}.max_consecutive_skips", self.max_consecutive_skips)
 
 
 @dataclass
@@ -306,6 +334,10 @@ class CheckpointConfig:
     """Number of most recent checkpoints kept."""
     resume: bool = True
     """Resume from the newest complete checkpoint in dir when one exists."""
+    overwrite: bool = False
+    """With resume=false: delete the checkpoints already in dir before the first step (without it such a run is refused, so that an older run's checkpoints are never lost or resumed by mistake)."""
+    async_save: bool = False
+    """Return from a save once the state is copied, and write and commit it in the background while training goes on (the final save is waited for; bench/results/checkpoint.md measures the stall)."""
 
     def validate(self, path: str = "checkpoint") -> None:
         _check_positive(f"{path}.interval", self.interval, allow_zero=True)
@@ -349,6 +381,7 @@ class Config:
     """Metrics and progress output."""
 
     def validate(self) -> "Config":
+        check_finite(self)
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate(f.name)
         if self.zero.delayed_update and (self.precision.dtype == "fp16" or self.parallel.pp > 1):
@@ -408,6 +441,8 @@ def _describe(tp: Any) -> str:
 
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+_NON_FINITE = re.compile(r"[-+]?\.?(nan|inf|infinity)", re.IGNORECASE)
+"""inf/NaN spelled as YAML 1.2 reads them as strings (``nan``, ``inf``), or as Python does."""
 
 
 def _coerce(path: str, tp: Any, value: Any) -> Any:
@@ -426,11 +461,16 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
             return value
         _fail(path, value, _describe(tp))
     if origin in (typing.Union, types.UnionType):
+        non_finite = None
         for arg in get_args(tp):
             try:
                 return _coerce(path, arg, value)
+            except _NonFinite as e:
+                non_finite = e
             except ConfigError:
                 continue
+        if non_finite is not None:
+            raise non_finite
         _fail(path, value, _describe(tp))
     if origin is tuple:
         args = get_args(tp)
@@ -450,11 +490,18 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
             return value
         _fail(path, value, "an integer")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
-            return float(value)  # YAML 1.1 reads "1e-3" (no dot) as a string
-        _fail(path, value, "a number")
+            number = float(value)
+        elif isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            number = float(value)  # YAML 1.1 reads "1e-3" (no dot) as a string
+        elif isinstance(value, str) and _NON_FINITE.fullmatch(value.strip()):
+            number = float(value.strip().lstrip(".").replace("+.", "+").replace("-.", "-"))
+        if number is None:
+            _fail(path, value, "a number")
+        if not math.isfinite(number):  # inf passes every `> 0` check; NaN passes every check
+            raise _NonFinite(f"{path}={number!r} is invalid: expected a finite number")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -470,15 +517,30 @@ T = typing.TypeVar("T")
 def from_dict(cls: type[T], data: dict, path: str = "") -> T:
     """Build dataclass cls from a nested dict; unknown keys and wrong types raise ConfigError."""
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    names = list(fields)
     kwargs = {}
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
         if key not in names:
             raise ConfigError(f"unknown key {full!r}: valid keys here are {', '.join(names)}")
+        if isinstance(value, dict):
+            # A partial table fills its missing keys from this field's own default, which may
+            # differ from the table class's defaults (the train job's model is 192 wide with 6
+            # heads, GPTConfig's 128 and 4): `--model.n_layers 2` changes one field of it.
+            default = _field_default(fields[key])
+            if dataclasses.is_dataclass(default) and not isinstance(default, type):
+                value = merge(to_dict(default), value)
         kwargs[key] = _coerce(full, hints[key], value)
     obj = cls(**kwargs)
     return obj
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    """The value a dataclass field takes when it is not given (None when it has none)."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
 
 
 def to_dict(obj: Any) -> dict:
@@ -498,17 +560,25 @@ def read_file(path: str) -> dict:
     """A config file as a dict: .yaml/.yml or .toml."""
     if not os.path.exists(path):
         raise ConfigError(f"config file {path!r} does not exist")
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path!r} is a directory: expected a .yaml, .yml or .toml file")
     ext = os.path.splitext(path)[1].lower()
-    if ext in (".yaml", ".yml"):
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-    elif ext == ".toml":
-        import tomllib
+    import tomllib
 
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    else:
-        raise ConfigError(f"config file {path!r}: unknown extension {ext!r}; valid: .yaml, .yml, .toml")
+    try:
+        if ext in (".yaml", ".yml"):
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        elif ext == ".toml":
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        else:
+            raise ConfigError(f"config file {path!r}: unknown extension {ext!r}; valid: .yaml, .yml, .toml")
+    except OSError as e:
+        raise ConfigError(f"config file {path!r} cannot be read: {e.strerror or e}") from None
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        kind = "TOML" if ext == ".toml" else "YAML"
+        raise ConfigError(f"config file {path!r} is not valid {kind}: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path!r} must hold a table at the top level")
     return data

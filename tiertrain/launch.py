@@ -21,6 +21,15 @@ reporting (killed, segfault) is noticed within a fraction of a second. Each proc
 group has a timeout, so a collective that can never complete raises instead of hanging,
 and workers die with the launcher (``PR_SET_PDEATHSIG`` on Linux).
 
+One timeout: ``timeout`` (``tiertrain train --timeout``) is the process group's, and every
+rank gets it as ``$TIERTRAIN_TIMEOUT_S``, which the engine's collective, pipeline and swap IO
+waits read (tiertrain.comm.run_timeout). A collective that times out names the ranks that
+never issued it (tiertrain.comm.Arrivals), and the launcher blames those, not the rank that
+waited. Clean exit: SIGTERM raises :class:`Terminated` (a KeyboardInterrupt) in the launcher
+and in the ranks, so that they unwind; the ranks' swap directories are registered with the
+launcher (tiertrain.offload.swap.CLEANUP_ENV) and removed once every rank is gone, however
+it ended (a multiprocessing worker never runs atexit handlers, and a killed one runs nothing).
+
 torch's own elastic launcher (``torch.distributed.launcher.api.elastic_launch``) was tried
 first: on this CPU-only setup it starts workers with ``spawn`` (≈17 s for 2 ranks), logs
 every worker traceback at ERROR level, and picks as "root cause" whichever failure has the
@@ -29,14 +38,18 @@ rather than the rank that raised.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import signal
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -44,10 +57,54 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["WorkerFailure", "under_torchrun", "default_nproc", "default_backend", "run", "launch_local"]
+from .comm import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, PeerLost, is_connection_lost, peer_lost
 
-DEFAULT_TIMEOUT_S = 600.0
-"""Process-group timeout: a collective waiting longer than this raises instead of hanging."""
+__all__ = ["WorkerFailure", "Terminated", "under_torchrun", "default_nproc", "default_backend", "run",
+           "launch_local", "DEFAULT_TIMEOUT_S"]
+
+# DEFAULT_TIMEOUT_S (tiertrain.comm): the run's one timeout. The process group gets it, and
+# every rank gets it as $TIERTRAIN_TIMEOUT_S, from which the engine's collective, pipeline
+# and swap IO waits take theirs (tiertrain.comm.run_timeout()).
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that finally blocks and exit handlers run (the
+    default action ends the process on the spot, leaving swap files behind). A
+    KeyboardInterrupt, so that whatever handles Ctrl-C handles it the same way."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise Terminated(f"terminated by {signal.Signals(signum).name}")
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """While inside: SIGTERM raises Terminated (main thread only, and only where nobody
+    installed a handler of their own)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _run_timeout(timeout: float):
+    """$TIERTRAIN_TIMEOUT_S = timeout while inside (see tiertrain.comm.run_timeout)."""
+    previous = os.environ.get(TIMEOUT_ENV)
+    os.environ[TIMEOUT_ENV] = repr(float(timeout))
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(TIMEOUT_ENV, None)
+        else:
+            os.environ[TIMEOUT_ENV] = previous
 
 
 class WorkerFailure(RuntimeError):
@@ -109,18 +166,29 @@ def _set_device(local_rank: int) -> None:
 
 def run(fn: Callable[..., Any], *args, timeout: float = DEFAULT_TIMEOUT_S, **kwargs) -> Any:
     """Call fn(*args, **kwargs) as one rank of a torchrun-started job: init the process
-    group from env://, run, destroy it. Without RANK/WORLD_SIZE, fn runs alone."""
-    if not under_torchrun():
-        return fn(*args, **kwargs)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    torch.set_num_threads(_threads_per_rank(local_world))
-    _set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(default_backend(), init_method="env://",
-                            timeout=datetime.timedelta(seconds=timeout))
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        dist.destroy_process_group()
+    group from env://, run, destroy it. Without RANK/WORLD_SIZE, fn runs alone. Either way
+    every wait inside uses ``timeout`` and SIGTERM raises :class:`Terminated`, so that the
+    process unwinds and its exit handlers remove swap files (torchrun stops workers with
+    SIGTERM)."""
+    with _run_timeout(timeout), _sigterm_raises():
+        if not under_torchrun():
+            return fn(*args, **kwargs)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        torch.set_num_threads(_threads_per_rank(local_world))
+        _set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(default_backend(), init_method="env://",
+                                timeout=datetime.timedelta(seconds=timeout))
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            # A peer (node) went away under a collective issued outside tiertrain.comm (a
+            # checkpoint barrier, a metrics gather): name the rank and node it was, not only
+            # gloo's "Connection closed by peer [address]".
+            if isinstance(e, PeerLost) or not is_connection_lost(e):
+                raise
+            raise peer_lost(e, dist.get_rank(), list(range(dist.get_world_size()))) from e
+        finally:
+            dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------- local workers
@@ -136,35 +204,61 @@ def _die_with_parent() -> None:
         pass
 
 
-def _report_failure(results, rank: int, e: BaseException) -> None:
+def _remove_own_swap(cleanup_dir: str | None) -> None:
+    """Remove the swap directories this process registered (tiertrain.offload.swap): a
+    worker leaves through os._exit, which runs no exit handler, so the swapper's own
+    at-exit removal never happens here. The launcher removes them too once the worker is
+    gone (for a worker killed before it gets here)."""
+    if cleanup_dir:
+        try:
+            from .offload.swap import remove_left_behind
+
+            remove_left_behind(cleanup_dir, owner_pid=os.getpid())
+        except BaseException:  # noqa: BLE001 - exiting anyway; the launcher removes what is left
+            pass
+
+
+def _report_failure(results, rank: int, e: BaseException, cleanup_dir: str | None = None) -> None:
     """Send this rank's exception (with the time it was caught) and exit non-zero. The
     process group is deliberately not destroyed first: closing its connections makes the
-    peers fail too, and their reports must not overtake this one."""
+    peers fail too, and their reports must not overtake this one. ``missing_ranks`` of a
+    collective timeout (tiertrain.comm.CollectiveTimeout) travel with it: the launcher
+    blames those ranks, not the one that waited for them."""
     caught_at = time.time()
     text = str(e).strip()
     message = text.splitlines()[0] if text else type(e).__name__
+    missing = [int(r) for r in getattr(e, "missing_ranks", None) or []]
     try:
-        results.put((rank, False, (caught_at, type(e).__name__, message, traceback.format_exc())))
+        results.put((rank, False, (caught_at, type(e).__name__, message, traceback.format_exc(), missing)))
         results.close()
         results.join_thread()  # the report must leave before os._exit
     except Exception:
         pass
+    _remove_own_swap(cleanup_dir)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)  # a non-zero exit status, without a second copy of the traceback
 
 
 def _worker(fn, rank: int, world_size: int, host: str, port_conn, timeout: float,
-            results, args, kwargs) -> None:
+            results, args, kwargs, cleanup_dir: str | None = None) -> None:
     try:
         _die_with_parent()
+        # The launcher stops ranks with SIGTERM: unwind (finally blocks, engine.close) and
+        # report, instead of vanishing with files open. Set here, not inherited: a forked
+        # worker would otherwise carry the launcher's handler.
+        signal.signal(signal.SIGTERM, _raise_terminated)
         if not port_conn.poll(timeout):
             raise TimeoutError(f"no rendezvous port from the launcher within {timeout:.0f} s")
         port = port_conn.recv()
         port_conn.close()
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
-                          MASTER_ADDR=host, MASTER_PORT=str(port))
+                          MASTER_ADDR=host, MASTER_PORT=str(port), **{TIMEOUT_ENV: repr(float(timeout))})
+        if cleanup_dir:
+            from .offload.swap import CLEANUP_ENV
+
+            os.environ[CLEANUP_ENV] = cleanup_dir
         torch.set_num_threads(_threads_per_rank(world_size))
         _set_device(rank)
         td = datetime.timedelta(seconds=timeout)
@@ -174,14 +268,15 @@ def _worker(fn, rank: int, world_size: int, host: str, port_conn, timeout: float
         payload = io.BytesIO()  # by value: shared-memory tensor handles die with this process
         torch.save(value, payload)
     except BaseException as e:  # everything, KeyboardInterrupt and SystemExit included
-        _report_failure(results, rank, e)
+        _report_failure(results, rank, e, cleanup_dir)
     try:
         dist.destroy_process_group()
         results.put((rank, True, payload.getvalue()))
         results.close()
         results.join_thread()
     except BaseException as e:
-        _report_failure(results, rank, e)
+        _report_failure(results, rank, e, cleanup_dir)
+    _remove_own_swap(cleanup_dir)
     sys.stdout.flush()
     sys.stderr.flush()
 
@@ -190,18 +285,36 @@ _GRACE_S = 1.0
 """After the first failure, how long other ranks' reports are awaited before blaming one."""
 
 
-def _root_cause(reports: dict[int, tuple[float, str, str, str]], dead: dict[int, int]) -> "WorkerFailure":
+def _root_cause(reports: dict[int, tuple], dead: dict[int, int],
+                states: dict[int, str] | None = None) -> "WorkerFailure":
     """The failure to blame: a rank that died without reporting (killed, crashed) if any,
     else the earliest exception. Peers of a failed rank fail later ("Connection closed by
-    peer"), and those are listed in ``others``."""
+    peer"), and those are listed in ``others``. When that exception is a collective timeout
+    naming ranks that never issued the collective, the first of those that did not report
+    an error of its own is blamed (with the waiting rank's message saying what it waited
+    for): the rank that timed out is the healthy one. ``states``: what the launcher saw of
+    each rank's process (e.g. "stopped")."""
     if dead:
-        rank = min(dead)
+        rank = reporter = min(dead)
         failure = WorkerFailure(rank, None, f"ended with {_exit_status(dead[rank])} before reporting", "")
     else:
-        rank = min(reports, key=lambda r: (reports[r][0], r))
-        _, exc_type, message, details = reports[rank]
+        rank = reporter = min(reports, key=lambda r: (reports[r][0], r))
+        _, exc_type, message, details, *rest = reports[rank]
+        absent = [r for r in (rest[0] if rest else []) if r not in reports]
+        stalled = [] if absent or exc_type != "CollectiveTimeout" else \
+            [r for r in sorted(states or {}) if r not in reports and r != rank]  # all issued it: one stopped mid-way?
+        if absent:
+            rank = absent[0]
+            state = (states or {}).get(rank)
+            message = ("did not arrive at a collective" + (f" (its process is {state})" if state else "")
+                       + f": {message}")
+        elif stalled:
+            rank = stalled[0]
+            message = f"its process is {states[rank]} in the middle of a collective: {message}"
         failure = WorkerFailure(rank, exc_type, message, details)
-    failure.others = [f"rank {r}: {reports[r][1]}: {reports[r][2]}" for r in sorted(reports) if r != rank]
+    # (the reporter's own message is the failure's when it blamed a rank that never arrived)
+    failure.others = [f"rank {r}: {reports[r][1]}: {reports[r][2]}" for r in sorted(reports)
+                      if r not in (rank, reporter)]
     failure.others += [f"rank {r}: ended with {_exit_status(d)}" for r, d in sorted(dead.items()) if r != rank]
     return failure
 
@@ -217,10 +330,24 @@ def _exit_status(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def _process_state(pid: int | None) -> str | None:
+    """'stopped' when the process is stopped (SIGSTOP, a debugger), from /proc; else None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    return {"T": "stopped", "t": "stopped by a tracer"}.get(state)
+
+
 def _stop(procs: list) -> None:
     for p in procs:
         if p.is_alive():
             p.terminate()
+            try:  # a stopped rank acts on SIGTERM (unwinds, reports) only once continued
+                os.kill(p.pid, signal.SIGCONT)
+            except (OSError, TypeError):
+                pass
     deadline = time.monotonic() + 5.0
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -257,32 +384,56 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args, timeout: float = DEF
     if method == "forkserver":
         ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "tiertrain"])
     host = "127.0.0.1"
+    # Where the ranks' swappers register the directories they create
+    # (tiertrain.offload.swap.CLEANUP_ENV): removed below once every rank is gone, however
+    # each ended (returned, raised, or was killed before it could clean up itself).
+    cleanup_dir = tempfile.mkdtemp(prefix="tiertrain-launch-")
+    try:
+        with _sigterm_raises():  # SIGTERM to the launcher: stop the ranks, then clean up
+            return _run_workers(ctx, fn, nproc, host, timeout, deadline, cleanup_dir, args, kwargs)
+    finally:
+        _remove_left_behind(cleanup_dir)
+
+
+def _remove_left_behind(cleanup_dir: str) -> None:
+    """Remove the swap directories the (now stopped) ranks registered, then cleanup_dir."""
+    try:
+        from .offload.swap import remove_left_behind
+
+        remove_left_behind(cleanup_dir)
+    finally:
+        shutil.rmtree(cleanup_dir, ignore_errors=True)
+
+
+def _run_workers(ctx, fn, nproc: int, host: str, timeout: float, deadline: float | None, cleanup_dir: str,
+                 args: tuple, kwargs: dict) -> list[Any]:
     results = ctx.Queue()
     conns, procs = [], []
+    store = None
     sys.stdout.flush()
     sys.stderr.flush()
-    for rank in range(nproc):
-        recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker, name=f"tiertrain-rank{rank}", daemon=True,
-                        args=(fn, rank, nproc, host, recv, timeout, results, args, kwargs))
-        p.start()
-        recv.close()
-        conns.append(send)
-        procs.append(p)
-    # The store (and its server thread) exists only after every fork.
-    store = dist.TCPStore(host, 0, nproc + 1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
-    for send in conns:
-        try:
-            send.send(store.port)
-        except OSError:
-            pass  # that worker already died: noticed below
-        send.close()
-    values: dict[int, Any] = {}
-    reports: dict[int, tuple[float, str, str, str]] = {}
-    first_failure = None
-    give_up = None if deadline is None else time.monotonic() + deadline
     try:
+        for rank in range(nproc):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker, name=f"tiertrain-rank{rank}", daemon=True,
+                            args=(fn, rank, nproc, host, recv, timeout, results, args, kwargs, cleanup_dir))
+            p.start()
+            recv.close()
+            conns.append(send)
+            procs.append(p)
+        # The store (and its server thread) exists only after every fork.
+        store = dist.TCPStore(host, 0, nproc + 1, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+        for send in conns:
+            try:
+                send.send(store.port)
+            except OSError:
+                pass  # that worker already died: noticed below
+            send.close()
+        values: dict[int, Any] = {}
+        reports: dict[int, tuple] = {}
+        first_failure = None
+        give_up = None if deadline is None else time.monotonic() + deadline
         while len(values) < nproc:
             if give_up is not None and time.monotonic() > give_up:
                 missing = sorted(set(range(nproc)) - set(values))
@@ -312,7 +463,8 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args, timeout: float = DEF
                     (values if ok else reports)[rank] = payload
                 dead = {r: d for r, d in dead.items() if r not in reports and r not in values}
                 if reports or dead:
-                    raise _root_cause(reports, dead)
+                    raise _root_cause(reports, dead, {r: st for r, p in enumerate(procs)
+                                                      if (st := _process_state(p.pid)) is not None})
                 first_failure = None  # only finished ranks whose results were in flight
     finally:
         _stop(procs)

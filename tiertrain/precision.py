@@ -7,10 +7,14 @@ forward/backward arithmetic runs in the compute dtype.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from .config import LossScaleConfig
+
+if TYPE_CHECKING:
+    from .zero.flat import FlatParameters
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -25,6 +29,8 @@ class ScalerState:
     good_steps: int = 0
     hysteresis_left: int = 1
     overflows: int = 0
+    consecutive_skips: int = 0
+    """Steps skipped in a row for non-finite gradients (counted with or without scaling)."""
 
 
 class DynamicLossScaler:
@@ -49,9 +55,12 @@ class DynamicLossScaler:
 
     def update(self, overflow: bool) -> None:
         """Advance after a step: lower the scale on overflow, grow it after a good run."""
+        s, c = self.state, self.config
+        # Counted in every dtype: a bf16/fp32 run whose gradients stay non-finite skips its
+        # steps as well, and precision.max_consecutive_skips must be able to stop it.
+        s.consecutive_skips = s.consecutive_skips + 1 if overflow else 0
         if not self.enabled:
             return
-        s, c = self.state, self.config
         if overflow:
             s.overflows += 1
             s.good_steps = 0
@@ -70,3 +79,25 @@ class DynamicLossScaler:
 
     def load_state_dict(self, state: dict) -> None:
         self.state = ScalerState(**state)
+
+
+class NonFiniteError(RuntimeError):
+    """Training stopped: too many steps in a row had non-finite gradients
+    (precision.max_consecutive_skips); the message names the step, the loss scale and the
+    first non-finite gradient found on the raising rank."""
+
+
+def first_nonfinite(flat: "FlatParameters", grads: Sequence[torch.Tensor]) -> str | None:
+    """The name of the first parameter whose piece of this rank's gradient shard holds inf or
+    NaN (units in layout order, parameters in unit order), or None when this rank's pieces are
+    all finite (the non-finite values are in another rank's shard). grads: each unit's shard
+    gradient (UnitBuffers.grad). Reads every gradient once: only for the error path."""
+    for u, grad in zip(flat.units, grads):
+        # One pass, no temporary: a finite sum means every element is finite (a non-finite sum
+        # may also be an overflow of finite values: the pieces are then checked one by one).
+        if bool(torch.isfinite(grad.sum())):
+            continue
+        for slot, a, b in u.unit.shard_pieces(flat.shard_rank):
+            if not bool(torch.isfinite(grad[a:b]).all()):
+                return slot.name
+    return None

@@ -27,8 +27,13 @@ def _with_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, threads: int) 
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout: float = 60.0,
-                    threads: int = 1, **kwargs) -> list[Any]:
+                    threads: int = 1, deadline: float | None = None, **kwargs) -> list[Any]:
     """Run fn(rank, world_size, *args, **kwargs) on world_size gloo processes; returns the
-    results in rank order. fn and its arguments must be picklable (module-level)."""
+    results in rank order. fn and its arguments must be picklable (module-level).
+
+    ``timeout`` is the run's timeout (every collective, transfer and swap IO wait, as
+    ``tiertrain train --timeout``) and, unless ``deadline`` is given, also the time after
+    which unfinished ranks are killed; a test of the timeout itself gives a deadline longer
+    than it, so that the ranks' own timeout fires first."""
     return launch_local(_with_rank, world_size, fn, args, kwargs, threads, timeout=timeout,
-                        deadline=timeout, start_method="forkserver")
+                        deadline=timeout if deadline is None else deadline, start_method="forkserver")

@@ -16,7 +16,8 @@ prints a summary; every rank returns the summary dict.
 Logged steps are step 1, every ``logging.log_interval``-th step and the last step. A
 record's ``loss`` is the mean over the data-parallel ranks of the mean loss of the steps
 since the previous record; ``tokens_per_s`` counts every rank's tokens; memory figures
-are the maximum over ranks. Non-finite numbers are written as ``null`` (strict JSON).
+are the maximum over ranks. Non-finite numbers are written as ``null`` and their keys
+listed under ``"non_finite"`` (strict JSON: ``metrics_line``).
 A fresh run starts the metrics file afresh; a run resumed from a checkpoint appends.
 
 The model is built with ``tile_factor`` (memory-centric tiling of each block's qkv, fc1,
@@ -27,9 +28,19 @@ available then: rank 0 plans and prints the plan, every rank trains with it; whe
 fits, every rank raises the same ConfigError naming the short tier and by how much.
 
 With ``checkpoint.dir`` set, the job saves (``engine.save_checkpoint``) every
-``checkpoint.interval`` steps and at the end, keeping ``checkpoint.keep_last``, with the
-job's step and the sampler's position as extras; with ``checkpoint.resume`` a run finding a
-committed checkpoint there continues from it (``engine.load_checkpoint``).
+``checkpoint.interval`` steps and at the end, keeping ``checkpoint.keep_last`` of its own
+run's checkpoints (a run is identified by the run id in each commit marker: a fresh run
+makes one, a resumed run continues the one it resumed; other runs' checkpoints are never
+deleted), with the job's step, the sampler's position and the model config as extras; with
+``checkpoint.resume`` a run finding a committed checkpoint there continues from it
+(``engine.load_checkpoint``, at any data-parallel size or ZeRO stage), after checking that
+the model config is the one saved (a ConfigError naming each field that differs). A run
+with ``checkpoint.resume: false`` into a directory already holding checkpoints is refused
+before it starts, unless ``checkpoint.overwrite: true``: then rank 0 deletes them before
+the first step, so that none can later shadow the new run.
+
+Every path the run writes is checked before any process starts (``check_paths``), and
+every user mistake is a ConfigError naming the field, the value and what is valid.
 """
 from __future__ import annotations
 
@@ -42,12 +53,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
 
-from .config import Config, ConfigError, _check_positive
+from .config import Config, ConfigError, _check_positive, _fail, check_finite
+from .data.formats import TEXT_SUFFIXES, RawDtype
 from .models.gpt import GPT, GPTConfig
 
 __all__ = ["DataConfig", "TrainConfig", "run_training", "check_launch", "default_model", "plan_for_run",
@@ -69,9 +81,15 @@ def default_model() -> GPTConfig:
 @dataclass
 class DataConfig:
     path: str = ""
-    """Token file to train on (headerless little-endian uint16, nanoGPT .bin); empty uses the bundled corpus."""
+    """Data to train on, its format read from the file: .npy token array (1-D or 2-D), raw token file (.bin, data.dtype), .txt or .jsonl text (tokenised), a datasets save_to_disk directory; empty uses the bundled corpus."""
+    dtype: RawDtype = "uint16"
+    """Token dtype of a raw headerless little-endian data.path (nanoGPT .bin); a .npy file's own header gives its dtype."""
+    tokenizer: str = ""
+    """tokenizer.json (Hugging Face tokenizers) for a .txt/.jsonl data.path; empty tokenises text as UTF-8 bytes."""
+    text_field: str = "text"
+    """Field of each JSONL line (column of a datasets directory) that holds the text."""
     cache_dir: str = "runs/cache"
-    """Directory where the bundled corpus is tokenized into a token file (written once, reused)."""
+    """Directory where the bundled corpus and text data.path files are tokenised (once, keyed by content and tokenizer)."""
     seed: int = 0
     """Seed of the sample order: epoch e is shuffled with seed + e."""
     shuffle: bool = True
@@ -79,9 +97,16 @@ class DataConfig:
 
     def validate(self, path: str = "data") -> None:
         _check_positive(f"{path}.seed", self.seed, allow_zero=True)
-        if not self.path and not self.cache_dir:
-            raise ConfigError(f"{path}.cache_dir='' is invalid: the bundled corpus (data.path='') "
-                              f"needs a cache directory")
+        if self.dtype not in get_args(RawDtype):  # (the loader checks this; a config built in code is checked here)
+            _fail(f"{path}.dtype", self.dtype, "one of " + ", ".join(map(repr, get_args(RawDtype))))
+        if not self.text_field:
+            _fail(f"{path}.text_field", self.text_field, "the name of the JSONL field holding the text, e.g. 'text'")
+        if self.tokenizer and not self.path:
+            raise ConfigError(f"{path}.tokenizer={self.tokenizer!r} is invalid with {path}.path='': the bundled "
+                              f"corpus is byte-tokenised; expected a .txt or .jsonl {path}.path, or tokenizer=''")
+        if not self.cache_dir and (not self.path or self.path.lower().endswith(TEXT_SUFFIXES)):
+            raise ConfigError(f"{path}.cache_dir='' is invalid: the bundled corpus (data.path='') and text "
+                              f"files need a cache directory to hold their tokens")
 
 
 @dataclass
@@ -100,8 +125,17 @@ class TrainConfig(Config):
     """Memory-centric tiling: each block's qkv, fc1 and fc2 run as this many tiles, each its own stage-3 unit (1 = off)."""
 
     def validate(self) -> "TrainConfig":
+        check_finite(self)
         for f in dataclasses.fields(Config):
             getattr(self, f.name).validate(f.name)
+        hidden, heads = self.model.hidden, self.model.n_heads
+        if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (hidden, heads)) \
+                and hidden % heads:
+            # Named here rather than by GPTConfig, which blames hidden for what is usually a
+            # head count chosen without the width in mind (hidden is the default 192).
+            divisors = [d for d in range(1, hidden + 1) if hidden % d == 0][:12]
+            raise ConfigError(f"model.n_heads={heads} is invalid with model.hidden={hidden}: expected a divisor "
+                              f"of hidden, e.g. {', '.join(map(str, divisors))} (or a hidden divisible by {heads})")
         try:
             self.model.validate()
         except ValueError as e:  # GPTConfig names fields "GPTConfig.x"; the command line says model.x
@@ -131,9 +165,78 @@ def check_launch(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"tile_factor={cfg.tile_factor} with parallel.tp={tp}: tiling a tensor-parallel "
                           f"model is not supported; valid: tile_factor=1")
     cfg.batch.resolve(dp)
-    if cfg.data.path and not os.path.isfile(cfg.data.path):
-        raise ConfigError(f"data.path={cfg.data.path!r} is invalid: no such file "
-                          f"(expected a uint16 token file, or '' for the bundled corpus)")
+    if tp > 1:  # each tensor-parallel rank holds whole heads and equal slices (tiertrain/parallel)
+        for name, value in (("model.n_heads", cfg.model.n_heads), ("model.vocab_size", cfg.model.vocab_size),
+                            ("model.ffn_mult × model.hidden", cfg.model.ffn_hidden)):
+            if value % tp:
+                raise ConfigError(f"{name}={value} is invalid with parallel.tp={tp}: expected a multiple of {tp} "
+                                  f"(each tensor-parallel rank holds an equal share)")
+    if cfg.data.path:
+        _check_data(cfg, dp)
+    check_paths(cfg)
+
+
+def _check_data(cfg: TrainConfig, dp: int) -> None:
+    """What every rank would refuse later, now: data.path opened and scanned (format, dtype,
+    token ids against model.vocab_size, length against model.seq_len; text is tokenised
+    into data.cache_dir here, once), and at least one sample per data-parallel rank."""
+    samples = len(_build_dataset(cfg))
+    if samples < max(dp, 1):
+        raise ConfigError(f"data.path={cfg.data.path!r} is invalid: its {samples} samples of model.seq_len="
+                          f"{cfg.model.seq_len} + 1 tokens are too few: expected at least {max(dp, 1)} (one per "
+                          f"data-parallel rank): more data or a shorter seq_len")
+
+
+def _writable_dir(field_name: str, value: str, directory: str) -> None:
+    """ConfigError unless directory is, or can be created as, a directory this process may
+    write in (the nearest existing ancestor is a writable directory)."""
+    path = os.path.abspath(directory)
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ConfigError(f"{field_name}={value!r} is invalid: {path!r} is a file, expected a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(f"{field_name}={value!r} is invalid: the directory {path!r} is not writable")
+        return
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{field_name}={value!r} is invalid: {parent!r} is a file, so no directory can be "
+                          f"created below it; expected a directory path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{field_name}={value!r} is invalid: {path!r} cannot be created, {parent!r} is not "
+                          f"writable")
+
+
+def check_paths(cfg: TrainConfig) -> None:
+    """Every path the run writes (checkpoint.dir, logging.metrics_file, zero.nvme_path,
+    data.cache_dir) is usable, and the checkpoint directory holds no other run's checkpoints
+    unless told what to do with them: a ConfigError naming the field before the first step
+    (a checkpoint.dir that is a file used to fail at the first save, after the training)."""
+    from .checkpoint import marked_steps
+
+    ckpt = cfg.checkpoint
+    if ckpt.dir:
+        _writable_dir("checkpoint.dir", ckpt.dir, ckpt.dir)
+        existing = marked_steps(ckpt.dir)
+        if existing and not ckpt.resume and not ckpt.overwrite:
+            shown = ", ".join(map(str, existing[:5])) + (", ..." if len(existing) > 5 else "")
+            raise ConfigError(f"checkpoint.dir={ckpt.dir!r} already holds committed checkpoints (steps {shown}) "
+                              f"and checkpoint.resume=false: set checkpoint.resume=true to continue that run, "
+                              f"checkpoint.overwrite=true to delete them, or another checkpoint.dir")
+    metrics = cfg.logging.metrics_file
+    if metrics:
+        if os.path.isdir(metrics):
+            raise ConfigError(f"logging.metrics_file={metrics!r} is invalid: it is a directory, expected a file "
+                              f"path (e.g. {os.path.join(metrics, 'metrics.jsonl')!r})")
+        if os.path.exists(metrics) and not os.access(metrics, os.W_OK):
+            raise ConfigError(f"logging.metrics_file={metrics!r} is invalid: the file is not writable")
+        _writable_dir("logging.metrics_file", metrics, os.path.dirname(os.path.abspath(metrics)))
+    if cfg.zero.nvme_path and ("nvme" in (cfg.zero.offload_optimizer, cfg.zero.offload_params)
+                               or cfg.zero.offload == "auto"):
+        _writable_dir("zero.nvme_path", cfg.zero.nvme_path, cfg.zero.nvme_path)
+    if not cfg.data.path:
+        _writable_dir("data.cache_dir", cfg.data.cache_dir, cfg.data.cache_dir)
 
 
 # ---------------------------------------------------------------------------------------
@@ -145,8 +248,19 @@ def _peak_rss_bytes() -> int:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
-def _finite(x: float) -> float | None:
-    return float(x) if x is not None and math.isfinite(x) else None
+def _json_safe(record: dict[str, Any]) -> dict[str, Any]:
+    """record with each non-finite float as None, and those keys listed under "non_finite"
+    (absent when there are none): strict JSON has no NaN or Infinity."""
+    flagged = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not flagged:
+        return dict(record)
+    return {**{k: None if k in flagged else v for k, v in record.items()}, "non_finite": flagged}
+
+
+def metrics_line(record: dict[str, Any]) -> str:
+    """One metrics-file line: record as strict JSON (see _json_safe; allow_nan=False makes
+    any non-finite number left over an error here rather than an unreadable file)."""
+    return json.dumps(_json_safe(record), allow_nan=False)
 
 
 def _human(n: float) -> str:
@@ -155,40 +269,90 @@ def _human(n: float) -> str:
     return human_bytes(n)
 
 
-def _maybe_resume(engine, cfg: TrainConfig, sampler) -> int:
+_NOT_COMPARED = ("init_std",)
+"""GPTConfig fields a resume may change: they act only when the model is first built."""
+
+
+def model_fingerprint(model: GPTConfig) -> dict[str, Any]:
+    """The model config as saved in each checkpoint's extras (JSON-like) and compared on resume."""
+    return dataclasses.asdict(model)
+
+
+def _compare_models(saved: dict, now: GPTConfig, where: str) -> None:
+    """ConfigError naming each model field the checkpoint was saved with that differs now.
+    The layout check at load compares tensor shapes only, so n_heads 2 → 4 at the same width
+    would otherwise continue silently with another model."""
+    current = model_fingerprint(now)
+    diffs = [f"model.{k}: {saved[k]!r} in the checkpoint, {current[k]!r} now"
+             for k in current if k in saved and k not in _NOT_COMPARED and saved[k] != current[k]]
+    if diffs:
+        raise ConfigError(f"{where} was saved with another model ({'; '.join(diffs)}): resume with the "
+                          f"checkpoint's model settings, or start a new run in another checkpoint.dir")
+
+
+def _maybe_resume(engine, cfg: TrainConfig, sampler) -> tuple[int, str]:
     """Resume from the newest committed checkpoint in checkpoint.dir (when resume is on and
-    one exists): the engine restores its state, the sampler its position. Returns the
-    step to continue after (0 for a fresh start). Skipped when the engine cannot load."""
-    if not (cfg.checkpoint.dir and cfg.checkpoint.resume and hasattr(engine, "load_checkpoint")):
-        return 0
-    try:
-        from .checkpoint import committed_steps
-    except ImportError:  # pragma: no cover - an engine without the checkpoint module
-        return 0
-    if not committed_steps(cfg.checkpoint.dir):
-        return 0
-    extra = engine.load_checkpoint(cfg.checkpoint.dir) or {}
+    one exists): the engine restores its state, the sampler its position. Returns the step
+    to continue after (0 for a fresh start) and the run id the checkpoints are saved under:
+    the resumed checkpoint's (its run continues, and keep_last rotates its checkpoints) or a
+    new one. With resume off and checkpoint.overwrite, rank 0 first deletes the checkpoints
+    already there (check_paths refused the run otherwise), so none can shadow this run."""
+    import uuid
+
+    from . import checkpoint
+
+    new_run = uuid.uuid4().hex  # rank 0's is the one written into the commit markers
+    ckpt = cfg.checkpoint
+    if not (ckpt.dir and hasattr(engine, "load_checkpoint")):
+        return 0, new_run
+    if not ckpt.resume:
+        if ckpt.overwrite and (not dist.is_initialized() or dist.get_rank() == 0):
+            # The other ranks touch the directory only inside save(), whose first collective
+            # rank 0 reaches after this.
+            checkpoint.remove_checkpoints(ckpt.dir)
+        return 0, new_run
+    if not checkpoint.marked_steps(ckpt.dir):
+        return 0, new_run
+    # The newest intact checkpoint (newer ones with a corrupt marker are named in a warning);
+    # a CheckpointError naming the markers when none is intact, rather than a silent fresh start.
+    step_dir, marker = checkpoint.find_committed(ckpt.dir)
+    saved = checkpoint.peek_extra(step_dir) or {}
+    if isinstance(saved.get("model"), dict):
+        _compare_models(saved["model"], cfg.model, f"checkpoint {step_dir!r}")
+    extra = engine.load_checkpoint(ckpt.dir) or {}
     if "sampler" in extra:
-        sampler.load_state_dict(extra["sampler"])
-    return int(extra.get("step", engine.steps))
+        try:
+            sampler.load_state_dict(extra["sampler"])
+        except ValueError as e:
+            raise ConfigError(f"checkpoint.dir={ckpt.dir!r}: the data order cannot continue: {e}") from None
+    run_id = marker.get("run_id")
+    return int(extra.get("step", engine.steps)), run_id if isinstance(run_id, str) else new_run
 
 
-def _maybe_save(engine, cfg: TrainConfig, step: int, sampler, final: bool) -> None:
+def _maybe_save(engine, cfg: TrainConfig, step: int, sampler, final: bool, run_id: str | None = None) -> None:
     """Save every checkpoint.interval steps (0: only at the end) when checkpoint.dir is set;
-    the job's step and the sampler's position travel as the checkpoint's extras."""
+    the job's step, the sampler's position and the model config travel as the checkpoint's
+    extras; keep_last rotates the checkpoints of run run_id only."""
     if not (cfg.checkpoint.dir and hasattr(engine, "save_checkpoint")):
         return
     interval = cfg.checkpoint.interval
     if final or (interval and step % interval == 0):
-        engine.save_checkpoint(cfg.checkpoint.dir, extra={"step": step, "sampler": sampler.state_dict()},
-                               keep_last=cfg.checkpoint.keep_last)
+        engine.save_checkpoint(cfg.checkpoint.dir, extra={"step": step, "sampler": sampler.state_dict(),
+                                                          "model": model_fingerprint(cfg.model)},
+                               keep_last=cfg.checkpoint.keep_last, run_id=run_id,
+                               background=cfg.checkpoint.async_save and not final)
 
 
-def _build_dataset(cfg: TrainConfig):
-    from .data import TokenFileDataset, bundled_dataset
+def _build_dataset(cfg: TrainConfig, check_ids: bool = True):
+    """data.path in its format (tiertrain.data.formats; a ConfigError for bad data), or the
+    bundled corpus. check_ids=False skips the token-id scan that check_launch just ran."""
+    from .data import bundled_dataset, open_token_dataset
 
-    if cfg.data.path:
-        return TokenFileDataset(cfg.data.path, cfg.model.seq_len)
+    d = cfg.data
+    if d.path:
+        return open_token_dataset(d.path, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size, dtype=d.dtype,
+                                  tokenizer=d.tokenizer, text_field=d.text_field, cache_dir=d.cache_dir,
+                                  check_ids=check_ids)
     return bundled_dataset(cfg.model.seq_len, cfg.data.cache_dir)
 
 
@@ -271,10 +435,9 @@ def plan_for_run(cfg: TrainConfig, world_size: int, device: torch.device | None 
     else:
         hw = Hardware(ranks_per_node=local, nodes=nodes, host_memory=available, source="this machine now")
     hw.host_memory = available
-    if device is not None and device.type == "cuda":
-        hw.device_memory = int(torch.cuda.mem_get_info(device)[0])
-    elif device is not None:
-        hw.device_memory = None
+    if device is not None:
+        from .device import free_memory
+        hw.device_memory = free_memory(device)  # (None on the CPU)
     hw.swap_dir = cfg.zero.nvme_path or None
     hw.nvme_bytes = shutil.disk_usage(cfg.zero.nvme_path).free if cfg.zero.nvme_path and \
         os.path.isdir(cfg.zero.nvme_path) else None
@@ -347,11 +510,11 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, topology)
     n_params = cfg.model.num_parameters()
-    dataset = _build_dataset(cfg)
+    dataset = _build_dataset(cfg, check_ids=False)  # (check_launch above scanned the same file)
     sampler = ShardedSampler(len(dataset), topology.size("dp"), topology.coord("dp"),
                              seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     engine = wrap(model, cfg.engine_config(), topology)
-    start_step = _maybe_resume(engine, cfg, sampler)
+    start_step, run_id = _maybe_resume(engine, cfg, sampler)
     batches = micro_batches(dataset, sampler, cfg.batch.micro_batch_size)
     tokens_per_step = engine.global_batch_size * cfg.model.seq_len
 
@@ -393,9 +556,9 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
                 peak_mem, peak_rss = max(peak_mem, mem), max(peak_rss, rss)
                 record = {
                     "step": step,
-                    "loss": _finite(mean_loss),
+                    "loss": mean_loss,
                     "lr": engine.learning_rate(),
-                    "grad_norm": _finite(engine.last_grad_norm),
+                    "grad_norm": engine.last_grad_norm,
                     "tokens_per_s": tokens_per_step * (step - last_logged_step) / max(now - t_last, 1e-9),
                     "mem_bytes_per_rank": mem,
                     "peak_rss_bytes_per_rank": rss,
@@ -403,9 +566,9 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
                     "skipped": int(engine.skipped_steps),
                     "elapsed_s": now - t_start,
                 }
-                records.append(record)
+                records.append(_json_safe(record))  # (the summary's losses: None when not finite)
                 if metrics is not None:
-                    metrics.write(json.dumps(record) + "\n")
+                    metrics.write(metrics_line(record) + "\n")
                     metrics.flush()
                 if bar is not None:
                     bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
@@ -414,7 +577,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
                 t_last, last_logged_step = now, step
             if bar is not None:
                 bar.update(1)
-            _maybe_save(engine, cfg, step, sampler, final)
+            _maybe_save(engine, cfg, step, sampler, final, run_id)
     finally:
         if bar is not None:
             bar.close()
@@ -441,8 +604,10 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
         "parameters": n_params,
         "global_batch_size": engine.global_batch_size,
     }
-    if topology.device.type == "cuda":
-        summary["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(topology.device))
+    from .device import peak_allocated
+    peak_device = peak_allocated(topology.device)
+    if peak_device is not None:
+        summary["cuda_peak_bytes"] = peak_device
     if is_main:
         print(format_summary(summary), flush=True)
     return summary

@@ -53,6 +53,7 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 import torch
 
+from ..comm import run_timeout
 from .buffers import Buffer, round_up
 
 __all__ = ["AsyncIO", "Checksum", "Handle", "SwapCorruptionError", "SwapDirError", "SwapError",
@@ -229,7 +230,8 @@ class Handle:
         return self._error
 
     def wait(self, timeout: Optional[float] = None) -> int:
-        self._wait_event(timeout)
+        """None: the run's timeout (tiertrain.comm.run_timeout()); nothing waits unbounded."""
+        self._wait_event(run_timeout() if timeout is None else timeout)
         if self._error is not None:
             self._observed = True
             self._io._observed(self)
@@ -395,16 +397,16 @@ class AsyncIO:
         return self._submit("read", os.fspath(path), buffer, offset, nbytes, checksum, False)
 
     def flush(self, timeout: Optional[float] = None) -> None:
-        """Wait for every submitted request; raise the first error no ``wait`` has reported."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """Wait for every submitted request; raise the first error no ``wait`` has reported.
+        timeout None: the run's timeout (tiertrain.comm.run_timeout())."""
+        deadline = time.monotonic() + (run_timeout() if timeout is None else timeout)
         while True:
             with self._lock:
                 pending = list(self._pending)
             if not pending:
                 break
             for h in pending:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                h._wait_event(left)
+                h._wait_event(max(0.0, deadline - time.monotonic()))
         with self._lock:
             errors = [h for h in self._unobserved if not h._observed]
             self._unobserved.clear()
@@ -420,11 +422,15 @@ class AsyncIO:
         """Wait for outstanding requests and stop the workers (idempotent)."""
         if self._closed:
             return
+        stuck = False
         try:
             self.flush(timeout)
+        except TimeoutError:
+            stuck = True  # a request blocked in the kernel: joining its thread would hang too
+            raise
         finally:
             self._closed = True
-            self._executor.shutdown(wait=True)
+            self._executor.shutdown(wait=not stuck, cancel_futures=stuck)
 
     def __enter__(self) -> "AsyncIO":
         return self

@@ -19,9 +19,13 @@ from typing import Optional
 
 import torch
 
+from ..comm import run_timeout
+from ..device import accelerator_available
+
 __all__ = ["AlignedBufferPool", "Buffer", "PoolExhaustedError", "round_up"]
 
-DEFAULT_ACQUIRE_TIMEOUT = 60.0
+DEFAULT_ACQUIRE_TIMEOUT = None
+"""The run's one timeout (tiertrain.comm.run_timeout()), read when a pool is built."""
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -127,9 +131,9 @@ class AlignedBufferPool:
     """A fixed budget of aligned (optionally pinned) byte buffers; see the module docstring."""
 
     def __init__(self, total_bytes: int, block_bytes: int = 8 << 20, alignment: int = 4096,
-                 pin: Optional[bool] = None, acquire_timeout: float = DEFAULT_ACQUIRE_TIMEOUT):
+                 pin: Optional[bool] = None, acquire_timeout: Optional[float] = None):
         if pin is None:
-            pin = torch.cuda.is_available()
+            pin = accelerator_available()
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         if block_bytes <= 0 or block_bytes % alignment:
@@ -143,7 +147,9 @@ class AlignedBufferPool:
         self.num_blocks = total_bytes // block_bytes
         self.total_bytes = self.num_blocks * block_bytes
         self.pinned = bool(pin)
-        self.acquire_timeout = acquire_timeout
+        # None: the run's one timeout (--timeout, tiertrain.comm.run_timeout()); a buffer
+        # frees when IO completes, so this is an IO wait like the swapper's.
+        self.acquire_timeout = run_timeout() if acquire_timeout is None else acquire_timeout
         raw = torch.empty(self.total_bytes + alignment, dtype=torch.uint8, pin_memory=self.pinned)
         skip = (-raw.data_ptr()) % alignment
         self._raw = raw

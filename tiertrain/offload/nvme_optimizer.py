@@ -93,6 +93,7 @@ from .aio import AsyncIO, SwapSpaceError
 from .buffers import AlignedBufferPool, Buffer, round_up
 from .chunk_update import BYTES_PER_ELEM, Chunk, ChunkUpdate, StepStats, publish_chunk
 from .overlapped_step import OverlappedStep
+from ..comm import run_timeout
 from .swap import DEFAULT_WAIT_TIMEOUT, SwapHandle, TensorSwapper
 
 __all__ = ["ALIGN_ELEMS", "NVMeAdamW", "StepStats", "pieces_from_param_groups"]
@@ -223,7 +224,7 @@ class NVMeAdamW:
                  aio_threads: int = 4, aio_block_bytes: int = 8 << 20,
                  checksum: Optional[str] = "sum64", pin: Optional[bool] = None,
                  compute_threads: Union[int, str, None] = "auto",
-                 wait_timeout: float = DEFAULT_WAIT_TIMEOUT, rule: Optional[ElementwiseRule] = None):
+                 wait_timeout: Optional[float] = DEFAULT_WAIT_TIMEOUT, rule: Optional[ElementwiseRule] = None):
         if (swapper is None) == (swap_dir is None):
             raise ValueError("give exactly one of swapper= (a TensorSwapper) or swap_dir=")
         if num_buffers < 3:
@@ -233,7 +234,8 @@ class NVMeAdamW:
         self.rule = rule or AdamWRule(tuple(float(b) for b in config.betas), float(config.eps))
         self.transactional = bool(transactional)
         self.name = name
-        self.wait_timeout = wait_timeout
+        # None: the run's one timeout (--timeout; tiertrain.comm.run_timeout()).
+        self.wait_timeout = wait_timeout = run_timeout() if wait_timeout is None else wait_timeout
         self.step_count = 0
         self.last_stats: Optional[StepStats] = None
         self.totals = {"steps": 0, "bytes_read": 0, "bytes_written": 0, "seconds": 0.0}

@@ -3,7 +3,9 @@
 
 Every rank owns ``swap_dir/rank{r}/`` (created, locked with ``flock`` so two live processes never
 share it, emptied of stale files left by a crashed run, and removed on ``close()``, at exit, or
-when the swapper is garbage collected). Each key is one file.
+when the swapper is garbage collected; under tiertrain.launch.launch_local also by the launcher
+once the rank is gone, since its workers never run exit handlers: ``CLEANUP_ENV``). Each key is
+one file.
 
 ``swap_out(key, tensor)`` copies the tensor's bytes into pool buffers (pieces of at most
 ``piece_bytes``, so a tensor larger than the pool still streams through it) and submits their
@@ -38,10 +40,14 @@ import torch
 from .aio import (AsyncIO, Checksum, Handle, SwapCorruptionError, SwapDirError, SwapSpaceError,
                   errno_name)
 from .buffers import AlignedBufferPool, Buffer, round_up
+from ..comm import run_timeout
 
-__all__ = ["SwapHandle", "TensorSwapper"]
+__all__ = ["SwapHandle", "TensorSwapper", "remove_left_behind"]
 
-DEFAULT_WAIT_TIMEOUT = 300.0
+DEFAULT_WAIT_TIMEOUT = None
+"""Waits default to the run's one timeout (tiertrain.comm.run_timeout(): ``--timeout``, as the
+launcher hands it to every rank), read when the swapper is built: a constant here used to cut
+IO waits at 300 s whatever the run's timeout was."""
 
 
 class SwapHandle:
@@ -117,8 +123,9 @@ class SwapHandle:
             raise TimeoutError(f"{self.op} of key {self.key!r} ({self.path}) not finished after "
                                f"{timeout} s")
 
-    def wait(self, timeout: Optional[float] = DEFAULT_WAIT_TIMEOUT):
-        self._wait_event(timeout)
+    def wait(self, timeout: Optional[float] = None):
+        """None: the run's timeout (tiertrain.comm.run_timeout())."""
+        self._wait_event(run_timeout() if timeout is None else timeout)
         if self._error is not None:
             raise self._error
         return self._result
@@ -178,8 +185,14 @@ def _default_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _cleanup(rank_dir: str, lock_fd_box: list, remove_parent: Optional[str]) -> None:
+def _cleanup(rank_dir: str, lock_fd_box: list, remove_parent: Optional[str],
+             registration: Optional[str] = None) -> None:
     shutil.rmtree(rank_dir, ignore_errors=True)
+    if registration:
+        try:
+            os.unlink(registration)
+        except OSError:
+            pass
     if lock_fd_box and lock_fd_box[0] is not None:
         try:
             os.close(lock_fd_box[0])
@@ -191,6 +204,82 @@ def _cleanup(rank_dir: str, lock_fd_box: list, remove_parent: Optional[str]) -> 
             os.rmdir(remove_parent)
         except OSError:
             pass
+
+
+CLEANUP_ENV = "TIERTRAIN_CLEANUP_DIR"
+"""Set by tiertrain.launch.launch_local in every worker: a directory where each swapper
+registers the directories it created, so that the launcher can remove them after the
+worker is gone however it ended. A worker started by multiprocessing never runs atexit
+handlers (it leaves through os._exit), and one killed by a signal runs nothing at all."""
+
+
+def _register_for_launcher(rank_dir: str, parent: Optional[str]) -> Optional[str]:
+    """Record rank_dir (and parent, when this swapper created it) in $TIERTRAIN_CLEANUP_DIR;
+    returns the registration file (removed again on a normal close), or None."""
+    where = os.environ.get(CLEANUP_ENV)
+    if not where or not os.path.isdir(where):
+        return None
+    path = os.path.join(where, f"swap-{os.getpid()}-{abs(hash(rank_dir))}")
+    try:
+        with open(path, "w") as f:
+            f.write(rank_dir + "\n" + (parent or "") + "\n")
+    except OSError:
+        return None
+    return path
+
+
+def remove_left_behind(cleanup_dir: str, owner_pid: Optional[int] = None) -> list:
+    """Remove the swap directories registered in cleanup_dir by swappers whose process is
+    gone (their flock is free), or by ``owner_pid`` (this process, about to exit); returns
+    the directories removed. A directory another live process still locks is left alone."""
+    removed, parents = [], []
+    try:
+        names = sorted(os.listdir(cleanup_dir))
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith("swap-"):
+            continue
+        if owner_pid is not None and not name.startswith(f"swap-{owner_pid}-"):
+            continue
+        reg = os.path.join(cleanup_dir, name)
+        try:
+            with open(reg) as f:
+                rank_dir, parent = (f.read().split("\n") + ["", ""])[:2]
+        except OSError:
+            continue
+        if rank_dir and os.path.isdir(rank_dir):
+            if owner_pid is None and _locked_by_another(os.path.join(rank_dir, ".lock")):
+                continue
+            shutil.rmtree(rank_dir, ignore_errors=True)
+            removed.append(rank_dir)
+        if parent:
+            parents.append(parent)
+        try:
+            os.unlink(reg)
+        except OSError:
+            pass
+    for parent in parents:  # after every rank's directory: the rank that made it may come first
+        try:
+            os.rmdir(parent)  # only when empty: a live rank's directory may still be in it
+        except OSError:
+            pass
+    return removed
+
+
+def _locked_by_another(lock_path: str) -> bool:
+    """Whether a live process holds the swap directory's flock."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # releases the probe's lock too
 
 
 def check_swap_dir(swap_dir: str, create: bool = False) -> str:
@@ -235,11 +324,11 @@ class TensorSwapper:
     def __init__(self, swap_dir, aio: AsyncIO, pool: AlignedBufferPool, rank: Optional[int] = None,
                  create: bool = False, piece_bytes: Optional[int] = None,
                  prefetch_bytes: Optional[int] = None,
-                 wait_timeout: float = DEFAULT_WAIT_TIMEOUT):
+                 wait_timeout: Optional[float] = DEFAULT_WAIT_TIMEOUT):
         self.aio = aio
         self.pool = pool
         self.rank = _default_rank() if rank is None else int(rank)
-        self.wait_timeout = wait_timeout
+        self.wait_timeout = run_timeout() if wait_timeout is None else wait_timeout
         bb = pool.block_bytes
         half = max(bb, (pool.total_bytes // 2) // bb * bb)
         self.piece_bytes = half if piece_bytes is None else max(bb, round_up(piece_bytes, bb))
@@ -278,8 +367,9 @@ class TensorSwapper:
             raise SwapDirError(f"swap directory {self.rank_dir} is in use by another live "
                                f"process (flock on {lock_path} held); give each job its own "
                                f"swap path", self.rank_dir, e.errno) from e
-        self._finalizer = weakref.finalize(self, _cleanup, self.rank_dir, lock_box,
-                                           None if existed else self.swap_dir)
+        parent = None if existed else self.swap_dir
+        self._finalizer = weakref.finalize(self, _cleanup, self.rank_dir, lock_box, parent,
+                                           _register_for_launcher(self.rank_dir, parent))
         for name in os.listdir(self.rank_dir):       # stale files of a crashed run
             if name.endswith(".swp") or name.startswith(".probe"):
                 try:

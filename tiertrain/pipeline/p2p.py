@@ -16,6 +16,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from ..comm import run_timeout
+
 __all__ = ["P2PTimeout", "PendingTransfer", "PipeComm", "transfer_tag"]
 
 
@@ -61,11 +63,13 @@ class PipeComm:
 
     ``peer`` arguments are pipeline ranks (``0 .. p-1``), mapped to global ranks here."""
 
-    def __init__(self, topology, timeout: float = 300.0):
+    def __init__(self, topology, timeout: float | None = None):
         self.group = topology.group("pp")
         self.ranks = topology.ranks("pp")
         self.me = topology.coord("pp")
-        self.timeout = float(timeout)
+        # None: the run's one timeout (--timeout, tiertrain.comm.run_timeout()), the same
+        # as every collective's, not a constant of the pipeline.
+        self.timeout = run_timeout() if timeout is None else float(timeout)
         self._mailbox: dict[int, torch.Tensor] = {}
         self.bytes_sent = 0
 

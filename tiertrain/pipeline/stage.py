@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..comm import run_timeout
 from ..models.gpt import GPT
 
 __all__ = ["GPTStage", "split_gpt", "stage_boundaries", "stages_for_rank", "sum_tied_gradients", "tied_weight_grad_sync",
@@ -211,7 +212,7 @@ def _tied(stages, name: str, want_first: bool):
     return None
 
 
-def tied_weight_grad_sync(stages: list, topology, timeout: float = 300.0) -> None:
+def tied_weight_grad_sync(stages: list, topology, timeout: float | None = None) -> None:
     """Make the gradients of the tied embedding (first stage) and its head copy (last stage)
     both equal to their sum, the gradient of the single tied weight (a missing gradient
     counts as zero). Call on every pipeline rank after the step's backward (the executor
@@ -226,7 +227,7 @@ def tied_weight_grad_sync(stages: list, topology, timeout: float = 300.0) -> Non
 
 
 def sum_tied_gradients(first: torch.Tensor | None, last: torch.Tensor | None, topology,
-                       timeout: float = 300.0) -> None:
+                       timeout: float | None = None) -> None:
     """In place, ``first`` (the embedding's gradient, on the first pipeline rank) and ``last``
     (its head copy's, on the last) both become ``first + last``; pass None for a side this
     rank does not hold. The first and last pipeline ranks exchange their gradients with
@@ -245,7 +246,7 @@ def sum_tied_gradients(first: torch.Tensor | None, last: torch.Tensor | None, to
     group = topology.group("pp")
     g = mine.contiguous()
     other = torch.empty_like(g)
-    wait = datetime.timedelta(seconds=timeout)
+    wait = datetime.timedelta(seconds=run_timeout() if timeout is None else timeout)
     send = dist.isend(g, dst=peer, group=group, tag=_TIED_TAG)
     recv = dist.irecv(other, src=peer, group=group, tag=_TIED_TAG)
     recv.wait(timeout=wait)
