@@ -120,16 +120,37 @@ def take(sampler, n):
     return [next(it) for _ in range(n)]
 
 
-def test_epochs_are_seeded_permutations_truncated_to_dp_multiple_and_roll_over():
+def test_epochs_are_seeded_permutations_that_roll_over_whatever_the_dp_size():
     s = ShardedSampler(num_samples=10, dp_size=4, dp_rank=0, seed=3)
-    assert s.epoch_length == 8
-    epoch0 = torch.randperm(10, generator=torch.Generator().manual_seed(3))[:8].tolist()
-    epoch1 = torch.randperm(10, generator=torch.Generator().manual_seed(4))[:8].tolist()
-    assert s.global_indices(0, 16) == epoch0 + epoch1
-    assert s.global_indices(6, 4) == epoch0[6:] + epoch1[:2]
+    assert s.epoch_length == 10
+    epoch0 = torch.randperm(10, generator=torch.Generator().manual_seed(3)).tolist()
+    epoch1 = torch.randperm(10, generator=torch.Generator().manual_seed(4)).tolist()
+    assert s.global_indices(0, 20) == epoch0 + epoch1
+    assert s.global_indices(8, 4) == epoch0[8:] + epoch1[:2]
+    for dp in (1, 2, 3):  # the stream is the same at every data-parallel size
+        assert ShardedSampler(10, dp, 0, seed=3).global_indices(0, 20) == epoch0 + epoch1
     ordered = ShardedSampler(num_samples=5, dp_size=2, dp_rank=1, shuffle=False)
-    assert ordered.global_indices(0, 8) == [0, 1, 2, 3, 0, 1, 2, 3]
-    assert take(ordered, 4) == [1, 3, 1, 3]
+    assert ordered.global_indices(0, 8) == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert take(ordered, 4) == [1, 3, 0, 2]
+
+
+def test_a_run_resumed_at_another_dp_size_continues_the_same_global_stream():
+    """Saved by 2 ranks after 3 global batches of 8, resumed by 4 ranks (and by 1): together
+    the new ranks read exactly the positions the 2-rank run would have read next."""
+    first = [ShardedSampler(13, 2, r, seed=9) for r in range(2)]
+    for s in first:
+        take(s, 12)  # 3 global batches of 8 = 2 ranks x 4 x 3
+    state = first[0].state_dict()
+    assert state["consumed_samples"] == 24
+    reference = first[0].global_indices(24, 16)
+    for dp in (4, 1):
+        resumed = [ShardedSampler(13, dp, r, seed=9) for r in range(dp)]
+        for s in resumed:
+            s.load_state_dict(state)
+        streams = [take(s, 16 // dp) for s in resumed]
+        assert [streams[p % dp][p // dp] for p in range(16)] == reference
+    with pytest.raises(ValueError, match=r"consumed_samples=24.*multiple of dp_size=5"):
+        ShardedSampler(13, 5, 0, seed=9).load_state_dict(state)
 
 
 @pytest.mark.parametrize("dp", [2, 4])

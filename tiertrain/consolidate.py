@@ -3,8 +3,9 @@
 One process, no model code, no torch.distributed: the committed step's rank files (every
 checksum verified first) are opened memory-mapped with ``torch.load(weights_only=True,
 mmap=True)`` and each parameter, in the layout's order, is assembled from its pieces across the
-rank files (tiertrain/reshard.py finds them from the shard layouts in COMMITTED.json): trained
-parameters from the fp32 masters, frozen ones from their compute-dtype shards. It is cast to
+rank files (tiertrain/reshard.py finds them from the shard layouts in COMMITTED.json, and joins
+the slices of a tensor-parallel one and the stages of a pipeline): trained parameters from the
+fp32 masters, frozen ones from their compute-dtype shards. It is cast to
 the dtype asked for, written into the safetensors file streaming at that moment (the writer of
 tiertrain/export.py: same file names, headers, order and index as ``engine.save_pretrained``),
 and dropped before the next; the pages of the rank files it was read from are released too
@@ -29,10 +30,10 @@ from dataclasses import dataclass, field
 import torch
 
 from . import checkpoint
-from .checkpoint import MARKER, CheckpointError, load_rank_file, rank_file_name, verified_file
+from .checkpoint import MARKER, CheckpointError, rank_file_name, verified_file
 from .export import (DEFAULT_MAX_SHARD_BYTES, StreamedFile, TensorItem, plan_files, remove_stale, resolve_dtype,
                      write_hf_config, write_index)
-from .reshard import covering_pieces, parameter_slots, pieces_by_name, unit_pieces
+from .reshard import global_value, open_saved, opened_files, saved_parameters
 
 EXPORT_INFO = "export.json"
 HELD_TENSORS = "held_tensors.safetensors"
@@ -133,14 +134,24 @@ def _read_held(path: str, base: int, entry: dict) -> torch.Tensor:
     return out.view(dtype).reshape(entry["shape"])
 
 
+FORMATS = ("hf", "safetensors")
+"""What export_checkpoint writes: "hf", a directory from_pretrained loads (the safetensors files,
+the index, config.json; the run's model must have had a Hugging Face config), or "safetensors",
+the tensors alone (files and index, no config)."""
+
+
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | None = None,
                       dtype: torch.dtype | str | None = None,
-                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ConsolidateReport:
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, format: str | None = None) -> ConsolidateReport:
     """Write the newest (or the given) committed checkpoint in checkpoint_dir as a Hugging Face
     checkpoint in out_dir (safetensors files, the index when there are several, config.json when
     the run's model had a Hugging Face config), floating-point tensors in dtype (fp32 default).
-    See the module docstring. Errors: CheckpointError (no checkpoint, a corrupt or missing file,
-    a layout it cannot export), ValueError (dtype, max_shard_bytes)."""
+    format: one of FORMATS (default: "hf" when the run's model had a Hugging Face config, else
+    "safetensors"). See the module docstring. Errors: CheckpointError (no checkpoint, a corrupt
+    or missing file, a layout it cannot export, "hf" without a config), ValueError (dtype,
+    max_shard_bytes, format)."""
+    if format is not None and format not in FORMATS:
+        raise ValueError(f"format={format!r} is invalid: expected one of {list(FORMATS)}")
     target = resolve_dtype(dtype, what="tiertrain export")
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive number of bytes, got {max_shard_bytes!r}")
@@ -148,15 +159,15 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         raise NotImplementedError("safetensors files are little-endian; this machine is not")
     checkpoint_dir, out_dir = os.fspath(checkpoint_dir), os.fspath(out_dir)
     step_dir, marker = _step_dir(checkpoint_dir, step)
-    for key in ("tp", "pp"):
-        sizes = {layout[key] for layout in marker["layouts"]}
-        if sizes != {1}:
-            raise CheckpointError(f"{step_dir!r} was saved at {key}={sorted(sizes)}; the export supports {key}=1")
-    saved_shards = marker.get("shards")
-    if saved_shards is None:
+    if marker.get("shards") is None:
         raise CheckpointError(f"{step_dir!r} records no shard layout (saved before resharding existed); "
                               f"it cannot be exported offline")
     _verify(step_dir, marker)
+    run = open_saved(step_dir, marker, verified=True)
+    has_config = HF_CONFIG in (marker.get("files") or {})
+    if format == "hf" and not has_config:
+        raise CheckpointError(f"{step_dir!r} holds no Hugging Face config (the run's model had none), so it "
+                              f"cannot be exported as a from_pretrained directory; use format 'safetensors'")
     report = ConsolidateReport(out_dir, marker["step"], target)
     extra_files = marker.get("files") or {}
 
@@ -169,19 +180,16 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                             "written under their own names, without buffers or config")
 
     # What to write, in the model's order: the layout's parameters (trained, then frozen
-    # units), then what the module held whole.
-    first = saved_shards[0]
-    params: list[tuple] = []  # (kind, layout name, written name, shape, numel)
-    for kind in ("units", "frozen"):
-        for _, slot in parameter_slots(first, kind):
-            name = slot.name if info is None else info["names"].get(slot.name)
-            if name is not None:
-                params.append((kind, slot.name, name, slot.shape, slot.numel))
+    # units; at any tensor- or pipeline-parallel layout, whole: reshard.global_value), then
+    # what the module held whole.
     items: list[TensorItem] = []
     sources: dict[int, tuple] = {}
-    for kind, layout_name, name, shape, numel in params:
+    for kind, layout_name, shape in saved_parameters(run):
+        name = layout_name if info is None else info["names"].get(layout_name)
+        if name is None:
+            continue
         item = TensorItem(name, tuple(shape), target, len(items), None)
-        sources[id(item)] = ("param", kind, layout_name, numel)
+        sources[id(item)] = ("param", kind, layout_name)
         items.append(item)
     held_path = os.path.join(step_dir, HELD_TENSORS)
     held_base, held_header = (0, {})
@@ -195,34 +203,16 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
             sources[id(item)] = ("held", entry)
             items.append(item)
 
-    # Where each parameter's pieces lie: one piece per element range (stage 0: every rank
-    # holds the whole unit; rank 0's is read).
-    pieces = {kind: pieces_by_name([p for r, s in enumerate(saved_shards) for p in unit_pieces(r, s, kind)])
-              for kind in ("units", "frozen")}
-    states: dict[int, dict] = {}
-    touched: set[str] = set()
-
-    def state(rank: int) -> dict:
-        if rank not in states:
-            states[rank] = load_rank_file(os.path.join(step_dir, rank_file_name(rank)), torch.device("cpu"),
-                                          mmap=True)
-        return states[rank]
-
     def assemble(item: TensorItem) -> torch.Tensor:
         source = sources[id(item)]
         if source[0] == "held":
             return _read_held(held_path, held_base, source[1]).to(item.dtype)
-        _, kind, layout_name, numel = source
-        out = torch.empty(numel, dtype=item.dtype)
-        report.peak_assembled = max(report.peak_assembled, out.numel() * out.element_size())
-        for piece, lo, hi in covering_pieces(layout_name, numel, pieces[kind], step_dir):
-            st = state(piece.rank)
-            flat = st["update"]["masters"][piece.unit] if kind == "units" else st["frozen"]["shards"][piece.unit]
-            src = flat[piece.start + lo - piece.lo:piece.start + hi - piece.lo]
-            out[lo:hi].copy_(src)
-            touched.add(os.path.realpath(os.path.join(step_dir, rank_file_name(piece.rank))))
-        _release_file_pages(touched)
-        touched.clear()
+        _, kind, layout_name = source
+        value = global_value(run, kind, layout_name)
+        report.peak_assembled = max(report.peak_assembled, value.numel() * value.element_size())
+        out = value.to(item.dtype)
+        del value
+        _release_file_pages({os.path.realpath(path) for path in opened_files(run)})
         return out.view(item.shape)
 
     plan = plan_files(items, max_shard_bytes)
@@ -231,7 +221,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     report.total_size = plan.total_size
     os.makedirs(out_dir, exist_ok=True)
     remove_stale(out_dir, plan)
-    if HF_CONFIG in extra_files:
+    if HF_CONFIG in extra_files and format != "safetensors":
         with open(os.path.join(step_dir, HF_CONFIG)) as f:
             report.config_files = write_hf_config(out_dir, json.load(f), target)
     with torch.no_grad():
@@ -251,8 +241,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                 writer.abort()
                 raise
     write_index(out_dir, plan)
-    states.clear()
+    run.states.clear()
     return report
 
 
-__all__ = ["ConsolidateReport", "export_checkpoint"]
+__all__ = ["ConsolidateReport", "export_checkpoint", "FORMATS"]

@@ -131,6 +131,9 @@ class Engine:
         self._on_close: list[Callable[[], None]] = []
         """What close() undoes, last registered first (hooks, tiers, what wrap() applied)."""
         self._closed = False
+        self._pending_save: checkpoint.PendingSave | None = None
+        self._checkpoint_group = None
+        """A gloo group of every rank for background saves' checksum exchange (made at the first)."""
         plan = plan or default_plan(model, config, self.dp, unit_modules)
         named, self.layout, self.launch_when_ready = plan.named, plan.layout, plan.launch_when_ready
         self._cast_buffers_and_frozen(model, {n for n, _ in plan.frozen})
@@ -357,8 +360,14 @@ class Engine:
         """Before reading or replacing the training state from outside (tiertrain.pretrained):
         cancel work the optimizer step began ahead of step() (an overlapped NVMe step), and
         complete the parameter all-gathers."""
+        self._state_written()
         self.update.cancel()
         self.flat.wait_gathers()
+
+    def _state_written(self) -> None:
+        """Before the training state changes: a background save has serialised it."""
+        if self._pending_save is not None:
+            self._pending_save.wait_serialized()
 
     @property
     def closed(self) -> bool:
@@ -379,6 +388,7 @@ class Engine:
         if not self.at_boundary or self.micro_steps == self._stepped_at:
             return False
         self._stepped_at = self.micro_steps
+        self._state_written()  # (a background save reads the masters and moments this step changes)
         self.flat.wait_gathers()
         self.update.before_step()
         if self.fetcher is not None:
@@ -395,9 +405,26 @@ class Engine:
         self.last_grad_norm = float(norm)
         if not torch.isfinite(norm):
             self.update.cancel()
+            # A run whose gradients stay non-finite would skip forever (the loss scale stuck at
+            # its minimum): stop it, naming the first bad gradient while it is still there. The
+            # norm is global, so every rank skips, counts and raises at the same step.
+            limit = self.config.precision.max_consecutive_skips
+            stop = self.scaler.state.consecutive_skips + 1 >= limit
+            if stop:
+                from .precision import NonFiniteError, first_nonfinite
+                culprit = first_nonfinite(self.flat, grads)
             self.flat.zero_grads(lazy=self.launch_when_ready)
+            scale = self.scaler.scale
             self.scaler.update(overflow=True)
             self.train_state.skipped_steps += 1
+            if stop:
+                where = f"first non-finite gradient: {culprit}" if culprit else \
+                    f"rank {self.topology.rank}'s gradient shard is finite, another rank's is not"
+                raise NonFiniteError(
+                    f"step {self.steps + self.skipped_steps}: {limit} consecutive steps skipped with a non-finite "
+                    f"gradient norm ({self.last_grad_norm}) at loss scale {scale:g}; {where} "
+                    f"(precision.max_consecutive_skips={limit}): the run has diverged; resume from an earlier "
+                    f"checkpoint with a lower optimizer.lr, or check the data")
             return False
         clip = None
         if self.config.optimizer.grad_clip > 0:
@@ -543,19 +570,50 @@ class Engine:
         self.quiesce()
         checkpoint.restore_rank_state(self.checkpoint_parts(), state)
 
-    def save_checkpoint(self, directory: str, extra: dict | None = None, keep_last: int = 0) -> str:
-        """Collective: atomically save every rank's shard under directory/step_N (see checkpoint.py)."""
+    def save_checkpoint(self, directory: str, extra: dict | None = None, keep_last: int = 0,
+                        run_id: str | None = None, background: bool = False) -> str:
+        """Collective: atomically save every rank's shard under directory/step_N (see checkpoint.py).
+        keep_last: then delete all but the newest keep_last checkpoints of this run, the run
+        being run_id (the training loop passes the id of the run it continues); by default this
+        engine's own saves. Checkpoints of other runs are never deleted. A CheckpointError on
+        every rank, before anything is written, when the fp32 masters hold inf or NaN.
+        background: return at once, and serialise, write and commit the state on a thread while
+        training goes on (checkpoint.async_save); the next optimizer step waits until the
+        state is serialised (it changes it), the next save, a load and close() until it is
+        committed, as does :meth:`wait_for_checkpoint`."""
+        self.wait_for_checkpoint()
         self.quiesce()
         self.update.settle(collective=True)  # an update in flight is saved, not lost
+        # A diverged run's masters are not worth a checkpoint, and one would displace (keep_last)
+        # the good ones a resume needs. Each rank checks the masters of the state it is about to
+        # write (no second read from NVMe); save() tells every rank every rank's problem, so all
+        # refuse together before anything is written.
+        from .precision import first_nonfinite
+
+        def finite_masters(state: dict) -> str | None:
+            culprit = first_nonfinite(self.flat, state["update"]["masters"])
+            if culprit is None:
+                return None
+            return (f"the fp32 master weights hold non-finite values (rank {self.topology.rank}: first in "
+                    f"{culprit}); the run has diverged: resume from an earlier checkpoint with a lower optimizer.lr")
+        if run_id is None:
+            import uuid
+
+            # rank 0's id is the one written into the commit marker and compared by rotation
+            run_id = getattr(self, "_own_run_id", None) or uuid.uuid4().hex
+            self._own_run_id = run_id
         files = {}
-        if self.topology.size("pp") == 1 and self.topology.size("tp") == 1:
+        if self.topology.size("pp") == 1:
             # What an offline export (tiertrain/consolidate.py) needs beyond the shards: the
-            # names Hugging Face writes, what the module holds whole, the model's HF config.
+            # names Hugging Face writes, what the module holds whole, the model's HF config
+            # (without a pipeline, every rank's module has every name; a tensor-parallel slice
+            # held outside the shards is not whole, so it is left out).
             import json
 
             from . import export as export_module
             names, held = export_module.checkpoint_names(self.module, self.flat)
-            held = [(n, t) for n, t in held if export_module.writable_dtype(t.dtype)]
+            held = [(n, t) for n, t in held if export_module.writable_dtype(t.dtype)
+                    and not getattr(t, "tp_sharded", False)]
             files["export.json"] = json.dumps({"names": names, "held": [n for n, _ in held]},
                                               indent=1).encode()
             if held:
@@ -563,22 +621,47 @@ class Engine:
             hf = export_module.hf_config_json(self.module)
             if hf is not None:
                 files["hf_config.json"] = json.dumps(hf, indent=1).encode()
-        return checkpoint.save(self.checkpoint_parts(), directory, self.steps, self.topology,
-                               self.checkpoint_fingerprint(), extra, keep_last,
-                               shards=reshard_module.describe(self.flat, self.update), files=files)
+        if self._checkpoint_group is None and self.topology.world_group() is not None:
+            # (made at the first save of either kind, so that a background save does not pay for it)
+            self._checkpoint_group = torch.distributed.new_group(backend="gloo")
+        saved = checkpoint.save(self.checkpoint_parts(), directory, self.steps, self.topology,
+                                self.checkpoint_fingerprint(), extra, keep_last,
+                                shards=self.shard_description(), files=files, run_id=run_id, validate=finite_masters,
+                                background_group=self._checkpoint_group, background=background)
+        if isinstance(saved, checkpoint.PendingSave):
+            self._pending_save = saved
+            return saved.step_dir
+        return saved
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Wait until a background save (save_checkpoint(background=True)) is committed;
+        returns its directory (None when none was pending), or raises the CheckpointError
+        that stopped it."""
+        pending, self._pending_save = self._pending_save, None
+        return None if pending is None else pending.wait()
+
+    def tied_copies(self) -> dict[str, str]:
+        """{parameter: the parameter it is kept equal to} among this rank's parameters (none in
+        one model; a pipeline's last stage may hold a copy of the tied embedding)."""
+        return {}
+
+    def shard_description(self) -> dict:
+        """This rank's shard layout as a checkpoint records it (tiertrain/reshard.py describe)."""
+        return reshard_module.describe(self.flat, self.update, (self.topology.coord("tp"), self.topology.size("tp")),
+                                       self.tied_copies())
 
     def load_checkpoint(self, directory: str, step: int | None = None, reshard: bool = True) -> dict:
         """Collective: restore the newest committed checkpoint; returns the extras saved with it.
-        A checkpoint saved at another data-parallel size or ZeRO stage is resharded to this
-        run's layout (tiertrain/reshard.py; the in-memory optimizer only); reshard=False
-        refuses it instead."""
+        A checkpoint saved at another layout (data-, tensor- or pipeline-parallel size, ZeRO
+        stage, optimizer tier, unit sizes) is resharded to this run's (tiertrain/reshard.py);
+        reshard=False refuses it instead."""
+        self.wait_for_checkpoint()
         self.quiesce()
         fingerprint = self.checkpoint_fingerprint()
         step_dir, marker = checkpoint.find_committed(directory, step)
         if reshard and checkpoint.layout_changed(marker, self.topology, fingerprint):
             return reshard_module.load_resharded(self.checkpoint_parts(), step_dir, marker, self.topology.rank,
-                                                 fingerprint, reshard_module.describe(self.flat, self.update),
-                                                 self.update)
+                                                 fingerprint, self.shard_description(), self.update)
         return checkpoint.load(self.checkpoint_parts(), directory, step, self.topology, fingerprint, self.device)
 
     def masters(self) -> list[torch.Tensor]:
@@ -634,6 +717,10 @@ class Engine:
             return
         self._closed = True
         errors, values = [], None
+        try:
+            self.wait_for_checkpoint()
+        except BaseException as e:
+            errors.append(e)
         try:
             self.quiesce()
             values = self.full_state_dict()

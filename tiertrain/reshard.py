@@ -1,25 +1,44 @@
-"""Resuming a checkpoint at another data-parallel size or ZeRO stage.
+"""Resuming a checkpoint at another layout: data-parallel size, ZeRO stage, tensor- and
+pipeline-parallel sizes, optimizer tier.
 
-A rank file holds this rank's shard of every flat unit (fp32 masters) and a torch optimizer
-whose state is keyed by *piece*: one view per parameter per shard. Under another dp size or
-stage the units are cut differently, so neither the shards nor the piece indices line up.
-What does line up is each parameter's own flat coordinates: element k of ``blocks.0.w`` is
-element k whatever the layout. So every rank records, at save, where each of its pieces lies
-in its parameter (:func:`describe`, JSON kept in COMMITTED.json beside the checksums, so it is
-read without unpickling anything); at load, :func:`load_resharded` builds this rank's new
-pieces from the saved pieces that overlap them, reading only the rank files it needs (each
-checksum-verified, memory-mapped so only the needed pages are touched), and hands the result
-to the parts' ordinary ``load_state_dict`` (masters published, gradients zeroed).
+A rank file holds this rank's shard of every flat unit (fp32 masters) and the optimizer state
+of those shards: a torch optimizer's state keyed by *piece* (one view per parameter per shard)
+in memory, or the NVMe stream's per-shard moments (offload/nvme_optimizer.py). Under another
+layout the units are cut differently, so neither the shards nor the piece indices line up.
+What does line up is each parameter's own coordinates: element k of ``blocks.0.w`` is element
+k whatever the layout. So every rank records, at save, where each of its pieces lies in its
+parameter (:func:`describe`, JSON kept in COMMITTED.json beside the checksums, so it is read
+without unpickling anything), and which of its parameters are tensor-parallel slices (the
+dimension, Megatron §3: a column-parallel weight is a dim-0 slice, a row-parallel one a dim-1
+slice, a vocab-parallel embedding a dim-0 slice) or copies of another (the last pipeline
+stage's copy of a tied embedding, Megatron's way of tying across stages).
 
-Supported: the in-memory torch optimizer (zero.offload_optimizer none or cpu, no
-zero.delayed_update), tp = pp = 1, the same model and compute dtype. The NVMe optimizer keeps
-its state in swap files of its own layout; resharding it is not supported yet.
+At load, :func:`load_resharded` rebuilds each value this rank needs parameter by parameter:
+
+1. the parameter's value in the saved run (its *global* tensor): the saved pieces of each
+   tensor-parallel slice joined over data-parallel shards, and the slices concatenated along
+   their dimension (a replicated parameter: one replica's pieces);
+2. this rank's slice of it, when this run splits it over tensor-parallel ranks;
+3. the elements this rank's shards hold, copied into its masters, its optimizer state (each
+   per-element tensor the same way; scalars such as Adam's step from the saved piece) and its
+   frozen shards.
+
+Only one parameter is whole at a time, and a parameter nobody splits is read only over the
+range this rank needs. The rank files needed are read memory-mapped, each checksum-verified
+(``torch.load(weights_only=True)``), and the result goes through the parts' ordinary
+``load_state_dict`` (masters published, gradients zeroed), so a resumed step is the step an
+uninterrupted run at the new layout takes from the same state.
+
+Supported forms, in any combination: the in-memory torch optimizer (zero.offload_optimizer
+none or cpu), the delayed update (zero.delayed_update, whose checkpoint may also hold the
+parameters one update behind the masters: cut like the masters) and the NVMe stream (nvme).
+The same model and compute dtype are required; a difference is an error naming it.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
@@ -32,11 +51,18 @@ if TYPE_CHECKING:
     from .update.protocol import OptimizerUpdate
     from .zero.flat import FlatParameters
 
-RESHARDABLE_FORM = "InMemoryUpdate"
-"""The update form whose optimizer state this module knows how to cut (update/in_memory.py)."""
+MEMORY_FORMS = ("InMemoryUpdate", "DelayedUpdate")
+"""Update forms whose state is a torch optimizer's over per-parameter views (update/in_memory.py,
+offload/delayed.py; the delayed form may also hold "published" compute-dtype shards, the
+parameters one update behind the masters)."""
+NVME_FORMS = ("NVMeUpdate", "OverlappedNVMeUpdate")
+"""Update forms whose state is the NVMe stream's per-shard moments (offload/nvme_update.py)."""
 
 REPLICATED_PARTS = ("scaler", "train_state", "rng")
 """Parts every rank holds a copy of; taken from this rank's saved file, or rank 0's."""
+
+MASTER = "master"
+"""The key of a parameter's fp32 master value (beside its optimizer-state keys)."""
 
 
 # -- at save: what each rank holds --------------------------------------------------------
@@ -77,70 +103,30 @@ def piece_order(flat: "FlatParameters", optimizer: torch.optim.Optimizer) -> lis
     return out
 
 
-def describe(flat: "FlatParameters", update: "OptimizerUpdate") -> dict:
+def describe(flat: "FlatParameters", update: "OptimizerUpdate", tp: tuple[int, int] = (0, 1),
+             copies: Mapping[str, str] | None = None) -> dict:
     """This rank's shard layout, JSON-like: the trained and frozen units (slots, padded size,
-    shard count), the shard this rank holds, the update form, and (in-memory form only) the
-    optimizer's piece order. Recorded at save so another layout can find these values."""
+    shard count), the shard this rank holds, the update form, (in-memory form) the optimizer's
+    piece order, this rank's tensor-parallel (coordinate, size) and the dimension of each of
+    its parameters that is a tensor-parallel slice, and ``copies``: {parameter: the parameter
+    it is kept equal to} (a tied weight's copy on another pipeline stage). Recorded at save so
+    another layout can find these values."""
     form = type(update).__name__
-    optimizer = getattr(update, "optimizer", None) if form == RESHARDABLE_FORM else None
+    optimizer = getattr(update, "optimizer", None) if form in MEMORY_FORMS else None
+    names = [s.name for u in flat.units + flat.frozen_units for s in u.unit.slots]
+    split = {}
+    for name in names:
+        param = flat.params.get(name)
+        if getattr(param, "tp_sharded", False):
+            split[name] = int(param.tp_shard_dim)
     return {"form": form, "shard_rank": flat.shard_rank,
             "units": [_unit_json(u.unit) for u in flat.units],
             "frozen": [_unit_json(u.unit) for u in flat.frozen_units],
-            "pieces": None if optimizer is None else piece_order(flat, optimizer)}
+            "pieces": None if optimizer is None else piece_order(flat, optimizer),
+            "tp": list(tp), "split": split, "copies": dict(copies or {})}
 
 
-# -- at load: checks --------------------------------------------------------------------
-
-def _shapes(entries: list) -> dict[str, tuple]:
-    return {n: tuple(shape) for _, _, _, slots in entries for n, _, _, shape in slots}
-
-
-def _compare_params(kind: str, saved: dict[str, tuple], mine: dict[str, tuple], step_dir: str) -> None:
-    for name in sorted(set(saved) | set(mine)):
-        if name not in mine:
-            raise CheckpointError(f"{step_dir!r} holds the {kind} parameter {name!r} {saved[name]}, "
-                                  f"which this model does not have (as a {kind} parameter)")
-        if name not in saved:
-            raise CheckpointError(f"{step_dir!r} holds no {kind} parameter {name!r}; this model has it "
-                                  f"with shape {mine[name]}")
-        if saved[name] != mine[name]:
-            raise CheckpointError(f"{step_dir!r} holds {name!r} with shape {saved[name]}, this model has "
-                                  f"shape {mine[name]}")
-
-
-def check_reshardable(step_dir: str, marker: dict, fingerprint: dict, shards: dict | None) -> None:
-    """Everything but the dp size and stage must agree; otherwise an error naming what differs."""
-    saved_layouts, saved_shards = marker["layouts"], marker.get("shards")
-    first = saved_layouts[0]
-    where = f"{step_dir!r} (saved at dp={first['dp']}, stage={first['stage']}; this run dp={fingerprint['dp']}, " \
-            f"stage={fingerprint['stage']})"
-    for key in ("tp", "pp"):
-        sizes = {f[key] for f in saved_layouts} | {fingerprint[key]}
-        if sizes != {1}:
-            raise CheckpointError(f"{where}: resharding is supported only at {key}=1; the checkpoint has "
-                                  f"{key}={first[key]}, this run {key}={fingerprint[key]}")
-    tiers = {f["optimizer_tier"] for f in saved_layouts}
-    if "nvme" in tiers or fingerprint["optimizer_tier"] == "nvme":
-        raise CheckpointError(f"{where}: resharding of the NVMe optimizer state is not supported yet "
-                              f"(checkpoint optimizer_tier={sorted(tiers)}, this run "
-                              f"{fingerprint['optimizer_tier']!r}); load it at the layout it was saved at")
-    if first["dtype"] != fingerprint["dtype"]:
-        raise CheckpointError(f"{where}: saved with dtype={first['dtype']!r}, this run has "
-                              f"dtype={fingerprint['dtype']!r}")
-    if saved_shards is None:
-        raise CheckpointError(f"{where}: the checkpoint records no shard layout (saved before resharding "
-                              f"existed); it loads only at the layout it was saved at")
-    for description in saved_shards + [shards or {"form": None, "pieces": None}]:
-        form = description["form"]
-        if form != RESHARDABLE_FORM or description["pieces"] is None:
-            raise CheckpointError(f"{where}: resharding the state of the {form} update form is not supported "
-                                  f"yet; only the in-memory torch optimizer ({RESHARDABLE_FORM}: "
-                                  f"zero.offload_optimizer none or cpu, without zero.delayed_update)")
-    _compare_params("trained", _shapes(saved_shards[0]["units"]), _shapes(shards["units"]), step_dir)
-    _compare_params("frozen", _shapes(saved_shards[0]["frozen"]), _shapes(shards["frozen"]), step_dir)
-
-
-# -- at load: the copy ------------------------------------------------------------------
+# -- pieces --------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class _Piece:
@@ -149,14 +135,15 @@ class _Piece:
     rank: int
     name: str
     lo: int
-    """First element, in the parameter's flat coordinates."""
+    """First element, in the flat coordinates of the parameter as that rank holds it (its
+    tensor-parallel slice, if split)."""
     hi: int
     unit: int
     """Position of the unit in the rank's list (trained or frozen)."""
     start: int
     """Offset in the rank's shard of that unit."""
     index: int = -1
-    """Optimizer state index (trained pieces), else -1."""
+    """Optimizer state index (trained pieces of the in-memory form), else -1."""
     group: int = -1
 
 
@@ -165,24 +152,16 @@ def _param_start(unit: Unit, shard_rank: int, slot_offset: int, start: int) -> i
 
 
 def _trained_pieces(rank: int, shards: dict) -> list[_Piece]:
+    """The pieces of the in-memory form's optimizer, with their state index and group."""
     units = [_unit_of(e, k) for k, e in enumerate(shards["units"])]
     out = []
     for i, (k, name, start, end, group) in enumerate(shards["pieces"]):
         if name is None or end <= start:
             continue
         slot = next(s for s in units[k].slots if s.name == name)
-        lo = _param_start(units[k], shards["shard_rank"], slot.offset, start)
+        shard = shards["shard_rank"] if units[k].num_shards > 1 else 0
+        lo = _param_start(units[k], shard, slot.offset, start)
         out.append(_Piece(rank, name, lo, lo + end - start, k, start, i, group))
-    return out
-
-
-def _frozen_pieces(rank: int, shards: dict) -> list[_Piece]:
-    out = []
-    for k, entry in enumerate(shards["frozen"]):
-        unit = _unit_of(entry, k)
-        for slot, a, b in unit.shard_pieces(shards["shard_rank"]):
-            lo = _param_start(unit, shards["shard_rank"], slot.offset, a)
-            out.append(_Piece(rank, slot.name, lo, lo + b - a, k, a))
     return out
 
 
@@ -205,20 +184,8 @@ def parameter_slots(shards: dict, kind: str) -> list[tuple[int, Slot]]:
     return [(k, slot) for k, entry in enumerate(shards[kind]) for slot in _unit_of(entry, k).slots]
 
 
-def covering_pieces(name: str, numel: int, saved: dict[str, list[_Piece]],
-                    step_dir: str) -> list[tuple[_Piece, int, int]]:
-    """(saved piece, lo, hi) covering elements [0, numel) of parameter name exactly once (saved:
-    pieces_by_name's output); a CheckpointError if any element is missing."""
-    return _overlaps(_Piece(-1, name, 0, numel, 0, 0), saved, step_dir)
-
-
 def pieces_by_name(pieces: list[_Piece], prefer: int = 0) -> dict[str, list[_Piece]]:
-    """The pieces by parameter, one per element range (see _by_name)."""
-    return _by_name(pieces, prefer)
-
-
-def _by_name(pieces: list[_Piece], prefer: int) -> dict[str, list[_Piece]]:
-    """Saved pieces by parameter, one per element range: where ranks hold the same range
+    """The pieces by parameter, one per element range: where ranks hold the same range
     (stage 0: every rank the whole unit), the preferred rank's (this rank: its file is read
     anyway), else the lowest rank's."""
     chosen: dict[tuple[str, int, int], _Piece] = {}
@@ -230,134 +197,472 @@ def _by_name(pieces: list[_Piece], prefer: int) -> dict[str, list[_Piece]]:
     return out
 
 
-def _overlaps(piece: _Piece, saved: dict[str, list[_Piece]], step_dir: str) -> list[tuple[_Piece, int, int]]:
-    """(saved piece, lo, hi) covering piece's elements exactly once; an error if any is missing."""
-    found = sorted(((s, max(s.lo, piece.lo), min(s.hi, piece.hi)) for s in saved.get(piece.name, [])
-                    if s.lo < piece.hi and piece.lo < s.hi), key=lambda t: t[1])
-    at = piece.lo
-    for _, lo, hi in found:
-        if lo != at:
+def _overlaps(name: str, lo: int, hi: int, saved: dict[str, list[_Piece]],
+              step_dir: str) -> list[tuple[_Piece, int, int]]:
+    """(saved piece, lo, hi) covering elements [lo, hi) of name exactly once; an error if any
+    is missing."""
+    found = sorted(((s, max(s.lo, lo), min(s.hi, hi)) for s in saved.get(name, []) if s.lo < hi and lo < s.hi),
+                   key=lambda t: t[1])
+    at = lo
+    for _, a, b in found:
+        if a != at:
             break
-        at = hi
-    if at != piece.hi:
-        raise CheckpointError(f"{step_dir!r} does not hold elements [{at}, {piece.hi}) of {piece.name!r}: "
+        at = b
+    if at != hi:
+        raise CheckpointError(f"{step_dir!r} does not hold elements [{at}, {hi}) of {name!r}: "
                               f"a rank's shard layout in COMMITTED.json disagrees with its file")
     return found
 
 
-class _Files:
-    """The saved rank files, each read at most once, checksum first, memory-mapped."""
+# -- the saved run ---------------------------------------------------------------------------
 
-    def __init__(self, step_dir: str, marker: dict):
+def _state_names(rule: str) -> tuple[str, ...]:
+    """The torch names of the NVMe stream's two state slots (saved under AdamW's names, see
+    NVMeAdamW.state_dict), from the rule's words; "unused" slots dropped."""
+    if rule.startswith("SGDRule"):
+        return ("momentum_buffer",)
+    return ("exp_avg", "exp_avg_sq")
+
+
+class _SavedRun:
+    """A checkpoint's ranks: their shard layouts, pieces and values, each rank file read at
+    most once (checksum first, memory-mapped)."""
+
+    def __init__(self, step_dir: str, marker: dict, prefer: int, verified: bool = False):
         self.step_dir, self.marker = step_dir, marker
+        self.verified = verified
+        """The rank files' checksums were checked already (not again at first read)."""
+        self.layouts: list[dict] = marker["shards"]
         self.states: dict[int, dict] = {}
+        self.prefer = prefer
+        self._pieces: dict[tuple[str, int], dict[str, list[_Piece]]] = {}
+        self.split: dict[str, int] = {}
+        self.copies: dict[str, str] = {}
+        self.shapes: dict[str, dict[str, tuple]] = {"units": {}, "frozen": {}}
+        """kind -> parameter -> its global shape (tensor-parallel slices joined)."""
+        self.tp_sizes: dict[str, int] = {}
+        """parameter -> the tensor-parallel size of the ranks holding it."""
+        for layout in self.layouts:
+            self.split.update(layout.get("split", {}))
+            self.copies.update(layout.get("copies", {}))
+        for layout in self.layouts:
+            size = self.tp(layout)[1]
+            for kind in ("units", "frozen"):
+                for _, slot in parameter_slots(layout, kind):
+                    self.shapes[kind][slot.name] = _joined(slot.shape, self.split.get(slot.name), size)
+                    self.tp_sizes[slot.name] = size
 
-    def __call__(self, rank: int) -> dict:
+    @staticmethod
+    def tp(layout: dict) -> tuple[int, int]:
+        coord, size = layout.get("tp", (0, 1))
+        return int(coord), int(size)
+
+    def file(self, rank: int) -> dict:
         if rank not in self.states:
-            path = verified_file(self.step_dir, rank_file_name(rank), self.marker["sha256"][rank])
+            path = os.path.join(self.step_dir, rank_file_name(rank)) if self.verified else \
+                verified_file(self.step_dir, rank_file_name(rank), self.marker["sha256"][rank])
             self.states[rank] = load_rank_file(path, torch.device("cpu"), mmap=True)
         return self.states[rank]
 
+    def pieces(self, kind: str, coord: int) -> dict[str, list[_Piece]]:
+        """The pieces of every parameter held by the ranks at tensor-parallel coordinate coord
+        (their slices), one per element range."""
+        key = (kind, coord)
+        if key not in self._pieces:
+            found = []
+            for r, layout in enumerate(self.layouts):
+                if self.tp(layout)[0] != coord:
+                    continue
+                if kind == "units" and layout["form"] in MEMORY_FORMS:
+                    found += _trained_pieces(r, layout)
+                else:
+                    found += unit_pieces(r, layout, kind)
+            self._pieces[key] = pieces_by_name(found, self.prefer)
+        return self._pieces[key]
 
-def _is_elementwise(value: Any, numel: int) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel
+    # -- values of pieces --
+
+    def master(self, piece: _Piece) -> torch.Tensor:
+        return self.file(piece.rank)["update"]["masters"][piece.unit][piece.start:piece.start + piece.hi - piece.lo]
+
+    def frozen(self, piece: _Piece) -> torch.Tensor:
+        return self.file(piece.rank)["frozen"]["shards"][piece.unit][piece.start:piece.start + piece.hi - piece.lo]
+
+    def published(self, piece: _Piece) -> torch.Tensor:
+        return self.file(piece.rank)["update"]["published"][piece.unit][piece.start:piece.start + piece.hi - piece.lo]
+
+    def holds_published(self) -> bool:
+        """Saved by the delayed form with an update not yet published (every rank alike)."""
+        return self.layouts[0]["form"] == "DelayedUpdate" and self.file(0)["update"].get("published") is not None
+
+    def state(self, piece: _Piece) -> dict | None:
+        """The piece's optimizer state as torch's optimizer keeps it ({"step", "exp_avg", ...},
+        per-element tensors over the piece), or None when it was never stepped."""
+        layout, update = self.layouts[piece.rank], self.file(piece.rank)["update"]
+        if layout["form"] in MEMORY_FORMS:
+            return update["optimizer"]["state"].get(piece.index) or None
+        optimizer = update["optimizer"]
+        starts = [p[0] for p in optimizer["pieces"][piece.unit]]
+        # (an NVMe piece is one parameter's view of the shard: its start is this piece's)
+        k = max((i for i, s in enumerate(starts) if s <= piece.start), default=None)
+        if k is None:
+            raise CheckpointError(f"{self.step_dir!r}: rank {piece.rank}'s NVMe optimizer has no piece at "
+                                  f"element {piece.start} of unit {piece.unit} ({piece.name!r})")
+        steps = int(optimizer["step"]) - int(optimizer["skipped"][piece.unit][k])
+        if steps <= 0:
+            return None
+        shard = optimizer["shards"][piece.unit]
+        n = piece.hi - piece.lo
+        names = _state_names(optimizer["rule"])
+        out: dict[str, Any] = {key: shard[slot][piece.start:piece.start + n]
+                               for key, slot in zip(names, ("exp_avg", "exp_avg_sq"))}
+        if "exp_avg_sq" in names:
+            out["step"] = torch.tensor(float(steps))
+        return out
 
 
-def _optimizer_state(mine: list[_Piece], saved: dict[str, list[_Piece]], files: _Files,
-                     step_dir: str) -> dict[int, dict]:
-    """This rank's optimizer state by index: per-element tensors cut from the overlapping saved
-    pieces' state, scalars (Adam's step) taken from the first of them."""
-    state: dict[int, dict] = {}
-    for piece in mine:
-        numel = piece.hi - piece.lo
-        parts = [(s, lo, hi, files(s.rank)["update"]["optimizer"]["state"].get(s.index))
-                 for s, lo, hi in _overlaps(piece, saved, step_dir)]
-        present = [p for p in parts if p[3]]
+def _joined(shape: tuple, dim: int | None, size: int) -> tuple:
+    if dim is None or size == 1:
+        return tuple(shape)
+    return tuple(n * size if d == dim else n for d, n in enumerate(shape))
+
+
+@dataclass
+class _Value:
+    """One parameter's values in the saved run, read as this rank needs them."""
+
+    run: _SavedRun
+    kind: str
+    """"units" (trained) or "frozen"."""
+    name: str
+    """The saved parameter (this run's name, or the one it is a copy of)."""
+    shape: tuple
+    """The saved (global) shape."""
+
+    def local(self, key: str, dim: int | None, coord: int, size: int, lo: int, hi: int) -> torch.Tensor | dict | None:
+        """Elements [lo, hi) of this run's tensor-parallel slice coord of size (along dim, or
+        the whole parameter when dim is None), flattened: of the master (key MASTER), the
+        frozen value ("frozen"), the delayed form's published value ("published"), or of every
+        optimizer-state tensor (key "state": a dict, or None when the parameter was never
+        stepped)."""
+        saved_dim = self.run.split.get(self.name)
+        saved_size = self.run.tp_sizes.get(self.name, 1)
+        if (saved_dim is None or saved_size == 1) and (dim is None or size == 1):
+            return self._read(0, lo, hi, key)  # (no slice on either side: only the range needed)
+        whole = self._whole(key, saved_dim, saved_size)
+        if whole is None or not isinstance(whole, dict):
+            return None if whole is None else _slice(whole, self.shape, dim, coord, size)[lo:hi]
+        return {k: (_slice(v, self.shape, dim, coord, size)[lo:hi] if _per_element(v) else v)
+                for k, v in whole.items()}
+
+    def _whole(self, key: str, dim: int | None, size: int):
+        """The parameter's global value (flat), or the dict of its state's global values."""
+        if dim is None or size == 1:
+            return self._read(0, 0, _numel(self.shape), key)
+        local_shape = tuple(n // size if d == dim else n for d, n in enumerate(self.shape))
+        numel = _numel(local_shape)
+        slices = [self._read(t, 0, numel, key) for t in range(size)]
+        if key != "state":
+            return torch.cat([s.reshape(local_shape) for s in slices], dim).reshape(-1)
+        if all(s is None for s in slices):
+            return None
+        if any(s is None for s in slices):
+            raise CheckpointError(f"{self.run.step_dir!r}: parameter {self.name!r} has optimizer state in some "
+                                  f"saved shards and not in others; it cannot be resharded")
+        return {k: (torch.cat([s[k].reshape(local_shape) for s in slices], dim).reshape(-1)
+                    if _per_element(v) else v) for k, v in slices[0].items()}
+
+    def _read(self, coord: int, lo: int, hi: int, key: str):
+        """Elements [lo, hi) of the slice held at tensor-parallel coordinate coord."""
+        found = _overlaps(self.name, lo, hi, self.run.pieces(self.kind, coord), self.run.step_dir)
+        if key != "state":
+            read = {MASTER: self.run.master, "frozen": self.run.frozen, "published": self.run.published}[key]
+            values = [(a, b, read(s)[a - s.lo:b - s.lo]) for s, a, b in found]
+            out = torch.empty(hi - lo, dtype=values[0][2].dtype)
+            for a, b, value in values:
+                out[a - lo:b - lo] = value
+            return out
+        states = [(s, a, b, self.run.state(s)) for s, a, b in found]
+        present = [t for t in states if t[3]]
         if not present:
-            continue  # (never stepped: a parameter no rank computed a gradient for yet)
-        if len(present) != len(parts):
-            raise CheckpointError(f"{step_dir!r}: parameter {piece.name!r} has optimizer state in some saved "
-                                  f"shards and not in others; it cannot be resharded")
-        first = present[0][3]
+            return None  # (never stepped: a parameter no rank computed a gradient for yet)
+        if len(present) != len(states):
+            raise CheckpointError(f"{self.run.step_dir!r}: parameter {self.name!r} has optimizer state in some "
+                                  f"saved shards and not in others; it cannot be resharded")
+        first_piece, _, _, first = present[0]
         out: dict[str, Any] = {}
-        for key, value in first.items():
-            if _is_elementwise(value, present[0][0].hi - present[0][0].lo):
-                buf = torch.empty(numel, dtype=value.dtype)
-                for s, lo, hi, st in present:
-                    src = st[key]
-                    if not _is_elementwise(src, s.hi - s.lo):
-                        raise CheckpointError(f"{step_dir!r}: optimizer state {key!r} of {piece.name!r} is "
-                                              f"per-element in one shard and not in another")
-                    buf[lo - piece.lo:hi - piece.lo] = src.reshape(-1)[lo - s.lo:hi - s.lo]
-                out[key] = buf
+        for key_, value in first.items():
+            if _per_element(value) and value.numel() == first_piece.hi - first_piece.lo:
+                buf = torch.empty(hi - lo, dtype=value.dtype)
+                for s, a, b, st in present:
+                    src = st.get(key_)
+                    if not (_per_element(src) and src.numel() == s.hi - s.lo):
+                        raise CheckpointError(f"{self.run.step_dir!r}: optimizer state {key_!r} of {self.name!r} "
+                                              f"is per-element in one shard and not in another")
+                    buf[a - lo:b - lo] = src.reshape(-1)[a - s.lo:b - s.lo]
+                out[key_] = buf
             else:
-                out[key] = value.clone() if isinstance(value, torch.Tensor) else value
-        state[piece.index] = out
+                out[key_] = value.clone() if isinstance(value, torch.Tensor) else value
+        return out
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _per_element(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def _slice(flat: torch.Tensor, shape: tuple, dim: int | None, coord: int, size: int) -> torch.Tensor:
+    """Tensor-parallel slice coord of size along dim of the global value (flat), flattened."""
+    if dim is None or size == 1:
+        return flat
+    width = shape[dim] // size
+    return flat.reshape(shape).narrow(dim, coord * width, width).reshape(-1)
+
+
+# -- at load: checks --------------------------------------------------------------------
+
+def check_reshardable(step_dir: str, marker: dict, fingerprint: dict, shards: dict | None) -> None:
+    """The same model (every parameter's global shape, trained or frozen) and compute dtype,
+    in update forms whose state this module reads and writes; otherwise an error naming what
+    differs."""
+    saved_layouts, saved_shards = marker["layouts"], marker.get("shards")
+    first = saved_layouts[0]
+    where = (f"{step_dir!r} (saved at " + _layout_words(saved_layouts) + "; this run "
+             + _layout_words([fingerprint]) + ")")
+    if first["dtype"] != fingerprint["dtype"]:
+        raise CheckpointError(f"{where}: saved with dtype={first['dtype']!r}, this run has "
+                              f"dtype={fingerprint['dtype']!r}")
+    if saved_shards is None:
+        raise CheckpointError(f"{where}: the checkpoint records no shard layout (saved before resharding "
+                              f"existed); it loads only at the layout it was saved at")
+    for description in saved_shards + [shards or {"form": None, "pieces": None}]:
+        form = description["form"]
+        if not (form in NVME_FORMS or (form in MEMORY_FORMS and description["pieces"] is not None)):
+            raise CheckpointError(f"{where}: resharding the state of the {form} update form is not supported; "
+                                  f"the forms that reshard are {list(MEMORY_FORMS + NVME_FORMS)}, with optimizer "
+                                  f"state held as views of the fp32 masters")
+    if any("tp" not in s for s in saved_shards) and any(f["tp"] > 1 or f["pp"] > 1 for f in saved_layouts):
+        raise CheckpointError(f"{where}: the checkpoint records no tensor-parallel slices (saved by an older "
+                              f"version); it loads only at the layout it was saved at")
+    run = _SavedRun(step_dir, marker, 0)
+    tp_size = _SavedRun.tp(shards)[1]
+    for kind, what in (("units", "trained"), ("frozen", "frozen")):
+        own = {slot.name: _joined(slot.shape, shards["split"].get(slot.name), tp_size)
+               for _, slot in parameter_slots(shards, kind)}
+        _compare_params(what, run.shapes[kind], own, run.copies, shards["copies"], step_dir,
+                        whole_model=fingerprint["pp"] == 1)
+
+
+def _layout_words(layouts: list[dict]) -> str:
+    f = layouts[0]
+    tiers = sorted({x["optimizer_tier"] for x in layouts})
+    return f"dp={f['dp']}, tp={f['tp']}, pp={f['pp']}, stage={f['stage']}, optimizer {'/'.join(tiers)}"
+
+
+def _compare_params(kind: str, saved: dict[str, tuple], mine: dict[str, tuple], saved_copies: dict[str, str],
+                    my_copies: dict[str, str], step_dir: str, whole_model: bool) -> None:
+    """Every parameter of this rank is in the checkpoint (itself, or the parameter this run's
+    copy of it is kept equal to) with the same global shape; and when this rank holds the
+    whole model (no pipeline), every saved one is in it (a saved copy of another parameter
+    need not be)."""
+    for name in sorted(set(saved) | set(mine)):
+        if name not in mine:
+            if name in saved_copies or not whole_model:
+                continue  # (the saved run's tied copy: this run holds the one it copied)
+            raise CheckpointError(f"{step_dir!r} holds the {kind} parameter {name!r} {saved[name]}, "
+                                  f"which this model does not have (as a {kind} parameter)")
+        source = name if name in saved else my_copies.get(name)
+        if source not in saved:
+            raise CheckpointError(f"{step_dir!r} holds no {kind} parameter {name!r}; this model has it "
+                                  f"with shape {mine[name]}")
+        if saved[source] != mine[name]:
+            copy = "" if source == name else f" (whose copy {name!r} this model has)"
+            raise CheckpointError(f"{step_dir!r} holds {source!r}{copy} with shape {saved[source]}, this model has "
+                                  f"shape {mine[name]}")
+
+
+# -- the saved run's parameters, whole (the offline export, tiertrain/consolidate.py) ----------
+
+def open_saved(step_dir: str, marker: dict, verified: bool = False) -> _SavedRun:
+    """A committed checkpoint's values, read as needed (verified: every rank file's checksum
+    was checked already)."""
+    if marker.get("shards") is None:
+        raise CheckpointError(f"{step_dir!r} records no shard layout (saved before resharding existed)")
+    return _SavedRun(step_dir, marker, 0, verified)
+
+
+def saved_parameters(run: _SavedRun) -> list[tuple[str, str, tuple]]:
+    """(kind, name, global shape) of every parameter of the saved model, in the model's order
+    (ranks in order: pipeline stages first to last; their units in order), trained ("units")
+    then frozen, each once, without a pipeline stage's copy of a tied weight."""
+    out, seen = [], set()
+    for kind in ("units", "frozen"):
+        for layout in run.layouts:
+            for _, slot in parameter_slots(layout, kind):
+                if slot.name not in seen and slot.name not in run.copies:
+                    seen.add(slot.name)
+                    out.append((kind, slot.name, run.shapes[kind][slot.name]))
+    return out
+
+
+def global_value(run: _SavedRun, kind: str, name: str) -> torch.Tensor:
+    """The saved value of one parameter, whole and flat: its fp32 master (kind "units") or its
+    compute-dtype value (kind "frozen"), tensor-parallel slices joined."""
+    shape = run.shapes[kind][name]
+    return _Value(run, kind, name, shape).local(MASTER if kind == "units" else "frozen", None, 0, 1, 0,
+                                                _numel(shape))
+
+
+def opened_files(run: _SavedRun) -> list[str]:
+    """The paths of the rank files read so far."""
+    return [os.path.join(run.step_dir, rank_file_name(r)) for r in run.states]
+
+
+# -- at load: the copy ------------------------------------------------------------------
+
+def _value(run: _SavedRun, kind: str, name: str, my_copies: dict[str, str]) -> _Value:
+    source = name if name in run.shapes[kind] else my_copies[name]
+    return _Value(run, kind, source, run.shapes[kind][source])
+
+
+def _fill(mine: list[_Piece], units: list[Unit], run: _SavedRun, kind: str, key: str, shards: dict,
+          dtype: torch.dtype) -> list[torch.Tensor]:
+    """This rank's flat shard of each unit (zero padded) from the saved values (key MASTER or
+    "frozen")."""
+    out = [torch.zeros(unit.shard_numel, dtype=dtype) for unit in units]
+    coord, size = _SavedRun.tp(shards)
+    split, copies = shards["split"], shards["copies"]
+    for piece in mine:
+        values = _value(run, kind, piece.name, copies).local(key, split.get(piece.name), coord, size,
+                                                             piece.lo, piece.hi)
+        out[piece.unit][piece.start:piece.start + piece.hi - piece.lo] = values
+    return out
+
+
+def _states(mine: list[_Piece], run: _SavedRun, shards: dict) -> dict[_Piece, dict]:
+    """The optimizer state of each of this rank's trained pieces that was ever stepped."""
+    coord, size = _SavedRun.tp(shards)
+    split, copies = shards["split"], shards["copies"]
+    out = {}
+    for piece in mine:
+        state = _value(run, "units", piece.name, copies).local("state", split.get(piece.name), coord, size,
+                                                               piece.lo, piece.hi)
+        if state is not None:
+            out[piece] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    return out
+
+
+def _memory_update(update: "OptimizerUpdate", run: _SavedRun, rank: int, shards: dict, units: list[Unit],
+                   masters: list[torch.Tensor], source: int) -> dict:
+    """The in-memory form's state: masters, the torch optimizer's state by piece index, and
+    each group's hyper-parameters from the saved group its first piece came from (this run's
+    own when the checkpoint's form keeps none: the NVMe stream)."""
+    optimizer = update.optimizer
+    mine = _trained_pieces(rank, shards)
+    states = _states(mine, run, shards)
+    by_index = {p.index: s for p, s in states.items()}
+    current = optimizer.state_dict()
+    groups = []
+    for g, group in enumerate(current["param_groups"]):
+        saved_group = None
+        first = next((p for p in mine if p.group == g), None)
+        if first is not None:
+            value = _value(run, "units", first.name, shards.get("copies", {}))
+            origin = next((s for s in run.pieces("units", 0).get(value.name, []) if s.index >= 0), None)
+            if origin is not None:
+                saved_group = run.file(origin.rank)["update"]["optimizer"]["param_groups"][origin.group]
+        elif run.layouts[source]["form"] in MEMORY_FORMS:
+            saved_groups = run.file(source)["update"]["optimizer"]["param_groups"]
+            saved_group = saved_groups[g] if g < len(saved_groups) else None
+        options = saved_group if saved_group is not None else group
+        groups.append({**{k: v for k, v in options.items() if k != "params"}, "params": group["params"]})
+    state = {"masters": masters, "optimizer": {"state": by_index, "param_groups": groups},
+             "schedule": run.file(source)["update"].get("schedule")}
+    if shards["form"] == "DelayedUpdate":
+        # The parameters the next forward reads, one update behind the masters; a form without
+        # such an update in flight publishes the masters themselves.
+        state["published"] = None
+        if run.holds_published():
+            dtype = run.file(0)["update"]["published"][0].dtype
+            state["published"] = _fill(unit_pieces(rank, shards, "units"), units, run, "units", "published",
+                                       shards, dtype)
     return state
 
 
-def _shards(mine: list[_Piece], units: list[Unit], saved: dict[str, list[_Piece]], files: _Files,
-            read: Callable[[dict], list[torch.Tensor]], dtype: torch.dtype, step_dir: str) -> list[torch.Tensor]:
-    """This rank's flat shard of each unit, zero padded, filled from the saved shards."""
-    out = [torch.zeros(unit.shard_numel, dtype=dtype) for unit in units]
+def _nvme_update(update: "OptimizerUpdate", run: _SavedRun, rank: int, shards: dict, units: list[Unit],
+                 masters: list[torch.Tensor], source: int) -> dict:
+    """The NVMe form's state: masters, each shard's two state slots, the stream's step count
+    and, per piece of the stream, the steps it was left out of (the saved piece's own count
+    of updates, torch's per-parameter step)."""
+    nvme = update.nvme
+    names = nvme.rule.state_names
+    run_steps = int(run.file(source)["train_state"]["steps"])
+    mine = unit_pieces(rank, shards, "units")
+    states = _states(mine, run, shards)
+    slots = [{"exp_avg": torch.zeros(u.shard_numel), "exp_avg_sq": torch.zeros(u.shard_numel)} for u in units]
+    steps: dict[tuple[int, int], int] = {}
     for piece in mine:
-        for s, lo, hi in _overlaps(piece, saved, step_dir):
-            src = read(files(s.rank))[s.unit]
-            out[piece.unit][piece.start + lo - piece.lo:piece.start + hi - piece.lo] = \
-                src[s.start + lo - s.lo:s.start + hi - s.lo]
-    return out
+        state = states.get(piece)
+        if state is None:
+            steps[(piece.unit, piece.start)] = 0
+            continue
+        n = piece.hi - piece.lo
+        for name, slot in zip(names, ("exp_avg", "exp_avg_sq")):
+            if name in state:
+                slots[piece.unit][slot][piece.start:piece.start + n] = state[name]
+        # (torch's SGD keeps no step: a stepped piece then counts every step of the run)
+        step = state.get("step")
+        steps[(piece.unit, piece.start)] = int(step) if step is not None else run_steps
+    count = max(steps.values(), default=0)
+    skipped = []
+    for s, pieces in enumerate(nvme.pieces):
+        skipped.append([count - steps.get((s, a), count) for a, _, _ in pieces])
+    return {"masters": masters,
+            "optimizer": {"step": count, "rule": repr(nvme.rule), "skipped": skipped,
+                          "pieces": [list(p) for p in nvme.pieces], "shards": slots},
+            "schedule": run.file(source)["update"].get("schedule")}
 
 
 def load_resharded(parts: Mapping[str, Stateful], step_dir: str, marker: dict, rank: int, fingerprint: dict,
                    shards: dict, update: "OptimizerUpdate") -> dict:
-    """Rebuild this rank's state from a checkpoint saved at another dp size or stage (marker:
-    its commit marker; checked here by check_reshardable against this rank's fingerprint) and
-    load it into the parts; returns the saved extras.
+    """Rebuild this rank's state from a checkpoint saved at another layout (marker: its commit
+    marker; checked here by check_reshardable against this rank's fingerprint) and load it
+    into the parts; returns the saved extras.
 
-    shards: describe() of this rank; update: its optimizer-step form, whose optimizer's
-    param_groups (piece indices) are kept and whose hyper-parameters are replaced by the saved
-    group each new group's pieces came from."""
+    shards: describe() of this rank; update: its optimizer-step form (the in-memory form keeps
+    its optimizer's param_groups, piece indices, and takes each group's hyper-parameters from
+    the saved group its pieces came from)."""
     check_reshardable(step_dir, marker, fingerprint, shards)
-    optimizer = getattr(update, "optimizer", None)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise CheckpointError(f"{step_dir!r} was saved at another layout; resharding needs the in-memory "
-                              f"optimizer ({type(update).__name__} has none)")
-    optimizer_state = optimizer.state_dict()
-    saved_shards = marker["shards"]
-    files = _Files(step_dir, marker)
+    run = _SavedRun(step_dir, marker, rank)
     source = rank if rank < marker["world_size"] else 0  # of the replicated parts
-    mine_trained = _trained_pieces(rank, shards)
-    saved_trained = _by_name([p for r, s in enumerate(saved_shards) for p in _trained_pieces(r, s)], rank)
     units = [_unit_of(e, k) for k, e in enumerate(shards["units"])]
-    master_dtype = files(source)["update"]["masters"][0].dtype
-    masters = _shards(mine_trained, units, saved_trained, files, lambda st: st["update"]["masters"],
-                      master_dtype, step_dir)
-    state_by_index = _optimizer_state(mine_trained, saved_trained, files, step_dir)
-    groups = []
-    for g, group in enumerate(optimizer_state["param_groups"]):
-        origin = next((_overlaps(p, saved_trained, step_dir)[0][0] for p in mine_trained if p.group == g), None)
-        if origin is not None:
-            saved_group = files(origin.rank)["update"]["optimizer"]["param_groups"][origin.group]
-        else:
-            saved_groups = files(source)["update"]["optimizer"]["param_groups"]
-            saved_group = saved_groups[g] if g < len(saved_groups) else group
-        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": group["params"]})
-    state = {"update": {"masters": masters, "optimizer": {"state": state_by_index, "param_groups": groups},
-                        "schedule": files(source)["update"].get("schedule")}}
+    masters = _fill(unit_pieces(rank, shards, "units"), units, run, "units", MASTER, shards, torch.float32)
+    if shards["form"] in MEMORY_FORMS:
+        state = {"update": _memory_update(update, run, rank, shards, units, masters, source)}
+    else:
+        state = {"update": _nvme_update(update, run, rank, shards, units, masters, source)}
     for name in REPLICATED_PARTS:
         if name in parts:
-            state[name] = files(source)[name]
+            state[name] = run.file(source)[name]
     if "frozen" in parts:
         frozen_units = [_unit_of(e, k) for k, e in enumerate(shards["frozen"])]
-        saved_frozen = _by_name([p for r, s in enumerate(saved_shards) for p in _frozen_pieces(r, s)], rank)
-        mine_frozen = _frozen_pieces(rank, shards)
-        frozen_dtype = files(source)["frozen"]["shards"][0].dtype
-        state["frozen"] = {"shards": _shards(mine_frozen, frozen_units, saved_frozen, files,
-                                             lambda st: st["frozen"]["shards"], frozen_dtype, step_dir)}
+        dtype = next((s.dtype for r, layout in enumerate(run.layouts) if layout["frozen"]
+                      for s in run.file(r)["frozen"]["shards"]), torch.float32)
+        state["frozen"] = {"shards": _fill(unit_pieces(rank, shards, "frozen"), frozen_units, run, "frozen",
+                                           "frozen", shards, dtype)}
     unknown = [n for n in parts if n not in state]
     if unknown:
         raise CheckpointError(f"resharding does not know how to rebuild the checkpoint parts {unknown}; it "
                               f"rebuilds 'update', 'frozen' and the replicated {list(REPLICATED_PARTS)}")
     restore_rank_state(parts, state)
-    return files(source)["extra"]
+    return run.file(source)["extra"]
 
+
+__all__ = ["describe", "load_resharded", "check_reshardable", "unit_pieces", "parameter_slots",
+           "pieces_by_name", "piece_order", "open_saved", "saved_parameters", "global_value", "opened_files"]

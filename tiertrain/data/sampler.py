@@ -7,9 +7,12 @@ of the rank:
 
 * epoch ``e`` is ``torch.randperm(num_samples)`` drawn from
   ``torch.Generator().manual_seed(seed + e)`` (``range(num_samples)`` when
-  ``shuffle=False``), truncated to a multiple of ``dp_size``;
+  ``shuffle=False``);
 * epochs are concatenated forever, so stream position ``p`` is a pure function
-  of ``(p, num_samples, dp_size, seed, shuffle)`` (see :meth:`global_indices`);
+  of ``(p, num_samples, seed, shuffle)`` (see :meth:`global_indices`), the same
+  whatever the number of ranks: a run resumed at another data-parallel size
+  continues the very stream it left (nothing is dropped at an epoch's end to
+  make it divide evenly: a global batch may straddle two epochs instead);
 * position ``p`` belongs to rank ``p % dp_size``.
 
 ``consumed_samples`` counts *global* samples (all ranks together), as in
@@ -76,8 +79,8 @@ class ShardedSampler(Sampler[int]):
 
     @property
     def epoch_length(self) -> int:
-        """Stream positions per epoch: num_samples rounded down to a multiple of dp_size."""
-        return self.num_samples - self.num_samples % self.dp_size
+        """Stream positions per epoch: every sample once."""
+        return self.num_samples
 
     def _set_consumed(self, consumed_samples: Any) -> None:
         _check_int("consumed_samples", consumed_samples, 0)
@@ -95,7 +98,7 @@ class ShardedSampler(Sampler[int]):
                 order = torch.randperm(self.num_samples, generator=gen)
             else:
                 order = torch.arange(self.num_samples)
-            self._cached_order = order[: self.epoch_length].tolist()
+            self._cached_order = order.tolist()
             self._cached_epoch = epoch
         return self._cached_order
 
@@ -135,22 +138,16 @@ class ShardedSampler(Sampler[int]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state["consumed_samples"]``.
 
-        Raises ValueError if the saved stream differs from this one: num_samples,
-        seed, shuffle, or a dp_size that changes the epoch length. (A dp_size
-        change that keeps the epoch length keeps the global stream identical.)
+        Raises ValueError if the saved stream differs from this one (num_samples,
+        seed, shuffle), or if the position is not a multiple of this dp_size (the
+        global batch of the new layout does not divide it). A saved dp_size
+        different from this one is fine: the stream does not depend on it.
         """
         for key in ("num_samples", "seed", "shuffle"):
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(
                     f"ShardedSampler.load_state_dict: saved {key}={state[key]!r} differs from "
                     f"this sampler's {key}={getattr(self, key)!r}; the stream would change"
-                )
-        if "dp_size" in state and "num_samples" in state:
-            saved_len = state["num_samples"] - state["num_samples"] % state["dp_size"]
-            if saved_len != self.epoch_length:
-                raise ValueError(
-                    f"ShardedSampler.load_state_dict: saved dp_size={state['dp_size']} gives epoch "
-                    f"length {saved_len}, this dp_size={self.dp_size} gives {self.epoch_length}"
                 )
         self._set_consumed(state["consumed_samples"])
 

@@ -121,7 +121,7 @@ class PipelineEngine(Engine):
 
     def __init__(self, stages: Sequence[nn.Module], config: Config, topology: Topology,
                  activation_shape: tuple[int, ...] | Callable[[dict], tuple[int, ...]] | None = None,
-                 timeout: float = 300.0, update_factory: UpdateFactory = build_update):
+                 timeout: float | None = None, update_factory: UpdateFactory = build_update):
         if config.zero.stage == 3:
             raise ConfigError(f"zero.stage=3 with parallel.pp={topology.size('pp')} is not supported: stage 3 "
                               f"would gather every stage's parameters for each micro-batch; valid: 0, 1, 2")
@@ -134,6 +134,12 @@ class PipelineEngine(Engine):
         self.executor = PipelineExecutor(
             self.stages, topology, SCHEDULES[config.parallel.schedule], activation_shape, dtype=self.dtype,
             tied=False, timeout=timeout, grads_ready=self._chunk_gradients_final)
+
+    def tied_copies(self) -> dict[str, str]:
+        """The last stage's copy of a tied embedding, kept equal to the first stage's."""
+        if any(s.is_last and not s.is_first for s in self._tied_stages):
+            return {TIED_LAST: TIED_FIRST}
+        return {}
 
     # -- training ------------------------------------------------------------------------
 

@@ -37,7 +37,9 @@ class InMemoryUpdate(OptimizerUpdate):
         return UpdateMemory(optimizer=moments, cpu_tier=moments if self.flat.placement.offload_optimizer else 0)
 
     def state_dict(self):
-        return {"masters": [u.master.detach().clone() for u in self.flat.units],
+        # The live masters, as torch's optimizer.state_dict() hands out its live moments: a
+        # checkpoint writes them at once, or copies them first (a background save).
+        return {"masters": [u.master.detach() for u in self.flat.units],
                 "optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict()}
 
     def load_state_dict(self, state):
