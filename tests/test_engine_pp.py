@@ -95,6 +95,41 @@ def test_four_rank_grids_match_single_process(grid):
     _check(run_distributed(_run, 4, cases, timeout=140), cases)
 
 
+def _scatter_gather(rank, world):
+    """tp=2, pp=2: the same steps with Megatron's scatter/gather of the boundary tensors and
+    without; the bytes each rank sends and what it trains."""
+    out = {}
+    for scattered in (True, False):
+        prepare = lambda m, topo: apply_tensor_parallel(m, topo)  # noqa: E731
+        cfg = _config(1, 1, 2, 2)
+        topology = tiertrain.Topology.build(cfg.parallel)
+        engine = tiertrain.wrap(prepare(make_model(n_layers=LAYERS), topology), cfg, topology)
+        assert engine.executor.scatter_gather  # (on by default at tp > 1 without sequence parallelism)
+        engine.executor.scatter_gather = scattered
+        sent, losses = 0, []
+        for batch in _batches(1):
+            losses.append(engine.train_batch(rank_slices(batch, 0, 1, MICRO, ACCUM)))
+            sent += engine.executor.stats["bytes_sent"]
+        out[scattered] = (sent, losses, _whole_model(engine, engine.full_state_dict()))
+        engine.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_scatter_gather_sends_half_the_bytes_at_tp2_and_trains_the_same():
+    """Megatron PTD-P §4.1: each tensor-parallel rank sends 1/t of the boundary activation (and
+    of its gradient), the receiving stage all-gathers: the point-to-point bytes fall to 1/t,
+    the training is unchanged bit for bit (the pieces reassemble the same tensor)."""
+    seq = _batches(1)[0]["input_ids"].shape[1]
+    micro_bytes = MICRO * seq * 32 * 4  # (micro-batch, seq, hidden) fp32: one boundary tensor
+    for by_rank in run_distributed(_scatter_gather, 4, timeout=110):
+        (sent, losses, params), (sent_whole, losses_whole, params_whole) = by_rank[True], by_rank[False]
+        assert sent_whole == STEPS * ACCUM * micro_bytes  # one tensor per micro-batch each way per rank
+        assert sent == sent_whole // 2
+        assert losses == losses_whole
+        assert all(torch.equal(params[n], params_whole[n]) for n in params)
+
+
 def _checkpointed(rank, world):
     cfg = _config(2, 1, 1, 2, activations={"checkpoint_every": 1, "offload": "cpu"})
     losses, local, engine = engine_train(rank, world, make_model(n_layers=LAYERS), cfg, _batches(1))

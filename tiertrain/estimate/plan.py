@@ -24,6 +24,11 @@ On a machine without an accelerator the "device" is host memory: the device and 
 are one pool, so only the NVMe tier relieves it (CPU offload of anything is never chosen
 there). When nothing fits, :attr:`Plan.short` says which tier is short, per rank and per
 node, and by how many bytes, for the most memory-frugal layout the policy allows.
+
+This ladder plans data parallelism over every rank (t = p = 1). With accelerators, `tiertrain
+plan` first chooses the tensor/pipeline/data layout by Megatron PTD-P's rules
+(:mod:`tiertrain.estimate.layout3d`), which comes back here only when no 3D layout fits the
+devices.
 """
 
 from __future__ import annotations

@@ -83,14 +83,22 @@ class PipelineExecutor:
     step are final: right after its last backward, or for a stage holding a tied weight after
     the tied-gradient exchange. An engine can start the data-parallel reduction (ZeRO-2
     reduce-scatter) of that stage's gradients there, overlapping the remaining pipeline work.
+    ``scatter_gather``: Megatron PTD-P §4.1's scatter/gather optimisation (default: on when
+    tp > 1 and the stages are not sequence parallel). The tensor sent between stages is then
+    the same on every tensor-parallel rank of a stage (after the row-parallel all-reduce), so
+    each tp rank sends only its 1/t of it (flattened) and the receiving stage's tp ranks
+    all-gather the pieces: each point-to-point link carries 1/t of the bytes, and the
+    all-gather runs over the fast intra-node links. Under sequence parallelism each tp rank's
+    activation is already its own 1/t (along the sequence) and is sent as it is.
     """
 
     def __init__(self, stages: Sequence[torch.nn.Module], topology,
                  schedule: Callable[..., Schedule] | Schedule = one_f_one_b,
                  activation_shape: tuple[int, ...] | Callable[[dict], tuple[int, ...]] | None = None,
                  dtype: torch.dtype = torch.float32, *, tied: bool | None = None,
-                 timeout: float = 300.0, check: bool = True,
-                 grads_ready: Callable[[torch.nn.Module], None] | None = None):
+                 timeout: float | None = None, check: bool = True,
+                 grads_ready: Callable[[torch.nn.Module], None] | None = None,
+                 scatter_gather: bool | None = None):
         self.stages = list(stages)
         if not self.stages:
             raise ValueError("PipelineExecutor: stages is empty: this rank must run at least one stage")
@@ -112,6 +120,11 @@ class PipelineExecutor:
         self.grads_ready = grads_ready
         self.comm = PipeComm(topology, timeout)
         self.device = next((p.device for s in self.stages for p in s.parameters()), topology.device)
+        self.tp = topology.size("tp")
+        if scatter_gather is None:
+            scatter_gather = self.tp > 1 and not any(getattr(s, "sequence_parallel", False) for s in self.stages)
+        self.scatter_gather = bool(scatter_gather) and self.tp > 1
+        """Send 1/t of each boundary tensor per tp rank and all-gather on receipt (see above)."""
         self._schedules: dict[int, Schedule] = {}
         self.stats: dict[str, float] = {}
         """After :meth:`run`: ``max_in_flight`` (most (micro-batch, chunk) activations held),
@@ -228,10 +241,29 @@ class PipelineExecutor:
         what = f"{'gradient' if grad else 'activation'} of micro-batch {i} between stages {boundary} and {boundary + 1}"
         return peer, transfer_tag(i, boundary, grad, self.num_stages), what
 
+    def _scattered(self, shape: tuple[int, ...], peer: int) -> bool:
+        """Whether this transfer goes as 1/t pieces (to another rank, and divisible by t)."""
+        numel = 1
+        for n in shape:
+            numel *= n
+        return self.scatter_gather and peer != self.rank and numel % self.tp == 0
+
     def _post_recv(self, a: Action) -> None:
         if a not in self._recvs:
             peer, tag, what = self._transfer(a)
-            self._recvs[a] = self.comm.irecv(self._shape(a.microbatch), self.dtype, self.device, peer, tag, what)
+            shape = self._shape(a.microbatch)
+            if self._scattered(shape, peer):  # this tp rank's 1/t; the rest comes by all-gather
+                numel = 1
+                for n in shape:
+                    numel *= n
+                shape = (numel // self.tp,)
+            self._recvs[a] = self.comm.irecv(shape, self.dtype, self.device, peer, tag, what)
+
+    def _gathered(self, piece: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """The whole tensor from every tp rank's piece (all-gather over the stage's tp ranks)."""
+        full = torch.empty(piece.numel() * self.tp, dtype=piece.dtype, device=piece.device)
+        dist.all_gather(list(full.chunk(self.tp)), piece, group=self.topology.group("tp"))
+        return full.view(shape)
 
     def _prefetch(self, actions: list[Action], idx: int) -> None:
         """Post the next receive after this compute action, so it lands during the compute.
@@ -244,6 +276,9 @@ class PipelineExecutor:
     def _receive(self, a: Action) -> None:
         self._post_recv(a)
         t = self._recvs.pop(a).wait()
+        shape = self._shape(a.microbatch)
+        if self._scattered(shape, self._transfer(a)[0]):
+            t = self._gathered(t, shape)
         key = (a.microbatch, a.chunk)
         if a.kind is K.RECV_ACT:
             self._inputs[key] = t.detach().requires_grad_(True)
@@ -255,12 +290,19 @@ class PipelineExecutor:
         peer, tag, what = self._transfer(a)
         if a.kind is K.SEND_ACT:
             out = self._outputs[key]
-            self._sends.append(self.comm.isend(out, peer, tag, what))
+            self._sends.append(self.comm.isend(self._piece(out, peer), peer, tag, what))
             self._released += release_output(out)  # the send holds the buffer until it completes
         else:
             x = self._inputs.pop(key)
             g = x.grad if x.grad is not None else torch.zeros_like(x)
-            self._sends.append(self.comm.isend(g, peer, tag, what))
+            self._sends.append(self.comm.isend(self._piece(g, peer), peer, tag, what))
+
+    def _piece(self, t: torch.Tensor, peer: int) -> torch.Tensor:
+        """What this rank sends of t: its 1/t piece (a view: the send keeps t's storage) when
+        scattered, else t."""
+        if not self._scattered(tuple(t.shape), peer):
+            return t
+        return t.detach().reshape(-1).chunk(self.tp)[self.topology.coord("tp")]
 
     def _forward(self, a: Action) -> None:
         key = (a.microbatch, a.chunk)
