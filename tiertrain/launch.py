@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from .comm import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, PeerLost, is_connection_lost, peer_lost
 
-__all__ = ["WorkerFailure", "Terminated", "under_torchrun", "default_nproc", "default_backend", "run",
+__all__ = ["WorkerFailure", "Terminated", "check_terminated", "under_torchrun", "default_nproc", "default_backend", "run",
            "launch_local", "DEFAULT_TIMEOUT_S"]
 
 # DEFAULT_TIMEOUT_S (tiertrain.comm): the run's one timeout. The process group gets it, and
@@ -73,9 +73,23 @@ class Terminated(KeyboardInterrupt):
     KeyboardInterrupt, so that whatever handles Ctrl-C handles it the same way."""
 
 
+_terminated_by: list[str] = []
+"""The signal that asked this process to stop, once one has (process-wide, as signals are)."""
+
+
 def _raise_terminated(signum, frame) -> None:
     signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    _terminated_by.append(signal.Signals(signum).name)
     raise Terminated(f"terminated by {signal.Signals(signum).name}")
+
+
+def check_terminated() -> None:
+    """Raise Terminated if a SIGTERM arrived. The handler raises it at once, wherever the main
+    thread is; code that waits on IO and must not be interrupted half-way may catch every
+    exception of a handle it drains, so a training loop also calls this between steps: a
+    stop request is never lost."""
+    if _terminated_by:
+        raise Terminated(f"terminated by {_terminated_by[0]}")
 
 
 @contextlib.contextmanager

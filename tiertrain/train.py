@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from .config import Config, ConfigError, _check_positive, _fail, check_finite
 from .data.formats import TEXT_SUFFIXES, RawDtype
+from .launch import check_terminated
 from .models.gpt import GPT, GPTConfig
 
 __all__ = ["DataConfig", "TrainConfig", "run_training", "check_launch", "default_model", "plan_for_run",
@@ -543,6 +544,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
     last_logged_step = start_step
     try:
         for step in range(start_step + 1, cfg.steps + 1):
+            check_terminated()  # (a SIGTERM whose Terminated something below swallowed)
             loss = engine.train_batch(batches)
             window_loss += loss
             window_n += 1

@@ -698,6 +698,8 @@ class NVMeAdamW:
                 h.wait(self.wait_timeout)
             except TimeoutError as e:
                 self._broken = f"IO still in flight after {self.wait_timeout} s: {e}"
+            except KeyboardInterrupt:  # (Ctrl-C, SIGTERM: the run is stopping)
+                raise
             except BaseException:  # noqa: BLE001 - reported by the pass that failed
                 pass
 

@@ -430,7 +430,7 @@ class TensorSwapper:
         for h in handles:
             try:
                 h.wait(self.wait_timeout)
-            except TimeoutError:
+            except (TimeoutError, KeyboardInterrupt):  # (Ctrl-C, SIGTERM: the run is stopping)
                 raise
             except BaseException:  # noqa: BLE001 - reported to whoever owns that handle
                 pass
