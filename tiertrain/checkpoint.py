@@ -48,7 +48,6 @@ save time, and the caller's ``extra`` must be JSON-like (:func:`json_like_extra`
 from __future__ import annotations
 
 import enum
-import hashlib
 import io
 import json
 import os
@@ -63,7 +62,7 @@ from typing import Any, Callable, Mapping, Protocol
 import torch
 import torch.distributed as dist
 
-from .fileio import atomic_write
+from .fileio import atomic_write, file_sha256
 
 MARKER = "COMMITTED.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -97,14 +96,6 @@ def layout_fingerprint(layout, topology, stage: int, dtype: str, state_format: s
         "optimizer_tier": state_format,
         "units": [[u.label, u.padded_numel, [s.name for s in u.slots]] for u in layout.units],
     }
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _gather_objects(obj: Any, group) -> list[Any]:

@@ -611,6 +611,13 @@ def _cmd_plan_3d(a: argparse.Namespace, model: Any, hw: Any, micro: int | None, 
     result = plan3d(model, hw, global_batch=global_batch, micro_batch=micro or 1, precision=precision or "bf16",
                     interconnect=net, policy=policy, ladder=ladder)
     rejected = _config_check_3d(result.config_dict(), hw.ranks)
+    run = (f"run on each of the {hw.nodes} node(s): torchrun --nnodes {hw.nodes} --nproc-per-node "
+           f"{hw.ranks_per_node} ... -m tiertrain.cli train --config {a.out}")
+    return _emit_plan(a, result, rejected, plan3d_to_json, render_plan3d, run)
+
+
+def _emit_plan(a, result, rejected: str | None, to_json, render, run: str) -> int:
+    """Write the plan's config (--out), print it (or its JSON, --json); exit status 0 when it fits."""
     if rejected:
         result.notes.append(f"this version's train config does not accept the plan: {rejected}")
     if a.out:
@@ -618,20 +625,19 @@ def _cmd_plan_3d(a: argparse.Namespace, model: Any, hw: Any, micro: int | None, 
         with open(a.out, "w") as f:
             f.write(result.to_yaml())
     if a.json:
-        data = json.loads(plan3d_to_json(result))
+        data = json.loads(to_json(result))
         data["config_file"] = a.out or None
         data["config_accepted"] = rejected is None
         sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
     else:
-        sys.stdout.write(render_plan3d(result))
+        sys.stdout.write(render(result))
         if a.out:
             if not result.fits:
                 print(f"config of the most frugal layout written to {a.out} (for reference: it does not fit)")
             elif rejected:
                 print(f"config written to {a.out} (not accepted by this version's train config)")
             else:
-                print(f"config written to {a.out} (run on each of the {hw.nodes} node(s): torchrun --nnodes "
-                      f"{hw.nodes} --nproc-per-node {hw.ranks_per_node} ... -m tiertrain.cli train --config {a.out})")
+                print(f"config written to {a.out} ({run})")
     return 0 if result.fits else 1
 
 
@@ -689,27 +695,8 @@ def cmd_plan(argv: list[str]) -> int:
                   checkpointing=not a.no_checkpointing,
                   tile_factors=[t for t in (1, 2, 4, 8, 16, 32, 64) if t <= a.max_tile])
     rejected = _config_check(result.config_dict())
-    if rejected:
-        result.notes.append(f"this version's train config does not accept the plan yet: {rejected}")
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            f.write(result.to_yaml())
-    if a.json:
-        data = json.loads(plan_to_json(result))
-        data["config_file"] = a.out or None
-        data["config_accepted"] = rejected is None
-        sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
-    else:
-        sys.stdout.write(render_plan(result))
-        if a.out:
-            if not result.fits:
-                print(f"config of the most frugal layout written to {a.out} (for reference: it does not fit)")
-            elif rejected:
-                print(f"config written to {a.out} (not accepted by this version's train config yet)")
-            else:
-                print(f"config written to {a.out} (run: tiertrain train --config {a.out} --nproc {hw.ranks_per_node})")
-    return 0 if result.fits else 1
+    return _emit_plan(a, result, rejected, plan_to_json, render_plan,
+                      f"run: tiertrain train --config {a.out} --nproc {hw.ranks_per_node}")
 
 
 # --------------------------------------------------------------------------- export

@@ -1,6 +1,7 @@
 """Durable file writes: a file is either absent, the old version, or complete."""
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from typing import BinaryIO, Callable
@@ -22,3 +23,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def file_sha256(path) -> str:
+    """The sha256 of a file's content, read 1 MiB at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

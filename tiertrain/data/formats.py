@@ -44,7 +44,7 @@ from torch.utils.data import Dataset
 
 from tiertrain.config import ConfigError
 from tiertrain.data.tokenizer import ByteTokenizer
-from tiertrain.fileio import atomic_write
+from tiertrain.fileio import atomic_write, file_sha256
 
 __all__ = ["RawDtype", "TokenArrayDataset", "TextTokenizer", "first_out_of_range", "load_tokenizer",
            "open_token_dataset"]
@@ -239,7 +239,7 @@ def open_token_dataset(
                               f"data; {_VALID}")
         elif text:
             tok = load_tokenizer(tokenizer, vocab_size, shown) if tokenizer else TextTokenizer()
-            tokens = _cached(Path(cache_dir), p.stem, _file_digest(p), tok, text_field,
+            tokens = _cached(Path(cache_dir), p.stem, file_sha256(p), tok, text_field,
                              lambda: _tokenize_file(p, shown, tok, text_field))
         else:
             tokens, raw_dtype = _open_raw(p, shown, size, dtype), dtype
@@ -328,14 +328,6 @@ def _looks_wider(arr: np.ndarray, sample: int = 1 << 20, min_groups: int = 16) -
 
 
 # --------------------------------------------------------------------------- text, tokenised once
-
-
-def _file_digest(p: Path) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _cached(cache_dir: Path, stem: str, content: str, tok: TextTokenizer, text_field: str, make) -> np.ndarray:
