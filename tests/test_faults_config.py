@@ -379,6 +379,31 @@ def test_a_checkpoint_of_non_finite_masters_is_refused(tmp_path):
     assert committed_steps(str(tmp_path / "ckpt")) == []
 
 
+def test_what_a_killed_save_left_behind_is_removed_by_the_next_save(tmp_path):
+    """A process killed inside atomic_write cannot remove its temporary file (found by
+    bench/soak.py: a killed save's rankNNNNN.pt.*.tmp stayed in the step directory the
+    resumed run committed again, up to a whole rank file each time)."""
+    engine = _engine(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    crashed = ckpt / "step_00000001"  # a save killed before its commit: never loadable
+    crashed.mkdir(parents=True)
+    (crashed / "rank00000.pt").write_bytes(b"0" * 100)
+    (crashed / "rank00001.pt.k3x9.tmp").write_bytes(b"0" * 1000)
+    again = ckpt / "step_00000002"  # the step this run saves now, killed once already
+    again.mkdir()
+    (again / "rank00000.pt.zq81.tmp").write_bytes(b"0" * 10)
+    later = ckpt / "step_00000009"  # beyond this save: not touched
+    later.mkdir()
+    (later / "rank00000.pt.aa00.tmp").write_bytes(b"0")
+    for _ in range(2):
+        engine.train_batch(iter([_batch()]))
+    engine.save_checkpoint(str(ckpt))
+    assert sorted(os.listdir(ckpt)) == ["step_00000002", "step_00000009"]
+    assert {"COMMITTED.json", "rank00000.pt"} <= set(os.listdir(again))
+    assert not [f for f in os.listdir(again) if f.endswith(".tmp")]
+    assert os.listdir(later) == ["rank00000.pt.aa00.tmp"]
+
+
 def test_metrics_lines_are_strict_json_with_a_flag_for_non_finite_values():
     from tiertrain.train import metrics_line
 

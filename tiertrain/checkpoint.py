@@ -315,8 +315,10 @@ def save(parts: Mapping[str, Stateful], directory: str, step: int, topology, fin
     problems = [p for p in _gather_objects(problem, group) if p]
     if problems:
         raise CheckpointError(f"checkpoint of step {step} not saved; " + "; ".join(problems))
-    if rank == 0 and os.path.exists(os.path.join(step_dir, MARKER)):
-        os.remove(os.path.join(step_dir, MARKER))  # re-saving a step: uncommit it first
+    if rank == 0:
+        if os.path.exists(os.path.join(step_dir, MARKER)):
+            os.remove(os.path.join(step_dir, MARKER))  # re-saving a step: uncommit it first
+        remove_crashed_saves(directory, step)  # (no rank writes yet: they wait below)
     if group is not None:
         dist.barrier(group=group)
     if not background:
@@ -580,6 +582,33 @@ def rotate(directory: str, run_id: str | None, keep_last: int) -> list[int]:
     for old in doomed:
         shutil.rmtree(os.path.join(directory, f"step_{old:08d}"), ignore_errors=True)
     return doomed
+
+
+def remove_crashed_saves(directory: str, step: int) -> int:
+    """What a save killed part-way left (a process killed in atomic_write cannot remove its
+    temporary file): every ``*.tmp`` file in the step directories up to ``step``, and the
+    uncommitted step directories below it (no COMMITTED.json: never loadable). A directory
+    with a corrupt marker is left for a person to look at. Returns the bytes removed."""
+    if not os.path.isdir(directory):
+        return 0
+    removed = 0
+    for name in os.listdir(directory):
+        m = _STEP_DIR.match(name)
+        if not m or int(m.group(1)) > step:
+            continue
+        path = os.path.join(directory, name)
+        if not os.path.isdir(path):
+            continue
+        if int(m.group(1)) < step and not os.path.exists(os.path.join(path, MARKER)):
+            removed += sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+                           if os.path.isfile(os.path.join(path, f)))
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        for f in os.listdir(path):
+            if f.endswith(".tmp") and os.path.isfile(os.path.join(path, f)):
+                removed += os.path.getsize(os.path.join(path, f))
+                os.remove(os.path.join(path, f))
+    return removed
 
 
 def remove_checkpoints(directory: str) -> list[int]:
