@@ -697,6 +697,9 @@ def write_report(soak: Soak, args, command: str, started: str) -> str:
 
 
 def main() -> None:
+    # A soak started in the background (`cmd &` in a script) inherits SIGINT ignored, and so
+    # would every job it starts: its SIGINT faults would do nothing. The jobs get the default.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=30.0, help="wall time of the soak")
     p.add_argument("--seed", type=int, default=0, help="seed of the fault RNG")

@@ -325,3 +325,41 @@ def test_two_nodes_the_survivor_names_the_lost_node(tmp_path, token_cache):
                 pass
         for name in ns:  # deleting a namespace deletes its end of the veth pair, and so the pair
             _ip("netns", "del", name, check=False)
+
+
+# --------------------------------------------------------------------------- a rank killed mid-save
+
+
+def _killed_mid_save(rank, world, directory):
+    import tiertrain
+    from tiertrain.config import from_dict
+    from tiertrain.fileio import atomic_write
+    from tiertrain.models.gpt import GPT, GPTConfig
+
+    cfg = from_dict(tiertrain.Config, {"zero": {"stage": 2}, "batch": {"micro_batch_size": 2}}).validate()
+    torch.manual_seed(0)
+    engine = tiertrain.wrap(GPT(GPTConfig(n_layers=1, hidden=16, n_heads=2, seq_len=8)), cfg,
+                            tiertrain.Topology.build(cfg.parallel))
+    ids = torch.arange(16).view(2, 8) % 256
+    engine.train_batch(iter([{"input_ids": ids, "labels": ids}]))
+    engine.save_checkpoint(directory)  # step 1, committed
+    dist.barrier()
+    if rank == 1:  # the next save's rank file, killed half-way through (SIGKILL runs nothing)
+        step_dir = os.path.join(directory, "step_00000002")
+        os.makedirs(step_dir, exist_ok=True)
+        atomic_write(os.path.join(step_dir, "rank00001.pt"),
+                     lambda f: (f.write(b"x" * 4096), f.flush(), os.kill(os.getpid(), signal.SIGKILL)))
+    time.sleep(30)
+
+
+@pytest.mark.timeout(60)
+def test_what_a_rank_killed_mid_save_left_is_removed_once_every_rank_is_gone(tmp_path):
+    """bench/soak.py found a killed rank's rankNNNNN.pt.*.tmp left in the checkpoint directory
+    after the job ended: the rank cannot remove it, so the launcher does, as it does the rank's
+    swap directories (the checkpoint directory is registered at the first save)."""
+    with pytest.raises(RankFailure, match="rank 1"):
+        run_distributed(_killed_mid_save, 2, str(tmp_path), timeout=50)
+    left = sorted(os.path.relpath(os.path.join(d, f), tmp_path) for d, _, fs in os.walk(tmp_path) for f in fs)
+    assert not [f for f in left if f.endswith(".tmp")], left
+    assert not os.path.exists(tmp_path / "step_00000002"), left  # uncommitted: never loadable
+    assert os.path.exists(tmp_path / "step_00000001" / "COMMITTED.json")

@@ -48,6 +48,7 @@ save time, and the caller's ``extra`` must be JSON-like (:func:`json_like_extra`
 from __future__ import annotations
 
 import enum
+import hashlib
 import io
 import json
 import os
@@ -315,6 +316,7 @@ def save(parts: Mapping[str, Stateful], directory: str, step: int, topology, fin
     problems = [p for p in _gather_objects(problem, group) if p]
     if problems:
         raise CheckpointError(f"checkpoint of step {step} not saved; " + "; ".join(problems))
+    register_for_cleanup(directory)
     if rank == 0:
         if os.path.exists(os.path.join(step_dir, MARKER)):
             os.remove(os.path.join(step_dir, MARKER))  # re-saving a step: uncommit it first
@@ -584,11 +586,14 @@ def rotate(directory: str, run_id: str | None, keep_last: int) -> list[int]:
     return doomed
 
 
-def remove_crashed_saves(directory: str, step: int) -> int:
+def remove_crashed_saves(directory: str, step: int | None) -> int:
     """What a save killed part-way left (a process killed in atomic_write cannot remove its
     temporary file): every ``*.tmp`` file in the step directories up to ``step``, and the
-    uncommitted step directories below it (no COMMITTED.json: never loadable). A directory
-    with a corrupt marker is left for a person to look at. Returns the bytes removed."""
+    uncommitted step directories below it (no COMMITTED.json: never loadable); step None: in
+    every step directory (nothing is being saved there). A directory with a corrupt marker is
+    left for a person to look at. Returns the bytes removed."""
+    if step is None:
+        step = 1 << 62
     if not os.path.isdir(directory):
         return 0
     removed = 0
@@ -608,6 +613,48 @@ def remove_crashed_saves(directory: str, step: int) -> int:
             if f.endswith(".tmp") and os.path.isfile(os.path.join(path, f)):
                 removed += os.path.getsize(os.path.join(path, f))
                 os.remove(os.path.join(path, f))
+    return removed
+
+
+CLEANUP_PREFIX = "checkpoints-"
+"""Registration files of checkpoint directories in the launcher's cleanup directory
+($TIERTRAIN_CLEANUP_DIR, tiertrain/offload/swap.py CLEANUP_ENV)."""
+
+
+def register_for_cleanup(directory: str) -> None:
+    """Tell the local launcher (when there is one) that this process writes checkpoints into
+    directory, so that what a rank killed mid-save leaves there is removed once every rank is
+    gone (remove_left_behind): the rank itself cannot."""
+    from .offload.swap import CLEANUP_ENV
+
+    where = os.environ.get(CLEANUP_ENV)
+    if not where or not os.path.isdir(where):
+        return
+    path = os.path.abspath(directory)
+    name = CLEANUP_PREFIX + hashlib.sha256(path.encode()).hexdigest()[:16]
+    if not os.path.exists(os.path.join(where, name)):
+        try:
+            atomic_write(os.path.join(where, name), lambda f: f.write(path.encode()))
+        except OSError:
+            pass
+
+
+def remove_left_behind(cleanup_dir: str) -> int:
+    """For every checkpoint directory registered in cleanup_dir: remove what killed saves
+    left (remove_crashed_saves: *.tmp files, uncommitted step directories). Only once no rank
+    writes there any more (the launcher calls it after every rank is gone). Returns bytes removed."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(cleanup_dir) if n.startswith(CLEANUP_PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        try:
+            with open(os.path.join(cleanup_dir, name)) as f:
+                directory = f.read().strip()
+            removed += remove_crashed_saves(directory, step=None)
+        except OSError:
+            pass
     return removed
 
 

@@ -410,11 +410,14 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args, timeout: float = DEF
 
 
 def _remove_left_behind(cleanup_dir: str) -> None:
-    """Remove the swap directories the (now stopped) ranks registered, then cleanup_dir."""
+    """Remove the swap directories the (now stopped) ranks registered and what a rank killed
+    mid-save left in their checkpoint directories, then cleanup_dir."""
     try:
+        from .checkpoint import remove_left_behind as remove_crashed_checkpoint_files
         from .offload.swap import remove_left_behind
 
         remove_left_behind(cleanup_dir)
+        remove_crashed_checkpoint_files(cleanup_dir)
     finally:
         shutil.rmtree(cleanup_dir, ignore_errors=True)
 

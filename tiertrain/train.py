@@ -306,6 +306,10 @@ def _maybe_resume(engine, cfg: TrainConfig, sampler) -> tuple[int, str]:
     ckpt = cfg.checkpoint
     if not (ckpt.dir and hasattr(engine, "load_checkpoint")):
         return 0, new_run
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        # What a job killed mid-save left (temporary files, uncommitted step directories):
+        # nobody saves yet, and no rank reads those.
+        checkpoint.remove_crashed_saves(ckpt.dir, step=None)
     if not ckpt.resume:
         if ckpt.overwrite and (not dist.is_initialized() or dist.get_rank() == 0):
             # The other ranks touch the directory only inside save(), whose first collective
