@@ -367,10 +367,6 @@ class PendingSave:
         then on it may change."""
         self._serialized.wait()
 
-    def done(self) -> bool:
-        """True once the thread has finished (committed or failed)."""
-        return not self._thread.is_alive()
-
     def wait(self, timeout: float | None = None) -> str:
         self._thread.join(timeout)
         if self._thread.is_alive():

@@ -724,7 +724,7 @@ def _peak_rss() -> int:
 
 def cmd_export(argv: list[str]) -> int:
     from .checkpoint import CheckpointError
-    from .consolidate import export_checkpoint
+    from .consolidate import FORMATS, export_checkpoint
 
     p = argparse.ArgumentParser(
         prog="tiertrain export", allow_abbrev=False,
@@ -737,7 +737,7 @@ def cmd_export(argv: list[str]) -> int:
     p.add_argument("--step", type=int, default=None, help="the committed step to export (default: the newest)")
     p.add_argument("--dtype", default="fp32", help="bf16, fp16 or fp32 (default: fp32, the masters' values)")
     p.add_argument("--max-shard-bytes", type=int, default=None, help="tensor bytes per file at most (default 5e9)")
-    p.add_argument("--format", choices=["hf", "safetensors"], default=None,
+    p.add_argument("--format", choices=FORMATS, default=None,
                    help="hf: a from_pretrained directory (config.json included; needs a Hugging Face model); "
                         "safetensors: the tensor files and index only (default: hf when the run's model had a "
                         "Hugging Face config)")

@@ -134,6 +134,8 @@ class Engine:
         self._pending_save: checkpoint.PendingSave | None = None
         self._checkpoint_group = None
         """A gloo group of every rank for background saves' checksum exchange (made at the first)."""
+        self._own_run_id: str | None = None
+        """The run id of this engine's saves when the caller gives none (made at the first)."""
         plan = plan or default_plan(model, config, self.dp, unit_modules)
         named, self.layout, self.launch_when_ready = plan.named, plan.layout, plan.launch_when_ready
         self._cast_buffers_and_frozen(model, {n for n, _ in plan.frozen})
@@ -600,8 +602,7 @@ class Engine:
             import uuid
 
             # rank 0's id is the one written into the commit marker and compared by rotation
-            run_id = getattr(self, "_own_run_id", None) or uuid.uuid4().hex
-            self._own_run_id = run_id
+            run_id = self._own_run_id = self._own_run_id or uuid.uuid4().hex
         files = {}
         if self.topology.size("pp") == 1:
             # What an offline export (tiertrain/consolidate.py) needs beyond the shards: the

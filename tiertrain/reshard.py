@@ -36,6 +36,7 @@ The same model and compute dtype are required; a difference is an error naming i
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
@@ -358,9 +359,9 @@ class _Value:
     def _whole(self, key: str, dim: int | None, size: int):
         """The parameter's global value (flat), or the dict of its state's global values."""
         if dim is None or size == 1:
-            return self._read(0, 0, _numel(self.shape), key)
+            return self._read(0, 0, math.prod(self.shape), key)
         local_shape = tuple(n // size if d == dim else n for d, n in enumerate(self.shape))
-        numel = _numel(local_shape)
+        numel = math.prod(local_shape)
         slices = [self._read(t, 0, numel, key) for t in range(size)]
         if key != "state":
             return torch.cat([s.reshape(local_shape) for s in slices], dim).reshape(-1)
@@ -406,13 +407,6 @@ class _Value:
         return out
 
 
-def _numel(shape: tuple) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _per_element(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
@@ -427,10 +421,12 @@ def _slice(flat: torch.Tensor, shape: tuple, dim: int | None, coord: int, size: 
 
 # -- at load: checks --------------------------------------------------------------------
 
-def check_reshardable(step_dir: str, marker: dict, fingerprint: dict, shards: dict | None) -> None:
+def check_reshardable(step_dir: str, marker: dict, fingerprint: dict, shards: dict | None,
+                      prefer: int = 0) -> _SavedRun:
     """The same model (every parameter's global shape, trained or frozen) and compute dtype,
     in update forms whose state this module reads and writes; otherwise an error naming what
-    differs."""
+    differs. Returns the saved run, read preferring rank prefer's file where ranks hold the
+    same values."""
     saved_layouts, saved_shards = marker["layouts"], marker.get("shards")
     first = saved_layouts[0]
     where = (f"{step_dir!r} (saved at " + _layout_words(saved_layouts) + "; this run "
@@ -450,13 +446,14 @@ def check_reshardable(step_dir: str, marker: dict, fingerprint: dict, shards: di
     if any("tp" not in s for s in saved_shards) and any(f["tp"] > 1 or f["pp"] > 1 for f in saved_layouts):
         raise CheckpointError(f"{where}: the checkpoint records no tensor-parallel slices (saved by an older "
                               f"version); it loads only at the layout it was saved at")
-    run = _SavedRun(step_dir, marker, 0)
+    run = _SavedRun(step_dir, marker, prefer)
     tp_size = _SavedRun.tp(shards)[1]
     for kind, what in (("units", "trained"), ("frozen", "frozen")):
         own = {slot.name: _joined(slot.shape, shards["split"].get(slot.name), tp_size)
                for _, slot in parameter_slots(shards, kind)}
         _compare_params(what, run.shapes[kind], own, run.copies, shards["copies"], step_dir,
                         whole_model=fingerprint["pp"] == 1)
+    return run
 
 
 def _layout_words(layouts: list[dict]) -> str:
@@ -516,7 +513,7 @@ def global_value(run: _SavedRun, kind: str, name: str) -> torch.Tensor:
     compute-dtype value (kind "frozen"), tensor-parallel slices joined."""
     shape = run.shapes[kind][name]
     return _Value(run, kind, name, shape).local(MASTER if kind == "units" else "frozen", None, 0, 1, 0,
-                                                _numel(shape))
+                                                math.prod(shape))
 
 
 def opened_files(run: _SavedRun) -> list[str]:
@@ -638,8 +635,7 @@ def load_resharded(parts: Mapping[str, Stateful], step_dir: str, marker: dict, r
     shards: describe() of this rank; update: its optimizer-step form (the in-memory form keeps
     its optimizer's param_groups, piece indices, and takes each group's hyper-parameters from
     the saved group its pieces came from)."""
-    check_reshardable(step_dir, marker, fingerprint, shards)
-    run = _SavedRun(step_dir, marker, rank)
+    run = check_reshardable(step_dir, marker, fingerprint, shards, prefer=rank)
     source = rank if rank < marker["world_size"] else 0  # of the replicated parts
     units = [_unit_of(e, k) for k, e in enumerate(shards["units"])]
     masters = _fill(unit_pieces(rank, shards, "units"), units, run, "units", MASTER, shards, torch.float32)

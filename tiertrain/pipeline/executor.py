@@ -25,6 +25,7 @@ A stage module is called as ``stage(x, batch)`` (see :mod:`tiertrain.pipeline.st
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Sequence
 
@@ -243,20 +244,14 @@ class PipelineExecutor:
 
     def _scattered(self, shape: tuple[int, ...], peer: int) -> bool:
         """Whether this transfer goes as 1/t pieces (to another rank, and divisible by t)."""
-        numel = 1
-        for n in shape:
-            numel *= n
-        return self.scatter_gather and peer != self.rank and numel % self.tp == 0
+        return self.scatter_gather and peer != self.rank and math.prod(shape) % self.tp == 0
 
     def _post_recv(self, a: Action) -> None:
         if a not in self._recvs:
             peer, tag, what = self._transfer(a)
             shape = self._shape(a.microbatch)
             if self._scattered(shape, peer):  # this tp rank's 1/t; the rest comes by all-gather
-                numel = 1
-                for n in shape:
-                    numel *= n
-                shape = (numel // self.tp,)
+                shape = (math.prod(shape) // self.tp,)
             self._recvs[a] = self.comm.irecv(shape, self.dtype, self.device, peer, tag, what)
 
     def _gathered(self, piece: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
