@@ -73,7 +73,7 @@ def _train(rank: int, world: int, root: str, names: list[str], harness: str) -> 
 
 def _launch(root: str, names: list[str], skip_wait: Copy | None = None, defer: bool = True) -> dict:
     harness = "0" if not defer else "1" if skip_wait is None else f"skip-wait:{skip_wait.value}"
-    return run_distributed(_train, 2, root, names, harness, timeout=120)[0]
+    return run_distributed(_train, 2, root, names, harness, timeout=60)[0]
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def _differences(a: tuple, b: tuple) -> list[str]:
     return out
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(90)
 def test_every_transfer_is_waited_for_before_it_is_read(plain, tmp_path):
     deferred = _launch(str(tmp_path), list(SCENARIOS))
     for name in SCENARIOS:
@@ -96,7 +96,7 @@ def test_every_transfer_is_waited_for_before_it_is_read(plain, tmp_path):
         assert _differences(deferred[name], plain[name]) == [], name
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("kind", list(EXERCISES), ids=[k.value for k in EXERCISES])
 def test_a_missing_wait_of_each_kind_is_caught(plain, tmp_path, kind):
     name = EXERCISES[kind]
