@@ -188,6 +188,19 @@ def test_hf_datasets_directory_is_loaded_with_load_from_disk(tmp_path, monkeypat
     assert _windows(ds) == [r[: SEQ + 1] for r in rows]  # equal-length rows stay rows, one window each
 
 
+def test_a_real_datasets_directory_of_token_rows_and_of_text(tmp_path):
+    """The real `datasets` package (the hf extra): save_to_disk of token rows, and of a text
+    column tokenised like a .jsonl file."""
+    datasets = pytest.importorskip("datasets")
+    rows = [list(range(i, i + SEQ + 1)) for i in range(6)]
+    datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(tmp_path / "tokens"))
+    assert _windows(_build_dataset(_cfg(tmp_path, tmp_path / "tokens"))) == rows
+    datasets.Dataset.from_dict({"text": SENTENCES * 4}).save_to_disk(str(tmp_path / "text"))
+    text = _build_dataset(_cfg(tmp_path, tmp_path / "text"))
+    joined = "".join(SENTENCES * 4).encode()
+    assert len(text) >= 1 and _windows(text)[0] == list(joined[:SEQ + 1])
+
+
 # --------------------------------------------------------------------------- the bad-data table
 
 

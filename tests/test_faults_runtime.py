@@ -128,12 +128,12 @@ import sys
 import torch.distributed as dist
 import tiertrain.cli, tiertrain.engine
 
-original = tiertrain.engine.Engine.train_batch
-def train_batch(self, batches):  # the workers fork from this process and inherit the patch
+original = tiertrain.engine.Engine.step
+def step(self):  # the workers fork from this process and inherit the patch
     if dist.get_rank() == 1 and self.steps >= 1:
         raise RuntimeError("injected failure on rank 1")
-    return original(self, batches)
-tiertrain.engine.Engine.train_batch = train_batch
+    return original(self)
+tiertrain.engine.Engine.step = step
 sys.exit(tiertrain.cli.main(sys.argv[1:]))
 """
 
@@ -144,8 +144,11 @@ def token_cache(tmp_path_factory):
 
 
 def _left_in(directory):
-    return sorted(os.path.relpath(os.path.join(d, f), directory)
-                  for d, dirs, files in os.walk(directory) for f in files + dirs)
+    # torch's compile cache (torchinductor_<user>, made by any import of torch._dynamo, as a
+    # meta-device build's random initialisation does) is torch's, shared by every torch
+    # program of the user, and meant to stay: not a leftover of the run.
+    return sorted(rel for d, dirs, files in os.walk(directory) for f in files + dirs
+                  if not (rel := os.path.relpath(os.path.join(d, f), directory)).startswith("torchinductor_"))
 
 
 def _swap_files_exist(nvme, ranks):

@@ -14,7 +14,8 @@ from .topology import Topology
 from .zero.construct import partitioned_init
 from .export import ExportReport
 from .pretrained import LoadReport, PretrainedMismatchError, load_pretrained
+from .trainer import EvalConfig, LoopConfig, Trainer
 
-__all__ = ["Config", "ConfigError", "Engine", "ExportReport", "LoadReport", "MemoryReport", "PretrainedMismatchError", "Topology",
-           "load_pretrained", "partitioned_init", "wrap"]
+__all__ = ["Config", "ConfigError", "Engine", "EvalConfig", "ExportReport", "LoadReport", "LoopConfig", "MemoryReport",
+           "PretrainedMismatchError", "Topology", "Trainer", "load_pretrained", "partitioned_init", "wrap"]
 __version__ = "0.1.0"

@@ -30,7 +30,8 @@ USAGE = """\
 usage: tiertrain <command> [options]
 
 commands:
-  train      train a GPT (default: ~1.85M parameters, bundled corpus, 2 local processes)
+  train      train a GPT (default: ~1.85M parameters, bundled corpus, 2 local processes) or a
+             Hugging Face causal LM (--model.hf DIR) on your data (--data FILE)
   config     print the resolved training config as YAML, each field with its documentation
   estimate   per-rank memory of a model under a ZeRO layout (formulas of ZeRO / ZeRO-Infinity)
   probe      measure this machine (RAM, memory and disk bandwidth, GPU) and save it as JSON
@@ -38,12 +39,15 @@ commands:
              and write a config for `tiertrain train --config`
   export     write a saved checkpoint as a Hugging Face checkpoint (safetensors, config.json),
              offline: one process, one tensor in memory at a time
+  plot       draw a run's metrics (loss and eval loss, throughput, memory per tier against
+             the estimator's prediction, step time) as PNGs
 
 Every field of the training config can be overridden on the command line with
 --section.key VALUE (or --section.key=VALUE), e.g.
 
   tiertrain train --zero.stage 3 --precision.dtype bf16 --model.n_layers 4 --steps 50
   tiertrain train --config examples/gpt_small.yaml --nproc 4
+  tiertrain train --model.hf DIR --data corpus.jsonl --eval.every 20 --zero.stage 3
   tiertrain config --zero.stage 2 > job.yaml
 
 Multi-node (or any torchrun launch): run on every node
@@ -59,8 +63,8 @@ overrides:
   --section.key VALUE   set any field of the config (values are read as YAML scalars), e.g.
                         --zero.stage 3 --precision.dtype bf16 --model.n_layers 4 --steps 50
                         --optimizer.betas [0.9,0.99] --logging.metrics_file ''
-  sections: steps, seed, model, data, precision, optimizer, schedule, batch, parallel,
-            zero, checkpoint, logging  (`tiertrain config` lists every field with its doc)
+  sections: steps, seed, eval, model, data, precision, optimizer, schedule, batch,
+            parallel, zero, checkpoint, logging  (`tiertrain config` lists every field with its doc)
 """
 
 
@@ -154,9 +158,11 @@ def _error(message: str, code: int = 2) -> int:
 def _train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tiertrain train", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="tiertrain train [-h] [--config FILE] [--nproc N] [--timeout S] [--resume DIR] [--section.key VALUE ...]",
-        description="Train a GPT with the tiertrain engine. With no options: the default job\n"
-                    "(see `tiertrain config`) on 2 local gloo processes (one per GPU with CUDA).",
+        usage="tiertrain train [-h] [--config FILE] [--nproc N] [--timeout S] [--resume DIR] [--data PATH] "
+              "[--section.key VALUE ...]",
+        description="Train a GPT, or a Hugging Face causal LM (--model.hf DIR), with the tiertrain engine.\n"
+                    "With no options: the default job (see `tiertrain config`) on 2 local gloo processes\n"
+                    "(one per GPU with CUDA).",
         epilog=_OVERRIDES_HELP + "\nmulti-node (run on every node; --nproc is then ignored):\n"
                "  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\\n"
                "      -m tiertrain.cli train ...")
@@ -172,6 +178,9 @@ def _train_parser() -> argparse.ArgumentParser:
                    help="continue the run checkpointed in DIR (its newest committed checkpoint) at this "
                         "command's --nproc, parallel.* and zero.* (resharded on load); sets checkpoint.dir=DIR "
                         "and checkpoint.resume=true")
+    p.add_argument("--data", metavar="PATH", default=None,
+                   help="the data to train on (sets data.path): .npy/.bin token arrays, .txt/.jsonl text, a "
+                        "datasets directory")
     return p
 
 
@@ -179,7 +188,8 @@ def cmd_train(argv: list[str]) -> int:
     from . import launch
     from .train import check_launch, run_training
 
-    own, overrides = _split_args(argv, {"--config": True, "--nproc": True, "--timeout": True, "--resume": True})
+    own, overrides = _split_args(argv, {"--config": True, "--nproc": True, "--timeout": True, "--resume": True,
+                                        "--data": True})
     args = _train_parser().parse_args(own)
     timeout = args.timeout if args.timeout is not None else launch.DEFAULT_TIMEOUT_S
     if not (math.isfinite(timeout) and timeout > 0):  # (NaN passes `<= 0`: it compares false)
@@ -187,6 +197,8 @@ def cmd_train(argv: list[str]) -> int:
     if args.resume is not None:
         _check_resumable(args.resume)
         overrides = [*overrides, "--checkpoint.dir", args.resume, "--checkpoint.resume", "true"]
+    if args.data is not None:
+        overrides = [*overrides, "--data.path", args.data]
     cfg = load_train_config(args.config, overrides)
 
     if launch.under_torchrun():
@@ -283,6 +295,7 @@ def _estimate_parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab", type=int, help="vocabulary size (default 256)")
     m.add_argument("--seq", type=int, help="sequence length (default 128)")
     m.add_argument("--params", type=int, help="parameter count only (model-state lines only)")
+    m.add_argument("--hf-config", metavar="PATH", help=_HF_CONFIG_HELP)
     lay = p.add_argument_group("layout")
     lay.add_argument("--dp", type=int, help="data-parallel degree (default 1)")
     lay.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
@@ -315,6 +328,25 @@ def _estimate_parser() -> argparse.ArgumentParser:
     return p
 
 
+_HF_CONFIG_HELP = ("a Hugging Face config.json (or its directory): any model of a modelled family (llama, "
+                   "mistral, qwen2, gpt2, bert, roberta, t5, bart), counted exactly on the meta device, "
+                   "activations per block; --seq sets the tokens per sequence (default: the config's "
+                   "max_position_embeddings)")
+
+
+def _hf_dims(a: argparse.Namespace, command: str, dim_flags: tuple[str, ...]):
+    """The HFModelDims of ``--hf-config`` (None without it); ValueError when GPT dims are
+    also given."""
+    if not a.hf_config:
+        return None
+    given = [f"--{f.replace('_', '-')}" for f in dim_flags if getattr(a, f, None) not in (None, False)]
+    if given:
+        raise ValueError(f"{command}: --hf-config describes the model; drop {', '.join(given)} (or drop --hf-config)")
+    from .estimate.modules import dims_of_hf_config
+
+    return dims_of_hf_config(a.hf_config, a.seq)
+
+
 def _tier(value: str | None) -> Tier | None:
     return None if value is None else Tier(value)
 
@@ -324,6 +356,7 @@ def cmd_estimate(argv: list[str]) -> int:
     from .models.gpt import GPTConfig
 
     a = _estimate_parser().parse_args(argv)
+    hf = _hf_dims(a, "estimate", ("preset", "layers", "hidden", "heads", "vocab", "params"))
     dims: dict[str, Any] = {}
     if a.preset:
         g = GPTConfig.preset(a.preset)
@@ -334,7 +367,9 @@ def cmd_estimate(argv: list[str]) -> int:
         if value is not None:
             dims[key] = value
     kwargs: dict[str, Any] = {}
-    if a.params is not None:
+    if hf is not None:
+        kwargs["module"] = hf
+    elif a.params is not None:
         if dims:
             raise ValueError("estimate: give either --params or model dims (--preset/--layers/...), not both")
         kwargs["params"] = a.params
@@ -467,6 +502,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model (a preset, explicit dims, or the model section of a train config)")
     m.add_argument("--preset", choices=sorted(PRESETS), help="a GPTConfig preset; dims below override it")
     m.add_argument("--config", metavar="FILE", help="a train config: its model, precision and micro-batch")
+    m.add_argument("--hf-config", metavar="PATH", help=_HF_CONFIG_HELP + "; plans data parallelism (--layout dp)")
     m.add_argument("--layers", type=int, help="transformer blocks")
     m.add_argument("--hidden", type=int, help="model width")
     m.add_argument("--heads", type=int, help="attention heads")
@@ -647,6 +683,7 @@ def cmd_plan(argv: list[str]) -> int:
     from .models.gpt import GPTConfig
 
     a = _plan_parser().parse_args(argv)
+    hf = _hf_dims(a, "plan", ("preset", "layers", "hidden", "heads", "vocab", "ffn_mult", "no_bias"))
     micro, precision = a.micro_batch, a.precision
     config_global_batch = 0
     if a.config:
@@ -667,6 +704,8 @@ def cmd_plan(argv: list[str]) -> int:
         if value is not None:
             dims[key] = value
     missing = [f for f, k in (("--layers", "n_layers"), ("--hidden", "hidden"), ("--heads", "n_heads")) if k not in dims]
+    if hf is not None:
+        missing = []
     if missing:
         raise ValueError(f"plan: missing {', '.join(missing)}; give --preset NAME, --config FILE, or "
                          f"--layers, --hidden and --heads")
@@ -674,7 +713,7 @@ def cmd_plan(argv: list[str]) -> int:
     dims.setdefault("seq_len", GPTConfig.seq_len)
     if a.no_bias:
         dims["bias"] = False
-    model = ModelDims(**dims).validate()
+    model = hf if hf is not None else ModelDims(**dims).validate()
     try:
         stages = [int(x) for x in a.stages.split(",") if x.strip()]
     except ValueError:
@@ -687,7 +726,10 @@ def cmd_plan(argv: list[str]) -> int:
     if a.max_tile < 1:
         raise ValueError(f"--max-tile={a.max_tile} is invalid: expected >= 1")
     hw = hardware_from_args(a)
-    if a.layout == "3d" or (a.layout == "auto" and hw.device_memory is not None):
+    if hf is not None and a.layout == "3d":
+        raise ValueError(f"plan --layout 3d with --hf-config {a.hf_config!r}: the 3D search splits tiertrain's GPT "
+                         "only; a Hugging Face model is planned with --layout dp (data parallelism + ZeRO)")
+    if hf is None and (a.layout == "3d" or (a.layout == "auto" and hw.device_memory is not None)):
         return _cmd_plan_3d(a, model, hw, micro, precision, config_global_batch,
                             dict(stages=stages, tiers=tiers, checkpointing=not a.no_checkpointing,
                                  tile_factors=[t for t in (1, 2, 4, 8, 16, 32, 64) if t <= a.max_tile]))
@@ -768,8 +810,14 @@ def cmd_export(argv: list[str]) -> int:
 # --------------------------------------------------------------------------- entry point
 
 
+def cmd_plot(argv: list[str]) -> int:
+    from .observe.plot import main as plot_main
+
+    return plot_main(argv)
+
+
 COMMANDS = {"train": cmd_train, "config": cmd_config, "estimate": cmd_estimate, "probe": cmd_probe,
-            "plan": cmd_plan, "export": cmd_export}
+            "plan": cmd_plan, "export": cmd_export, "plot": cmd_plot}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ move 2Ψ (reduce-scatter of gradients + all-gather of parameters), stage 3 moves
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from .waits import WaitClock
 
 DEFAULT_TIMEOUT_S = 600.0
 """The run's timeout when none is given (``tiertrain train --timeout``): the longest any
@@ -163,6 +166,8 @@ class CommCounter:
 
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    waits: WaitClock = field(default_factory=WaitClock)
+    """Seconds the training thread blocked waiting for these collectives (not reset)."""
 
     def add(self, kind: str, nbytes: int) -> None:
         self.bytes[kind] += nbytes
@@ -186,8 +191,10 @@ class Work:
     the exception to raise (Collectives names the collective, the ranks that did not arrive
     or the peer that went away)."""
 
-    def __init__(self, handle, on_done=None, timeout: datetime.timedelta | None = None, explain=None):
+    def __init__(self, handle, on_done=None, timeout: datetime.timedelta | None = None, explain=None,
+                 clock: WaitClock | None = None):
         self._handle = handle
+        self._clock = clock
         self._on_done = on_done
         self._timeout = timeout if timeout is not None else datetime.timedelta(seconds=run_timeout())
         self._explain = explain
@@ -201,7 +208,8 @@ class Work:
     def wait(self) -> None:
         if self._handle is not None:
             try:
-                self._handle.wait(timeout=self._timeout)
+                with self._clock.timing() if self._clock is not None else contextlib.nullcontext():
+                    self._handle.wait(timeout=self._timeout)
             except RuntimeError as e:  # gloo: "Timed out waiting …", c10d: "… timed out …"
                 if self._explain is None:
                     raise
@@ -261,8 +269,8 @@ class Collectives:
     def _work(self, handle, what: str, number: int | None) -> Work:
         """A Work whose timeout says what this rank waited for and which ranks never issued it."""
         started = time.monotonic()
-        return Work(handle, timeout=self.timeout,
-                    explain=lambda error: self._explain(what, number, started, error))
+        return Work(handle, timeout=self.timeout, explain=lambda error: self._explain(what, number, started, error),
+                    clock=self.counter.waits)
 
     def _issue(self) -> int | None:
         """Count the collective about to be issued in the group's arrival counters."""

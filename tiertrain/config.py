@@ -352,9 +352,21 @@ class LoggingConfig:
     """Optimizer steps between metric records."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    tensorboard_dir: str = ""
+    """Directory receiving TensorBoard event files of every record (needs the tensorboard package); empty: none."""
+    wandb_project: str = ""
+    """Weights & Biases project receiving every record (needs the wandb package); empty: none."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """Weights & Biases mode: offline writes the run under wandb/ for a later `wandb sync`."""
+    peak_tflops: float = 0.0
+    """One rank's peak TFLOP/s at the compute dtype, for MFU; 0: the probe file's measured matmul peak, else MFU is not reported."""
 
     def validate(self, path: str = "logging") -> None:
         _check_positive(f"{path}.log_interval", self.log_interval)
+        if self.wandb_mode not in ("online", "offline"):
+            _fail(f"{path}.wandb_mode", self.wandb_mode, "'online' or 'offline'")
+        if not (isinstance(self.peak_tflops, (int, float)) and self.peak_tflops >= 0):
+            _fail(f"{path}.peak_tflops", self.peak_tflops, "a number of TFLOP/s >= 0 (0: from the probe file)")
 
 
 @dataclass

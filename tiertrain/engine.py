@@ -492,6 +492,28 @@ class Engine:
         self.step()
         return total / self.accum
 
+    def evaluate(self, batch: Any) -> torch.Tensor:
+        """The loss of one micro-batch with the model in eval mode (dropout off) and no
+        autograd graph, parameters unchanged. Call it between optimizer steps. At stage 3
+        each unit is gathered and released as in a training forward, so every data-parallel
+        rank must evaluate the same number of batches (the gathers are collectives)."""
+        if self.micro_steps % self.accum:
+            raise RuntimeError(f"evaluate() inside an accumulation window ({self.micro_steps % self.accum} of "
+                               f"{self.accum} micro-batches run): call it after step()")
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                return self(batch).detach()
+        finally:
+            self.module.train(was_training)
+
+    def wait_seconds(self) -> dict[str, float]:
+        """Cumulative seconds the training thread blocked on the data-parallel collectives
+        ("comm") and on swap-file reads and writes ("io"); tiertrain/waits.py."""
+        io = self.swapper.waits.seconds if self.swapper is not None else 0.0
+        return {"comm": self.counter.waits.seconds, "io": io}
+
     def _to_device(self, batch: Any) -> Any:
         if isinstance(batch, torch.Tensor):
             batch = batch.to(self.device, non_blocking=True)

@@ -45,6 +45,11 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
     (e.g. no weight decay for biases and norms). lr_scheduler: ``callable(optimizer) ->
     LRScheduler``, applied to the engine's optimizer and stepped once per update applied.
     """
+    if config.zero.offload == "auto":
+        raise ConfigError("zero.offload='auto' is chosen before a model is built, which wrap() cannot do: train "
+                          "with tiertrain.Trainer (it plans, then builds), or plan first with "
+                          "tiertrain.trainer.resolve_auto_offload(config, dims, topology) and wrap with the "
+                          "config it returns; or set zero.offload='manual'")
     if topology.size("pp") > 1 and (loss_fn is not None or unit_modules is not None):
         raise ConfigError(f"parallel.pp={topology.size('pp')}: loss_fn and unit_modules do not apply to a "
                           f"pipeline (the last stage returns the loss; zero.stage 3 is not pipelined)")

@@ -9,6 +9,8 @@
 * :mod:`~tiertrain.estimate.peak` — tiertrain's engine buffer by buffer: model states from
   its own layout, activations of its GPT, and a simulated step giving the per-rank peak
   (what :func:`estimate` reports with engine accounting), plus the process overhead.
+* :mod:`~tiertrain.estimate.modules` — any Hugging Face model (or module) described for the
+  estimator and the planner: exact parameter counts, activations per block by family.
 * :mod:`~tiertrain.estimate.plan` — the placement planner (``tiertrain plan``,
   ``zero.offload: auto``).
 * :mod:`~tiertrain.estimate.measure` — measured peak memory of real engine runs, and the
@@ -54,6 +56,7 @@ from tiertrain.estimate.memory import (
     zero_max_parameters,
     zero_model_state_bytes,
 )
+from tiertrain.estimate.modules import HFModelDims, dims_of_hf_config, dims_of_module
 from tiertrain.estimate.peak import HostOverhead
 from tiertrain.estimate.plan import Hardware, Plan, PlanError, plan, plan_to_json, render_plan
 from tiertrain.estimate.probe import HardwareProbe, load_probe
@@ -73,4 +76,5 @@ __all__ = [
     "HardwareProbe", "load_probe", "probe_hardware",
     "HostOverhead", "Hardware", "Plan", "PlanError", "plan", "plan_to_json", "render_plan",
     "human_bytes", "render_table", "to_json",
+    "HFModelDims", "dims_of_hf_config", "dims_of_module",
 ]

@@ -57,9 +57,23 @@ class RunSpec:
     """Build the model the way ``tiertrain train`` does at zero.stage=3 (untiled): directly in
     partitioned form (``tiertrain.zero.partitioned_init``); False builds it whole on every
     rank, as ``tiertrain train`` does at stages 0-2."""
+    hf_config: dict[str, Any] | None = None
+    """A Hugging Face config (``config.to_dict()``, with ``model_type``): train that model
+    (its LM-head class, loss from ``labels``) instead of tiertrain's GPT; ``model`` then
+    gives only ``seq_len`` and ``vocab_size``."""
+
+    def hf(self):
+        """The transformers config of an ``hf_config`` run."""
+        from tiertrain.estimate.modules import load_hf_config
+        from transformers import AutoConfig
+
+        return load_hf_config(AutoConfig.for_model(**self.hf_config))
 
     def gpt_config(self):
         from tiertrain.models.gpt import GPTConfig
+
+        if self.hf_config is not None:  # only seq_len and vocab_size are read
+            return GPTConfig(vocab_size=self.hf_config["vocab_size"], seq_len=self.model["seq_len"])
 
         fields = dict(self.model)
         preset = fields.pop("preset", None)
@@ -102,6 +116,16 @@ def _rank(spec_json: str) -> dict[str, Any]:
     batches = [{"input_ids": torch.randint(0, g.vocab_size, (mb, g.seq_len), generator=gen),
                 "labels": torch.randint(0, g.vocab_size, (mb, g.seq_len), generator=gen)}
                for _ in range(spec.steps * cfg.batch.grad_accum_steps)]
+    hf_class = None
+    if spec.hf_config is not None:  # import the modeling code before the baseline, as GPT's is
+        import transformers
+
+        from tiertrain.estimate.modules import _kind
+
+        hf = spec.hf()
+        auto = {"decoder": transformers.AutoModelForCausalLM, "encoder": transformers.AutoModelForMaskedLM,
+                "encoder-decoder": transformers.AutoModelForSeq2SeqLM}[_kind(hf)]
+        hf_class = auto._model_mapping[type(hf)]
     gc.collect()
     dist.barrier()
     baseline = _status("VmRSS")
@@ -113,7 +137,9 @@ def _rank(spec_json: str) -> dict[str, Any]:
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         prof.__enter__()
     torch.manual_seed(0)
-    if spec.partitioned and cfg.zero.stage == 3:
+    if hf_class is not None:
+        model = hf_class._from_config(hf)
+    elif spec.partitioned and cfg.zero.stage == 3:
         from tiertrain.zero.construct import partitioned_init
 
         with partitioned_init(topo):
@@ -195,6 +221,11 @@ def predict(spec: RunSpec, overhead: Any = None):
     """The estimate (:func:`tiertrain.estimate.estimate`, engine accounting) of ``spec``'s run."""
     from tiertrain.estimate.memory import ModelDims, ZeroLayout, estimate
 
+    if spec.hf_config is not None:
+        from tiertrain.estimate.modules import dims_of_hf_config
+
+        dims = dims_of_hf_config(spec.hf(), spec.model["seq_len"])
+        return estimate(dims, ZeroLayout.from_config(spec.config(), spec.ranks), overhead)
     dims = ModelDims.from_gpt_config(spec.gpt_config())
     return estimate(dims, ZeroLayout.from_config(spec.config(), spec.ranks), overhead)
 

@@ -8,11 +8,12 @@ Two families of functions live here, and their names say which is which:
 * ``engine_*`` and :func:`estimate` describe what *tiertrain's engine* keeps, byte for
   byte: params in the compute dtype, fp32 gradients, fp32 master weights only for 16-bit
   compute, fp32 Adam moments, and shards padded to ``ceil(n / dp)``. With a model given as
-  ModelDims or a module (tp = pp = 1), :func:`estimate` goes further, through
+  ModelDims, HFModelDims (:mod:`tiertrain.estimate.modules`: any Hugging Face model of a
+  modelled family) or a module (tp = pp = 1), :func:`estimate` goes further, through
   :mod:`tiertrain.estimate.peak`: the engine's own layout (bucket and unit padding), the
-  activations of tiertrain's GPT, the engine's transient buffers at the simulated peak of a
-  step, and the process overhead — the per-rank peak, checked against real runs in
-  bench/results/estimate_accuracy.md.
+  activations of tiertrain's GPT (or of the Hugging Face model), the engine's transient
+  buffers at the simulated peak of a step, and the process overhead — the per-rank peak,
+  checked against real runs in bench/results/estimate_accuracy.md (and _hf.md).
 
 Activation memory without checkpointing follows Korthikanti et al. 2022 ("Reducing
 Activation Recomputation in Large Transformer Models", §4) and is an approximation.
@@ -547,7 +548,8 @@ class Estimate:
         return {
             "parameters": self.parameters,
             "layout": asdict(self.layout),
-            "dims": asdict(self.dims) if self.dims else None,
+            "dims": (self.dims.to_dict() if hasattr(self.dims, "to_dict") else asdict(self.dims))
+            if self.dims else None,
             "lines": [asdict(l) for l in self.lines],
             "per_rank": self.by_tier(),
             "per_node": self.per_node(),
@@ -571,6 +573,9 @@ def _resolve_model(model: ModelSpec) -> tuple[int, list[int], ModelDims | None, 
     if isinstance(model, ModelDims):
         psi = model.validate().num_parameters()
         return psi, [psi], model, None
+    if hasattr(model, "activation_bytes") and hasattr(model, "meta_model"):  # modules.HFModelDims
+        module = model.validate().meta_model()
+        return model.num_parameters(), module_parameter_sizes(module), model, module
     if isinstance(model, int) and not isinstance(model, bool):
         if model <= 0:
             raise ValueError(f"estimate.model={model!r} is invalid: a parameter count must be > 0")
@@ -678,9 +683,11 @@ def estimate(model: ModelSpec, layout: ZeroLayout | None = None, overhead: Any =
              accelerator: bool = False) -> Estimate:
     """Per-rank memory of training ``model`` under ``layout``, one labelled line per item.
 
-    ``model`` is ModelDims (all lines), a parameter count or list of tensor sizes (model
-    states only), or an nn.Module / factory (counted on the meta device; a ``.config``
-    with GPTConfig's fields also yields dims). Model-parallel ranks hold Ψ/(t·p).
+    ``model`` is ModelDims (all lines), a :class:`~tiertrain.estimate.modules.HFModelDims`
+    (any Hugging Face model of a supported family: all lines, its activations modelled per
+    block), a parameter count or list of tensor sizes (model states only), or an nn.Module /
+    factory (counted on the meta device; a ``.config`` with GPTConfig's fields also yields
+    dims). Model-parallel ranks hold Ψ/(t·p).
 
     With engine accounting, a model given as ModelDims or a module, and tp = pp = 1, the
     lines are tiertrain's engine buffer by buffer (:mod:`tiertrain.estimate.peak`): model

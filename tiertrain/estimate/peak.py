@@ -41,6 +41,12 @@ elements of the compute dtype (x, ln1 out, qkv (3), attention out, x + attn, ln2
 out (f), GELU out (f)), LayerNorm mean/rstd (4·b·s) and the fp32 log-sum-exp (b·a·s).
 Activation checkpointing (``tiertrain.offload.activations``) keeps only the input of every
 k-th block (blocks 0, k, 2k, …) and recomputes that block in backward.
+
+Any other model described by :class:`tiertrain.estimate.modules.HFModelDims` (a Hugging Face
+transformer) brings its own :class:`ActivationBytes` (per block, from the transformers
+modeling code) and its own module for the layout; its blocks are the top-level stage-3
+units (children of ModuleLists not nested in another: ``model.layers.i``,
+``encoder.block.i``, …), taken in registration order.
 """
 
 from __future__ import annotations
@@ -106,6 +112,13 @@ class ActivationBytes:
     tied_head_grad: int
     """The head's weight gradient (V·h, compute dtype) held from the head's backward until
     the embedding's gradient arrives, when the weights are tied (0 otherwise)."""
+    blocks: tuple[int, ...] = ()
+    """Per block, in registration order, when blocks differ (an encoder-decoder's decoder
+    blocks also keep cross-attention); empty: every block keeps ``block``."""
+
+    def block_at(self, i: int) -> int:
+        """Bytes saved by block ``i`` (not checkpointed)."""
+        return self.blocks[i] if i < len(self.blocks) else self.block
 
 
 def gpt_activation_bytes(dims: Any, micro_batch: int, precision_bytes: int) -> ActivationBytes:
@@ -239,6 +252,14 @@ def _block_index(name: str, blocks: dict[str, int]) -> int | None:
     return None if best is None else best[1]
 
 
+def _top_level_units(model: nn.Module) -> list[str]:
+    """The stage-3 unit prefixes not nested in another (the transformer blocks: ``blocks.i``
+    of tiertrain's GPT, ``model.layers.i``, ``encoder.block.i`` …; not tiles or the sub-lists
+    inside a block), in registration order."""
+    prefixes = default_unit_modules(model)
+    return [p for p in prefixes if not any(p.startswith(q + ".") for q in prefixes)]
+
+
 def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int,
                   param_tier: Tier = Tier.DEVICE, optimizer_tier: Tier = Tier.DEVICE,
                   bucket_mb: float = 25.0, prefetch_mb: float = 0.0, persistence_threshold: int = 0,
@@ -310,15 +331,16 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
     cpu_items: dict[str, int] = {}
     if acts is not None:
         # ---- blocks: which parameters belong to which block (unit prefixes of ModuleLists)
-        prefixes = [p for p in default_unit_modules(model) if p.count(".") == 1]  # blocks.i, not tiles
+        prefixes = _top_level_units(model)  # blocks.i (model.layers.i, ...), not tiles or sub-lists
+        top = set(prefixes)
         blocks = {p: i for i, p in enumerate(prefixes)}
         n_blocks = len(prefixes)
         ckpt = set(range(0, n_blocks, checkpoint_every)) if checkpoint_every > 0 else set()
-        saved = [acts.checkpoint if i in ckpt else acts.block for i in range(n_blocks)]
+        saved = [acts.checkpoint if i in ckpt else acts.block_at(i) for i in range(n_blocks)]
         ckpt_bytes = acts.checkpoint * len(ckpt)
         if checkpoint_tier is Tier.CPU and ckpt:  # the host pool keeps every checkpoint's buffer
             cpu_items["activation checkpoints (CPU pool)"] = ckpt_bytes
-            saved = [0 if i in ckpt else acts.block for i in range(n_blocks)]
+            saved = [0 if i in ckpt else acts.block_at(i) for i in range(n_blocks)]
 
         def act_items(alive_blocks: int) -> dict[str, int]:
             live = saved[:alive_blocks]
@@ -346,8 +368,8 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
             if stage != 3:
                 return 0
             us = unit_of_block.get(i, [])
-            own = [full_bytes[x] for x in us if units[x].label.count(".") == 1]
-            nested = [full_bytes[x] for x in us if units[x].label.count(".") > 1]
+            own = [full_bytes[x] for x in us if units[x].label in top]
+            nested = [full_bytes[x] for x in us if units[x].label not in top]
             return sum(own) + (max(nested) if nested else 0) + min(prefetch, max(full_bytes.values()))
 
         points: list[tuple[str, dict[str, int]]] = []
@@ -395,7 +417,7 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
             d = act_items(b + 1)
             d["backward buffers"] = (acts.block_backward if b >= 0 else 0) + acts.tied_head_grad
             if b in ckpt:  # recomputation: the block's activations again (+ its fetched input)
-                d["activation working memory (recompute)"] = acts.block + (
+                d["activation working memory (recompute)"] = acts.block_at(b) + (
                     acts.checkpoint if checkpoint_tier is Tier.CPU else 0)
             d.update(engine_items(b if gathered and b >= 0 else None))
             return d
@@ -433,7 +455,7 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
                     d = dict(head)
                     d.update(engine_items(None))
                 else:  # a whole block's unit is released (on_unit_grads_done) before its launch
-                    d = block_point(current_block, gathered=current_block >= 0 and lu.label.count(".") > 1)
+                    d = block_point(current_block, gathered=current_block >= 0 and lu.label not in top)
                 points.append((f"reduction of unit {lu.label}", d))
                 while stage >= 2 and len(in_flight) > max_in_flight:
                     in_flight.pop(0)
@@ -717,19 +739,38 @@ _ITEM_LINES = {
 }
 
 
+_HF_LINES = {
+    "activations (blocks)": "per block not yet through backward: sublayers (input, norm, body, dropout noise) "
+                            "+ attention Q/K/V/out (+ lse, or s×s softmax/noise/dropped on the math path) + MLP "
+                            "(tiertrain.estimate.modules, from the transformers modeling code)",
+    "activations (embedding, head, logits)": "embeddings (+ LayerNorm, noise), final norm / MLM transform, encoder "
+                                             "output, 4·s·b·V fp32 log-softmax + ids/labels; at forward end + "
+                                             "logits s·b·V·D (+ fp32 copy)",
+    "backward buffers": "(f+h)·s·b·D activation gradients (+ 2·a·s²·b·D on the math path) "
+                        "+ max(f, q_dim)·h·D weight gradient (+ tied head gradient V·h·D)",
+}
+
+
 def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhead: HostOverhead | None = None):
     """(lines, notes, peak_at) of :func:`tiertrain.estimate.memory.estimate` for engine
     accounting: tiertrain's buffers at the simulated peak of one step."""
     notes: list[str] = []
     D = PRECISION_BYTES[lay.precision]
     if module is None:
-        module = gpt_meta_model(dims, lay.tile_factor)
+        module = dims.meta_model() if hasattr(dims, "meta_model") else gpt_meta_model(dims, lay.tile_factor)
     elif lay.tile_factor > 1 and getattr(module, "_tiertrain_tile_factor", 1) != lay.tile_factor:
         notes.append("tile_factor ignored for a given module: tile it with tiertrain.tiling before estimating")
-    acts = gpt_activation_bytes(dims, lay.micro_batch, D) if dims is not None else None
+    if dims is None:
+        acts = None
+    elif hasattr(dims, "activation_bytes"):  # tiertrain.estimate.modules.HFModelDims
+        acts = dims.activation_bytes(lay.micro_batch, D)
+        notes.append(f"activations: {dims.model_type} ({dims.kind}, {dims.attention} attention) modelled per block "
+                     "from the transformers modeling code (tiertrain.estimate.modules)")
+    else:
+        acts = gpt_activation_bytes(dims, lay.micro_batch, D)
     if acts is None:
         notes.append("activations not modelled (no GPT dims): model states and engine buffers only")
-    elif dims.dropout:
+    elif dims.dropout and not hasattr(dims, "activation_bytes"):
         notes.append("dropout: its 1-byte masks are counted; the attention-dropout path of SDPA is not")
     if lay.checkpoint_interval and dims is not None and lay.checkpoint_interval > dims.n_layers:
         raise ValueError(f"ZeroLayout.checkpoint_interval={lay.checkpoint_interval} is invalid: the model has "
@@ -813,6 +854,10 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
     if ov.retention:
         add("allocator retention", int(ov.retention * transient_device), Tier.DEVICE,
             f"{ov.retention:g} × transient bytes at the peak: glibc heap fragmentation ({ov.source})")
+    if hasattr(dims, "activation_bytes"):
+        for name, formula in _HF_LINES.items():
+            if name in merged:
+                merged[name][2] = formula
     for name in order:
         nbytes, tier, formula = merged[name]
         lines.append(EstimateLine(name, int(nbytes), tier, formula))
@@ -826,13 +871,15 @@ def engine_build_peak(module: nn.Module | None, dims: Any, lay: Any, overhead: H
     """:func:`simulate_build_peak` of a layout (:class:`~tiertrain.estimate.memory.ZeroLayout`),
     built as ``tiertrain train`` builds it (partitioned at stage 3 untiled with tp = 1)."""
     if module is None:
-        module = gpt_meta_model(dims, lay.tile_factor)
+        module = dims.meta_model() if hasattr(dims, "meta_model") else gpt_meta_model(dims, lay.tile_factor)
     ov = overhead if overhead is not None else HostOverhead()
     return simulate_build_peak(
         module, dp=lay.dp, stage=lay.stage, precision_bytes=PRECISION_BYTES[lay.precision],
         param_tier=lay.param_tier if lay.stage == 3 else Tier.DEVICE, optimizer_tier=lay.optimizer_tier,
         bucket_mb=lay.bucket_mb, persistence_threshold=lay.persistence_threshold,
-        partitioned=builds_partitioned(lay.stage, getattr(module, "_tiertrain_tile_factor", lay.tile_factor), lay.tp),
+        # a Hugging Face model is built by its owner (from_config / from_pretrained): whole
+        partitioned=builds_partitioned(lay.stage, getattr(module, "_tiertrain_tile_factor", lay.tile_factor), lay.tp)
+        and not hasattr(dims, "activation_bytes"),
         accelerator=accelerator, framework_bytes=int(ov.framework_bytes))
 
 

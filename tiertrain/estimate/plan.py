@@ -47,6 +47,9 @@ from tiertrain.estimate.memory import Estimate, ModelDims, ZeroLayout, estimate
 from tiertrain.estimate.peak import HostOverhead, engine_grad_tier, gpt_meta_model
 from tiertrain.tiers import Tier
 
+if False:  # typing only
+    from tiertrain.estimate.modules import HFModelDims  # noqa: F401
+
 __all__ = ["Hardware", "Plan", "Shortfall", "plan", "PlanError", "render_plan", "plan_to_json", "RAM"]
 
 RAM = "ram"
@@ -256,10 +259,13 @@ class Plan:
                                 "offload_params": Tier(lay.param_tier).config_name, "bucket_mb": lay.bucket_mb}
         if Tier.NVME in (lay.optimizer_tier, lay.param_tier):
             zero["nvme_path"] = self.hardware.swap_dir or ""
-        return {
+        # a Hugging Face model (HFModelDims) has no GPT model section: only the training layout
+        model = {} if hasattr(d, "model_section") else {
             "model": {"n_layers": d.n_layers, "hidden": d.hidden, "n_heads": d.n_heads, "vocab_size": d.vocab,
                       "seq_len": d.seq_len, "ffn_mult": d.ffn_mult, "tie_embeddings": d.tie_embeddings,
-                      "bias": d.bias},
+                      "bias": d.bias}}
+        return {
+            **model,
             "precision": {"dtype": lay.precision},
             "batch": {"micro_batch_size": lay.micro_batch},
             "zero": zero,
@@ -398,8 +404,9 @@ class _Evaluator:
         self.count = 0
 
     def model(self, tile: int):
-        if tile not in self._models:
-            self._models[tile] = gpt_meta_model(self.dims, tile)
+        if tile not in self._models:  # HFModelDims: its own (meta) model, untiled
+            self._models[tile] = (self.dims.meta_model() if hasattr(self.dims, "meta_model")
+                                  else gpt_meta_model(self.dims, tile))
         return self._models[tile]
 
     def __call__(self, rung: str, **changes: Any) -> Candidate:
@@ -477,7 +484,7 @@ def _first_fit(evaluate, rung: str, tried: list, ks: list[int], tiles: list[int]
     return None
 
 
-def plan(dims: ModelDims, hardware: Hardware, *, micro_batch: int = 1, precision: str = "bf16",
+def plan(dims: "ModelDims | HFModelDims", hardware: Hardware, *, micro_batch: int = 1, precision: str = "bf16",
          stages: Iterable[int] = (0, 1, 2, 3), tiers: Iterable[Tier | str] = (Tier.CPU, Tier.NVME),
          checkpointing: bool = True, tile_factors: Iterable[int] = (1, 2, 4, 8, 16),
          bucket_mb: float = 25.0, backend: str | None = None, raise_if_short: bool = False,
@@ -487,7 +494,10 @@ def plan(dims: ModelDims, hardware: Hardware, *, micro_batch: int = 1, precision
     engine may use (Tier.CPU, Tier.NVME or their spellings; NVMe also needs ``hardware.nvme_bytes``). Returns the
     :class:`Plan`; when nothing fits, ``plan.fits`` is False and ``plan.short`` says what is
     short (``raise_if_short``: raise :class:`PlanError` instead). ``allowed(layout)``: None
-    when the engine can run the layout, else the reason (such layouts are skipped)."""
+    when the engine can run the layout, else the reason (such layouts are skipped).
+    ``dims``: tiertrain's GPT (:class:`ModelDims`) or any Hugging Face model of a supported
+    family (:class:`~tiertrain.estimate.modules.HFModelDims`, from ``dims_of_hf_config`` or
+    ``dims_of_module``; planned untiled)."""
     dims = dims.validate()
     hw = hardware.validate()
     stages = sorted(set(stages))
@@ -503,6 +513,8 @@ def plan(dims: ModelDims, hardware: Hardware, *, micro_batch: int = 1, precision
     ks = _checkpoint_options(dims.n_layers) if checkpointing else []
     tiles = [t for t in tile_factors if t >= 1]
     tiles = sorted(set(tiles)) or [1]
+    if hasattr(dims, "meta_model"):
+        tiles = [1]  # a Hugging Face model is planned untiled (tiertrain.tiling names GPT's linears)
     tried: list[dict[str, Any]] = []
     notes: list[str] = []
     if hw.shared:
@@ -619,7 +631,8 @@ def render_plan(p: Plan) -> str:
     from tiertrain.estimate.report import _table, human_bytes
 
     lay, hw = p.layout, p.hardware
-    out = [f"model: {p.dims.num_parameters():,} parameters ({p.dims.n_layers} × {p.dims.hidden}, "
+    kind = f"{p.dims.model_type} {p.dims.kind}, " if hasattr(p.dims, "model_type") else ""
+    out = [f"model: {p.dims.num_parameters():,} parameters ({kind}{p.dims.n_layers} × {p.dims.hidden}, "
            f"{p.dims.n_heads} heads, vocab {p.dims.vocab}, seq {p.dims.seq_len}) | {hw.ranks} rank(s) "
            f"({hw.nodes} node × {hw.ranks_per_node}) | {lay.precision} | micro-batch {lay.micro_batch}",
            f"hardware: {hw.source}; " + ("no accelerator (device = host RAM)" if hw.shared

@@ -23,6 +23,7 @@ same key waits for (or chains after) that write, a ``swap_out`` over a key waits
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno as _errno
 import fcntl
@@ -41,6 +42,7 @@ from .aio import (AsyncIO, Checksum, Handle, SwapCorruptionError, SwapDirError, 
                   errno_name)
 from .buffers import AlignedBufferPool, Buffer, round_up
 from ..comm import run_timeout
+from ..waits import WaitClock
 
 __all__ = ["SwapHandle", "TensorSwapper", "remove_left_behind"]
 
@@ -55,8 +57,9 @@ class SwapHandle:
     follow them). ``wait(timeout)`` returns the destination tensor for swap_in, None for
     swap_out, and re-raises the first error."""
 
-    def __init__(self, op: str, key: Any, path: str, result=None):
+    def __init__(self, op: str, key: Any, path: str, result=None, clock: Optional[WaitClock] = None):
         self.op = op
+        self._clock = clock
         self.key = key
         self.path = path
         self._result = result
@@ -125,7 +128,8 @@ class SwapHandle:
 
     def wait(self, timeout: Optional[float] = None):
         """None: the run's timeout (tiertrain.comm.run_timeout())."""
-        self._wait_event(run_timeout() if timeout is None else timeout)
+        with self._clock.timing() if self._clock is not None else contextlib.nullcontext():
+            self._wait_event(run_timeout() if timeout is None else timeout)
         if self._error is not None:
             raise self._error
         return self._result
@@ -327,6 +331,8 @@ class TensorSwapper:
                  wait_timeout: Optional[float] = DEFAULT_WAIT_TIMEOUT):
         self.aio = aio
         self.pool = pool
+        self.waits = WaitClock()
+        """Seconds the training thread blocked waiting for this swapper's reads and writes."""
         self.rank = _default_rank() if rank is None else int(rank)
         self.wait_timeout = run_timeout() if wait_timeout is None else wait_timeout
         bb = pool.block_bytes
@@ -485,7 +491,7 @@ class TensorSwapper:
             path = old.path if old is not None else self._path_for(key)
             pieces = [(0, nbytes)] if zero_copy else self._pieces(nbytes)
             rec = _Record(path, nbytes, dtype, shape, pieces, [None] * len(pieces))
-            handle = SwapHandle("swap_out", key, path)
+            handle = SwapHandle("swap_out", key, path, clock=self.waits)
             rec.write = handle
             self._records[key] = rec
             self.stats["swap_out"] += 1
@@ -556,7 +562,7 @@ class TensorSwapper:
                 raise ValueError(f"swap_in({key!r}): destination has {dst.numel()} bytes "
                                  f"({out.dtype}, {tuple(out.shape)}), the swapped tensor "
                                  f"{rec.nbytes} ({rec.dtype}, {rec.shape})")
-        handle = SwapHandle("swap_in", key, rec.path, out)
+        handle = SwapHandle("swap_in", key, rec.path, out, clock=self.waits)
         with self._lock:
             prefetched, rec.prefetch = rec.prefetch, {}
             rec.prefetch_wanted = False

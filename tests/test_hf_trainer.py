@@ -1,0 +1,356 @@
+"""TiertrainTrainer (tiertrain/integrations/hf_trainer.py): a transformers.Trainer script trained
+on tiertrain's engine.
+
+A tiny Llama-style causal LM is fine-tuned through the Trainer's own loop on 2 gloo ranks at
+ZeRO stage 3 (gradient accumulation, clipping, weight-decay groups, a linear warmup/decay
+schedule), and again with the optimizer on the CPU tier. Each run's logged losses, trained
+parameters and ``evaluate()`` loss are checked against a plain single-process PyTorch
+reference of the same steps (the whole global batch in one forward, torch AdamW, the Trainer's
+scheduler, clip_grad_norm_) through the float64 oracle of tests/reference.py. ``save_model``
+must write what ``AutoModelForCausalLM.from_pretrained`` loads, bit for bit the engine's
+values; a checkpoint saved at step 2 must resume to exactly the uninterrupted run; arguments
+the engine would not honour are refused by name.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from reference import Oracle, make_config, reference_train  # noqa: E402
+from tiertrain.config import Config, ConfigError, from_dict  # noqa: E402
+from tiertrain.integrations.hf_trainer import TiertrainTrainer, config_from_training_arguments  # noqa: E402
+from tiertrain.testing import run_distributed  # noqa: E402
+
+WORLD, SEQ, VOCAB = 2, 16, 128
+STEPS = 4
+LR, WEIGHT_DECAY, MAX_GRAD_NORM, WARMUP = 1e-2, 0.1, 1.0, 1
+# eps 1e-3 as in tests/test_zero.py's Llama: Adam divides near-zero gradients by sqrt(v) + eps,
+# and with 1e-8 it amplifies their rounding noise into lr-sized steps that no two summation
+# orders agree on.
+EPS = 1e-3
+RUNS = {
+    # name: (zero section, per-device micro-batch, gradient accumulation)
+    "stage 3": ({"stage": 3}, 2, 2),
+    # ... and through Trainer(optimizer_cls_and_kwargs=(torch.optim.AdamW, {...})), the same AdamW,
+    # with the script's own compute_loss (a per-micro-batch mean: loss_is_scaled_for_ga=False)
+    "stage 3, optimizer on the cpu tier": ({"stage": 3, "offload_optimizer": "cpu"}, 1, 4),
+}
+CLIENT_OPTIMIZER = (torch.optim.AdamW, {"lr": LR, "betas": (0.9, 0.999), "eps": EPS})
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32))
+
+
+def _samples(n: int, seed: int) -> list[dict]:
+    """Learnable sequences: a random start, then t[i+1] = (5·t[i] + 3) mod VOCAB; labels are the
+    inputs (the causal LM shifts them)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        t = torch.empty(SEQ, dtype=torch.long)
+        t[0] = torch.randint(0, VOCAB, (1,), generator=g)
+        for i in range(SEQ - 1):
+            t[i + 1] = (5 * t[i] + 3) % VOCAB
+        out.append({"input_ids": t, "labels": t.clone()})
+    return out
+
+
+class _List(torch.utils.data.Dataset):
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def _global_batch(micro: int, accum: int) -> int:
+    return micro * accum * WORLD
+
+
+def _train_set(micro: int, accum: int) -> list[dict]:
+    return _samples(STEPS * _global_batch(micro, accum), seed=1)
+
+
+EVAL = _samples(8, seed=2)
+
+
+def _args(out: str, micro: int, accum: int, **extra):
+    return transformers.TrainingArguments(
+        output_dir=out, per_device_train_batch_size=micro, per_device_eval_batch_size=2,
+        gradient_accumulation_steps=accum, max_steps=STEPS, learning_rate=LR, weight_decay=WEIGHT_DECAY,
+        adam_epsilon=EPS, max_grad_norm=MAX_GRAD_NORM, warmup_steps=WARMUP, lr_scheduler_type="linear",
+        logging_steps=1, report_to="none", disable_tqdm=True, seed=0, train_sampling_strategy="sequential",
+        **{"save_strategy": "no", **extra})
+
+
+class OwnLoss(TiertrainTrainer):
+    """A script's compute_loss override: the model called without labels, the causal LM loss
+    computed from its logits (the mean over this micro-batch's predicted tokens)."""
+
+    loss_is_scaled_for_ga = False
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(input_ids=inputs["input_ids"])
+        logits = outputs.logits[:, :-1].float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), inputs["labels"][:, 1:].reshape(-1))
+        return (loss, outputs) if return_outputs else loss
+
+
+def _losses(trainer) -> list[float]:
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e and "eval_loss" not in e]
+
+
+# -- per rank --------------------------------------------------------------------------------------
+
+def _rank(rank, world, root):
+    out = {}
+    for name, (zero, micro, accum) in RUNS.items():
+        config = from_dict(Config, {"zero": zero})
+        first = name == "stage 3"
+        extra = dict(save_strategy="steps", save_steps=2) if first else {}
+        directory = os.path.join(root, name.replace(" ", "_").replace(",", ""))
+        trainer = (TiertrainTrainer if first else OwnLoss)(model=_model(), args=_args(directory, micro, accum, **extra),
+                                   train_dataset=_List(_train_set(micro, accum)), eval_dataset=_List(EVAL),
+                                   tiertrain_config=config,
+                                   optimizer_cls_and_kwargs=None if first else CLIENT_OPTIMIZER)
+        result = trainer.train()
+        run = dict(losses=_losses(trainer), params=trainer.engine.full_state_dict(),
+                   train_loss=result.training_loss, eval=trainer.evaluate(),
+                   lrs=[e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e],
+                   grad_norms=[e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e],
+                   device=str(trainer.args.device), world_size=trainer.args.world_size,
+                   process_index=trainer.args.process_index)
+        predicted = trainer.predict(_List(EVAL))
+        run["predict"] = dict(shape=tuple(predicted.predictions.shape), loss=predicted.metrics["test_loss"],
+                              labels=predicted.label_ids)
+        saved = os.path.join(root, "saved", name.replace(" ", "_").replace(",", ""))
+        trainer.save_model(saved)
+        run["saved"] = saved
+        if first:
+            run["checkpoints"] = sorted(os.listdir(directory))
+        trainer.close()
+        run["closed_model"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        out[name] = run
+        if first:
+            # A fresh trainer (other initial weights: everything comes from the checkpoint) resumed
+            # at step 2 must go on exactly as the uninterrupted run.
+            torch.manual_seed(7)
+            other = transformers.LlamaForCausalLM(_model().config)
+            resumed = TiertrainTrainer(model=other, args=_args(directory, micro, accum, **extra),
+                                       train_dataset=_List(_train_set(micro, accum)), tiertrain_config=config)
+            resumed.train(resume_from_checkpoint=os.path.join(directory, "checkpoint-2"))
+            out["resumed"] = dict(losses=_losses(resumed), params=resumed.engine.full_state_dict())
+            resumed.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, one_torch_thread):  # (one thread: also for the references, in this process)
+    root = str(tmp_path_factory.mktemp("hf_trainer"))
+    return run_distributed(_rank, WORLD, root, timeout=110)
+
+
+# -- the reference ---------------------------------------------------------------------------------
+
+def _reference_groups(model) -> list[dict]:
+    """Decay on matrices, none on the norms' gains: for this Llama, the split the Trainer's
+    get_decay_parameter_names makes by name (checked below)."""
+    params = list(model.named_parameters())
+    return [{"params": [p for _, p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+            {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _reference(model, micro: int, accum: int):
+    """Plain PyTorch: each global batch in one forward (mean over every token of it), the
+    Trainer's optimizer, schedule and clipping."""
+    data = _train_set(micro, accum)
+    g = _global_batch(micro, accum)
+    batches = [{k: torch.stack([s[k] for s in data[i * g:(i + 1) * g]]) for k in ("input_ids", "labels")}
+               for i in range(STEPS)]
+    config = make_config(optimizer={"grad_clip": MAX_GRAD_NORM})
+    optimizer = lambda m: torch.optim.AdamW(_reference_groups(m), lr=LR, betas=(0.9, 0.999), eps=EPS)  # noqa: E731
+    scheduler = functools.partial(transformers.get_linear_schedule_with_warmup, num_warmup_steps=WARMUP,
+                                  num_training_steps=STEPS)
+    return reference_train(model, config, batches, build_optimizer=optimizer, lr_scheduler=scheduler)
+
+
+def _eval_loss(params: dict) -> float:
+    """The eval set's mean token loss at these parameters, in their dtype, in one forward."""
+    model = _model().to(next(iter(params.values())).dtype)
+    model.load_state_dict(params)
+    batch = {k: torch.stack([s[k] for s in EVAL]) for k in ("input_ids", "labels")}
+    with torch.no_grad():
+        return float(model(**batch).loss)
+
+
+@functools.lru_cache(maxsize=None)
+def _oracle(name: str) -> Oracle:
+    _, micro, accum = RUNS[name]
+    oracle = Oracle.run(_reference, _model(), micro, accum)
+    assert oracle.losses64[-1] < oracle.losses64[0], f"{name}: the reference itself must learn"
+    return oracle
+
+
+# -- the tests -------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", list(RUNS))
+def test_trainer_loop_trains_like_the_single_process_reference(runs, name):
+    run = runs[0][name]
+    assert run["world_size"] == WORLD and run["process_index"] == 0
+    assert torch.device(run["device"]).type == "cpu"
+    assert len(run["losses"]) == STEPS, f"{name}: logged losses {run['losses']}"
+    oracle = _oracle(name)
+    oracle.check(run["losses"], run["params"], f"TiertrainTrainer, {name}")
+    # Every rank agrees on the logged losses and holds the same full parameters.
+    other = runs[1][name]
+    assert other["world_size"] == WORLD and other["process_index"] == 1
+    assert other["losses"] == run["losses"]
+    assert all(torch.equal(other["params"][n], p) for n, p in run["params"].items())
+    # The learning rates the Trainer logged are its linear warmup/decay schedule, per update.
+    # (transformers' linear schedule: s / warmup during warmup, then (steps - s) / (steps - warmup))
+    want = [LR * (s / WARMUP if s < WARMUP else (STEPS - s) / (STEPS - WARMUP)) for s in range(STEPS)]
+    assert run["lrs"] == pytest.approx(want, rel=1e-12), run["lrs"]
+    assert all(g > 0 and g == g for g in run["grad_norms"]) and len(run["grad_norms"]) == STEPS
+    assert run["train_loss"] == pytest.approx(sum(run["losses"]) / STEPS, rel=1e-6)
+    # close() hands the model back whole with the trained values.
+    assert all(torch.equal(run["closed_model"][n], p) for n, p in run["params"].items())
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", list(RUNS))
+def test_evaluate_returns_the_reference_eval_loss(runs, name):
+    oracle = _oracle(name)
+    got = runs[0][name]["eval"]["eval_loss"]
+    assert runs[1][name]["eval"]["eval_loss"] == got
+    ref32, ref64 = _eval_loss(oracle.params32), _eval_loss(oracle.params64)
+    Oracle([ref32], {}, [ref64], {}).check([got], None, f"evaluate() after {name}")
+    # predict(): the same loss, every sample's logits and labels gathered in order.
+    predicted = runs[0][name]["predict"]
+    assert predicted["loss"] == got and predicted["shape"] == (len(EVAL), SEQ, VOCAB)
+    assert (predicted["labels"] == torch.stack([s["labels"] for s in EVAL]).numpy()).all()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", list(RUNS))
+def test_save_model_writes_what_from_pretrained_loads(runs, name):
+    run = runs[0][name]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(run["saved"])
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+    state = dict(loaded.named_parameters())
+    assert state.keys() == run["params"].keys()
+    differ = [n for n, p in run["params"].items() if not torch.equal(state[n].detach(), p)]
+    assert not differ, f"{name}: saved parameters differ from the engine's: {differ}"
+
+
+@pytest.mark.timeout(150)
+def test_a_checkpoint_resumes_the_same_trajectory(runs):
+    run, resumed = runs[0]["stage 3"], runs[0]["resumed"]
+    assert run["checkpoints"] == ["checkpoint-2", "checkpoint-4"], run["checkpoints"]
+    # (the log history of steps 1-2 comes back with trainer_state.json; steps 3-4 are new)
+    assert resumed["losses"] == run["losses"], (resumed["losses"], run["losses"])
+    differ = [n for n, p in run["params"].items() if not torch.equal(resumed["params"][n], p)]
+    assert not differ, f"resumed parameters differ: {differ}"
+
+
+def test_reference_groups_are_the_trainers_decay_split():
+    model = _model()
+    names = set(transformers.Trainer.get_decay_parameter_names(TiertrainTrainer.__new__(TiertrainTrainer), model))
+    assert names == {n for n, p in model.named_parameters() if p.dim() >= 2}
+
+
+# -- what is refused -------------------------------------------------------------------------------
+
+REFUSED = [
+    # (TrainingArguments keywords, or attributes set after construction, the name the error must give)
+    (dict(fsdp="full_shard"), "fsdp"),
+    (dict(optim="sgd"), "optim"),
+    (dict(optim="adafactor"), "optim"),
+    (dict(torch_compile=True), "torch_compile"),
+    (dict(activation_checkpointing=True), "activation_checkpointing"),
+    (dict(auto_find_batch_size=True), "auto_find_batch_size"),
+    (dict(bf16_full_eval=True, use_cpu=True), "bf16_full_eval"),
+    (dict(load_best_model_at_end=True, metric_for_best_model="loss", eval_strategy="steps", save_strategy="steps"),
+     "load_best_model_at_end"),
+]
+
+
+@pytest.fixture
+def environ_kept():
+    """TrainingArguments(torch_compile=True, fsdp=...) set ACCELERATE_*/FSDP_* variables in this
+    process: put the environment back afterwards."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.mark.parametrize("kwargs,argument", REFUSED, ids=[a for _, a in REFUSED])
+def test_arguments_the_engine_would_not_honour_are_refused(tmp_path, environ_kept, kwargs, argument):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", **kwargs)
+    with pytest.raises(ConfigError, match=rf"TrainingArguments\({argument}=") as e:
+        TiertrainTrainer(model=_model(), args=args, train_dataset=_List(EVAL))
+    assert "valid" in str(e.value) or "set " in str(e.value)
+
+
+def test_an_epoch_that_ends_inside_an_accumulation_window_is_refused(tmp_path):
+    """3 batches per epoch with gradient_accumulation_steps=2: the Trainer would take a short
+    last step the engine does not (single process: refused before the engine is built)."""
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True,
+                                          per_device_train_batch_size=1, gradient_accumulation_steps=2,
+                                          num_train_epochs=1)
+    trainer = TiertrainTrainer(model=_model(), args=args, train_dataset=_List(EVAL[:3]))
+    with pytest.raises(ConfigError, match=r"3 batches, not a multiple of gradient_accumulation_steps=2"):
+        trainer.train()
+    assert trainer.engine is None
+
+
+def test_deepspeed_is_refused(tmp_path):
+    """TrainingArguments(deepspeed=...) needs the deepspeed package to be built; a script that
+    has it passes its config through: the attribute is what the trainer reads."""
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    args.deepspeed = "ds_config.json"
+    with pytest.raises(ConfigError, match=r"TrainingArguments\(deepspeed='ds_config.json'\).*zero"):
+        TiertrainTrainer(model=_model(), args=args, train_dataset=_List(EVAL))
+
+
+def test_conflicting_and_unsupported_trainer_inputs_are_refused(tmp_path):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", learning_rate=1e-3)
+    # A config field both set, to different values: neither silently wins.
+    with pytest.raises(ConfigError, match=r"optimizer.lr=0.5 disagrees with TrainingArguments\(learning_rate\)"):
+        config_from_training_arguments(args, from_dict(Config, {"optimizer": {"lr": 0.5}}))
+    with pytest.raises(ConfigError, match=r"precision.dtype='bf16' disagrees with TrainingArguments\(bf16, fp16\)"):
+        config_from_training_arguments(args, from_dict(Config, {"precision": {"dtype": "bf16"}}))
+    with pytest.raises(ConfigError, match=r"tiertrain_config.schedule=.*lr_scheduler_type"):
+        config_from_training_arguments(args, from_dict(Config, {"schedule": {"warmup_steps": 3}}))
+    with pytest.raises(ConfigError, match=r"parallel tp=2, pp=1 is not supported"):
+        config_from_training_arguments(args, from_dict(Config, {"parallel": {"tp": 2}}))
+    # Agreeing values and the fields TrainingArguments has no word for pass through.
+    config = config_from_training_arguments(args, from_dict(Config, {"optimizer": {"lr": 1e-3},
+                                                                     "zero": {"stage": 3}}))
+    assert (config.optimizer.lr, config.zero.stage, config.optimizer.betas) == (1e-3, 3, (0.9, 0.999))
+    assert config.optimizer.weight_decay == 0.0 and config.optimizer.grad_clip == 1.0
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ConfigError, match=r"optimizers=\(\.\.\.\)\) is not supported.*optimizer_cls_and_kwargs"):
+        TiertrainTrainer(model=model, args=args, optimizers=(opt, None))
+    with pytest.raises(ConfigError, match=r"model_init=\.\.\.\) is not supported"):
+        TiertrainTrainer(model=None, args=args, model_init=_model)
+    lazy = copy.copy(args)
+    lazy.lr_scheduler_type = "reduce_lr_on_plateau"
+    with pytest.raises(ConfigError, match=r"lr_scheduler_type='reduce_lr_on_plateau'"):
+        config_from_training_arguments(lazy)

@@ -1,0 +1,133 @@
+"""``tiertrain train --model.hf DIR``: a Hugging Face model and its own tokenizer, trained from
+the command line the way a user coming from DeepSpeed + Hugging Face would.
+
+A tiny Llama is ``save_pretrained`` to a directory with a ``tokenizer.json`` trained here
+(the tokenizers library, no download); ``tiertrain train --model.hf DIR --data corpus.jsonl
+--zero.stage 3 --nproc 2`` fine-tunes it with evaluation, the loss falls, TensorBoard
+events are written, ``tiertrain export`` gives a directory ``from_pretrained`` loads with
+the trained weights, and ``tiertrain plot`` draws the run. Bad models and data are named
+before training.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tiertrain.config import ConfigError
+from tiertrain.data import load_bundled_corpus
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tiertrain.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=200)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Llama with a BPE tokenizer trained on the corpus, as save_pretrained writes it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("hf")
+    text = load_bundled_corpus()[:60_000]
+    lines = [line for line in text.splitlines() if line.strip()]
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"]))
+    directory = root / "model"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=48, intermediate_size=96,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=64, tie_word_embeddings=False))
+    model.save_pretrained(directory)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    return directory, corpus
+
+
+def test_fine_tunes_a_hugging_face_model_on_jsonl_with_eval_and_exports_it(model_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import AutoModelForCausalLM
+
+    directory, corpus = model_dir
+    run = tmp_path / "run"
+    done = _cli("train", "--model.hf", str(directory), "--data", str(corpus), "--zero.stage", "3", "--nproc", "2",
+                "--steps", "24", "--model.seq_len", "32", "--batch.micro_batch_size", "4", "--optimizer.lr", "3e-3",
+                "--schedule.warmup_steps", "2", "--eval.every", "8", "--eval.batches", "4",
+                "--logging.log_interval", "4", "--logging.progress", "false",
+                "--logging.metrics_file", str(run / "metrics.jsonl"), "--logging.tensorboard_dir", str(run / "tb"),
+                "--checkpoint.dir", str(run / "ckpt"), "--data.cache_dir", str(tmp_path / "cache"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [8, 16, 24]
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5, "the fine-tune learns"
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    # TensorBoard events, read back: the same eval losses at the same steps.
+    events = EventAccumulator(str(run / "tb"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    eval_tag = "eval/loss"
+    assert eval_tag in tags, tags
+    assert [(e.step, round(e.value, 5)) for e in events.Scalars(eval_tag)] == \
+        [(r["step"], round(r["eval_loss"], 5)) for r in evals]
+
+    exported = tmp_path / "exported"
+    done = _cli("export", str(run / "ckpt"), str(exported), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    trained = AutoModelForCausalLM.from_pretrained(exported)
+    before = AutoModelForCausalLM.from_pretrained(directory)
+    changed = [n for n, p in trained.named_parameters() if not torch.equal(p, before.state_dict()[n])]
+    assert len(changed) == len(list(before.parameters())), "every weight was fine-tuned and exported"
+
+    plots = tmp_path / "plots"
+    done = _cli("plot", str(run), "--out", str(plots), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert {"loss.png", "throughput.png", "memory.png"} <= set(os.listdir(plots))
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("no_dir", r"model.hf='.*missing' is invalid: it does not exist"),
+    ("no_config", r"model.hf=.* has no config.json"),
+    ("pickled", r"holds pickled weights \(pytorch_model.bin\).*safe_serialization=True"),
+    ("seq_len", r"model.seq_len=100 is invalid with model.hf=.*at most 64 positions"),
+    ("vocab", r"token id 300 .*at position"),
+])
+def test_bad_models_and_data_are_named_before_training(model_dir, tmp_path, case, expected):
+    from tiertrain.cli import load_train_config
+    from tiertrain.train import check_launch
+
+    directory, corpus = model_dir
+    args = ["--model.hf", str(directory), "--data.path", str(corpus), "--model.seq_len", "32",
+            "--data.cache_dir", str(tmp_path / "cache"), "--logging.metrics_file", ""]
+    if case == "no_dir":
+        args[1] = str(tmp_path / "missing")
+    elif case == "no_config":
+        (tmp_path / "empty").mkdir()
+        args[1] = str(tmp_path / "empty")
+    elif case == "pickled":
+        bare = tmp_path / "bare"
+        bare.mkdir()
+        (bare / "config.json").write_text((directory / "config.json").read_text())
+        (bare / "pytorch_model.bin").write_bytes(b"\x80")
+        args[1] = str(bare)
+    elif case == "seq_len":
+        args[args.index("--model.seq_len") + 1] = "100"
+    elif case == "vocab":  # a token array with an id the model's vocabulary (300) does not have
+        import numpy as np
+
+        tokens = np.arange(400, dtype=np.uint16) % 300
+        tokens[123] = 300
+        np.save(tmp_path / "tokens.npy", tokens)
+        args[args.index("--data.path") + 1] = str(tmp_path / "tokens.npy")
+    with pytest.raises(ConfigError, match=expected):
+        check_launch(load_train_config(None, args).validate(), 1)

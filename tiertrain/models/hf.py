@@ -1,0 +1,93 @@
+"""Hugging Face causal language models for ``tiertrain train --model.hf DIR``.
+
+DIR is a directory ``save_pretrained`` wrote (or any local copy of a Hugging Face model
+repository): its ``config.json`` says the architecture, built with
+``AutoModelForCausalLM.from_config`` (no download: only local files are read); its
+safetensors weights, when present, are loaded after wrapping with the streaming loader
+(tiertrain.pretrained: each rank reads only what it keeps), which makes the run a
+fine-tune; without weights the model trains from its initialisation. A ``tokenizer.json``
+there tokenises text data (``data.tokenizer`` unless set).
+
+The loss is the next-token cross-entropy of the logits against the dataset's ``labels``
+(already shifted by one position: tiertrain's datasets yield ``input_ids = tokens[:-1]``,
+``labels = tokens[1:]``), computed here rather than by the model's own ``labels=`` argument,
+which would shift them a second time.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import ConfigError
+
+__all__ = ["hf_config", "build_causal_lm", "causal_lm_loss", "has_weights", "tokenizer_file"]
+
+
+@functools.lru_cache(maxsize=8)
+def _load_config(directory: str, mtime: float):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(directory, local_files_only=True)
+
+
+def hf_config(directory: str):
+    """The transformers config of model directory ``directory``; a ConfigError naming
+    model.hf when it is missing, not a directory, holds no config.json, or the config is
+    not one transformers knows."""
+    if not os.path.isdir(directory):
+        what = "is a file" if os.path.exists(directory) else "does not exist"
+        raise ConfigError(f"model.hf={directory!r} is invalid: it {what}; expected a Hugging Face model directory "
+                          f"holding config.json (what save_pretrained writes)")
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"model.hf={directory!r} is invalid: it has no config.json; expected a Hugging Face model "
+                          f"directory (what save_pretrained writes)")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ConfigError("model.hf needs the transformers package: pip install transformers") from None
+    try:
+        with open(path) as f:
+            json.load(f)
+        return _load_config(os.path.abspath(directory), os.path.getmtime(path))
+    except (ValueError, KeyError, OSError) as e:
+        raise ConfigError(f"model.hf={directory!r} is invalid: its config.json cannot be read as a transformers "
+                          f"config ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+
+
+def build_causal_lm(directory: str) -> nn.Module:
+    """A causal LM of the directory's architecture, freshly initialised (weights are loaded
+    after wrapping). Call under ``partitioned_init`` to build it partitioned."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(directory)
+    try:
+        return AutoModelForCausalLM.from_config(config)
+    except ValueError as e:
+        raise ConfigError(f"model.hf={directory!r} is invalid: {type(config).__name__} has no causal-LM head in "
+                          f"transformers ({str(e).splitlines()[0][:200]}); `tiertrain train` trains causal LMs, "
+                          f"other models train through tiertrain.Trainer") from None
+
+
+def causal_lm_loss(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    """Mean next-token cross-entropy of the model's logits against batch["labels"]."""
+    logits = model(input_ids=batch["input_ids"]).logits
+    return F.cross_entropy(logits.float().flatten(0, -2), batch["labels"].flatten())
+
+
+def has_weights(directory: str) -> bool:
+    """Whether the directory holds safetensors weights to load (a fine-tune)."""
+    return any(os.path.isfile(os.path.join(directory, name))
+               for name in ("model.safetensors", "model.safetensors.index.json"))
+
+
+def tokenizer_file(directory: str) -> str:
+    """The directory's tokenizer.json, or "" when it has none."""
+    path = os.path.join(directory, "tokenizer.json")
+    return path if os.path.isfile(path) else ""
