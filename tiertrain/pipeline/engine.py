@@ -51,10 +51,14 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one
 
 
 def pipeline_stages(model: nn.Module | Sequence[nn.Module], topology: Topology, virtual_stages: int = 1,
-                    balance: str = "layers") -> list[nn.Module]:
-    """This rank's stage modules: a tiertrain GPT (or its tensor-parallel form) is split into
-    ``pp × virtual_stages`` stages and this rank keeps stages ``r, r+p, …``; a list is taken
-    as this rank's stages already (each called as ``stage(x, batch)``, see :mod:`.stage`)."""
+                    balance: str = "layers", split: list[list[str]] | None = None) -> list[nn.Module]:
+    """This rank's stage modules: a tiertrain GPT (or its tensor-parallel form) or a Hugging Face
+    model (:mod:`.hf_split`: Llama/Mistral/Qwen2/Qwen3, GPT-2, T5; also after a tensor-parallel
+    plan) is split into ``pp × virtual_stages``
+    stages and this rank keeps stages ``r, r+p, …``; a list is taken as this rank's stages
+    already (each called as ``stage(x, batch)``, see :mod:`.stage`). ``balance``: "layers" or
+    "params"; ``split`` (models other than tiertrain's GPT): one list of module names per
+    stage, all ``pp × virtual_stages`` of them, in model order (see :mod:`.hf_split`)."""
     p = topology.size("pp")
     if isinstance(model, (list, tuple, nn.ModuleList)):
         stages = list(model)
@@ -63,10 +67,21 @@ def pipeline_stages(model: nn.Module | Sequence[nn.Module], topology: Topology, 
                               f"given for this rank; give one module per virtual stage")
         return stages
     if isinstance(model, GPT):
+        if split is not None:
+            raise ValueError("pipeline_stages: split= is for other models; a tiertrain GPT is cut by balance=")
         return stages_for_rank(split_gpt(model, p * virtual_stages, balance), p, topology.coord("pp"))
+    if isinstance(model, nn.Module):
+        from .hf_split import split_hf  # (a ValueError naming what was found when not recognised)
+        return stages_for_rank(split_hf(model, p * virtual_stages, balance, split), p, topology.coord("pp"))
     raise TypeError(f"parallel.pp={p}: wrap() needs this rank's pipeline stages, a list of modules called as "
-                    f"stage(x, batch) (see tiertrain.pipeline.stage), or a tiertrain GPT to split; "
-                    f"got {type(model).__name__}")
+                    f"stage(x, batch) (see tiertrain.pipeline.stage), a tiertrain GPT or a Hugging Face model "
+                    f"to split; got {type(model).__name__}")
+
+
+def tied_names(stage: nn.Module) -> tuple[str, str]:
+    """(the first stage's tied weight, its copy on the last stage), by parameter name within the
+    stages: a GPT's ``embed.weight``/``head.weight``, a Hugging Face model's own names."""
+    return getattr(stage, "tied_names", None) or (TIED_FIRST, TIED_LAST)
 
 
 def gpt_activation_shape(stage: nn.Module) -> Callable[[dict], tuple[int, ...]]:
@@ -107,10 +122,10 @@ def pipeline_plan(stages: Sequence[nn.Module], config: Config, dp: int) -> tuple
     for layout in layouts:
         units_of_chunk.append(list(range(start, start + len(layout.units))))
         start += len(layout.units)
-    tied_copy_in_norm = not any(getattr(s, "tied", False) and s.is_last and not s.is_first for s in stages)
+    copies = {tied_names(s)[1] for s in stages if getattr(s, "tied", False) and s.is_last and not s.is_first}
     plan = GradientPlan(named, concatenate(layouts, [f"chunk{k}" for k in range(len(stages))]),
                         launch_when_ready=False,
-                        counts_in_norm=lambda name: tied_copy_in_norm or name != TIED_LAST)
+                        counts_in_norm=lambda name: name not in copies)
     return plan, units_of_chunk
 
 
@@ -131,15 +146,15 @@ class PipelineEngine(Engine):
         super().__init__(nn.ModuleList(self.stages), config, topology, plan=plan, update_factory=update_factory)
         if activation_shape is None and all(hasattr(s, "arch") for s in self.stages):
             activation_shape = gpt_activation_shape(self.stages[0])
+        elif activation_shape is None and hasattr(self.stages[0], "activation_shape"):  # (hf_split's stages)
+            activation_shape = self.stages[0].activation_shape
         self.executor = PipelineExecutor(
             self.stages, topology, SCHEDULES[config.parallel.schedule], activation_shape, dtype=self.dtype,
             tied=False, timeout=timeout, grads_ready=self._chunk_gradients_final)
 
     def tied_copies(self) -> dict[str, str]:
         """The last stage's copy of a tied embedding, kept equal to the first stage's."""
-        if any(s.is_last and not s.is_first for s in self._tied_stages):
-            return {TIED_LAST: TIED_FIRST}
-        return {}
+        return {tied_names(s)[1]: tied_names(s)[0] for s in self._tied_stages if s.is_last and not s.is_first}
 
     # -- training ------------------------------------------------------------------------
 
@@ -151,6 +166,10 @@ class PipelineEngine(Engine):
     def backward(self, loss: torch.Tensor) -> None:
         raise TypeError(_USE_TRAIN_BATCH)
 
+    def evaluate(self, batch: Any) -> torch.Tensor:
+        raise TypeError(f"evaluate() is not supported with parallel.pp={self.topology.size('pp')} yet: the "
+                        f"pipeline has no forward-only schedule; evaluate with parallel.pp=1")
+
     def _chunk_gradients_final(self, stage: nn.Module) -> None:
         if stage not in self._tied_stages:  # tied chunks wait for the exchange
             self.reducer.launch(self._units_of_chunk[self.stages.index(stage)])
@@ -159,10 +178,11 @@ class PipelineEngine(Engine):
         first = last = None
         for s in self._tied_stages:
             params = dict(s.named_parameters())
+            name_first, name_last = tied_names(s)
             if s.is_first:
-                first = self.reducer.accumulated_gradient(params[TIED_FIRST])
+                first = self.reducer.accumulated_gradient(params[name_first])
             if s.is_last:
-                last = self.reducer.accumulated_gradient(params[TIED_LAST])
+                last = self.reducer.accumulated_gradient(params[name_last])
         sum_tied_gradients(first, last, self.topology, self.executor.comm.timeout)
         for s in self._tied_stages:
             self.reducer.launch(self._units_of_chunk[self.stages.index(s)])

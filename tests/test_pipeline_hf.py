@@ -1,0 +1,402 @@
+"""Pipeline stages cut automatically from Hugging Face models (tiertrain/pipeline/hf_split.py).
+
+A tiny Llama (GQA, rotary, RMSNorm, untied head), a tiny GPT-2 (learned positions, Conv1D,
+head tied to the token embedding), a tiny Qwen2 (rotary, GQA, tied head) and a tiny T5
+(encoder-decoder, relative position bias, head tied to the shared embedding, decoder 12
+tokens against an encoder of 16, decoder inputs built from the labels) are handed to
+``tiertrain.wrap`` at pp=2 as they are: the engine splits them, trains them with 1F1B or the
+interleaved schedule (v=2: 4 blocks → 4 chunks, 2 per rank), and the losses and the
+parameters gathered from both stages must equal the single-process run of the same steps on
+the whole model within the float64 oracle's bound (tests/reference.py; AdamW eps=1e-3 and an
+active grad_clip as in test_engine_pp). The loss is tiertrain's (labels already shifted), so
+the decoder-only reference models get the same loss function. GPT-2, Qwen2 and T5 check the
+tied-weight exchange between the first and last stage (interleaved: chunk 0 of rank 0 and
+chunk 1 of rank 1); an explicit, unbalanced split checks ``split=``.
+
+Layouts (dp, tp, pp): (1,1,2) on 2 ranks; (2,1,2) and (1,2,2) on 4, one launch each with
+every case in it. At tp=2 the models are converted by tensor-parallel plans first
+(``parallelize_module``): the Llama fully (attention and MLP column/row-parallel, a
+vocabulary-parallel embedding and head), GPT-2 its tied embedding and head (vocabulary
+parallel on the first and the last stage), T5 its MLPs and its tied embedding and head; and
+the boundary message goes by Megatron's scatter/gather (each tp rank sends 1/2 of it): the
+bytes are counted, and one case is run again without it and must train bit for bit the same.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tiertrain
+
+from reference import Oracle, engine_train, global_batches, make_config, rank_slices, reference_train
+from tiertrain.parallel import parallelize_module
+from tiertrain.parallel.tensor import gather_tensor
+from tiertrain.pipeline import pipeline_stages
+from tiertrain.pipeline.hf_split import next_token_loss, split_hf
+from tiertrain.testing import run_distributed
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the references: see conftest.py
+
+MICRO, ACCUM, STEPS = 2, 4, 3
+LLAMA_SPLIT = [["model.embed_tokens", "model.layers.0"],
+               ["model.layers.1", "model.layers.2", "model.layers.3", "model.norm", "lm_head"]]
+
+
+def _shifted_loss(logits, labels, vocab_size=None, **kwargs):
+    """The reference model's loss: the pipeline's last stage's (labels already shifted)."""
+    return next_token_loss(logits, labels)
+
+
+def _llama():
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False))
+    model.loss_function = _shifted_loss
+    return model.train()
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=256, n_embd=32, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    model.loss_function = _shifted_loss
+    return model.train()
+
+
+def _qwen2_tied():
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True))
+    model.loss_function = _shifted_loss
+    return model.train()
+
+
+def _t5(tie=True):
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=256, d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2,
+                                   num_heads=4, d_kv=8, relative_attention_num_buckets=8, dropout_rate=0.0,
+                                   decoder_start_token_id=0, pad_token_id=0, tie_word_embeddings=tie)
+    config.tie_word_embeddings = tie  # (T5Config's constructor sets it True whatever it is given)
+    return transformers.T5ForConditionalGeneration(config).train()
+
+
+class _Chain(nn.Module):
+    """Not a recognised family: embedding → two blocks → head tied to the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(256, 16)
+        self.body = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2)])
+        self.out = nn.Linear(16, 256, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        for block in self.body:
+            x = block(x)
+        return next_token_loss(self.out(x), labels)
+
+
+MODELS = {"llama": _llama, "gpt2": _gpt2, "qwen2-tied": _qwen2_tied, "chain": _Chain, "t5": _t5}
+TIED = {"gpt2": ("transformer.wte.weight", "lm_head.weight"), "chain": ("embed.weight", "out.weight"),
+        "qwen2-tied": ("model.embed_tokens.weight", "lm_head.weight"), "t5": ("shared.weight", "lm_head.weight")}
+
+TP_PLANS = {  # (tiertrain.parallel.parallelize_module)
+    "llama": {"model.embed_tokens": "vocab", "model.layers.*.self_attn.[qkv]_proj": "colwise",
+              "model.layers.*.self_attn.o_proj": "rowwise", "model.layers.*.mlp.gate_proj": "colwise",
+              "model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise",
+              "lm_head": "colwise"},
+    "gpt2": {"transformer.wte": "vocab", "lm_head": "colwise"},
+    "t5": {"shared": "vocab", "*.embed_tokens": "vocab", "*.DenseReluDense.wi": "colwise",
+           "*.DenseReluDense.wo": "rowwise", "lm_head": "colwise"},
+}
+
+
+def _config(stage, pp, schedule="1f1b", v=1, dp=1, tp=1):
+    return make_config(zero={"stage": stage, "bucket_mb": 0.02},
+                       parallel={"dp": dp, "tp": tp, "pp": pp, "schedule": schedule, "virtual_stages": v},
+                       batch={"micro_batch_size": MICRO, "grad_accum_steps": ACCUM},
+                       optimizer={"eps": 1e-3, "lr": 1e-2, "grad_clip": 0.05})
+
+
+def _batches(name="llama", dp=1, steps=STEPS):
+    batches = global_batches(steps, MICRO * ACCUM * dp)
+    if name == "t5":  # a decoder shorter than the encoder; decoder inputs built from the labels
+        return [{"input_ids": b["input_ids"], "labels": b["labels"][:, :T5_TARGET].contiguous()} for b in batches]
+    return batches
+
+
+T5_TARGET = 12
+
+
+SPLITS = {"llama": LLAMA_SPLIT, "chain": [["embed", "body.0"], ["body.1", "out"]]}
+
+
+def _split_prepare(name):
+    return lambda model, topology: pipeline_stages(model, topology, 1, split=SPLITS[name])
+
+
+CASES = [  # (model, zero stage, schedule, virtual stages, explicit split)
+    ("llama", 1, "1f1b", 1, False),
+    ("gpt2", 2, "1f1b", 1, False),
+    ("gpt2", 1, "interleaved", 2, False),
+    ("llama", 2, "interleaved", 2, False),
+    ("qwen2-tied", 1, "1f1b", 1, False),
+    ("llama", 0, "1f1b", 1, True),
+    ("chain", 1, "1f1b", 1, True),  # not recognised: sequential stages, tied head
+    ("t5", 1, "1f1b", 1, False),
+    ("t5", 2, "interleaved", 2, False),
+]
+
+GRID_CASES = [  # (model, zero stage, schedule, virtual stages) at (2,1,2) and (1,2,2)
+    ("llama", 1, "1f1b", 1),
+    ("llama", 2, "interleaved", 2),
+    ("gpt2", 2, "1f1b", 1),
+    ("gpt2", 1, "interleaved", 2),
+    ("t5", 1, "1f1b", 1),
+    ("t5", 0, "interleaved", 2),
+]
+GRID_STEPS = 2
+
+
+def _whole_model(engine, local):
+    """This rank's fp32 parameters with tensor-parallel shards gathered (still one stage's)."""
+    group = engine.topology.group("tp")
+    out = {}
+    for name, tensor in local.items():
+        p = engine.flat.params[name]
+        out[name] = gather_tensor(tensor, p.tp_shard_dim, group) if getattr(p, "tp_sharded", False) else tensor
+    return out
+
+
+def _run(rank, world, cases):
+    out = []
+    for name, stage, schedule, v, split in cases:
+        wrap_kwargs = {"activation_shape": (MICRO, 16, 16)} if name == "chain" else None
+        losses, params, engine = engine_train(rank, world, MODELS[name](), _config(stage, 2, schedule, v),
+                                              _batches(name), _split_prepare(name) if split else None, wrap_kwargs)
+        out.append((losses, params, [s.layers for s in engine.stages]))
+        engine.close()
+    return out
+
+
+def _check(results, cases, oracle_of, what):
+    """Every rank's losses and the parameters merged over the ranks against the float64 oracle."""
+    for k, case in enumerate(cases):
+        name = case[0]
+        oracle = oracle_of(case)
+        merged = {}
+        for losses, params, *_ in (r[k] for r in results):
+            oracle.check(losses, None, f"{what} {case} losses")
+            merged.update(params)
+        if name in TIED:  # the last stage's copy stayed equal to the embedding
+            first, last = TIED[name]
+            assert torch.equal(merged.pop(last), merged[first]), case
+        assert set(merged) == set(oracle.params64), case
+        oracle.check(None, merged, f"{what} {case} parameters")
+
+
+@pytest.mark.timeout(120)
+def test_models_split_automatically_match_single_process():
+    results = run_distributed(_run, 2, CASES, timeout=100)
+    _check(results, CASES, lambda c: Oracle.run(reference_train, MODELS[c[0]](), _config(c[1], 1), _batches(c[0])),
+           "(1,1,2)")
+    layers = [[r[k][2] for r in results] for k in range(len(CASES))]
+    assert layers[0] == [[[0, 1]], [[2, 3]]]  # balanced by layer count
+    assert layers[2] == [[[0], [2]], [[1], [3]]]  # interleaved: stages r, r+p on rank r
+    assert layers[3] == [[[0], [2]], [[1], [3]]]
+    assert layers[5] == [[[0]], [[1, 2, 3]]]  # the explicit split
+    assert layers[7] == [[[0, 1]], [[2, 3]]]  # T5: the encoder's 2 blocks, then the decoder's
+    assert layers[8] == [[[0], [2]], [[1], [3]]]
+
+
+def _message_numel(name):
+    """The elements of one boundary message of a micro-batch (decoders: [micro, seq, hidden];
+    T5: its encoder and decoder states and both position biases, flattened)."""
+    seq = 16
+    if name != "t5":
+        return MICRO * seq * 32
+    return MICRO * (seq + T5_TARGET) * 32 + 4 * (seq * seq + T5_TARGET * T5_TARGET)
+
+
+def _grid_run(rank, world, dp, tp, cases):
+    out = []
+    for name, stage, schedule, v in cases:
+        prepare = None
+        if tp > 1:
+            prepare = lambda m, topo, name=name: parallelize_module(m, topo.group("tp"), TP_PLANS[name])  # noqa: E731
+        losses, local, engine = engine_train(rank, world, MODELS[name](), _config(stage, 2, schedule, v, dp, tp),
+                                             _batches(name, dp, GRID_STEPS), prepare)
+        sharded = sorted(n for s in engine.stages for n, p in s.named_parameters() if getattr(p, "tp_sharded", False))
+        out.append((losses, _whole_model(engine, local), engine.executor.scatter_gather,
+                    engine.executor.stats["bytes_sent"], sharded))
+        if (name, schedule) == ("llama", "1f1b") and tp > 1:  # once more without scatter/gather
+            engine.close()
+            topology = engine.topology
+            whole = MODELS[name]()
+            engine = tiertrain.wrap(prepare(whole, topology), _config(stage, 2, schedule, v, dp, tp), topology)
+            engine.executor.scatter_gather = False
+            plain = [engine.train_batch(rank_slices(b, 0, 1, MICRO, ACCUM)) for b in _batches(name, dp, GRID_STEPS)]
+            out[-1] += (plain, _whole_model(engine, engine.full_state_dict()), engine.executor.stats["bytes_sent"])
+        engine.close()
+    return out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2)], ids=["dp2_tp1_pp2", "dp1_tp2_pp2"])
+def test_four_rank_layouts_match_single_process(dp, tp):
+    results = run_distributed(_grid_run, 4, dp, tp, GRID_CASES, timeout=140)
+    _check(results, GRID_CASES, lambda c: Oracle.run(reference_train, MODELS[c[0]](), _config(c[1], 1),
+                                                     _batches(c[0], dp, GRID_STEPS)), f"({dp},{tp},2)")
+    for k, (name, stage, schedule, v) in enumerate(GRID_CASES):
+        # per micro-batch each of the p=2 ranks sends 2(S-1)/p boundary tensors (S = 2v stages):
+        # the activations and the gradients; at tp=2 each tp rank sends half of each
+        expected = ACCUM * (2 * v - 1) * _message_numel(name) * 4 // tp  # bytes per rank and step
+        for r in results:
+            assert r[k][2] == (tp > 1), (name, schedule)  # scatter/gather on at tp > 1
+            assert r[k][3] == expected, (name, schedule, r[k][3], expected)
+        # the plan was applied: every rank holds tensor-parallel shards at tp=2, the last stage
+        # the vocabulary-parallel head (its loss from the vocab-sharded logits)
+        sharded = [n for r in results for n in r[k][4]]
+        assert bool(sharded) == (tp > 1) and (tp == 1 or all(r[k][4] for r in results)), (name, sharded)
+        assert (tp > 1) == ("lm_head.weight" in sharded), (name, sharded)
+    if tp > 1:  # the same case without scatter/gather: twice the bytes, the same training bit for bit
+        k = GRID_CASES.index(("llama", 1, "1f1b", 1))
+        for r in results:
+            losses, params, _, sent, _, plain, plain_params, plain_sent = r[k]
+            assert plain_sent == 2 * sent
+            assert losses == plain
+            assert all(torch.equal(params[n], plain_params[n]) for n in params)
+
+
+# -- single-process: the split itself -----------------------------------------------------------
+
+class _Topology:
+    """What pipeline_stages reads of a topology: the pp size and this rank's coordinate."""
+
+    def __init__(self, pp, rank):
+        self.pp, self.rank = pp, rank
+
+    def size(self, axis):
+        return self.pp if axis == "pp" else 1
+
+    def coord(self, axis):
+        return self.rank if axis == "pp" else 0
+
+
+@pytest.mark.timeout(30)
+def test_an_unrecognised_model_is_a_clear_error_naming_what_was_found():
+    with pytest.raises(ValueError, match=r"cannot split _Chain.*found children: embed: Embedding, "
+                                         r"body: ModuleList, out: Linear.*split="):
+        pipeline_stages(_Chain(), _Topology(2, 0))
+    gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8))
+    with pytest.raises(ValueError, match=r"GemmaForCausalLM \(model_type='gemma'\) has the Llama layout.*split="):
+        split_hf(gemma, 2)
+
+
+@pytest.mark.timeout(30)
+def test_explicit_split_of_an_unrecognised_chain_runs_its_modules_in_order():
+    batch = global_batches(1, 2)[0]
+    expected = _Chain()(**batch)
+    split = [["embed", "body.0"], ["body.1", "out"]]
+    stages = [pipeline_stages(_Chain(), _Topology(2, r), split=split) for r in range(2)]
+    # each rank builds its own model; chain rank 0's stage into rank 1's (same weights, same seed)
+    x = stages[0][0](None, batch)
+    assert torch.equal(stages[1][0](x, batch), expected)
+    # the head's weight, shared with the embedding, got its own copy on the last stage
+    assert stages[0][0].tied_names == ("embed.weight", "out.weight") == stages[1][0].tied_names
+    assert stages[1][0].is_last and not stages[1][0].is_first
+    assert {n for n, _ in stages[1][0].named_parameters()} == {"body.1.0.weight", "body.1.0.bias", "out.weight"}
+    with pytest.raises(ValueError, match=r"parameters in none of the named modules.*body.1.0.weight"):
+        split_hf(_Chain(), 2, split=[["embed", "body.0"], ["out"]])
+
+
+@pytest.mark.timeout(30)
+def test_explicit_split_of_a_recognised_model_is_checked():
+    with pytest.raises(ValueError, match=r"in model order"):
+        split_hf(_llama(), 2, split=[["model.embed_tokens", "model.layers.1"],
+                                     ["model.layers.0", "model.layers.2", "model.layers.3", "lm_head"]])
+    with pytest.raises(ValueError, match=r"'model.layers.9' is not a module of LlamaForCausalLM"):
+        split_hf(_llama(), 2, split=[["model.embed_tokens", "model.layers.9"], ["lm_head"]])
+    with pytest.raises(ValueError, match=r"give 4 non-empty lists"):
+        pipeline_stages(_llama(), _Topology(2, 0), virtual_stages=2, split=LLAMA_SPLIT)
+    # balance="params": the embeddings and the head (the largest units here) get stages of their own
+    stages = split_hf(_llama(), 6, balance="params")
+    assert [s.layers for s in stages] == [[], [0], [1], [2], [3], []]
+    batch = global_batches(1, 2)[0]
+    x = None
+    for s in stages:
+        x = s(x, batch)
+    assert torch.equal(x, _llama()(**batch).loss)
+
+
+@pytest.mark.timeout(30)
+def test_t5_stages_chained_in_one_process_equal_the_model():
+    """Any cut of the encoder-decoder (the encoder/decoder boundary inside a stage, stages of the
+    embeddings or the head alone), with decoder_input_ids given or built from the labels: the
+    chained stages give the model's own loss and, summed over the tied copies, its gradients."""
+    batch = _batches("t5", steps=1)[0]
+    batch = {k: v[:2] for k, v in batch.items()}
+    with_ids = dict(batch, decoder_input_ids=torch.randint(0, 256, batch["labels"].shape,
+                                                           generator=torch.Generator().manual_seed(3)))
+    for tie, b, stages_of in [(True, batch, lambda m: split_hf(m, 3)),
+                              (False, with_ids, lambda m: split_hf(m, 6, balance="params")),
+                              (True, with_ids, lambda m: split_hf(m, 2, split=[
+                                  ["shared", "encoder.block.0"],
+                                  ["encoder.block.1", "encoder.final_layer_norm", "decoder.block.0",
+                                   "decoder.block.1", "lm_head"]]))]:
+        ref = _t5(tie)
+        expected = ref(**b).loss
+        expected.backward()
+        stages = stages_of(_t5(tie))
+        x = None
+        for s in stages:
+            x = s(x, b)
+            if not s.is_last:
+                assert x.shape == s.hidden_shape(b)
+        assert torch.equal(x, expected)
+        x.backward()
+        grads = {n: p.grad for s in stages for n, p in s.named_parameters()}
+        assert stages[0].tied == tie == stages[-1].tied
+        if tie:
+            assert stages[0].tied_names == ("shared.weight", "lm_head.weight")
+            grads["shared.weight"] = grads["shared.weight"] + grads.pop("lm_head.weight")
+        reference = dict(ref.named_parameters())
+        assert set(grads) == set(reference)
+        for n, g in grads.items():
+            if g is None and reference[n].grad is None:  # (untied: `shared` itself is not used)
+                continue
+            torch.testing.assert_close(g, reference[n].grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert [s.layers for s in split_hf(_t5(), 3)] == [[0, 1], [2], [3]]
+    assert split_hf(_t5(), 2)[0].paths[-1] == "encoder.final_layer_norm"  # rides with the last encoder block
+
+
+@pytest.mark.timeout(30)
+def test_what_the_stages_cannot_run_is_refused_clearly():
+    bart = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32))
+    with pytest.raises(ValueError, match=r"cannot split BartForConditionalGeneration \(model_type='bart'\).*"
+                                         r"T5ForConditionalGeneration.*split="):
+        split_hf(bart, 2)
+    t5 = parallelize_module(_t5(), None, {"*.SelfAttention.q": "colwise"})
+    with pytest.raises(ValueError, match=r"encoder.block.0.layer.0.SelfAttention.q: T5's attention is not split"):
+        split_hf(t5, 2)
+    llama = parallelize_module(_llama(), None, TP_PLANS["llama"], sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"model.embed_tokens is sequence parallel"):
+        split_hf(llama, 2)
+    llama = parallelize_module(_llama(), None, TP_PLANS["llama"])
+    llama.model.layers[1].self_attn.k_proj.out_per_rank = 4  # as at tp=4: half a key/value head of 8
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.k_proj: 4 output features per "
+                                         r"tensor-parallel rank is not a whole number of heads of 8"):
+        split_hf(llama, 2)
+    with pytest.raises(ValueError, match=r"decoder_attention_mask"):
+        split_hf(_t5(), 2)[0](None, dict(_batches("t5", steps=1)[0], decoder_attention_mask=torch.ones(8, 12)))

@@ -1,0 +1,556 @@
+"""Cut a Hugging Face model into pipeline stages automatically.
+
+:func:`split_hf` turns a model whose forward runs *embeddings → a list of blocks → final norm +
+head* into ``num_stages = p·v`` stage modules with the executor's interface
+``stage(x, batch)`` (see :mod:`.stage`): the first stage embeds ``batch["input_ids"]``, the
+middle ones run a contiguous range of blocks, the last one applies the final norm and the head
+and returns the loss, the next-token cross-entropy of the logits against ``batch["labels"]``
+(already shifted, as tiertrain's datasets give them; the mean over every position, ``-100``
+ignored), the loss of tiertrain's own GPT stages.
+
+Recognised families (:func:`recognise`):
+
+* **rotary decoders** (``model_type`` in :data:`ROTARY_DECODERS`: Llama, Mistral, Qwen2,
+  Qwen3): ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``, rotary
+  position embeddings computed once by ``model.rotary_emb`` and given to every layer, GQA,
+  tied or untied head, full or sliding-window attention per layer;
+* **GPT-2**: ``transformer.wte`` + ``transformer.wpe`` (learned positions), ``transformer.h``,
+  ``transformer.ln_f``, ``lm_head`` (tied to ``wte``);
+* **encoder-decoder T5** (``model_type`` in :data:`ENCODER_DECODERS`,
+  ``T5ForConditionalGeneration``): ``shared`` (= ``encoder/decoder.embed_tokens``),
+  ``encoder.block``, ``encoder.final_layer_norm``, ``decoder.block``,
+  ``decoder.final_layer_norm``, ``lm_head`` (tied to ``shared`` by default, the decoder output
+  then scaled by ``d_model**-0.5`` as the model does). The blocks are numbered encoder first
+  (``layers`` 0 … Le-1), then decoder (Le … Le+Ld-1); the encoder's final norm rides with its
+  last block, so a stage boundary may fall anywhere, also inside either stack.
+
+Decoders: only the hidden states travel between stages, ``[batch, seq, hidden]``: every stage
+that runs blocks recomputes what its blocks need besides (position ids, the rotary cos/sin, the
+causal mask) from the batch, with the model's own modules and mask functions, so the maths is
+the unsplit model's. A padding ``attention_mask`` (or ``decoder_attention_mask``) in the batch
+is refused (not carried yet).
+
+Encoder-decoder (T5): a batch is ``input_ids`` [B, S] (the encoder's), ``labels`` [B, T] (the
+decoder's targets, aligned with its inputs: the loss is the cross-entropy of the logits
+against them, the model's own) and optionally ``decoder_input_ids`` [B, T]; without them they
+are built from the labels as Hugging Face does (shifted right, ``decoder_start_token_id``
+first, -100 → ``pad_token_id``), so the same batches train the unsplit model. The executor
+sends one tensor per micro-batch, so the stage message is one flat tensor of
+``B·S·d + B·T·d + heads·(S² + T²)`` elements (:meth:`HFStage._t5_sizes`), the same at every
+boundary: the encoder's hidden states (its output once the encoder is done, which every
+decoder block attends to), the decoder's hidden states (its embeddings, made on stage 0, until
+the decoder starts), and the two relative position biases that block 0 of each stack computes
+and its later blocks reuse (zeros until computed). Carrying the biases rather than recomputing
+them keeps ``relative_attention_bias`` in one stage and its gradient exact: the later blocks'
+gradient reaches it through the message. The cross-attention's bias is zero and made by every
+block itself.
+
+Tensor parallelism: convert the model with a plan first (:func:`tiertrain.parallel.parallelize_module`,
+``sequence_parallel=False``), then split. What travels is the whole activation (the same on
+every tp rank), so Megatron's scatter/gather of the executor applies. A ``colwise`` ``lm_head``
+(vocabulary-parallel head, with a ``vocab`` embedding, tied or not) gets the vocab-parallel
+cross-entropy. Refused, with the module named: sequence parallelism; T5's attention (q, k, v,
+o: the bias in the message holds every head; shard its MLPs, embedding and head); rotary
+q/k/v projections that would not hold whole heads per rank. Plans that work, for example::
+
+    llama = {"model.embed_tokens": "vocab", "model.layers.*.self_attn.[qkv]_proj": "colwise",
+             "model.layers.*.self_attn.o_proj": "rowwise", "model.layers.*.mlp.gate_proj": "colwise",
+             "model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise",
+             "lm_head": "colwise"}
+    gpt2 = {"transformer.wte": "vocab", "lm_head": "colwise"}  # (its Conv1D blocks stay whole)
+    t5 = {"shared": "vocab", "*.embed_tokens": "vocab", "*.DenseReluDense.wi": "colwise",
+          "*.DenseReluDense.wo": "rowwise", "lm_head": "colwise"}
+
+Layout: ``balance="layers"`` (default) splits the blocks evenly (the first ``L mod S`` stages
+get one more; the embeddings ride with stage 0 and the head with the last);
+``balance="params"`` minimises the largest stage's parameter count over the units
+[embeddings, block 0, …, block L-1, norm + head] (a stage may then hold only the embeddings or
+only the head). Or give the split explicitly, one list of module names per stage, in model
+order, e.g. for a 4-layer Llama on 2 stages::
+
+    split=[["model.embed_tokens", "model.layers.0"],
+           ["model.layers.1", "model.layers.2", "model.layers.3", "model.norm", "lm_head"]]
+
+Naming one module of a group places the whole group on that stage (``model.embed_tokens``:
+the embeddings; ``model.norm`` or ``lm_head``: norm + head; T5: ``shared``, ``lm_head``, and
+``encoder.final_layer_norm`` with the last encoder block). For a model that is **not**
+recognised, an explicit split makes *sequential* stages: each stage calls its modules in the
+order given, the first on ``batch["input_ids"]``, each on the previous one's output (the first
+element of a tuple), and the last module's output is taken as the logits. That fits models
+whose forward is such a chain; anything else needs hand-written stage modules.
+
+Parameter names are the model's (``model.layers.3.self_attn.q_proj.weight``): a stage holds
+the model's own submodules at their own paths (no copy). A weight shared by the first and the
+last stage (a tied ``lm_head``) is untied in place the Megatron way: the last stage gets its
+own copy, initialised equal; the stage's ``tied_names`` = (first stage's name, last stage's
+name) tell :class:`~.engine.PipelineEngine` which gradients to exchange (their sum on both
+sides), so the copies stay equal. With the bare :class:`~.executor.PipelineExecutor`, pass
+``tied=False`` and sum those gradients yourself (:func:`~.stage.sum_tied_gradients`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .stage import _min_max_partition
+
+__all__ = ["ENCODER_DECODERS", "ROTARY_DECODERS", "Family", "HFStage", "recognise", "split_hf"]
+
+ENCODER_DECODERS = frozenset({"t5"})
+"""``config.model_type`` values split as encoder-decoders (T5ForConditionalGeneration)."""
+
+ROTARY_DECODERS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""``config.model_type`` values whose base model runs embed_tokens → layers (each given the rotary
+cos/sin, position ids and a causal or sliding-window mask) → norm, nothing else (no embedding
+scale, no soft-capping): the families the rotary-decoder stages reproduce exactly."""
+
+
+@dataclass
+class Family:
+    """Where a recognised model keeps its parts (module paths)."""
+
+    kind: str  # "rotary", "gpt2" or "sequential"
+    embed: list[str]  # the embedding group: stage 0
+    blocks: list[str]  # one path per block, in order
+    head: list[str]  # final norm + head: the last stage
+    shared: list[str] = field(default_factory=list)  # parameter-free modules every block stage uses
+    after: dict[str, list[str]] = field(default_factory=dict)  # modules riding with a block (T5: the
+    # encoder's final norm with its last block)
+    encoder_blocks: int = 0  # encoder-decoder: blocks[:encoder_blocks] are the encoder's
+
+
+def _units(family: Family) -> list[list[str]]:
+    """The indivisible pieces a split distributes, in model order: the embeddings, each block
+    (with what rides with it), the final norm + head."""
+    return [family.embed] + [[b, *family.after.get(b, [])] for b in family.blocks] + [family.head]
+
+
+def _children(model: nn.Module) -> str:
+    return ", ".join(f"{n}: {type(m).__name__}" for n, m in model.named_children()) or "none"
+
+
+def _how() -> str:
+    return ("give the split explicitly: split=[[module names of stage 0], [of stage 1], ...] in model order "
+            "(tiertrain.pipeline.pipeline_stages(model, topology, virtual_stages, split=...), then "
+            "tiertrain.wrap(stages, config, topology, activation_shape=...)); see tiertrain.pipeline.hf_split")
+
+
+def recognise(model: nn.Module) -> Family:
+    """The :class:`Family` of ``model``, or a ValueError naming what was found."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    base, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    if (base is not None and head is not None
+            and all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
+            and isinstance(base.layers, nn.ModuleList)):
+        if model_type not in ROTARY_DECODERS:
+            raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) has the Llama layout "
+                             f"(model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head) but is not "
+                             f"a family known to run it unchanged ({', '.join(sorted(ROTARY_DECODERS))}); "
+                             f"{_how()}")
+        n = len(base.layers)
+        return Family("rotary", ["model.embed_tokens"], [f"model.layers.{i}" for i in range(n)],
+                      ["model.norm", "lm_head"], ["model.rotary_emb"])
+    if model_type in ENCODER_DECODERS and head is not None and all(
+            hasattr(model, a) for a in ("shared", "encoder", "decoder")):
+        enc, dec = model.encoder, model.decoder
+        parts = ("embed_tokens", "block", "final_layer_norm", "dropout")
+        if all(hasattr(stack, a) for stack in (enc, dec) for a in parts):
+            le, ld = len(enc.block), len(dec.block)
+            last_enc = f"encoder.block.{le - 1}"
+            return Family("t5", ["shared", "encoder.embed_tokens", "decoder.embed_tokens"],
+                          [f"encoder.block.{i}" for i in range(le)] + [f"decoder.block.{i}" for i in range(ld)],
+                          ["decoder.final_layer_norm", "lm_head"], ["encoder.dropout", "decoder.dropout"],
+                          after={last_enc: ["encoder.final_layer_norm"]}, encoder_blocks=le)
+    tr = getattr(model, "transformer", None)
+    if (model_type == "gpt2" and tr is not None and head is not None
+            and all(hasattr(tr, a) for a in ("wte", "wpe", "drop", "h", "ln_f"))):
+        if getattr(config, "add_cross_attention", False):
+            raise ValueError(f"{type(model).__name__} with add_cross_attention=True is not split automatically; "
+                             f"{_how()}")
+        return Family("gpt2", ["transformer.wte", "transformer.wpe", "transformer.drop"],
+                      [f"transformer.h.{i}" for i in range(len(tr.h))], ["transformer.ln_f", "lm_head"])
+    raise ValueError(f"cannot split {type(model).__name__} (model_type={model_type!r}) into pipeline stages "
+                     f"automatically: recognised are Hugging Face causal LMs of the rotary-decoder families "
+                     f"({', '.join(sorted(ROTARY_DECODERS))}: model.embed_tokens/layers/norm/rotary_emb + lm_head)"
+                     f", GPT-2 (transformer.wte/wpe/h/ln_f + lm_head) and the encoder-decoder "
+                     f"T5ForConditionalGeneration (shared, encoder/decoder.block, lm_head); "
+                     f"found children: {_children(model)}; "
+                     f"{_how()}")
+
+
+def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Register ``module`` under the dotted ``path`` of ``root``, creating empty containers."""
+    *parents, leaf = path.split(".")
+    node = root
+    for part in parents:
+        if part not in node._modules:
+            node.add_module(part, nn.Module())
+        node = node._modules[part]
+    node.add_module(leaf, module)
+
+
+def _head_loss(stage: "HFStage", logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The loss of the last stage; a vocabulary-parallel head (``lm_head`` made a
+    :class:`~tiertrain.parallel.ColumnParallelLinear` by a tensor-parallel plan, its logits
+    [B, T, V/t]) gets the vocab-parallel cross-entropy, never gathering the logits."""
+    from ..parallel.tensor import ColumnParallelLinear, tp_world_size, vocab_parallel_cross_entropy
+    head = getattr(stage, "lm_head", None)
+    vocab = getattr(stage.hf_config, "vocab_size", None)
+    if (isinstance(head, ColumnParallelLinear) and not head.gather_output
+            and tp_world_size(head.group) > 1):
+        if head.sequence_parallel:
+            raise ValueError("hf_split's stages do not support sequence parallelism (the plan's "
+                             "sequence_parallel=True): only the hidden states [batch, seq, hidden] travel")
+        return vocab_parallel_cross_entropy(logits, labels, head.group)
+    if vocab is not None and logits.shape[-1] != vocab:
+        raise ValueError(f"the head gave {logits.shape[-1]} logits per token, not vocab_size={vocab}: a "
+                         f"vocabulary-split head must be lm_head converted by the tensor-parallel plan style "
+                         f"'colwise' (tiertrain.parallel.parallelize_module)")
+    return next_token_loss(logits, labels)
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The GPT's loss: mean cross-entropy of [B, T, V] logits against already-shifted labels, in
+    at least fp32 (a float64 model keeps float64)."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), labels.reshape(-1))
+
+
+class HFStage(nn.Module):
+    """A contiguous slice of a Hugging Face model (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, family: Family, index: int, num_stages: int, paths: list[str],
+                 first: bool, last: bool):
+        super().__init__()
+        self.kind = family.kind
+        self.hf_config = getattr(model, "config", None)
+        self.index, self.num_stages = index, num_stages
+        self.is_first, self.is_last = first, last
+        self.paths = list(paths)
+        """The module paths this stage runs, in order."""
+        self.tied = False
+        self.tied_names: tuple[str, str] | None = None
+        blocks = {b: i for i, b in enumerate(family.blocks)}
+        self.layers = [blocks[p] for p in paths if p in blocks]
+        """Global indices of the blocks this stage holds (an encoder-decoder's: encoder blocks
+        first, then the decoder's)."""
+        self.encoder_blocks = family.encoder_blocks
+        self._blocks = list(family.blocks)
+        self._stack_configs = ((model.encoder.config, model.decoder.config) if self.kind == "t5" else None)
+        run = [p for p in paths if p in blocks] if self.kind != "sequential" else list(paths)
+        if (self.layers or self.kind == "t5") and self.kind != "sequential":
+            run = [*family.shared, *run]
+        for p in dict.fromkeys([*paths, *run]):
+            _attach(self, p, model.get_submodule(p))
+        self._run = [(p, model.get_submodule(p)) for p in run]  # a plain list: not registered twice
+        self.activation_shape = None if self.kind == "sequential" else self.hidden_shape
+        """What :class:`~.engine.PipelineEngine` sends between stages (sequential stages: unknown,
+        give ``activation_shape=`` to ``wrap()``)."""
+
+    def hidden_shape(self, batch: dict) -> tuple[int, ...]:
+        """The hidden states sent between stages for a micro-batch: [batch, seq, hidden]; for
+        an encoder-decoder the flat message of :meth:`_t5_sizes`."""
+        b, t = batch["input_ids"].shape
+        if self.kind == "t5":
+            return (sum(math.prod(s) for s in self._t5_sizes(batch)),)
+        return (b, t, self.hf_config.hidden_size)
+
+    # -- encoder-decoder (T5) -------------------------------------------------------------------
+
+    def _t5_sizes(self, batch: dict) -> list[tuple[int, ...]]:
+        """The four parts of an encoder-decoder's stage message, flattened and concatenated in
+        this order: the encoder's hidden states [B, S, d] (its output once the encoder is
+        done), the decoder's [B, T, d] (its embeddings until the decoder starts), and the
+        relative position biases block 0 of each stack computes and the later blocks reuse,
+        encoder [1, heads, S, S] and decoder [1, heads, T, T] (zero until computed)."""
+        b, src = batch["input_ids"].shape
+        tgt = self._decoder_ids(batch).shape[1]
+        d, h = self.hf_config.d_model, self.hf_config.num_heads
+        return [(b, src, d), (b, tgt, d), (1, h, src, src), (1, h, tgt, tgt)]
+
+    def _decoder_ids(self, batch: dict) -> torch.Tensor:
+        """``batch["decoder_input_ids"]``, or as Hugging Face builds them from the labels: shifted
+        right, ``decoder_start_token_id`` first, -100 replaced by ``pad_token_id``."""
+        ids = batch.get("decoder_input_ids")
+        if ids is not None:
+            return ids
+        labels = batch["labels"]
+        cfg = self.hf_config
+        start, pad = getattr(cfg, "decoder_start_token_id", None), getattr(cfg, "pad_token_id", None)
+        if start is None or pad is None:
+            raise ValueError("an encoder-decoder batch without decoder_input_ids needs config.decoder_start_token_id "
+                             "and config.pad_token_id to build them from the labels; give decoder_input_ids")
+        ids = labels.new_zeros(labels.shape)
+        ids[..., 1:] = labels[..., :-1]
+        ids[..., 0] = start
+        return ids.masked_fill(ids == -100, pad)
+
+    def _t5_forward(self, x: torch.Tensor | None, batch: dict) -> torch.Tensor:
+        from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+        enc_stack, dec_stack = self.encoder, self.decoder  # (this stage's part of each stack)
+        sizes = self._t5_sizes(batch)
+        if self.is_first:
+            # (tied: both are `shared`; untied, Hugging Face v5 unties them too)
+            enc = enc_stack.dropout(enc_stack.embed_tokens(batch["input_ids"]))
+            dec = dec_stack.dropout(dec_stack.embed_tokens(self._decoder_ids(batch)))
+            enc_bias = dec_bias = None
+        else:
+            parts = x.split([math.prod(s) for s in sizes])
+            enc, dec, enc_bias, dec_bias = (part.view(s) for part, s in zip(parts, sizes))
+        le = self.encoder_blocks
+        for i in self.layers:
+            if i < le:
+                block = self.get_submodule(self._blocks[i])
+                mask = create_bidirectional_mask(config=self._stack_configs[0], inputs_embeds=enc, attention_mask=None)
+                enc, bias, _ = block(enc, mask, None if i == 0 else enc_bias)
+                if i == 0:
+                    enc_bias = bias
+                if i == le - 1:  # the encoder's output
+                    enc = enc_stack.dropout(enc_stack.final_layer_norm(enc))
+            else:
+                j = i - le
+                block = self.get_submodule(self._blocks[i])
+                cfg = self._stack_configs[1]
+                mask = create_causal_mask(config=cfg, inputs_embeds=dec, attention_mask=None, past_key_values=None)
+                cross = create_bidirectional_mask(config=cfg, inputs_embeds=dec, attention_mask=None,
+                                                  encoder_hidden_states=enc)
+                # (the cross-attention's position bias is zero, made by each block itself)
+                dec, bias, _ = block(dec, mask, None if j == 0 else dec_bias, enc, cross, None)
+                if j == 0:
+                    dec_bias = bias
+        if self.is_last:
+            out = dec_stack.dropout(dec_stack.final_layer_norm(dec))
+            cfg = self.hf_config  # (transformers 4 scaled whenever the head was tied)
+            if getattr(cfg, "scale_decoder_outputs", getattr(cfg, "tie_word_embeddings", True)):
+                out = out * (self.hf_config.d_model ** -0.5)
+            return _head_loss(self, self.lm_head(out), batch["labels"])
+        zeros = [torch.zeros(s, dtype=enc.dtype, device=enc.device) for s in sizes[2:]]
+        enc_bias = zeros[0] if enc_bias is None else enc_bias.to(enc.dtype)
+        dec_bias = zeros[1] if dec_bias is None else dec_bias.to(enc.dtype)
+        return torch.cat([enc.reshape(-1), dec.reshape(-1), enc_bias.reshape(-1), dec_bias.reshape(-1)])
+
+    def forward(self, x: torch.Tensor | None, batch: dict) -> torch.Tensor:
+        if batch.get("attention_mask") is not None:
+            raise ValueError("pipeline stages of a Hugging Face model do not carry a padding attention_mask yet; "
+                             "give batches of input_ids and labels only")
+        if batch.get("decoder_attention_mask") is not None:
+            raise ValueError("pipeline stages of a Hugging Face model do not carry a decoder_attention_mask yet; "
+                             "give batches of input_ids, labels and optionally decoder_input_ids only")
+        if self.kind == "t5":
+            return self._t5_forward(x, batch)
+        ids = batch["input_ids"]
+        if self.kind == "sequential":
+            for i, (_, module) in enumerate(self._run):
+                x = module(ids if (i == 0 and self.is_first) else x)
+                if not isinstance(x, torch.Tensor):
+                    x = x[0]
+            return next_token_loss(x, batch["labels"]) if self.is_last else x
+        t = ids.shape[1]
+        pos = torch.arange(t, device=ids.device).unsqueeze(0)
+        if self.kind == "rotary":
+            if self.is_first:
+                x = self.model.embed_tokens(ids)
+            x = self._rotary_blocks(x, pos)
+            if self.is_last:
+                return _head_loss(self, self.lm_head(self.model.norm(x)), batch["labels"])
+            return x
+        if self.is_first:  # gpt2
+            tr = self.transformer
+            x = tr.drop(tr.wte(ids) + tr.wpe(pos))
+        if self.layers:
+            from transformers.masking_utils import create_causal_mask
+            mask = create_causal_mask(config=self.hf_config, inputs_embeds=x, attention_mask=None,
+                                      past_key_values=None, position_ids=pos)
+            for _, block in self._run:
+                x = block(x, None, mask, None, encoder_attention_mask=None, use_cache=False, position_ids=pos)
+        if self.is_last:
+            return _head_loss(self, self.lm_head(self.transformer.ln_f(x)), batch["labels"])
+        return x
+
+    def _rotary_blocks(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if not self.layers:
+            return x
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+        cfg = self.hf_config
+        rotary = self._run[0][1]
+        position_embeddings = rotary(x, position_ids=pos)
+        masks = {}
+        for i, (_, layer) in zip(self.layers, self._run[1:]):
+            kind = self._attention_type(i)
+            if kind not in masks:
+                fn = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+                masks[kind] = fn(config=cfg, inputs_embeds=x, attention_mask=None, past_key_values=None,
+                                 position_ids=pos)
+            x = layer(x, attention_mask=masks[kind], position_embeddings=position_embeddings, position_ids=pos,
+                      past_key_values=None, use_cache=False)
+        return x
+
+    def _attention_type(self, i: int) -> str:
+        """What mask layer i gets, as the model's own forward chooses it: config.layer_types
+        (Qwen2/3), else a sliding window when config.sliding_window is set (Mistral)."""
+        types = getattr(self.hf_config, "layer_types", None)
+        if types is not None:
+            return types[i]
+        return "sliding_attention" if getattr(self.hf_config, "sliding_window", None) else "full_attention"
+
+    def extra_repr(self) -> str:
+        parts = [f"stage {self.index}/{self.num_stages}", self.kind, f"layers={self.layers}"]
+        if self.tied:
+            parts.append(f"tied={self.tied_names}")
+        return ", ".join(parts)
+
+
+def _params(model: nn.Module, paths: list[str]) -> int:
+    seen = {id(p): p.numel() for path in paths for p in model.get_submodule(path).parameters()}
+    return sum(seen.values())
+
+
+def _balanced(model: nn.Module, family: Family, num_stages: int, balance: str) -> list[list[str]]:
+    L = len(family.blocks)
+    units = _units(family)
+    if balance == "layers":
+        if num_stages > L:
+            raise ValueError(f"split_hf: num_stages={num_stages} is invalid with balance='layers': more stages "
+                             f"than the {L} blocks")
+        base, extra = divmod(L, num_stages)
+        sizes = [base + (s < extra) for s in range(num_stages)]
+        out, start = [], 1
+        for s, size in enumerate(sizes):
+            out.append([p for u in units[start:start + size] for p in u])
+            start += size
+        out[0] = family.embed + out[0]
+        out[-1] = out[-1] + family.head
+        return out
+    if balance == "params":
+        if num_stages > L + 2:
+            raise ValueError(f"split_hf: num_stages={num_stages} is invalid with balance='params': more stages "
+                             f"than the {L + 2} units (embeddings, {L} blocks, head)")
+        # the head counted in full even when tied (the last stage gets its own copy)
+        weights = [_params(model, family.embed)] + [_params(model, u) for u in units[1:-1]]
+        weights.append(sum(_params(model, [h]) for h in family.head))
+        out, start = [], 0
+        for size in _min_max_partition(weights, num_stages):
+            out.append([p for u in units[start:start + size] for p in u])
+            start += size
+        return out
+    raise ValueError(f"split_hf: balance={balance!r} is invalid: valid values are 'layers', 'params'")
+
+
+def _explicit(model: nn.Module, family: Family | None, split: list[list[str]], num_stages: int) -> list[list[str]]:
+    """Check a user's split (see the module docstring); returns each stage's paths, groups whole."""
+    if len(split) != num_stages or any(not isinstance(s, (list, tuple)) or not s for s in split):
+        raise ValueError(f"split: give {num_stages} non-empty lists of module names (one per stage, p*v of "
+                         f"them), got {split!r}")
+    names = dict(model.named_modules())
+    for name in (n for s in split for n in s):
+        if name not in names or not name:
+            raise ValueError(f"split: {name!r} is not a module of {type(model).__name__}; its children: "
+                             f"{_children(model)}")
+    if family is None:
+        flat = [n for s in split for n in s]
+        if len(set(flat)) != len(flat):
+            raise ValueError(f"split: a module is named twice: {flat}")
+        covered = {id(p) for n in flat for p in names[n].parameters()}
+        missing = [n for n, p in model.named_parameters() if id(p) not in covered]
+        if missing:
+            raise ValueError(f"split: parameters in none of the named modules would not be trained: {missing[:8]}"
+                             f"{' ...' if len(missing) > 8 else ''}")
+        return [list(s) for s in split]
+    L = len(family.blocks)
+    units = _units(family)
+    unit = {p: k for k, u in enumerate(units) for p in u}
+    order, stage_units = [], []
+    for s in split:
+        got = []
+        for name in s:
+            if name not in unit:
+                raise ValueError(f"split: {name!r} is not a unit of this {family.kind} model; units: "
+                                 f"{family.embed} (embeddings), {family.blocks[0]} … {family.blocks[-1]}, "
+                                 f"{family.head} (norm + head)")
+            if not got or got[-1] != unit[name]:
+                got.append(unit[name])
+        stage_units.append(got)
+        order += got
+    if order != list(range(L + 2)):
+        raise ValueError(f"split: the stages must cover embeddings, every block once and the head, in model order "
+                         f"(a group may not span two stages); got {split!r}")
+    return [[p for k in got for p in units[k]] for got in stage_units]
+
+
+def _untie(model: nn.Module, first: list[str], last: list[str]) -> tuple[str, str] | None:
+    """Give the last stage its own copy of a parameter it shares with the first stage; returns
+    (first stage's name, last stage's name) or None. Other sharing across stages is refused."""
+    def owned(paths):
+        out = {}
+        for path in paths:
+            for n, p in model.get_submodule(path).named_parameters(prefix=path):
+                out.setdefault(id(p), (n, p))
+        return out
+    a, b = owned(first), owned(last)
+    shared = [k for k in b if k in a]
+    if not shared:
+        return None
+    if len(shared) > 1:
+        raise ValueError(f"split: the first and last stage share {len(shared)} parameters "
+                         f"({[b[k][0] for k in shared]}); only one tied weight is supported")
+    (first_name, tied), (last_name, _) = a[shared[0]], b[shared[0]]
+    owner_path, attr = last_name.rsplit(".", 1)
+    copy = nn.Parameter(tied.detach().clone(), requires_grad=tied.requires_grad)
+    vars(copy).update(vars(tied))
+    setattr(model.get_submodule(owner_path), attr, copy)
+    return first_name, last_name
+
+
+def _check_tensor_parallel(model: nn.Module, family: Family) -> None:
+    """Refuse the tensor-parallel conversions these stages cannot run (see the module docstring)."""
+    from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    parallel = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    for name, m in model.named_modules():
+        if not isinstance(m, parallel):
+            continue
+        if m.sequence_parallel:
+            raise ValueError(f"{name} is sequence parallel: hf_split's stages do not support sequence parallelism "
+                             f"(they run the whole sequence between the tensor-parallel blocks); convert the model "
+                             f"with sequence_parallel=False")
+        leaf = name.rsplit(".", 1)[-1]
+        if family.kind == "t5" and leaf in ("q", "k", "v", "o"):
+            raise ValueError(f"{name}: T5's attention is not split over tensor-parallel ranks by hf_split's stages "
+                             f"(the relative position bias they carry between stages holds every head); give T5's "
+                             f"tensor-parallel plan its MLPs (*.DenseReluDense.wi colwise, *.wo rowwise), its "
+                             f"embedding (shared, *.embed_tokens: vocab) and lm_head (colwise) only")
+        if family.kind == "rotary" and leaf in ("q_proj", "k_proj", "v_proj") and isinstance(m, ColumnParallelLinear):
+            head_dim = model.get_submodule(name.rsplit(".", 1)[0]).head_dim
+            if m.out_per_rank % head_dim:
+                raise ValueError(f"{name}: {m.out_per_rank} output features per tensor-parallel rank is not a whole "
+                                 f"number of heads of {head_dim}: the heads (and key/value heads) must divide by tp")
+
+
+def split_hf(model: nn.Module, num_stages: int, balance: str = "layers",
+             split: list[list[str]] | None = None) -> list[HFStage]:
+    """Cut ``model`` into ``num_stages`` (= p·v) :class:`HFStage` modules in model order (see the
+    module docstring); ``split`` gives the cut explicitly. Keep stages ``r, r+p, …`` on
+    pipeline rank ``r`` (:func:`~.stage.stages_for_rank`)."""
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"split_hf: num_stages={num_stages!r} is invalid: must be a positive int")
+    try:
+        family = recognise(model)
+    except ValueError:
+        if split is None:
+            raise
+        family = None
+    paths = _balanced(model, family, num_stages, balance) if split is None else _explicit(model, family, split,
+                                                                                           num_stages)
+    if family is None:
+        family = Family("sequential", [], [], [])
+    _check_tensor_parallel(model, family)
+    tied = _untie(model, paths[0], paths[-1]) if num_stages > 1 else None
+    stages = [HFStage(model, family, s, num_stages, p, s == 0, s == num_stages - 1) for s, p in enumerate(paths)]
+    if tied is not None:
+        for st in (stages[0], stages[-1]):
+            st.tied, st.tied_names = True, tied
+    return stages
