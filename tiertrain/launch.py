@@ -288,6 +288,9 @@ def _worker(fn, rank: int, world_size: int, host: str, port_conn, timeout: float
         results.put((rank, True, payload.getvalue()))
         results.close()
         results.join_thread()
+        # Reported: a SIGTERM from here on (a launcher done waiting) ends the process quietly
+        # instead of raising Terminated inside the exit handlers.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     except BaseException as e:
         _report_failure(results, rank, e, cleanup_dir)
     _remove_own_swap(cleanup_dir)
@@ -297,6 +300,9 @@ def _worker(fn, rank: int, world_size: int, host: str, port_conn, timeout: float
 
 _GRACE_S = 1.0
 """After the first failure, how long other ranks' reports are awaited before blaming one."""
+
+_EXIT_GRACE_S = 10.0
+"""After every rank reported success, how long each may take to exit before it is stopped."""
 
 
 def _root_cause(reports: dict[int, tuple], dead: dict[int, int],
@@ -483,6 +489,10 @@ def _run_workers(ctx, fn, nproc: int, host: str, timeout: float, deadline: float
                     raise _root_cause(reports, dead, {r: st for r, p in enumerate(procs)
                                                       if (st := _process_state(p.pid)) is not None})
                 first_failure = None  # only finished ranks whose results were in flight
+        # Every rank reported success and is on its way out (exit handlers: an event-file
+        # writer's thread, multiprocessing finalizers): let it finish before any SIGTERM.
+        for p in procs:
+            p.join(timeout=_EXIT_GRACE_S)
     finally:
         _stop(procs)
         del store

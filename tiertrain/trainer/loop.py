@@ -253,7 +253,8 @@ class Trainer:
                         bar.set_postfix(**_postfix(last_train, last_eval), refresh=False)
                     window = _Window(self.engine)
                 if cfg.eval.every and (step % cfg.eval.every == 0 or final):
-                    last_eval = {"step": step, **self.evaluate(), "elapsed_s": time.perf_counter() - t_start}
+                    with window.excluded():  # the window measures training, not evaluation
+                        last_eval = {"step": step, **self.evaluate(), "elapsed_s": time.perf_counter() - t_start}
                     self.records.append(last_eval)
                     if writers is not None:
                         writers.write(last_eval)
@@ -512,6 +513,17 @@ class _Window:
         finally:
             waited = sum(self.engine.wait_seconds().values()) - w0
             self.seconds[phase] += time.perf_counter() - t0 - waited
+
+    @contextlib.contextmanager
+    def excluded(self):
+        """Leave what runs inside (an evaluation) out of the window: its time and its waits."""
+        t0, w0 = time.perf_counter(), self.engine.wait_seconds()
+        try:
+            yield
+        finally:
+            self.started += time.perf_counter() - t0
+            w1 = self.engine.wait_seconds()
+            self.waits_at_start = {k: v + w1[k] - w0[k] for k, v in self.waits_at_start.items()}
 
     def add_loss(self, mean_loss: float, tokens: int) -> None:
         self.loss_sum += mean_loss
