@@ -16,6 +16,11 @@ Two kinds of stage:
   chunk when interleaved, so every rank has the same work whatever the schedule). Sleeping
   ranks use no CPU, so this measures the *schedule* (plus gloo transfer latency) even when
   there are more ranks than cores.
+* ``hf``: a Hugging Face Llama-shaped decoder (``HF_MODEL``, 8 blocks of 512, GQA) cut into
+  p·v stages by tiertrain's automatic splitter (tiertrain/pipeline/hf_split.py), real
+  forward and backward of micro-batches of 4 × 128 tokens. The stages are balanced by block
+  count, so the first (embedding) and last (norm, head, loss) carry a little more: that
+  imbalance adds to the measured bubble. Run it with p = 2 on a 2-core machine.
 * ``compute``: a single-thread matmul loop calibrated to the same times. With p=4 on a
   2-core machine the ranks are oversubscribed: ranks that compute at the same time share a
   core, their "busy" time stretches, and the measured bubble no longer isolates the schedule.
@@ -24,6 +29,7 @@ Usage:
     python bench/pipeline_bubble.py                                  # p=2,4  m=8  v=2
     python bench/pipeline_bubble.py --pipelines 2 4 --m 8 --v 2 --t-forward-ms 20 \\
         --steps 4 --modes sleep compute --out bench/results/pipeline_bubble.md
+    python bench/pipeline_bubble.py --pipelines 2 --modes hf --steps 3 --out bench/results/pipeline_bubble_hf.md
 """
 from __future__ import annotations
 
@@ -100,9 +106,35 @@ class _MatmulBurner:
             self.a @ self.a
 
 
+HF_MODEL = dict(vocab_size=512, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128)
+"""The ``hf`` row's model: a Llama-shaped decoder (GQA), blocks dominating embedding and head."""
+HF_BATCH, HF_SEQ = 4, 128
+
+
+def _hf_stages(topo, v):
+    """This rank's stages of HF_MODEL, cut by tiertrain's automatic splitter (balanced by
+    layers, pp × v stages), and the micro-batches of token ids."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tiertrain.pipeline import pipeline_stages
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**HF_MODEL))
+    stages = pipeline_stages(model, topo, v)
+    return stages, stages[0].activation_shape
+
+
 def _worker(rank, world, sched_name, v, m, t_f, mode, steps, warmup):
     topo = Topology.build(ParallelConfig(pp=world))
     p, r = topo.size("pp"), topo.coord("pp")
+    if mode == "hf":
+        stages, shape = _hf_stages(topo, v)
+        ex = PipelineExecutor(stages, topo, SCHEDULES[sched_name], activation_shape=shape, timeout=300)
+        g = torch.Generator().manual_seed(0)
+        tokens = [torch.randint(0, HF_MODEL["vocab_size"], (HF_BATCH, HF_SEQ + 1), generator=g) for _ in range(m)]
+        batches = [{"input_ids": t[:, :-1], "labels": t[:, 1:]} for t in tokens]
+        return _timed_steps(ex, stages, batches, steps, warmup)
     burner = _sleeper
     if mode == "compute":  # calibrate one rank at a time, so calibrations do not share a core
         for k in range(p):
@@ -114,6 +146,10 @@ def _worker(rank, world, sched_name, v, m, t_f, mode, steps, warmup):
     ex = PipelineExecutor(stages, topo, SCHEDULES[sched_name], activation_shape=(4, WIDTH), timeout=120)
     g = torch.Generator().manual_seed(0)
     batches = [{"x": torch.randn(4, WIDTH, generator=g)} for _ in range(m)]
+    return _timed_steps(ex, stages, batches, steps, warmup)
+
+
+def _timed_steps(ex, stages, batches, steps, warmup):
     out = []
     for step in range(warmup + steps):
         dist.barrier()
@@ -144,7 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--t-forward-ms", type=float, default=20.0, help="forward time of a rank's whole stage")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--modes", nargs="+", default=["sleep", "compute"], choices=["sleep", "compute"])
+    ap.add_argument("--modes", nargs="+", default=["sleep", "compute"], choices=["sleep", "compute", "hf"])
     ap.add_argument("--out", default=None, help="write a markdown report here")
     args = ap.parse_args(argv)
     load_before = os.getloadavg()
@@ -179,10 +215,15 @@ def write_report(args, rows, load_before, load_after) -> None:
         f"- Load average (1/5/15 min) before: {load_before[0]:.2f} / {load_before[1]:.2f} / {load_before[2]:.2f}; "
         f"after: {load_after[0]:.2f} / {load_after[1]:.2f} / {load_after[2]:.2f} (the machine is shared)",
         f"- Command: `{cmd}`",
-        f"- Setup: m = {args.m} micro-batches, v = {args.v} for interleaved; each rank's stage takes "
-        f"t_f = {args.t_forward_ms:g} ms forward and t_b = 2·t_f backward per micro-batch (t_f/v, t_b/v per chunk "
-        f"when interleaved); activation (4, {WIDTH}) fp32; {args.warmup} warm-up step(s), then the median of "
-        f"{args.steps} steps. `compute` stages are calibrated one rank at a time before the run.",
+        (f"- Setup: m = {args.m} micro-batches, v = {args.v} for interleaved; a Hugging Face LlamaForCausalLM "
+         f"({', '.join(f'{k}={v}' for k, v in HF_MODEL.items())}) cut into p·v stages by "
+         f"`tiertrain.pipeline.pipeline_stages` (balanced by blocks), micro-batches of {HF_BATCH} × {HF_SEQ} "
+         f"tokens, real forward and backward; {args.warmup} warm-up step(s), then the median of {args.steps} steps."
+         if args.modes == ["hf"] else
+         f"- Setup: m = {args.m} micro-batches, v = {args.v} for interleaved; each rank's stage takes "
+         f"t_f = {args.t_forward_ms:g} ms forward and t_b = 2·t_f backward per micro-batch (t_f/v, t_b/v per chunk "
+         f"when interleaved); activation (4, {WIDTH}) fp32; {args.warmup} warm-up step(s), then the median of "
+         f"{args.steps} steps. `compute` stages are calibrated one rank at a time before the run."),
         "- Measured bubble = (step wall time − busy compute time) / busy compute time, per rank, averaged over "
         "ranks (\"worst rank\": the largest). Step wall time is `PipelineExecutor.run` from a barrier to the loss "
         "broadcast, so it includes gloo transfer latency and Python overhead, which the formula ignores.",

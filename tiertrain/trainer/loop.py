@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import resource
 import sys
 import time
 import uuid
@@ -49,16 +48,12 @@ from .auto import predicted_tier_bytes, resolve_auto_offload
 from .batches import batch_stream, count_tokens, eval_batches, is_dataset
 from .config import LoopConfig
 from .flops import flops_per_token, peak_flops_per_rank
+from .records import (Window, finite_or_none, format_summary, gather_over_dp, local_ranks, peak_rss_bytes,
+                      postfix)
 
 __all__ = ["Trainer", "model_fingerprint", "format_summary"]
 
 ModelOrFactory = nn.Module | Callable[[], nn.Module]
-
-
-def _peak_rss_bytes() -> int:
-    """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
@@ -232,8 +227,8 @@ class Trainer:
                   f"| global batch {self.engine.global_batch_size} samples | {cfg.steps - start} steps",
                   flush=True)
         peak_flops, self.peak_source = peak_flops_per_rank(
-            cfg.logging.peak_tflops, self.topology.device.type != "cpu", _local_ranks(self.topology.world_size))
-        window = _Window(self.engine)
+            cfg.logging.peak_tflops, self.topology.device.type != "cpu", local_ranks(self.topology.world_size))
+        window = Window(self.engine)
         t_start = time.perf_counter()
         tokens_total = 0
         last_train: dict[str, Any] = {}
@@ -250,8 +245,8 @@ class Trainer:
                     if writers is not None:
                         writers.write(last_train)
                     if bar is not None:
-                        bar.set_postfix(**_postfix(last_train, last_eval), refresh=False)
-                    window = _Window(self.engine)
+                        bar.setpostfix(**postfix(last_train, last_eval), refresh=False)
+                    window = Window(self.engine)
                 if cfg.eval.every and (step % cfg.eval.every == 0 or final):
                     with window.excluded():  # the window measures training, not evaluation
                         last_eval = {"step": step, **self.evaluate(), "elapsed_s": time.perf_counter() - t_start}
@@ -259,7 +254,7 @@ class Trainer:
                     if writers is not None:
                         writers.write(last_eval)
                     if bar is not None:
-                        bar.set_postfix(**_postfix(last_train, last_eval), refresh=False)
+                        bar.setpostfix(**postfix(last_train, last_eval), refresh=False)
                 if bar is not None:
                     bar.update(1)
                 self._maybe_save(step, final)
@@ -273,7 +268,7 @@ class Trainer:
             print(format_summary(summary), flush=True)
         return summary
 
-    def _train_step(self, window: "_Window") -> int:
+    def _train_step(self, window: "Window") -> int:
         """One optimizer step (grad_accum_steps micro-batches); returns this rank's tokens."""
         engine, tokens = self.engine, 0
         if self.topology.size("pp") > 1:  # the pipeline schedule runs forward and backward itself
@@ -336,14 +331,14 @@ class Trainer:
 
     # -- records -------------------------------------------------------------------------
 
-    def _record(self, window: "_Window", step: int, t_start: float, peak_flops: float | None) -> dict[str, Any]:
+    def _record(self, window: "Window", step: int, t_start: float, peak_flops: float | None) -> dict[str, Any]:
         engine = self.engine
         report = engine.memory_report()
         cpu, nvme = report.cpu_tier, report.nvme_tier
         times = window.times()
-        local = [window.loss_sum, window.steps, window.tokens, report.total, _peak_rss_bytes(),
+        local = [window.loss_sum, window.steps, window.tokens, report.total, peak_rss_bytes(),
                  report.total - cpu - nvme, cpu, nvme, *times.values()]
-        stats = _gather(local, self.topology, self.dp_group)
+        stats = gather_over_dp(local, self.topology, self.dp_group)
         n_time = len(times)
         mean_loss = float(stats[:, 0].sum() / stats[:, 1].sum())
         maxima = stats[:, 3:8].max(dim=0).values.tolist()
@@ -391,15 +386,15 @@ class Trainer:
 
         train = [r for r in self.records if "loss" in r]
         evals = [r for r in self.records if "eval_loss" in r]
-        totals = _gather([tokens], self.topology, self.dp_group)
+        totals = gather_over_dp([tokens], self.topology, self.dp_group)
         summary = {
             "steps": self.config.steps,
             "steps_run": self.config.steps - start,
             "optimizer_steps": int(self.engine.steps),
             "skipped_steps": int(self.engine.skipped_steps),
-            "first_loss": _finite_or_none(train[0]["loss"]) if train else None,
-            "last_loss": _finite_or_none(train[-1]["loss"]) if train else None,
-            "eval_loss": _finite_or_none(evals[-1]["eval_loss"]) if evals else None,
+            "first_loss": finite_or_none(train[0]["loss"]) if train else None,
+            "last_loss": finite_or_none(train[-1]["loss"]) if train else None,
+            "eval_loss": finite_or_none(evals[-1]["eval_loss"]) if evals else None,
             "time_s": elapsed,
             "tokens_per_s": float(totals[:, 0].sum()) / max(elapsed, 1e-9),
             "mem_bytes_per_rank": max((r["mem_bytes_per_rank"] for r in train), default=0),
@@ -485,129 +480,3 @@ class Trainer:
         # the swap files (tiertrain.launch, offload.swap's cleanup registry).
         if exc_type is None:
             self.close()
-
-
-class _Window:
-    """What happened since the last record: losses, tokens, and time by phase (the waits
-    are the engine's cumulative wait clocks, differenced)."""
-
-    PHASES = ("data", "forward", "backward", "optimizer", "schedule")
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.loss_sum = 0.0
-        """Sum over the window's steps of each step's mean micro-batch loss."""
-        self.tokens = 0
-        self.steps = 0
-        self.seconds = dict.fromkeys(self.PHASES, 0.0)
-        self.started = time.perf_counter()
-        self.waits_at_start = engine.wait_seconds()
-
-    @contextlib.contextmanager
-    def timing(self, phase: str):
-        """Time a phase, less the waits inside it (counted as waits): the phases and the
-        waits add up to the step time."""
-        t0, w0 = time.perf_counter(), sum(self.engine.wait_seconds().values())
-        try:
-            yield
-        finally:
-            waited = sum(self.engine.wait_seconds().values()) - w0
-            self.seconds[phase] += time.perf_counter() - t0 - waited
-
-    @contextlib.contextmanager
-    def excluded(self):
-        """Leave what runs inside (an evaluation) out of the window: its time and its waits."""
-        t0, w0 = time.perf_counter(), self.engine.wait_seconds()
-        try:
-            yield
-        finally:
-            self.started += time.perf_counter() - t0
-            w1 = self.engine.wait_seconds()
-            self.waits_at_start = {k: v + w1[k] - w0[k] for k, v in self.waits_at_start.items()}
-
-    def add_loss(self, mean_loss: float, tokens: int) -> None:
-        self.loss_sum += mean_loss
-        self.tokens += tokens
-        self.steps += 1
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
-
-    def times(self) -> dict[str, float]:
-        """Seconds by phase over the window (only the phases that ran), and the waits."""
-        out = {k: v for k, v in self.seconds.items() if v or k != "schedule"}
-        if self.engine.topology.size("pp") > 1:
-            out = {k: v for k, v in out.items() if k in ("data", "schedule")}
-        waits = self.engine.wait_seconds()
-        out["io_wait"] = waits["io"] - self.waits_at_start["io"]
-        out["comm_wait"] = waits["comm"] - self.waits_at_start["comm"]
-        return out
-
-
-def _gather(values: list[float], topology, group) -> torch.Tensor:
-    """[dp, len(values)] tensor of every data-parallel rank's values (one collective)."""
-    local = torch.tensor(values, dtype=torch.float64)
-    if group is None or not dist.is_initialized() or topology.size("dp") == 1:
-        return local.unsqueeze(0)
-    if topology.device.type != "cpu":
-        local = local.to(topology.device)
-    parts = [torch.empty_like(local) for _ in range(topology.size("dp"))]
-    dist.all_gather(parts, local, group=group)
-    return torch.stack(parts).cpu()
-
-
-def _local_ranks(world_size: int) -> int:
-    import os
-
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    except ValueError:
-        return world_size
-
-
-def _finite_or_none(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None
-
-
-def _postfix(record: dict[str, Any], last_eval: dict[str, Any]) -> dict[str, str]:
-    from ..estimate.report import human_bytes
-
-    out = {}
-    if "loss" in record:
-        out["loss"] = f"{record['loss']:.3f}"
-    if "eval_loss" in last_eval:
-        out["eval"] = f"{last_eval['eval_loss']:.3f}"
-        out["ppl"] = f"{last_eval['eval_ppl']:.1f}"
-    if "tokens_per_s" in record:
-        out["tok_s"] = f"{record['tokens_per_s']:,.0f}"
-    if record.get("mfu") is not None:
-        out["mfu"] = f"{100 * record['mfu']:.1f}%"
-    if "mem_bytes_per_rank" in record:
-        out["mem_rank"] = human_bytes(record["mem_bytes_per_rank"])
-    return out
-
-
-def format_summary(s: dict[str, Any]) -> str:
-    """The human-readable end-of-run summary."""
-    from ..estimate.report import human_bytes
-
-    def loss(x):
-        return "n/a" if x is None else f"{x:.3f}"
-
-    lines = [
-        "training done",
-        f"  steps        {s['steps_run']} run, {s['steps']} total ({s['skipped_steps']} skipped)",
-        f"  loss         {loss(s['first_loss'])} -> {loss(s['last_loss'])} (first -> last logged)",
-    ]
-    if s.get("eval_loss") is not None:
-        lines.append(f"  eval loss    {loss(s['eval_loss'])} (perplexity {math.exp(min(s['eval_loss'], 700)):.2f})")
-    lines += [
-        f"  time         {s['time_s']:.1f} s",
-        f"  throughput   {s['tokens_per_s']:,.0f} tokens/s (all ranks)",
-        f"  memory/rank  {human_bytes(s['mem_bytes_per_rank'])} model states, "
-        f"{human_bytes(s['peak_rss_bytes_per_rank'])} peak RSS"
-        + (f", {human_bytes(s['cuda_peak_bytes'])} peak CUDA" if "cuda_peak_bytes" in s else ""),
-        f"  zero.stage   {s['zero_stage']} ({s['precision']})",
-        f"  world size   {s['world_size']} (dp={s['dp']})",
-    ]
-    return "\n".join(lines)
