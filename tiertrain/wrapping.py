@@ -52,7 +52,7 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
                           "config it returns; or set zero.offload='manual'")
     if topology.size("pp") > 1 and (loss_fn is not None or unit_modules is not None):
         raise ConfigError(f"parallel.pp={topology.size('pp')}: loss_fn and unit_modules do not apply to a "
-                          f"pipeline (the last stage returns the loss; zero.stage 3 is not pipelined)")
+                          f"pipeline (the last stage returns the loss; at zero.stage 3 each stage's blocks are its units)")
     if topology.size("pp") > 1 and any(x is not None for x in (optimizer, param_groups, lr_scheduler)):
         raise ConfigError(f"parallel.pp={topology.size('pp')}: optimizer, param_groups and lr_scheduler are not "
                           f"supported with pipeline parallelism yet (configure AdamW and schedule in config); "

@@ -1,5 +1,5 @@
 """The engine under pipeline parallelism: Megatron PTD-P (§2 pipeline, §3 tensor, data
-parallelism) with ZeRO stages 0-2 over each stage's data-parallel replicas.
+parallelism) with ZeRO stages 0-3 over each stage's data-parallel replicas.
 
 ``tiertrain.wrap`` returns a :class:`PipelineEngine` when ``parallel.pp > 1``. It trains the
 pipeline stages this rank holds (``v = parallel.virtual_stages`` chunks, global stages
@@ -9,7 +9,7 @@ micro-batches per step, and everything else is the ordinary engine:
 * **Gradients** of every micro-batch are added, in fp32, into the flat buffers of the
   chunk's ZeRO units (reducer hooks, ``launch_when_ready=False``). When a chunk's last
   backward of the step is over, the executor calls back and that chunk's units are
-  reduced over dp at once (all-reduce at stage 0, reduce-scatter at stages 1-2), while the
+  reduced over dp at once (all-reduce at stage 0, reduce-scatter at stages 1-3), while the
   pipeline goes on with the other chunks' work. Stage 2 reduce-scatters each bucket once
   per step and frees it, so between steps only the gradient shard persists. DeepSpeed
   refuses pipeline + ZeRO-2 because its ZeRO-2 reduces at every micro-batch backward
@@ -21,9 +21,13 @@ micro-batches per step, and everything else is the ordinary engine:
 * **Gradient norm and overflow**: squares summed over dp shards, tp slices and pp stages,
   so clipping and fp16 overflow skips agree on every rank.
 * **Checkpoints** are saved per rank; loading checks each rank's own layout.
-
-ZeRO stage 3 is refused: it would gather each stage's parameters for every micro-batch's
-forward and backward (neither Megatron nor DeepSpeed combine it with pipelining).
+* **ZeRO stage 3** (:mod:`.zero3`): each chunk is laid out as a stage-3 model of its own,
+  one partitioned unit per block plus one for the chunk's embeddings/norm/head, so every
+  data-parallel rank of a stage holds 1/dp of the stage's parameters between uses, on the
+  parameter tier (device, CPU or NVMe). Inside the schedule a block is gathered for each
+  micro-batch's forward and again for its backward, and released after each (per block, not
+  per chunk); gradients follow stage 2's path above (accumulated over the step's
+  micro-batches, reduce-scattered once per chunk). Frozen parameters stay whole.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ from ..zero.layout import bucket_layout, concatenate
 from ..zero.plan import GradientPlan
 from .executor import PipelineExecutor
 from .schedule import gpipe, interleaved_one_f_one_b, one_f_one_b
+from .zero3 import PipelineFetcher, Stage3Executor, stage3_plan
 from .stage import TIED_FIRST, TIED_LAST, split_gpt, stages_for_rank, sum_tied_gradients
 
 _USE_TRAIN_BATCH = ("with parallel.pp > 1 use engine.train_batch(micro_batches): a pipeline schedule "
@@ -137,20 +142,42 @@ class PipelineEngine(Engine):
     def __init__(self, stages: Sequence[nn.Module], config: Config, topology: Topology,
                  activation_shape: tuple[int, ...] | Callable[[dict], tuple[int, ...]] | None = None,
                  timeout: float | None = None, update_factory: UpdateFactory = build_update):
-        if config.zero.stage == 3:
-            raise ConfigError(f"zero.stage=3 with parallel.pp={topology.size('pp')} is not supported: stage 3 "
-                              f"would gather every stage's parameters for each micro-batch; valid: 0, 1, 2")
         self.stages = list(stages)
         self._tied_stages = [s for s in self.stages if getattr(s, "tied", False)]
-        plan, self._units_of_chunk = pipeline_plan(self.stages, config, topology.size("dp"))
+        chunk_modules = None
+        if config.zero.stage == 3:  # per-block units inside each chunk, gathered by zero3.PipelineFetcher
+            copies = {tied_names(s)[1] for s in self._tied_stages if s.is_last and not s.is_first}
+            plan, self._units_of_chunk, chunk_modules = stage3_plan(
+                self.stages, config, topology.size("dp"), counts_in_norm=lambda name: name not in copies)
+        else:
+            plan, self._units_of_chunk = pipeline_plan(self.stages, config, topology.size("dp"))
         super().__init__(nn.ModuleList(self.stages), config, topology, plan=plan, update_factory=update_factory)
+        self.pipeline_fetcher: PipelineFetcher | None = None
+        """Stage 3: gathers and releases each chunk's units inside the schedule (.zero3)."""
+        if chunk_modules is not None:
+            # The one-model fetcher (built on no modules, see _unit_modules) assumes one forward
+            # then one backward per micro-batch, which a pipeline schedule interleaves: the
+            # pipeline's own fetcher replaces it, and the reducer reports to neither.
+            self.fetcher.remove()
+            self.fetcher = None
+            self.reducer.on_unit_done = None
+            self.reducer.before_collective = None
+            self.pipeline_fetcher = PipelineFetcher(self.flat, self.stages, chunk_modules)
+            self._on_close.append(self.pipeline_fetcher.remove)
         if activation_shape is None and all(hasattr(s, "arch") for s in self.stages):
             activation_shape = gpt_activation_shape(self.stages[0])
         elif activation_shape is None and hasattr(self.stages[0], "activation_shape"):  # (hf_split's stages)
             activation_shape = self.stages[0].activation_shape
-        self.executor = PipelineExecutor(
+        executor = PipelineExecutor if self.pipeline_fetcher is None else Stage3Executor
+        self.executor = executor(
             self.stages, topology, SCHEDULES[config.parallel.schedule], activation_shape, dtype=self.dtype,
             tied=False, timeout=timeout, grads_ready=self._chunk_gradients_final)
+        if self.pipeline_fetcher is not None:
+            self.executor.fetcher = self.pipeline_fetcher
+
+    def _unit_modules(self, model: nn.Module) -> tuple[dict, dict]:
+        """(Stage 3: the base engine's fetcher gets no modules; see __init__.)"""
+        return {}, {}
 
     def tied_copies(self) -> dict[str, str]:
         """The last stage's copy of a tied embedding, kept equal to the first stage's."""
@@ -194,6 +221,8 @@ class PipelineEngine(Engine):
         micro = [self._to_device(next(batches)) for _ in range(self.accum)]
         self.reducer.begin(reduce_now=False)
         loss = self.executor.run(micro, loss_scale=self.scaler.scale / self.dp)  # 1/dp: see Engine.backward
+        if self.pipeline_fetcher is not None:
+            self.pipeline_fetcher.release_all()  # (each backward released its units already)
         if self._tied_stages:
             self._exchange_tied_gradients()
         self.train_state.micro_steps += self.accum

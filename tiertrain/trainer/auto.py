@@ -14,15 +14,9 @@ import torch.distributed as dist
 
 from ..config import Config, ConfigError
 from ..tiers import Tier
+from .records import local_ranks
 
 __all__ = ["apply_plan", "plan_for", "resolve_auto_offload", "predicted_tier_bytes"]
-
-
-def _local_ranks(world_size: int) -> int:
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    except ValueError:
-        return world_size
 
 
 def apply_plan(cfg: Config, plan) -> Config:
@@ -55,7 +49,7 @@ def plan_for(cfg: Config, dims: Any, world_size: int, device: torch.device | Non
     from ..estimate.plan import Hardware, Plan, plan
     from ..estimate.probe import HardwareProbe, _cgroup_memory_limit, read_meminfo
 
-    local = _local_ranks(world_size)
+    local = local_ranks(world_size)
     nodes = max(1, world_size // local)
     path = probe_path or os.environ.get("TIERTRAIN_PROBE") or "runs/hardware_probe.json"
     mem = read_meminfo()
