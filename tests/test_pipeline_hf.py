@@ -3,13 +3,16 @@
 A tiny Llama (GQA, rotary, RMSNorm, untied head), a tiny GPT-2 (learned positions, Conv1D,
 head tied to the token embedding), a tiny Qwen2 (rotary, GQA, tied head) and a tiny T5
 (encoder-decoder, relative position bias, head tied to the shared embedding, decoder 12
-tokens against an encoder of 16, decoder inputs built from the labels) are handed to
+tokens against an encoder of 16, decoder inputs built from the labels) and a tiny BERT
+(BertForMaskedLM: bidirectional encoder, token-type embeddings, MLM head tied to the word
+embeddings, labels aligned with the inputs and -100 where not masked) are handed to
 ``tiertrain.wrap`` at pp=2 as they are: the engine splits them, trains them with 1F1B or the
 interleaved schedule (v=2: 4 blocks → 4 chunks, 2 per rank), and the losses and the
 parameters gathered from both stages must equal the single-process run of the same steps on
 the whole model within the float64 oracle's bound (tests/reference.py; AdamW eps=1e-3 and an
 active grad_clip as in test_engine_pp). The loss is tiertrain's (labels already shifted), so
-the decoder-only reference models get the same loss function. GPT-2, Qwen2 and T5 check the
+the decoder-only reference models get the same loss function (T5 and BERT keep their own).
+GPT-2, Qwen2, T5 and BERT check the
 tied-weight exchange between the first and last stage (interleaved: chunk 0 of rank 0 and
 chunk 1 of rank 1); an explicit, unbalanced split checks ``split=``.
 
@@ -85,6 +88,30 @@ def _t5(tie=True):
     return transformers.T5ForConditionalGeneration(config).train()
 
 
+def _bert(family="bert"):
+    torch.manual_seed(0)
+    kind, config = ((transformers.BertForMaskedLM, transformers.BertConfig) if family == "bert"
+                    else (transformers.RobertaForMaskedLM, transformers.RobertaConfig))
+    return kind(config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                       num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0)).train()
+
+
+MASK_TOKEN = 3
+
+
+def _mlm(batch):
+    """A masked-LM batch from a tiertrain one: a quarter of the positions of every row (the
+    same count per row, so the mean over micro-batches is the global batch's mean) replaced by
+    MASK_TOKEN and predicted (labels aligned with the inputs, -100 elsewhere); token types 0
+    then 1 (two segments)."""
+    ids = batch["input_ids"]
+    rows, seq = ids.shape
+    masked = (torch.arange(seq) + torch.arange(rows)[:, None]) % 4 == 0
+    return {"input_ids": ids.masked_fill(masked, MASK_TOKEN), "labels": ids.masked_fill(~masked, -100),
+            "token_type_ids": (torch.arange(seq) >= seq // 2).long().expand(rows, seq).contiguous()}
+
+
 class _Chain(nn.Module):
     """Not a recognised family: embedding → two blocks → head tied to the embedding."""
 
@@ -103,8 +130,9 @@ class _Chain(nn.Module):
         return next_token_loss(self.out(x), labels)
 
 
-MODELS = {"llama": _llama, "gpt2": _gpt2, "qwen2-tied": _qwen2_tied, "chain": _Chain, "t5": _t5}
-TIED = {"gpt2": ("transformer.wte.weight", "lm_head.weight"), "chain": ("embed.weight", "out.weight"),
+MODELS = {"llama": _llama, "gpt2": _gpt2, "qwen2-tied": _qwen2_tied, "chain": _Chain, "t5": _t5, "bert": _bert}
+TIED = {"bert": ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"),
+        "gpt2": ("transformer.wte.weight", "lm_head.weight"), "chain": ("embed.weight", "out.weight"),
         "qwen2-tied": ("model.embed_tokens.weight", "lm_head.weight"), "t5": ("shared.weight", "lm_head.weight")}
 
 TP_PLANS = {  # (tiertrain.parallel.parallelize_module)
@@ -129,6 +157,8 @@ def _batches(name="llama", dp=1, steps=STEPS):
     batches = global_batches(steps, MICRO * ACCUM * dp)
     if name == "t5":  # a decoder shorter than the encoder; decoder inputs built from the labels
         return [{"input_ids": b["input_ids"], "labels": b["labels"][:, :T5_TARGET].contiguous()} for b in batches]
+    if name == "bert":
+        return [_mlm(b) for b in batches]
     return batches
 
 
@@ -152,6 +182,8 @@ CASES = [  # (model, zero stage, schedule, virtual stages, explicit split)
     ("chain", 1, "1f1b", 1, True),  # not recognised: sequential stages, tied head
     ("t5", 1, "1f1b", 1, False),
     ("t5", 2, "interleaved", 2, False),
+    ("bert", 1, "1f1b", 1, False),  # encoder: masked-LM loss, labels not shifted
+    ("bert", 2, "interleaved", 2, False),
 ]
 
 GRID_CASES = [  # (model, zero stage, schedule, virtual stages) at (2,1,2) and (1,2,2)
@@ -214,6 +246,8 @@ def test_models_split_automatically_match_single_process():
     assert layers[5] == [[[0]], [[1, 2, 3]]]  # the explicit split
     assert layers[7] == [[[0, 1]], [[2, 3]]]  # T5: the encoder's 2 blocks, then the decoder's
     assert layers[8] == [[[0], [2]], [[1], [3]]]
+    assert layers[9] == [[[0, 1]], [[2, 3]]]  # BERT's encoder.layer
+    assert layers[10] == [[[0], [2]], [[1], [3]]]
 
 
 def _message_numel(name):
@@ -380,6 +414,42 @@ def test_t5_stages_chained_in_one_process_equal_the_model():
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_masked_lm_encoder_stages_chained_in_one_process_equal_the_model(family):
+    """BERT/RoBERTa cut anywhere (stages of the embeddings or the MLM head alone too): the chained
+    stages give the model's own masked-LM loss exactly (labels aligned, not shifted; token types
+    used) and, summed over the tied copies, its gradients."""
+    batch = _batches("bert", steps=1)[0]
+    batch = {k: v[:4] for k, v in batch.items()}
+    ref = _bert(family)
+    expected = ref(**batch).loss
+    expected.backward()
+    base, head = ("bert", "cls.predictions") if family == "bert" else ("roberta", "lm_head")
+    for stages in (split_hf(_bert(family), 2), split_hf(_bert(family), 3),
+                   split_hf(_bert(family), 6, balance="params")):
+        x = None
+        for s in stages:
+            x = s(x, batch)
+            if not s.is_last:
+                assert x.shape == (4, 16, 32) == s.hidden_shape(batch)
+        assert torch.equal(x, expected)
+        x.backward()
+        first, last = f"{base}.embeddings.word_embeddings.weight", f"{head}.decoder.weight"
+        assert stages[0].tied_names == (first, last) == stages[-1].tied_names
+        grads = {n: p.grad for s in stages for n, p in s.named_parameters()}
+        grads[first] = grads[first] + grads.pop(last)
+        reference = dict(ref.named_parameters())
+        assert set(grads) == set(reference)
+        for n, g in grads.items():
+            torch.testing.assert_close(g, reference[n].grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert [s.layers for s in split_hf(_bert(family), 3)] == [[0, 1], [2], [3]]
+    assert split_hf(_bert(family), 6, balance="params")[-1].paths == [head.split(".")[0]]
+    stage = split_hf(_bert(family), 2)[0]
+    with pytest.raises(ValueError, match=r"padding attention_mask"):
+        stage(None, dict(batch, attention_mask=torch.ones(4, 16, dtype=torch.long)))
+
+
+@pytest.mark.timeout(30)
 def test_what_the_stages_cannot_run_is_refused_clearly():
     bart = transformers.BartForConditionalGeneration(transformers.BartConfig(
         vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
@@ -398,5 +468,13 @@ def test_what_the_stages_cannot_run_is_refused_clearly():
     with pytest.raises(ValueError, match=r"model.layers.1.self_attn.k_proj: 4 output features per "
                                          r"tensor-parallel rank is not a whole number of heads of 8"):
         split_hf(llama, 2)
+    bert = parallelize_module(_bert(), None, {"cls.predictions.transform.dense": "colwise"})
+    with pytest.raises(ValueError, match=r"cls.predictions.transform.dense: the masked-LM encoders' pipeline "
+                                         r"stages .* tensor-parallel plan"):
+        split_hf(bert, 2)
+    classifier = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(ValueError, match=r"cannot split BertForSequenceClassification.*BertForMaskedLM.*split="):
+        split_hf(classifier, 2)
     with pytest.raises(ValueError, match=r"decoder_attention_mask"):
         split_hf(_t5(), 2)[0](None, dict(_batches("t5", steps=1)[0], decoder_attention_mask=torch.ones(8, 12)))

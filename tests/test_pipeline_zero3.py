@@ -5,9 +5,10 @@ tier (optimizer too), and gathered per block inside the 1F1B and interleaved sch
 single-process reference within the float64 oracle's bound (tests/reference.py), for
 tiertrain's GPT (tied embeddings: the exchange between first and last stage runs on the
 accumulated flat gradients) and Hugging Face models split by hf_split (Llama with GQA, tied
-GPT-2, tied T5 encoder-decoder); between steps every rank holds only its 1/dp shard of each
-block, and each block is gathered once for each micro-batch's forward and once for its
-backward. The NVMe tier (parameters and optimizer) is checked once too.
+GPT-2, tied T5 encoder-decoder, BERT masked-LM encoder with its tied head); between steps
+every rank holds only its 1/dp shard of each block, and each block is gathered once for each
+micro-batch's forward and once for its backward. The NVMe tier (parameters and optimizer) is
+checked once too.
 """
 from __future__ import annotations
 
@@ -68,22 +69,39 @@ def _t5():
     return transformers.T5ForConditionalGeneration(config).train()
 
 
+def _bert():
+    torch.manual_seed(0)
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)).train()
+
+
 def _gpt():
     return make_model(n_layers=GPT_LAYERS)
 
 
-MODELS = {"gpt": _gpt, "llama": _llama, "gpt2": _gpt2, "t5": _t5}
-TIED.update({"gpt2": ("transformer.wte.weight", "lm_head.weight"), "t5": ("shared.weight", "lm_head.weight")})
+MODELS = {"gpt": _gpt, "llama": _llama, "gpt2": _gpt2, "t5": _t5, "bert": _bert}
+TIED.update({"bert": ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"),
+             "gpt2": ("transformer.wte.weight", "lm_head.weight"), "t5": ("shared.weight", "lm_head.weight")})
 CASES = [("gpt", "1f1b", 1), ("gpt", "interleaved", 2), ("llama", "1f1b", 1), ("llama", "interleaved", 2),
-         ("gpt2", "1f1b", 1), ("t5", "interleaved", 2)]
+         ("gpt2", "1f1b", 1), ("t5", "interleaved", 2), ("bert", "1f1b", 1)]
 """tiertrain's GPT (tied), a GQA decoder (Llama, untied), a tied decoder (GPT-2), an
-encoder-decoder (T5, tied; position biases carried between stages)."""
+encoder-decoder (T5, tied; position biases carried between stages), a masked-LM encoder
+(BERT, tied; labels aligned with the inputs, -100 where not predicted)."""
 
 
 def _batches(dp, name="gpt"):
     batches = global_batches(STEPS, MICRO * ACCUM * dp)
     if name == "t5":  # a decoder shorter than the encoder; decoder inputs built from the labels
         return [{"input_ids": b["input_ids"], "labels": b["labels"][:, :12].contiguous()} for b in batches]
+    if name == "bert":  # a quarter of each row masked (token 3) and predicted, token types 0 then 1
+        out = []
+        for b in batches:
+            ids, (rows, seq) = b["input_ids"], b["input_ids"].shape
+            masked = (torch.arange(seq) + torch.arange(rows)[:, None]) % 4 == 0
+            out.append({"input_ids": ids.masked_fill(masked, 3), "labels": ids.masked_fill(~masked, -100),
+                        "token_type_ids": (torch.arange(seq) >= seq // 2).long().expand(rows, seq).contiguous()})
+        return out
     return batches
 
 

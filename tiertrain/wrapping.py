@@ -28,8 +28,9 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
     unit_modules: stage-3 gather units by module name (default: children of ModuleLists).
 
     With parallel.pp > 1 this returns a :class:`~tiertrain.pipeline.engine.PipelineEngine`:
-    model is a tiertrain GPT (split into stages here) or this rank's list of stage modules,
-    each called as stage(x, batch); activation_shape is the shape of the tensor passed
+    model is a tiertrain GPT or a Hugging Face model of a family tiertrain/pipeline/hf_split.py
+    recognises (split into stages here), or this rank's list of stage modules, each called as
+    stage(x, batch); activation_shape is the shape of the tensor passed
     between stages for a micro-batch (known for GPT stages), or a function of the batch.
     With activations.checkpoint_every = k > 0, every k-th block (children of ModuleLists)
     recomputes its activations in backward (tiertrain.offload.activations); apply it

@@ -19,12 +19,13 @@ from .schedule import (Action, ActionKind, Schedule, ScheduleDeadlock, Timeline,
 from .stage import (GPTStage, norm_parameters, pipeline_grad_norm, split_gpt, stage_boundaries, stages_for_rank,
                     sum_tied_gradients, tied_weight_grad_sync)
 from .engine import PipelineEngine, pipeline_stages
+from .hf_split import split_hf
 
 __all__ = [
     "Action", "ActionKind", "GPTStage", "P2PTimeout", "PipeComm", "PipelineEngine", "PipelineExecutor", "Schedule",
     "ScheduleDeadlock", "Timeline", "backward_from", "bubble_fraction", "gpipe", "ideal_bubble",
     "interleaved_one_f_one_b", "local_chunk", "lower", "max_in_flight", "norm_parameters", "one_f_one_b",
-    "pipeline_grad_norm", "pipeline_stages", "sum_tied_gradients",
+    "pipeline_grad_norm", "pipeline_stages", "split_hf", "sum_tied_gradients",
     "release_output", "render", "split_gpt", "stage_boundaries", "stage_rank", "stages_for_rank",
     "tied_weight_grad_sync", "timeline", "validate",
 ]

@@ -58,9 +58,9 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_one
 def pipeline_stages(model: nn.Module | Sequence[nn.Module], topology: Topology, virtual_stages: int = 1,
                     balance: str = "layers", split: list[list[str]] | None = None) -> list[nn.Module]:
     """This rank's stage modules: a tiertrain GPT (or its tensor-parallel form) or a Hugging Face
-    model (:mod:`.hf_split`: Llama/Mistral/Qwen2/Qwen3, GPT-2, T5; also after a tensor-parallel
-    plan) is split into ``pp × virtual_stages``
-    stages and this rank keeps stages ``r, r+p, …``; a list is taken as this rank's stages
+    model (:mod:`.hf_split`: Llama/Mistral/Qwen2/Qwen3, GPT-2, T5, BERT/RoBERTa MLM; also after
+    a tensor-parallel plan) is split into ``pp × virtual_stages`` stages and this rank keeps
+    stages ``r, r+p, …``; a list is taken as this rank's stages
     already (each called as ``stage(x, batch)``, see :mod:`.stage`). ``balance``: "layers" or
     "params"; ``split`` (models other than tiertrain's GPT): one list of module names per
     stage, all ``pp × virtual_stages`` of them, in model order (see :mod:`.hf_split`)."""

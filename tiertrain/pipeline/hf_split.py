@@ -22,9 +22,17 @@ Recognised families (:func:`recognise`):
   ``decoder.final_layer_norm``, ``lm_head`` (tied to ``shared`` by default, the decoder output
   then scaled by ``d_model**-0.5`` as the model does). The blocks are numbered encoder first
   (``layers`` 0 … Le-1), then decoder (Le … Le+Ld-1); the encoder's final norm rides with its
-  last block, so a stage boundary may fall anywhere, also inside either stack.
+  last block, so a stage boundary may fall anywhere, also inside either stack;
+* **encoders with a masked-LM head** (``model_type`` in :data:`ENCODERS`, ``BertForMaskedLM``,
+  ``RobertaForMaskedLM``): ``<base>.embeddings`` (word + position + token-type embeddings,
+  LayerNorm, dropout; ``<base>`` = ``bert`` or ``roberta``), ``<base>.encoder.layer``, the MLM
+  head ``cls`` (BERT) or ``lm_head`` (RoBERTa), its decoder tied to the word embeddings. The
+  loss is the masked-LM cross-entropy, the model's own: labels *aligned* with the inputs (not
+  shifted), ``-100`` where a token is not predicted. A batch is ``input_ids``, ``labels`` and
+  optionally ``token_type_ids`` (given to the embeddings on stage 0); every block stage makes
+  the bidirectional mask itself (no padding: none). Not with a tensor-parallel plan yet.
 
-Decoders: only the hidden states travel between stages, ``[batch, seq, hidden]``: every stage
+Decoders and encoders: only the hidden states travel between stages, ``[batch, seq, hidden]``: every stage
 that runs blocks recomputes what its blocks need besides (position ids, the rotary cos/sin, the
 causal mask) from the batch, with the model's own modules and mask functions, so the maths is
 the unsplit model's. A padding ``attention_mask`` (or ``decoder_attention_mask``) in the batch
@@ -98,10 +106,14 @@ import torch.nn.functional as F
 
 from .stage import _min_max_partition
 
-__all__ = ["ENCODER_DECODERS", "ROTARY_DECODERS", "Family", "HFStage", "recognise", "split_hf"]
+__all__ = ["ENCODERS", "ENCODER_DECODERS", "ROTARY_DECODERS", "Family", "HFStage", "recognise", "split_hf"]
 
 ENCODER_DECODERS = frozenset({"t5"})
 """``config.model_type`` values split as encoder-decoders (T5ForConditionalGeneration)."""
+
+ENCODERS = frozenset({"bert", "roberta"})
+"""``config.model_type`` values split as bidirectional encoders with a masked-LM head
+(``BertForMaskedLM``, ``RobertaForMaskedLM``): embeddings → encoder.layer → MLM head."""
 
 ROTARY_DECODERS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 """``config.model_type`` values whose base model runs embed_tokens → layers (each given the rotary
@@ -113,7 +125,7 @@ scale, no soft-capping): the families the rotary-decoder stages reproduce exactl
 class Family:
     """Where a recognised model keeps its parts (module paths)."""
 
-    kind: str  # "rotary", "gpt2" or "sequential"
+    kind: str  # "rotary", "gpt2", "t5", "encoder" or "sequential"
     embed: list[str]  # the embedding group: stage 0
     blocks: list[str]  # one path per block, in order
     head: list[str]  # final norm + head: the last stage
@@ -166,6 +178,19 @@ def recognise(model: nn.Module) -> Family:
                           [f"encoder.block.{i}" for i in range(le)] + [f"decoder.block.{i}" for i in range(ld)],
                           ["decoder.final_layer_norm", "lm_head"], ["encoder.dropout", "decoder.dropout"],
                           after={last_enc: ["encoder.final_layer_norm"]}, encoder_blocks=le)
+    if model_type in ENCODERS:
+        prefix = getattr(model, "base_model_prefix", None) or model_type
+        enc_base = getattr(model, prefix, None)
+        mlm = "cls" if hasattr(model, "cls") else "lm_head"
+        layers = getattr(getattr(enc_base, "encoder", None), "layer", None)
+        if (type(model).__name__.endswith("ForMaskedLM") and hasattr(enc_base, "embeddings")
+                and isinstance(layers, nn.ModuleList) and getattr(model, mlm, None) is not None
+                and getattr(enc_base, "pooler", None) is None):
+            if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+                raise ValueError(f"{type(model).__name__} with is_decoder=True or add_cross_attention=True is not "
+                                 f"split automatically (only the bidirectional masked-LM encoder is); {_how()}")
+            return Family("encoder", [f"{prefix}.embeddings"],
+                          [f"{prefix}.encoder.layer.{i}" for i in range(len(layers))], [mlm])
     tr = getattr(model, "transformer", None)
     if (model_type == "gpt2" and tr is not None and head is not None
             and all(hasattr(tr, a) for a in ("wte", "wpe", "drop", "h", "ln_f"))):
@@ -177,7 +202,9 @@ def recognise(model: nn.Module) -> Family:
     raise ValueError(f"cannot split {type(model).__name__} (model_type={model_type!r}) into pipeline stages "
                      f"automatically: recognised are Hugging Face causal LMs of the rotary-decoder families "
                      f"({', '.join(sorted(ROTARY_DECODERS))}: model.embed_tokens/layers/norm/rotary_emb + lm_head)"
-                     f", GPT-2 (transformer.wte/wpe/h/ln_f + lm_head) and the encoder-decoder "
+                     f", GPT-2 (transformer.wte/wpe/h/ln_f + lm_head), the masked-LM encoders "
+                     f"BertForMaskedLM/RobertaForMaskedLM (bert/roberta.embeddings, encoder.layer, cls/lm_head) "
+                     f"and the encoder-decoder "
                      f"T5ForConditionalGeneration (shared, encoder/decoder.block, lm_head); "
                      f"found children: {_children(model)}; "
                      f"{_how()}")
@@ -195,9 +222,12 @@ def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
 
 
 def _head_loss(stage: "HFStage", logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The loss of the last stage; a vocabulary-parallel head (``lm_head`` made a
-    :class:`~tiertrain.parallel.ColumnParallelLinear` by a tensor-parallel plan, its logits
-    [B, T, V/t]) gets the vocab-parallel cross-entropy, never gathering the logits."""
+    """The loss of the last stage: the cross-entropy of the logits against the labels at the
+    same positions (:func:`next_token_loss`: decoders' labels come already shifted, a masked-LM
+    encoder's are aligned with its inputs; neither is shifted here). A vocabulary-parallel head
+    (``lm_head`` made a :class:`~tiertrain.parallel.ColumnParallelLinear` by a tensor-parallel
+    plan, its logits [B, T, V/t]) gets the vocab-parallel cross-entropy, never gathering the
+    logits."""
     from ..parallel.tensor import ColumnParallelLinear, tp_world_size, vocab_parallel_cross_entropy
     head = getattr(stage, "lm_head", None)
     vocab = getattr(stage.hf_config, "vocab_size", None)
@@ -242,6 +272,9 @@ class HFStage(nn.Module):
         self.encoder_blocks = family.encoder_blocks
         self._blocks = list(family.blocks)
         self._stack_configs = ((model.encoder.config, model.decoder.config) if self.kind == "t5" else None)
+        self._encoder_base = family.embed[0].rsplit(".", 1)[0] if self.kind == "encoder" else None
+        self._encoder_config = (getattr(model.get_submodule(self._encoder_base), "config", self.hf_config)
+                                if self.kind == "encoder" else None)
         run = [p for p in paths if p in blocks] if self.kind != "sequential" else list(paths)
         if (self.layers or self.kind == "t5") and self.kind != "sequential":
             run = [*family.shared, *run]
@@ -343,6 +376,8 @@ class HFStage(nn.Module):
                              "give batches of input_ids, labels and optionally decoder_input_ids only")
         if self.kind == "t5":
             return self._t5_forward(x, batch)
+        if self.kind == "encoder":
+            return self._encoder_forward(x, batch)
         ids = batch["input_ids"]
         if self.kind == "sequential":
             for i, (_, module) in enumerate(self._run):
@@ -370,6 +405,23 @@ class HFStage(nn.Module):
                 x = block(x, None, mask, None, encoder_attention_mask=None, use_cache=False, position_ids=pos)
         if self.is_last:
             return _head_loss(self, self.lm_head(self.transformer.ln_f(x)), batch["labels"])
+        return x
+
+    def _encoder_forward(self, x: torch.Tensor | None, batch: dict) -> torch.Tensor:
+        """BERT/RoBERTa: embeddings (with the batch's token_type_ids, if any), the encoder's
+        layers under the bidirectional mask the model makes (no padding), the MLM head and the
+        masked-LM loss, labels aligned with the inputs."""
+        if self.is_first:
+            embeddings = self.get_submodule(f"{self._encoder_base}.embeddings")
+            x = embeddings(input_ids=batch["input_ids"], token_type_ids=batch.get("token_type_ids"))
+        if self.layers:
+            from transformers.masking_utils import create_bidirectional_mask
+            mask = create_bidirectional_mask(config=self._encoder_config, inputs_embeds=x, attention_mask=None)
+            for _, layer in self._run:
+                x = layer(x, mask)
+        if self.is_last:
+            head = self.get_submodule(self.paths[-1])
+            return _head_loss(self, head(x), batch["labels"])
         return x
 
     def _rotary_blocks(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -513,6 +565,9 @@ def _check_tensor_parallel(model: nn.Module, family: Family) -> None:
     for name, m in model.named_modules():
         if not isinstance(m, parallel):
             continue
+        if family.kind == "encoder":
+            raise ValueError(f"{name}: the masked-LM encoders' pipeline stages (BERT, RoBERTa) do not take a "
+                             f"tensor-parallel plan yet; split the model unconverted (tp=1)")
         if m.sequence_parallel:
             raise ValueError(f"{name} is sequence parallel: hf_split's stages do not support sequence parallelism "
                              f"(they run the whole sequence between the tensor-parallel blocks); convert the model "

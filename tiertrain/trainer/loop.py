@@ -245,7 +245,7 @@ class Trainer:
                     if writers is not None:
                         writers.write(last_train)
                     if bar is not None:
-                        bar.setpostfix(**postfix(last_train, last_eval), refresh=False)
+                        bar.set_postfix(**postfix(last_train, last_eval), refresh=False)
                     window = Window(self.engine)
                 if cfg.eval.every and (step % cfg.eval.every == 0 or final):
                     with window.excluded():  # the window measures training, not evaluation
@@ -254,7 +254,7 @@ class Trainer:
                     if writers is not None:
                         writers.write(last_eval)
                     if bar is not None:
-                        bar.setpostfix(**postfix(last_train, last_eval), refresh=False)
+                        bar.set_postfix(**postfix(last_train, last_eval), refresh=False)
                 if bar is not None:
                     bar.update(1)
                 self._maybe_save(step, final)
