@@ -94,6 +94,20 @@ def _floats_to(batch, dtype):
     return batch
 
 
+def tp_gathered(engine, local: dict) -> dict:
+    """This rank's fp32 parameters (``local``, e.g. what engine_train returns) with every
+    tensor-parallel shard gathered over the tp group: whole parameters (of this pipeline
+    stage's, with pp > 1), comparable with the reference's."""
+    from tiertrain.parallel.tensor import gather_tensor
+
+    group = engine.topology.group("tp")
+    out = {}
+    for name, tensor in local.items():
+        p = engine.flat.params[name]
+        out[name] = gather_tensor(tensor, p.tp_shard_dim, group) if getattr(p, "tp_sharded", False) else tensor
+    return out
+
+
 def rank_slices(batch, rank: int, dp: int, micro: int, accum: int):
     """This rank's micro-batches of one global batch: rows (j·dp + rank)·micro onwards."""
     for j in range(accum):

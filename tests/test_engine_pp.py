@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import tiertrain
-from reference import Oracle, engine_train, global_batches, make_config, make_model, rank_slices, reference_train
+from reference import (Oracle, engine_train, global_batches, make_config, make_model, rank_slices, reference_train,
+                       tp_gathered)
 from tiertrain.config import ConfigError
 from tiertrain.parallel import apply_tensor_parallel
-from tiertrain.parallel.tensor import gather_tensor
 from tiertrain.testing import RankFailure, run_distributed
 
 LAYERS = 4
@@ -37,23 +37,13 @@ def _batches(dp):
     return global_batches(STEPS, MICRO * ACCUM * dp)
 
 
-def _whole_model(engine, local):
-    """This rank's fp32 parameters with tensor-parallel shards gathered (still one stage's)."""
-    group = engine.topology.group("tp")
-    out = {}
-    for name, tensor in local.items():
-        p = engine.flat.params[name]
-        out[name] = gather_tensor(tensor, p.tp_shard_dim, group) if getattr(p, "tp_sharded", False) else tensor
-    return out
-
-
 def _run(rank, world, cases):
     results = []
     for stage, dp, tp, pp, schedule, v, dtype in cases:
         prepare = (lambda m, topo: apply_tensor_parallel(m, topo)) if tp > 1 else None
         losses, local, engine = engine_train(rank, world, make_model(n_layers=LAYERS),
                                              _config(stage, dp, tp, pp, schedule, v, dtype), _batches(dp), prepare)
-        results.append((losses, _whole_model(engine, local), engine.topology.coord("pp"),
+        results.append((losses, tp_gathered(engine, local), engine.topology.coord("pp"),
                         engine.executor.stats["max_in_flight"]))
     return results
 
@@ -110,7 +100,7 @@ def _scatter_gather(rank, world):
         for batch in _batches(1):
             losses.append(engine.train_batch(rank_slices(batch, 0, 1, MICRO, ACCUM)))
             sent += engine.executor.stats["bytes_sent"]
-        out[scattered] = (sent, losses, _whole_model(engine, engine.full_state_dict()))
+        out[scattered] = (sent, losses, tp_gathered(engine, engine.full_state_dict()))
         engine.close()
     return out
 

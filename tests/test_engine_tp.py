@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from reference import Oracle, engine_train, global_batches, make_config, make_model, reference_train
+from reference import Oracle, engine_train, global_batches, make_config, make_model, reference_train, tp_gathered
 from tiertrain.parallel import apply_tensor_parallel
-from tiertrain.parallel.tensor import gather_tensor
 from tiertrain.testing import run_distributed
 
 
@@ -25,12 +24,7 @@ def _tp_run(rank, world, stage, dp, tp, sequence_parallel):
     losses, local, engine = engine_train(
         rank, world, make_model(), cfg, global_batches(4, 2 * 2 * dp),
         prepare=lambda m, topo: apply_tensor_parallel(m, topo, sequence_parallel=sequence_parallel))
-    group = engine.topology.group("tp")
-    full = {}
-    for name, tensor in local.items():
-        p = engine.flat.params[name]
-        full[name] = gather_tensor(tensor, p.tp_shard_dim, group) if getattr(p, "tp_sharded", False) else tensor
-    return losses, full
+    return losses, tp_gathered(engine, local)
 
 
 @pytest.mark.timeout(90)

@@ -32,9 +32,10 @@ import torch.nn as nn
 
 import tiertrain
 
-from reference import Oracle, engine_train, global_batches, make_config, rank_slices, reference_train
+from hf_pipeline_models import T5_TARGET, TIED as HF_TIED, mlm as _mlm
+from hf_pipeline_models import bert as _bert, gpt2 as _gpt2, llama as _llama, qwen2_tied as _qwen2_tied, t5 as _t5
+from reference import Oracle, engine_train, global_batches, make_config, rank_slices, reference_train, tp_gathered
 from tiertrain.parallel import parallelize_module
-from tiertrain.parallel.tensor import gather_tensor
 from tiertrain.pipeline import pipeline_stages
 from tiertrain.pipeline.hf_split import next_token_loss, split_hf
 from tiertrain.testing import run_distributed
@@ -45,71 +46,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the references: see 
 MICRO, ACCUM, STEPS = 2, 4, 3
 LLAMA_SPLIT = [["model.embed_tokens", "model.layers.0"],
                ["model.layers.1", "model.layers.2", "model.layers.3", "model.norm", "lm_head"]]
-
-
-def _shifted_loss(logits, labels, vocab_size=None, **kwargs):
-    """The reference model's loss: the pipeline's last stage's (labels already shifted)."""
-    return next_token_loss(logits, labels)
-
-
-def _llama():
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False))
-    model.loss_function = _shifted_loss
-    return model.train()
-
-
-def _gpt2():
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=256, n_embd=32, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
-    model.loss_function = _shifted_loss
-    return model.train()
-
-
-def _qwen2_tied():
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True))
-    model.loss_function = _shifted_loss
-    return model.train()
-
-
-def _t5(tie=True):
-    torch.manual_seed(0)
-    config = transformers.T5Config(vocab_size=256, d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2,
-                                   num_heads=4, d_kv=8, relative_attention_num_buckets=8, dropout_rate=0.0,
-                                   decoder_start_token_id=0, pad_token_id=0, tie_word_embeddings=tie)
-    config.tie_word_embeddings = tie  # (T5Config's constructor sets it True whatever it is given)
-    return transformers.T5ForConditionalGeneration(config).train()
-
-
-def _bert(family="bert"):
-    torch.manual_seed(0)
-    kind, config = ((transformers.BertForMaskedLM, transformers.BertConfig) if family == "bert"
-                    else (transformers.RobertaForMaskedLM, transformers.RobertaConfig))
-    return kind(config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                       num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                       attention_probs_dropout_prob=0.0)).train()
-
-
-MASK_TOKEN = 3
-
-
-def _mlm(batch):
-    """A masked-LM batch from a tiertrain one: a quarter of the positions of every row (the
-    same count per row, so the mean over micro-batches is the global batch's mean) replaced by
-    MASK_TOKEN and predicted (labels aligned with the inputs, -100 elsewhere); token types 0
-    then 1 (two segments)."""
-    ids = batch["input_ids"]
-    rows, seq = ids.shape
-    masked = (torch.arange(seq) + torch.arange(rows)[:, None]) % 4 == 0
-    return {"input_ids": ids.masked_fill(masked, MASK_TOKEN), "labels": ids.masked_fill(~masked, -100),
-            "token_type_ids": (torch.arange(seq) >= seq // 2).long().expand(rows, seq).contiguous()}
 
 
 class _Chain(nn.Module):
@@ -131,9 +67,7 @@ class _Chain(nn.Module):
 
 
 MODELS = {"llama": _llama, "gpt2": _gpt2, "qwen2-tied": _qwen2_tied, "chain": _Chain, "t5": _t5, "bert": _bert}
-TIED = {"bert": ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"),
-        "gpt2": ("transformer.wte.weight", "lm_head.weight"), "chain": ("embed.weight", "out.weight"),
-        "qwen2-tied": ("model.embed_tokens.weight", "lm_head.weight"), "t5": ("shared.weight", "lm_head.weight")}
+TIED = {**HF_TIED, "chain": ("embed.weight", "out.weight")}
 
 TP_PLANS = {  # (tiertrain.parallel.parallelize_module)
     "llama": {"model.embed_tokens": "vocab", "model.layers.*.self_attn.[qkv]_proj": "colwise",
@@ -160,9 +94,6 @@ def _batches(name="llama", dp=1, steps=STEPS):
     if name == "bert":
         return [_mlm(b) for b in batches]
     return batches
-
-
-T5_TARGET = 12
 
 
 SPLITS = {"llama": LLAMA_SPLIT, "chain": [["embed", "body.0"], ["body.1", "out"]]}
@@ -195,16 +126,6 @@ GRID_CASES = [  # (model, zero stage, schedule, virtual stages) at (2,1,2) and (
     ("t5", 0, "interleaved", 2),
 ]
 GRID_STEPS = 2
-
-
-def _whole_model(engine, local):
-    """This rank's fp32 parameters with tensor-parallel shards gathered (still one stage's)."""
-    group = engine.topology.group("tp")
-    out = {}
-    for name, tensor in local.items():
-        p = engine.flat.params[name]
-        out[name] = gather_tensor(tensor, p.tp_shard_dim, group) if getattr(p, "tp_sharded", False) else tensor
-    return out
 
 
 def _run(rank, world, cases):
@@ -268,7 +189,7 @@ def _grid_run(rank, world, dp, tp, cases):
         losses, local, engine = engine_train(rank, world, MODELS[name](), _config(stage, 2, schedule, v, dp, tp),
                                              _batches(name, dp, GRID_STEPS), prepare)
         sharded = sorted(n for s in engine.stages for n, p in s.named_parameters() if getattr(p, "tp_sharded", False))
-        out.append((losses, _whole_model(engine, local), engine.executor.scatter_gather,
+        out.append((losses, tp_gathered(engine, local), engine.executor.scatter_gather,
                     engine.executor.stats["bytes_sent"], sharded))
         if (name, schedule) == ("llama", "1f1b") and tp > 1:  # once more without scatter/gather
             engine.close()
@@ -277,7 +198,7 @@ def _grid_run(rank, world, dp, tp, cases):
             engine = tiertrain.wrap(prepare(whole, topology), _config(stage, 2, schedule, v, dp, tp), topology)
             engine.executor.scatter_gather = False
             plain = [engine.train_batch(rank_slices(b, 0, 1, MICRO, ACCUM)) for b in _batches(name, dp, GRID_STEPS)]
-            out[-1] += (plain, _whole_model(engine, engine.full_state_dict()), engine.executor.stats["bytes_sent"])
+            out[-1] += (plain, tp_gathered(engine, engine.full_state_dict()), engine.executor.stats["bytes_sent"])
         engine.close()
     return out
 

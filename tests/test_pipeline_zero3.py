@@ -15,16 +15,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_pipeline_models import T5_TARGET, TIED as HF_TIED, bert, gpt2, llama, mlm, t5
 from reference import Oracle, engine_train, global_batches, make_config, make_model, reference_train
-from tiertrain.pipeline.hf_split import next_token_loss
 from tiertrain.testing import run_distributed
 
-transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the references: see conftest.py
 
 MICRO, ACCUM, STEPS = 2, 4, 2
 GPT_LAYERS = 6
-TIED = {"gpt": ("embed.weight", "head.weight")}
+TIED = {**HF_TIED, "gpt": ("embed.weight", "head.weight")}
 
 
 def _config(stage, dp, pp, schedule="1f1b", v=1, nvme_path=None):
@@ -38,51 +37,12 @@ def _config(stage, dp, pp, schedule="1f1b", v=1, nvme_path=None):
                        optimizer={"eps": 1e-3, "lr": 1e-2, "grad_clip": 0.05})
 
 
-def _shifted_loss(logits, labels, vocab_size=None, **kwargs):
-    """The reference model's loss: the pipeline's last stage's (labels already shifted)."""
-    return next_token_loss(logits, labels)
-
-
-def _llama():
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False))
-    model.loss_function = _shifted_loss
-    return model.train()
-
-
-def _gpt2():
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=256, n_embd=32, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
-    model.loss_function = _shifted_loss
-    return model.train()
-
-
-def _t5():
-    torch.manual_seed(0)
-    config = transformers.T5Config(vocab_size=256, d_model=32, d_ff=64, num_layers=2, num_decoder_layers=2,
-                                   num_heads=4, d_kv=8, relative_attention_num_buckets=8, dropout_rate=0.0,
-                                   decoder_start_token_id=0, pad_token_id=0, tie_word_embeddings=True)
-    return transformers.T5ForConditionalGeneration(config).train()
-
-
-def _bert():
-    torch.manual_seed(0)
-    return transformers.BertForMaskedLM(transformers.BertConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)).train()
-
-
 def _gpt():
     return make_model(n_layers=GPT_LAYERS)
 
 
-MODELS = {"gpt": _gpt, "llama": _llama, "gpt2": _gpt2, "t5": _t5, "bert": _bert}
-TIED.update({"bert": ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"),
-             "gpt2": ("transformer.wte.weight", "lm_head.weight"), "t5": ("shared.weight", "lm_head.weight")})
+MODELS = {"gpt": _gpt, "llama": llama, "gpt2": gpt2, "t5": t5, "bert": bert}
+
 CASES = [("gpt", "1f1b", 1), ("gpt", "interleaved", 2), ("llama", "1f1b", 1), ("llama", "interleaved", 2),
          ("gpt2", "1f1b", 1), ("t5", "interleaved", 2), ("bert", "1f1b", 1)]
 """tiertrain's GPT (tied), a GQA decoder (Llama, untied), a tied decoder (GPT-2), an
@@ -93,15 +53,9 @@ encoder-decoder (T5, tied; position biases carried between stages), a masked-LM 
 def _batches(dp, name="gpt"):
     batches = global_batches(STEPS, MICRO * ACCUM * dp)
     if name == "t5":  # a decoder shorter than the encoder; decoder inputs built from the labels
-        return [{"input_ids": b["input_ids"], "labels": b["labels"][:, :12].contiguous()} for b in batches]
-    if name == "bert":  # a quarter of each row masked (token 3) and predicted, token types 0 then 1
-        out = []
-        for b in batches:
-            ids, (rows, seq) = b["input_ids"], b["input_ids"].shape
-            masked = (torch.arange(seq) + torch.arange(rows)[:, None]) % 4 == 0
-            out.append({"input_ids": ids.masked_fill(masked, 3), "labels": ids.masked_fill(~masked, -100),
-                        "token_type_ids": (torch.arange(seq) >= seq // 2).long().expand(rows, seq).contiguous()})
-        return out
+        return [{"input_ids": b["input_ids"], "labels": b["labels"][:, :T5_TARGET].contiguous()} for b in batches]
+    if name == "bert":  # a quarter of each row masked and predicted, token types 0 then 1
+        return [mlm(b) for b in batches]
     return batches
 
 

@@ -41,6 +41,7 @@ from ..zero.flat import FlatParameters
 from ..zero.layout import FlatLayout, Unit, module_layout
 from ..zero.plan import GradientPlan, default_unit_modules, parameter_aliases
 from ..zero.recompute import recomputing
+from ..zero.stage3 import tensors_in
 from .executor import PipelineExecutor
 
 __all__ = ["block_prefixes", "stage3_plan", "PipelineFetcher", "Stage3Executor"]
@@ -98,17 +99,6 @@ def stage3_plan(stages: Sequence[nn.Module], config: Config, dp: int,
     return plan, units_of_chunk, modules
 
 
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors(x)
-
-
 class PipelineFetcher:
     """Gathers and releases a pipeline rank's stage-3 units (see the module docstring).
     ``chunks``: per local chunk, its (unit index, module) pairs, the root (the stage module
@@ -156,8 +146,8 @@ class PipelineFetcher:
             if not is_root and torch.is_grad_enabled():
                 # The unit's backward begins when the gradient of a tensor it produced arrives
                 # (not of one it passed through, whose gradient may come after its backward).
-                passed = {id(t) for t in _tensors((args, kwargs))}
-                for t in _tensors(output):
+                passed = {id(t) for t in tensors_in((args, kwargs))}
+                for t in tensors_in(output):
                     if t.requires_grad and id(t) not in passed:
                         t.register_hook(lambda grad, index=index: self._gather(index))
             self.flat.release(index)

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from ..data.sampler import ShardedSampler
+from ..zero.stage3 import tensors_in
 
 __all__ = ["BatchStream", "DatasetBatches", "IterableBatches", "batch_stream", "eval_batches", "is_dataset",
            "count_tokens"]
@@ -170,20 +171,9 @@ def count_tokens(batch: Any) -> int:
     otherwise the number of samples (the first tensor's first dimension)."""
     if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
         return batch["input_ids"].numel()
-    first = _first_tensor(batch)
+    first = next(tensors_in(batch), None)
     if first is None:
         return 0
     if first.dim() >= 2 and not first.is_floating_point():
         return first.numel()
     return first.shape[0] if first.dim() else 1
-
-
-def _first_tensor(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj
-    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    for v in values:
-        t = _first_tensor(v)
-        if t is not None:
-            return t
-    return None

@@ -32,15 +32,16 @@ from .flat import COPY_AHEAD, NVME_READ_AHEAD, FlatParameters
 from .recompute import recomputing
 
 
-def _tensors(obj: Any):
+def tensors_in(obj: Any):
+    """Every tensor in obj, depth first: obj itself, or inside lists, tuples and dict values."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
         for x in obj:
-            yield from _tensors(x)
+            yield from tensors_in(x)
     elif isinstance(obj, dict):
         for x in obj.values():
-            yield from _tensors(x)
+            yield from tensors_in(x)
 
 
 METADATA = frozenset({"size", "dim", "numel", "element_size", "is_floating_point", "is_complex", "__len__",
@@ -77,7 +78,7 @@ class ReleasedParameterCheck(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _reads_values(func):
-            for t in _tensors((args, kwargs)):
+            for t in tensors_in((args, kwargs)):
                 hit = self._unit_of.get(id(t))
                 if hit is not None and not self.flat.all_units[hit[0]].gathered:
                     unit = self.flat.all_units[hit[0]].unit
@@ -301,12 +302,12 @@ class ParameterFetcher:
                 # layers return the position bias they were given) says nothing about this
                 # unit: its gradient may arrive after the unit's backward is over, and a
                 # backward visit then would gather the unit again with nothing to release it.
-                passed_through = {id(t) for t in _tensors((args, kwargs))}
-                produced = [t for t in _tensors(output) if t.requires_grad and id(t) not in passed_through]
+                passed_through = {id(t) for t in tensors_in((args, kwargs))}
+                produced = [t for t in tensors_in(output) if t.requires_grad and id(t) not in passed_through]
                 for t in produced:
                     t.register_hook(lambda grad, index=index: self._visit_backward(index))
                 if produced and index in self.frozen_of:
-                    self._note_call(index, [t for t in _tensors((args, kwargs)) if t.requires_grad])
+                    self._note_call(index, [t for t in tensors_in((args, kwargs)) if t.requires_grad])
             self._release(index)
         return hook
 
