@@ -245,3 +245,30 @@ def test_the_quickstart_example_trains_evaluates_and_resumes(tmp_path):
     assert [r["step"] for r in records if "eval_loss" in r] == [10, 20, 30]
     losses = [r["loss"] for r in records if "loss" in r]
     assert losses[-1] < losses[0]
+
+
+def _tensor_parallel(rank, world):
+    from tiertrain.parallel import apply_tensor_parallel
+
+    config = loop_config(parallel={"tp": 2}, steps=1)
+    topology = tiertrain.Topology.build(config.parallel)
+
+    def sliced():
+        model = make_model()
+        apply_tensor_parallel(model, topology)
+        return model
+
+    with Trainer(sliced, config, micro_batches_of(global_batches(1, MICRO), 1), topology=topology) as trainer:
+        trainer.fit()
+        report = trainer.engine.memory_report()
+        return trainer.flops_per_token, trainer.predicted_bytes["device"], report.total
+
+
+@pytest.mark.timeout(60)
+def test_flops_and_predicted_bytes_of_a_tensor_parallel_model_are_the_whole_models():
+    """At tp = 2 each rank builds its slice: the FLOPs per token are still the whole model's
+    (a slice's weights count tp times) and the predicted bytes are the slice's, not half of it."""
+    whole = Trainer(make_model(), loop_config(steps=1), micro_batches_of(global_batches(1, MICRO), 1))
+    for flops, predicted, measured in run_distributed(_tensor_parallel, 2, timeout=50):
+        assert flops == whole.flops_per_token
+        assert predicted == measured

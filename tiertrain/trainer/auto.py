@@ -112,11 +112,16 @@ MODEL_STATE_LINES = ("parameters", "gradients", "master weights", "optimizer sta
 
 def predicted_tier_bytes(model: torch.nn.Module, cfg: Config, world_size: int) -> dict[str, int]:
     """The estimator's model-state bytes per rank in each tier ("device", "cpu", "nvme") for
-    a whole (or meta-device) model trained under cfg: what ``Engine.memory_report`` should
-    show (its parameters, gradients, master weights and optimizer states)."""
+    a whole (or meta-device) model, or its tensor-parallel slice, trained under cfg: what
+    ``Engine.memory_report`` should show (its parameters, gradients, master weights and
+    optimizer states)."""
     from ..estimate import ZeroLayout, estimate
 
     layout = ZeroLayout.from_config(cfg, world_size)
+    if any(getattr(p, "tp_sharded", False) for p in model.parameters()):
+        # The model holds this rank's tensor-parallel slices already: the layout must not
+        # divide them by tp again (replicated parameters are whole on every tp rank).
+        layout = dataclasses.replace(layout, tp=1)
     sizes = [p.numel() for p in model.parameters() if p.requires_grad]
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     out = {"device": 0, "cpu": 0, "nvme": 0}

@@ -7,7 +7,8 @@ reward it):
 * every weight used in a matmul costs 2 FLOPs per token forward and 4 backward (the input
   gradient and the weight gradient): 6·W for trained weights. A frozen weight still needs
   the input gradient backward (when anything before it trains): 4·W for frozen weights.
-  The matmul weights are those of ``nn.Linear`` and Hugging Face's ``Conv1D`` (GPT-2); an
+  The matmul weights are those of ``nn.Linear``, tiertrain's tensor-parallel linears (a
+  slice counted tp times) and Hugging Face's ``Conv1D`` (GPT-2); an
   embedding lookup is no matmul, but a head tied to the embedding is an ``nn.Linear``
   (Hugging Face, tiertrain's GPT) and counted there.
 * attention's two seq × seq products, 2·2·s·h FLOPs per token and layer forward, ×3 with
@@ -29,17 +30,23 @@ import torch.nn as nn
 __all__ = ["flops_per_token", "peak_flops_per_rank"]
 
 
-def _matmul_weights(model: nn.Module) -> tuple[int, int]:
-    """(trained, frozen) elements of the weights of the model's matmul modules. A weight
-    shared by two such modules is two matmuls and counted twice; one shared with an
-    embedding (a tied head) is counted once, for the head."""
+def _matmul_weights(model: nn.Module, tp: int) -> tuple[int, int]:
+    """(trained, frozen) elements of the weights of the model's matmul modules, whole: a
+    tensor-parallel slice (``tp_sharded``) counts tp times. A weight shared by two such
+    modules is two matmuls and counted twice; one shared with an embedding (a tied head) is
+    counted once, for the head."""
+    from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
     trained = frozen = 0
     for module in model.modules():
-        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
-            if module.weight.requires_grad:
-                trained += module.weight.numel()
+        if isinstance(module, (nn.Linear, ColumnParallelLinear, RowParallelLinear)) \
+                or type(module).__name__ == "Conv1D":
+            w = module.weight
+            n = w.numel() * (tp if getattr(w, "tp_sharded", False) else 1)
+            if w.requires_grad:
+                trained += n
             else:
-                frozen += module.weight.numel()
+                frozen += n
     return trained, frozen
 
 
@@ -62,10 +69,11 @@ def _attention_layers(config: Any) -> tuple[int, int] | None:
     return layers, width
 
 
-def flops_per_token(model: nn.Module, seq_len: int) -> float:
+def flops_per_token(model: nn.Module, seq_len: int, tp: int = 1) -> float:
     """Training FLOPs per token of a whole (unpartitioned, or meta-device) model at
-    sequence length seq_len; see the module docstring."""
-    trained, frozen = _matmul_weights(model)
+    sequence length seq_len, whose tensor-parallel slices are one of tp; see the module
+    docstring."""
+    trained, frozen = _matmul_weights(model, tp)
     attention = _attention_layers(getattr(model, "config", None))
     flops = 6.0 * trained + 4.0 * frozen
     if attention is not None:

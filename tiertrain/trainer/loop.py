@@ -48,6 +48,7 @@ from .auto import predicted_tier_bytes, resolve_auto_offload
 from .batches import batch_stream, count_tokens, eval_batches, is_dataset
 from .config import LoopConfig
 from .flops import flops_per_token, peak_flops_per_rank
+from ..zero.stage3 import tensors_in
 from .records import (Window, finite_or_none, format_summary, gather_over_dp, local_ranks, peak_rss_bytes,
                       postfix)
 
@@ -101,8 +102,7 @@ def _infer_seq_len(data: Any) -> int | None:
         return None
     if isinstance(sample, dict) and isinstance(sample.get("input_ids"), torch.Tensor):
         return int(sample["input_ids"].shape[-1])
-    first = sample if isinstance(sample, torch.Tensor) else next(
-        (t for t in (sample if isinstance(sample, (list, tuple)) else ()) if isinstance(t, torch.Tensor)), None)
+    first = next(tensors_in(sample), None)
     if first is not None and first.dim() >= 1 and not first.is_floating_point():
         return int(first.shape[-1])
     return None
@@ -156,7 +156,7 @@ class Trainer:
         if config.zero.offload == "auto":
             config = resolve_auto_offload(config, self._dims(shape_model), self.topology)
         self.config = config
-        self.flops_per_token = flops_per_token(shape_model, self.seq_len or 0)
+        self.flops_per_token = flops_per_token(shape_model, self.seq_len or 0, self.topology.size("tp"))
         self.predicted_bytes = predicted_tier_bytes(shape_model, config, self.topology.world_size)
         self.fingerprint = fingerprint if fingerprint is not None else model_fingerprint(shape_model)
         self.num_parameters = sum(p.numel() for p in shape_model.parameters())
