@@ -21,12 +21,12 @@ import torch
 from tiertrain.config import ConfigError
 from tiertrain.data import load_bundled_corpus
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(150)
 
 
 def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tiertrain.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=200)
+                          timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,8 @@ def test_fine_tunes_a_hugging_face_model_on_jsonl_with_eval_and_exports_it(model
 
     directory, corpus = model_dir
     run = tmp_path / "run"
-    done = _cli("train", "--model.hf", str(directory), "--data", str(corpus), "--zero.stage", "3", "--nproc", "2",
+    done = _cli("train", "--timeout", "60", "--model.hf", str(directory), "--data", str(corpus), "--zero.stage", "3",
+                "--nproc", "2",
                 "--steps", "24", "--model.seq_len", "32", "--batch.micro_batch_size", "4", "--optimizer.lr", "3e-3",
                 "--schedule.warmup_steps", "2", "--eval.every", "8", "--eval.batches", "4",
                 "--logging.log_interval", "4", "--logging.progress", "false",

@@ -28,7 +28,7 @@ from tiertrain.testing import run_distributed
 from tiertrain.trainer import LoopConfig, Trainer
 
 STEPS, MICRO, WORLD = 4, 2, 2
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(90)
 
 
 def loop_config(**sections) -> LoopConfig:
@@ -82,7 +82,7 @@ def test_matches_the_reference_and_evaluates_its_held_out_loss(stage, factory):
     oracle = Oracle.run(reference_with_eval, make_model(), config, batches, held_out)
     assert oracle.losses64[STEPS - 1] < oracle.losses64[0], "the reference itself must learn"
     losses, params = run_distributed(_train_with_trainer, WORLD, config, micro_batches_of(batches, WORLD),
-                                     micro_batches_of(held_out, WORLD), factory, timeout=90)[0]
+                                     micro_batches_of(held_out, WORLD), factory, timeout=45)[0]
     assert len(losses) == STEPS + 1  # every step logged, one evaluation after the last
     oracle.check(losses, None, f"stage {stage}: losses and the eval loss")
     oracle.check(None, {k: v for k, v in params.items() if k in oracle.params64}, f"stage {stage}: parameters")
@@ -111,7 +111,7 @@ def test_a_dataset_is_sharded_by_rank_in_the_global_sample_order():
     steps = [{k: v[order[i * gb:(i + 1) * gb]] for k, v in samples.items()} for i in range(STEPS)]
     oracle = Oracle.run(reference_train, make_model(), config, steps)
     losses, params = run_distributed(_train_with_trainer, WORLD, config, TokenSamples(samples), None, False,
-                                     timeout=90)[0]
+                                     timeout=45)[0]
     oracle.check(losses, params, "a Dataset sharded by rank")
 
 
@@ -130,9 +130,9 @@ def test_a_resumed_run_continues_bit_for_bit(tmp_path):
         return loop_config(checkpoint={"dir": str(tmp_path / directory), "interval": 2}, zero={"stage": 2},
                            eval={"every": 2, "batches": 1}, **more)
 
-    whole = run_distributed(_run, WORLD, config("whole"), samples, held_out, timeout=90)[0][0]
-    run_distributed(_run, WORLD, config("ckpt", steps=2), samples, held_out, timeout=90)
-    resumed, summary = run_distributed(_run, WORLD, config("ckpt"), samples, held_out, timeout=90)[0]
+    whole = run_distributed(_run, WORLD, config("whole"), samples, held_out, timeout=45)[0][0]
+    run_distributed(_run, WORLD, config("ckpt", steps=2), samples, held_out, timeout=45)
+    resumed, summary = run_distributed(_run, WORLD, config("ckpt"), samples, held_out, timeout=45)[0]
     assert summary["steps_run"] == STEPS - 2
     assert resumed == whole[2:], "steps 3-4 after the resume are those of the uninterrupted run"
 
@@ -143,7 +143,7 @@ def test_metrics_name_loss_eval_throughput_tiers_and_step_time(tmp_path):
                          eval={"every": 2, "batches": 1}, logging={"metrics_file": str(metrics),
                                                                      "peak_tflops": 0.5})
     samples, held_out = global_batches(1, 24)[0], global_batches(1, 8, seed=3)[0]
-    run_distributed(_run, WORLD, config, samples, held_out, timeout=90)
+    run_distributed(_run, WORLD, config, samples, held_out, timeout=45)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
@@ -193,7 +193,7 @@ def _auto(rank, world):
 
 
 def test_offload_auto_is_planned_for_any_model_and_wrap_refuses_it():
-    planned, loss = run_distributed(_auto, WORLD, timeout=90)[0]
+    planned, loss = run_distributed(_auto, WORLD, timeout=45)[0]
     assert planned == "manual" and math.isfinite(loss)  # the planner's choice was applied
     config = loop_config(zero={"offload": "auto"})
     with pytest.raises(ConfigError, match="zero.offload='auto'.*Trainer"):
