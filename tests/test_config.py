@@ -21,6 +21,8 @@ BAD = [
     ({"precision": {"loss_scale": {"backoff_factor": 2.0}}}, r"precision\.loss_scale\.backoff_factor=2\.0.*\(0, 1\)"),
     ({"zero": {"offload_optimizer": "nvme", "stage": 3}}, r"zero\.nvme_path='' is invalid with an nvme tier"),
     ({"zero": {"nvme_buffers": 2}}, r"zero\.nvme_buffers=2 is invalid: expected at least 3"),
+    ({"zero": {"nvme_grads_in_ram_mb": 512}}, r"zero\.nvme_grads_in_ram_mb=512\.0 needs zero\.nvme_in_place=true"),
+    ({"zero": {"nvme_grads_in_ram_mb": -1}}, r"zero\.nvme_grads_in_ram_mb=-1"),
     ({"zero": {"offload_optimizer": "cpu", "stage": 1}}, r"zero\.offload_optimizer='cpu' needs zero\.stage 2 or 3"),
     ({"zero": {"offload_params": "cpu", "stage": 2}}, r"zero\.offload_params='cpu' needs zero\.stage=3"),
     ({"zero": {"offload_optimizer": "disk"}}, r"zero\.offload_optimizer='disk'.*'none', 'cpu', 'nvme'"),

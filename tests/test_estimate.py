@@ -3,6 +3,8 @@ engine's own accounting. GB in the papers' tables is 1e9 bytes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import pytest
@@ -312,10 +314,13 @@ def test_estimate_model_state_lines_follow_the_tiers():
     est = estimate(10_000, lay)
     tiers = {l.name: l.tier for l in est.lines}
     assert tiers == {"parameters": "cpu", "gradients": "cpu", "master weights": "nvme",
-                     "optimizer states": "nvme"}
+                     "optimizer states": "nvme", "optimizer state, second generation": "nvme"}
     ms = engine_model_state_bytes(10_000, 2, 3, "bf16")
-    assert est.by_tier() == {"device": 0, "cpu": ms.params + ms.grads, "nvme": ms.master + ms.optimizer}
+    # the transactional NVMe step keeps two generations of master + moments on disk
+    assert est.by_tier() == {"device": 0, "cpu": ms.params + ms.grads, "nvme": 2 * (ms.master + ms.optimizer)}
     assert est.per_node() == {t: 2 * b for t, b in est.by_tier().items()}
+    in_place = estimate(10_000, dataclasses.replace(lay, nvme_in_place=True))
+    assert in_place.by_tier()["nvme"] == ms.master + ms.optimizer  # zero.nvme_in_place: one generation
 
 
 def test_fp32_optimizer_on_another_tier_keeps_its_own_master_copy():

@@ -106,11 +106,34 @@ def test_a_step_in_progress_blocks_other_passes_and_bad_input_is_refused(swapper
     step = opt.begin_step(_grads(1), LRS[1])
     opt.close()                                    # cancels the step in progress
     assert step.progress()["chunks_done"] == 0
-    in_place = NVMeAdamW(_shards(), PIECES, CFG, swap_dir=tmp_path / "p", rank=0, chunk_bytes=CHUNK,
-                         transactional=False, wait_timeout=T)
-    with pytest.raises(ValueError, match="needs transactional=True"):
-        in_place.begin_step(_grads(0), LRS[0])
-    in_place.close()
+
+
+def test_in_place_overlapped_step_is_the_synchronous_step_and_a_late_cancel_leaves_it_unusable(tmp_path):
+    """zero.nvme_in_place: one generation on disk. Overlapped, the step is the synchronous one
+    bit for bit; a cancel before any chunk was updated changes nothing, one after cannot be undone
+    (the pre-step state was overwritten), so the optimizer refuses further steps, saying why."""
+    shards = _shards(4)
+    ref = Reference(shards)
+    opt = NVMeAdamW(shards, PIECES, CFG, swap_dir=tmp_path / "p", rank=0, chunk_bytes=CHUNK,
+                    transactional=False, wait_timeout=T)
+    outs = [t.clone() for t in shards]
+    assert opt.begin_step(_grads(0), LRS[0], out=outs, shard_order=ORDER).cancel() == 0  # nothing ready yet
+    for k in range(2):
+        ref.step(_grads(k), LRS[k])
+        step = opt.begin_step(_grads(k), LRS[k], out=outs, shard_order=ORDER)
+        for s in ORDER:
+            step.shard_ready(s)
+        step.finish()
+    _assert_same(opt, ref)
+    assert all(torch.equal(o, r) for o, r in zip(outs, ref.shards))
+    step = opt.begin_step(_grads(2), LRS[2], out=outs, shard_order=ORDER)
+    step.shard_ready(ORDER[0])
+    _wait_until(lambda: step.chunks_done > 0, "the first shard's chunks")
+    assert step.cancel() == 0
+    with pytest.raises(RuntimeError, match=r"unusable after a failure \(step 3 failed with StepCancelled: "
+                                           r"step 3 was cancelled after \d+ chunk\(s\) were updated in place"):
+        opt.step(_grads(2), LRS[2], out=outs)
+    opt.close()
 
 
 def test_io_failure_surfaces_at_finish_with_the_previous_state(swapper):
@@ -144,6 +167,7 @@ class _FakeFlat:
                       for _ in range(2)]
         self.written: dict[int, torch.Tensor] = {}
         self.shards = self
+        self.write_staging = None
 
     def on_nvme(self, index):
         return True
@@ -205,3 +229,54 @@ def test_a_skipped_step_undoes_the_update_published_during_backward(tmp_path, st
     assert all(math.isfinite(x) for i, x in enumerate(losses) if i != 1)
     assert [x for i, x in enumerate(losses) if i != 1] == [x for i, x in enumerate(sync_losses) if i != 1]
     assert all(torch.equal(params[k], sync_params[k]) for k in params)
+
+
+def _train_in_place(rank, world, nvme_path, in_place, grads_in_ram_mb=0.0):
+    """Three steps at stage 3 with parameters and optimizer on NVMe; returns the losses, the
+    final parameters, the optimizer's bytes on disk and how far the last step overlapped."""
+    import tiertrain
+
+    cfg = make_config(zero={"stage": 3, "offload_optimizer": "nvme", "offload_params": "nvme", "nvme_path": nvme_path,
+                            "bucket_mb": 0.02, "nvme_in_place": in_place, "nvme_grads_in_ram_mb": grads_in_ram_mb},
+                      batch={"micro_batch_size": 2, "grad_accum_steps": 1}, optimizer={"grad_clip": 0.0})
+    engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
+    losses = []
+    for batch in global_batches(3, 4):
+        loss = engine(next(rank_slices(batch, rank, world, 2, 1)))
+        engine.backward(loss)
+        assert engine.step()
+        losses.append(loss.item())
+    nvme = engine.update.nvme
+    released = [u.grad_released for u in engine.flat.units]
+    largest = max(u.grad.numel() * 4 for u in engine.flat.units)
+    return (losses, engine.full_state_dict(), nvme.disk_bytes, nvme.state_bytes, engine.last_overlapped_step,
+            released, engine.last_grad_norm, engine.update.peak_held_bytes, largest,
+            sum(u.grad.numel() * 4 for u in engine.flat.units))
+
+
+@pytest.mark.timeout(90)
+def test_in_place_nvme_optimizer_trains_the_same_with_half_the_disk_and_releases_consumed_gradients(tmp_path):
+    """zero.nvme_in_place: the same losses, parameters and gradient norm as two generations, on
+    half the disk; and each unit's gradient shard gives its memory back once the step running
+    in backward has consumed it (the two-generation step keeps them, to redo a cancelled step)."""
+    two_gens, in_place = (run_distributed(_train_in_place, 2, str(tmp_path / f"swap{flag}"), flag, timeout=60)[0]
+                          for flag in (False, True))
+    assert two_gens[0] == in_place[0]
+    assert all(torch.equal(two_gens[1][k], in_place[1][k]) for k in two_gens[1])
+    assert in_place[2] * 2 == two_gens[2] and in_place[2] >= in_place[3]  # one generation of 12 B/param
+    assert in_place[4] is not None  # the step ran overlapped with backward, in place too
+    assert all(in_place[5]) and not any(two_gens[5])
+    assert in_place[6] == two_gens[6]  # the global norm, from squares taken as each reduction landed
+
+
+@pytest.mark.timeout(90)
+def test_a_cap_on_gradients_held_for_the_in_place_step_bounds_them_and_changes_nothing(tmp_path):
+    """zero.nvme_grads_in_ram_mb: a reduction that would hold more reduced gradient shards than
+    the cap waits until the step running in backward has consumed (and freed) earlier ones. The
+    cap here is below one unit's shard, so at most one more than the cap is held at once."""
+    free, capped = (run_distributed(_train_in_place, 2, str(tmp_path / f"swap{cap}"), True, cap, timeout=60)[0]
+                    for cap in (0.0, 1e-6))
+    assert capped[0] == free[0] and capped[6] == free[6]
+    assert all(torch.equal(free[1][k], capped[1][k]) for k in free[1])
+    assert capped[7] <= 1 + capped[8]  # the cap (1 byte) and the unit whose reduction landed
+    assert free[7] <= free[9]

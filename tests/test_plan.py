@@ -320,10 +320,13 @@ def test_plan_on_this_machine_counts_the_build_and_keeps_training_as_the_bound()
     assert p.fits and p.layout.stage == 2 and p.layout.optimizer_tier == "nvme"
     assert not p.estimate.build.partitioned
     assert 4 * BIG.num_parameters() <= p.build_usage["ram"] <= p.budget["ram"]
-    # (at 18 GiB stage 3 with the parameters on the device fits since the estimator stopped
-    # counting a shard-sized output per stage-3 reduction in flight: they land in the shard)
+    # At 17 GiB the gradient shards no longer fit beside parameters kept in RAM; rather than
+    # moving the parameters to NVMe too (a rung further, 12 more bytes of IO per parameter a
+    # step), the optimizer's step updates in place and frees each shard it consumed, with the
+    # shards held for it capped (zero.nvme_grads_in_ram_mb).
     tight = plan(BIG, _no_gpu(17, ranks=2), micro_batch=1, precision="bf16")
-    assert tight.fits and tight.layout.stage == 3 and tight.layout.param_tier == "nvme"
+    assert tight.fits and tight.layout.stage == 3 and tight.layout.param_tier == "device"
+    assert tight.layout.nvme_in_place and tight.layout.nvme_grads_in_ram_mb > 0
     assert tight.layout.optimizer_tier == "nvme" and tight.estimate.build.partitioned
     assert tight.build_usage["ram"] <= tight.budget["ram"] and tight.usage["ram"] <= tight.budget["ram"]
 
@@ -355,3 +358,38 @@ def test_build_peak_in_the_table_and_json(tmp_path, capsys):
     assert cli.main(["estimate", "--layers", "27", "--hidden", "2560", "--heads", "20", "--vocab", "256", "--seq",
                      "64", "--dp", "2", "--stage", "2", "--precision", "bf16", "--offload-optimizer", "nvme"]) == 0
     assert "build peak (model built whole in fp32 on every rank" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_plan_keeps_one_generation_of_nvme_optimizer_state_only_when_two_do_not_fit_the_disk():
+    """The NVMe optimizer's transactional step keeps two generations of master + moments on disk
+    (24 B per parameter of its shard). With room for them the plan keeps that default; with
+    room for only one it writes zero.nvme_in_place (12 B), and the NVMe it predicts is one
+    generation's."""
+    psi = BIG.num_parameters()
+    roomy = plan(BIG, _no_gpu(20, 2, nvme_gib=90), micro_batch=1, precision="bf16")
+    assert roomy.fits and roomy.layout.optimizer_tier == "nvme" and not roomy.layout.nvme_in_place
+    assert "nvme_in_place" not in roomy.config_dict()["zero"]
+    assert roomy.usage["nvme"] >= 24 * psi / 2  # two generations of 12 B per parameter, halved by dp=2
+    tight = plan(BIG, _no_gpu(20, 2, nvme_gib=50), micro_batch=1, precision="bf16")
+    assert tight.fits and tight.layout.nvme_in_place and tight.config_dict()["zero"]["nvme_in_place"] is True
+    assert 12 * psi / 2 <= tight.usage["nvme"] < 24 * psi / 2
+
+
+@pytest.mark.timeout(120)
+def test_plan_caps_the_gradients_held_for_the_in_place_nvme_step_when_they_do_not_fit_the_ram():
+    """With the optimizer state on NVMe the fp32 gradient shards are the model state left in RAM
+    (4 B per parameter of the shard). Where they do not fit, the plan updates in place and caps
+    the shards held for the step running in backward (zero.nvme_grads_in_ram_mb): its gradients
+    line is the cap plus one unit's shard, not all of them."""
+    psi = BIG.num_parameters()
+    roomy = plan(BIG, _no_gpu(20, 2), micro_batch=1, precision="bf16")
+    assert roomy.fits and not roomy.layout.nvme_grads_in_ram_mb
+    tight = plan(BIG, _no_gpu(12.5, 2), micro_batch=1, precision="bf16")
+    assert tight.fits, tight.short
+    lay = tight.layout
+    assert lay.optimizer_tier == "nvme" and lay.nvme_in_place and lay.nvme_grads_in_ram_mb > 0
+    zero = tight.config_dict()["zero"]
+    assert zero["nvme_in_place"] is True and zero["nvme_grads_in_ram_mb"] == lay.nvme_grads_in_ram_mb
+    grads = next(line.bytes for line in tight.estimate.lines if line.name == "gradients")
+    assert grads < 4 * psi / 2 and grads >= lay.nvme_grads_in_ram_mb * 2**20

@@ -252,6 +252,10 @@ class ZeroConfig:
     """NVMe optimizer: chunk buffers (reads ahead, the update, the write back); their RAM is buffers × chunk."""
     overlap_param_gather: bool = False
     """Stages 1-2 (pp=1): the all-gather of updated parameters runs on after step() returns; the next forward waits per unit, at the first operation touching it (call engine.wait_for_parameters() before reading parameters outside the engine in between)."""
+    nvme_in_place: bool = False
+    """NVMe optimizer: update each chunk's state in place (12 bytes per parameter on disk) instead of writing a second generation and committing it (24): half the disk, but a step that fails or is cancelled part-way leaves the state partly updated, to be restored from a checkpoint."""
+    nvme_grads_in_ram_mb: float = 0.0
+    """With nvme_in_place: most MiB of reduced gradient shards a rank holds for the optimizer step running in backward; a reduction that would hold more waits until the step has consumed (and freed) earlier ones. 0: no limit."""
     overlap_nvme_step: bool = True
     """NVMe optimizer: update each unit's state during the boundary backward, once its gradient is reduced (not with grad_clip > 0 or fp16, whose global norm gates the step)."""
     offload: Literal["manual", "auto"] = "manual"
@@ -277,6 +281,11 @@ class ZeroConfig:
         _check_positive(f"{path}.max_live_mb", self.max_live_mb, allow_zero=True)
         _check_positive(f"{path}.persistence_threshold", self.persistence_threshold, allow_zero=True)
         _check_positive(f"{path}.nvme_chunk_mb", self.nvme_chunk_mb)
+        _check_positive(f"{path}.nvme_grads_in_ram_mb", self.nvme_grads_in_ram_mb, allow_zero=True)
+        if self.nvme_grads_in_ram_mb and not self.nvme_in_place:
+            raise ConfigError(f"{path}.nvme_grads_in_ram_mb={self.nvme_grads_in_ram_mb} needs {path}.nvme_in_place=true: "
+                              f"only the in-place step frees the gradient shards it consumed (a transactional "
+                              f"step keeps them to redo a cancelled step)")
         if self.nvme_buffers < 3:
             _fail(f"{path}.nvme_buffers", self.nvme_buffers, "at least 3 (read ahead, update, write back)")
         if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:

@@ -473,9 +473,12 @@ class Engine:
     def _global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The L2 norm of the whole model's gradient: this rank's squares, summed over the
         ZeRO shards (dp), the tensor-parallel slices (tp) and the pipeline stages (pp)."""
+        kept = getattr(self.update, "grad_squares", lambda: None)() if self._norm_grads is None else None
         if self._norm_grads is not None:
             grads = self._norm_grads or [torch.zeros(1, device=self.placement.optimizer)]
-        squares = torch.stack([g.pow(2).sum() for g in grads]).sum().to(self.device)
+        # (An in-place NVMe step releases the gradient shards it consumed: their squares were
+        # taken when each reduction landed, the same sums in the same order.)
+        squares = torch.stack(kept if kept is not None else [g.pow(2).sum() for g in grads]).sum().to(self.device)
         for comm in ((self.comm,) if self.stage > 0 else ()) + (self.tp_comm, self.pp_comm):
             if comm.size > 1:
                 comm.all_reduce(squares, count=False)

@@ -393,6 +393,12 @@ class ZeroLayout:
     ranks_per_node: int = 0
     """Ranks sharing one node's CPU memory and NVMe; 0 = all dp·tp·pp ranks on one node."""
     bucket_mb: float = 25.0
+    nvme_in_place: bool = False
+    """zero.nvme_in_place: the NVMe optimizer keeps one generation of its state on disk (else two:
+    each step writes the other generation and commits it, tiertrain/offload/nvme_optimizer.py)."""
+    nvme_grads_in_ram_mb: float = 0.0
+    """zero.nvme_grads_in_ram_mb: with nvme_in_place, the reduced gradient shards held for the
+    step running in backward are capped at this many MiB plus one unit's (0: every shard)."""
     """zero.bucket_mb: stage 0–2 gradient buckets (units) in MiB of fp32 (engine accounting)."""
     prefetch_mb: float = 0.0
     """zero.prefetch_mb: stage-3 parameters gathered ahead of use, MiB (0 is the CPU default)."""
@@ -628,6 +634,11 @@ def _model_state_lines(psi: int, sizes: list[int], lay: ZeroLayout) -> list[Esti
     master = (f"4·{part(lay.stage >= 1)} (fp32 master"
               + (", ZeRO §5.1 P_os)" if lay.stage >= 1 else ", replicated)") if separate
               else "0 (fp32 params on the optimizer's tier are their own master)")
+    generations = []
+    if Tier(lay.optimizer_tier) is Tier.NVME and not lay.nvme_in_place:
+        generations = [EstimateLine("optimizer state, second generation", ms.master + ms.optimizer, Tier.NVME,
+                                    "master + moments again: a transactional NVMe step writes the other "
+                                    "generation (0 with zero.nvme_in_place)")]
     return [
         EstimateLine("parameters", ms.params, lay.param_tier,
                      f"{pb}·{part(lay.stage >= 3)} ({lay.precision} params"
@@ -639,6 +650,7 @@ def _model_state_lines(psi: int, sizes: list[int], lay: ZeroLayout) -> list[Esti
         EstimateLine("optimizer states", ms.optimizer, lay.optimizer_tier,
                      f"8·{part(lay.stage >= 1)} (Adam m+v fp32"
                      + (", ZeRO §5.1 P_os)" if lay.stage >= 1 else ", replicated)")),
+        *generations,
     ]
 
 

@@ -788,11 +788,18 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
     pad = f"{n_units} flat units ({kind}) padded to {layout.num_shards}·64 elements"
     part = "this rank's shard" if layout.num_shards > 1 else "whole"
     grad_tier = engine_grad_tier(lay.stage, optimizer_tier)
+    grads, grads_formula = pk.grads, f"4·Σ units ({'shards, ZeRO §5.2 P_g' if lay.stage >= 2 else 'whole fp32 buffers'})"
+    if optimizer_tier is Tier.NVME and lay.nvme_in_place and lay.nvme_grads_in_ram_mb and lay.stage >= 2:
+        # the in-place step frees each shard it consumed; reductions wait beyond the cap
+        largest = 4 * max((u.shard_numel for u in layout.units), default=0)
+        cap = int(lay.nvme_grads_in_ram_mb * 2**20) + largest
+        if cap < grads:
+            grads, grads_formula = cap, (f"zero.nvme_grads_in_ram_mb ({lay.nvme_grads_in_ram_mb:g} MiB) + the largest "
+                                         f"unit's shard: the in-place NVMe step frees the shards it consumed")
     lines = [
         EstimateLine("parameters", pk.params, param_tier,
                      f"{D}·Σ units ({'shards, ZeRO §5.3 P_p' if lay.stage == 3 else 'whole, replicated'}); {pad}"),
-        EstimateLine("gradients", pk.grads, grad_tier,
-                     f"4·Σ units ({'shards, ZeRO §5.2 P_g' if lay.stage >= 2 else 'whole fp32 buffers'})"),
+        EstimateLine("gradients", grads, grad_tier, grads_formula),
         EstimateLine("master weights", pk.master, optimizer_tier,
                      f"4·Σ shards ({part}; none where the fp32 shard is its own master)"),
         EstimateLine("optimizer states", pk.moments, optimizer_tier,
@@ -803,6 +810,10 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
     if optimizer_tier is Tier.NVME:
         notes.append("optimizer on NVMe: master weights and Adam moments live in swap files; RAM holds "
                      "the gradient shards and the streaming buffers of tiertrain.offload.NVMeAdamW")
+        if not lay.nvme_in_place:
+            lines.append(EstimateLine("optimizer state, second generation", pk.master + pk.moments, Tier.NVME,
+                                      "master + moments again: a transactional NVMe step writes the other "
+                                      "generation (0 with zero.nvme_in_place)"))
     # transient lines at the peak (device tier); standard activation lines always listed
     merged: dict[str, list] = {}
     order: list[str] = []

@@ -259,6 +259,10 @@ class Plan:
                                 "offload_params": Tier(lay.param_tier).config_name, "bucket_mb": lay.bucket_mb}
         if Tier.NVME in (lay.optimizer_tier, lay.param_tier):
             zero["nvme_path"] = self.hardware.swap_dir or ""
+        if lay.nvme_in_place:
+            zero["nvme_in_place"] = True
+        if lay.nvme_grads_in_ram_mb:
+            zero["nvme_grads_in_ram_mb"] = lay.nvme_grads_in_ram_mb
         # a Hugging Face model (HFModelDims) has no GPT model section: only the training layout
         model = {} if hasattr(d, "model_section") else {
             "model": {"n_layers": d.n_layers, "hidden": d.hidden, "n_heads": d.n_heads, "vocab_size": d.vocab,
@@ -397,6 +401,10 @@ def predicted_efficiency(lay: ZeroLayout, dims: ModelDims, hw: Hardware) -> dict
             "transfer": transfer, "combined": transfer * recompute}
 
 
+GRADS_IN_RAM_MB = (2048.0, 1024.0, 512.0)
+"""Caps on the gradient shards held for the in-place NVMe step the planner tries, largest first."""
+
+
 class _Evaluator:
     def __init__(self, dims: ModelDims, hw: Hardware, base: ZeroLayout, allowed=None):
         self.dims, self.hw, self.base, self.allowed = dims, hw, base, allowed
@@ -414,6 +422,23 @@ class _Evaluator:
         # the engine keeps gradient shards with the optimizer (NVMe: in RAM)
         lay = dataclasses.replace(lay, grad_tier=engine_grad_tier(lay.stage, lay.optimizer_tier))
         lay.validate()
+        c = self._candidate(rung, lay)
+        if Tier(lay.optimizer_tier) is not Tier.NVME or lay.nvme_in_place or not c.short:
+            return c
+        # Two generations of the optimizer state do not fit the disk, or the gradient shards do
+        # not fit the RAM: one generation updated in place (zero.nvme_in_place, trading the
+        # retryable step for half the disk) may; in place, the step running in backward also
+        # frees each gradient shard it consumed, so a cap on those held
+        # (zero.nvme_grads_in_ram_mb) may fit the RAM.
+        for cap in (0.0,) + GRADS_IN_RAM_MB:
+            if cap and (lay.stage < 2 or not any(s.tier is not Tier.NVME for s in c.short)):
+                break
+            option = self._candidate(rung, dataclasses.replace(lay, nvme_in_place=True, nvme_grads_in_ram_mb=cap))
+            if not option.short:
+                return option
+        return c
+
+    def _candidate(self, rung: str, lay: ZeroLayout) -> Candidate:
         self.count += 1
         est = estimate(self.model(lay.tile_factor), lay, self.hw.overhead, accelerator=not self.hw.shared)
         est.dims = self.dims

@@ -27,13 +27,18 @@ raises :class:`SwapCorruptionError` naming the file and the byte range on a mism
 finds fewer bytes than requested (a truncated file) raises :class:`SwapCorruptionError` with the
 expected and the actual byte count. The record lives in the caller's memory (the swapper keeps
 it per key): swap files never outlive the process that wrote them, so there is no on-disk header
-to keep in sync and no extra IO. The default checksum is :func:`sum64` (position-weighted 64-bit
-page sums computed by numpy's SIMD reductions), chosen because it costs less CPU per byte than
-``zlib.crc32``: the checksums run on the same few cores as the optimizer update and the copies,
-and a checksum that cannot keep up with the disk would slow every swap. ``checksum="crc32"`` is
-stronger (see :func:`sum64`) at a higher CPU cost. bench/results/swap_io.md has the IO
-throughput at 4 threads without a checksum, with sum64 and with crc32 (the "random data" rows).
-``checksum=None`` turns verification off (sizes are still checked).
+to keep in sync and no extra IO. The default checksum is XXH3-64 (the ``xxhash`` package; its
+C code releases the GIL), chosen for its CPU cost per byte: the checksums run on the same few
+cores as the optimizer update and the copies, and every byte swapped is hashed twice (when
+written, when read back). One idle thread of this project's 2-core machines hashes 20.5 GB/s
+with XXH3, 17.2 with :func:`sum64` (position-weighted 64-bit page sums by numpy's SIMD
+reductions, the default before), 17.2 with crc32c and 3.7 with ``zlib.crc32``; under load
+(another process compiling) 12.2, 8.8, 9.9 and 2.2 (bench/results/scale.md, "CPU per byte").
+XXH3 is also the stronger of the fast ones: a real hash of every byte in order, which catches
+the swapped words sum64 can miss.
+``checksum="sum64"`` remains (and is the default where ``xxhash`` is missing), and ``"crc32"``;
+``checksum=None`` turns verification off (sizes are still checked). :attr:`AsyncIO.cpu_seconds`
+counts the CPU time the checksums took (thread CPU time, all workers).
 
 Errors always name the path: :class:`SwapSpaceError` for ENOSPC/EDQUOT/EFBIG (with the bytes
 requested), :class:`SwapDirError` for a missing, non-directory or read-only location,
@@ -187,6 +192,14 @@ def sum64(data) -> int:
 
 
 _CHECKSUM_FUNCS = {"sum64": sum64, "crc32": zlib.crc32, "adler32": zlib.adler32}
+try:
+    import xxhash as _xxhash
+except ImportError:  # (a dependency of tiertrain; an environment without it falls back to sum64)
+    _xxhash = None
+else:
+    _CHECKSUM_FUNCS["xxh3"] = _xxhash.xxh3_64_intdigest
+DEFAULT_CHECKSUM = "xxh3" if _xxhash is not None else "sum64"
+"""The checksum swap files are verified with unless a caller picks another (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -347,14 +360,14 @@ class AsyncIO:
     """Parallel chunked file IO with O_DIRECT; see the module docstring.
 
     ``num_threads`` workers, ``block_bytes`` per chunk (a multiple of ``alignment``),
-    ``use_direct`` to try O_DIRECT, ``checksum`` in {"sum64", "crc32", "adler32", None},
+    ``use_direct`` to try O_DIRECT, ``checksum`` in {"xxh3", "sum64", "crc32", "adler32", None},
     ``fsync_buffered`` to fdatasync buffered (non-direct) writes before they count as done,
     ``preallocate`` to fallocate the range of a write that extends its file first, in a worker
     (see ``_preallocate``; a full disk then fails the request before any data is written).
     """
 
     def __init__(self, num_threads: int = 4, block_bytes: int = 8 << 20, use_direct: bool = True,
-                 alignment: int = 4096, checksum: Optional[str] = "sum64",
+                 alignment: int = 4096, checksum: Optional[str] = DEFAULT_CHECKSUM,
                  fsync_buffered: bool = True, preallocate: bool = True):
         if num_threads < 1:
             raise ValueError(f"num_threads must be ≥ 1, got {num_threads}")
@@ -381,6 +394,8 @@ class AsyncIO:
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="tiertrain-aio")
         self.stats = {"write_requests": 0, "read_requests": 0, "bytes_written": 0,
                       "bytes_read": 0, "buffered_requests": 0}
+        self.cpu_seconds = {"checksum": 0.0}
+        """CPU time the workers spent computing and verifying checksums (thread CPU time)."""
 
     # -- public API -------------------------------------------------------------------------
     def submit_write(self, path, buffer, offset: int = 0, nbytes: Optional[int] = None,
@@ -594,7 +609,9 @@ class AsyncIO:
         h = req.handle
         n = h.nbytes
         if self._crc is not None and lo < n:
+            t0 = time.thread_time()
             req.crcs[i] = self._crc(req.mv[lo:min(hi, n)])
+            self._count_cpu("checksum", time.thread_time() - t0)
         fd, pos = req.fd, lo
         while pos < hi:
             try:
@@ -647,7 +664,9 @@ class AsyncIO:
 
     def _verify(self, req: _Request, ck: Checksum, i: int, lo: int, hi: int) -> None:
         fn = _CHECKSUM_FUNCS[ck.kind]
+        t0 = time.thread_time()
         got = fn(req.mv[lo:hi])
+        self._count_cpu("checksum", time.thread_time() - t0)
         if got != ck.values[i]:
             h = req.handle
             raise SwapCorruptionError(
@@ -655,6 +674,10 @@ class AsyncIO:
                 f"{h.nbytes}-byte record at offset {h.offset} is {got:#x}, was {ck.values[i]:#x} "
                 f"when written; the swap file was modified or the device corrupted it",
                 h.path, expected_bytes=h.nbytes, actual_bytes=None)
+
+    def _count_cpu(self, what: str, seconds: float) -> None:
+        with self._lock:
+            self.cpu_seconds[what] += seconds
 
     def _finish(self, req: _Request) -> None:
         h = req.handle

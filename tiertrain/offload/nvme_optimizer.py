@@ -19,7 +19,7 @@ gradient shards the reducer produced) and are read in place.
 
 **Chunk records.** A chunk of ``n`` elements is one swap record of ``12·n`` bytes laid out as
 ``[master | exp_avg | exp_avg_sq]`` (fp32), so each chunk costs one read and one write request,
-each verified by the swap layer's size and checksum records (sum64 by default).
+each verified by the swap layer's size and checksum records (XXH3 by default).
 
 **Exactness.** The update is torch's own fused CPU AdamW, called through the public functional
 API ``torch.optim.adamw.adamw(..., fused=True)`` on views of each parameter piece inside the
@@ -89,7 +89,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..elementwise import AdamWRule, ElementwiseRule
-from .aio import AsyncIO, SwapSpaceError
+from .aio import DEFAULT_CHECKSUM, AsyncIO, SwapSpaceError
 from .buffers import AlignedBufferPool, Buffer, round_up
 from .chunk_update import BYTES_PER_ELEM, Chunk, ChunkUpdate, StepStats, publish_chunk
 from .overlapped_step import OverlappedStep
@@ -222,7 +222,7 @@ class NVMeAdamW:
                  rank: Optional[int] = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  num_buffers: int = 4, transactional: bool = True, name: str = "nvme_adamw",
                  aio_threads: int = 4, aio_block_bytes: int = 8 << 20,
-                 checksum: Optional[str] = "sum64", pin: Optional[bool] = None,
+                 checksum: Optional[str] = DEFAULT_CHECKSUM, pin: Optional[bool] = None,
                  compute_threads: Union[int, str, None] = "auto",
                  wait_timeout: Optional[float] = DEFAULT_WAIT_TIMEOUT, rule: Optional[ElementwiseRule] = None):
         if (swapper is None) == (swap_dir is None):
@@ -383,9 +383,6 @@ class NVMeAdamW:
         the destinations) every other call on this optimizer raises. See
         tiertrain/offload/overlapped_step.py."""
         self._check_usable()
-        if not self.transactional:
-            raise ValueError(f"NVMeAdamW({self.name}).begin_step needs transactional=True: a step "
-                             f"cancelled after some chunks were written must leave the state unchanged")
         order = list(range(self.num_shards)) if shard_order is None else [int(s) for s in shard_order]
         if sorted(order) != list(range(self.num_shards)):
             raise ValueError(f"shard_order={list(shard_order)} is not a permutation of the "

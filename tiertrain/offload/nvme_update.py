@@ -12,6 +12,12 @@ partial gradients) changes the gradients between their reduction and the update.
 """
 from __future__ import annotations
 
+import threading
+import time
+
+import torch
+
+from ..comm import run_timeout
 from ..config import ConfigError
 from ..elementwise import AdamWRule, ElementwiseRule, streamed_update
 from ..update.protocol import GroupSchedule, OptimizerUpdate, UpdateMemory, scale_gradients, shard_param_groups
@@ -46,7 +52,8 @@ class NVMeUpdate(OptimizerUpdate):
         pieces = pieces_from_param_groups(masters, groups)
         del groups  # views of the masters: they must not outlive drop_masters()
         self.nvme = NVMeAdamW(masters, pieces, config.optimizer, swapper, rank=rank,
-                              chunk_bytes=int(zc.nvme_chunk_mb * 2**20), num_buffers=zc.nvme_buffers, rule=rule)
+                              chunk_bytes=int(zc.nvme_chunk_mb * 2**20), num_buffers=zc.nvme_buffers, rule=rule,
+                              transactional=not zc.nvme_in_place)
         del masters
         # The RAM copies of the masters go before the gradient shards are first touched.
         flat.drop_masters()
@@ -128,6 +135,24 @@ class OverlappedNVMeUpdate(NVMeUpdate):
         self.reducer = reducer
         self._in_flight = None
         """(OverlappedStep, ShardWriter) of the step running during this boundary's backward."""
+        self.release_grads = not self.nvme.transactional
+        """In place (zero.nvme_in_place), each unit's gradient shard gives its memory back once
+        the step running during backward has updated the unit, so that the gradients held at
+        the end of backward are only those not yet consumed (with the optimizer state on NVMe,
+        the gradient shards are the model state left in RAM: 4 bytes per parameter of the
+        shard). Their squared norms are taken as each reduction lands, for the engine's global
+        norm (:meth:`grad_squares`). Transactional steps keep them: a cancelled step is redone
+        synchronously from them."""
+        self._squares: dict[int, torch.Tensor] = {}
+        self.grads_budget = int(config.zero.nvme_grads_in_ram_mb * 2**20)
+        """Most bytes of reduced gradient shards held for the step (0: no limit; see
+        zero.nvme_grads_in_ram_mb)."""
+        self._held: dict[int, int] = {}  # unit -> bytes of its reduced shard not yet freed
+        self._progress = threading.Condition()
+        self.grads_wait_seconds = 0.0
+        """Seconds backward waited for the step to consume gradients (cumulative)."""
+        self.peak_held_bytes = 0
+        """Most bytes of reduced gradient shards held at once for the step (since built)."""
 
     def before_backward(self, boundary, lr):
         if boundary and self._in_flight is None:
@@ -136,7 +161,48 @@ class OverlappedNVMeUpdate(NVMeUpdate):
             step = self.nvme.begin_step([u.grad for u in self.flat.units], lr, out=writer,
                                         shard_order=self.reducer.launch_order, rule=rule)
             self._in_flight = (step, writer)
-            self.reducer.on_reduced = step.shard_ready
+            self._squares = {}
+            if self.release_grads:
+                self._held = {}
+                step.on_shard_updated = self._consumed
+                step.on_progress = self._notify
+                self.reducer.on_reduced = lambda index: self._reduced(step, index)
+            else:
+                self.reducer.on_reduced = step.shard_ready
+
+    def _reduced(self, step, index: int) -> None:
+        """Unit index's gradient shard is final: its squared norm is kept, then the step may
+        update (and release) it."""
+        u = self.flat.units[index]
+        self._squares[index] = u.grad.pow(2).sum()
+        with self._progress:
+            self._held[index] = u.grad.numel() * u.grad.element_size()
+            self.peak_held_bytes = max(self.peak_held_bytes, sum(self._held.values()))
+        step.shard_ready(index)
+        if self.grads_budget:
+            t0 = time.perf_counter()
+            with self._progress:  # (the step consumes shards in reduction order, so it can catch up)
+                self._progress.wait_for(lambda: sum(self._held.values()) <= self.grads_budget or step.stalled(),
+                                        timeout=run_timeout())
+            self.grads_wait_seconds += time.perf_counter() - t0
+
+    def _consumed(self, index: int) -> None:
+        """On the step's worker: unit index is updated; its gradient shard's memory goes back."""
+        self.flat.units[index].release_grad()
+        with self._progress:
+            self._held.pop(index, None)
+            self._progress.notify_all()
+
+    def _notify(self) -> None:
+        with self._progress:
+            self._progress.notify_all()
+
+    def grad_squares(self) -> list[torch.Tensor] | None:
+        """Per unit (in flat.units order) the squared L2 norm of its reduced gradient shard,
+        when this step releases the shards it consumed; else None (read the gradients)."""
+        if self.release_grads and len(self._squares) == len(self.flat.units):
+            return [self._squares[i] for i in range(len(self.flat.units))]
+        return None
 
     def before_step(self):
         if self._in_flight is None:

@@ -22,6 +22,9 @@ What makes it the same step, bit for bit:
   the engine skips) :meth:`cancel` restores the published parameters from the committed
   generation and commits nothing. The same happens when backward raises or anything outside
   the step needs the state (a checkpoint, a forward before the step);
+* in place (``zero.nvme_in_place``, one generation on disk) the same overlap runs, but a
+  cancel after chunks were written cannot restore them: the optimizer is then unusable until
+  a checkpoint is loaded, as after a failed in-place step;
 * the transactional commit (generation switch, step count) happens in :meth:`finish`, on the
   caller's thread, only after every write landed; a failed IO raises there with the note of a
   failed synchronous step (the state on NVMe is the previous step's, published chunks restored).
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Dict, List, Optional, Protocol, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 from .chunk_update import ChunkUpdate, StepStats
 
@@ -47,6 +50,7 @@ class SteppedOptimizer(Protocol):
     from nvme_optimizer.py, which imports it to build OverlappedSteps."""
 
     name: str
+    transactional: bool
 
     @property
     def num_shards(self) -> int: ...
@@ -82,6 +86,15 @@ class OverlappedStep:
         self._new_gens = None
         self._error: Optional[BaseException] = None
         self._ended = False
+        self.on_shard_updated: Optional[Callable[[int], None]] = None
+        """Called on the worker thread with each shard once every chunk of it is updated (its
+        gradient is no longer read), in the order the shards were updated."""
+        self._current: Optional[int] = None
+        self.on_progress: Optional[Callable[[], None]] = None
+        """Called on the worker thread whenever :meth:`stalled` may have become true (it waits
+        for a gradient, or it is done)."""
+        self._waiting_on: Optional[int] = None
+        self._over = False
         update.gate = self._gate
         self._thread = threading.Thread(target=self._run, name=f"{optimizer.name}-overlapped-step",
                                         daemon=True)
@@ -113,9 +126,18 @@ class OverlappedStep:
 
     def cancel(self) -> int:
         """Stop the step: nothing is committed, and every chunk already published gets its
-        committed (pre-step) master values back. Returns the chunks restored."""
+        committed (pre-step) master values back. Returns the chunks restored.
+
+        An optimizer that updates in place (``transactional=False``) has no pre-step state to
+        go back to once a chunk was written: it is then left unusable, as after a failed step,
+        and its next step raises until a checkpoint is loaded."""
         self._cancelled = True
         self._end()
+        if not self._opt.transactional and self._update.updated:
+            self._opt.recover_failed_step(StepCancelled(
+                f"step {self._update.step_number} was cancelled after {self._update.updated} chunk(s) "
+                f"were updated in place (zero.nvme_in_place)"), self._update)
+            return 0
         return self._opt.restore_published(self._update)
 
     # -- internals --------------------------------------------------------------------------
@@ -128,9 +150,30 @@ class OverlappedStep:
         self._thread.join()
         self._opt.end_overlapped_step()
 
+    def stalled(self) -> bool:
+        """Whether the worker can make no progress now: it waits for a shard not declared ready,
+        or it is done."""
+        waiting = self._waiting_on
+        return self._over or (waiting is not None and not self._ready[waiting].is_set())
+
+    def _progress(self) -> None:
+        if self.on_progress is not None:
+            self.on_progress()
+
+    def _shard_updated(self, shard: Optional[int]) -> None:
+        if shard is not None and self.on_shard_updated is not None:
+            self.on_shard_updated(shard)
+
     def _gate(self, shard: int, stats: StepStats) -> None:
+        if shard != self._current:  # the chunks are visited shard by shard: the last one is done
+            self._shard_updated(self._current)
+            self._current = shard
         t0 = time.perf_counter()
-        self._ready[shard].wait()
+        if not self._ready[shard].is_set():
+            self._waiting_on = shard
+            self._progress()
+            self._ready[shard].wait()
+            self._waiting_on = None
         stats.ready_wait_seconds += time.perf_counter() - t0
         if self._cancelled:
             raise StepCancelled(f"step {self._update.step_number} cancelled")
@@ -139,5 +182,9 @@ class OverlappedStep:
         try:
             self._stats, self._new_gens = self._opt.stream_step(self._update, self._positions,
                                                                 set_threads=False)
+            self._shard_updated(self._current)
         except BaseException as e:  # noqa: BLE001 - raised on the caller's thread by finish()
             self._error = e
+        finally:
+            self._over = True
+            self._progress()

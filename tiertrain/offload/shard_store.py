@@ -67,6 +67,9 @@ class DeviceShards:
     def drop_staged(self) -> None:
         """Forget the copies stage() started (before the shards change)."""
 
+    def done_with_input(self, tensor: torch.Tensor) -> None:
+        """The all-gather that read gather_input's tensor has completed (the store may reuse it)."""
+
     def wait_writes(self) -> None:
         """Complete the writes in flight."""
 
@@ -103,10 +106,21 @@ class NVMeShards(DeviceShards):
 
     tier = Tier.NVME
 
+    KEEP_STAGING = 2
+    """Staging tensors of each size kept for reuse once their all-gather is done."""
+
     def __init__(self, placement, dtype, streams, swapper):
         super().__init__(placement, dtype, streams)
         self.swapper = swapper
         self._writes = []  # swap-outs in flight
+        # Host staging tensors of the gathers' reads, reused: a shard is tens to hundreds of MB,
+        # above what the allocator keeps, so a new tensor per read would fault in every page
+        # again (a copy of 160 MB into fresh pages ran at 1.6 GB/s here, into reused ones at
+        # 8.7: bench/results/scale.md, "CPU per byte").
+        self._spare: dict[int, list[torch.Tensor]] = {}
+        self._lent: set[int] = set()  # ids of staging tensors lent to an all-gather
+        self.staging_reused = 0
+        """Gathers whose read landed in a reused staging tensor (a counter for tests and benches)."""
 
     @staticmethod
     def _key(index: int) -> str:
@@ -121,7 +135,24 @@ class NVMeShards(DeviceShards):
         return self.swapper.swap_in(self._key(index), staged).wait()
 
     def gather_input(self, index, shard):
-        return self.streams.to_device(self.read(index, shard), Copy.PARAM_TO_DEVICE)
+        spare = self._spare.get(shard.numel())
+        if spare:
+            staged = spare.pop()
+            self.staging_reused += 1
+        else:
+            staged = self.placement.empty(shard.numel(), self.dtype, self.placement.host)
+        self.swapper.swap_in(self._key(index), staged).wait()
+        transfer = self.streams.to_device(staged, Copy.PARAM_TO_DEVICE)
+        if transfer.value is staged:  # (the compute device is the host: the gather reads it)
+            self._lent.add(id(staged))
+        return transfer
+
+    def done_with_input(self, tensor):
+        if id(tensor) in self._lent:
+            self._lent.discard(id(tensor))
+            spare = self._spare.setdefault(tensor.numel(), [])
+            if len(spare) < self.KEEP_STAGING:
+                spare.append(tensor)
 
     def prefetch(self, indices):
         keys = [self._key(i) for i in indices]

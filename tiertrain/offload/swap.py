@@ -32,6 +32,7 @@ import re
 import shutil
 import stat
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
@@ -352,6 +353,9 @@ class TensorSwapper:
         self._closed = False
         self.stats = {"swap_out": 0, "swap_in": 0, "prefetch_hits": 0, "prefetch_skipped": 0,
                       "bytes_out": 0, "bytes_in": 0}
+        self.cpu_seconds = {"copy": 0.0}
+        """CPU time spent copying between tensors and the pool's IO buffers (thread CPU time, all
+        threads); the AsyncIO's ``cpu_seconds`` has the checksums'."""
         lock_box: list = [None]
         try:
             os.makedirs(self.rank_dir, exist_ok=True)
@@ -503,7 +507,7 @@ class TensorSwapper:
                 else:
                     buf = self.pool.acquire(n, timeout=self.wait_timeout)
                     try:
-                        _copy_bytes(buf.data, src[off: off + n])
+                        self._copy(buf.data, src[off: off + n])
                     except BaseException:
                         buf.release()
                         raise
@@ -597,6 +601,13 @@ class TensorSwapper:
         handle._seal()
         return handle
 
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        t0 = time.thread_time()
+        _copy_bytes(dst, src)
+        seconds = time.thread_time() - t0
+        with self._lock:
+            self.cpu_seconds["copy"] += seconds
+
     def _release_prefetch(self, buf: Buffer) -> None:
         buf.release()
         with self._lock:
@@ -607,7 +618,7 @@ class TensorSwapper:
         def finish(h: Handle) -> None:
             try:
                 if h._error is None and dst is not None:
-                    _copy_bytes(dst[off: off + n], buf.data[:n])
+                    self._copy(dst[off: off + n], buf.data[:n])
             finally:
                 if prefetched:
                     self._release_prefetch(buf)

@@ -116,6 +116,24 @@ class UnitBuffers:
     instead of adding into it, which saves a pass over it to zero it and another to add."""
     trainable: bool = True
     """False for a frozen unit: no gradient, no master (both zero-sized)."""
+    grad_released: bool = False
+    """The gradient shard's memory was given back after the optimizer consumed it
+    (:meth:`release_grad`); the step marks it stale, and the next reduction writes it again."""
+
+    def release_grad(self) -> None:
+        """Give the gradient shard's memory back: the NVMe optimizer, updating in place during
+        backward, has consumed it (tiertrain/offload/nvme_update.py). So a rank holds only the
+        gradients reduced and not yet consumed, not every unit's."""
+        if self.grad_full is None and self.grad.numel():
+            self.grad.untyped_storage().resize_(0)
+            self.grad_released = True
+
+    def ensure_grad(self) -> None:
+        """Give a released gradient shard memory again (contents undefined; it is stale, so the
+        next reduction overwrites it and a zeroing pass zeroes it)."""
+        if self.grad_released:
+            self.grad.untyped_storage().resize_(self.grad.numel() * self.grad.element_size())
+            self.grad_released = False
 
 
 class FlatParameters:
@@ -137,6 +155,8 @@ class FlatParameters:
         self.placement = placement
         self._publishing: set[int] = set()  # resident units whose post-step all-gather is in flight
         self.masters_dropped = False
+        self.write_staging: torch.Tensor | None = None
+        """ShardWriter's staging tensor for NVMe shards, kept across steps."""
         self.device = device = placement.compute
         self.params = params
         self.comm = comm
@@ -236,7 +256,7 @@ class FlatParameters:
         # ZeRO-Infinity's fetch). The all-gather reads the copy: it waits for it.
         shard = self.shards.gather_input(index, u.shard).wait()
         u.pending = self.comm.all_gather(u.full, shard, async_op=True)
-        u.pending.then(lambda: shard)  # the staged shard lives until the gather completes
+        u.pending.then(lambda: self.shards.done_with_input(shard))  # (the staged shard lives until then)
         if not async_op:
             u.pending.wait()
             u.pending = None
@@ -366,6 +386,7 @@ class FlatParameters:
         """Zero the gradients still marked stale (units no reduction has written since)."""
         for u in self.units:
             if u.stale_grad:
+                u.ensure_grad()
                 (u.grad_full if u.grad_full is not None else u.grad).zero_()
                 u.stale_grad = False
 
@@ -418,10 +439,21 @@ class ShardWriter:
         for other in [i for i in self._staged if i != index]:
             self._write(other)
         if index not in self._staged:
-            self._staged[index] = (torch.empty(flat.units[index].unit.shard_numel, dtype=flat.dtype), set())
+            self._staged[index] = (self._staging(flat.units[index].unit.shard_numel), set())
         staged, covered = self._staged[index]
         staged[start:end].copy_(values)
         covered.add((start, end))  # (a restore republishes the same ranges)
+
+    def _staging(self, numel: int) -> torch.Tensor:
+        """Where a unit's shard is assembled: one tensor, reused for every unit (the swap-out
+        copies it before returning). Kept by the FlatParameters across steps: a new one per unit
+        would fault in its pages again at every step (see NVMeShards)."""
+        flat = self.flat
+        buf = flat.write_staging
+        if buf is None or buf.numel() < numel:
+            flat.write_staging = buf = torch.empty(max(numel, max(u.unit.shard_numel for u in flat.units)),
+                                                   dtype=flat.dtype)
+        return buf[:numel]
 
     def _write(self, index: int) -> None:
         staged, covered = self._staged.pop(index)

@@ -155,6 +155,7 @@ class GradientReducer:
         (the engine folds 1/dp into the loss scale, exact for powers of two), so the reduced
         sum is the mean and no pass over the result divides it."""
         u = self.flat.units[index]
+        u.ensure_grad()  # (released after the last step's in-place NVMe update consumed it)
         bucket = self._bucket(index)
         self._zero_missing(index)
         if self.before_collective is not None:
