@@ -52,6 +52,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from _common import free_port, gather_results, init_gloo, loadavg, machine_lines, meminfo, spawn_ranks  # noqa: E402
+from larger_than_ram import vm_hwm as _vm_hwm  # noqa: E402  (VmHWM: the peak since start or the last reset)
 from zero3_nvme import dd_bandwidth, proc_io  # noqa: E402
 
 GiB = 1 << 30
@@ -195,15 +196,6 @@ def worker(rank, world, port, fw, spec, swap_dir, result_path):
     gather_results(out, result_path)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _vm_hwm() -> int:
-    """Peak resident bytes of this process since start or the last reset (VmHWM)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _reset_vm_hwm() -> None:

@@ -125,6 +125,9 @@ def test_nvme_gathers_reuse_their_staging_and_the_swap_cpu_is_counted(tmp_path):
     first = store.staging_reused
     engine.train_batch(iter([batch]))
     units = sum(not u.unit.resident for u in engine.flat.units)
-    assert store.staging_reused - first >= 2 * units - store.KEEP_STAGING  # forward and backward gathers
+    if engine.flat.streams.defer:  # (the deferred-copy harness hands each gather a copy of its own)
+        assert store.staging_reused == 0
+    else:
+        assert store.staging_reused - first >= 2 * units - store.KEEP_STAGING  # forward and backward gathers
     assert engine.swapper.cpu_seconds["copy"] > 0 and engine.swapper.aio.cpu_seconds["checksum"] > 0
     assert engine.swapper.aio.checksum == "xxh3"
