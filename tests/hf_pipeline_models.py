@@ -23,31 +23,30 @@ def shifted_loss(logits, labels, vocab_size=None, **kwargs):
     return next_token_loss(logits, labels)
 
 
-def llama():
+def _causal_lm(model_class, config):
+    """model_class(config) initialised from seed 0, in train mode, with the reference's loss."""
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False))
+    model = model_class(config)
     model.loss_function = shifted_loss
     return model.train()
+
+
+def llama():
+    return _causal_lm(transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False))
 
 
 def gpt2():
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+    return _causal_lm(transformers.GPT2LMHeadModel, transformers.GPT2Config(
         vocab_size=256, n_embd=32, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
-    model.loss_function = shifted_loss
-    return model.train()
 
 
 def qwen2_tied():
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+    return _causal_lm(transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True))
-    model.loss_function = shifted_loss
-    return model.train()
 
 
 def t5(tie=True):

@@ -473,7 +473,7 @@ class Engine:
     def _global_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The L2 norm of the whole model's gradient: this rank's squares, summed over the
         ZeRO shards (dp), the tensor-parallel slices (tp) and the pipeline stages (pp)."""
-        kept = getattr(self.update, "grad_squares", lambda: None)() if self._norm_grads is None else None
+        kept = self.update.grad_squares() if self._norm_grads is None else None
         if self._norm_grads is not None:
             grads = self._norm_grads or [torch.zeros(1, device=self.placement.optimizer)]
         # (An in-place NVMe step releases the gradient shards it consumed: their squares were

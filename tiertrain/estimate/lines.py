@@ -22,7 +22,7 @@ TIERS: tuple[Tier, ...] = (Tier.DEVICE, Tier.CPU, Tier.NVME)
 """Memory tiers, fastest first (ZeRO-Infinity §5 offload engine): the members of
 :class:`tiertrain.tiers.Tier` (str-valued, so they also compare equal to "device" etc.)."""
 
-__all__ = ["PRECISION_BYTES", "TIERS", "Tier", "EstimateLine"]
+__all__ = ["PRECISION_BYTES", "TIERS", "Tier", "EstimateLine", "second_generation_lines"]
 
 
 @dataclass(frozen=True)
@@ -40,3 +40,14 @@ class EstimateLine:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tier", Tier(self.tier))
+
+
+def second_generation_lines(lay, state_bytes: int) -> list[EstimateLine]:
+    """The NVMe optimizer's second generation of its state (master + moments, state_bytes per
+    rank) under ``lay`` (a ZeroLayout): a transactional step writes the other generation; none
+    with zero.nvme_in_place or with the optimizer on another tier."""
+    if Tier(lay.optimizer_tier) is not Tier.NVME or lay.nvme_in_place:
+        return []
+    return [EstimateLine("optimizer state, second generation", state_bytes, Tier.NVME,
+                         "master + moments again: a transactional NVMe step writes the other "
+                         "generation (0 with zero.nvme_in_place)")]

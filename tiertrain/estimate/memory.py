@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from .lines import PRECISION_BYTES, TIERS, EstimateLine, Tier
+from .lines import PRECISION_BYTES, TIERS, EstimateLine, Tier, second_generation_lines
 from .peak import engine_build_peak, engine_estimate_lines, engine_grad_tier
 
 __all__ = [
@@ -634,11 +634,6 @@ def _model_state_lines(psi: int, sizes: list[int], lay: ZeroLayout) -> list[Esti
     master = (f"4·{part(lay.stage >= 1)} (fp32 master"
               + (", ZeRO §5.1 P_os)" if lay.stage >= 1 else ", replicated)") if separate
               else "0 (fp32 params on the optimizer's tier are their own master)")
-    generations = []
-    if Tier(lay.optimizer_tier) is Tier.NVME and not lay.nvme_in_place:
-        generations = [EstimateLine("optimizer state, second generation", ms.master + ms.optimizer, Tier.NVME,
-                                    "master + moments again: a transactional NVMe step writes the other "
-                                    "generation (0 with zero.nvme_in_place)")]
     return [
         EstimateLine("parameters", ms.params, lay.param_tier,
                      f"{pb}·{part(lay.stage >= 3)} ({lay.precision} params"
@@ -650,8 +645,9 @@ def _model_state_lines(psi: int, sizes: list[int], lay: ZeroLayout) -> list[Esti
         EstimateLine("optimizer states", ms.optimizer, lay.optimizer_tier,
                      f"8·{part(lay.stage >= 1)} (Adam m+v fp32"
                      + (", ZeRO §5.1 P_os)" if lay.stage >= 1 else ", replicated)")),
-        *generations,
+        *second_generation_lines(lay, ms.master + ms.optimizer),
     ]
+
 
 
 def _activation_lines(d: ModelDims, lay: ZeroLayout) -> list[EstimateLine]:

@@ -60,7 +60,7 @@ import torch.nn as nn
 
 from ..zero.plan import default_unit_modules, parameter_aliases
 from ..zero.flat import swap_pool_bytes
-from .lines import PRECISION_BYTES, EstimateLine, Tier
+from .lines import PRECISION_BYTES, EstimateLine, Tier, second_generation_lines
 
 __all__ = ["ActivationBytes", "PeakBreakdown", "HostOverhead", "gpt_activation_bytes", "gpt_meta_model",
            "engine_units", "simulate_peak", "stage3_gathered_bytes", "tile_plan", "engine_estimate_lines",
@@ -810,10 +810,7 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
     if optimizer_tier is Tier.NVME:
         notes.append("optimizer on NVMe: master weights and Adam moments live in swap files; RAM holds "
                      "the gradient shards and the streaming buffers of tiertrain.offload.NVMeAdamW")
-        if not lay.nvme_in_place:
-            lines.append(EstimateLine("optimizer state, second generation", pk.master + pk.moments, Tier.NVME,
-                                      "master + moments again: a transactional NVMe step writes the other "
-                                      "generation (0 with zero.nvme_in_place)"))
+    lines += second_generation_lines(lay, pk.master + pk.moments)
     # transient lines at the peak (device tier); standard activation lines always listed
     merged: dict[str, list] = {}
     order: list[str] = []

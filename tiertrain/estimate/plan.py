@@ -430,9 +430,8 @@ class _Evaluator:
         # retryable step for half the disk) may; in place, the step running in backward also
         # frees each gradient shard it consumed, so a cap on those held
         # (zero.nvme_grads_in_ram_mb) may fit the RAM.
-        for cap in (0.0,) + GRADS_IN_RAM_MB:
-            if cap and (lay.stage < 2 or not any(s.tier is not Tier.NVME for s in c.short)):
-                break
+        ram_short = lay.stage >= 2 and any(s.tier is not Tier.NVME for s in c.short)
+        for cap in (0.0, *(GRADS_IN_RAM_MB if ram_short else ())):
             option = self._candidate(rung, dataclasses.replace(lay, nvme_in_place=True, nvme_grads_in_ram_mb=cap))
             if not option.short:
                 return option

@@ -197,9 +197,7 @@ class OverlappedNVMeUpdate(NVMeUpdate):
         with self._progress:
             self._progress.notify_all()
 
-    def grad_squares(self) -> list[torch.Tensor] | None:
-        """Per unit (in flat.units order) the squared L2 norm of its reduced gradient shard,
-        when this step releases the shards it consumed; else None (read the gradients)."""
+    def grad_squares(self):
         if self.release_grads and len(self._squares) == len(self.flat.units):
             return [self._squares[i] for i in range(len(self.flat.units))]
         return None

@@ -281,6 +281,12 @@ class OptimizerUpdate(ABC):
     def cancel(self) -> None:
         """Undo work started ahead of step() that step() will not commit."""
 
+    def grad_squares(self) -> list[torch.Tensor] | None:
+        """Per unit (in flat.units order) the squared L2 norm of its reduced gradient shard,
+        taken before the form freed the shard (the NVMe step in place); None: the gradients
+        are all there to read."""
+        return None
+
     unchanged: frozenset[str] = frozenset()
     """Parameters the next step() leaves unchanged, optimizer state included (see
     leave_unchanged)."""
