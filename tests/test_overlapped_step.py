@@ -231,7 +231,7 @@ def test_a_skipped_step_undoes_the_update_published_during_backward(tmp_path, st
     assert all(torch.equal(params[k], sync_params[k]) for k in params)
 
 
-def _train_in_place(rank, world, nvme_path, in_place, grads_in_ram_mb=0.0):
+def _train_in_place(rank, world, nvme_path, in_place, grads_in_ram_mb=0.0, hf_llama=False):
     """Three steps at stage 3 with parameters and optimizer on NVMe; returns what the tests
     compare, by name."""
     import tiertrain
@@ -239,7 +239,12 @@ def _train_in_place(rank, world, nvme_path, in_place, grads_in_ram_mb=0.0):
     cfg = make_config(zero={"stage": 3, "offload_optimizer": "nvme", "offload_params": "nvme", "nvme_path": nvme_path,
                             "bucket_mb": 0.02, "nvme_in_place": in_place, "nvme_grads_in_ram_mb": grads_in_ram_mb},
                       batch={"micro_batch_size": 2, "grad_accum_steps": 1}, optimizer={"grad_clip": 0.0})
-    engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
+    if hf_llama:  # a Hugging Face architecture (GQA, rotary), not our GPT
+        from hf_pipeline_models import llama
+        model = llama()
+    else:
+        model = make_model()
+    engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
     losses = []
     for batch in global_batches(3, 4):
         loss = engine(next(rank_slices(batch, rank, world, 2, 1)))
@@ -284,3 +289,18 @@ def test_a_cap_on_gradients_held_for_the_in_place_step_bounds_them_and_changes_n
     # the cap (1 byte) and the unit whose reduction landed
     assert capped["peak_held_bytes"] <= 1 + capped["largest_grad_shard"]
     assert free["peak_held_bytes"] <= free["all_grad_shards"]
+
+
+@pytest.mark.timeout(90)
+def test_in_place_step_with_capped_gradients_trains_a_hugging_face_llama_as_the_transactional_step(tmp_path):
+    """The same on a transformers Llama (GQA, rotary) built from a small config: in place with
+    the gradients capped at one unit, the losses, parameters and norm are those of the
+    two-generation step, the consumed gradients are freed, and at most one shard over the cap
+    is held."""
+    pytest.importorskip("transformers")
+    two_gens, capped = (run_distributed(_train_in_place, 2, str(tmp_path / f"swap{flag}"), flag, 1e-6 if flag else 0.0,
+                                        True, timeout=60)[0] for flag in (False, True))
+    assert capped["losses"] == two_gens["losses"] and capped["grad_norm"] == two_gens["grad_norm"]
+    assert all(torch.equal(two_gens["params"][k], capped["params"][k]) for k in two_gens["params"])
+    assert all(capped["released"]) and not any(two_gens["released"])
+    assert capped["peak_held_bytes"] <= 1 + capped["largest_grad_shard"]
