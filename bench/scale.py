@@ -316,16 +316,37 @@ def cpu_per_byte(mib: int = 32, repeat: int = 10) -> dict[str, float]:
     return out
 
 
-def predicted_step_s(n_params: int, bw: dict[str, float]) -> float:
+def predicted_step_s(n_params: int, bw: dict[str, float], masters_shared: bool = True) -> float:
     """The estimator's IO lower bound of a step at this layout: the bytes its memory model puts on
     NVMe (parameters, fp32 masters and Adam moments, tiertrain/estimate/memory.py), each moved as
-    ZeRO-Infinity moves them per step, over the measured bandwidth."""
+    ZeRO-Infinity moves them per step, over the measured bandwidth. ``masters_shared``: the fp32
+    parameter shards are the optimizer's masters (from revision 'masters shared' on; before, a
+    second copy was kept and written). The backward gathers served from the kept staging
+    tensors (at most 2 units) are not subtracted."""
     from tiertrain.estimate.memory import engine_model_state_bytes
 
-    ms = engine_model_state_bytes(n_params, 2, 3, "fp32", separate_master=True)
-    reads = 2 * ms.params + ms.master + ms.optimizer    # parameters in forward and backward, the optimizer state
-    writes = ms.params + ms.master + ms.optimizer       # the updated state and parameters
+    ms = engine_model_state_bytes(n_params, 2, 3, "fp32", separate_master=not masters_shared)
+    master = ms.params if masters_shared else ms.master
+    reads = 2 * ms.params + master + ms.optimizer    # parameters in forward and backward, the optimizer state
+    writes = master + ms.optimizer + (0 if masters_shared else ms.params)  # the updated state (and parameters)
     return 2 * (reads / (bw["read"] * 1e9) + writes / (bw["write"] * 1e9))  # 2 ranks share the disk
+
+
+def revision() -> str:
+    """The library's git revision, with + when tiertrain/ has uncommitted changes."""
+    def git(*a):
+        return subprocess.run(["git", "-C", ROOT, *a], capture_output=True, text=True).stdout.strip()
+    return git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain", "--", "tiertrain") else "")
+
+
+def latest(rows: list[dict]) -> dict:
+    """(size, framework) -> the last successful row of it (rows are appended in run order)."""
+    return {(r["size"], r["framework"]): r for r in rows if r["ok"]}
+
+
+EARLIER_REVISION = "16b090c"
+"""The revision of the rows recorded before rows carried one (2026-11-23/24, before the
+optimizer's masters were shared with the parameter shards)."""
 
 
 def render(data: dict) -> str:
@@ -350,15 +371,19 @@ def render(data: dict) -> str:
          "written / write bw, with the bandwidths probed before that row's run; predicted = the estimator's "
          "NVMe bytes moved per step (tiertrain's layout) over the median bandwidths above (`predicted_step_s`).", "",
          "## Results", "",
-         "| size | framework | parameters | states / RAM | step (s) | predicted (s) | IO bound (s) | step / bound "
+         "Rows are in run order within each framework and size; `code` is the library's revision (the ratio table, "
+         "the timeline and the plot use the last row of each size and framework).", "",
+         "| size | framework | code | parameters | states / RAM | step (s) | predicted (s) | IO bound (s) | step / bound "
          "| read GB | written GB | CPU s (max rank) | peak RSS per rank (GiB) | setup (s) | lr | losses |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["framework"] != "tt", r.get("n_params") or 0, r["size"])):
         if not r["ok"]:
-            L.append(f"| {r['size']} | {r['framework']} | FAILED: {r['error'][:400]} |" + " |" * 12)
+            L.append(f"| {r['size']} | {r['framework']} | {r.get('revision', EARLIER_REVISION)} | "
+                     f"FAILED: {r['error'][:400]} |" + " |" * 12)
             continue
-        predicted = predicted_step_s(r["n_params"], data["bw"]) if r["framework"] == "tt" else float("nan")
-        L.append(f"| {r['size']} | {r['framework']} | {r['n_params'] / 1e9:.3f} B | {r['states_over_ram']:.2f} | "
+        predicted = (predicted_step_s(r["n_params"], data["bw"], r.get("masters_shared", False))
+                     if r["framework"] == "tt" else float("nan"))
+        L.append(f"| {r['size']} | {r['framework']} | {r.get('revision', EARLIER_REVISION)} | {r['n_params'] / 1e9:.3f} B | {r['states_over_ram']:.2f} | "
                  f"{r['step_s']:.1f} | {predicted:.1f} | {r['io_bound_s']:.1f} | "
                  f"{r['step_over_bound']:.2f} | {r['read_gb']:.1f} | {r['written_gb']:.1f} | {r['cpu_s']:.1f} | "
                  f"{' / '.join(f'{x:.2f}' for x in r['peak_rss_gib'])} | {r['setup_s']:.0f} | {r.get('lr', 1e-5):g} | "
@@ -368,9 +393,10 @@ def render(data: dict) -> str:
         L += ["", "## Memory per rank: building the model vs training (VmHWM, reset after the build; GiB)", "",
               "| size | framework | build peak | training peak |", "|---|---|---|---|"]
         for r in measured:
-            L.append(f"| {r['size']} | {r['framework']} | {' / '.join(f'{x:.2f}' for x in r['build_peak_gib'])} | "
+            L.append(f"| {r['size']} ({r.get('revision', EARLIER_REVISION)}) | {r['framework']} | "
+                     f"{' / '.join(f'{x:.2f}' for x in r['build_peak_gib'])} | "
                      f"{' / '.join(f'{x:.2f}' for x in r['train_peak_gib'])} |")
-    by = {(r["size"], r["framework"]): r for r in rows if r["ok"]}
+    by = latest(rows)
     pairs = [(s, by[(s, "tt")], by[(s, "ds")]) for s in dict.fromkeys(r["size"] for r in rows)
              if (s, "tt") in by and (s, "ds") in by]
     if pairs:
@@ -391,7 +417,7 @@ def render(data: dict) -> str:
               "| its io wait | its ready wait | chunks in bwd | checksum CPU | copy CPU |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in tt:
-            L.append(f"| {r['size']} | {r['fwd']:.1f} | {r['bwd']:.1f} | {r['opt']:.1f} | {r['io_wait_s']:.1f} | "
+            L.append(f"| {r['size']} ({r.get('revision', EARLIER_REVISION)}) | {r['fwd']:.1f} | {r['bwd']:.1f} | {r['opt']:.1f} | {r['io_wait_s']:.1f} | "
                      f"{r['comm_wait_s']:.1f} | {r.get('grads_wait_s', 0.0):.1f} | {r['opt_pass_s']:.1f} | {r['opt_io_wait_s']:.1f} | "
                      f"{r['opt_ready_wait_s']:.1f} | {r['chunks_in_bwd']:.2f} | {100 * r['checksum_cpu_share']:.1f}% | "
                      f"{100 * r['copy_cpu_share']:.1f}% |")
@@ -414,8 +440,9 @@ def plot(data: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    last = list(latest(data["rows"]).values())
     for fw, style in (("tt", "o-"), ("ds", "s--")):
-        rows = sorted((r for r in data["rows"] if r["ok"] and r["framework"] == fw), key=lambda r: r["n_params"])
+        rows = sorted((r for r in last if r["framework"] == fw), key=lambda r: r["n_params"])
         if not rows:
             continue
         x = [r["n_params"] / 1e9 for r in rows]
@@ -424,9 +451,10 @@ def plot(data: dict, path: str) -> None:
         axes[0].plot(x, [r["io_bound_s"] for r in rows], ":", marker=style[0], alpha=0.6, label=f"{name} IO bound")
         axes[1].plot(x, [r["read_gb"] + r["written_gb"] for r in rows], style, label=name)
         axes[2].plot(x, [max(r["peak_rss_gib"]) for r in rows], style, label=name)
-    pred = sorted((r for r in data["rows"] if r["ok"] and r["framework"] == "tt"), key=lambda r: r["n_params"])
+    pred = sorted((r for r in last if r["framework"] == "tt"), key=lambda r: r["n_params"])
     if pred:
-        axes[0].plot([r["n_params"] / 1e9 for r in pred], [predicted_step_s(r["n_params"], data["bw"]) for r in pred],
+        axes[0].plot([r["n_params"] / 1e9 for r in pred],
+                     [predicted_step_s(r["n_params"], data["bw"], r.get("masters_shared", False)) for r in pred],
                      "k-.", label="estimator (median bandwidth)")
     axes[2].axhline(data["ram_gib"] / 2, color="grey", lw=0.8, label="RAM / 2 ranks")
     for ax, title, unit in zip(axes, ("step time", "bytes moved per step (both ranks)", "peak RSS per rank (build included)"),
@@ -525,7 +553,9 @@ def main(argv=None) -> int:
         row = summarize(fw, label, ranks, bw, ram)
         row["bw"] = bw
         row["lr"] = args.lr
+        row["revision"] = revision()
         if row["ok"] and fw == "tt":
+            row["masters_shared"] = True
             row["predicted_s"] = predicted_step_s(row["n_params"], bw)
             print(f"   step {row['step_s']:.1f} s, IO bound {row['io_bound_s']:.1f} s ({row['step_over_bound']:.2f}x), "
                   f"peak RSS {row['peak_rss_gib']}", flush=True)

@@ -57,6 +57,9 @@ CASES = {
                                "--zero.offload_params=cpu"],
     "stage3 bf16 all on nvme": ["--zero.stage=3", "--precision.dtype=bf16", "--zero.offload_optimizer=nvme",
                                 "--zero.offload_params=nvme"],
+    # fp32 shards on NVMe are the optimizer's masters: one copy, counted with the parameters
+    "stage3 fp32 all on nvme": ["--zero.stage=3", "--precision.dtype=fp32", "--zero.offload_optimizer=nvme",
+                                "--zero.offload_params=nvme"],
     "stage3 checkpoints": ["--zero.stage=3", "--activations.checkpoint_every=1"],
 }
 """Name -> config overrides (an NVMe case gets ``zero.nvme_path`` under pytest's tmp_path)."""

@@ -59,7 +59,9 @@ def test_offloaded_run_is_identical_to_device_run(tmp_path, stage, offload_optim
     in_nvme = {"optimizer": offload_optimizer == "nvme", "params": offload_params == "nvme"}
     assert mem.cpu_tier == sum(getattr(mem, kind) for kind, where in in_cpu.items() if where)
     assert mem.nvme_tier == sum(getattr(mem, kind) for kind, where in in_nvme.items() if where)
-    if offload_optimizer == "nvme":  # fp32 master, exp_avg and exp_avg_sq of each gradient element
+    if offload_optimizer == "nvme" and offload_params == "nvme" and dtype == "fp32":
+        assert mem.optimizer == 2 * mem.grads  # the moments: each fp32 master is its parameter shard, counted once
+    elif offload_optimizer == "nvme":  # fp32 master, exp_avg and exp_avg_sq of each gradient element
         assert mem.optimizer == 3 * mem.grads
     assert base_mem.activation_checkpoints == 0
     if checkpoints == "cpu":  # every block's input, [micro_batch, seq, hidden] in the compute dtype
@@ -95,8 +97,11 @@ def test_truncated_parameter_swap_file_is_an_error_naming_it(tmp_path):
     engine.train_batch(iter([batch]))
     files = sorted(p for p in (tmp_path / "rank0").iterdir() if p.name.endswith(".swp"))
     assert files, "parameter shards are in swap files"
-    os.truncate(files[-1], 0)
-    with pytest.raises(SwapError, match=files[-1].name):
+    # Every file: the end of a step prefetches the next forward's reads, which may have landed
+    # already; backward reads a unit again (more units than the staging tensors kept).
+    for path in files:
+        os.truncate(path, 0)
+    with pytest.raises(SwapError, match="|".join(p.name for p in files)):
         engine.train_batch(iter([batch]))
 
 
@@ -107,11 +112,36 @@ def test_parameter_shards_are_read_from_nvme_ahead_of_use(tmp_path):
     batch = global_batches(1, 2)[0]
     engine.train_batch(iter([batch]))
     assert engine.swapper.stats["prefetch_hits"] == 0  # the first step records the order
+    reads_before, reused_before = engine.swapper.stats["swap_in"], engine.flat.shards.values_reused
     engine.train_batch(iter([batch]))
     units = sum(not u.unit.resident for u in engine.flat.units)
-    # forward and backward each gather every unit; every one prefetched but backward's first
-    # (the end of the step starts the next forward's first reads)
-    assert engine.swapper.stats["prefetch_hits"] >= 2 * units - 1
+    # forward and backward each gather every unit; those backward takes from the staging of
+    # forward's last gathers read nothing, and every read is prefetched but possibly
+    # backward's first (the end of the step starts the next forward's first reads)
+    reused = engine.flat.shards.values_reused - reused_before
+    reads = engine.swapper.stats["swap_in"] - reads_before
+    assert reads == 2 * units - reused
+    assert engine.swapper.stats["prefetch_hits"] >= reads - 1
+
+
+def test_backward_takes_the_last_forward_units_from_ram_and_a_step_invalidates_them(tmp_path):
+    """At the turn from forward to backward, the units forward gathered last are gathered
+    again first: their values are still in the kept staging tensors, so they are not read from
+    NVMe again (at most KEEP_STAGING per shard size). After the optimizer step those values are
+    stale, and the next forward reads every unit (the run's numerics are checked against the
+    device run by test_offloaded_run_is_identical_to_device_run)."""
+    engine = _nvme_engine(str(tmp_path))
+    store = engine.flat.shards
+    batch = global_batches(1, 2)[0]
+    units = sum(not u.unit.resident for u in engine.flat.units)
+    for _ in range(2):
+        before = store.values_reused
+        engine.train_batch(iter([batch]))
+        if engine.flat.streams.defer:  # (the deferred-copy harness hands each gather a copy of its own)
+            assert store.values_reused == 0
+        else:
+            assert store.values_reused - before == min(units, store.KEEP_STAGING)
+    assert units > store.KEEP_STAGING  # (so the step's invalidation is what the count shows)
 
 
 def test_nvme_gathers_reuse_their_staging_and_the_swap_cpu_is_counted(tmp_path):
@@ -128,6 +158,6 @@ def test_nvme_gathers_reuse_their_staging_and_the_swap_cpu_is_counted(tmp_path):
     if engine.flat.streams.defer:  # (the deferred-copy harness hands each gather a copy of its own)
         assert store.staging_reused == 0
     else:
-        assert store.staging_reused - first >= 2 * units - store.KEEP_STAGING  # forward and backward gathers
+        assert store.staging_reused - first >= 2 * units - 2 * store.KEEP_STAGING  # forward and backward reads
     assert engine.swapper.cpu_seconds["copy"] > 0 and engine.swapper.aio.cpu_seconds["checksum"] > 0
     assert engine.swapper.aio.checksum == "xxh3"

@@ -172,6 +172,12 @@ class _FakeFlat:
     def on_nvme(self, index):
         return True
 
+    def holds_masters(self, index):  # (shards with their own files, as with bf16 parameters)
+        return False
+
+    def forget_values(self):
+        pass
+
     def write(self, index, shard, values):
         self.written[index] = values.clone()
 

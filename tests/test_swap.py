@@ -113,6 +113,22 @@ def test_zero_copy_pool_buffers(tmp_path, aio):
         dst.release()
 
 
+def test_a_prefetched_key_read_into_a_pool_buffer_gets_its_bytes(tmp_path, aio):
+    """A key one user prefetched (a stage-3 gather, ahead of use) and another reads straight
+    into a pool buffer (the NVMe optimizer's ring): the buffer receives the prefetched bytes."""
+    pool = AlignedBufferPool(16 << 20, 1 << 20, pin=False, acquire_timeout=T)
+    with TensorSwapper(tmp_path, aio, pool, rank=0, wait_timeout=T) as sw:
+        x = torch.randn(3 << 18)
+        sw.swap_out("k", x).wait(T)
+        assert sw.prefetch(["k"]) >= 1
+        sw.flush(T)
+        with pool.acquire(x.numel() * 4) as dst:
+            dst.data.fill_(0)
+            sw.swap_in("k", dst).wait(T)
+            assert torch.equal(dst.view(torch.float32), x)
+        assert sw.stats["prefetch_hits"] >= 1
+
+
 def test_concurrent_swaps_from_threads(swapper, pool):
     errors = []
 

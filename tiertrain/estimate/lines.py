@@ -22,7 +22,7 @@ TIERS: tuple[Tier, ...] = (Tier.DEVICE, Tier.CPU, Tier.NVME)
 """Memory tiers, fastest first (ZeRO-Infinity §5 offload engine): the members of
 :class:`tiertrain.tiers.Tier` (str-valued, so they also compare equal to "device" etc.)."""
 
-__all__ = ["PRECISION_BYTES", "TIERS", "Tier", "EstimateLine", "second_generation_lines"]
+__all__ = ["PRECISION_BYTES", "TIERS", "Tier", "EstimateLine", "masters_are_param_shards", "second_generation_lines"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,14 @@ class EstimateLine:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tier", Tier(self.tier))
+
+
+def masters_are_param_shards(lay) -> bool:
+    """Whether ``lay`` (a ZeroLayout) keeps fp32 parameter shards and the optimizer both on
+    NVMe: the optimizer's master records are then the shards (one copy, counted with the
+    parameters; tiertrain/offload/shard_store.py OptimizerMasterShards)."""
+    return (lay.stage == 3 and lay.precision == "fp32" and Tier(lay.param_tier) is Tier.NVME
+            and Tier(lay.optimizer_tier) is Tier.NVME)
 
 
 def second_generation_lines(lay, state_bytes: int) -> list[EstimateLine]:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from .lines import PRECISION_BYTES, TIERS, EstimateLine, Tier, second_generation_lines
+from .lines import PRECISION_BYTES, TIERS, EstimateLine, Tier, masters_are_param_shards, second_generation_lines
 from .peak import engine_build_peak, engine_estimate_lines, engine_grad_tier
 
 __all__ = [
@@ -645,7 +645,7 @@ def _model_state_lines(psi: int, sizes: list[int], lay: ZeroLayout) -> list[Esti
         EstimateLine("optimizer states", ms.optimizer, lay.optimizer_tier,
                      f"8·{part(lay.stage >= 1)} (Adam m+v fp32"
                      + (", ZeRO §5.1 P_os)" if lay.stage >= 1 else ", replicated)")),
-        *second_generation_lines(lay, ms.master + ms.optimizer),
+        *second_generation_lines(lay, ms.master + ms.optimizer + (ms.params if masters_are_param_shards(lay) else 0)),
     ]
 
 

@@ -60,7 +60,7 @@ import torch.nn as nn
 
 from ..zero.plan import default_unit_modules, parameter_aliases
 from ..zero.flat import swap_pool_bytes
-from .lines import PRECISION_BYTES, EstimateLine, Tier, second_generation_lines
+from .lines import PRECISION_BYTES, EstimateLine, Tier, masters_are_param_shards, second_generation_lines
 
 __all__ = ["ActivationBytes", "PeakBreakdown", "HostOverhead", "gpt_activation_bytes", "gpt_meta_model",
            "engine_units", "simulate_peak", "stage3_gathered_bytes", "tile_plan", "engine_estimate_lines",
@@ -284,7 +284,7 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
         params += (u.padded_numel if u.resident else u.shard_numel) * D
         grads += 4 * (u.padded_numel if stage <= 1 else u.shard_numel)
         shard_tier = Tier.DEVICE if u.resident else param_tier
-        if not (D == 4 and optimizer_tier == shard_tier != Tier.NVME):
+        if not (D == 4 and optimizer_tier == shard_tier):  # (on NVMe: OptimizerMasterShards)
             master += 4 * u.shard_numel
         if optimizer_tier is Tier.NVME:  # NVMeAdamW's chunks tile the whole shard, padding included
             moments += 8 * u.shard_numel
@@ -635,7 +635,7 @@ def simulate_build_peak(model: nn.Module, *, dp: int, stage: int, precision_byte
                 alloc(shard_tier, "flat parameters", D * u.shard_numel)
         if partitioned:
             th["parameter gathered from its shards (fp32)"] = max(4 * numel[s.name] for s in u.slots)
-        if not (D == 4 and optimizer_tier == shard_tier != Tier.NVME):
+        if not (D == 4 and optimizer_tier == shard_tier):
             alloc(opt_tier, "master weights (fp32)", 4 * u.shard_numel)
             masters.append(4 * u.shard_numel)
         if stage <= 1:
@@ -653,7 +653,12 @@ def simulate_build_peak(model: nn.Module, *, dp: int, stage: int, precision_byte
 
         chunk = min(max(1024, nvme_chunk_bytes // BYTES_PER_ELEM), max(u.shard_numel for u in units))
         alloc(Tier.CPU, "NVMe optimizer chunk buffers", nvme_buffers * BYTES_PER_ELEM * chunk)
-        point("wrap: NVMe optimizer set up (masters still in RAM)")
+        # fp32 shards on NVMe are their own masters: the optimizer's first records are read
+        # from their files, one unit's shard at a time, instead of from masters in RAM
+        read_back = max((4 * u.shard_numel for u in units if not u.resident), default=0) \
+            if D == 4 and param_tier is Tier.NVME and stage == 3 else 0
+        point("wrap: NVMe optimizer set up (masters still in RAM)",
+              {"shard read back for the optimizer's records": read_back} if read_back else None)
         for m in masters:
             free(opt_tier, "master weights (fp32)", m)
         host["gradients (fp32)"] = host.get("gradients (fp32)", 0) + untouched_grads
@@ -810,7 +815,9 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
     if optimizer_tier is Tier.NVME:
         notes.append("optimizer on NVMe: master weights and Adam moments live in swap files; RAM holds "
                      "the gradient shards and the streaming buffers of tiertrain.offload.NVMeAdamW")
-    lines += second_generation_lines(lay, pk.master + pk.moments)
+    shared_masters = (sum(D * u.shard_numel for u in layout.units if not u.resident)
+                      if masters_are_param_shards(lay) else 0)  # (on NVMe as parameters, in both generations)
+    lines += second_generation_lines(lay, pk.master + pk.moments + shared_masters)
     # transient lines at the peak (device tier); standard activation lines always listed
     merged: dict[str, list] = {}
     order: list[str] = []
@@ -851,7 +858,7 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
             DEFAULT_CHUNK_BYTES = 24 << 20
         add("NVMe staging buffers", 4 * DEFAULT_CHUNK_BYTES, Tier.CPU,
             "NVMeAdamW ring: 4 buffers × chunk_bytes (master + m + v of one chunk)")
-        if param_tier is Tier.NVME:
+        if param_tier is Tier.NVME and D != 4:  # (fp32: the step's writes are the shards' own)
             add("NVMe parameter write staging", max(u.shard_numel for u in layout.units) * D, Tier.CPU,
                 "one unit's updated shard assembled for its swap write (zero.flat.ShardWriter); "
                 "live during backward when the step overlaps it (zero.overlap_nvme_step)")

@@ -26,15 +26,18 @@ import torch
 
 from ..elementwise import ElementwiseRule
 
-__all__ = ["BYTES_PER_ELEM", "Chunk", "ChunkUpdate", "StepStats", "publish_chunk"]
+__all__ = ["BYTES_PER_ELEM", "MASTER_BYTES", "MOMENT_BYTES", "Chunk", "ChunkUpdate", "StepStats", "publish_chunk"]
 
-BYTES_PER_ELEM = 12                      # fp32 master + two state slots (AdamW: exp_avg, exp_avg_sq)
+MASTER_BYTES = 4                         # fp32 master, a chunk's first record
+MOMENT_BYTES = 8                         # two fp32 state slots (AdamW: exp_avg, exp_avg_sq), its second
+BYTES_PER_ELEM = MASTER_BYTES + MOMENT_BYTES
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """A contiguous element range of one shard, updated, read and written as one swap record
-    of ``BYTES_PER_ELEM`` bytes per element (nvme_optimizer._plan cuts the shards)."""
+    """A contiguous element range of one shard, updated, read and written as two swap records
+    (master, moments) of ``BYTES_PER_ELEM`` bytes per element in all (nvme_optimizer._plan cuts
+    the shards)."""
 
     shard: int
     index: int                            # chunk number within the shard

@@ -17,9 +17,14 @@ So the RAM the optimizer needs is ``num_buffers × chunk_bytes`` whatever the mo
 (:attr:`NVMeAdamW.resident_bytes`); the gradients stay where the caller keeps them (the fp32
 gradient shards the reducer produced) and are read in place.
 
-**Chunk records.** A chunk of ``n`` elements is one swap record of ``12·n`` bytes laid out as
-``[master | exp_avg | exp_avg_sq]`` (fp32), so each chunk costs one read and one write request,
-each verified by the swap layer's size and checksum records (XXH3 by default).
+**Chunk records.** A chunk of ``n`` elements is two swap records: its fp32 master values
+(``4·n`` bytes, key ``….p``) and its two moments ``[exp_avg | exp_avg_sq]`` (``8·n`` bytes, key
+``….mv``), each verified by the swap layer's size and checksum records (XXH3 by default). A
+chunk costs two read and two write requests per pass. The master record on its own is what
+makes the parameter tier and the optimizer share one copy of an fp32 shard: a stage-3 gather
+reads a unit's master records (:meth:`NVMeAdamW.read_master`, 4 bytes per element, not 12),
+so fp32 parameters on NVMe need no swap file of their own
+(tiertrain/offload/shard_store.py, OptimizerMasterShards).
 
 **Exactness.** The update is torch's own fused CPU AdamW, called through the public functional
 API ``torch.optim.adamw.adamw(..., fused=True)`` on views of each parameter piece inside the
@@ -91,7 +96,7 @@ import torch
 from ..elementwise import AdamWRule, ElementwiseRule
 from .aio import DEFAULT_CHECKSUM, AsyncIO, SwapSpaceError
 from .buffers import AlignedBufferPool, Buffer, round_up
-from .chunk_update import BYTES_PER_ELEM, Chunk, ChunkUpdate, StepStats, publish_chunk
+from .chunk_update import BYTES_PER_ELEM, MASTER_BYTES, MOMENT_BYTES, Chunk, ChunkUpdate, StepStats, publish_chunk
 from .overlapped_step import OverlappedStep
 from ..comm import run_timeout
 from .swap import DEFAULT_WAIT_TIMEOUT, SwapHandle, TensorSwapper
@@ -186,6 +191,53 @@ def pieces_from_param_groups(shards: Sequence[torch.Tensor], groups: Sequence[di
     return out
 
 
+def _last_shard_kept(read: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
+    """``read`` keeping only the last shard it returned: a pass visits each shard's chunks one
+    after the other, so one shard's values are held at a time, not the whole rank's."""
+    last: List = [None, None]
+
+    def values(s: int) -> torch.Tensor:
+        if last[0] != s:
+            last[0], last[1] = s, None
+            last[1] = read(s).detach().reshape(-1)
+        return last[1]
+    return values
+
+
+class _Requests:
+    """The swap requests of one chunk (its master and moments records) as one handle:
+    ``wait`` waits for all of them, then raises the first error."""
+
+    def __init__(self, handles: Sequence[SwapHandle]):
+        self.handles = list(handles)
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        first: Optional[BaseException] = None
+        for h in self.handles:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                h.wait(left)
+            except BaseException as e:  # noqa: BLE001 - the others are waited for first
+                first = first or e
+        if first is not None:
+            raise first
+
+    def add_done_callback(self, fn: Callable[["_Requests"], None]) -> None:
+        """Run ``fn(self)`` once every request completed (in the thread completing the last)."""
+        left = [len(self.handles)]
+        lock = threading.Lock()
+
+        def one_done(_h) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                fn(self)
+        for h in self.handles:
+            h.add_done_callback(one_done)
+
+
 # ---------------------------------------------------------------------------------------------
 # The optimizer
 # ---------------------------------------------------------------------------------------------
@@ -211,6 +263,9 @@ class NVMeAdamW:
             updated and chunk i-1 written. RAM used = num_buffers × chunk_bytes (rounded to pages;
             less when the largest shard is smaller than one chunk), whatever the model size.
         transactional: keep two generations on disk so a failed step changes nothing.
+        initial: ``initial(s)`` returns shard s's initial values (called once per shard, in
+            order), when ``shards`` give only sizes (tensors without storage: parameters whose
+            values are in another tier's swap file); None reads them from ``shards``.
         compute_threads: torch intra-op threads while streaming (set and restored around each
             pass): "auto" = one fewer than torch's setting (at least 1), leaving a core to the IO
             threads' copies and checksums; an int; None keeps the caller's setting (see
@@ -224,7 +279,8 @@ class NVMeAdamW:
                  aio_threads: int = 4, aio_block_bytes: int = 8 << 20,
                  checksum: Optional[str] = DEFAULT_CHECKSUM, pin: Optional[bool] = None,
                  compute_threads: Union[int, str, None] = "auto",
-                 wait_timeout: Optional[float] = DEFAULT_WAIT_TIMEOUT, rule: Optional[ElementwiseRule] = None):
+                 wait_timeout: Optional[float] = DEFAULT_WAIT_TIMEOUT, rule: Optional[ElementwiseRule] = None,
+                 initial: Optional[Callable[[int], torch.Tensor]] = None):
         if (swapper is None) == (swap_dir is None):
             raise ValueError("give exactly one of swapper= (a TensorSwapper) or swap_dir=")
         if num_buffers < 3:
@@ -242,7 +298,7 @@ class NVMeAdamW:
         self._closed = False
         self._broken: Optional[str] = None
         self._version = 0                 # commits so far (a prefetch is valid for one version)
-        self._prefetched: Dict[int, Tuple[SwapHandle, float]] = {}   # chunk -> (read, submitted)
+        self._prefetched: Dict[int, Tuple[_Requests, float]] = {}   # chunk -> (reads, submitted)
         self._prefetch_version = -1
         self._active = None               # the OverlappedStep in progress, if any
         self.compute_threads = compute_threads
@@ -268,7 +324,10 @@ class NVMeAdamW:
         # The streaming buffers: one private pool, every buffer acquired now and held (no
         # larger than the largest chunk, so a model smaller than one chunk needs less).
         biggest = max((c.numel for c in self._chunks), default=0)
-        slot = max(4096, round_up(BYTES_PER_ELEM * biggest, 4096))
+        # A buffer holds a chunk's master at its start and its moments at the next aligned
+        # offset, so that both records are read and written straight from it.
+        self._moments_at = round_up(MASTER_BYTES * biggest, 4096)
+        slot = max(4096, self._moments_at + round_up(MOMENT_BYTES * biggest, 4096))
         self.num_buffers = num_buffers
         self._pool = AlignedBufferPool(num_buffers * slot, slot, pin=pin, acquire_timeout=wait_timeout)
         self._own_swapper = swapper is None
@@ -292,10 +351,14 @@ class NVMeAdamW:
         self._slots: List[Buffer] = [self._pool.acquire(slot) for _ in range(num_buffers)]
         try:
             self._check_space()
-            initial = [t.detach().reshape(-1) for t in shards]
+            if initial is None:
+                given = [t.detach().reshape(-1) for t in shards]
+                values = given.__getitem__
+            else:
+                values = _last_shard_kept(initial)
 
             def fill(j, ch: Chunk, p, m, v, stats) -> None:
-                p.copy_(initial[ch.shard][ch.lo:ch.hi])
+                p.copy_(values(ch.shard)[ch.lo:ch.hi])
                 m.zero_()
                 v.zero_()
             self._commit(self._stream("init", fill, read=False, write=True)[1])
@@ -320,7 +383,8 @@ class NVMeAdamW:
     @property
     def disk_bytes(self) -> int:
         """Swap file bytes (page-padded) across the generations kept."""
-        per_gen = sum(round_up(c.nbytes, 4096) for c in self._chunks)
+        per_gen = sum(round_up(MASTER_BYTES * c.numel, 4096) + round_up(MOMENT_BYTES * c.numel, 4096)
+                      for c in self._chunks)
         return per_gen * (2 if self.transactional else 1)
 
     @property
@@ -333,9 +397,10 @@ class NVMeAdamW:
                 "disk_bytes": self.disk_bytes, "chunks": self.num_chunks,
                 "chunk_elems": self.chunk_elems, "num_buffers": self.num_buffers}
 
-    def files(self) -> List[str]:
-        """Paths of the swap files of the current generation, in chunk order."""
-        return [self.swapper._record(self._key(j, g)).path for j, g in enumerate(self._gens)]
+    def files(self, part: str = "mv") -> List[str]:
+        """Paths of the swap files of the current generation, in chunk order: the moments
+        records (``part="mv"``) or the masters (``"p"``)."""
+        return [self.swapper._record(self._key(j, g, part)).path for j, g in enumerate(self._gens)]
 
     # -- the step ---------------------------------------------------------------------------
     def prefetch(self) -> int:
@@ -507,16 +572,63 @@ class NVMeAdamW:
 
     def read_masters(self, shards: Optional[Sequence[int]] = None) -> List[Optional[torch.Tensor]]:
         """The fp32 master values of ``shards`` (default: all) as new CPU tensors (None for the
-        others), e.g. for a full state dict. Reads those shards' whole records (3× the bytes)."""
+        others), e.g. for a full state dict. Reads only those shards' master records."""
         self._check_usable()
         wanted = set(range(self.num_shards) if shards is None else shards)
         out: List[Optional[torch.Tensor]] = [torch.empty(n, dtype=torch.float32) if s in wanted else None
                                              for s, n in enumerate(self._shard_numels)]
-
-        def work(j, ch, p, m, v, stats):
-            out[ch.shard][ch.lo:ch.hi].copy_(p)
-        self._stream("read_masters", work, positions=self._positions(wanted), read=True, write=False)
+        for s in sorted(wanted):
+            self.read_master(s, out[s]).wait(self.wait_timeout)
         return out
+
+    # -- one shard's masters, for a parameter tier that keeps no copy of its own --------------
+    def _master_keys(self, shard: int) -> List[Tuple[str, Chunk]]:
+        return [(self._key(j, self._gens[j], "p"), self._chunks[j]) for j in self._positions({shard})]
+
+    def _check_readable(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"NVMeAdamW({self.name}) is closed")
+        if self._broken is not None:
+            raise RuntimeError(f"NVMeAdamW({self.name}) is unusable after a failure ({self._broken}); "
+                               f"restore a state with load_state_dict() first")
+
+    def read_master(self, shard: int, out: torch.Tensor) -> _Requests:
+        """Start reading shard's committed fp32 master values into ``out`` (fp32, the shard's
+        size): its chunks' master records alone, 4 bytes per element. Allowed while an
+        overlapped step runs, for shards it has not reached (a stage-3 gather during backward
+        reads units whose gradients are not final yet; the engine guarantees that)."""
+        self._check_readable()
+        if out.numel() != self._shard_numels[shard] or out.dtype != torch.float32:
+            raise ValueError(f"out is {out.dtype} of {out.numel()} elements; shard {shard} is fp32 "
+                             f"of {self._shard_numels[shard]}")
+        return _Requests([self.swapper.swap_in(key, out[ch.lo:ch.hi]) for key, ch in self._master_keys(shard)])
+
+    def prefetch_master(self, shards: Sequence[int]) -> None:
+        """Start reading these shards' master records ahead of :meth:`read_master` (a hint)."""
+        if self._closed or self._broken is not None:
+            return
+        keys = [key for s in shards for key, _ in self._master_keys(s)]
+        if keys:
+            self.swapper.prefetch(keys)
+
+    def write_master(self, shard: int, values: torch.Tensor) -> Optional[_Requests]:
+        """Replace shard's master values (any dtype, the shard's size), keeping its moments. In
+        place, only the master records are written (the requests are returned: the values may
+        be reused at once); transactional, :meth:`write_masters` runs (atomic) and None is
+        returned."""
+        if self.transactional:
+            edited: List[Optional[torch.Tensor]] = [None] * self.num_shards
+            edited[shard] = values
+            self.write_masters(edited)
+            return None
+        self._check_usable()
+        src = self._check_out([values if s == shard else None for s in range(self.num_shards)])[shard]
+        try:
+            return _Requests([self.swapper.swap_out(key, src[ch.lo:ch.hi].to(torch.float32))
+                              for key, ch in self._master_keys(shard)])
+        except BaseException as e:
+            self._broken = f"write_master failed with {type(e).__name__}: {e}"
+            raise
 
     def write_masters(self, masters: Sequence[Optional[torch.Tensor]]) -> None:
         """Replace the master values of the shards given (one tensor of the shard's size, any
@@ -582,9 +694,10 @@ class NVMeAdamW:
                 f"transactional={self.transactional})")
 
     # -- internals --------------------------------------------------------------------------
-    def _key(self, j: int, gen: int) -> str:
+    def _key(self, j: int, gen: int, part: str) -> str:
+        """The key of chunk j's record ``part`` ("p": master, "mv": moments) of generation gen."""
         ch = self._chunks[j]
-        return f"{self.name}.s{ch.shard}.c{ch.index}.g{gen}"
+        return f"{self.name}.s{ch.shard}.c{ch.index}.g{gen}.{part}"
 
     def _positions(self, shards) -> List[int]:
         return [j for j, c in enumerate(self._chunks) if c.shard in shards]
@@ -661,15 +774,25 @@ class NVMeAdamW:
 
     def _views(self, i: int, ch: Chunk):
         n = ch.numel
-        t = self._slots[i % self.num_buffers].padded[: BYTES_PER_ELEM * n].view(torch.float32)
-        return t[:n], t[n: 2 * n], t[2 * n:]
+        padded = self._slots[i % self.num_buffers].padded
+        moments = padded[self._moments_at: self._moments_at + MOMENT_BYTES * n].view(torch.float32)
+        return padded[: MASTER_BYTES * n].view(torch.float32), moments[:n], moments[n:]
 
-    def _read(self, j: int, i: int) -> SwapHandle:
-        """Read chunk j's committed record into the buffer of pass position i."""
-        buf = self._slots[i % self.num_buffers].slice(0, self._chunks[j].nbytes)
-        return self.swapper.swap_in(self._key(j, self._gens[j]), buf)
+    def _records(self, j: int, i: int):
+        """(key part, buffer) of chunk j's two records in the buffer of pass position i."""
+        slot, n = self._slots[i % self.num_buffers], self._chunks[j].numel
+        return (("p", slot.slice(0, MASTER_BYTES * n)), ("mv", slot.slice(self._moments_at, MOMENT_BYTES * n)))
 
-    def _wait(self, h: SwapHandle, stats: StepStats) -> None:
+    def _read(self, j: int, i: int) -> _Requests:
+        """Read chunk j's committed records into the buffer of pass position i."""
+        return _Requests([self.swapper.swap_in(self._key(j, self._gens[j], part), buf)
+                          for part, buf in self._records(j, i)])
+
+    def _write(self, j: int, i: int, gen: int) -> _Requests:
+        """Write the buffer of pass position i as chunk j's records of generation gen."""
+        return _Requests([self.swapper.swap_out(self._key(j, gen, part), buf) for part, buf in self._records(j, i)])
+
+    def _wait(self, h: _Requests, stats: StepStats) -> None:
         t0 = time.perf_counter()
         try:
             h.wait(self.wait_timeout)
@@ -677,7 +800,7 @@ class NVMeAdamW:
             stats.io_wait_seconds += time.perf_counter() - t0
 
     @staticmethod
-    def _track(h: SwapHandle, stats: StepStats, t0: Optional[float] = None) -> None:
+    def _track(h: _Requests, stats: StepStats, t0: Optional[float] = None) -> None:
         t0 = time.perf_counter() if t0 is None else t0
         h.add_done_callback(lambda _h: stats.record_io(t0, time.perf_counter()))
 
@@ -721,8 +844,8 @@ class NVMeAdamW:
         stats = StepStats(op=op, step=self.step_count if step is None else step,
                           chunks=len(positions))
         t_start = time.perf_counter()
-        reads: Dict[int, SwapHandle] = {}
-        writes: Dict[int, SwapHandle] = {}
+        reads: Dict[int, _Requests] = {}
+        writes: Dict[int, _Requests] = {}
         new_gens: Dict[int, int] = {}
         with self._lock:
             prefetched = {}
@@ -761,8 +884,7 @@ class NVMeAdamW:
                         gen = self._gens[j]
                         if self.transactional and op != "init":
                             gen = 1 - gen           # the committed record stays intact
-                        h = self.swapper.swap_out(self._key(j, gen),
-                                                  self._slots[i % B].slice(0, ch.nbytes))
+                        h = self._write(j, i, gen)
                         self._track(h, stats)
                         writes[i] = h
                         new_gens[j] = gen

@@ -36,25 +36,35 @@ class NVMeUpdate(OptimizerUpdate):
         zc = config.zero
         masters = [u.master for u in flat.units]
         grads = [u.grad for u in flat.units]
+        # The pieces are found from views of these tensors; a master whose values are in its
+        # NVMe shard file has no storage to point into, so the gradient shards (same sizes)
+        # stand in for every master.
+        bases = grads
         if client is None:
-            groups = shard_param_groups(flat, masters, grads, config.optimizer.weight_decay,
+            groups = shard_param_groups(flat, bases, grads, config.optimizer.weight_decay,
                                         weight_decay_on=config.optimizer.weight_decay_on)
             rule: ElementwiseRule = AdamWRule(tuple(config.optimizer.betas), config.optimizer.eps)
             self.schedule = GroupSchedule()
         else:
             stand_in = client.stand_in()
             streamed = streamed_update(stand_in)
-            groups = shard_param_groups(flat, masters, grads, group_of=client.group_index().__getitem__,
+            groups = shard_param_groups(flat, bases, grads, group_of=client.group_index().__getitem__,
                                         options=[{"weight_decay": d} for d in streamed.weight_decays])
             rule = streamed.rule
             self._weight_decays = streamed.weight_decays
             self.schedule = GroupSchedule(stand_in, client.lr_scheduler, stand_in=True)
-        pieces = pieces_from_param_groups(masters, groups)
-        del groups  # views of the masters: they must not outlive drop_masters()
+        pieces = pieces_from_param_groups(bases, groups)
+        del groups
+
+        def initial(s: int) -> torch.Tensor:  # (a master in RAM, or read from its shard file)
+            u = flat.units[s]
+            return flat.read_shard(u.unit.index) if u.master is u.shard and flat.on_nvme(u.unit.index) else u.master
         self.nvme = NVMeAdamW(masters, pieces, config.optimizer, swapper, rank=rank,
                               chunk_bytes=int(zc.nvme_chunk_mb * 2**20), num_buffers=zc.nvme_buffers, rule=rule,
-                              transactional=not zc.nvme_in_place)
+                              transactional=not zc.nvme_in_place, initial=initial)
         del masters
+        # fp32 shards on NVMe: the optimizer's master records are the shards from now on.
+        flat.use_optimizer_masters(self.nvme)
         # The RAM copies of the masters go before the gradient shards are first touched.
         flat.drop_masters()
 
@@ -103,7 +113,10 @@ class NVMeUpdate(OptimizerUpdate):
         self.nvme.write_masters(edited)
 
     def memory(self):
-        return UpdateMemory(optimizer=self.nvme.state_bytes, nvme_tier=self.nvme.state_bytes)
+        # (a master that is its unit's parameter shard is counted once, with the parameters)
+        shared = sum(4 * u.unit.shard_numel for u in self.flat.units if self.flat.shards.holds_masters(u.unit.index))
+        own = self.nvme.state_bytes - shared
+        return UpdateMemory(optimizer=own, nvme_tier=own)
 
     def close(self):
         """Delete the optimizer's swap files and free its buffers."""

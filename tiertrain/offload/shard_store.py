@@ -13,7 +13,10 @@ reach the all-gather:
   keeps no storage. Each gather reads the file into a host staging tensor (NVMe→CPU, started
   ahead of use by :meth:`prefetch`) and copies that to the device (CPU→device, when the
   gather needs it); a write ("p swap" of ZeRO-Infinity §6) goes out asynchronously until
-  :meth:`wait_writes`.
+  :meth:`wait_writes`. The staging tensors of the last gathers are kept with their values, so
+  the units forward gathered last are not read again when backward gathers them first;
+* :class:`OptimizerMasterShards`: fp32 shards on NVMe with the optimizer on NVMe too: the
+  optimizer's master records are the shards, one copy on disk instead of two.
 
 :meth:`gather_input` returns a :class:`~tiertrain.device.Transfer`: the all-gather waits for
 it before reading its input (tiertrain/device.py; on the CPU the wait is the deferred-copy
@@ -57,8 +60,9 @@ class DeviceShards:
         """Unit index's shard on the compute device, as the all-gather's input (wait for it)."""
         return Transfer(shard, Copy.PARAM_TO_DEVICE, self.streams)
 
-    def prefetch(self, indices) -> None:
-        """Start bringing these units' shards closer (a hint)."""
+    def prefetch(self, indices, shard_numel=None) -> None:
+        """Start bringing these units' shards closer (a hint; shard_numel(index): the size of
+        a unit's shard, to skip units whose values the store still holds)."""
 
     def stage(self, indices, shards) -> None:
         """Start copying these units' shards (shards: index → shard tensor) to the device
@@ -69,6 +73,15 @@ class DeviceShards:
 
     def done_with_input(self, tensor: torch.Tensor) -> None:
         """The all-gather that read gather_input's tensor has completed (the store may reuse it)."""
+
+    def holds_masters(self, index: int) -> bool:
+        """Whether unit index's stored shard is the optimizer's fp32 master itself (nothing to
+        publish to it after a step: see OptimizerMasterShards)."""
+        return False
+
+    def forget_values(self) -> None:
+        """The stored shards may have changed outside write() (an optimizer step wrote them):
+        copies of their values kept for reuse are stale."""
 
     def wait_writes(self) -> None:
         """Complete the writes in flight."""
@@ -116,46 +129,87 @@ class NVMeShards(DeviceShards):
         # Host staging tensors of the gathers' reads, reused: a shard is tens to hundreds of MB,
         # above what the allocator keeps, so a new tensor per read would fault in every page
         # again (a copy of 160 MB into fresh pages ran at 1.6 GB/s here, into reused ones at
-        # 8.7: bench/results/scale.md, "CPU per byte").
-        self._spare: dict[int, list[torch.Tensor]] = {}
-        self._lent: set[int] = set()  # ids of staging tensors lent to an all-gather
+        # 8.7: bench/results/scale.md, "CPU per byte"). A kept tensor still holds the values of
+        # the unit it was read for: at the turn from forward to backward, the last units of
+        # forward are the first of backward, and their gathers take those values again instead
+        # of reading the disk (ZeRO-Infinity moves each parameter twice per step; these move once).
+        self._spare: dict[int, list[tuple[torch.Tensor, int, tuple]]] = {}  # size -> (tensor, unit, version), oldest first
+        self._lent: dict[int, tuple[int, tuple]] = {}  # id of a staging tensor lent to an all-gather -> (unit, version)
+        self._epoch = 0
+        self._written: dict[int, int] = {}
         self.staging_reused = 0
         """Gathers whose read landed in a reused staging tensor (a counter for tests and benches)."""
+        self.values_reused = 0
+        """Gathers that took a kept staging tensor's values instead of reading the disk."""
 
     @staticmethod
-    def _key(index: int) -> str:
+    def key(index: int) -> str:
+        """The swap key of unit index's shard file."""
         return f"param_shard{index}"
 
+    def _version(self, index: int) -> tuple:
+        """Changes whenever unit index's stored values may have (a kept copy is valid while equal)."""
+        return (self._epoch, self._written.get(index, 0))
+
+    def forget_values(self):
+        self._epoch += 1
+
     def write(self, index, shard, values):
-        self._writes.append(self.swapper.swap_out(self._key(index), values.to(self.dtype)))
+        self._written[index] = self._written.get(index, 0) + 1
+        self._writes.append(self.swapper.swap_out(self.key(index), values.to(self.dtype)))
         shard.untyped_storage().resize_(0)
 
     def read(self, index, shard):
         staged = self.placement.empty(shard.numel(), self.dtype, self.placement.host)
-        return self.swapper.swap_in(self._key(index), staged).wait()
+        self._fill(index, staged)
+        return staged
+
+    def _fill(self, index: int, staged: torch.Tensor) -> None:
+        """Read unit index's stored shard into staged (a host tensor of the shard's size)."""
+        self.swapper.swap_in(self.key(index), staged).wait()
+
+    def _kept(self, index: int, numel: int) -> int | None:
+        """Position in the spares of a tensor holding unit index's current values, or None."""
+        version = self._version(index)
+        for k, (_, unit, kept_version) in enumerate(self._spare.get(numel, ())):
+            if unit == index and kept_version == version:
+                return k
+        return None
 
     def gather_input(self, index, shard):
-        spare = self._spare.get(shard.numel())
-        if spare:
-            staged = spare.pop()
+        spare, version = self._spare.get(shard.numel()), self._version(index)
+        kept = self._kept(index, shard.numel())
+        if kept is not None:
+            staged = spare.pop(kept)[0]
+            self.values_reused += 1
+        elif spare:
+            staged = spare.pop(0)[0]  # (the oldest values: the least likely to be wanted again)
             self.staging_reused += 1
+            self._fill(index, staged)
         else:
             staged = self.placement.empty(shard.numel(), self.dtype, self.placement.host)
-        self.swapper.swap_in(self._key(index), staged).wait()
+            self._fill(index, staged)
         transfer = self.streams.to_device(staged, Copy.PARAM_TO_DEVICE)
         if transfer.value is staged:  # (the compute device is the host: the gather reads it)
-            self._lent.add(id(staged))
+            self._lent[id(staged)] = (index, version)
         return transfer
 
     def done_with_input(self, tensor):
-        if id(tensor) in self._lent:
-            self._lent.discard(id(tensor))
+        lent = self._lent.pop(id(tensor), None)
+        if lent is not None:
             spare = self._spare.setdefault(tensor.numel(), [])
-            if len(spare) < self.KEEP_STAGING:
-                spare.append(tensor)
+            spare.append((tensor, *lent))
+            if len(spare) > self.KEEP_STAGING:
+                spare.pop(0)
 
-    def prefetch(self, indices):
-        keys = [self._key(i) for i in indices]
+    def _to_read(self, indices, shard_numel) -> list[int]:
+        """The units among indices whose values no kept staging tensor holds."""
+        return [i for i in indices if self._kept(i, shard_numel(i)) is None]
+
+    def prefetch(self, indices, shard_numel=None):
+        if shard_numel is not None:
+            indices = self._to_read(indices, shard_numel)
+        keys = [self.key(i) for i in indices]
         if keys:
             self.swapper.prefetch(keys)
 
@@ -164,6 +218,59 @@ class NVMeShards(DeviceShards):
         writes, self._writes = self._writes, []
         for handle in writes:
             handle.wait()
+
+
+class OptimizerMasterShards(NVMeShards):
+    """fp32 shards on NVMe that are the NVMe optimizer's masters: one copy on disk, not two.
+
+    With fp32 parameters, a unit's parameter shard and its optimizer master hold the same
+    values, so keeping both in swap files (as ZeRO-Infinity's parameter and optimizer tiers
+    do when they are separate) stores and moves 4 bytes per parameter twice: each step wrote
+    the master with the moments (12 B) and then the parameter shard again (4 B). Here the
+    optimizer's master records (tiertrain/offload/nvme_optimizer.py, "Chunk records") are the
+    shard: a gather reads them (:meth:`NVMeAdamW.read_master`), a step's update of a chunk is
+    the shard's write, and :meth:`write` (a checkpoint load, edited parameters) replaces them.
+    Units the optimizer does not hold (frozen ones) keep their own files.
+
+    Reads of a unit happen only while no step is updating it: a step's chunks of a unit are
+    written after its gradient is final (the unit is not gathered again in that backward), and
+    a transactional step's new generation becomes visible only when it commits."""
+
+    def __init__(self, files: NVMeShards, optimizer, units):
+        super().__init__(files.placement, files.dtype, files.streams, files.swapper)
+        self._spare, self._lent, self._writes = files._spare, files._lent, files._writes
+        self._epoch, self._written = files._epoch + 1, files._written
+        self.staging_reused, self.values_reused = files.staging_reused, files.values_reused
+        self.optimizer = optimizer
+        self.units = frozenset(units)
+        """Indices of the units whose shards are the optimizer's masters (shard s = unit s)."""
+
+    def holds_masters(self, index: int) -> bool:
+        return index in self.units
+
+    def _version(self, index):
+        # (a step, a load or an edit of the masters commits a new optimizer version)
+        return (*super()._version(index), self.optimizer._version if index in self.units else 0)
+
+    def _fill(self, index, staged):
+        if index in self.units:
+            self.optimizer.read_master(index, staged).wait(self.optimizer.wait_timeout)
+        else:
+            super()._fill(index, staged)
+
+    def write(self, index, shard, values):
+        if index not in self.units:
+            super().write(index, shard, values)
+            return
+        requests = self.optimizer.write_master(index, values)
+        if requests is not None:
+            self._writes.append(requests)
+
+    def prefetch(self, indices, shard_numel=None):
+        if shard_numel is not None:
+            indices = self._to_read(indices, shard_numel)
+        self.optimizer.prefetch_master([i for i in indices if i in self.units])
+        super().prefetch([i for i in indices if i not in self.units])
 
 
 def shard_store(placement, dtype: torch.dtype, streams: DeviceStreams, swapper=None) -> DeviceShards:

@@ -575,11 +575,11 @@ class TensorSwapper:
             self.stats["bytes_in"] += rec.nbytes
         try:
             for i, (off, n) in enumerate(rec.pieces):
-                if i in prefetched:
+                if i in prefetched:  # (copied from the prefetch's buffer, into a pool Buffer too)
                     buf, h = prefetched.pop(i)
                     with self._lock:
                         self.stats["prefetch_hits"] += 1
-                    handle._attach(h, self._read_finisher(dst, off, n, buf, True))
+                    handle._attach(h, self._read_finisher(out.data if dst is None else dst, off, n, buf, True))
                     continue
                 if dst is None:                  # straight into the caller's buffer
                     h = self.aio.submit_read(rec.path, out.slice(off, n), off, n,

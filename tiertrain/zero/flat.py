@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from ..comm import Collectives, Work
 from ..device import DeviceStreams, is_accelerator
-from ..offload.shard_store import shard_store
+from ..offload.shard_store import NVMeShards, OptimizerMasterShards, shard_store
 from ..tiers import Tier
 from .layout import FlatLayout, Unit
 
@@ -201,9 +201,10 @@ class FlatParameters:
             master = grad = torch.empty(0, dtype=torch.float32, device=device)
             grad_full = None
         else:
-            # The master is the shard itself when both are fp32 in the same memory.
+            # The master is the shard itself when both are fp32 on the same tier (on NVMe, the
+            # optimizer then takes the shard's file over: use_optimizer_masters).
             shard_tier = Tier.DEVICE if unit.resident else placement.param_tier
-            if dtype == torch.float32 and placement.optimizer_tier == shard_tier != Tier.NVME:
+            if dtype == torch.float32 and placement.optimizer_tier == shard_tier:
                 master = shard
             else:
                 master = placement.empty(unit.shard_numel, torch.float32, placement.optimizer)
@@ -284,7 +285,8 @@ class FlatParameters:
 
     def prefetch_shards(self, indices) -> None:
         """Start reading these units' shards from their tier (a hint: skipped when not useful)."""
-        self.shards.prefetch([i for i in indices if not self._all[i].unit.resident and not self._all[i].gathered])
+        self.shards.prefetch([i for i in indices if not self._all[i].unit.resident and not self._all[i].gathered],
+                             shard_numel=lambda i: self._all[i].unit.shard_numel)
 
     def stage_shards(self, indices) -> None:
         """Start copying these units' shards from the CPU tier to the device (a hint: the
@@ -310,6 +312,18 @@ class FlatParameters:
             self.shards.wait_writes()
         if u.trainable and u.master is not u.shard and not self.masters_dropped:
             u.master.copy_(values)
+
+    def use_optimizer_masters(self, optimizer) -> None:
+        """The NVMe optimizer now holds the fp32 master of every trained unit whose shard is
+        its own master on NVMe (see _build_unit): those shards are read from and written to
+        its master records, and their own swap files go (OptimizerMasterShards)."""
+        units = [u.unit.index for u in self.units if self.on_nvme(u.unit.index) and u.master is u.shard]
+        if not units:
+            return
+        self.wait_writes()
+        self.shards = OptimizerMasterShards(self.shards, optimizer, units)
+        for index in units:
+            self.shards.swapper.release(NVMeShards.key(index))
 
     def drop_masters(self) -> None:
         """Free the fp32 masters: an optimizer that keeps its own (on NVMe) writes updated
@@ -436,6 +450,8 @@ class ShardWriter:
         if not flat.on_nvme(index):
             flat.units[index].shard[start:end].copy_(values)
             return
+        if flat.shards.holds_masters(index):  # (the optimizer's write of the chunk was the shard's)
+            return
         for other in [i for i in self._staged if i != index]:
             self._write(other)
         if index not in self._staged:
@@ -466,6 +482,7 @@ class ShardWriter:
     def __exit__(self, *exc) -> None:
         for index in list(self._staged):
             self._write(index)
+        self.flat.shards.forget_values()  # (the optimizer wrote the shards it holds itself)
         self.flat.wait_writes()
 
 
