@@ -98,6 +98,8 @@ def _tt_engine(spec, swap_dir):
                     "zero": {"stage": 3, "offload_params": "nvme", "offload_optimizer": "nvme",
                              "nvme_in_place": True}}
     cfg_dict.setdefault("zero", {})["nvme_path"] = swap_dir
+    if spec.get("kept_units") is not None:
+        cfg_dict["zero"]["nvme_kept_units"] = spec["kept_units"]
     cfg_dict["batch"] = {**cfg_dict.get("batch", {}), "grad_accum_steps": 1}
     cfg_dict["optimizer"] = {"lr": spec["lr"], "grad_clip": 0.0, "weight_decay": 0.0}
     cfg_dict["schedule"] = {"warmup_steps": 0, "min_lr_ratio": 1.0}
@@ -180,7 +182,8 @@ def worker(rank, world, port, fw, spec, swap_dir, result_path):
             if rank == 0:
                 print(f"[{fw} {spec['label']}] step {step}: loss {r['loss']:.4f} {r['wall']:.1f} s "
                       f"(fwd {r['fwd']:.1f} bwd {r['bwd']:.1f} opt {r['opt']:.1f}) cpu {r['cpu']:.1f} s "
-                      f"read {r['read'] / 1e9:.2f} GB written {r['written'] / 1e9:.2f} GB rss {r['rss_peak_gib']:.2f} GiB",
+                      f"read {r['read'] / 1e9:.2f} GB written {r['written'] / 1e9:.2f} GB rss {r['rss_peak_gib']:.2f} GiB"
+                      + (f" kept gathers {r['kept_gathers']:.0f}" if "kept_gathers" in r else ""),
                       flush=True)
         extra = {}
         if fw == "tt":
@@ -215,7 +218,8 @@ def _tt_counters(engine) -> dict[str, float]:
     return {"io_wait_s": waits["io"], "comm_wait_s": waits["comm"], "checksum_cpu_s": aio.cpu_seconds["checksum"],
             "copy_cpu_s": swapper.cpu_seconds["copy"], "swap_in_bytes": swapper.stats["bytes_in"],
             "swap_out_bytes": swapper.stats["bytes_out"],
-            "grads_wait_s": getattr(engine.update, "grads_wait_seconds", 0.0)}
+            "grads_wait_s": getattr(engine.update, "grads_wait_seconds", 0.0),
+            "kept_gathers": float(getattr(engine.flat.shards, "values_reused", 0))}
 
 
 def launch(fw, spec, swap_root) -> list[dict]:
@@ -262,7 +266,7 @@ def summarize(fw: str, label: str, ranks: list[dict], bw: dict[str, float], ram:
            "extra": ranks[0].get("extra", {})}
     row["step_over_bound"] = row["step_s"] / row["io_bound_s"] if row["io_bound_s"] else float("nan")
     for key in ("fwd", "bwd", "opt", "io_wait_s", "comm_wait_s", "grads_wait_s", "checksum_cpu_s", "copy_cpu_s", "opt_pass_s",
-                "opt_io_wait_s", "opt_ready_wait_s", "opt_compute_s", "chunks_in_bwd"):
+                "opt_io_wait_s", "opt_ready_wait_s", "opt_compute_s", "chunks_in_bwd", "kept_gathers"):
         if key in ranks[0]["rec"][0]:
             row[key] = med(per_step(key, max))
     if "checksum_cpu_s" in row:
@@ -339,6 +343,12 @@ def revision() -> str:
     return git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain", "--", "tiertrain") else "")
 
 
+def code(row: dict) -> str:
+    """The revision a row was measured at, and tiertrain's zero.nvme_kept_units when not the default."""
+    kept = row.get("kept_units", 2)
+    return row.get("revision", EARLIER_REVISION) + (f", kept {kept}" if kept != 2 else "")
+
+
 def latest(rows: list[dict]) -> dict:
     """(size, framework) -> the last successful row of it (rows are appended in run order)."""
     return {(r["size"], r["framework"]): r for r in rows if r["ok"]}
@@ -378,12 +388,12 @@ def render(data: dict) -> str:
          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["framework"] != "tt", r.get("n_params") or 0, r["size"])):
         if not r["ok"]:
-            L.append(f"| {r['size']} | {r['framework']} | {r.get('revision', EARLIER_REVISION)} | "
+            L.append(f"| {r['size']} | {r['framework']} | {code(r)} | "
                      f"FAILED: {r['error'][:400]} |" + " |" * 12)
             continue
         predicted = (predicted_step_s(r["n_params"], data["bw"], r.get("masters_shared", False))
                      if r["framework"] == "tt" else float("nan"))
-        L.append(f"| {r['size']} | {r['framework']} | {r.get('revision', EARLIER_REVISION)} | {r['n_params'] / 1e9:.3f} B | {r['states_over_ram']:.2f} | "
+        L.append(f"| {r['size']} | {r['framework']} | {code(r)} | {r['n_params'] / 1e9:.3f} B | {r['states_over_ram']:.2f} | "
                  f"{r['step_s']:.1f} | {predicted:.1f} | {r['io_bound_s']:.1f} | "
                  f"{r['step_over_bound']:.2f} | {r['read_gb']:.1f} | {r['written_gb']:.1f} | {r['cpu_s']:.1f} | "
                  f"{' / '.join(f'{x:.2f}' for x in r['peak_rss_gib'])} | {r['setup_s']:.0f} | {r.get('lr', 1e-5):g} | "
@@ -393,7 +403,7 @@ def render(data: dict) -> str:
         L += ["", "## Memory per rank: building the model vs training (VmHWM, reset after the build; GiB)", "",
               "| size | framework | build peak | training peak |", "|---|---|---|---|"]
         for r in measured:
-            L.append(f"| {r['size']} ({r.get('revision', EARLIER_REVISION)}) | {r['framework']} | "
+            L.append(f"| {r['size']} ({code(r)}) | {r['framework']} | "
                      f"{' / '.join(f'{x:.2f}' for x in r['build_peak_gib'])} | "
                      f"{' / '.join(f'{x:.2f}' for x in r['train_peak_gib'])} |")
     by = latest(rows)
@@ -412,14 +422,17 @@ def render(data: dict) -> str:
               "on swap reads and writes; comm wait: on collectives; bwd waits for the optimizer: backward held at "
               "`zero.nvme_grads_in_ram_mb` until the step consumed gradients; optimizer pass: the NVMe optimizer's streaming "
               "(it starts in backward), of which io wait and ready wait (for gradients); chunks in bwd: share of the "
-              "optimizer's chunks updated before step(); checksum / copy CPU: share of both ranks' CPU time.", "",
+              "optimizer's chunks updated before step(); kept gathers: gathers that took a unit's values from the "
+              "staging kept in RAM instead of the disk (zero.nvme_kept_units; '-': not counted then); checksum / copy "
+              "CPU: share of both ranks' CPU time.", "",
               "| size | fwd | bwd | opt | io wait | comm wait | bwd waits for the optimizer | optimizer pass "
-              "| its io wait | its ready wait | chunks in bwd | checksum CPU | copy CPU |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| its io wait | its ready wait | chunks in bwd | kept gathers | checksum CPU | copy CPU |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in tt:
-            L.append(f"| {r['size']} ({r.get('revision', EARLIER_REVISION)}) | {r['fwd']:.1f} | {r['bwd']:.1f} | {r['opt']:.1f} | {r['io_wait_s']:.1f} | "
+            L.append(f"| {r['size']} ({code(r)}) | {r['fwd']:.1f} | {r['bwd']:.1f} | {r['opt']:.1f} | {r['io_wait_s']:.1f} | "
                      f"{r['comm_wait_s']:.1f} | {r.get('grads_wait_s', 0.0):.1f} | {r['opt_pass_s']:.1f} | {r['opt_io_wait_s']:.1f} | "
-                     f"{r['opt_ready_wait_s']:.1f} | {r['chunks_in_bwd']:.2f} | {100 * r['checksum_cpu_share']:.1f}% | "
+                     f"{r['opt_ready_wait_s']:.1f} | {r['chunks_in_bwd']:.2f} | "
+                     f"{'-' if 'kept_gathers' not in r else format(r['kept_gathers'], '.0f')} | {100 * r['checksum_cpu_share']:.1f}% | "
                      f"{100 * r['copy_cpu_share']:.1f}% |")
     if data.get("cpu_per_byte"):
         L += ["", "## CPU per byte (one thread, GB/s; `--cpu-per-byte`)", "",
@@ -489,6 +502,8 @@ def main(argv=None) -> int:
                    help="add this run's rows (and command) to the existing .json instead of starting anew")
     p.add_argument("--cpu-per-byte", action="store_true",
                    help="with --render: measure the checksums' and copies' GB/s on one thread into the results")
+    p.add_argument("--kept-units", type=int, default=None,
+                   help="tiertrain's zero.nvme_kept_units (default: the library's, 2)")
     p.add_argument("--note", action="append", default=[], help="a line for the Notes section (repeatable)")
     p.add_argument("--no-md", action="store_true")
     args = p.parse_args(argv)
@@ -546,7 +561,7 @@ def main(argv=None) -> int:
         data["bandwidths"].append(bw)
         spec = {"label": label, "layers": layers, "steps": steps, "micro_batch": args.micro_batch, "lr": args.lr,
                 "timeout": args.timeout, "run_timeout": args.run_timeout, "plan_config": plan_config,
-                "ds_sub_group": args.ds_sub_group, "ds_buffer_numel": -(-gpt_config(layers).hidden ** 2 * 4 // 2 // 2**20) * 2**20}
+                "ds_sub_group": args.ds_sub_group, "kept_units": args.kept_units, "ds_buffer_numel": -(-gpt_config(layers).hidden ** 2 * 4 // 2 // 2**20) * 2**20}
         print(f"== {label} ({layers} layers) {fw}: dd read {bw['read']:.2f} GB/s write {bw['write']:.2f} GB/s, "
               f"load {loadavg()}", flush=True)
         ranks = launch(fw, spec, args.swap_dir)
@@ -554,9 +569,11 @@ def main(argv=None) -> int:
         row["bw"] = bw
         row["lr"] = args.lr
         row["revision"] = revision()
-        if row["ok"] and fw == "tt":
-            row["masters_shared"] = True
-            row["predicted_s"] = predicted_step_s(row["n_params"], bw)
+        if row["ok"]:
+            if fw == "tt":
+                row["masters_shared"] = True
+                row["kept_units"] = 2 if args.kept_units is None else args.kept_units
+                row["predicted_s"] = predicted_step_s(row["n_params"], bw)
             print(f"   step {row['step_s']:.1f} s, IO bound {row['io_bound_s']:.1f} s ({row['step_over_bound']:.2f}x), "
                   f"peak RSS {row['peak_rss_gib']}", flush=True)
         else:

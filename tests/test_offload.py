@@ -70,10 +70,10 @@ def test_offloaded_run_is_identical_to_device_run(tmp_path, stage, offload_optim
         assert mem.activation_checkpoints == mem.activation_checkpoints_cpu == expected
 
 
-def _nvme_engine(nvme_path):
+def _nvme_engine(nvme_path, **zero):
     import tiertrain
 
-    cfg = make_config(zero={"stage": 3, "offload_params": "nvme", "nvme_path": nvme_path},
+    cfg = make_config(zero={"stage": 3, "offload_params": "nvme", "nvme_path": nvme_path, **zero},
                       batch={"micro_batch_size": 2})
     return tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
 
@@ -92,13 +92,13 @@ def test_truncated_parameter_swap_file_is_an_error_naming_it(tmp_path):
 
     from tiertrain.offload import SwapError
 
-    engine = _nvme_engine(str(tmp_path))
+    engine = _nvme_engine(str(tmp_path), nvme_kept_units=0)
     batch = global_batches(1, 2)[0]
     engine.train_batch(iter([batch]))
     files = sorted(p for p in (tmp_path / "rank0").iterdir() if p.name.endswith(".swp"))
     assert files, "parameter shards are in swap files"
     # Every file: the end of a step prefetches the next forward's reads, which may have landed
-    # already; backward reads a unit again (more units than the staging tensors kept).
+    # already; backward reads every unit again (none kept in RAM).
     for path in files:
         os.truncate(path, 0)
     with pytest.raises(SwapError, match="|".join(p.name for p in files)):
@@ -127,21 +127,34 @@ def test_parameter_shards_are_read_from_nvme_ahead_of_use(tmp_path):
 def test_backward_takes_the_last_forward_units_from_ram_and_a_step_invalidates_them(tmp_path):
     """At the turn from forward to backward, the units forward gathered last are gathered
     again first: their values are still in the kept staging tensors, so they are not read from
-    NVMe again (at most KEEP_STAGING per shard size). After the optimizer step those values are
+    NVMe again (zero.nvme_kept_units per shard size). After the optimizer step those values are
     stale, and the next forward reads every unit (the run's numerics are checked against the
     device run by test_offloaded_run_is_identical_to_device_run)."""
+    import collections
+
     engine = _nvme_engine(str(tmp_path))
     store = engine.flat.shards
     batch = global_batches(1, 2)[0]
-    units = sum(not u.unit.resident for u in engine.flat.units)
+    sizes = collections.Counter(u.unit.shard_numel for u in engine.flat.units if not u.unit.resident)
+    kept = sum(min(count, store.kept_units) for count in sizes.values())  # (every unit is among the last of its size here)
     for _ in range(2):
         before = store.values_reused
         engine.train_batch(iter([batch]))
         if engine.flat.streams.defer:  # (the deferred-copy harness hands each gather a copy of its own)
             assert store.values_reused == 0
-        else:
-            assert store.values_reused - before == min(units, store.KEEP_STAGING)
-    assert units > store.KEEP_STAGING  # (so the step's invalidation is what the count shows)
+        else:  # (stale values taken by the next forward would count too)
+            assert store.values_reused - before == kept
+    assert kept > 0
+
+
+def test_with_no_kept_units_every_gather_reads_the_disk(tmp_path):
+    engine = _nvme_engine(str(tmp_path), nvme_kept_units=0)
+    batch = global_batches(1, 2)[0]
+    for _ in range(2):
+        reads = engine.swapper.stats["swap_in"]
+        engine.train_batch(iter([batch]))
+        assert engine.swapper.stats["swap_in"] - reads == 2 * sum(not u.unit.resident for u in engine.flat.units)
+    assert engine.flat.shards.values_reused == 0
 
 
 def test_nvme_gathers_reuse_their_staging_and_the_swap_cpu_is_counted(tmp_path):
@@ -158,6 +171,6 @@ def test_nvme_gathers_reuse_their_staging_and_the_swap_cpu_is_counted(tmp_path):
     if engine.flat.streams.defer:  # (the deferred-copy harness hands each gather a copy of its own)
         assert store.staging_reused == 0
     else:
-        assert store.staging_reused - first >= 2 * units - 2 * store.KEEP_STAGING  # forward and backward reads
+        assert store.staging_reused - first >= 2 * units - 2 * store.kept_units  # forward and backward reads
     assert engine.swapper.cpu_seconds["copy"] > 0 and engine.swapper.aio.cpu_seconds["checksum"] > 0
     assert engine.swapper.aio.checksum == "xxh3"

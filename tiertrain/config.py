@@ -256,6 +256,8 @@ class ZeroConfig:
     """NVMe optimizer: update each chunk's state in place (12 bytes per parameter on disk) instead of writing a second generation and committing it (24): half the disk, but a step that fails or is cancelled part-way leaves the state partly updated, to be restored from a checkpoint."""
     nvme_grads_in_ram_mb: float = 0.0
     """With nvme_in_place: most MiB of reduced gradient shards a rank holds for the optimizer step running in backward; a reduction that would hold more waits until the step has consumed (and freed) earlier ones. 0: no limit."""
+    nvme_kept_units: int = 2
+    """Parameters on NVMe: read staging tensors kept, with their values, per unit shard size once their gather is done, so that the units forward gathered last are not read again when backward gathers them first; each costs one unit's shard of RAM (0: none kept, every gather reads the disk)."""
     overlap_nvme_step: bool = True
     """NVMe optimizer: update each unit's state during the boundary backward, once its gradient is reduced (not with grad_clip > 0 or fp16, whose global norm gates the step)."""
     offload: Literal["manual", "auto"] = "manual"
@@ -282,6 +284,8 @@ class ZeroConfig:
         _check_positive(f"{path}.persistence_threshold", self.persistence_threshold, allow_zero=True)
         _check_positive(f"{path}.nvme_chunk_mb", self.nvme_chunk_mb)
         _check_positive(f"{path}.nvme_grads_in_ram_mb", self.nvme_grads_in_ram_mb, allow_zero=True)
+        if isinstance(self.nvme_kept_units, bool) or not isinstance(self.nvme_kept_units, int) or self.nvme_kept_units < 0:
+            _fail(f"{path}.nvme_kept_units", self.nvme_kept_units, "an integer >= 0")
         if self.nvme_grads_in_ram_mb and not self.nvme_in_place:
             raise ConfigError(f"{path}.nvme_grads_in_ram_mb={self.nvme_grads_in_ram_mb} needs {path}.nvme_in_place=true: "
                               f"only the in-place step frees the gradient shards it consumed (a transactional "

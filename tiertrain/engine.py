@@ -146,7 +146,7 @@ class Engine:
         self.flat = FlatParameters(
             self.layout, dict(named + plan.frozen), self.comm, self.dtype, keep_full_grads=stage <= 1,
             rebuild_param=lambda p: gather_partitioned(p, self.comm) if is_partitioned(p) else p.detach(),
-            placement=self.placement, swapper=self.swapper)
+            placement=self.placement, swapper=self.swapper, nvme_kept_units=config.zero.nvme_kept_units)
         self._waits_per_operation = False
         if config.zero.overlap_param_gather:
             # Parameter gathers left running by a step are completed before model.state_dict()

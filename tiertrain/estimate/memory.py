@@ -393,13 +393,16 @@ class ZeroLayout:
     ranks_per_node: int = 0
     """Ranks sharing one node's CPU memory and NVMe; 0 = all dp·tp·pp ranks on one node."""
     bucket_mb: float = 25.0
+    """zero.bucket_mb: stage 0–2 gradient buckets (units) in MiB of fp32 (engine accounting)."""
     nvme_in_place: bool = False
     """zero.nvme_in_place: the NVMe optimizer keeps one generation of its state on disk (else two:
     each step writes the other generation and commits it, tiertrain/offload/nvme_optimizer.py)."""
     nvme_grads_in_ram_mb: float = 0.0
     """zero.nvme_grads_in_ram_mb: with nvme_in_place, the reduced gradient shards held for the
     step running in backward are capped at this many MiB plus one unit's (0: every shard)."""
-    """zero.bucket_mb: stage 0–2 gradient buckets (units) in MiB of fp32 (engine accounting)."""
+    nvme_kept_units: int = 2
+    """zero.nvme_kept_units: parameters on NVMe, read staging tensors kept with their values per
+    shard size (each one unit's shard of RAM; tiertrain/offload/shard_store.py NVMeShards)."""
     prefetch_mb: float = 0.0
     """zero.prefetch_mb: stage-3 parameters gathered ahead of use, MiB (0 is the CPU default)."""
     persistence_threshold: int = 0
@@ -481,7 +484,8 @@ class ZeroLayout:
                    checkpoint_tier=Tier(acts.offload), checkpoint_interval=acts.checkpoint_every,
                    micro_batch=config.batch.micro_batch_size, bucket_mb=z.bucket_mb,
                    prefetch_mb=z.prefetch_mb or 0.0, persistence_threshold=z.persistence_threshold,
-                   backend=backend).validate()
+                   nvme_in_place=z.nvme_in_place, nvme_grads_in_ram_mb=z.nvme_grads_in_ram_mb,
+                   nvme_kept_units=z.nvme_kept_units, backend=backend).validate()
 
     @property
     def world_size(self) -> int:

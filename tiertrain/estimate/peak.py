@@ -848,9 +848,13 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
             "s·b·h·D per checkpointed block, in the host pool (offload='cpu'; kept for reuse)")
     # NVMe staging buffers in RAM
     if param_tier is Tier.NVME:
-        pool = swap_pool_bytes(max(u.shard_numel for u in layout.units) * D)
+        largest = max(u.shard_numel for u in layout.units) * D
+        pool = swap_pool_bytes(largest)
         add("NVMe staging buffers", pool, Tier.CPU,
             "parameter swap pool max(64 MiB, 2·3·largest shard) (tiertrain.zero.flat.swap_pool_bytes)")
+        add("NVMe staging buffers", (max(1, lay.nvme_kept_units) + 1) * largest, Tier.CPU,
+            "gather staging: zero.nvme_kept_units kept (at least 1 reused) + the one being read, "
+            "of the largest shard (tiertrain/offload/shard_store.py NVMeShards)")
     if optimizer_tier is Tier.NVME:
         try:
             from tiertrain.offload.nvme_optimizer import DEFAULT_CHUNK_BYTES

@@ -119,12 +119,12 @@ class NVMeShards(DeviceShards):
 
     tier = Tier.NVME
 
-    KEEP_STAGING = 2
-    """Staging tensors of each size kept for reuse once their all-gather is done."""
-
-    def __init__(self, placement, dtype, streams, swapper):
+    def __init__(self, placement, dtype, streams, swapper, kept_units: int = 2):
         super().__init__(placement, dtype, streams)
         self.swapper = swapper
+        self.kept_units = kept_units
+        """Staging tensors of each shard size kept, with their values, once their all-gather is
+        done (zero.nvme_kept_units)."""
         self._writes = []  # swap-outs in flight
         # Host staging tensors of the gathers' reads, reused: a shard is tens to hundreds of MB,
         # above what the allocator keeps, so a new tensor per read would fault in every page
@@ -170,6 +170,8 @@ class NVMeShards(DeviceShards):
 
     def _kept(self, index: int, numel: int) -> int | None:
         """Position in the spares of a tensor holding unit index's current values, or None."""
+        if not self.kept_units:
+            return None
         version = self._version(index)
         for k, (_, unit, kept_version) in enumerate(self._spare.get(numel, ())):
             if unit == index and kept_version == version:
@@ -182,8 +184,10 @@ class NVMeShards(DeviceShards):
         if kept is not None:
             staged = spare.pop(kept)[0]
             self.values_reused += 1
-        elif spare:
-            staged = spare.pop(0)[0]  # (the oldest values: the least likely to be wanted again)
+        elif spare and len(spare) >= self.kept_units:
+            # (the oldest values: the least likely to be wanted again; while fewer than
+            # kept_units are kept, a new tensor, so that the last ones read stay intact)
+            staged = spare.pop(0)[0]
             self.staging_reused += 1
             self._fill(index, staged)
         else:
@@ -199,7 +203,7 @@ class NVMeShards(DeviceShards):
         if lent is not None:
             spare = self._spare.setdefault(tensor.numel(), [])
             spare.append((tensor, *lent))
-            if len(spare) > self.KEEP_STAGING:
+            if len(spare) > max(1, self.kept_units):  # (one reused even when no values are kept)
                 spare.pop(0)
 
     def _to_read(self, indices, shard_numel) -> list[int]:
@@ -237,7 +241,7 @@ class OptimizerMasterShards(NVMeShards):
     a transactional step's new generation becomes visible only when it commits."""
 
     def __init__(self, files: NVMeShards, optimizer, units):
-        super().__init__(files.placement, files.dtype, files.streams, files.swapper)
+        super().__init__(files.placement, files.dtype, files.streams, files.swapper, files.kept_units)
         self._spare, self._lent, self._writes = files._spare, files._lent, files._writes
         self._epoch, self._written = files._epoch + 1, files._written
         self.staging_reused, self.values_reused = files.staging_reused, files.values_reused
@@ -273,11 +277,12 @@ class OptimizerMasterShards(NVMeShards):
         super().prefetch([i for i in indices if i not in self.units])
 
 
-def shard_store(placement, dtype: torch.dtype, streams: DeviceStreams, swapper=None) -> DeviceShards:
-    """The store of placement.param_tier."""
+def shard_store(placement, dtype: torch.dtype, streams: DeviceStreams, swapper=None,
+                kept_units: int = 2) -> DeviceShards:
+    """The store of placement.param_tier (kept_units: NVMeShards')."""
     if placement.param_tier == Tier.NVME:
         if swapper is None:
             raise ValueError("parameters on the nvme tier need a TensorSwapper")
-        return NVMeShards(placement, dtype, streams, swapper)
+        return NVMeShards(placement, dtype, streams, swapper, kept_units)
     kind = HostShards if placement.param_tier == Tier.CPU else DeviceShards
     return kind(placement, dtype, streams)

@@ -146,10 +146,10 @@ class FlatParameters:
 
     def __init__(self, layout: FlatLayout, params: dict[str, nn.Parameter], comm: Collectives,
                  dtype: torch.dtype, keep_full_grads: bool, rebuild_param=None,
-                 placement: Placement = Placement(), swapper=None):
+                 placement: Placement = Placement(), swapper=None, nvme_kept_units: int = 2):
         self.streams = DeviceStreams(placement.compute)
         """The compute device's streams and tier transfers (tiertrain/device.py)."""
-        self.shards = shard_store(placement, dtype, self.streams, swapper)
+        self.shards = shard_store(placement, dtype, self.streams, swapper, kept_units=nvme_kept_units)
         """Where partitioned units' shards live (the parameter tier)."""
         self.layout = layout
         self.placement = placement
