@@ -464,6 +464,12 @@ def plot(data: dict, path: str) -> None:
         axes[0].plot(x, [r["io_bound_s"] for r in rows], ":", marker=style[0], alpha=0.6, label=f"{name} IO bound")
         axes[1].plot(x, [r["read_gb"] + r["written_gb"] for r in rows], style, label=name)
         axes[2].plot(x, [max(r["peak_rss_gib"]) for r in rows], style, label=name)
+        older = [r for r in rows if r.get("revision", EARLIER_REVISION) == EARLIER_REVISION]
+        if fw == "tt" and older and len(older) < len(rows):  # (the library changed between the rows)
+            for ax, y in zip(axes, ([r["step_s"] for r in older], [r["read_gb"] + r["written_gb"] for r in older],
+                                    [max(r["peak_rss_gib"]) for r in older])):
+                ax.plot([r["n_params"] / 1e9 for r in older], y, "o", mfc="white", mec="C0", ms=9,
+                        label=f"{name} at {EARLIER_REVISION} (a parameter copy of its own)")
     pred = sorted((r for r in last if r["framework"] == "tt"), key=lambda r: r["n_params"])
     if pred:
         axes[0].plot([r["n_params"] / 1e9 for r in pred],

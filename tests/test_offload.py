@@ -147,6 +147,24 @@ def test_backward_takes_the_last_forward_units_from_ram_and_a_step_invalidates_t
     assert kept > 0
 
 
+def test_parameters_edited_in_place_are_not_served_from_the_kept_staging(tmp_path):
+    """fp32 shards that are the in-place NVMe optimizer's masters, edited outside training
+    (gathered_parameters with a modifier rank): the next gathers see the edit, not the values
+    the staging tensors kept from before it."""
+    engine = _nvme_engine(str(tmp_path), offload_optimizer="nvme", nvme_in_place=True)
+    assert engine.flat.shards.holds_masters(engine.flat.units[-1].unit.index)
+    batch = global_batches(1, 2)[0]
+    engine.train_batch(iter([batch]))
+    params = list(engine.module.parameters())
+    with engine.gathered_parameters(params):
+        before = [p.detach().clone() for p in params]
+    with engine.gathered_parameters(params, modifier_rank=0):
+        for p in params:
+            p.data.add_(1.0)
+    with engine.gathered_parameters(params):
+        assert all(torch.equal(p.detach(), b + 1.0) for p, b in zip(params, before))
+
+
 def test_with_no_kept_units_every_gather_reads_the_disk(tmp_path):
     engine = _nvme_engine(str(tmp_path), nvme_kept_units=0)
     batch = global_batches(1, 2)[0]

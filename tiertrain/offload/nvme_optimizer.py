@@ -376,6 +376,12 @@ class NVMeAdamW:
         return len(self._chunks)
 
     @property
+    def version(self) -> int:
+        """Commits so far (steps, loads, edits of the masters): the state on NVMe may have changed
+        whenever it moves."""
+        return self._version
+
+    @property
     def resident_bytes(self) -> int:
         """RAM this optimizer holds: the streaming buffers (constant in the model size)."""
         return self._pool.total_bytes

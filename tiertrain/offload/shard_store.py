@@ -253,8 +253,8 @@ class OptimizerMasterShards(NVMeShards):
         return index in self.units
 
     def _version(self, index):
-        # (a step, a load or an edit of the masters commits a new optimizer version)
-        return (*super()._version(index), self.optimizer._version if index in self.units else 0)
+        # (a step, a load or a transactional edit of the masters commits a new optimizer version)
+        return (*super()._version(index), self.optimizer.version if index in self.units else 0)
 
     def _fill(self, index, staged):
         if index in self.units:
@@ -266,6 +266,7 @@ class OptimizerMasterShards(NVMeShards):
         if index not in self.units:
             super().write(index, shard, values)
             return
+        self._written[index] = self._written.get(index, 0) + 1  # (an in-place edit commits no version)
         requests = self.optimizer.write_master(index, values)
         if requests is not None:
             self._writes.append(requests)
