@@ -657,7 +657,7 @@ def simulate_build_peak(model: nn.Module, *, dp: int, stage: int, precision_byte
         # from their files, one unit's shard at a time, instead of from masters in RAM
         read_back = max((4 * u.shard_numel for u in units if not u.resident), default=0) \
             if D == 4 and param_tier is Tier.NVME and stage == 3 else 0
-        point("wrap: NVMe optimizer set up (masters still in RAM)",
+        point("wrap: NVMe optimizer set up (the masters in RAM, if any, still there)",
               {"shard read back for the optimizer's records": read_back} if read_back else None)
         for m in masters:
             free(opt_tier, "master weights (fp32)", m)

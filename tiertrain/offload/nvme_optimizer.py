@@ -592,6 +592,7 @@ class NVMeAdamW:
         return [(self._key(j, self._gens[j], "p"), self._chunks[j]) for j in self._positions({shard})]
 
     def _check_readable(self) -> None:
+        """Not closed, not broken by a failure (a step may be in progress)."""
         if self._closed:
             raise RuntimeError(f"NVMeAdamW({self.name}) is closed")
         if self._broken is not None:
@@ -714,14 +715,10 @@ class NVMeAdamW:
         self._version += 1
 
     def _check_usable(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"NVMeAdamW({self.name}) is closed")
+        self._check_readable()
         if self._active is not None:
             raise RuntimeError(f"NVMeAdamW({self.name}) has step {self.step_count + 1} in progress "
                                f"(begin_step); finish() or cancel() it first")
-        if self._broken is not None:
-            raise RuntimeError(f"NVMeAdamW({self.name}) is unusable after a failure ({self._broken}); "
-                               f"restore a state with load_state_dict() first")
 
     def _check_space(self) -> None:
         """Fail now, naming the directory, when the disk cannot hold the swap files."""
