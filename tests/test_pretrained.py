@@ -74,6 +74,10 @@ ENGINE_CASES = [
     ("llama bf16, stage 3, params+optimizer on nvme", "llama", "llama",
      {"stage": 3, "offload_params": "nvme", "offload_optimizer": "nvme", "nvme_chunk_mb": 0.01}, {"dtype": "bf16"},
      ()),
+    # (fp32 shards on NVMe are the optimizer's masters: one write of each)
+    ("gpt2 tied, stage 3, params+optimizer on nvme in place", "gpt2", "gpt2",
+     {"stage": 3, "offload_params": "nvme", "offload_optimizer": "nvme", "nvme_chunk_mb": 0.01, "nvme_in_place": True},
+     {}, ()),
 ]
 
 

@@ -566,7 +566,7 @@ class Engine:
                     self.comm.broadcast(u.full, modifier_rank)
                     lo, hi = u.unit.shard_range(self.flat.shard_rank)
                     self.flat.write_shard(u.unit.index, u.full[lo:hi])
-                    if u.trainable:
+                    if u.trainable and not self.flat.shards.holds_masters(u.unit.index):  # (else written just now)
                         edited[u.unit.index] = u.full[lo:hi]
                 self.update.write_masters(edited)
         finally:

@@ -429,7 +429,7 @@ def _into_unit(engine: Engine, u: UnitBuffers, slots: dict[str, _Target], ckpt: 
         if staged is not None:
             flat.shards.write(index, u.shard, staged)
             flat.wait_writes()
-    if masters_elsewhere:
+    if masters_elsewhere and not flat.shards.holds_masters(index):  # (a shard that is its master was written)
         edited: list[torch.Tensor | None] = [None] * len(flat.units)
         edited[index] = master
         engine.update.write_masters(edited)
