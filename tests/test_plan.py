@@ -343,8 +343,8 @@ def test_a_model_that_fits_keeps_the_cheaper_plan_and_its_build_is_counted():
 @pytest.mark.timeout(60)
 def test_build_peak_in_the_table_and_json(tmp_path, capsys):
     args = ["plan", "--layers", "27", "--hidden", "2560", "--heads", "20", "--vocab", "256", "--seq", "64",
-            "--micro-batch", "1", "--precision", "bf16", "--nproc", "2", "--ram", "18GiB", "--nvme", "70GiB",
-            "--swap-dir", str(tmp_path), "--out", ""]
+            "--micro-batch", "1", "--precision", "bf16", "--nproc", "2", "--ram", "16GiB", "--nvme", "70GiB",
+            "--swap-dir", str(tmp_path), "--out", ""]  # (too little RAM to build it whole: stage 2 does not fit)
     assert cli.main(args) == 0
     text = capsys.readouterr().out
     assert "build peak per rank" in text and "build peak: model built partitioned" in text

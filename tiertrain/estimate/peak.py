@@ -525,7 +525,8 @@ def simulate_build_peak(model: nn.Module, *, dp: int, stage: int, precision_byte
                         param_tier: Tier = Tier.DEVICE, optimizer_tier: Tier = Tier.DEVICE, bucket_mb: float = 25.0,
                         persistence_threshold: int = 0, partitioned: bool | None = None,
                         accelerator: bool = False, framework_bytes: int = 0,
-                        nvme_chunk_bytes: int = 24 << 20, nvme_buffers: int = 4) -> BuildPeak:
+                        nvme_chunk_bytes: int = 24 << 20, nvme_buffers: int = 4,
+                        grads_released: bool = False) -> BuildPeak:
     """Per-rank peak of building ``model`` (meta is fine) the way ``tiertrain train`` does
     and wrapping it with the engine, before the first step:
 
@@ -539,7 +540,8 @@ def simulate_build_peak(model: nn.Module, *, dp: int, stage: int, precision_byte
        are first written after the masters leave); then the unit's original fp32 tensors
        are freed;
     3. the NVMe optimizer's setup: its ring of ``nvme_buffers`` chunk buffers; the masters
-       are dropped and the gradient shards zeroed.
+       are dropped and the gradient shards zeroed (``grads_released``: left without memory
+       until their first reduction, as the in-place step running in backward does).
 
     Freed blocks: a block of at most :data:`MMAP_THRESHOLD_MAX` (32 MiB) may sit in glibc's
     heap, whose holes stay resident, so such freed originals and masters are counted as
@@ -661,8 +663,9 @@ def simulate_build_peak(model: nn.Module, *, dp: int, stage: int, precision_byte
               {"shard read back for the optimizer's records": read_back} if read_back else None)
         for m in masters:
             free(opt_tier, "master weights (fp32)", m)
-        host["gradients (fp32)"] = host.get("gradients (fp32)", 0) + untouched_grads
-        point("wrap: masters dropped, gradient shards zeroed")
+        if not grads_released:
+            host["gradients (fp32)"] = host.get("gradients (fp32)", 0) + untouched_grads
+        point("wrap: masters dropped, gradient shards " + ("released" if grads_released else "zeroed"))
     _, where, h = best
     items = dict(h)
     for k, v in best_dev[1].items():
@@ -899,7 +902,10 @@ def engine_build_peak(module: nn.Module | None, dims: Any, lay: Any, overhead: H
         # a Hugging Face model is built by its owner (from_config / from_pretrained): whole
         partitioned=builds_partitioned(lay.stage, getattr(module, "_tiertrain_tile_factor", lay.tile_factor), lay.tp)
         and not hasattr(dims, "activation_bytes"),
-        accelerator=accelerator, framework_bytes=int(ov.framework_bytes))
+        accelerator=accelerator, framework_bytes=int(ov.framework_bytes),
+        # (the in-place NVMe step running in backward frees each gradient shard it consumed,
+        # so the engine gives them memory only at their first reduction)
+        grads_released=Tier(lay.optimizer_tier) is Tier.NVME and lay.nvme_in_place and lay.stage >= 2)
 
 
 def stage3_gathered_bytes(module: nn.Module, precision_bytes: int, dp: int = 2,

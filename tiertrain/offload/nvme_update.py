@@ -66,7 +66,12 @@ class NVMeUpdate(OptimizerUpdate):
         # fp32 shards on NVMe: the optimizer's master records are the shards from now on.
         flat.use_optimizer_masters(self.nvme)
         # The RAM copies of the masters go before the gradient shards are first touched.
-        flat.drop_masters()
+        flat.drop_masters(release_grads=self._releases_grads(config))
+
+    def _releases_grads(self, config) -> bool:
+        """Whether this form frees each gradient shard once its step consumed it (so none
+        needs memory before its first reduction)."""
+        return False
 
     def _pieces_of(self, names: frozenset[str]) -> frozenset[tuple[int, int]]:
         """(unit, start in the shard) of this rank's pieces of the named parameters: the
@@ -166,6 +171,9 @@ class OverlappedNVMeUpdate(NVMeUpdate):
         """Seconds backward waited for the step to consume gradients (cumulative)."""
         self.peak_held_bytes = 0
         """Most bytes of reduced gradient shards held at once for the step (since built)."""
+
+    def _releases_grads(self, config) -> bool:
+        return bool(config.zero.nvme_in_place)
 
     def before_backward(self, boundary, lr):
         if boundary and self._in_flight is None:

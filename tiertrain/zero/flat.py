@@ -325,14 +325,21 @@ class FlatParameters:
         for index in units:
             self.shards.swapper.release(NVMeShards.key(index))
 
-    def drop_masters(self) -> None:
+    def drop_masters(self, release_grads: bool = False) -> None:
         """Free the fp32 masters: an optimizer that keeps its own (on NVMe) writes updated
-        values through :meth:`shard_writer` instead."""
+        values through :meth:`shard_writer` instead. The gradient shards are zeroed, or with
+        ``release_grads`` (an optimizer that releases each shard once consumed) left without
+        memory until their first reduction writes them (stale), so that the build never holds
+        every unit's gradient (4Ψ/N_d bytes) at once."""
         for u in self.units:
             if u.master is not u.shard:
                 u.master = u.master.new_empty(0)
             if u.grad_full is None:
-                u.grad.zero_()
+                if release_grads:
+                    u.release_grad()
+                    u.stale_grad = True
+                else:
+                    u.grad.zero_()
         self.masters_dropped = True
 
     def shard_writer(self) -> "ShardWriter":
