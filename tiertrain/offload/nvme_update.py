@@ -66,9 +66,10 @@ class NVMeUpdate(OptimizerUpdate):
         # fp32 shards on NVMe: the optimizer's master records are the shards from now on.
         flat.use_optimizer_masters(self.nvme)
         # The RAM copies of the masters go before the gradient shards are first touched.
-        flat.drop_masters(release_grads=self._releases_grads(config))
+        flat.drop_masters(release_grads=self.releases_grads(config))
 
-    def _releases_grads(self, config) -> bool:
+    @staticmethod
+    def releases_grads(config) -> bool:
         """Whether this form frees each gradient shard once its step consumed it (so none
         needs memory before its first reduction)."""
         return False
@@ -153,7 +154,7 @@ class OverlappedNVMeUpdate(NVMeUpdate):
         self.reducer = reducer
         self._in_flight = None
         """(OverlappedStep, ShardWriter) of the step running during this boundary's backward."""
-        self.release_grads = not self.nvme.transactional
+        self.release_grads = self.releases_grads(config)
         """In place (zero.nvme_in_place), each unit's gradient shard gives its memory back once
         the step running during backward has updated the unit, so that the gradients held at
         the end of backward are only those not yet consumed (with the optimizer state on NVMe,
@@ -172,8 +173,9 @@ class OverlappedNVMeUpdate(NVMeUpdate):
         self.peak_held_bytes = 0
         """Most bytes of reduced gradient shards held at once for the step (since built)."""
 
-    def _releases_grads(self, config) -> bool:
-        return bool(config.zero.nvme_in_place)
+    @staticmethod
+    def releases_grads(config) -> bool:
+        return bool(config.zero.nvme_in_place)  # (one generation: nothing redoes a step from them)
 
     def before_backward(self, boundary, lr):
         if boundary and self._in_flight is None:

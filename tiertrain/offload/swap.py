@@ -613,11 +613,11 @@ class TensorSwapper:
         with self._lock:
             self._prefetched_bytes -= buf.capacity
 
-    def _read_finisher(self, dst: Optional[torch.Tensor], off: int, n: int, buf: Buffer,
+    def _read_finisher(self, dst: torch.Tensor, off: int, n: int, buf: Buffer,
                        prefetched: bool):
         def finish(h: Handle) -> None:
             try:
-                if h._error is None and dst is not None:
+                if h._error is None:
                     self._copy(dst[off: off + n], buf.data[:n])
             finally:
                 if prefetched:
