@@ -100,6 +100,7 @@ def _tt_engine(spec, swap_dir):
     cfg_dict.setdefault("zero", {})["nvme_path"] = swap_dir
     if spec.get("kept_units") is not None:
         cfg_dict["zero"]["nvme_kept_units"] = spec["kept_units"]
+    cfg_dict["zero"].update(spec.get("zero_overrides") or {})
     cfg_dict["batch"] = {**cfg_dict.get("batch", {}), "grad_accum_steps": 1}
     cfg_dict["optimizer"] = {"lr": spec["lr"], "grad_clip": 0.0, "weight_decay": 0.0}
     cfg_dict["schedule"] = {"warmup_steps": 0, "min_lr_ratio": 1.0}
@@ -175,7 +176,9 @@ def worker(rank, world, port, fw, spec, swap_dir, result_path):
                 r.update({k: counters1[k] - counters0[k] for k in counters1})
                 stats = engine.update.nvme.last_stats
                 r.update(opt_pass_s=stats.seconds, opt_io_wait_s=stats.io_wait_seconds,
-                         opt_ready_wait_s=stats.ready_wait_seconds, opt_compute_s=stats.compute_seconds)
+                         opt_ready_wait_s=stats.ready_wait_seconds, opt_compute_s=stats.compute_seconds,
+                         masters_from_ram=stats.masters_from_ram / max(1, stats.chunks))
+                r["copy_cpu_s"] += stats.master_copy_seconds  # (the step's copies of masters kept in RAM)
                 overlapped = engine.last_overlapped_step
                 r["chunks_in_bwd"] = overlapped["chunks_done"] / overlapped["chunks"] if overlapped else 0.0
             rec.append(r)
@@ -183,7 +186,8 @@ def worker(rank, world, port, fw, spec, swap_dir, result_path):
                 print(f"[{fw} {spec['label']}] step {step}: loss {r['loss']:.4f} {r['wall']:.1f} s "
                       f"(fwd {r['fwd']:.1f} bwd {r['bwd']:.1f} opt {r['opt']:.1f}) cpu {r['cpu']:.1f} s "
                       f"read {r['read'] / 1e9:.2f} GB written {r['written'] / 1e9:.2f} GB rss {r['rss_peak_gib']:.2f} GiB"
-                      + (f" kept gathers {r['kept_gathers']:.0f}" if "kept_gathers" in r else ""),
+                      + (f" kept gathers {r['kept_gathers']:.0f}" if "kept_gathers" in r else "")
+                      + (f" masters from RAM {100 * r['masters_from_ram']:.0f}%" if "masters_from_ram" in r else ""),
                       flush=True)
         extra = {}
         if fw == "tt":
@@ -266,7 +270,8 @@ def summarize(fw: str, label: str, ranks: list[dict], bw: dict[str, float], ram:
            "extra": ranks[0].get("extra", {})}
     row["step_over_bound"] = row["step_s"] / row["io_bound_s"] if row["io_bound_s"] else float("nan")
     for key in ("fwd", "bwd", "opt", "io_wait_s", "comm_wait_s", "grads_wait_s", "checksum_cpu_s", "copy_cpu_s", "opt_pass_s",
-                "opt_io_wait_s", "opt_ready_wait_s", "opt_compute_s", "chunks_in_bwd", "kept_gathers"):
+                "opt_io_wait_s", "opt_ready_wait_s", "opt_compute_s", "chunks_in_bwd", "kept_gathers",
+                "masters_from_ram"):
         if key in ranks[0]["rec"][0]:
             row[key] = med(per_step(key, max))
     if "checksum_cpu_s" in row:
@@ -320,20 +325,36 @@ def cpu_per_byte(mib: int = 32, repeat: int = 10) -> dict[str, float]:
     return out
 
 
-def predicted_step_s(n_params: int, bw: dict[str, float], masters_shared: bool = True) -> float:
+def predicted_step_s(n_params: int, bw: dict[str, float], masters_shared: bool = True,
+                     masters_from_gathers: bool = True) -> float:
     """The estimator's IO lower bound of a step at this layout: the bytes its memory model puts on
     NVMe (parameters, fp32 masters and Adam moments, tiertrain/estimate/memory.py), each moved as
     ZeRO-Infinity moves them per step, over the measured bandwidth. ``masters_shared``: the fp32
-    parameter shards are the optimizer's masters (from revision 'masters shared' on; before, a
-    second copy was kept and written). The backward gathers served from the kept staging
-    tensors (at most 2 units) are not subtracted."""
+    parameter shards are the optimizer's masters (from 6bc2922 on; before, a second copy was
+    kept and written). ``masters_from_gathers``: the step takes the masters from backward's
+    gathers and reads only the moments (after c60e567). The backward gathers served from the
+    kept staging tensors (at most 2 units) are not subtracted."""
     from tiertrain.estimate.memory import engine_model_state_bytes
 
     ms = engine_model_state_bytes(n_params, 2, 3, "fp32", separate_master=not masters_shared)
     master = ms.params if masters_shared else ms.master
-    reads = 2 * ms.params + master + ms.optimizer    # parameters in forward and backward, the optimizer state
+    step_reads_master = not (masters_shared and masters_from_gathers)
+    reads = 2 * ms.params + master * step_reads_master + ms.optimizer  # parameters in forward and backward, the optimizer state
     writes = master + ms.optimizer + (0 if masters_shared else ms.params)  # the updated state (and parameters)
     return 2 * (reads / (bw["read"] * 1e9) + writes / (bw["write"] * 1e9))  # 2 ranks share the disk
+
+
+def zero_overrides(pairs: list[str]) -> dict:
+    """--zero KEY=VALUE options as a dict, each value read as YAML (6 → int, true → bool)."""
+    import yaml
+
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--zero {pair!r}: expected KEY=VALUE, e.g. --zero nvme_buffers=6")
+        out[key] = yaml.safe_load(value)
+    return out
 
 
 def revision() -> str:
@@ -344,9 +365,11 @@ def revision() -> str:
 
 
 def code(row: dict) -> str:
-    """The revision a row was measured at, and tiertrain's zero.nvme_kept_units when not the default."""
+    """The revision a row was measured at, with tiertrain's zero options when not the defaults
+    (--kept-units, --zero)."""
     kept = row.get("kept_units", 2)
-    return row.get("revision", EARLIER_REVISION) + (f", kept {kept}" if kept != 2 else "")
+    overrides = "".join(f", {k}={v}" for k, v in (row.get("zero_overrides") or {}).items())
+    return row.get("revision", EARLIER_REVISION) + (f", kept {kept}" if kept != 2 else "") + overrides
 
 
 def latest(rows: list[dict]) -> dict:
@@ -391,7 +414,8 @@ def render(data: dict) -> str:
             L.append(f"| {r['size']} | {r['framework']} | {code(r)} | "
                      f"FAILED: {r['error'][:400]} |" + " |" * 12)
             continue
-        predicted = (predicted_step_s(r["n_params"], data["bw"], r.get("masters_shared", False))
+        predicted = (predicted_step_s(r["n_params"], data["bw"], r.get("masters_shared", False),
+                                      r.get("masters_from_gathers", False))
                      if r["framework"] == "tt" else float("nan"))
         L.append(f"| {r['size']} | {r['framework']} | {code(r)} | {r['n_params'] / 1e9:.3f} B | {r['states_over_ram']:.2f} | "
                  f"{r['step_s']:.1f} | {predicted:.1f} | {r['io_bound_s']:.1f} | "
@@ -473,7 +497,8 @@ def plot(data: dict, path: str) -> None:
     pred = sorted((r for r in last if r["framework"] == "tt"), key=lambda r: r["n_params"])
     if pred:
         axes[0].plot([r["n_params"] / 1e9 for r in pred],
-                     [predicted_step_s(r["n_params"], data["bw"], r.get("masters_shared", False)) for r in pred],
+                     [predicted_step_s(r["n_params"], data["bw"], r.get("masters_shared", False),
+                                       r.get("masters_from_gathers", False)) for r in pred],
                      "k-.", label="estimator (median bandwidth)")
     axes[2].axhline(data["ram_gib"] / 2, color="grey", lw=0.8, label="RAM / 2 ranks")
     for ax, title, unit in zip(axes, ("step time", "bytes moved per step (both ranks)", "peak RSS per rank (build included)"),
@@ -510,6 +535,9 @@ def main(argv=None) -> int:
                    help="with --render: measure the checksums' and copies' GB/s on one thread into the results")
     p.add_argument("--kept-units", type=int, default=None,
                    help="tiertrain's zero.nvme_kept_units (default: the library's, 2)")
+    p.add_argument("--zero", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one of tiertrain's zero options (repeatable; the value is read as YAML), "
+                        "e.g. --zero nvme_buffers=6")
     p.add_argument("--note", action="append", default=[], help="a line for the Notes section (repeatable)")
     p.add_argument("--no-md", action="store_true")
     args = p.parse_args(argv)
@@ -567,7 +595,8 @@ def main(argv=None) -> int:
         data["bandwidths"].append(bw)
         spec = {"label": label, "layers": layers, "steps": steps, "micro_batch": args.micro_batch, "lr": args.lr,
                 "timeout": args.timeout, "run_timeout": args.run_timeout, "plan_config": plan_config,
-                "ds_sub_group": args.ds_sub_group, "kept_units": args.kept_units, "ds_buffer_numel": -(-gpt_config(layers).hidden ** 2 * 4 // 2 // 2**20) * 2**20}
+                "ds_sub_group": args.ds_sub_group, "kept_units": args.kept_units,
+                "zero_overrides": zero_overrides(args.zero), "ds_buffer_numel": -(-gpt_config(layers).hidden ** 2 * 4 // 2 // 2**20) * 2**20}
         print(f"== {label} ({layers} layers) {fw}: dd read {bw['read']:.2f} GB/s write {bw['write']:.2f} GB/s, "
               f"load {loadavg()}", flush=True)
         ranks = launch(fw, spec, args.swap_dir)
@@ -577,8 +606,10 @@ def main(argv=None) -> int:
         row["revision"] = revision()
         if row["ok"]:
             if fw == "tt":
-                row["masters_shared"] = True
+                row["masters_shared"] = row["masters_from_gathers"] = True
                 row["kept_units"] = 2 if args.kept_units is None else args.kept_units
+                if spec["zero_overrides"]:
+                    row["zero_overrides"] = spec["zero_overrides"]
                 row["predicted_s"] = predicted_step_s(row["n_params"], bw)
             print(f"   step {row['step_s']:.1f} s, IO bound {row['io_bound_s']:.1f} s ({row['step_over_bound']:.2f}x), "
                   f"peak RSS {row['peak_rss_gib']}", flush=True)

@@ -165,6 +165,49 @@ def test_parameters_edited_in_place_are_not_served_from_the_kept_staging(tmp_pat
         assert all(torch.equal(p.detach(), b + 1.0) for p, b in zip(params, before))
 
 
+def _masters_from_gathers_run(rank, world, nvme_path, kept_units):
+    runs = []
+    for zero in ({}, {"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_in_place": True,
+                      "nvme_kept_units": kept_units, "nvme_chunk_mb": 0.01}):
+        # (small chunks: several per unit, so that most of a unit's chunks are read after its
+        # gradient is complete, when backward's gather has just read its masters)
+        cfg = make_config(zero={"stage": 3, "nvme_path": nvme_path, **zero}, optimizer={"grad_clip": 0.0},
+                          batch={"micro_batch_size": 2})
+        steps = []
+
+        def record(engine):
+            store, stats = engine.flat.shards, engine.update.nvme.last_stats
+            steps.append({"handed": store.masters_handed, "from_ram": stats.masters_from_ram,
+                          "chunks": stats.chunks, "bytes_read": stats.bytes_read,
+                          "state_bytes": engine.update.nvme.state_bytes, "defer": engine.flat.streams.defer})
+        losses, params, engine = engine_train(rank, world, make_model(), cfg, global_batches(3, 4))
+        if zero:
+            record(engine)
+        runs.append((losses, params, steps))
+    return runs
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kept_units", [2, 0])
+def test_the_step_in_backward_takes_the_masters_backwards_gathers_read(tmp_path, kept_units):
+    """fp32 parameters and the in-place optimizer on NVMe: as each unit's gradient completes,
+    the staging its backward gather read (its pre-step masters) goes to the step running in
+    backward, which then reads only the chunks' moments (8 bytes per element, not 12) and
+    copies the masters from RAM. The run is the device run bit for bit; with no kept units
+    nothing is handed over and every chunk reads its master from disk."""
+    (base_losses, base_params, _), (losses, params, steps) = run_distributed(
+        _masters_from_gathers_run, 2, str(tmp_path / "swap"), kept_units, timeout=50)[0]
+    assert losses == base_losses
+    assert all(torch.equal(params[k], base_params[k]) for k in params)
+    (last,) = steps
+    if kept_units == 0 or last["defer"]:  # (the deferred-copy harness gathers from copies of the staging)
+        assert last["handed"] == 0 and last["from_ram"] == 0
+        assert last["bytes_read"] == last["state_bytes"]  # every chunk: master + moments
+    else:
+        assert last["handed"] > 0 and 0 < last["from_ram"] <= last["chunks"]
+        assert last["bytes_read"] < last["state_bytes"]  # the masters of those chunks were not read
+
+
 def test_with_no_kept_units_every_gather_reads_the_disk(tmp_path):
     engine = _nvme_engine(str(tmp_path), nvme_kept_units=0)
     batch = global_batches(1, 2)[0]

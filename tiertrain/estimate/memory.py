@@ -402,7 +402,8 @@ class ZeroLayout:
     step running in backward are capped at this many MiB plus one unit's (0: every shard)."""
     nvme_kept_units: int = 2
     """zero.nvme_kept_units: parameters on NVMe, read staging tensors kept with their values per
-    shard size (each one unit's shard of RAM; tiertrain/offload/shard_store.py NVMeShards)."""
+    shard size, and as many handed to the NVMe step when its masters are the shards (each one
+    unit's shard of RAM; tiertrain/offload/shard_store.py NVMeShards, OptimizerMasterShards)."""
     prefetch_mb: float = 0.0
     """zero.prefetch_mb: stage-3 parameters gathered ahead of use, MiB (0 is the CPU default)."""
     persistence_threshold: int = 0

@@ -855,9 +855,14 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
         pool = swap_pool_bytes(largest)
         add("NVMe staging buffers", pool, Tier.CPU,
             "parameter swap pool max(64 MiB, 2·3·largest shard) (tiertrain.zero.flat.swap_pool_bytes)")
-        add("NVMe staging buffers", (max(1, lay.nvme_kept_units) + 1) * largest, Tier.CPU,
-            "gather staging: zero.nvme_kept_units kept (at least 1 reused) + the one being read, "
-            "of the largest shard (tiertrain/offload/shard_store.py NVMeShards)")
+        kept = max(1, lay.nvme_kept_units) + 1
+        formula = "zero.nvme_kept_units kept (at least 1 reused) + the one being read"
+        if masters_are_param_shards(lay):
+            kept += lay.nvme_kept_units
+            formula += " + as many handed to the step running in backward (its masters)"
+        add("NVMe staging buffers", kept * largest, Tier.CPU,
+            f"gather staging: {formula}, of the largest shard (tiertrain/offload/shard_store.py "
+            "NVMeShards, OptimizerMasterShards)")
     if optimizer_tier is Tier.NVME:
         try:
             from tiertrain.offload.nvme_optimizer import DEFAULT_CHUNK_BYTES

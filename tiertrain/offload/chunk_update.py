@@ -80,6 +80,8 @@ class StepStats:
     compute_seconds: float = 0.0
     publish_seconds: float = 0.0
     ready_wait_seconds: float = 0.0
+    masters_from_ram: int = 0             # chunks whose master was copied from RAM, not read
+    master_copy_seconds: float = 0.0      # ... and the time those copies took
     _intervals: List[Tuple[float, float]] = field(default_factory=list, repr=False)
 
     @property
@@ -168,6 +170,8 @@ class ChunkUpdate:
         self.skip = skip
         """(shard, piece start) of the pieces this step leaves unchanged (counted at commit)."""
         self.gate: Optional[Callable[[int, StepStats], None]] = None
+        self.masters_in_ram: Optional[Callable[[int], Optional[torch.Tensor]]] = None
+        """shard → its committed master values when already in RAM (NVMeAdamW.begin_step)."""
         self.published: List[int] = []
         self.updated = 0
 

@@ -371,6 +371,10 @@ class NVMeAdamW:
     def num_shards(self) -> int:
         return len(self._shard_numels)
 
+    def shard_numel(self, shard: int) -> int:
+        """Elements of shard ``shard``."""
+        return self._shard_numels[shard]
+
     @property
     def num_chunks(self) -> int:
         return len(self._chunks)
@@ -446,19 +450,25 @@ class NVMeAdamW:
 
     def begin_step(self, grads: Sequence[torch.Tensor], lr: float, out: Destination = None,
                    shard_order: Optional[Sequence[int]] = None,
-                   rule: Optional[ElementwiseRule] = None) -> OverlappedStep:
+                   rule: Optional[ElementwiseRule] = None,
+                   masters_in_ram: Optional[Callable[[int], Optional[torch.Tensor]]] = None) -> OverlappedStep:
         """Start the step of :meth:`step` on a worker thread that updates each shard's chunks
         once the caller declares the shard's gradient final (:meth:`OverlappedStep.shard_ready`),
         in ``shard_order`` (default: shard order; give the order in which they become final).
         Until :meth:`OverlappedStep.finish` (commits) or :meth:`OverlappedStep.cancel` (restores
         the destinations) every other call on this optimizer raises. See
-        tiertrain/offload/overlapped_step.py."""
+        tiertrain/offload/overlapped_step.py. ``masters_in_ram(shard)``: a tensor (fp32, the
+        shard's size) holding the shard's committed master values when they are in RAM already
+        (e.g. the staging of a stage-3 gather), or None; asked (on the worker) as each chunk's
+        read is issued, and the chunks of a shard it gives read only their moments record. The
+        tensor must keep those values until the shard is updated (``on_shard_updated``)."""
         self._check_usable()
         order = list(range(self.num_shards)) if shard_order is None else [int(s) for s in shard_order]
         if sorted(order) != list(range(self.num_shards)):
             raise ValueError(f"shard_order={list(shard_order)} is not a permutation of the "
                              f"{self.num_shards} shards 0..{self.num_shards - 1}")
         update = self._new_update(grads, lr, out, rule)
+        update.masters_in_ram = masters_in_ram
         positions = [j for s in order for j in self._positions({s})]
         self._active = OverlappedStep(self, update, positions)
         return self._active
@@ -473,7 +483,7 @@ class NVMeAdamW:
         process-wide thread setting alone (a pass on a worker thread). Only for a step begun by
         :meth:`step` or :meth:`begin_step`."""
         return self._stream("step", update.work, positions=positions, read=True, write=True,
-                            step=update.step_number, set_threads=set_threads)
+                            step=update.step_number, set_threads=set_threads, masters_in_ram=update.masters_in_ram)
 
     def commit_step(self, update: ChunkUpdate, stats: StepStats, new_gens: Dict[int, int]) -> StepStats:
         """Make the generations a step wrote current and count the step; returns its stats."""
@@ -786,10 +796,11 @@ class NVMeAdamW:
         slot, n = self._slots[i % self.num_buffers], self._chunks[j].numel
         return (("p", slot.slice(0, MASTER_BYTES * n)), ("mv", slot.slice(self._moments_at, MOMENT_BYTES * n)))
 
-    def _read(self, j: int, i: int) -> _Requests:
-        """Read chunk j's committed records into the buffer of pass position i."""
+    def _read(self, j: int, i: int, master: bool = True) -> _Requests:
+        """Read chunk j's committed records into the buffer of pass position i (without the
+        master record: only the moments)."""
         return _Requests([self.swapper.swap_in(self._key(j, self._gens[j], part), buf)
-                          for part, buf in self._records(j, i)])
+                          for part, buf in self._records(j, i) if master or part != "p"])
 
     def _write(self, j: int, i: int, gen: int) -> _Requests:
         """Write the buffer of pass position i as chunk j's records of generation gen."""
@@ -827,8 +838,9 @@ class NVMeAdamW:
                 pass
 
     def _stream(self, op: str, work, positions: Optional[List[int]] = None, read: bool = True,
-                write: bool = True, step: Optional[int] = None,
-                set_threads: bool = True) -> Tuple[StepStats, Dict[int, int]]:
+                write: bool = True, step: Optional[int] = None, set_threads: bool = True,
+                masters_in_ram: Optional[Callable[[int], Optional[torch.Tensor]]] = None,
+                ) -> Tuple[StepStats, Dict[int, int]]:
         """The pipeline over chunks ``positions`` (default: all, in order). Pass position i uses
         buffer i % B, free once the write of position i-B finished. The buffer is filled by a
         read of the chunk's committed record issued up to ``depth`` positions ahead (``read``),
@@ -839,7 +851,8 @@ class NVMeAdamW:
         position i-1 runs during the work on position i before its buffer is needed again.
         Returns the stats and the generations written (to commit when the caller is done).
         ``set_threads=False`` leaves torch's (process-wide) thread setting alone: a pass on a
-        worker thread must not change it under the caller's compute."""
+        worker thread must not change it under the caller's compute. ``masters_in_ram``: see
+        :meth:`begin_step` (a chunk read with it gets its master copied from RAM before work)."""
         in_order = positions is None or positions == list(range(len(self._chunks)))
         positions = list(range(len(self._chunks))) if positions is None else positions
         B = self.num_buffers
@@ -849,6 +862,7 @@ class NVMeAdamW:
         t_start = time.perf_counter()
         reads: Dict[int, _Requests] = {}
         writes: Dict[int, _Requests] = {}
+        in_ram: Dict[int, torch.Tensor] = {}  # position -> the master values of its shard, in RAM
         new_gens: Dict[int, int] = {}
         with self._lock:
             prefetched = {}
@@ -873,15 +887,27 @@ class NVMeAdamW:
                     if read:
                         while next_read < len(positions) and next_read <= i + depth:
                             free_buffer(next_read)
-                            h = self._read(positions[next_read], next_read)
+                            ahead = self._chunks[positions[next_read]]
+                            master = None if masters_in_ram is None else masters_in_ram(ahead.shard)
+                            h = self._read(positions[next_read], next_read, master=master is None)
                             self._track(h, stats)
                             reads[next_read] = h
-                            stats.bytes_read += self._chunks[positions[next_read]].nbytes
+                            if master is None:
+                                stats.bytes_read += ahead.nbytes
+                            else:
+                                in_ram[next_read] = master
+                                stats.bytes_read += MOMENT_BYTES * ahead.numel
                             next_read += 1
                         self._wait(reads.pop(i), stats)
                     else:
                         free_buffer(i)
                     p, m, v = self._views(i, ch)
+                    master = in_ram.pop(i, None)
+                    if master is not None:
+                        t0 = time.perf_counter()
+                        p.copy_(master[ch.lo:ch.hi])
+                        stats.masters_from_ram += 1
+                        stats.master_copy_seconds += time.perf_counter() - t0
                     after = work(j, ch, p, m, v, stats)
                     if write:
                         gen = self._gens[j]

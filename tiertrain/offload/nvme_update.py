@@ -154,6 +154,7 @@ class OverlappedNVMeUpdate(NVMeUpdate):
         self.reducer = reducer
         self._in_flight = None
         """(OverlappedStep, ShardWriter) of the step running during this boundary's backward."""
+        self._unit_done_hook = None  # the reducer's on_unit_done before the step chained onto it
         self.release_grads = self.releases_grads(config)
         """In place (zero.nvme_in_place), each unit's gradient shard gives its memory back once
         the step running during backward has updated the unit, so that the gradients held at
@@ -181,13 +182,24 @@ class OverlappedNVMeUpdate(NVMeUpdate):
         if boundary and self._in_flight is None:
             lr, rule = self._rate(lr)
             writer = self.flat.shard_writer()
+            store = self.flat.shards
             step = self.nvme.begin_step([u.grad for u in self.flat.units], lr, out=writer,
-                                        shard_order=self.reducer.launch_order, rule=rule)
+                                        shard_order=self.reducer.launch_order, rule=rule,
+                                        masters_in_ram=store.master_in_ram)
             self._in_flight = (step, writer)
             self._squares = {}
+            # A unit's gradient is complete just after backward gathered it: the step takes the
+            # masters that gather read instead of reading them again (OptimizerMasterShards).
+            engine_hook = self._unit_done_hook = self.reducer.on_unit_done
+
+            def unit_done(index: int) -> None:
+                if engine_hook is not None:
+                    engine_hook(index)  # (it releases the gather, whose staging then is a spare)
+                store.keep_for_step(index)
+            self.reducer.on_unit_done = unit_done
+            step.on_shard_updated = self._consumed
             if self.release_grads:
                 self._held = {}
-                step.on_shard_updated = self._consumed
                 step.on_progress = self._notify
                 self.reducer.on_reduced = lambda index: self._reduced(step, index)
             else:
@@ -210,7 +222,11 @@ class OverlappedNVMeUpdate(NVMeUpdate):
             self.grads_wait_seconds += time.perf_counter() - t0
 
     def _consumed(self, index: int) -> None:
-        """On the step's worker: unit index is updated; its gradient shard's memory goes back."""
+        """On the step's worker: unit index is updated; the masters handed to the step and (in
+        place) its gradient shard's memory go back."""
+        self.flat.shards.step_done_with(index)
+        if not self.release_grads:
+            return
         self.flat.units[index].release_grad()
         with self._progress:
             self._held.pop(index, None)
@@ -259,8 +275,12 @@ class OverlappedNVMeUpdate(NVMeUpdate):
         step, writer = self._in_flight
         self._in_flight = None
         self.reducer.on_reduced = None
-        with writer:  # writes the last unit's shard to NVMe, after a cancel's restore too
-            if commit:
-                step.finish()
-            else:
-                step.cancel()
+        self.reducer.on_unit_done = self._unit_done_hook
+        try:
+            with writer:  # writes the last unit's shard to NVMe, after a cancel's restore too
+                if commit:
+                    step.finish()
+                else:
+                    step.cancel()
+        finally:
+            self.flat.shards.step_done()

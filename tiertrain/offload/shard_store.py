@@ -27,6 +27,8 @@ a view of the unit's full buffer on the device.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..device import Copy, DeviceStreams, Transfer
@@ -83,6 +85,22 @@ class DeviceShards:
         """The stored shards may have changed outside write() (an optimizer step wrote them):
         copies of their values kept for reuse are stale."""
 
+    def keep_for_step(self, index: int) -> bool:
+        """Unit index's gradient is complete in the backward whose optimizer step is running:
+        hand the RAM copy of its values, if one is kept, to that step (see
+        OptimizerMasterShards). Returns whether it did."""
+        return False
+
+    def master_in_ram(self, index: int) -> torch.Tensor | None:
+        """The values keep_for_step handed over for unit index, or None (any thread)."""
+        return None
+
+    def step_done_with(self, index: int) -> None:
+        """The step no longer reads what keep_for_step handed over for unit index (any thread)."""
+
+    def step_done(self) -> None:
+        """The step ended: everything still handed to it comes back."""
+
     def wait_writes(self) -> None:
         """Complete the writes in flight."""
 
@@ -133,8 +151,11 @@ class NVMeShards(DeviceShards):
         # the unit it was read for: at the turn from forward to backward, the last units of
         # forward are the first of backward, and their gathers take those values again instead
         # of reading the disk (ZeRO-Infinity moves each parameter twice per step; these move once).
-        self._spare: dict[int, list[tuple[torch.Tensor, int, tuple]]] = {}  # size -> (tensor, unit, version), oldest first
+        self._spare: dict[int, list[tuple[torch.Tensor, int | None, tuple | None]]] = {}
+        """size -> (tensor, unit, version) of the spare staging tensors, the first to be reused
+        first: those holding no values (unit None), then the oldest values."""
         self._lent: dict[int, tuple[int, tuple]] = {}  # id of a staging tensor lent to an all-gather -> (unit, version)
+        self._lock = threading.Lock()  # (the spares are also taken and given back by an optimizer step's worker)
         self._epoch = 0
         self._written: dict[int, int] = {}
         self.staging_reused = 0
@@ -169,7 +190,8 @@ class NVMeShards(DeviceShards):
         self.swapper.swap_in(self.key(index), staged).wait()
 
     def _kept(self, index: int, numel: int) -> int | None:
-        """Position in the spares of a tensor holding unit index's current values, or None."""
+        """Position in the spares of a tensor holding unit index's current values, or None
+        (call with the lock held)."""
         if not self.kept_units:
             return None
         version = self._version(index)
@@ -179,19 +201,24 @@ class NVMeShards(DeviceShards):
         return None
 
     def gather_input(self, index, shard):
-        spare, version = self._spare.get(shard.numel()), self._version(index)
-        kept = self._kept(index, shard.numel())
-        if kept is not None:
-            staged = spare.pop(kept)[0]
-            self.values_reused += 1
-        elif spare and len(spare) >= self.kept_units:
-            # (the oldest values: the least likely to be wanted again; while fewer than
-            # kept_units are kept, a new tensor, so that the last ones read stay intact)
-            staged = spare.pop(0)[0]
-            self.staging_reused += 1
-            self._fill(index, staged)
-        else:
+        version = self._version(index)
+        with self._lock:
+            spare = self._spare.get(shard.numel())
+            kept = self._kept(index, shard.numel())
+            if kept is not None:
+                staged, fill = spare.pop(kept)[0], False
+                self.values_reused += 1
+            elif spare and (len(spare) >= self.kept_units or spare[0][1] is None):
+                # (one holding no values, else the oldest values: the least likely to be wanted
+                # again; while fewer than kept_units are kept, a new tensor, so that the last
+                # ones read stay intact)
+                staged, fill = spare.pop(0)[0], True
+                self.staging_reused += 1
+            else:
+                staged, fill = None, True
+        if staged is None:
             staged = self.placement.empty(shard.numel(), self.dtype, self.placement.host)
+        if fill:
             self._fill(index, staged)
         transfer = self.streams.to_device(staged, Copy.PARAM_TO_DEVICE)
         if transfer.value is staged:  # (the compute device is the host: the gather reads it)
@@ -201,14 +228,23 @@ class NVMeShards(DeviceShards):
     def done_with_input(self, tensor):
         lent = self._lent.pop(id(tensor), None)
         if lent is not None:
+            self._give_back(tensor, *lent)
+
+    def _give_back(self, tensor: torch.Tensor, unit: int | None, version: tuple | None) -> None:
+        """A staging tensor returns to the spares, holding unit's values of version (or none)."""
+        with self._lock:
             spare = self._spare.setdefault(tensor.numel(), [])
-            spare.append((tensor, *lent))
+            if unit is None:
+                spare.insert(0, (tensor, None, None))
+            else:
+                spare.append((tensor, unit, version))
             if len(spare) > max(1, self.kept_units):  # (one reused even when no values are kept)
                 spare.pop(0)
 
     def _to_read(self, indices, shard_numel) -> list[int]:
         """The units among indices whose values no kept staging tensor holds."""
-        return [i for i in indices if self._kept(i, shard_numel(i)) is None]
+        with self._lock:
+            return [i for i in indices if self._kept(i, shard_numel(i)) is None]
 
     def prefetch(self, indices, shard_numel=None):
         if shard_numel is not None:
@@ -238,16 +274,30 @@ class OptimizerMasterShards(NVMeShards):
 
     Reads of a unit happen only while no step is updating it: a step's chunks of a unit are
     written after its gradient is final (the unit is not gathered again in that backward), and
-    a transactional step's new generation becomes visible only when it commits."""
+    a transactional step's new generation becomes visible only when it commits.
+
+    **The step takes the masters backward just gathered.** The step running during backward
+    (tiertrain/offload/overlapped_step.py) updates a unit once its gradient is final, and
+    backward gathered that unit just before computing the gradient: the staging tensor the
+    gather read holds the unit's pre-step master shard, exactly the bytes the step would read
+    back from the master records. :meth:`keep_for_step`, called as the unit's gradient becomes
+    complete, hands that tensor to the step instead of leaving it among the spares; the step
+    then reads only the moments record of the unit's chunks (8 bytes per element, not 12) and
+    copies the master from RAM (:meth:`master_in_ram`), and gives the tensor back when the
+    unit is updated (:meth:`step_done_with`). At most ``kept_units`` tensors are handed over at
+    once (a step lagging further behind backward reads the others' masters from disk)."""
 
     def __init__(self, files: NVMeShards, optimizer, units):
         super().__init__(files.placement, files.dtype, files.streams, files.swapper, files.kept_units)
-        self._spare, self._lent, self._writes = files._spare, files._lent, files._writes
+        self._spare, self._lent, self._writes, self._lock = files._spare, files._lent, files._writes, files._lock
         self._epoch, self._written = files._epoch + 1, files._written
         self.staging_reused, self.values_reused = files.staging_reused, files.values_reused
         self.optimizer = optimizer
         self.units = frozenset(units)
         """Indices of the units whose shards are the optimizer's masters (shard s = unit s)."""
+        self._for_step: dict[int, torch.Tensor] = {}  # unit -> its pre-step masters, handed to the step
+        self.masters_handed = 0
+        """Units whose pre-step masters a step took from a gather's staging (a counter)."""
 
     def holds_masters(self, index: int) -> bool:
         return index in self.units
@@ -270,6 +320,34 @@ class OptimizerMasterShards(NVMeShards):
         requests = self.optimizer.write_master(index, values)
         if requests is not None:
             self._writes.append(requests)
+
+    def keep_for_step(self, index):
+        if index not in self.units or not self.kept_units:
+            return False
+        numel = self.optimizer.shard_numel(index)
+        with self._lock:
+            if index in self._for_step or len(self._for_step) >= self.kept_units:
+                return False
+            kept = self._kept(index, numel)
+            if kept is None:
+                return False
+            self._for_step[index] = self._spare[numel].pop(kept)[0]
+            self.masters_handed += 1
+        return True
+
+    def master_in_ram(self, index):
+        with self._lock:
+            return self._for_step.get(index)
+
+    def step_done_with(self, index):
+        with self._lock:
+            tensor = self._for_step.pop(index, None)
+        if tensor is not None:
+            self._give_back(tensor, None, None)  # (the step has since changed the unit's values)
+
+    def step_done(self):
+        for index in list(self._for_step):
+            self.step_done_with(index)
 
     def prefetch(self, indices, shard_numel=None):
         if shard_numel is not None:
