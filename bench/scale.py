@@ -55,6 +55,8 @@ from _common import free_port, gather_results, init_gloo, loadavg, machine_lines
 from larger_than_ram import vm_hwm as _vm_hwm  # noqa: E402  (VmHWM: the peak since start or the last reset)
 from zero3_nvme import dd_bandwidth, proc_io  # noqa: E402
 
+from tiertrain.config import ZeroConfig  # noqa: E402
+
 GiB = 1 << 30
 HIDDEN, HEADS, VOCAB, SEQ = 2560, 20, 256, 64
 RESULTS = os.path.join(HERE, "results", "scale")
@@ -368,8 +370,9 @@ def code(row: dict) -> str:
     """The revision a row was measured at, with tiertrain's zero options when not the defaults
     (--kept-units, --zero)."""
     kept = row.get("kept_units", 2)
+    default = row.get("kept_default", 2)  # (the library's default then: 2 until 4 became it)
     overrides = "".join(f", {k}={v}" for k, v in (row.get("zero_overrides") or {}).items())
-    return row.get("revision", EARLIER_REVISION) + (f", kept {kept}" if kept != 2 else "") + overrides
+    return row.get("revision", EARLIER_REVISION) + (f", kept {kept}" if kept != default else "") + overrides
 
 
 def latest(rows: list[dict]) -> dict:
@@ -534,7 +537,7 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-per-byte", action="store_true",
                    help="with --render: measure the checksums' and copies' GB/s on one thread into the results")
     p.add_argument("--kept-units", type=int, default=None,
-                   help="tiertrain's zero.nvme_kept_units (default: the library's, 2)")
+                   help="tiertrain's zero.nvme_kept_units (default: the library's)")
     p.add_argument("--zero", action="append", default=[], metavar="KEY=VALUE",
                    help="override one of tiertrain's zero options (repeatable; the value is read as YAML), "
                         "e.g. --zero nvme_buffers=6")
@@ -607,7 +610,8 @@ def main(argv=None) -> int:
         if row["ok"]:
             if fw == "tt":
                 row["masters_shared"] = row["masters_from_gathers"] = True
-                row["kept_units"] = 2 if args.kept_units is None else args.kept_units
+                row["kept_default"] = ZeroConfig().nvme_kept_units
+                row["kept_units"] = row["kept_default"] if args.kept_units is None else args.kept_units
                 if spec["zero_overrides"]:
                     row["zero_overrides"] = spec["zero_overrides"]
                 row["predicted_s"] = predicted_step_s(row["n_params"], bw)

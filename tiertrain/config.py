@@ -256,7 +256,7 @@ class ZeroConfig:
     """NVMe optimizer: update each chunk's state in place (12 bytes per parameter on disk) instead of writing a second generation and committing it (24): half the disk, but a step that fails or is cancelled part-way leaves the state partly updated, to be restored from a checkpoint."""
     nvme_grads_in_ram_mb: float = 0.0
     """With nvme_in_place: most MiB of reduced gradient shards a rank holds for the optimizer step running in backward; a reduction that would hold more waits until the step has consumed (and freed) earlier ones. 0: no limit."""
-    nvme_kept_units: int = 2
+    nvme_kept_units: int = 4
     """Parameters on NVMe: read staging tensors kept, with their values, per unit shard size once their gather is done, so that the units forward gathered last are not read again when backward gathers them first; each costs one unit's shard of RAM (0: none kept, every gather reads the disk). With fp32 parameters and the optimizer on NVMe, as many again may be handed to the step running in backward, which then takes each unit's masters from the gather that read them instead of reading them again."""
     overlap_nvme_step: bool = True
     """NVMe optimizer: update each unit's state during the boundary backward, once its gradient is reduced (not with grad_clip > 0 or fp16, whose global norm gates the step)."""

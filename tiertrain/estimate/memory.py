@@ -400,7 +400,7 @@ class ZeroLayout:
     nvme_grads_in_ram_mb: float = 0.0
     """zero.nvme_grads_in_ram_mb: with nvme_in_place, the reduced gradient shards held for the
     step running in backward are capped at this many MiB plus one unit's (0: every shard)."""
-    nvme_kept_units: int = 2
+    nvme_kept_units: int = 4
     """zero.nvme_kept_units: parameters on NVMe, read staging tensors kept with their values per
     shard size, and as many handed to the NVMe step when its masters are the shards (each one
     unit's shard of RAM; tiertrain/offload/shard_store.py NVMeShards, OptimizerMasterShards)."""

@@ -190,12 +190,15 @@ class OverlappedNVMeUpdate(NVMeUpdate):
             self._squares = {}
             # A unit's gradient is complete just after backward gathered it: the step takes the
             # masters that gather read instead of reading them again (OptimizerMasterShards).
+            # The units whose gradients complete last are the next forward's first: the step
+            # leaves their updated masters in RAM for it.
             engine_hook = self._unit_done_hook = self.reducer.on_unit_done
+            carried = frozenset(self.reducer.launch_order[len(self.reducer.launch_order) - store.kept_units:])
 
             def unit_done(index: int) -> None:
                 if engine_hook is not None:
                     engine_hook(index)  # (it releases the gather, whose staging then is a spare)
-                store.keep_for_step(index)
+                store.keep_for_step(index, carry_over=index in carried)
             self.reducer.on_unit_done = unit_done
             step.on_shard_updated = self._consumed
             if self.release_grads:
@@ -276,11 +279,13 @@ class OverlappedNVMeUpdate(NVMeUpdate):
         self._in_flight = None
         self.reducer.on_reduced = None
         self.reducer.on_unit_done = self._unit_done_hook
+        committed = False
         try:
             with writer:  # writes the last unit's shard to NVMe, after a cancel's restore too
                 if commit:
                     step.finish()
+                    committed = True
                 else:
                     step.cancel()
         finally:
-            self.flat.shards.step_done()
+            self.flat.shards.step_done(committed)

@@ -39,6 +39,8 @@ class DeviceShards:
     """Shards in device memory."""
 
     tier = Tier.DEVICE
+    kept_units = 0
+    """Staging tensors kept with their values per shard size (NVMeShards; none here)."""
 
     def __init__(self, placement, dtype: torch.dtype, streams: DeviceStreams):
         self.placement = placement
@@ -85,21 +87,27 @@ class DeviceShards:
         """The stored shards may have changed outside write() (an optimizer step wrote them):
         copies of their values kept for reuse are stale."""
 
-    def keep_for_step(self, index: int) -> bool:
+    def keep_for_step(self, index: int, carry_over: bool = False) -> bool:
         """Unit index's gradient is complete in the backward whose optimizer step is running:
         hand the RAM copy of its values, if one is kept, to that step (see
-        OptimizerMasterShards). Returns whether it did."""
+        OptimizerMasterShards); ``carry_over``: the step's updated values are to be kept in it
+        for the next forward. Returns whether it did."""
         return False
 
     def master_in_ram(self, index: int) -> torch.Tensor | None:
         """The values keep_for_step handed over for unit index, or None (any thread)."""
         return None
 
+    def updated(self, index: int, start: int, end: int, values: torch.Tensor) -> None:
+        """The step updated elements [start, end) of unit index's masters to values (fp32), which
+        it wrote itself (any thread)."""
+
     def step_done_with(self, index: int) -> None:
         """The step no longer reads what keep_for_step handed over for unit index (any thread)."""
 
-    def step_done(self) -> None:
-        """The step ended: everything still handed to it comes back."""
+    def step_done(self, committed: bool) -> None:
+        """The step ended (committed, or not): everything still handed to it comes back, holding
+        the committed values where it carried them over."""
 
     def wait_writes(self) -> None:
         """Complete the writes in flight."""
@@ -137,7 +145,7 @@ class NVMeShards(DeviceShards):
 
     tier = Tier.NVME
 
-    def __init__(self, placement, dtype, streams, swapper, kept_units: int = 2):
+    def __init__(self, placement, dtype, streams, swapper, kept_units: int = 4):
         super().__init__(placement, dtype, streams)
         self.swapper = swapper
         self.kept_units = kept_units
@@ -285,7 +293,14 @@ class OptimizerMasterShards(NVMeShards):
     then reads only the moments record of the unit's chunks (8 bytes per element, not 12) and
     copies the master from RAM (:meth:`master_in_ram`), and gives the tensor back when the
     unit is updated (:meth:`step_done_with`). At most ``kept_units`` tensors are handed over at
-    once (a step lagging further behind backward reads the others' masters from disk)."""
+    once (a step lagging further behind backward reads the others' masters from disk).
+
+    **The next forward takes the masters the step updated last.** The units whose gradients
+    complete last in backward are the first the next forward gathers (the embedding, the first
+    blocks). Handed over with ``carry_over``, their tensors receive the step's updated values
+    (:meth:`updated`, from the step's ShardWriter) and, once the step has committed, return to
+    the spares holding those values at the new version, so that the next forward's first
+    gathers read nothing; a step that does not commit returns them empty."""
 
     def __init__(self, files: NVMeShards, optimizer, units):
         super().__init__(files.placement, files.dtype, files.streams, files.swapper, files.kept_units)
@@ -296,6 +311,7 @@ class OptimizerMasterShards(NVMeShards):
         self.units = frozenset(units)
         """Indices of the units whose shards are the optimizer's masters (shard s = unit s)."""
         self._for_step: dict[int, torch.Tensor] = {}  # unit -> its pre-step masters, handed to the step
+        self._carried: dict[int, set] = {}  # unit handed over with carry_over -> the ranges updated in it
         self.masters_handed = 0
         """Units whose pre-step masters a step took from a gather's staging (a counter)."""
 
@@ -321,7 +337,7 @@ class OptimizerMasterShards(NVMeShards):
         if requests is not None:
             self._writes.append(requests)
 
-    def keep_for_step(self, index):
+    def keep_for_step(self, index, carry_over=False):
         if index not in self.units or not self.kept_units:
             return False
         numel = self.optimizer.shard_numel(index)
@@ -332,6 +348,8 @@ class OptimizerMasterShards(NVMeShards):
             if kept is None:
                 return False
             self._for_step[index] = self._spare[numel].pop(kept)[0]
+            if carry_over:
+                self._carried[index] = set()
             self.masters_handed += 1
         return True
 
@@ -339,15 +357,32 @@ class OptimizerMasterShards(NVMeShards):
         with self._lock:
             return self._for_step.get(index)
 
+    def updated(self, index, start, end, values):
+        with self._lock:
+            covered = self._carried.get(index)
+            tensor = self._for_step.get(index)
+        if covered is not None:
+            tensor[start:end].copy_(values)  # (after the step read its masters from it)
+            covered.add((start, end))  # (a restore republishes the same ranges)
+
     def step_done_with(self, index):
         with self._lock:
+            if index in self._carried:  # (kept until the step commits)
+                return
             tensor = self._for_step.pop(index, None)
         if tensor is not None:
             self._give_back(tensor, None, None)  # (the step has since changed the unit's values)
 
-    def step_done(self):
-        for index in list(self._for_step):
-            self.step_done_with(index)
+    def step_done(self, committed):
+        with self._lock:
+            handed, self._for_step = self._for_step, {}
+            carried, self._carried = self._carried, {}
+        for index, tensor in handed.items():
+            whole = sum(end - start for start, end in carried.get(index, ())) == tensor.numel()
+            if committed and whole:  # (chunks tile the shard: every value is the committed one)
+                self._give_back(tensor, index, self._version(index))
+            else:
+                self._give_back(tensor, None, None)
 
     def prefetch(self, indices, shard_numel=None):
         if shard_numel is not None:
@@ -357,7 +392,7 @@ class OptimizerMasterShards(NVMeShards):
 
 
 def shard_store(placement, dtype: torch.dtype, streams: DeviceStreams, swapper=None,
-                kept_units: int = 2) -> DeviceShards:
+                kept_units: int = 4) -> DeviceShards:
     """The store of placement.param_tier (kept_units: NVMeShards')."""
     if placement.param_tier == Tier.NVME:
         if swapper is None:

@@ -146,7 +146,7 @@ class FlatParameters:
 
     def __init__(self, layout: FlatLayout, params: dict[str, nn.Parameter], comm: Collectives,
                  dtype: torch.dtype, keep_full_grads: bool, rebuild_param=None,
-                 placement: Placement = Placement(), swapper=None, nvme_kept_units: int = 2):
+                 placement: Placement = Placement(), swapper=None, nvme_kept_units: int = 4):
         self.streams = DeviceStreams(placement.compute)
         """The compute device's streams and tier transfers (tiertrain/device.py)."""
         self.shards = shard_store(placement, dtype, self.streams, swapper, kept_units=nvme_kept_units)
@@ -458,6 +458,7 @@ class ShardWriter:
             flat.units[index].shard[start:end].copy_(values)
             return
         if flat.shards.holds_masters(index):  # (the optimizer's write of the chunk was the shard's)
+            flat.shards.updated(index, start, end, values)
             return
         for other in [i for i in self._staged if i != index]:
             self._write(other)
