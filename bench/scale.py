@@ -180,7 +180,7 @@ def worker(rank, world, port, fw, spec, swap_dir, result_path):
                 r.update(opt_pass_s=stats.seconds, opt_io_wait_s=stats.io_wait_seconds,
                          opt_ready_wait_s=stats.ready_wait_seconds, opt_compute_s=stats.compute_seconds,
                          masters_from_ram=stats.masters_from_ram / max(1, stats.chunks))
-                r["copy_cpu_s"] += stats.master_copy_seconds  # (the step's copies of masters kept in RAM)
+                r["copy_cpu_s"] += stats.master_copy_cpu_seconds  # (the step's copies of masters kept in RAM)
                 overlapped = engine.last_overlapped_step
                 r["chunks_in_bwd"] = overlapped["chunks_done"] / overlapped["chunks"] if overlapped else 0.0
             rec.append(r)
@@ -222,7 +222,8 @@ def _tt_counters(engine) -> dict[str, float]:
     swapper = engine.swapper
     aio = swapper.aio
     return {"io_wait_s": waits["io"], "comm_wait_s": waits["comm"], "checksum_cpu_s": aio.cpu_seconds["checksum"],
-            "copy_cpu_s": swapper.cpu_seconds["copy"], "swap_in_bytes": swapper.stats["bytes_in"],
+            "copy_cpu_s": swapper.cpu_seconds["copy"] + getattr(engine.flat.shards, "copy_cpu_seconds", 0.0),
+            "swap_in_bytes": swapper.stats["bytes_in"],
             "swap_out_bytes": swapper.stats["bytes_out"],
             "grads_wait_s": getattr(engine.update, "grads_wait_seconds", 0.0),
             "kept_gathers": float(getattr(engine.flat.shards, "values_reused", 0))}

@@ -81,7 +81,7 @@ class StepStats:
     publish_seconds: float = 0.0
     ready_wait_seconds: float = 0.0
     masters_from_ram: int = 0             # chunks whose master was copied from RAM, not read
-    master_copy_seconds: float = 0.0      # ... and the time those copies took
+    master_copy_cpu_seconds: float = 0.0  # ... and the CPU time of those copies (the pass's thread)
     _intervals: List[Tuple[float, float]] = field(default_factory=list, repr=False)
 
     @property

@@ -28,6 +28,7 @@ a view of the unit's full buffer on the device.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -314,6 +315,8 @@ class OptimizerMasterShards(NVMeShards):
         self._carried: dict[int, set] = {}  # unit handed over with carry_over -> the ranges updated in it
         self.masters_handed = 0
         """Units whose pre-step masters a step took from a gather's staging (a counter)."""
+        self.copy_cpu_seconds = 0.0
+        """CPU time of copying the step's updated masters into the staging carried over."""
 
     def holds_masters(self, index: int) -> bool:
         return index in self.units
@@ -362,7 +365,9 @@ class OptimizerMasterShards(NVMeShards):
             covered = self._carried.get(index)
             tensor = self._for_step.get(index)
         if covered is not None:
+            t0 = time.thread_time()
             tensor[start:end].copy_(values)  # (after the step read its masters from it)
+            self.copy_cpu_seconds += time.thread_time() - t0
             covered.add((start, end))  # (a restore republishes the same ranges)
 
     def step_done_with(self, index):
