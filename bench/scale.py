@@ -451,16 +451,21 @@ def render(data: dict) -> str:
               "`zero.nvme_grads_in_ram_mb` until the step consumed gradients; optimizer pass: the NVMe optimizer's streaming "
               "(it starts in backward), of which io wait and ready wait (for gradients); chunks in bwd: share of the "
               "optimizer's chunks updated before step(); kept gathers: gathers that took a unit's values from the "
-              "staging kept in RAM instead of the disk (zero.nvme_kept_units; '-': not counted then); checksum / copy "
-              "CPU: share of both ranks' CPU time.", "",
+              "staging kept in RAM instead of the disk (zero.nvme_kept_units; '-': not counted then); masters from RAM: "
+              "share of the optimizer's chunks whose master was taken from a gather's staging instead of read "
+              "(OptimizerMasterShards; '-': before 528a162); checksum / copy CPU: share of both "
+              "ranks' CPU time (the copies of masters in RAM counted from 115386b on; at 528a162 and c2a498a in wall "
+              "time, which overstates them).", "",
               "| size | fwd | bwd | opt | io wait | comm wait | bwd waits for the optimizer | optimizer pass "
-              "| its io wait | its ready wait | chunks in bwd | kept gathers | checksum CPU | copy CPU |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| its io wait | its ready wait | chunks in bwd | kept gathers | masters from RAM | checksum CPU | copy CPU |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in tt:
             L.append(f"| {r['size']} ({code(r)}) | {r['fwd']:.1f} | {r['bwd']:.1f} | {r['opt']:.1f} | {r['io_wait_s']:.1f} | "
                      f"{r['comm_wait_s']:.1f} | {r.get('grads_wait_s', 0.0):.1f} | {r['opt_pass_s']:.1f} | {r['opt_io_wait_s']:.1f} | "
                      f"{r['opt_ready_wait_s']:.1f} | {r['chunks_in_bwd']:.2f} | "
-                     f"{'-' if 'kept_gathers' not in r else format(r['kept_gathers'], '.0f')} | {100 * r['checksum_cpu_share']:.1f}% | "
+                     f"{'-' if 'kept_gathers' not in r else format(r['kept_gathers'], '.0f')} | "
+                     f"{'-' if 'masters_from_ram' not in r else format(r['masters_from_ram'], '.0%')} | "
+                     f"{100 * r['checksum_cpu_share']:.1f}% | "
                      f"{100 * r['copy_cpu_share']:.1f}% |")
     if data.get("cpu_per_byte"):
         L += ["", "## CPU per byte (one thread, GB/s; `--cpu-per-byte`)", "",
