@@ -171,6 +171,8 @@ class NVMeShards(DeviceShards):
         """Gathers whose read landed in a reused staging tensor (a counter for tests and benches)."""
         self.values_reused = 0
         """Gathers that took a kept staging tensor's values instead of reading the disk."""
+        self.staging_allocated = 0
+        """Staging tensors allocated (the others are reused)."""
 
     @staticmethod
     def key(index: int) -> str:
@@ -227,6 +229,7 @@ class NVMeShards(DeviceShards):
                 staged, fill = None, True
         if staged is None:
             staged = self.placement.empty(shard.numel(), self.dtype, self.placement.host)
+            self.staging_allocated += 1
         if fill:
             self._fill(index, staged)
         transfer = self.streams.to_device(staged, Copy.PARAM_TO_DEVICE)
@@ -247,8 +250,13 @@ class NVMeShards(DeviceShards):
                 spare.insert(0, (tensor, None, None))
             else:
                 spare.append((tensor, unit, version))
-            if len(spare) > max(1, self.kept_units):  # (one reused even when no values are kept)
+            if len(spare) > self._spares_kept():
                 spare.pop(0)
+
+    def _spares_kept(self) -> int:
+        """How many spares of a size are kept (call with the lock held): kept_units, and one
+        reused even when no values are kept."""
+        return max(1, self.kept_units)
 
     def _to_read(self, indices, shard_numel) -> list[int]:
         """The units among indices whose values no kept staging tensor holds."""
@@ -308,6 +316,7 @@ class OptimizerMasterShards(NVMeShards):
         self._spare, self._lent, self._writes, self._lock = files._spare, files._lent, files._writes, files._lock
         self._epoch, self._written = files._epoch + 1, files._written
         self.staging_reused, self.values_reused = files.staging_reused, files.values_reused
+        self.staging_allocated = files.staging_allocated
         self.optimizer = optimizer
         self.units = frozenset(units)
         """Indices of the units whose shards are the optimizer's masters (shard s = unit s)."""
@@ -369,6 +378,13 @@ class OptimizerMasterShards(NVMeShards):
             tensor[start:end].copy_(values)  # (after the step read its masters from it)
             self.copy_cpu_seconds += time.thread_time() - t0
             covered.add((start, end))  # (a restore republishes the same ranges)
+
+    def _spares_kept(self):
+        # A tensor handed to the step leaves a gap among the spares that the next gather fills
+        # with a new tensor; when it comes back it is kept, not freed, so that the tensors
+        # are allocated once (a new one per hand-over would fault in its pages again, at the
+        # next gather's read: see NVMeShards) and never exceed kept + handed + the one read.
+        return super()._spares_kept() + self.kept_units - len(self._for_step)
 
     def step_done_with(self, index):
         with self._lock:
