@@ -377,8 +377,12 @@ def code(row: dict) -> str:
 
 
 def latest(rows: list[dict]) -> dict:
-    """(size, framework) -> the last successful row of it (rows are appended in run order)."""
-    return {(r["size"], r["framework"]): r for r in rows if r["ok"]}
+    """(size, framework) -> the last successful row of it (rows are appended in run order), of
+    those run with the library's defaults where there are any (not --kept-units or --zero)."""
+    def default(r: dict) -> bool:
+        return r.get("kept_units", 2) == r.get("kept_default", 2) and not r.get("zero_overrides")
+    ok = [r for r in rows if r["ok"]]
+    return {**{(r["size"], r["framework"]): r for r in ok}, **{(r["size"], r["framework"]): r for r in ok if default(r)}}
 
 
 EARLIER_REVISION = "16b090c"
@@ -510,7 +514,7 @@ def plot(data: dict, path: str) -> None:
                                        r.get("masters_from_gathers", False)) for r in pred],
                      "k-.", label="estimator (median bandwidth)")
     axes[2].axhline(data["ram_gib"] / 2, color="grey", lw=0.8, label="RAM / 2 ranks")
-    for ax, title, unit in zip(axes, ("step time", "bytes moved per step (both ranks)", "peak RSS per rank (build included)"),
+    for ax, title, unit in zip(axes, ("step time", "bytes moved per step (both ranks)", "peak RSS per rank (training; hollow: build included)"),
                                ("s", "GB", "GiB")):
         ax.set_title(title)
         ax.set_xlabel("parameters (billions)")
