@@ -128,6 +128,36 @@ def test_round_trip_dtypes(tmp_path, pool, aio, dtype):
         assert torch.equal(b.view(dtype), x)
 
 
+def test_a_page_aligned_range_of_a_tensor_goes_to_disk_and_back_with_no_copy(tmp_path, aio):
+    """page_aligned_empty + tensor_range_buffer: a range starting at a page boundary of a tensor
+    is written and read in place (O_DIRECT where the filesystem allows). A range ending inside a
+    page leaves the bytes after it alone: a write sends them as they are (not zeroed, they are
+    the next range's) and a read does not land on them. A range not starting at a page boundary
+    has no such buffer (the swap layer copies through its pool)."""
+    from tiertrain.offload.buffers import page_aligned_empty, tensor_range_buffer
+
+    t = page_aligned_empty(3000, torch.float32)
+    assert t.data_ptr() % 4096 == 0 and t.numel() == 3000
+    t.copy_(torch.arange(3000, dtype=torch.float32))
+    whole_page, part_page = tensor_range_buffer(t, 0, 1024), tensor_range_buffer(t, 1024, 1500)
+    assert whole_page.address == t.data_ptr() and whole_page.nbytes == 4096
+    assert part_page.address == t[1024:].data_ptr() and part_page.nbytes == 476 * 4
+    assert tensor_range_buffer(t, 10, 1024) is None  # (not at a page boundary)
+    assert tensor_range_buffer(torch.empty(1000)[1:], 0, 999) is None
+    w1, w2 = aio.submit_write(tmp_path / "a", whole_page), aio.submit_write(tmp_path / "b", part_page)
+    w1.wait(T), w2.wait(T)
+    direct = aio.direct_supported(tmp_path / "a") is not False  # (known once a write ran)
+    assert w1.direct == direct and w2.direct == direct
+    assert torch.equal(t, torch.arange(3000, dtype=torch.float32))  # (the tail after 1500 was not zeroed)
+    t.fill_(-1.0)
+    r1 = aio.submit_read(tmp_path / "a", tensor_range_buffer(t, 0, 1024), checksum=w1.checksum)
+    r2 = aio.submit_read(tmp_path / "b", tensor_range_buffer(t, 1024, 1500), checksum=w2.checksum)
+    r1.wait(T), r2.wait(T)
+    assert r1.direct == direct and not r2.direct  # (a whole page would land on elements 1500..2047)
+    assert torch.equal(t[:1500], torch.arange(1500, dtype=torch.float32))
+    assert bool((t[1500:] == -1.0).all())
+
+
 def test_unaligned_buffers_and_offsets_go_through_the_page_cache(tmp_path, aio):
     x = torch.arange(1001, dtype=torch.int32)           # plain tensor: not a pool buffer
     h = aio.submit_write(tmp_path / "u", x, offset=7)

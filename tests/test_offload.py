@@ -165,10 +165,10 @@ def test_parameters_edited_in_place_are_not_served_from_the_kept_staging(tmp_pat
         assert all(torch.equal(p.detach(), b + 1.0) for p, b in zip(params, before))
 
 
-def _masters_from_gathers_run(rank, world, nvme_path, kept_units):
+def _masters_from_gathers_run(rank, world, nvme_path, kept_units, chunk_mb):
     runs = []
     for zero in ({}, {"offload_params": "nvme", "offload_optimizer": "nvme", "nvme_in_place": True,
-                      "nvme_kept_units": kept_units, "nvme_chunk_mb": 0.01}):
+                      "nvme_kept_units": kept_units, "nvme_chunk_mb": chunk_mb}):
         # (small chunks: several per unit, so that most of a unit's chunks are read after its
         # gradient is complete, when backward's gather has just read its masters)
         cfg = make_config(zero={"stage": 3, "nvme_path": nvme_path, **zero}, optimizer={"grad_clip": 0.0},
@@ -178,7 +178,8 @@ def _masters_from_gathers_run(rank, world, nvme_path, kept_units):
         def record(engine):
             store, stats = engine.flat.shards, engine.update.nvme.last_stats
             steps.append({"handed": store.masters_handed, "from_ram": stats.masters_from_ram,
-                          "chunks": stats.chunks, "bytes_read": stats.bytes_read,
+                          "in_place": stats.masters_updated_in_ram, "chunks": stats.chunks,
+                          "carry_copies": store.copy_cpu_seconds > 0, "step_copies": stats.master_copy_cpu_seconds > 0, "bytes_read": stats.bytes_read,
                           "state_bytes": engine.update.nvme.state_bytes, "defer": engine.flat.streams.defer})
         losses, params, engine = engine_train(rank, world, make_model(), cfg, global_batches(3, 4))
         if zero:
@@ -187,16 +188,25 @@ def _masters_from_gathers_run(rank, world, nvme_path, kept_units):
     return runs
 
 
+PAGE_CHUNK_MB = 1024 * 12 / 2**20
+"""nvme_chunk_mb of 1024 elements (master + moments): chunks cut at page boundaries of the shard
+(the tiny model's parameters start at multiples of 64 elements, except 32-element ones that no
+cut falls in)."""
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kept_units", [2, 0])
-def test_the_step_in_backward_takes_the_masters_backwards_gathers_read(tmp_path, kept_units):
+@pytest.mark.parametrize("kept_units,chunk_mb", [(2, PAGE_CHUNK_MB), (2, 0.01), (0, PAGE_CHUNK_MB)],
+                         ids=["page-chunks", "unaligned-chunks", "nothing-kept"])
+def test_the_step_in_backward_takes_the_masters_backwards_gathers_read(tmp_path, kept_units, chunk_mb):
     """fp32 parameters and the in-place optimizer on NVMe: as each unit's gradient completes,
     the staging its backward gather read (its pre-step masters) goes to the step running in
-    backward, which then reads only the chunks' moments (8 bytes per element, not 12) and
-    copies the masters from RAM. The run is the device run bit for bit; with no kept units
-    nothing is handed over and every chunk reads its master from disk."""
+    backward, which then reads only the chunks' moments (8 bytes per element, not 12). A chunk
+    at a page boundary of that staging is updated in it and its master written from it, with
+    no copy (page-sized chunks: every one; 832-element chunks: only a shard's first, the others
+    are copied into the step's buffer). The run is the device run bit for bit; with no kept
+    units nothing is handed over and every chunk reads its master from disk."""
     (base_losses, base_params, _), (losses, params, steps) = run_distributed(
-        _masters_from_gathers_run, 2, str(tmp_path / "swap"), kept_units, timeout=50)[0]
+        _masters_from_gathers_run, 2, str(tmp_path / "swap"), kept_units, chunk_mb, timeout=50)[0]
     assert losses == base_losses
     assert all(torch.equal(params[k], base_params[k]) for k in params)
     (last,) = steps
@@ -206,6 +216,11 @@ def test_the_step_in_backward_takes_the_masters_backwards_gathers_read(tmp_path,
     else:
         assert last["handed"] > 0 and 0 < last["from_ram"] <= last["chunks"]
         assert last["bytes_read"] < last["state_bytes"]  # the masters of those chunks were not read
+        if chunk_mb == PAGE_CHUNK_MB:
+            assert last["in_place"] == last["from_ram"] and not last["step_copies"]
+            assert not last["carry_copies"]  # (the carried units were updated in their staging)
+        else:
+            assert last["in_place"] < last["from_ram"] and last["step_copies"]
 
 
 def test_the_next_forward_takes_the_units_the_step_updated_last_from_ram(tmp_path):

@@ -11,7 +11,7 @@ O_DIRECT needs the memory address, the file offset and the length to be multiple
 device's logical block size (4096 covers every device we meet). A request whose buffer is an
 :class:`~tiertrain.offload.buffers.Buffer` of the aligned pool always qualifies: a write of ``n``
 logical bytes writes ``round_up(n, 4096)`` bytes (the tail of the last page zero-filled from the
-buffer's own capacity) and a read of ``n`` bytes reads the padded length into the buffer and
+buffer's own capacity, or sent as it is when the tail is not the buffer's: ``Buffer.owns_tail``) and a read of ``n`` bytes reads the padded length into the buffer and
 reports exactly ``n`` logical bytes. So any size works, including 0 and a few bytes. A request
 with an unaligned buffer or offset (a plain tensor, ``bytes``) is served through the page cache
 instead, with the same results.
@@ -527,11 +527,14 @@ class AsyncIO:
             raise ValueError(f"checksum record covers {verify.nbytes} bytes, read asks for {n}")
         a = self.alignment
         padded = round_up(n, a)
+        owns_tail = getattr(buffer, "owns_tail", True)   # (a range of someone's tensor: see Buffer)
+        if not owns_tail and op == "read":
+            capacity = min(capacity, n)
         aligned = (address % a == 0 and address != 0 and offset % a == 0 and padded <= capacity)
         fd, direct, flags, dev = self._open(op, path, self.use_direct and aligned and n > 0,
                                             truncate, n, offset)
         io_len = padded if direct else n
-        if direct and op == "write" and padded > n:
+        if direct and op == "write" and padded > n and owns_tail:
             mv[n:padded] = bytes(padded - n)        # zero the tail of the last page
         handle = Handle(self, op, path, offset, n)
         handle.direct = direct

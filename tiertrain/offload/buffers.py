@@ -15,14 +15,15 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from ..comm import run_timeout
 from ..device import accelerator_available
 
-__all__ = ["AlignedBufferPool", "Buffer", "PoolExhaustedError", "round_up"]
+__all__ = ["AlignedBufferPool", "Buffer", "PoolExhaustedError", "page_aligned_empty", "round_up",
+           "tensor_range_buffer"]
 
 DEFAULT_ACQUIRE_TIMEOUT = None
 """The run's one timeout (tiertrain.comm.run_timeout()), read when a pool is built."""
@@ -45,13 +46,19 @@ class Buffer:
     between the logical end and the next page boundary (zeros on a write, the file's padding on
     a read). A buffer is a context manager that gives itself back to its pool on exit;
     ``release()`` does the same and is idempotent.
+
+    ``owns_tail=False`` (a range of someone's tensor, :func:`tensor_range_buffer`): the bytes
+    between the logical end and the next page boundary hold someone else's data, so an O_DIRECT
+    write sends them as they are (the file's padding is then not zeros; reads verify only the
+    logical bytes) and a read never lands on them (it is served without O_DIRECT unless the
+    logical size is a whole number of pages).
     """
 
     __slots__ = ("_pool", "_start_block", "_nblocks", "_storage", "nbytes", "capacity", "_released",
-                 "__weakref__")
+                 "owns_tail", "__weakref__")
 
     def __init__(self, pool: Optional["AlignedBufferPool"], start_block: int, nblocks: int,
-                 storage: torch.Tensor, nbytes: int):
+                 storage: torch.Tensor, nbytes: int, owns_tail: bool = True):
         self._pool = pool
         self._start_block = start_block
         self._nblocks = nblocks
@@ -59,6 +66,7 @@ class Buffer:
         self.nbytes = nbytes
         self.capacity = storage.numel()
         self._released = False
+        self.owns_tail = owns_tail
 
     # -- views ------------------------------------------------------------------------------
     @property
@@ -95,7 +103,7 @@ class Buffer:
         if not (0 <= offset <= self.capacity and 0 <= nbytes <= self.capacity - offset):
             raise ValueError(f"slice [{offset}, {offset + nbytes}) outside capacity {self.capacity}")
         cap = min(self.capacity - offset, round_up(nbytes, alignment))
-        return Buffer(None, 0, 0, self._storage[offset: offset + cap], nbytes)
+        return Buffer(None, 0, 0, self._storage[offset: offset + cap], nbytes, self.owns_tail)
 
     def resized(self, nbytes: int) -> "Buffer":
         """Set the logical size (≤ capacity) in place and return self."""
@@ -125,6 +133,43 @@ class Buffer:
     def __repr__(self) -> str:
         return (f"Buffer(nbytes={self.nbytes}, capacity={self.capacity}, "
                 f"address=0x{self.address:x}{', released' if self._released else ''})")
+
+
+def tensor_range_buffer(t: torch.Tensor, start: int, end: int, alignment: int = 4096) -> Optional[Buffer]:
+    """Elements [start, end) of the contiguous CPU tensor ``t`` as a Buffer sharing its memory,
+    which the swap layer writes from (and reads into) with no copy through the pool; None when
+    the range cannot go to the disk without a copy: it does not start at an ``alignment``
+    boundary, or ``t``'s storage ends before the next boundary after the range (an O_DIRECT
+    transfer moves whole pages). The bytes after the range are not the buffer's
+    (``owns_tail=False``). The caller keeps the range unchanged (a write) or unread (a read)
+    until the request is done."""
+    if t.device.type != "cpu" or not t.is_contiguous() or not 0 <= start <= end <= t.numel():
+        return None
+    size = t.element_size()
+    storage = t.untyped_storage()
+    offset = t.data_ptr() + start * size - storage.data_ptr()
+    nbytes = (end - start) * size
+    padded = round_up(nbytes, alignment)
+    if (storage.data_ptr() + offset) % alignment or nbytes == 0 or offset + padded > storage.nbytes():
+        return None
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage, offset, (padded,), (1,))
+    return Buffer(None, 0, 0, raw, nbytes, owns_tail=False)
+
+
+def page_aligned_empty(numel: int, dtype: torch.dtype,
+                       empty: Optional[Callable[[int, torch.dtype], torch.Tensor]] = None,
+                       alignment: int = 4096) -> torch.Tensor:
+    """An uninitialised 1-D tensor of ``numel`` elements that starts at an ``alignment``
+    boundary, with its storage running on to the next boundary after its end, so that every
+    aligned range of it goes to and from the disk with no copy (:func:`tensor_range_buffer`).
+    ``empty(n, dtype)`` allocates (default torch.empty; e.g. pinned host memory)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    if alignment % size:
+        raise ValueError(f"alignment={alignment} is not a multiple of {dtype}'s {size} bytes")
+    padded = round_up(numel * size, alignment) // size
+    raw = (empty or (lambda n, d: torch.empty(n, dtype=d)))(padded + alignment // size, dtype)
+    shift = (-raw.data_ptr()) % alignment // size
+    return raw[shift: shift + numel]
 
 
 class AlignedBufferPool:

@@ -80,8 +80,9 @@ class StepStats:
     compute_seconds: float = 0.0
     publish_seconds: float = 0.0
     ready_wait_seconds: float = 0.0
-    masters_from_ram: int = 0             # chunks whose master was copied from RAM, not read
-    master_copy_cpu_seconds: float = 0.0  # ... and the CPU time of those copies (the pass's thread)
+    masters_from_ram: int = 0             # chunks whose master was taken from RAM, not read
+    masters_updated_in_ram: int = 0       # ... of which updated in place there and written from it (no copy)
+    master_copy_cpu_seconds: float = 0.0  # CPU time of copying the others into the buffer (the pass's thread)
     _intervals: List[Tuple[float, float]] = field(default_factory=list, repr=False)
 
     @property

@@ -24,7 +24,12 @@ chunk costs two read and two write requests per pass. The master record on its o
 makes the parameter tier and the optimizer share one copy of an fp32 shard: a stage-3 gather
 reads a unit's master records (:meth:`NVMeAdamW.read_master`, 4 bytes per element, not 12),
 so fp32 parameters on NVMe need no swap file of their own
-(tiertrain/offload/shard_store.py, OptimizerMasterShards).
+(tiertrain/offload/shard_store.py, OptimizerMasterShards). A step given a shard's masters in
+RAM (:meth:`NVMeAdamW.begin_step`, ``masters_in_ram``: the staging that gather read) reads only
+the moments record, and a chunk that starts at a page boundary of that tensor is updated there
+and its master record written from it with no copy: chunks are whole pages of masters
+(``PAGE_ELEMS``) whenever the chunk size allows, so every cut of a shard whose pieces start at
+multiples of ``ALIGN_ELEMS`` falls on a page boundary.
 
 **Exactness.** The update is torch's own fused CPU AdamW, called through the public functional
 API ``torch.optim.adamw.adamw(..., fused=True)`` on views of each parameter piece inside the
@@ -95,7 +100,7 @@ import torch
 
 from ..elementwise import AdamWRule, ElementwiseRule
 from .aio import DEFAULT_CHECKSUM, AsyncIO, SwapSpaceError
-from .buffers import AlignedBufferPool, Buffer, round_up
+from .buffers import AlignedBufferPool, Buffer, round_up, tensor_range_buffer
 from .chunk_update import BYTES_PER_ELEM, MASTER_BYTES, MOMENT_BYTES, Chunk, ChunkUpdate, StepStats, publish_chunk
 from .overlapped_step import OverlappedStep
 from ..comm import run_timeout
@@ -107,6 +112,8 @@ ALIGN_ELEMS = 64
 """Cuts inside a parameter piece fall at multiples of this many elements from its start, so that
 the fused AdamW kernel's private vector/scalar split of every element is the one of the uncut
 piece (module docstring; checked by tests/test_private_apis.py)."""
+PAGE_ELEMS = 4096 // MASTER_BYTES
+"""fp32 master elements per 4 KiB page (the unit of O_DIRECT transfers)."""
 DEFAULT_CHUNK_BYTES = 24 << 20
 Piece = Tuple[int, int, float]           # (start, end, weight_decay) in shard elements
 Destination = Union[None, Sequence[Optional[torch.Tensor]], Callable[[int, int, int, torch.Tensor], None]]
@@ -299,6 +306,7 @@ class NVMeAdamW:
         self._broken: Optional[str] = None
         self._version = 0                 # commits so far (a prefetch is valid for one version)
         self._prefetched: Dict[int, Tuple[_Requests, float]] = {}   # chunk -> (reads, submitted)
+        self._writes_from_ram: Dict[int, List[_Requests]] = {}     # shard -> writes from its masters in RAM (when_written)
         self._prefetch_version = -1
         self._active = None               # the OverlappedStep in progress, if any
         self.compute_threads = compute_threads
@@ -317,7 +325,12 @@ class NVMeAdamW:
         for s, t in enumerate(shards):
             if t.dtype != torch.float32:
                 raise ValueError(f"shards[{s}] is {t.dtype}; master shards are fp32")
-        self.chunk_elems = max(ALIGN_ELEMS, chunk_bytes // BYTES_PER_ELEM // ALIGN_ELEMS * ALIGN_ELEMS)
+        # Whole pages of masters where the size allows: a shard whose pieces start at multiples
+        # of ALIGN_ELEMS is then cut at page boundaries, so that a master already in RAM in a
+        # page-aligned tensor is updated and written in place (begin_step's masters_in_ram).
+        per_chunk = chunk_bytes // BYTES_PER_ELEM
+        unit = PAGE_ELEMS if per_chunk >= PAGE_ELEMS else ALIGN_ELEMS
+        self.chunk_elems = max(ALIGN_ELEMS, per_chunk // unit * unit)
         self._chunks = [c for s, (n, p) in enumerate(zip(self._shard_numels, self.pieces))
                         for c in _plan(s, n, p, self.chunk_elems)]
         self._gens = [0] * len(self._chunks)   # generation holding each chunk's committed record
@@ -460,8 +473,13 @@ class NVMeAdamW:
         tiertrain/offload/overlapped_step.py. ``masters_in_ram(shard)``: a tensor (fp32, the
         shard's size) holding the shard's committed master values when they are in RAM already
         (e.g. the staging of a stage-3 gather), or None; asked (on the worker) as each chunk's
-        read is issued, and the chunks of a shard it gives read only their moments record. The
-        tensor must keep those values until the shard is updated (``on_shard_updated``)."""
+        read is issued, and the chunks of a shard it gives read only their moments record. A
+        chunk that starts at a page boundary of that tensor (with the tensor's storage running
+        on to the page boundary after the chunk: tiertrain/offload/buffers.py,
+        page_aligned_empty) is updated in it and its master record written from it, with no
+        copy: the tensor then holds the step's new values for those chunks. The tensor is the
+        step's until the shard is updated (``on_shard_updated``) and the writes from it landed
+        (:meth:`when_written`)."""
         self._check_usable()
         order = list(range(self.num_shards)) if shard_order is None else [int(s) for s in shard_order]
         if sorted(order) != list(range(self.num_shards)):
@@ -512,6 +530,8 @@ class NVMeAdamW:
         """Called by the OverlappedStep of :meth:`begin_step` once it has finished or been
         cancelled: the optimizer accepts other calls again."""
         self._active = None
+        with self._lock:  # (the pass waited for or drained every write: nothing in flight)
+            self._writes_from_ram = {}
 
     def publish(self, out: Destination) -> StepStats:
         """Stream the current masters into ``out`` (as :meth:`step` does), e.g. after
@@ -802,9 +822,38 @@ class NVMeAdamW:
         return _Requests([self.swapper.swap_in(self._key(j, self._gens[j], part), buf)
                           for part, buf in self._records(j, i) if master or part != "p"])
 
-    def _write(self, j: int, i: int, gen: int) -> _Requests:
-        """Write the buffer of pass position i as chunk j's records of generation gen."""
-        return _Requests([self.swapper.swap_out(self._key(j, gen, part), buf) for part, buf in self._records(j, i)])
+    def _write(self, j: int, i: int, gen: int, master: Optional[Buffer] = None) -> _Requests:
+        """Write the buffer of pass position i as chunk j's records of generation gen (the
+        master record from ``master`` instead, when given)."""
+        records = self._records(j, i)
+        if master is not None:
+            records = (("p", master), records[1])
+        return _Requests([self.swapper.swap_out(self._key(j, gen, part), buf) for part, buf in records])
+
+    def _note_write_from_ram(self, shard: int, h: _Requests) -> None:
+        with self._lock:
+            self._writes_from_ram.setdefault(shard, []).append(h)
+
+    def when_written(self, shard: int, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once every write the step issued straight from ``shard``'s masters in
+        RAM (:meth:`begin_step`'s ``masters_in_ram``) has completed, landed or failed (in the IO
+        thread completing the last, or now if none is in flight): until then the tensor must
+        stay as it is."""
+        with self._lock:
+            pending = self._writes_from_ram.pop(shard, [])
+        if not pending:
+            fn()
+            return
+        left, lock = [len(pending)], threading.Lock()
+
+        def one_done(_h) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                fn()
+        for h in pending:
+            h.add_done_callback(one_done)
 
     def _wait(self, h: _Requests, stats: StepStats) -> None:
         t0 = time.perf_counter()
@@ -903,17 +952,27 @@ class NVMeAdamW:
                         free_buffer(i)
                     p, m, v = self._views(i, ch)
                     master = in_ram.pop(i, None)
+                    from_ram = None
                     if master is not None:
-                        t0 = time.thread_time()
-                        p.copy_(master[ch.lo:ch.hi])
                         stats.masters_from_ram += 1
-                        stats.master_copy_cpu_seconds += time.thread_time() - t0
+                        # Page-aligned in the RAM tensor: updated there and written from it,
+                        # with no copy; else copied into the buffer first.
+                        from_ram = tensor_range_buffer(master, ch.lo, ch.hi) if write else None
+                        if from_ram is not None:
+                            p = master[ch.lo:ch.hi]
+                            stats.masters_updated_in_ram += 1
+                        else:
+                            t0 = time.thread_time()
+                            p.copy_(master[ch.lo:ch.hi])
+                            stats.master_copy_cpu_seconds += time.thread_time() - t0
                     after = work(j, ch, p, m, v, stats)
                     if write:
                         gen = self._gens[j]
                         if self.transactional and op != "init":
                             gen = 1 - gen           # the committed record stays intact
-                        h = self._write(j, i, gen)
+                        h = self._write(j, i, gen, master=from_ram)
+                        if from_ram is not None:
+                            self._note_write_from_ram(ch.shard, h)
                         self._track(h, stats)
                         writes[i] = h
                         new_gens[j] = gen

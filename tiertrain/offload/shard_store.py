@@ -34,6 +34,7 @@ import torch
 
 from ..device import Copy, DeviceStreams, Transfer
 from ..tiers import Tier
+from .buffers import page_aligned_empty
 
 
 class DeviceShards:
@@ -228,7 +229,9 @@ class NVMeShards(DeviceShards):
             else:
                 staged, fill = None, True
         if staged is None:
-            staged = self.placement.empty(shard.numel(), self.dtype, self.placement.host)
+            # (page-aligned: an NVMe step writes masters straight from it, OptimizerMasterShards)
+            staged = page_aligned_empty(shard.numel(), self.dtype,
+                                        lambda n, dtype: self.placement.empty(n, dtype, self.placement.host))
             self.staging_allocated += 1
         if fill:
             self._fill(index, staged)
@@ -299,15 +302,21 @@ class OptimizerMasterShards(NVMeShards):
     gather read holds the unit's pre-step master shard, exactly the bytes the step would read
     back from the master records. :meth:`keep_for_step`, called as the unit's gradient becomes
     complete, hands that tensor to the step instead of leaving it among the spares; the step
-    then reads only the moments record of the unit's chunks (8 bytes per element, not 12) and
-    copies the master from RAM (:meth:`master_in_ram`), and gives the tensor back when the
-    unit is updated (:meth:`step_done_with`). At most ``kept_units`` tensors are handed over at
-    once (a step lagging further behind backward reads the others' masters from disk).
+    then reads only the moments record of the unit's chunks (8 bytes per element, not 12).
+    The staging tensors are page-aligned (:func:`~tiertrain.offload.buffers.page_aligned_empty`)
+    and the optimizer cuts its chunks at page boundaries where the pieces allow, so the step
+    updates each chunk's master in the tensor itself and writes the master record straight from
+    it: no copy in or out (a chunk that is not page-aligned in it is copied into the step's
+    buffer). The tensor comes back when the unit is updated and those writes landed
+    (:meth:`step_done_with`, NVMeAdamW.when_written). At most ``kept_units`` tensors are
+    handed over at once (a step lagging further behind backward reads the others' masters
+    from disk).
 
     **The next forward takes the masters the step updated last.** The units whose gradients
     complete last in backward are the first the next forward gathers (the embedding, the first
-    blocks). Handed over with ``carry_over``, their tensors receive the step's updated values
-    (:meth:`updated`, from the step's ShardWriter) and, once the step has committed, return to
+    blocks). Handed over with ``carry_over``, their tensors keep the step's updated values (the
+    step updated them in place; a chunk it updated in its buffer is copied in by
+    :meth:`updated`, from the step's ShardWriter) and, once the step has committed, return to
     the spares holding those values at the new version, so that the next forward's first
     gathers read nothing; a step that does not commit returns them empty."""
 
@@ -374,9 +383,10 @@ class OptimizerMasterShards(NVMeShards):
             covered = self._carried.get(index)
             tensor = self._for_step.get(index)
         if covered is not None:
-            t0 = time.thread_time()
-            tensor[start:end].copy_(values)  # (after the step read its masters from it)
-            self.copy_cpu_seconds += time.thread_time() - t0
+            if values.data_ptr() != tensor[start:end].data_ptr():  # (else updated in it already)
+                t0 = time.thread_time()
+                tensor[start:end].copy_(values)  # (after the step read its masters from it)
+                self.copy_cpu_seconds += time.thread_time() - t0
             covered.add((start, end))  # (a restore republishes the same ranges)
 
     def _spares_kept(self):
@@ -388,10 +398,15 @@ class OptimizerMasterShards(NVMeShards):
 
     def step_done_with(self, index):
         with self._lock:
-            if index in self._carried:  # (kept until the step commits)
+            if index in self._carried or index not in self._for_step:  # (carried: kept until the step commits)
                 return
+        # (the step may be writing masters straight from the tensor: it comes back once they landed)
+        self.optimizer.when_written(index, lambda: self._hand_back(index))
+
+    def _hand_back(self, index: int) -> None:
+        with self._lock:
             tensor = self._for_step.pop(index, None)
-        if tensor is not None:
+        if tensor is not None:  # (else step_done took it back already)
             self._give_back(tensor, None, None)  # (the step has since changed the unit's values)
 
     def step_done(self, committed):
