@@ -189,7 +189,8 @@ def worker(rank, world, port, fw, spec, swap_dir, result_path):
                       f"(fwd {r['fwd']:.1f} bwd {r['bwd']:.1f} opt {r['opt']:.1f}) cpu {r['cpu']:.1f} s "
                       f"read {r['read'] / 1e9:.2f} GB written {r['written'] / 1e9:.2f} GB rss {r['rss_peak_gib']:.2f} GiB"
                       + (f" kept gathers {r['kept_gathers']:.0f}" if "kept_gathers" in r else "")
-                      + (f" masters from RAM {100 * r['masters_from_ram']:.0f}%" if "masters_from_ram" in r else ""),
+                      + (f" masters from RAM {100 * r['masters_from_ram']:.0f}%" if "masters_from_ram" in r else "")
+                      + (f" staging allocated {r['staging_allocated']:.0f}" if "staging_allocated" in r else ""),
                       flush=True)
         extra = {}
         if fw == "tt":
@@ -226,7 +227,8 @@ def _tt_counters(engine) -> dict[str, float]:
             "swap_in_bytes": swapper.stats["bytes_in"],
             "swap_out_bytes": swapper.stats["bytes_out"],
             "grads_wait_s": getattr(engine.update, "grads_wait_seconds", 0.0),
-            "kept_gathers": float(getattr(engine.flat.shards, "values_reused", 0))}
+            "kept_gathers": float(getattr(engine.flat.shards, "values_reused", 0)),
+            "staging_allocated": float(getattr(engine.flat.shards, "staging_allocated", 0))}
 
 
 def launch(fw, spec, swap_root) -> list[dict]:
