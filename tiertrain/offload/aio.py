@@ -11,7 +11,8 @@ O_DIRECT needs the memory address, the file offset and the length to be multiple
 device's logical block size (4096 covers every device we meet). A request whose buffer is an
 :class:`~tiertrain.offload.buffers.Buffer` of the aligned pool always qualifies: a write of ``n``
 logical bytes writes ``round_up(n, 4096)`` bytes (the tail of the last page zero-filled from the
-buffer's own capacity, or sent as it is when the tail is not the buffer's: ``Buffer.owns_tail``) and a read of ``n`` bytes reads the padded length into the buffer and
+buffer's own capacity, or sent as it is when the tail is not the buffer's:
+``Buffer.owns_tail``) and a read of ``n`` bytes reads the padded length into the buffer and
 reports exactly ``n`` logical bytes. So any size works, including 0 and a few bytes. A request
 with an unaligned buffer or offset (a plain tensor, ``bytes``) is served through the page cache
 instead, with the same results.

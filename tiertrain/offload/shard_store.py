@@ -398,16 +398,18 @@ class OptimizerMasterShards(NVMeShards):
 
     def step_done_with(self, index):
         with self._lock:
-            if index in self._carried or index not in self._for_step:  # (carried: kept until the step commits)
+            tensor = self._for_step.get(index)
+            if tensor is None or index in self._carried:  # (carried: kept until the step commits)
                 return
         # (the step may be writing masters straight from the tensor: it comes back once they landed)
-        self.optimizer.when_written(index, lambda: self._hand_back(index))
+        self.optimizer.when_written(index, lambda: self._hand_back(index, tensor))
 
-    def _hand_back(self, index: int) -> None:
-        with self._lock:
-            tensor = self._for_step.pop(index, None)
-        if tensor is not None:  # (else step_done took it back already)
-            self._give_back(tensor, None, None)  # (the step has since changed the unit's values)
+    def _hand_back(self, index: int, tensor: torch.Tensor) -> None:
+        with self._lock:  # (unless step_done took it back already, and a later step was handed another)
+            if self._for_step.get(index) is not tensor:
+                return
+            del self._for_step[index]
+        self._give_back(tensor, None, None)  # (the step has since changed the unit's values)
 
     def step_done(self, committed):
         with self._lock:
