@@ -59,7 +59,7 @@ import torch
 import torch.nn as nn
 
 from ..zero.plan import default_unit_modules, parameter_aliases
-from ..zero.flat import swap_pool_bytes
+from ..zero.flat import NVME_READ_AHEAD, swap_pool_bytes
 from .lines import PRECISION_BYTES, EstimateLine, Tier, masters_are_param_shards, second_generation_lines
 
 __all__ = ["ActivationBytes", "PeakBreakdown", "HostOverhead", "gpt_activation_bytes", "gpt_meta_model",
@@ -855,8 +855,9 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
         pool = swap_pool_bytes(largest)
         add("NVMe staging buffers", pool, Tier.CPU,
             "parameter swap pool max(64 MiB, 2·3·largest shard) (tiertrain.zero.flat.swap_pool_bytes)")
-        kept = max(1, lay.nvme_kept_units) + 1
-        formula = "zero.nvme_kept_units kept (at least 1 reused) + the one being read"
+        kept = max(1, lay.nvme_kept_units) + 1 + NVME_READ_AHEAD + 1
+        formula = (f"zero.nvme_kept_units kept (at least 1 reused) + the one lent to the all-gather + "
+                   f"{NVME_READ_AHEAD + 1} being read ahead (tiertrain.zero.flat.NVME_READ_AHEAD + the next)")
         if masters_are_param_shards(lay):
             kept += lay.nvme_kept_units
             formula += " + as many handed to the step running in backward (its masters)"

@@ -135,14 +135,16 @@ class Buffer:
                 f"address=0x{self.address:x}{', released' if self._released else ''})")
 
 
-def tensor_range_buffer(t: torch.Tensor, start: int, end: int, alignment: int = 4096) -> Optional[Buffer]:
+def tensor_range_buffer(t: torch.Tensor, start: int, end: int, alignment: int = 4096,
+                        owns_tail: bool = False) -> Optional[Buffer]:
     """Elements [start, end) of the contiguous CPU tensor ``t`` as a Buffer sharing its memory,
     which the swap layer writes from (and reads into) with no copy through the pool; None when
     the range cannot go to the disk without a copy: it does not start at an ``alignment``
     boundary, or ``t``'s storage ends before the next boundary after the range (an O_DIRECT
-    transfer moves whole pages). The bytes after the range are not the buffer's
-    (``owns_tail=False``). The caller keeps the range unchanged (a write) or unread (a read)
-    until the request is done."""
+    transfer moves whole pages). The bytes after the range up to that boundary are not the
+    buffer's unless ``owns_tail`` (the caller knows they are padding nobody uses, as after a
+    tensor of :func:`page_aligned_empty`). The caller keeps the range unchanged (a write) or
+    unread (a read) until the request is done."""
     if t.device.type != "cpu" or not t.is_contiguous() or not 0 <= start <= end <= t.numel():
         return None
     size = t.element_size()
@@ -153,7 +155,7 @@ def tensor_range_buffer(t: torch.Tensor, start: int, end: int, alignment: int = 
     if (storage.data_ptr() + offset) % alignment or nbytes == 0 or offset + padded > storage.nbytes():
         return None
     raw = torch.empty(0, dtype=torch.uint8).set_(storage, offset, (padded,), (1,))
-    return Buffer(None, 0, 0, raw, nbytes, owns_tail=False)
+    return Buffer(None, 0, 0, raw, nbytes, owns_tail=owns_tail)
 
 
 def page_aligned_empty(numel: int, dtype: torch.dtype,

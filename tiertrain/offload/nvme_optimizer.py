@@ -629,16 +629,23 @@ class NVMeAdamW:
             raise RuntimeError(f"NVMeAdamW({self.name}) is unusable after a failure ({self._broken}); "
                                f"restore a state with load_state_dict() first")
 
-    def read_master(self, shard: int, out: torch.Tensor) -> _Requests:
+    def read_master(self, shard: int, out: torch.Tensor, padded: bool = False) -> _Requests:
         """Start reading shard's committed fp32 master values into ``out`` (fp32, the shard's
-        size): its chunks' master records alone, 4 bytes per element. Allowed while an
-        overlapped step runs, for shards it has not reached (a stage-3 gather during backward
-        reads units whose gradients are not final yet; the engine guarantees that)."""
+        size): its chunks' master records alone, 4 bytes per element. A chunk that starts at a
+        page boundary of ``out`` lands there with no copy through the swap pool (``padded``:
+        ``out``'s storage runs on past its end to a page boundary, bytes the read may fill, as
+        from tiertrain/offload/buffers.py page_aligned_empty). Allowed while an overlapped step
+        runs, for shards it has not reached (a stage-3 gather during backward reads units whose
+        gradients are not final yet; the engine guarantees that)."""
         self._check_readable()
         if out.numel() != self._shard_numels[shard] or out.dtype != torch.float32:
             raise ValueError(f"out is {out.dtype} of {out.numel()} elements; shard {shard} is fp32 "
                              f"of {self._shard_numels[shard]}")
-        return _Requests([self.swapper.swap_in(key, out[ch.lo:ch.hi]) for key, ch in self._master_keys(shard)])
+
+        def into(ch: Chunk):
+            buf = tensor_range_buffer(out, ch.lo, ch.hi, owns_tail=padded and ch.hi == out.numel())
+            return out[ch.lo:ch.hi] if buf is None else buf
+        return _Requests([self.swapper.swap_in(key, into(ch)) for key, ch in self._master_keys(shard)])
 
     def prefetch_master(self, shards: Sequence[int]) -> None:
         """Start reading these shards' master records ahead of :meth:`read_master` (a hint)."""

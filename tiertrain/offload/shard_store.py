@@ -11,8 +11,8 @@ reach the all-gather:
   :meth:`stage` so that the copy of unit i+2 overlaps the compute of unit i;
 * :class:`NVMeShards`: in one swap file per unit (through a TensorSwapper); the shard tensor
   keeps no storage. Each gather reads the file into a host staging tensor (NVMe→CPU, started
-  ahead of use by :meth:`prefetch`) and copies that to the device (CPU→device, when the
-  gather needs it); a write ("p swap" of ZeRO-Infinity §6) goes out asynchronously until
+  ahead of use by :meth:`prefetch`, straight into that page-aligned tensor: no copy out of the
+  swap pool) and copies that to the device (CPU→device, when the gather needs it); a write ("p swap" of ZeRO-Infinity §6) goes out asynchronously until
   :meth:`wait_writes`. The staging tensors of the last gathers are kept with their values, so
   the units forward gathered last are not read again when backward gathers them first;
 * :class:`OptimizerMasterShards`: fp32 shards on NVMe with the optimizer on NVMe too: the
@@ -34,7 +34,7 @@ import torch
 
 from ..device import Copy, DeviceStreams, Transfer
 from ..tiers import Tier
-from .buffers import page_aligned_empty
+from .buffers import page_aligned_empty, tensor_range_buffer
 
 
 class DeviceShards:
@@ -147,12 +147,16 @@ class NVMeShards(DeviceShards):
 
     tier = Tier.NVME
 
-    def __init__(self, placement, dtype, streams, swapper, kept_units: int = 4):
+    def __init__(self, placement, dtype, streams, swapper, kept_units: int = 4, read_ahead: int = 4):
         super().__init__(placement, dtype, streams)
         self.swapper = swapper
         self.kept_units = kept_units
         """Staging tensors of each shard size kept, with their values, once their all-gather is
         done (zero.nvme_kept_units)."""
+        self.read_ahead = read_ahead
+        """Most units whose reads :meth:`prefetch` has in flight (each into a staging tensor)."""
+        self._reading: dict[int, tuple[torch.Tensor, tuple, object]] = {}
+        """unit -> (staging tensor, version, read) of the reads prefetch started, until gathered."""
         self._writes = []  # swap-outs in flight
         # Host staging tensors of the gathers' reads, reused: a shard is tens to hundreds of MB,
         # above what the allocator keeps, so a new tensor per read would fault in every page
@@ -174,6 +178,8 @@ class NVMeShards(DeviceShards):
         """Gathers that took a kept staging tensor's values instead of reading the disk."""
         self.staging_allocated = 0
         """Staging tensors allocated (the others are reused)."""
+        self.read_ahead_taken = 0
+        """Gathers that found their read started by :meth:`prefetch` (into their staging tensor)."""
 
     @staticmethod
     def key(index: int) -> str:
@@ -194,12 +200,31 @@ class NVMeShards(DeviceShards):
 
     def read(self, index, shard):
         staged = self.placement.empty(shard.numel(), self.dtype, self.placement.host)
-        self._fill(index, staged)
+        self._fill(index, staged).wait()
         return staged
 
-    def _fill(self, index: int, staged: torch.Tensor) -> None:
-        """Read unit index's stored shard into staged (a host tensor of the shard's size)."""
-        self.swapper.swap_in(self.key(index), staged).wait()
+    def _fill(self, index: int, staged: torch.Tensor, padded: bool = False):
+        """Start reading unit index's stored shard into staged (a host tensor of the shard's
+        size; ``padded``: a staging tensor of page_aligned_empty, read into with no copy);
+        returns the read (``wait()``)."""
+        into = tensor_range_buffer(staged, 0, staged.numel(), owns_tail=True) if padded else None
+        return self.swapper.swap_in(self.key(index), staged if into is None else into)
+
+    def _new_staging(self, numel: int) -> torch.Tensor:
+        # (page-aligned: reads land in it and an NVMe step writes masters from it with no copy)
+        self.staging_allocated += 1
+        return page_aligned_empty(numel, self.dtype,
+                                  lambda n, dtype: self.placement.empty(n, dtype, self.placement.host))
+
+    def _reusable_spare(self, numel: int) -> torch.Tensor | None:
+        """A spare staging tensor to read into, or None (call with the lock held): one holding
+        no values, else the oldest values once kept_units are kept; while fewer are kept, None
+        (a new tensor), so that the last ones read stay intact."""
+        spare = self._spare.get(numel)
+        if spare and (len(spare) >= self.kept_units or spare[0][1] is None):
+            self.staging_reused += 1
+            return spare.pop(0)[0]
+        return None
 
     def _kept(self, index: int, numel: int) -> int | None:
         """Position in the spares of a tensor holding unit index's current values, or None
@@ -214,27 +239,26 @@ class NVMeShards(DeviceShards):
 
     def gather_input(self, index, shard):
         version = self._version(index)
+        numel = shard.numel()
+        read = None
         with self._lock:
-            spare = self._spare.get(shard.numel())
-            kept = self._kept(index, shard.numel())
-            if kept is not None:
-                staged, fill = spare.pop(kept)[0], False
+            reading = self._reading.pop(index, None)
+            kept = self._kept(index, numel)
+            if reading is not None and reading[1] == version:
+                (staged, _, read), reading = reading, None
+                self.read_ahead_taken += 1
+            elif kept is not None:
+                staged = self._spare[numel].pop(kept)[0]
                 self.values_reused += 1
-            elif spare and (len(spare) >= self.kept_units or spare[0][1] is None):
-                # (one holding no values, else the oldest values: the least likely to be wanted
-                # again; while fewer than kept_units are kept, a new tensor, so that the last
-                # ones read stay intact)
-                staged, fill = spare.pop(0)[0], True
-                self.staging_reused += 1
             else:
-                staged, fill = None, True
-        if staged is None:
-            # (page-aligned: an NVMe step writes masters straight from it, OptimizerMasterShards)
-            staged = page_aligned_empty(shard.numel(), self.dtype,
-                                        lambda n, dtype: self.placement.empty(n, dtype, self.placement.host))
-            self.staging_allocated += 1
-        if fill:
-            self._fill(index, staged)
+                staged = self._reusable_spare(numel)
+        if reading is not None:  # (read before the values changed)
+            self._discard(reading)
+        if read is None and kept is None:
+            staged = self._new_staging(numel) if staged is None else staged
+            read = self._fill(index, staged, padded=True)
+        if read is not None:
+            read.wait()
         transfer = self.streams.to_device(staged, Copy.PARAM_TO_DEVICE)
         if transfer.value is staged:  # (the compute device is the host: the gather reads it)
             self._lent[id(staged)] = (index, version)
@@ -262,16 +286,42 @@ class NVMeShards(DeviceShards):
         return max(1, self.kept_units)
 
     def _to_read(self, indices, shard_numel) -> list[int]:
-        """The units among indices whose values no kept staging tensor holds."""
+        """The units among indices whose values no kept staging tensor holds or is being read into."""
         with self._lock:
-            return [i for i in indices if self._kept(i, shard_numel(i)) is None]
+            return [i for i in indices if i not in self._reading and self._kept(i, shard_numel(i)) is None]
 
     def prefetch(self, indices, shard_numel=None):
-        if shard_numel is not None:
-            indices = self._to_read(indices, shard_numel)
-        keys = [self.key(i) for i in indices]
-        if keys:
-            self.swapper.prefetch(keys)
+        """With shard_numel, each unit's read starts now straight into the staging tensor its
+        gather will take (no copy from the swap pool; at most read_ahead at a time); without,
+        the swap layer reads ahead into its pool."""
+        if shard_numel is None:
+            keys = [self.key(i) for i in indices]
+            if keys:
+                self.swapper.prefetch(keys)
+            return
+        with self._lock:
+            stale = {i: r for i, r in self._reading.items() if r[1] != self._version(i)}
+            for i in stale:
+                del self._reading[i]
+        for reading in stale.values():
+            self._discard(reading)
+        for index in self._to_read(indices, shard_numel):
+            numel = shard_numel(index)
+            with self._lock:  # (prefetch and gather_input run on the training thread alone)
+                if len(self._reading) >= self.read_ahead:
+                    return
+                staged = self._reusable_spare(numel)
+            staged = self._new_staging(numel) if staged is None else staged
+            version = self._version(index)
+            read = self._fill(index, staged, padded=True)
+            with self._lock:
+                self._reading[index] = (staged, version, read)
+
+    def _discard(self, reading) -> None:
+        """A read prefetch started whose values are no longer wanted: its staging tensor comes
+        back, holding no values, once the read is over."""
+        staged, _, read = reading
+        read.add_done_callback(lambda _r: self._give_back(staged, None, None))
 
     def wait_writes(self):
         """Wait for the shard writes in flight; raises the first IO error (naming the file)."""
@@ -321,11 +371,13 @@ class OptimizerMasterShards(NVMeShards):
     gathers read nothing; a step that does not commit returns them empty."""
 
     def __init__(self, files: NVMeShards, optimizer, units):
-        super().__init__(files.placement, files.dtype, files.streams, files.swapper, files.kept_units)
+        super().__init__(files.placement, files.dtype, files.streams, files.swapper, files.kept_units,
+                         files.read_ahead)
         self._spare, self._lent, self._writes, self._lock = files._spare, files._lent, files._writes, files._lock
+        self._reading = files._reading
         self._epoch, self._written = files._epoch + 1, files._written
         self.staging_reused, self.values_reused = files.staging_reused, files.values_reused
-        self.staging_allocated = files.staging_allocated
+        self.staging_allocated, self.read_ahead_taken = files.staging_allocated, files.read_ahead_taken
         self.optimizer = optimizer
         self.units = frozenset(units)
         """Indices of the units whose shards are the optimizer's masters (shard s = unit s)."""
@@ -343,11 +395,10 @@ class OptimizerMasterShards(NVMeShards):
         # (a step, a load or a transactional edit of the masters commits a new optimizer version)
         return (*super()._version(index), self.optimizer.version if index in self.units else 0)
 
-    def _fill(self, index, staged):
+    def _fill(self, index, staged, padded=False):
         if index in self.units:
-            self.optimizer.read_master(index, staged).wait(self.optimizer.wait_timeout)
-        else:
-            super()._fill(index, staged)
+            return self.optimizer.read_master(index, staged, padded=padded)
+        return super()._fill(index, staged, padded)
 
     def write(self, index, shard, values):
         if index not in self.units:
@@ -424,17 +475,18 @@ class OptimizerMasterShards(NVMeShards):
 
     def prefetch(self, indices, shard_numel=None):
         if shard_numel is not None:
-            indices = self._to_read(indices, shard_numel)
+            super().prefetch(indices, shard_numel)
+            return
         self.optimizer.prefetch_master([i for i in indices if i in self.units])
         super().prefetch([i for i in indices if i not in self.units])
 
 
 def shard_store(placement, dtype: torch.dtype, streams: DeviceStreams, swapper=None,
-                kept_units: int = 4) -> DeviceShards:
-    """The store of placement.param_tier (kept_units: NVMeShards')."""
+                kept_units: int = 4, read_ahead: int = 4) -> DeviceShards:
+    """The store of placement.param_tier (kept_units, read_ahead: NVMeShards')."""
     if placement.param_tier == Tier.NVME:
         if swapper is None:
             raise ValueError("parameters on the nvme tier need a TensorSwapper")
-        return NVMeShards(placement, dtype, streams, swapper, kept_units)
+        return NVMeShards(placement, dtype, streams, swapper, kept_units, read_ahead)
     kind = HostShards if placement.param_tier == Tier.CPU else DeviceShards
     return kind(placement, dtype, streams)

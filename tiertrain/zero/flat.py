@@ -149,7 +149,8 @@ class FlatParameters:
                  placement: Placement = Placement(), swapper=None, nvme_kept_units: int = 4):
         self.streams = DeviceStreams(placement.compute)
         """The compute device's streams and tier transfers (tiertrain/device.py)."""
-        self.shards = shard_store(placement, dtype, self.streams, swapper, kept_units=nvme_kept_units)
+        self.shards = shard_store(placement, dtype, self.streams, swapper, kept_units=nvme_kept_units,
+                                  read_ahead=NVME_READ_AHEAD + 1)  # (+ the unit being gathered)
         """Where partitioned units' shards live (the parameter tier)."""
         self.layout = layout
         self.placement = placement
