@@ -168,7 +168,7 @@ class NVMeShards(DeviceShards):
         self._spare: dict[int, list[tuple[torch.Tensor, int | None, tuple | None]]] = {}
         """size -> (tensor, unit, version) of the spare staging tensors, the first to be reused
         first: those holding no values (unit None), then the oldest values."""
-        self._lent: dict[int, tuple[int, tuple]] = {}  # id of a staging tensor lent to an all-gather -> (unit, version)
+        self._lent: dict[int, tuple[int, tuple, int]] = {}  # id of a staging tensor lent to an all-gather -> (unit, version, numel)
         self._lock = threading.Lock()  # (the spares are also taken and given back by an optimizer step's worker)
         self._epoch = 0
         self._written: dict[int, int] = {}
@@ -261,13 +261,13 @@ class NVMeShards(DeviceShards):
             read.wait()
         transfer = self.streams.to_device(staged, Copy.PARAM_TO_DEVICE)
         if transfer.value is staged:  # (the compute device is the host: the gather reads it)
-            self._lent[id(staged)] = (index, version)
+            self._lent[id(staged)] = (index, version, numel)
         return transfer
 
     def done_with_input(self, tensor):
         lent = self._lent.pop(id(tensor), None)
         if lent is not None:
-            self._give_back(tensor, *lent)
+            self._give_back(tensor, *lent[:2])
 
     def _give_back(self, tensor: torch.Tensor, unit: int | None, version: tuple | None) -> None:
         """A staging tensor returns to the spares, holding unit's values of version (or none)."""
@@ -277,13 +277,17 @@ class NVMeShards(DeviceShards):
                 spare.insert(0, (tensor, None, None))
             else:
                 spare.append((tensor, unit, version))
-            if len(spare) > self._spares_kept():
+            if len(spare) > self._spares_kept(tensor.numel()):
                 spare.pop(0)
 
-    def _spares_kept(self) -> int:
-        """How many spares of a size are kept (call with the lock held): kept_units, and one
-        reused even when no values are kept."""
-        return max(1, self.kept_units)
+    def _spares_kept(self, numel: int) -> int:
+        """How many spares of a size are kept (call with the lock held): the staging tensors of
+        that size are allocated once and reused, up to kept_units (at least one, reused even when
+        no values are kept), the one lent to the all-gather and read_ahead being read (a tensor
+        freed and allocated again would fault its pages in again, at its next read)."""
+        lent = sum(n == numel for _, _, n in self._lent.values())
+        reading = sum(r[0].numel() == numel for r in self._reading.values())
+        return max(1, self.kept_units) + 1 + self.read_ahead - lent - reading
 
     def _to_read(self, indices, shard_numel) -> list[int]:
         """The units among indices whose values no kept staging tensor holds or is being read into."""
@@ -440,12 +444,12 @@ class OptimizerMasterShards(NVMeShards):
                 self.copy_cpu_seconds += time.thread_time() - t0
             covered.add((start, end))  # (a restore republishes the same ranges)
 
-    def _spares_kept(self):
+    def _spares_kept(self, numel):
         # A tensor handed to the step leaves a gap among the spares that the next gather fills
-        # with a new tensor; when it comes back it is kept, not freed, so that the tensors
-        # are allocated once (a new one per hand-over would fault in its pages again, at the
-        # next gather's read: see NVMeShards) and never exceed kept + handed + the one read.
-        return super()._spares_kept() + self.kept_units - len(self._for_step)
+        # with a new tensor; when it comes back it is kept, not freed (see NVMeShards), within
+        # kept_units handed at once.
+        handed = sum(t.numel() == numel for t in self._for_step.values())
+        return super()._spares_kept(numel) + self.kept_units - handed
 
     def step_done_with(self, index):
         with self._lock:
