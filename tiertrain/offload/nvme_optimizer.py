@@ -647,14 +647,6 @@ class NVMeAdamW:
             return out[ch.lo:ch.hi] if buf is None else buf
         return _Requests([self.swapper.swap_in(key, into(ch)) for key, ch in self._master_keys(shard)])
 
-    def prefetch_master(self, shards: Sequence[int]) -> None:
-        """Start reading these shards' master records ahead of :meth:`read_master` (a hint)."""
-        if self._closed or self._broken is not None:
-            return
-        keys = [key for s in shards for key, _ in self._master_keys(s)]
-        if keys:
-            self.swapper.prefetch(keys)
-
     def write_master(self, shard: int, values: torch.Tensor) -> Optional[_Requests]:
         """Replace shard's master values (any dtype, the shard's size), keeping its moments. In
         place, only the master records are written (the requests are returned: the values may
@@ -851,16 +843,7 @@ class NVMeAdamW:
         if not pending:
             fn()
             return
-        left, lock = [len(pending)], threading.Lock()
-
-        def one_done(_h) -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                fn()
-        for h in pending:
-            h.add_done_callback(one_done)
+        _Requests([h for requests in pending for h in requests.handles]).add_done_callback(lambda _r: fn())
 
     def _wait(self, h: _Requests, stats: StepStats) -> None:
         t0 = time.perf_counter()

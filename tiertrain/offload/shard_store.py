@@ -12,8 +12,8 @@ reach the all-gather:
 * :class:`NVMeShards`: in one swap file per unit (through a TensorSwapper); the shard tensor
   keeps no storage. Each gather reads the file into a host staging tensor (NVMe→CPU, started
   ahead of use by :meth:`prefetch`, straight into that page-aligned tensor: no copy out of the
-  swap pool) and copies that to the device (CPU→device, when the gather needs it); a write ("p swap" of ZeRO-Infinity §6) goes out asynchronously until
-  :meth:`wait_writes`. The staging tensors of the last gathers are kept with their values, so
+  swap pool) and copies that to the device (CPU→device, when the gather needs it); a write
+  ("p swap" of ZeRO-Infinity §6) goes out asynchronously until :meth:`wait_writes`. The staging tensors of the last gathers are kept with their values, so
   the units forward gathered last are not read again when backward gathers them first;
 * :class:`OptimizerMasterShards`: fp32 shards on NVMe with the optimizer on NVMe too: the
   optimizer's master records are the shards, one copy on disk instead of two.
@@ -66,7 +66,7 @@ class DeviceShards:
         """Unit index's shard on the compute device, as the all-gather's input (wait for it)."""
         return Transfer(shard, Copy.PARAM_TO_DEVICE, self.streams)
 
-    def prefetch(self, indices, shard_numel=None) -> None:
+    def prefetch(self, indices, shard_numel) -> None:
         """Start bringing these units' shards closer (a hint; shard_numel(index): the size of
         a unit's shard, to skip units whose values the store still holds)."""
 
@@ -294,15 +294,9 @@ class NVMeShards(DeviceShards):
         with self._lock:
             return [i for i in indices if i not in self._reading and self._kept(i, shard_numel(i)) is None]
 
-    def prefetch(self, indices, shard_numel=None):
-        """With shard_numel, each unit's read starts now straight into the staging tensor its
-        gather will take (no copy from the swap pool; at most read_ahead at a time); without,
-        the swap layer reads ahead into its pool."""
-        if shard_numel is None:
-            keys = [self.key(i) for i in indices]
-            if keys:
-                self.swapper.prefetch(keys)
-            return
+    def prefetch(self, indices, shard_numel):
+        """Each unit's read starts now, straight into the staging tensor its gather will take
+        (no copy from the swap pool; at most read_ahead at a time)."""
         with self._lock:
             stale = {i: r for i, r in self._reading.items() if r[1] != self._version(i)}
             for i in stale:
@@ -476,13 +470,6 @@ class OptimizerMasterShards(NVMeShards):
                 self._give_back(tensor, index, self._version(index))
             else:
                 self._give_back(tensor, None, None)
-
-    def prefetch(self, indices, shard_numel=None):
-        if shard_numel is not None:
-            super().prefetch(indices, shard_numel)
-            return
-        self.optimizer.prefetch_master([i for i in indices if i in self.units])
-        super().prefetch([i for i in indices if i not in self.units])
 
 
 def shard_store(placement, dtype: torch.dtype, streams: DeviceStreams, swapper=None,
