@@ -49,6 +49,7 @@ def test_overlapped_step_is_the_synchronous_step_bit_for_bit(swapper):
             step.shard_ready(s)
         ready = _chunks_of(opt, ORDER[:3])
         _wait_until(lambda: step.chunks_done == ready, "the ready shards' chunks")
+        _wait_until(step.stalled, "the worker to wait on a shard not ready")  # so it waits through the sleep
         time.sleep(0.05)
         assert step.chunks_done == ready  # nothing past a shard whose gradient is not final
         assert step.progress() == {"shards_ready": 3, "shards": 6, "chunks_done": ready, "chunks": opt.num_chunks}
@@ -58,7 +59,7 @@ def test_overlapped_step_is_the_synchronous_step_bit_for_bit(swapper):
         stats = step.finish()
         n = 12 * sum(SIZES)
         assert (stats.chunks, stats.bytes_read, stats.bytes_written) == (opt.num_chunks, n, n)
-        assert stats.ready_wait_seconds > 0.04 and stats.busy_seconds >= 0
+        assert stats.ready_wait_seconds >= 0.05 and stats.busy_seconds >= 0
         assert opt.step_count == k + 1
     _assert_same(opt, ref)
     assert all(torch.equal(o, r) for o, r in zip(outs, ref.shards))
