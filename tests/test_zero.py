@@ -13,6 +13,7 @@ import tiertrain
 from reference import (Oracle, engine_train, global_batches, make_config, make_model, max_rel_diff, rank_slices,
                        reference_train)
 from tiertrain.estimate.memory import zero_model_state_bytes
+from tiertrain.host_memory import M_MMAP_THRESHOLD
 from tiertrain.testing import RankFailure, run_distributed
 
 BYTES = {"fp32": 4, "bf16": 2}
@@ -74,10 +75,11 @@ def _address_space() -> int:
 def _pin_glibc_malloc() -> None:
     """Make the address space track the live tensors. By default glibc raises its mmap threshold
     after a large free, so later tensors land in the brk heap, whose holes stay mapped (measured:
-    +10-15 MB here, varying run to run); and a thread's first malloc reserves a 64 MB arena. Both
-    made the cap's headroom a matter of luck (a CI run failed on it)."""
+    a partitioned rank grew 52-58 MB, varying run to run, for 43.4 MB of tensors; a CI run ran out
+    under the cap), and a thread's first malloc can reserve a 64 MB arena. Pinned, the growth is
+    43.4 MB on every run. (wrap() later sets its own threshold, tiertrain/host_memory.py.)"""
     libc = ctypes.CDLL(None)
-    M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8
+    M_ARENA_MAX = -8
     assert libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024) == 1 and libc.mallopt(M_ARENA_MAX, 1) == 1
 
 
