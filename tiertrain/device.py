@@ -24,6 +24,16 @@ is already where it is wanted (the CPU tier on a CPU device) is then copied anyw
 harness covers the lines a GPU would run. ``TIERTRAIN_DEFER_COPIES=skip-wait:KIND`` also makes
 the waits of one kind of transfer do nothing: what removing those waits from the code would do
 (tests/test_deferred_copies.py shows that each kind's removal is caught).
+
+**Pinned host memory** (page-locked, what an accelerator copies to and from asynchronously) is
+allocated here only, by :func:`host_empty`, and its storage is not resizable: it may be freed by
+dropping every reference, never shrunk or grown in place (``resize_``). Memory that is freed in
+place (:func:`free_storage`) is pageable. On the CPU nothing is pinned, so no test would see a
+resize of pinned memory; hence the **emulated GPU host** (``TIERTRAIN_EMULATE_GPU_HOST=1``): host
+buffers that would be pinned on a GPU machine are pinned here too, in the sense that matters, a
+storage that refuses to resize, and :func:`is_pinned` reports them; defaults chosen for an
+accelerator (stage-3 prefetch) apply (docs/gpu.md lists what else a GPU host does differently and
+what is emulated).
 """
 from __future__ import annotations
 
@@ -111,6 +121,105 @@ def _defer_spec() -> tuple[bool, frozenset[Copy]]:
     return True, frozenset(skipped)
 
 
+GPU_HOST_ENV = "TIERTRAIN_EMULATE_GPU_HOST"
+"""The environment variable that turns on the emulated accelerator host (module docstring)."""
+
+_emulated_pinned: dict[int, int] = {}  # data_ptr -> bytes of each live emulated pinned allocation
+
+
+def emulating_gpu_host() -> bool:
+    """Whether this CPU process emulates a GPU host (GPU_HOST_ENV): pinned host memory, and the
+    defaults an accelerator gets (:func:`acts_as_accelerator`)."""
+    value = os.environ.get(GPU_HOST_ENV, "").strip()
+    if value in ("", "0"):
+        return False
+    if value != "1":
+        raise ValueError(f"{GPU_HOST_ENV}={value!r} is invalid: expected 1 (emulate a GPU host) or 0")
+    return True
+
+
+def acts_as_accelerator(device: torch.device) -> bool:
+    """Whether code paths chosen for an accelerator apply to ``device``: it is one, or the CPU
+    under the emulated GPU host (so that the CPU suite runs those paths)."""
+    return is_accelerator(device) or emulating_gpu_host()
+
+
+def pins_host(device: torch.device) -> bool:
+    """Whether host buffers that ``device`` copies from and to are pinned: for an accelerator,
+    and for the CPU under the emulated GPU host."""
+    return acts_as_accelerator(device)
+
+
+def pins_host_by_default() -> bool:
+    """Whether host buffers are pinned where no compute device is named: an accelerator is
+    present, or emulated."""
+    return accelerator_available() or emulating_gpu_host()
+
+
+def host_empty(shape, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """An uninitialised host tensor; ``pinned``: page-locked, for an accelerator's asynchronous
+    copies (its storage is then not resizable: free it by dropping it, never with resize_).
+    Without an accelerator, pinned memory is the emulated kind (GPU_HOST_ENV), or refused."""
+    if not pinned:
+        return torch.empty(shape, dtype=dtype)
+    if accelerator_available():
+        # (The copying path, Tensor.pin_memory(), makes the same fixed storage; this one
+        # allocates once, from the caching host allocator.)
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    if not emulating_gpu_host():
+        raise RuntimeError("pinned host memory was asked for, but this process has no accelerator "
+                           f"(and {GPU_HOST_ENV} is not set): pin only when pins_host(device)")
+    return _emulated_pinned_empty(shape, dtype)
+
+
+def _emulated_pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    # A tensor over a numpy array has a storage that is not resizable, as pinned memory's is.
+    import weakref
+
+    import numpy as np
+
+    numel = 1
+    for n in ([shape] if isinstance(shape, int) else shape):
+        numel *= int(n)
+    size = torch.empty(0, dtype=dtype).element_size()
+    array = np.empty(max(numel * size, 1), dtype=np.uint8)
+    address = array.ctypes.data
+    _emulated_pinned[address] = numel * size
+    weakref.finalize(array, _emulated_pinned.pop, address, None)
+    return torch.from_numpy(array)[:numel * size].view(dtype).view(shape)
+
+
+def is_pinned(t: torch.Tensor) -> bool:
+    """Whether t's memory is pinned host memory (real, or emulated under GPU_HOST_ENV)."""
+    if t.device.type != "cpu":
+        return False
+    if t.untyped_storage().data_ptr() in _emulated_pinned:
+        return True
+    return accelerator_available() and t.is_pinned()
+
+
+def emulated_pinned_bytes() -> int:
+    """Bytes of emulated pinned host memory alive now (tests: what a release gave back)."""
+    return sum(_emulated_pinned.values())
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Give t's memory back in place, keeping the tensor (its shape, and every reference to
+    it) for :func:`renew_storage`. Only pageable memory can be: pinned memory's storage cannot
+    be resized (allocate memory that is freed in place with ``host_empty(..., pinned=False)``)."""
+    storage = t.untyped_storage()
+    if not storage.resizable():
+        raise RuntimeError(f"cannot free a {tuple(t.shape)} {t.dtype} tensor in place: its storage is "
+                           f"not resizable ({'pinned host memory' if is_pinned(t) else 'fixed memory'}); "
+                           "memory freed in place must be allocated pageable (host_empty(pinned=False))")
+    storage.resize_(0)
+
+
+def renew_storage(t: torch.Tensor) -> None:
+    """Give t (freed by :func:`free_storage`) memory again; its values are undefined."""
+    t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
 def _poison(t: torch.Tensor) -> None:
     if t.dtype.is_floating_point or t.dtype.is_complex:
         t.fill_(float("nan"))
@@ -196,11 +305,11 @@ class DeviceStreams:
 
     @property
     def pin(self) -> bool:
-        """Host buffers the device copies from are pinned (only for an accelerator)."""
-        return self.accelerated
+        """Host buffers the device copies from are pinned (for an accelerator, or emulated)."""
+        return pins_host(self.device)
 
     def host_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+        return host_empty(shape, dtype, pinned=self.pin)
 
     # -- transfers --
 
@@ -241,5 +350,7 @@ class DeviceStreams:
         return self.copy(self.host_empty(src.shape, src.dtype), src, kind)
 
 
-__all__ = ["Copy", "DeviceStreams", "Transfer", "DEFER_COPIES_ENV", "device_module",
+__all__ = ["Copy", "DeviceStreams", "Transfer", "DEFER_COPIES_ENV", "GPU_HOST_ENV", "device_module",
+           "emulating_gpu_host", "acts_as_accelerator", "pins_host", "pins_host_by_default", "host_empty", "is_pinned", "emulated_pinned_bytes",
+           "free_storage", "renew_storage",
            "is_accelerator", "accelerator_available", "default_device", "free_memory", "peak_allocated"]

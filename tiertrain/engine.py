@@ -23,6 +23,7 @@ from . import checkpoint
 from . import reshard as reshard_module
 from .comm import Collectives, CommCounter
 from .config import Config, ConfigError
+from .device import acts_as_accelerator, pins_host
 from .host_memory import retain_freed_host_memory
 from .offload.activations import checkpoint_memory
 from .optim import OptimizerArg, SchedulerFactory, client_optimizer, clip_coefficient, scheduled_lr
@@ -235,7 +236,7 @@ class Engine:
 
         block = SWAP_BLOCK_BYTES
         largest = max(u.shard_numel for u in self.layout.all_units) * torch.finfo(self.dtype).bits // 8
-        pin = self.device.type == "cuda"
+        pin = pins_host(self.device)
         aio = AsyncIO(num_threads=4, block_bytes=block)
         self._on_close.append(aio.close)  # the swapper does not own its IO threads
         return TensorSwapper(self.config.zero.nvme_path, aio,
@@ -245,11 +246,11 @@ class Engine:
     def _prefetch_mb(self) -> float:
         """zero.prefetch_mb, or its default for this device. On CPU, gloo's collectives run on
         the same cores as the compute they would overlap: asynchronous prefetch measured 10%
-        slower than none at stage 3 (bench/results/zero_interleaved.md); on CUDA the copy and
-        communication engines run beside the compute, and prefetch hides them."""
+        slower than none at stage 3 (bench/results/zero_interleaved.md); on an accelerator the
+        copy and communication engines run beside the compute, and prefetch hides them."""
         if self.config.zero.prefetch_mb is not None:
             return self.config.zero.prefetch_mb
-        return 64.0 if self.device.type == "cuda" else 0.0
+        return 64.0 if acts_as_accelerator(self.device) else 0.0
 
     def _gradient_views(self, counts_in_norm: Callable[[str], bool]):
         """(gradient pieces counted in the global norm, None meaning all of every unit's

@@ -64,7 +64,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ACTIVATION_TIERS, ActivationConfig, ConfigError, parse_tier
-from ..device import Copy, DeviceStreams, accelerator_available, is_accelerator
+from ..device import Copy, DeviceStreams, host_empty, pins_host, pins_host_by_default
 from ..tiers import Tier
 from ..zero.recompute import recomputation
 
@@ -190,7 +190,7 @@ class HostCheckpointPool:
         if last_use is not None:
             last_use.synchronize()
         if buf is None:
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            buf = host_empty(nbytes, torch.uint8, pinned=self.pin)
         return buf
 
     def give(self, buf: torch.Tensor, last_use=None) -> None:
@@ -411,7 +411,7 @@ def apply_activation_checkpointing(model: nn.Module, config: ActivationConfig,
         shown = names if len(names) <= 4 else names[:2] + ["…"] + names[-1:]
         raise ConfigError(f"activations.checkpoint_every={k} is invalid: the model has {len(names)} "
                           f"block(s) ({', '.join(shown)}); expected 0 (off) or 1..{len(names)}")
-    pin = accelerator_available() if device is None else is_accelerator(device)
+    pin = pins_host_by_default() if device is None else pins_host(torch.device(device))
     handle = ActivationCheckpointing(model, config, names, pin)
     model.__dict__[_ATTR] = handle
     return handle

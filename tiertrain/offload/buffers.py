@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from ..comm import run_timeout
-from ..device import accelerator_available
+from ..device import host_empty, pins_host_by_default
 
 __all__ = ["AlignedBufferPool", "Buffer", "PoolExhaustedError", "page_aligned_empty", "round_up",
            "tensor_range_buffer"]
@@ -180,7 +180,7 @@ class AlignedBufferPool:
     def __init__(self, total_bytes: int, block_bytes: int = 8 << 20, alignment: int = 4096,
                  pin: Optional[bool] = None, acquire_timeout: Optional[float] = None):
         if pin is None:
-            pin = accelerator_available()
+            pin = pins_host_by_default()
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         if block_bytes <= 0 or block_bytes % alignment:
@@ -197,7 +197,7 @@ class AlignedBufferPool:
         # None: the run's one timeout (--timeout, tiertrain.comm.run_timeout()); a buffer
         # frees when IO completes, so this is an IO wait like the swapper's.
         self.acquire_timeout = run_timeout() if acquire_timeout is None else acquire_timeout
-        raw = torch.empty(self.total_bytes + alignment, dtype=torch.uint8, pin_memory=self.pinned)
+        raw = host_empty(self.total_bytes + alignment, torch.uint8, pinned=self.pinned)
         skip = (-raw.data_ptr()) % alignment
         self._raw = raw
         self._arena = raw[skip: skip + self.total_bytes]

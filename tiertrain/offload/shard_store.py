@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from ..device import Copy, DeviceStreams, Transfer
+from ..device import Copy, DeviceStreams, Transfer, free_storage
 from ..tiers import Tier
 from .buffers import page_aligned_empty, tensor_range_buffer
 
@@ -51,7 +51,7 @@ class DeviceShards:
 
     def allocate(self, numel: int) -> torch.Tensor:
         """A new shard tensor on this tier."""
-        return self.placement.empty(numel, self.dtype, self.placement.param_shards)
+        return self.placement.empty(numel, self.dtype, self.tier)
 
     def write(self, index: int, shard: torch.Tensor, values: torch.Tensor) -> None:
         """Store values as unit index's shard (shard: the unit's shard tensor)."""
@@ -196,10 +196,15 @@ class NVMeShards(DeviceShards):
     def write(self, index, shard, values):
         self._written[index] = self._written.get(index, 0) + 1
         self._writes.append(self.swapper.swap_out(self.key(index), values.to(self.dtype)))
-        shard.untyped_storage().resize_(0)
+        free_storage(shard)
+
+    def allocate(self, numel):
+        # (Its values go to the swap file and its memory is freed in place; gathers read the
+        # file into staging tensors, which the device copies from.)
+        return self.placement.empty(numel, self.dtype, self.tier, device_copies=False)
 
     def read(self, index, shard):
-        staged = self.placement.empty(shard.numel(), self.dtype, self.placement.host)
+        staged = self.placement.empty(shard.numel(), self.dtype, self.tier)
         self._fill(index, staged).wait()
         return staged
 
@@ -214,7 +219,7 @@ class NVMeShards(DeviceShards):
         # (page-aligned: reads land in it and an NVMe step writes masters from it with no copy)
         self.staging_allocated += 1
         return page_aligned_empty(numel, self.dtype,
-                                  lambda n, dtype: self.placement.empty(n, dtype, self.placement.host))
+                                  lambda n, dtype: self.placement.empty(n, dtype, self.tier))
 
     def _reusable_spare(self, numel: int) -> torch.Tensor | None:
         """A spare staging tensor to read into, or None (call with the lock held): one holding

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import Collectives, Work
-from ..device import DeviceStreams, is_accelerator
+from ..device import DeviceStreams, free_storage, host_empty, pins_host, renew_storage
 from ..offload.shard_store import NVMeShards, OptimizerMasterShards, shard_store
 from ..tiers import Tier
 from .layout import FlatLayout, Unit
@@ -94,10 +94,14 @@ class Placement:
     def param_shards(self) -> torch.device:
         return self.host if self.offload_params else self.compute
 
-    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Host tensors are pinned when an accelerator will copy from them."""
-        t = torch.empty(numel, dtype=dtype, device=device)
-        return t.pin_memory() if device.type == "cpu" and is_accelerator(self.compute) else t
+    def empty(self, numel: int, dtype: torch.dtype, tier: Tier, device_copies: bool = True) -> torch.Tensor:
+        """A new tensor on ``tier``: device memory, or host memory for the CPU and NVMe tiers.
+        Host memory that the compute device copies to or from is pinned (tiertrain/device.py);
+        ``device_copies=False``: no device copy reads or writes it (it is transient, or freed in
+        place with free_storage, which pinned memory does not allow), so it stays pageable."""
+        if Tier(tier) is Tier.DEVICE:  # (raises for anything that is not a tier, e.g. a device)
+            return torch.empty(numel, dtype=dtype, device=self.compute)
+        return host_empty(numel, dtype, pinned=device_copies and pins_host(self.compute))
 
 
 @dataclass
@@ -125,14 +129,14 @@ class UnitBuffers:
         backward, has consumed it (tiertrain/offload/nvme_update.py). So a rank holds only the
         gradients reduced and not yet consumed, not every unit's."""
         if self.grad_full is None and self.grad.numel():
-            self.grad.untyped_storage().resize_(0)
+            free_storage(self.grad)
             self.grad_released = True
 
     def ensure_grad(self) -> None:
         """Give a released gradient shard memory again (contents undefined; it is stale, so the
         next reduction overwrites it and a zeroing pass zeroes it)."""
         if self.grad_released:
-            self.grad.untyped_storage().resize_(self.grad.numel() * self.grad.element_size())
+            renew_storage(self.grad)
             self.grad_released = False
 
 
@@ -205,17 +209,23 @@ class FlatParameters:
             # The master is the shard itself when both are fp32 on the same tier (on NVMe, the
             # optimizer then takes the shard's file over: use_optimizer_masters).
             shard_tier = Tier.DEVICE if unit.resident else placement.param_tier
+            # With the NVMe optimizer no device copy touches the master or gradient in RAM: the
+            # masters leave for its files at its build, and its step may free the gradient in
+            # place; reduced gradients reach the host through a pinned transfer buffer.
+            host_only = placement.optimizer_tier == Tier.NVME
             if dtype == torch.float32 and placement.optimizer_tier == shard_tier:
                 master = shard
             else:
-                master = placement.empty(unit.shard_numel, torch.float32, placement.optimizer)
+                master = placement.empty(unit.shard_numel, torch.float32, placement.optimizer_tier,
+                                         device_copies=not host_only)
                 master.copy_(shard)
             if keep_full_grads:
                 grad_full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
                 grad = grad_full[lo:hi]
             else:
                 grad_full = None
-                grad = placement.empty(unit.shard_numel, torch.float32, placement.optimizer)
+                grad = placement.empty(unit.shard_numel, torch.float32, placement.optimizer_tier,
+                                       device_copies=not host_only)
                 if placement.optimizer_tier != Tier.NVME:
                     # (With the NVMe optimizer, drop_masters() zeroes it once the masters have
                     # left for NVMe: pages never written take no memory, so a rank never holds
@@ -251,7 +261,7 @@ class FlatParameters:
                 u.pending = None
                 self._publishing.discard(index)
             return
-        u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
+        renew_storage(u.full)
         u.gathered = True
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
         # (NVMe → CPU staging, prefetched; CPU → device on the copy stream, staged ahead:
@@ -271,7 +281,7 @@ class FlatParameters:
         if u.pending is not None:
             u.pending.wait()
             u.pending = None
-        u.full.untyped_storage().resize_(0)
+        free_storage(u.full)
         u.gathered = False
 
     # -- the parameter tier ---------------------------------------------------------------
