@@ -579,7 +579,7 @@ class Engine:
     def checkpoint_parts(self) -> dict[str, checkpoint.Stateful]:
         """The stateful parts a checkpoint is made of, in restore order: masters and optimizer
         (the update form), loss scaler, counters, RNG."""
-        parts = {"update": self.update, "scaler": self.scaler, "train_state": self.train_state, "rng": RNGState()}
+        parts = {"update": self.update, "scaler": self.scaler, "train_state": self.train_state, "rng": RNGState(self.device)}
         if self.flat.frozen_units:
             parts["frozen"] = FrozenShards(self.flat)
         return parts

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .device import device_module, is_accelerator
+
 
 @dataclass
 class TrainState:
@@ -26,10 +28,22 @@ class TrainState:
 
 
 class RNGState:
-    """torch's CPU generator: a checkpoint part, so a resumed run draws the same numbers."""
+    """torch's CPU generator and, on an accelerator, the device's generator (dropout draws
+    there): a checkpoint part, so a resumed run draws the same numbers. A checkpoint's tensors
+    are loaded onto the compute device, and torch takes generator states as CPU tensors only."""
+
+    def __init__(self, device: torch.device = torch.device("cpu")):
+        self.device = torch.device(device)
 
     def state_dict(self) -> dict:
-        return {"cpu": torch.get_rng_state()}
+        state = {"cpu": torch.get_rng_state()}
+        if is_accelerator(self.device):
+            state["device"] = device_module(self.device).get_rng_state(self.device)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        torch.set_rng_state(state["cpu"])
+        torch.set_rng_state(state["cpu"].cpu())
+        # (A checkpoint from a CPU run leaves the device's generator as seeded; one from an
+        # accelerator resumed on the CPU has no device generator to restore.)
+        if "device" in state and is_accelerator(self.device):
+            device_module(self.device).set_rng_state(state["device"].cpu(), self.device)
