@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from reference import engine_train, global_batches, make_config, make_model
-from tiertrain.device import (GPU_HOST_ENV, emulated_pinned_bytes, free_storage, host_empty, is_pinned, pins_host,
-                              renew_storage)
+from tiertrain.device import (GPU_HOST_ENV, emulated_pinned_bytes, emulating_gpu_host, free_storage, host_empty,
+                              is_pinned, pins_host, renew_storage)
 from tiertrain.testing import run_distributed
 from tiertrain.tiers import Tier
 from tiertrain.zero.flat import Placement
@@ -78,6 +78,9 @@ def test_the_tiers_place_host_memory_as_an_accelerator_host_would(emulated):
 
 
 def _tier_runs(rank, world, zero, dtype, checkpoints):
+    import os
+
+    os.environ[GPU_HOST_ENV] = "1"  # (in the worker: the launcher's forkserver keeps the environment it started with)
     out = []
     for z in ({"stage": zero["stage"]}, zero):
         activations = {"checkpoint_every": 1, "offload": "cpu"} if checkpoints and z is zero else {}
@@ -87,7 +90,7 @@ def _tier_runs(rank, world, zero, dtype, checkpoints):
         pinned = {"shards": [is_pinned(u.shard) for u in engine.flat.units if not u.unit.resident],
                   "masters": [is_pinned(u.master) for u in engine.flat.units if u.master.numel()]}
         out.append((losses, params, pinned))
-    return out
+    return out, emulating_gpu_host()
 
 
 
@@ -106,8 +109,9 @@ def test_every_tier_trains_on_an_emulated_accelerator_host_as_on_the_cpu(emulate
     write); on the emulated host they must build and train bit for bit as stage 3 on the device."""
     if "nvme" in zero.values():
         zero = {**zero, "nvme_path": str(tmp_path / "swap")}
-    (base_losses, base_params, _), (losses, params, pinned) = run_distributed(
+    ((base_losses, base_params, _), (losses, params, pinned)), emulated_there = run_distributed(
         _tier_runs, 2, zero, dtype, checkpoints, timeout=80)[0]
+    assert emulated_there
     assert losses == base_losses
     assert all(torch.equal(params[k], base_params[k]) for k in params)
     if zero.get("offload_params") == "cpu":
