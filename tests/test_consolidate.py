@@ -277,3 +277,39 @@ def test_errors(saved, tmp_path, capsys):
     with pytest.raises(CheckpointError, match=r"rank00001\.pt.* is corrupt"):
         export_checkpoint(str(copy), str(tmp_path / "o2"))
     assert not os.path.exists(tmp_path / "o2")
+
+
+@pytest.mark.timeout(200)
+def test_a_held_tensor_whose_header_overruns_the_file_is_refused_not_filled_from_memory(saved, tmp_path):
+    """Issue 32, item 5: a held_tensors.safetensors whose header claims more bytes than the file
+    holds, its checksum recomputed in COMMITTED.json (as the producer of a hostile file would),
+    exported with the bytes after the file's end taken from process memory. Now the header is
+    checked against the file before any read: an error naming the file, nothing exported."""
+    import shutil
+    import struct
+
+    from tiertrain.fileio import file_sha256
+
+    root, _ = saved
+    copy = tmp_path / "hostile"
+    shutil.copytree(os.path.join(root, "bart3", "ckpt"), copy)
+    step_dir = next(p for p in copy.iterdir() if p.name.startswith("step_"))
+    held = step_dir / "held_tensors.safetensors"
+    data = held.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    name = next(k for k in header if k != "__metadata__")
+    begin, end = header[name]["data_offsets"]
+    grown = end - begin + (1 << 18)  # 256 KiB past the file's end
+    header[name]["shape"] = [grown // torch.tensor([], dtype=torch.float32).element_size()]
+    header[name]["dtype"] = "F32"
+    header[name]["data_offsets"] = [begin, begin + grown]
+    text = json.dumps(header).encode()
+    held.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length:])
+    marker_path = step_dir / "COMMITTED.json"
+    marker = json.loads(marker_path.read_text())
+    marker["files"]["held_tensors.safetensors"] = file_sha256(str(held))
+    marker_path.write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match=r"held_tensors\.safetensors.* is not a valid safetensors file"):
+        export_checkpoint(str(copy), str(tmp_path / "out"))
+    assert not list(tmp_path.glob("out/*.safetensors")), "a file was exported"

@@ -102,6 +102,12 @@ def test_fine_tunes_a_hugging_face_model_on_jsonl_with_eval_and_exports_it(model
     ("pickled", r"holds pickled weights \(pytorch_model.bin\).*safe_serialization=True"),
     ("seq_len", r"model.seq_len=100 is invalid with model.hf=.*at most 64 positions"),
     ("vocab", r"token id 300 .*at position"),
+    # A directory whose config asks transformers to run its own code (issue 32, item 6): refused,
+    # and the code never runs, with no prompt.
+    ("remote_code", r"model_type 'evil_lm', which transformers does not know.*never runs a model directory's code"),
+    # A Hugging Face cache snapshot whose blob is missing (issue 32, item 7): not a silent
+    # training from the initialisation.
+    ("dangling_weights", r"model.safetensors is a symlink to .*blobs/0123.*which does not exist"),
 ])
 def test_bad_models_and_data_are_named_before_training(model_dir, tmp_path, case, expected):
     from tiertrain.cli import load_train_config
@@ -121,6 +127,22 @@ def test_bad_models_and_data_are_named_before_training(model_dir, tmp_path, case
         (bare / "config.json").write_text((directory / "config.json").read_text())
         (bare / "pytorch_model.bin").write_bytes(b"\x80")
         args[1] = str(bare)
+    elif case == "remote_code":
+        evil = tmp_path / "evil"
+        evil.mkdir()
+        (evil / "config.json").write_text(json.dumps({
+            "model_type": "evil_lm", "auto_map": {"AutoConfig": "configuration_evil.EvilConfig",
+                                                  "AutoModelForCausalLM": "modeling_evil.EvilLM"}}))
+        ran = tmp_path / "code_ran"
+        for module in ("configuration_evil.py", "modeling_evil.py"):
+            (evil / module).write_text(f"open({str(ran)!r}, 'w').write('ran')\n")
+        args[1] = str(evil)
+    elif case == "dangling_weights":
+        snapshot = tmp_path / "snapshot"
+        snapshot.mkdir()
+        (snapshot / "config.json").write_text((directory / "config.json").read_text())
+        (snapshot / "model.safetensors").symlink_to(tmp_path / "blobs" / "0123abcd")
+        args[1] = str(snapshot)
     elif case == "seq_len":
         args[args.index("--model.seq_len") + 1] = "100"
     elif case == "vocab":  # a token array with an id the model's vocabulary (300) does not have
@@ -132,3 +154,4 @@ def test_bad_models_and_data_are_named_before_training(model_dir, tmp_path, case
         args[args.index("--data.path") + 1] = str(tmp_path / "tokens.npy")
     with pytest.raises(ConfigError, match=expected):
         check_launch(load_train_config(None, args).validate(), 1)
+    assert not (tmp_path / "code_ran").exists(), "the model directory's code ran"

@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import struct
 import sys
 from dataclasses import dataclass, field
 
@@ -118,20 +117,38 @@ def _release_file_pages(paths: set[str]) -> None:
             _libc.madvise(lo, hi - lo, 4)  # MADV_DONTNEED
 
 
-def _read_header(path: str) -> tuple[int, dict]:
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return 8 + length, json.loads(f.read(length))
+class _HeldTensors:
+    """The checkpoint's held_tensors.safetensors, read through the safetensors library, which
+    checks the header against the file (offsets inside the data, each tensor's bytes matching
+    its dtype and shape) before anything is read: a header claiming more bytes than the file
+    holds would otherwise hand back whatever memory follows."""
 
+    def __init__(self, path: str):
+        from safetensors import SafetensorError, safe_open
 
-def _read_held(path: str, base: int, entry: dict) -> torch.Tensor:
-    dtype = _FROM_SAFETENSORS[entry["dtype"]]
-    a, b = entry["data_offsets"]
-    out = torch.empty(b - a, dtype=torch.uint8)
-    with open(path, "rb") as f:
-        f.seek(base + a)
-        f.readinto(memoryview(out.numpy()))
-    return out.view(dtype).reshape(entry["shape"])
+        self.path = path
+        self._error = SafetensorError
+        try:
+            self._file = safe_open(path, framework="pt", device="cpu")
+            self.names = set(self._file.keys())
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{path!r} is not a valid safetensors file: {e}") from None
+
+    def entry(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        if name not in self.names:
+            raise CheckpointError(f"{self.path!r} does not hold {name!r}, which the checkpoint's export names list")
+        piece = self._file.get_slice(name)
+        dtype = _FROM_SAFETENSORS.get(piece.get_dtype())
+        if dtype is None:
+            raise CheckpointError(f"{self.path!r}: {name!r} has dtype {piece.get_dtype()!r}; expected one of "
+                                  f"{sorted(_FROM_SAFETENSORS)}")
+        return dtype, tuple(piece.get_shape())
+
+    def read(self, name: str) -> torch.Tensor:
+        try:
+            return self._file.get_tensor(name)
+        except self._error as e:
+            raise CheckpointError(f"{self.path!r}: {name!r} cannot be read: {e}") from None
 
 
 FORMATS = ("hf", "safetensors")
@@ -191,22 +208,19 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         item = TensorItem(name, tuple(shape), target, len(items), None)
         sources[id(item)] = ("param", kind, layout_name)
         items.append(item)
-    held_path = os.path.join(step_dir, HELD_TENSORS)
-    held_base, held_header = (0, {})
+    held = None
     if info is not None and info.get("held") and HELD_TENSORS in extra_files:
-        held_base, held_header = _read_header(held_path)
+        held = _HeldTensors(os.path.join(step_dir, HELD_TENSORS))
         for name in info["held"]:
-            entry = held_header[name]
-            saved = _FROM_SAFETENSORS[entry["dtype"]]
-            item = TensorItem(name, tuple(entry["shape"]), target if saved.is_floating_point else saved,
-                              len(items), None)
-            sources[id(item)] = ("held", entry)
+            saved, shape = held.entry(name)
+            item = TensorItem(name, shape, target if saved.is_floating_point else saved, len(items), None)
+            sources[id(item)] = ("held", name)
             items.append(item)
 
     def assemble(item: TensorItem) -> torch.Tensor:
         source = sources[id(item)]
         if source[0] == "held":
-            return _read_held(held_path, held_base, source[1]).to(item.dtype)
+            return held.read(source[1]).to(item.dtype)
         _, kind, layout_name = source
         value = global_value(run, kind, layout_name)
         report.peak_assembled = max(report.peak_assembled, value.numel() * value.element_size())

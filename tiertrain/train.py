@@ -190,9 +190,10 @@ def check_launch(cfg: TrainConfig, world_size: int) -> None:
     if cfg.model.hf:
         from .models.hf import has_weights
 
+        weights = has_weights(cfg.model.hf)  # (a weight file there but unreadable: an error, before any process)
         bins = [n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")
                 if os.path.isfile(os.path.join(cfg.model.hf, n))]
-        if bins and not has_weights(cfg.model.hf):
+        if bins and not weights:
             raise ConfigError(f"model.hf={cfg.model.hf!r} holds pickled weights ({bins[0]}), which tiertrain does not "
                               f"load: re-save them with save_pretrained(..., safe_serialization=True)")
     if tp > 1:  # each tensor-parallel rank holds whole heads and equal slices (tiertrain/parallel)

@@ -33,7 +33,9 @@ __all__ = ["hf_config", "build_causal_lm", "causal_lm_loss", "has_weights", "tok
 def _load_config(directory: str, mtime: float):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(directory, local_files_only=True)
+    # (Never the directory's own code: a config.json whose auto_map names a module of the
+    # directory would otherwise run it, after transformers' interactive prompt.)
+    return AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
 
 
 def hf_config(directory: str):
@@ -54,8 +56,19 @@ def hf_config(directory: str):
         raise ConfigError("model.hf needs the transformers package: pip install transformers") from None
     try:
         with open(path) as f:
-            json.load(f)
+            data = json.load(f)
+        if isinstance(data, dict) and data.get("auto_map"):
+            from transformers import CONFIG_MAPPING
+
+            if data.get("model_type") not in CONFIG_MAPPING:
+                raise ConfigError(f"model.hf={directory!r} is refused: its config.json names model_type "
+                                  f"{data.get('model_type')!r}, which transformers does not know, and auto_map "
+                                  f"{sorted(data['auto_map'])} points at code in the directory; tiertrain never runs "
+                                  f"a model directory's code (trust_remote_code=False): use a model type transformers "
+                                  f"ships, or build the model yourself and train it with tiertrain.Trainer")
         return _load_config(os.path.abspath(directory), os.path.getmtime(path))
+    except ConfigError:
+        raise
     except (ValueError, KeyError, OSError) as e:
         raise ConfigError(f"model.hf={directory!r} is invalid: its config.json cannot be read as a transformers "
                           f"config ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
@@ -68,7 +81,7 @@ def build_causal_lm(directory: str) -> nn.Module:
 
     config = hf_config(directory)
     try:
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     except ValueError as e:
         raise ConfigError(f"model.hf={directory!r} is invalid: {type(config).__name__} has no causal-LM head in "
                           f"transformers ({str(e).splitlines()[0][:200]}); `tiertrain train` trains causal LMs, "
@@ -81,10 +94,28 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, -2), batch["labels"].flatten())
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
 def has_weights(directory: str) -> bool:
-    """Whether the directory holds safetensors weights to load (a fine-tune)."""
-    return any(os.path.isfile(os.path.join(directory, name))
-               for name in ("model.safetensors", "model.safetensors.index.json"))
+    """Whether the directory holds safetensors weights to load (a fine-tune). A weight file
+    that is there but cannot be read (a dangling symlink, as a Hugging Face cache snapshot with
+    a missing blob leaves; not a regular file; no read permission) is a ConfigError naming it:
+    training from the initialisation instead would be silent."""
+    found = False
+    for name in WEIGHT_FILES:
+        path = os.path.join(directory, name)
+        if not os.path.lexists(path):
+            continue
+        if os.path.islink(path) and not os.path.exists(path):
+            raise ConfigError(f"model.hf={directory!r}: {name} is a symlink to {os.readlink(path)!r}, which does not "
+                              f"exist (a cache snapshot whose blob is missing?); restore the file, or remove the "
+                              f"link to train from the initialisation")
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            raise ConfigError(f"model.hf={directory!r}: {name} is not a readable regular file; expected the "
+                              f"safetensors weights save_pretrained writes")
+        found = True
+    return found
 
 
 def tokenizer_file(directory: str) -> str:
