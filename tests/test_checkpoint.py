@@ -107,3 +107,88 @@ def test_uncommitted_step_is_ignored(tmp_path):
         engine.load_checkpoint(str(tmp_path))
     engine.save_checkpoint(str(tmp_path))
     assert committed_steps(str(tmp_path)) == [0]
+
+
+# -- a save of a step already committed (issue 32, item 1) ----------------------------------
+
+def _engine_after_a_skipped_step(directory):
+    """An engine that saved step 1, then took a step skipped for non-finite gradients (the
+    step count stays 1, the micro-step count moves on)."""
+    cfg = make_config(batch={"micro_batch_size": 4})
+    engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
+    first, second = global_batches(2, 4)
+    engine.train_batch(iter([first]))
+    engine.save_checkpoint(str(directory), keep_last=1)
+    loss = engine(second)
+    engine.backward(loss * float("nan"))
+    engine.step()
+    assert engine.steps == 1 and engine.train_state.skipped_steps == 1
+    return engine
+
+
+def _saved_micro_steps(directory, step=1) -> int:
+    from tiertrain.checkpoint import find_committed, load_rank_file, rank_file_name, verified_file
+
+    step_dir, marker = find_committed(str(directory), step)
+    state = load_rank_file(verified_file(step_dir, rank_file_name(0), marker["sha256"][0]), torch.device("cpu"))
+    return state["train_state"]["micro_steps"]
+
+
+@pytest.mark.parametrize("atomic_exchange", [True, False], ids=["exchange", "two-renames"])
+def test_a_save_of_a_committed_step_that_fails_keeps_the_committed_one(tmp_path, monkeypatch, atomic_exchange):
+    """A step skipped for non-finite gradients leaves engine.steps as it was, so the next save
+    names the same step directory. It used to uncommit the checkpoint there before rewriting
+    it, so a kill or a full disk during the rewrite (with keep_last 1: nothing older) lost the
+    run's only checkpoint. Now it is written beside and takes the old one's place only once
+    committed."""
+    import tiertrain.checkpoint as checkpoint_module
+
+    if not atomic_exchange:
+        monkeypatch.setattr(checkpoint_module, "exchange_paths", lambda a, b: False)
+    engine = _engine_after_a_skipped_step(tmp_path)
+    real_write = checkpoint_module.atomic_write
+
+    def disk_full(path, write):
+        if path.endswith("rank00000.pt"):
+            raise OSError(28, "No space left on device", path)
+        return real_write(path, write)
+    monkeypatch.setattr(checkpoint_module, "atomic_write", disk_full)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        engine.save_checkpoint(str(tmp_path), keep_last=1)
+    assert committed_steps(str(tmp_path)) == [1] and _saved_micro_steps(tmp_path) == 1
+    monkeypatch.setattr(checkpoint_module, "atomic_write", real_write)
+    engine.save_checkpoint(str(tmp_path), keep_last=1)
+    assert committed_steps(str(tmp_path)) == [1] and _saved_micro_steps(tmp_path) == 2
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001"], "nothing is left beside it"
+
+
+def test_a_save_interrupted_between_its_two_renames_is_found_and_settled(tmp_path, monkeypatch):
+    """Where the file system cannot exchange two directories atomically, the new checkpoint
+    takes the old one's place in two renames; killed between them, step_N is gone for a moment:
+    readers then take the committed step_N.next, and the next save (or the launcher's cleanup)
+    puts it in place."""
+    import tiertrain.checkpoint as checkpoint_module
+    from tiertrain.checkpoint import find_committed, remove_crashed_saves
+
+    monkeypatch.setattr(checkpoint_module, "exchange_paths", lambda a, b: False)
+    engine = _engine_after_a_skipped_step(tmp_path)
+    real_rename, calls = os.rename, []
+
+    def killed_after_the_first(a, b):
+        calls.append((a, b))
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed between the renames")
+        return real_rename(a, b)
+    monkeypatch.setattr(checkpoint_module.os, "rename", killed_after_the_first)
+    with pytest.raises(KeyboardInterrupt):
+        engine.save_checkpoint(str(tmp_path))
+    monkeypatch.setattr(checkpoint_module.os, "rename", real_rename)
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001.next", "step_00000001.old"]
+    assert committed_steps(str(tmp_path)) == [1]
+    assert find_committed(str(tmp_path))[0].endswith("step_00000001.next") and _saved_micro_steps(tmp_path) == 2
+    remove_crashed_saves(str(tmp_path), None)
+    assert sorted(os.listdir(tmp_path)) == ["step_00000001"] and _saved_micro_steps(tmp_path) == 2
+    fresh = tiertrain.wrap(make_model(seed=3), make_config(batch={"micro_batch_size": 4}),
+                           tiertrain.Topology.build(make_config().parallel))
+    fresh.load_checkpoint(str(tmp_path))
+    assert fresh.train_state.micro_steps == 2

@@ -63,10 +63,15 @@ from typing import Any, Callable, Mapping, Protocol
 import torch
 import torch.distributed as dist
 
-from .fileio import atomic_write, file_sha256
+from .fileio import atomic_write, exchange_paths, file_sha256, fsync_directory
 
 MARKER = "COMMITTED.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+NEXT, OLD = ".next", ".old"
+"""A save of a step already committed is written beside it, in step_N.next, and takes its place
+once committed (atomically where the system can exchange two directories; else step_N is renamed
+to step_N.old first): the committed checkpoint is never uncommitted, and is removed only after."""
+_SIDE_DIR = re.compile(r"^step_(\d{8})(\.next|\.old)$")
 _EXTRA_FILE = re.compile(r"^(?!rank\d+\.pt$)[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
@@ -313,25 +318,30 @@ def save(parts: Mapping[str, Stateful], directory: str, step: int, topology, fin
         problem = validate(state) if validate is not None else None
     except CheckpointError as e:
         problem = f"rank {rank}: {e}"
-    problems = [p for p in _gather_objects(problem, group) if p]
+    # Rank 0 decides whether this step is committed already (a save after skipped steps, which
+    # do not advance the step, or a second save of one step): then it is written beside it.
+    resave = rank == 0 and os.path.exists(os.path.join(step_dir, MARKER))
+    gathered = _gather_objects((problem, resave), group)
+    problems = [p for p, _ in gathered if p]
     if problems:
         raise CheckpointError(f"checkpoint of step {step} not saved; " + "; ".join(problems))
+    write_dir = step_dir + NEXT if gathered[0][1] else step_dir
     register_for_cleanup(directory)
     if rank == 0:
-        if os.path.exists(os.path.join(step_dir, MARKER)):
-            os.remove(os.path.join(step_dir, MARKER))  # re-saving a step: uncommit it first
         remove_crashed_saves(directory, step)  # (no rank writes yet: they wait below)
+        if write_dir != step_dir:
+            shutil.rmtree(write_dir, ignore_errors=True)  # (an earlier save of this step that failed)
     if group is not None:
         dist.barrier(group=group)
     if not background:
-        return _write_and_commit(state, directory, step_dir, step, rank, world, group, fingerprint, shards,
+        return _write_and_commit(state, directory, write_dir, step, rank, world, group, fingerprint, shards,
                                  files, keep_last, run_id=run_id)
     if group is not None and background_group is None:
         raise ValueError("save(background=True) with several ranks needs a background_group of its own")
     files = {name: content if isinstance(content, bytes) else _to_bytes(content)
              for name, content in (files or {}).items()}
     return PendingSave(step_dir, lambda serialized: _write_and_commit(
-        state, directory, step_dir, step, rank, world, background_group, fingerprint, shards, files, keep_last,
+        state, directory, write_dir, step, rank, world, background_group, fingerprint, shards, files, keep_last,
         run_id=run_id, serialized=serialized))
 
 
@@ -420,11 +430,25 @@ def _write_and_commit(state: dict, directory: str, step_dir: str, step: int, ran
         if run_id is not None:
             marker["run_id"] = run_id  # whose checkpoint this is: rotation deletes only its own run's
         atomic_write(os.path.join(step_dir, MARKER), lambda f: f.write(json.dumps(marker, indent=1).encode()))
+        if step_dir.endswith(NEXT):
+            _replace_committed(step_dir[:-len(NEXT)], step_dir)
         if keep_last:
             rotate(directory, run_id, keep_last)
     if group is not None:
         dist.barrier(group=group)
-    return step_dir
+    return step_dir.removesuffix(NEXT)
+
+
+def _replace_committed(step_dir: str, new_dir: str) -> None:
+    """new_dir, committed, takes the place of step_dir, committed: in one atomic exchange where
+    the system can (the superseded checkpoint is then in new_dir, and removed); else in two
+    renames through step_dir.old, between which readers find new_dir (_step_path)."""
+    if not exchange_paths(new_dir, step_dir):
+        os.rename(step_dir, step_dir + OLD)
+        os.rename(new_dir, step_dir)
+        new_dir = step_dir + OLD
+    fsync_directory(os.path.dirname(step_dir) or ".")
+    shutil.rmtree(new_dir, ignore_errors=True)
 
 
 def layout_changed(marker: dict, topology, fingerprint: dict) -> bool:
@@ -473,7 +497,7 @@ def find_committed(directory: str, step: int | None = None) -> tuple[str, dict]:
         if step not in marked:
             raise CheckpointError(f"no committed checkpoint for step {step} in {directory!r}; "
                                   f"committed: {committed_steps(directory)}")
-        return os.path.join(directory, f"step_{step:08d}"), read_marker(directory, step)
+        return _step_path(directory, step), read_marker(directory, step)
     corrupt = []
     for candidate in reversed(marked):
         problem = _marker_problem(directory, candidate)
@@ -483,7 +507,7 @@ def find_committed(directory: str, step: int | None = None) -> tuple[str, dict]:
 
                 warnings.warn(f"{'; '.join(corrupt)}: falling back to step {candidate}, the newest intact "
                               f"committed checkpoint in {directory!r}", stacklevel=2)
-            return os.path.join(directory, f"step_{candidate:08d}"), read_marker(directory, candidate)
+            return _step_path(directory, candidate), read_marker(directory, candidate)
         corrupt.append(problem)
     if corrupt:
         raise CheckpointError(f"no intact committed checkpoint in {directory!r}: {'; '.join(corrupt)}")
@@ -518,22 +542,33 @@ def load(parts: Mapping[str, Stateful], directory: str, step: int | None, topolo
 _MARKER_KEYS = ("step", "world_size", "layouts", "sha256")
 
 
+def _step_path(directory: str, step: int) -> str:
+    """Where step's committed checkpoint is: step_N, or, while a save of a step already
+    committed is between its two renames (_replace_committed without an atomic exchange), the
+    new step_N.next, else the old step_N.old."""
+    base = os.path.join(directory, f"step_{step:08d}")
+    for path in (base, base + NEXT, base + OLD):
+        if os.path.exists(os.path.join(path, MARKER)):
+            return path
+    return base
+
+
 def marked_steps(directory: str) -> list[int]:
     """Steps whose directory holds a commit marker, intact or not, oldest first."""
     if not os.path.isdir(directory):
         return []
-    steps = []
+    steps = set()
     for name in os.listdir(directory):
-        m = _STEP_DIR.match(name)
+        m = _STEP_DIR.match(name) or _SIDE_DIR.match(name)
         if m and os.path.exists(os.path.join(directory, name, MARKER)):
-            steps.append(int(m.group(1)))
+            steps.add(int(m.group(1)))
     return sorted(steps)
 
 
 def read_marker(directory: str, step: int) -> dict:
     """The commit marker of step, or a CheckpointError naming the file when it cannot be read,
     is not JSON or is not a marker (a byte flip, a truncation, a hand edit)."""
-    path = os.path.join(directory, f"step_{step:08d}", MARKER)
+    path = os.path.join(_step_path(directory, step), MARKER)
     try:
         with open(path, "rb") as f:
             marker = json.loads(f.read().decode("utf-8"))
@@ -578,7 +613,7 @@ def rotate(directory: str, run_id: str | None, keep_last: int) -> list[int]:
     own = [step for step in committed_steps(directory) if run_of(directory, step) == run_id]
     doomed = own[:-keep_last]
     for old in doomed:
-        shutil.rmtree(os.path.join(directory, f"step_{old:08d}"), ignore_errors=True)
+        shutil.rmtree(_step_path(directory, old), ignore_errors=True)
     return doomed
 
 
@@ -592,7 +627,7 @@ def remove_crashed_saves(directory: str, step: int | None) -> int:
         step = 1 << 62
     if not os.path.isdir(directory):
         return 0
-    removed = 0
+    removed = _settle_side_dirs(directory, step)
     for name in os.listdir(directory):
         m = _STEP_DIR.match(name)
         if not m or int(m.group(1)) > step:
@@ -609,6 +644,29 @@ def remove_crashed_saves(directory: str, step: int | None) -> int:
             if f.endswith(".tmp") and os.path.isfile(os.path.join(path, f)):
                 removed += os.path.getsize(os.path.join(path, f))
                 os.remove(os.path.join(path, f))
+    return removed
+
+
+def _settle_side_dirs(directory: str, step: int) -> int:
+    """Finish or undo what an interrupted save of a committed step left beside it (steps up to
+    ``step``): with step_N committed, step_N.next and step_N.old are leftovers; with step_N gone
+    between the two renames of _replace_committed, the committed step_N.next (else .old) takes
+    its place. Returns the bytes removed."""
+    removed = 0
+    for name in sorted(os.listdir(directory)):
+        m = _SIDE_DIR.match(name)
+        if not m or int(m.group(1)) > step:
+            continue
+        side, base = os.path.join(directory, name), os.path.join(directory, f"step_{m.group(1)}")
+        if not os.path.isdir(side):
+            continue
+        if not os.path.exists(os.path.join(base, MARKER)) and os.path.exists(os.path.join(side, MARKER)) \
+                and _step_path(directory, int(m.group(1))) == side:
+            shutil.rmtree(base, ignore_errors=True)  # (an uncommitted step_N cannot be: only absent)
+            os.rename(side, base)
+            continue
+        removed += sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(side) for f in files)
+        shutil.rmtree(side, ignore_errors=True)
     return removed
 
 
@@ -660,10 +718,11 @@ def remove_checkpoints(directory: str) -> list[int]:
         return []
     removed = []
     for name in sorted(os.listdir(directory)):
-        m = _STEP_DIR.match(name)
+        m = _STEP_DIR.match(name) or _SIDE_DIR.match(name)
         if m and os.path.isdir(os.path.join(directory, name)):
             shutil.rmtree(os.path.join(directory, name))
-            removed.append(int(m.group(1)))
+            if int(m.group(1)) not in removed:
+                removed.append(int(m.group(1)))
     return removed
 
 

@@ -33,3 +33,36 @@ def file_sha256(path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def fsync_directory(path: str | os.PathLike) -> None:
+    """Make the entries of directory path (renames, creations) durable."""
+    fd = os.open(os.fspath(path), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_RENAME_EXCHANGE = 2  # (linux/fs.h)
+_AT_FDCWD = -100
+
+
+def exchange_paths(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Swap two existing paths in one atomic step (Linux renameat2 RENAME_EXCHANGE): at every
+    instant each name holds one of the two. Returns False where the system or the file system
+    cannot (the caller then swaps in two renames); other errors are raised."""
+    import ctypes
+    import errno
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(a), os.fspath(b))
