@@ -192,3 +192,37 @@ def test_a_save_interrupted_between_its_two_renames_is_found_and_settled(tmp_pat
                            tiertrain.Topology.build(make_config().parallel))
     fresh.load_checkpoint(str(tmp_path))
     assert fresh.train_state.micro_steps == 2
+
+
+# -- every rank loads the same checkpoint (issue 32, item 2) --------------------------------
+
+def _resume_when_the_newest_is_corrupt_on_one_rank(rank, world, directory):
+    import warnings
+
+    cfg = make_config(zero={"stage": 2}, batch={"micro_batch_size": 2})
+    engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
+    for batch in global_batches(2, 4):
+        engine.train_batch(rank_slices(batch, rank, world, 2, 1))
+        step_dir = engine.save_checkpoint(directory)
+    if rank == 1:  # (rank 1's file of the newest checkpoint; rank 0's is intact)
+        with open(os.path.join(step_dir, "rank00001.pt"), "r+b") as f:
+            f.seek(100)
+            f.write(b"garbage")
+    torch.distributed.barrier()
+    fresh = tiertrain.wrap(make_model(seed=7), cfg, tiertrain.Topology.build(cfg.parallel))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh.load_checkpoint(directory)
+    return fresh.steps, [str(w.message) for w in caught if "falling back" in str(w.message)]
+
+
+@pytest.mark.timeout(60)
+def test_every_rank_falls_back_together_when_one_rank_file_of_the_newest_is_corrupt(tmp_path):
+    """Each rank used to take "the newest committed checkpoint" on its own and verify only its
+    own file: rank 0 loaded step 2 while rank 1 failed on its corrupt file (or, with a commit
+    between their look-ups, the ranks loaded different steps). Rank 0 now picks, every rank
+    verifies its file, and all move to the newest checkpoint intact on every rank."""
+    results = run_distributed(_resume_when_the_newest_is_corrupt_on_one_rank, 2, str(tmp_path), timeout=50)
+    assert [steps for steps, _ in results] == [1, 1]
+    for _, warned in results:
+        assert len(warned) == 1 and "rank 1:" in warned[0] and "rank00001.pt" in warned[0] and "step 1" in warned[0]

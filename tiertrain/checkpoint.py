@@ -475,15 +475,63 @@ def rank_file_name(rank: int) -> str:
     return f"rank{rank:05d}.pt"
 
 
+_verified: dict[tuple[str, str], tuple[int, int, int]] = {}  # (path, sha256) -> (inode, size, mtime_ns) last verified
+
+
 def verified_file(step_dir: str, name: str, sha256: str) -> str:
     """The path of a committed checkpoint's file, once it exists and its content has the
-    sha256 committed for it (a CheckpointError naming the file otherwise)."""
+    sha256 committed for it (a CheckpointError naming the file otherwise). A file verified
+    before and unchanged since (inode, size, modification time) is not read again."""
     path = os.path.join(step_dir, name)
     if not os.path.exists(path):
         raise CheckpointError(f"{path!r} is missing from a committed checkpoint")
+    st = os.stat(path)
+    seen = (st.st_ino, st.st_size, st.st_mtime_ns)
+    if _verified.get((path, sha256)) == seen:
+        return path
     if file_sha256(path) != sha256:
         raise CheckpointError(f"{path!r} is corrupt: its sha256 differs from the one committed")
+    _verified[(path, sha256)] = seen
     return path
+
+
+def agree_on_checkpoint(directory: str, step: int | None, topology) -> tuple[str, dict]:
+    """Collective: (step directory, commit marker) of the checkpoint every rank loads. Rank 0
+    picks the newest committed checkpoint (or the given step), every rank verifies its own file
+    in it, and when any cannot (missing, corrupt) every rank moves on to the next older one
+    together (not with a step given), with a warning naming what was passed over. Ranks looking
+    for "the newest" each on its own could pick different checkpoints when one was committed
+    between their look-ups."""
+    rank, group = topology.rank, topology.world_group()
+    choice = None
+    if rank == 0:
+        try:
+            find_committed(directory, step)  # (the error naming why nothing is loadable)
+            choice = ([step] if step is not None else list(reversed(committed_steps(directory))), None)
+        except CheckpointError as e:
+            choice = ([], str(e))
+    candidates, error = _gather_objects(choice, group)[0]
+    if error is not None:
+        raise CheckpointError(error)
+    passed_over = []
+    for candidate in candidates:
+        step_dir, problem = _step_path(directory, candidate), None
+        try:
+            marker = read_marker(directory, candidate)
+            if rank < len(marker["sha256"]):
+                verified_file(step_dir, rank_file_name(rank), marker["sha256"][rank])
+        except CheckpointError as e:
+            problem = f"rank {rank}: {e}"
+        problems = [p for p in _gather_objects(problem, group) if p]
+        if not problems:
+            if passed_over:
+                import warnings
+
+                warnings.warn(f"{'; '.join(passed_over)}: falling back to step {candidate}, the newest intact "
+                              f"committed checkpoint in {directory!r}", stacklevel=2)
+            return step_dir, marker
+        passed_over.append(f"step {candidate} is not intact ({'; '.join(problems)})")
+    raise CheckpointError(f"no intact committed checkpoint in {directory!r}: {'; '.join(passed_over)}")
 
 
 def find_committed(directory: str, step: int | None = None) -> tuple[str, dict]:
@@ -514,12 +562,12 @@ def find_committed(directory: str, step: int | None = None) -> tuple[str, dict]:
     raise CheckpointError(f"no committed checkpoint in {directory!r}")
 
 
-def load(parts: Mapping[str, Stateful], directory: str, step: int | None, topology, fingerprint: dict,
+def load(parts: Mapping[str, Stateful], step_dir: str, marker: dict, topology, fingerprint: dict,
          device: torch.device) -> dict:
-    """Restore the newest (or the given) committed checkpoint into the parts; returns the
-    saved extras. fingerprint must match the one saved by this rank (a checkpoint of another
-    data-parallel size or ZeRO stage loads through tiertrain/reshard.py instead)."""
-    step_dir, marker = find_committed(directory, step)
+    """Restore the committed checkpoint in step_dir (its marker: agree_on_checkpoint) into the
+    parts; returns the saved extras. fingerprint must match the one saved by this rank (a
+    checkpoint of another data-parallel size or ZeRO stage loads through tiertrain/reshard.py
+    instead)."""
     rank = topology.rank
     if marker["world_size"] != topology.world_size:
         raise CheckpointError(f"{step_dir!r} was saved by {marker['world_size']} ranks, "

@@ -678,18 +678,19 @@ class Engine:
                                        self.tied_copies())
 
     def load_checkpoint(self, directory: str, step: int | None = None, reshard: bool = True) -> dict:
-        """Collective: restore the newest committed checkpoint; returns the extras saved with it.
+        """Collective: restore the newest intact committed checkpoint (all ranks the same one,
+        checkpoint.agree_on_checkpoint), or the given step; returns the extras saved with it.
         A checkpoint saved at another layout (data-, tensor- or pipeline-parallel size, ZeRO
         stage, optimizer tier, unit sizes) is resharded to this run's (tiertrain/reshard.py);
         reshard=False refuses it instead."""
         self.wait_for_checkpoint()
         self.quiesce()
         fingerprint = self.checkpoint_fingerprint()
-        step_dir, marker = checkpoint.find_committed(directory, step)
+        step_dir, marker = checkpoint.agree_on_checkpoint(directory, step, self.topology)
         if reshard and checkpoint.layout_changed(marker, self.topology, fingerprint):
             return reshard_module.load_resharded(self.checkpoint_parts(), step_dir, marker, self.topology.rank,
                                                  fingerprint, self.shard_description(), self.update)
-        return checkpoint.load(self.checkpoint_parts(), directory, step, self.topology, fingerprint, self.device)
+        return checkpoint.load(self.checkpoint_parts(), step_dir, marker, self.topology, fingerprint, self.device)
 
     def masters(self) -> list[torch.Tensor]:
         """This rank's fp32 master shard of every unit (read from NVMe when they live there)."""

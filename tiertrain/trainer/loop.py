@@ -435,13 +435,13 @@ class Trainer:
             return 0
         if not checkpoint.marked_steps(ckpt.dir):
             return 0
-        # The newest intact checkpoint (newer ones with a corrupt marker are named in a
-        # warning); a CheckpointError naming the markers when none is intact.
-        step_dir, marker = checkpoint.find_committed(ckpt.dir)
+        # The newest checkpoint intact on every rank, the same for all (newer ones not intact are
+        # named in a warning); a CheckpointError naming what is wrong when none is intact.
+        step_dir, marker = checkpoint.agree_on_checkpoint(ckpt.dir, None, self.engine.topology)
         saved = checkpoint.peek_extra(step_dir) or {}
         if isinstance(saved.get("model"), dict) and self.fingerprint is not None:
             _compare_fingerprints(saved["model"], self.fingerprint, f"checkpoint {step_dir!r}")
-        extra = self.engine.load_checkpoint(ckpt.dir) or {}
+        extra = self.engine.load_checkpoint(ckpt.dir, step=marker["step"]) or {}
         position = extra.get("data", {"sampler": extra["sampler"]} if "sampler" in extra else None)
         if position is not None:
             try:
