@@ -93,7 +93,7 @@ def _save_to(rank, world, directory):
 def test_unwritable_directory_fails_on_every_rank_without_hanging(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    with pytest.raises(RankFailure, match=r"checkpoint not committed.*writing"):
+    with pytest.raises(RankFailure, match=r"checkpoint directory .*ckpt.*Not a directory"):
         run_distributed(_save_to, 2, str(blocker / "ckpt"), timeout=40)
 
 
@@ -124,6 +124,10 @@ def _engine_after_a_skipped_step(directory):
     engine.step()
     assert engine.steps == 1 and engine.train_state.skipped_steps == 1
     return engine
+
+
+def _step_entries(directory) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.startswith("step_"))
 
 
 def _saved_micro_steps(directory, step=1) -> int:
@@ -159,7 +163,7 @@ def test_a_save_of_a_committed_step_that_fails_keeps_the_committed_one(tmp_path,
     monkeypatch.setattr(checkpoint_module, "atomic_write", real_write)
     engine.save_checkpoint(str(tmp_path), keep_last=1)
     assert committed_steps(str(tmp_path)) == [1] and _saved_micro_steps(tmp_path) == 2
-    assert sorted(os.listdir(tmp_path)) == ["step_00000001"], "nothing is left beside it"
+    assert _step_entries(tmp_path) == ["step_00000001"], "nothing is left beside it"
 
 
 def test_a_save_interrupted_between_its_two_renames_is_found_and_settled(tmp_path, monkeypatch):
@@ -183,11 +187,11 @@ def test_a_save_interrupted_between_its_two_renames_is_found_and_settled(tmp_pat
     with pytest.raises(KeyboardInterrupt):
         engine.save_checkpoint(str(tmp_path))
     monkeypatch.setattr(checkpoint_module.os, "rename", real_rename)
-    assert sorted(os.listdir(tmp_path)) == ["step_00000001.next", "step_00000001.old"]
+    assert _step_entries(tmp_path) == ["step_00000001.next", "step_00000001.old"]
     assert committed_steps(str(tmp_path)) == [1]
     assert find_committed(str(tmp_path))[0].endswith("step_00000001.next") and _saved_micro_steps(tmp_path) == 2
     remove_crashed_saves(str(tmp_path), None)
-    assert sorted(os.listdir(tmp_path)) == ["step_00000001"] and _saved_micro_steps(tmp_path) == 2
+    assert _step_entries(tmp_path) == ["step_00000001"] and _saved_micro_steps(tmp_path) == 2
     fresh = tiertrain.wrap(make_model(seed=3), make_config(batch={"micro_batch_size": 4}),
                            tiertrain.Topology.build(make_config().parallel))
     fresh.load_checkpoint(str(tmp_path))
@@ -226,3 +230,34 @@ def test_every_rank_falls_back_together_when_one_rank_file_of_the_newest_is_corr
     assert [steps for steps, _ in results] == [1, 1]
     for _, warned in results:
         assert len(warned) == 1 and "rank 1:" in warned[0] and "rank00001.pt" in warned[0] and "step 1" in warned[0]
+
+
+# -- one job per checkpoint directory (issue 32, item 3) ------------------------------------
+
+def test_a_second_job_in_a_checkpoint_directory_is_refused_naming_the_first(tmp_path):
+    """Two jobs given one checkpoint directory used to break each other: the second resumed the
+    first's run, and each deleted the other's half-written steps. The directory is now locked by
+    the job that uses it (its rank 0, for as long as its process lives): another job's save or
+    load is an error naming the holder's host and pid. A lock dies with its process."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, tiertrain.checkpoint as c; c._acquire(sys.argv[1]); "
+                               "print('locked', flush=True); sys.stdin.read()", str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        cfg = make_config()
+        engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
+        named = rf"checkpoint directory .* is in use by another job \(host .*, pid {holder.pid}, since"
+        with pytest.raises(CheckpointError, match=named):
+            engine.save_checkpoint(str(tmp_path))
+        with pytest.raises(CheckpointError, match=named):
+            engine.load_checkpoint(str(tmp_path))
+        assert committed_steps(str(tmp_path)) == []
+    finally:
+        holder.kill()
+        holder.wait()
+    engine.save_checkpoint(str(tmp_path))  # (the holder is gone, and its lock with it)
+    assert committed_steps(str(tmp_path)) == [0]

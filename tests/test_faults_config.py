@@ -398,7 +398,7 @@ def test_what_a_killed_save_left_behind_is_removed_by_the_next_save(tmp_path):
     for _ in range(2):
         engine.train_batch(iter([_batch()]))
     engine.save_checkpoint(str(ckpt))
-    assert sorted(os.listdir(ckpt)) == ["step_00000002", "step_00000009"]
+    assert sorted(os.listdir(ckpt)) == [checkpoint.LOCK, "step_00000002", "step_00000009"]
     assert {"COMMITTED.json", "rank00000.pt"} <= set(os.listdir(again))
     assert not [f for f in os.listdir(again) if f.endswith(".tmp")]
     assert os.listdir(later) == ["rank00000.pt.aa00.tmp"]
@@ -420,8 +420,9 @@ def test_metrics_lines_are_strict_json_with_a_flag_for_non_finite_values():
 @pytest.mark.timeout(240)
 def test_resume_flag_at_another_world_size_and_stage_and_one_line_worker_errors(tmp_path):
     """`tiertrain train --resume DIR` continues a 2-rank stage-2 run on 1 rank at stage 3
-    (engine.load_checkpoint reshards it). Then a corrupted checkpoint, refused inside the
-    worker ranks, is reported as one line naming the file (the traceback only with --debug)."""
+    (engine.load_checkpoint reshards it). A corrupt newest checkpoint is passed over for the
+    previous one; with none intact, the refusal inside the worker ranks is reported as one line
+    naming the file (the traceback only with --debug)."""
     ckpt = tmp_path / "ckpt"
     metrics = tmp_path / "m.jsonl"
     common = [*TINY, "--data.cache_dir", str(tmp_path / "cache"), "--logging.metrics_file", str(metrics),
@@ -440,10 +441,23 @@ def test_resume_flag_at_another_world_size_and_stage_and_one_line_worker_errors(
     assert math.isfinite(records[-1]["loss"]) and 4.0 < records[-1]["loss"] < 7.0
     assert committed_steps(str(ckpt)) == [2, 3]
 
-    rank_file = ckpt / "step_00000003" / "rank00000.pt"
-    data = bytearray(rank_file.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    rank_file.write_bytes(bytes(data))
+    def corrupt(step):
+        rank_file = ckpt / f"step_{step:08d}" / "rank00000.pt"
+        data = bytearray(rank_file.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        rank_file.write_bytes(bytes(data))
+
+    # The newest checkpoint corrupt: every rank falls back to the newest intact one, saying so
+    # (issue 32: ranks agree, and a corrupt newest checkpoint does not stop the resume); the
+    # run's step 3 is then saved again, beside the corrupt one, which it replaces.
+    corrupt(3)
+    fallback = _tiertrain(["train", "--nproc", "2", "--zero.stage", "2", "--steps", "3", "--resume", str(ckpt),
+                           *common], cwd=tmp_path)
+    assert fallback.returncode == 0, fallback.stderr[-3000:]
+    assert "falling back to step 2" in fallback.stderr and "rank00000.pt" in fallback.stderr
+    assert committed_steps(str(ckpt)) == [2, 3]
+    for step in committed_steps(str(ckpt)):  # nothing intact: refused
+        corrupt(step)
     refused = _tiertrain(["train", "--nproc", "2", "--zero.stage", "2", "--steps", "4", "--resume", str(ckpt),
                           *common], cwd=tmp_path)
     assert refused.returncode == 1

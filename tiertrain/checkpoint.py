@@ -326,6 +326,7 @@ def save(parts: Mapping[str, Stateful], directory: str, step: int, topology, fin
     if problems:
         raise CheckpointError(f"checkpoint of step {step} not saved; " + "; ".join(problems))
     write_dir = step_dir + NEXT if gathered[0][1] else step_dir
+    lock_directory(directory, topology)  # (one job per checkpoint directory; nothing written before)
     register_for_cleanup(directory)
     if rank == 0:
         remove_crashed_saves(directory, step)  # (no rank writes yet: they wait below)
@@ -716,6 +717,67 @@ def _settle_side_dirs(directory: str, step: int) -> int:
         removed += sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(side) for f in files)
         shutil.rmtree(side, ignore_errors=True)
     return removed
+
+
+LOCK = ".tiertrain.lock"
+"""The lock file of a checkpoint directory in use (lock_directory)."""
+
+_held_locks: dict[str, int] = {}  # real path of a directory this process locked -> the lock file's descriptor
+
+
+def lock_directory(directory: str, topology, writing: bool = True) -> None:
+    """Collective: claim directory for this job's checkpoints, so that a second job given the same
+    directory stops with an error naming the job that holds it, instead of resuming the first
+    one's run and deleting its half-written steps. Rank 0 holds an exclusive lock (flock) on
+    directory/.tiertrain.lock until its process ends or release_directory; the file names the
+    holder's host, pid and start time. The kernel drops the lock of a process that dies, so a
+    killed job leaves nothing that blocks the next. ``writing=False`` (a load): a directory
+    that does not exist is not created, and one this process cannot write to is read unlocked
+    (a job that cannot write there cannot harm another's checkpoints)."""
+    problem = None
+    if topology.rank == 0 and (writing or os.path.isdir(directory)):
+        try:
+            _acquire(directory)
+        except OSError as e:
+            import errno
+
+            if writing or e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                problem = f"checkpoint directory {directory!r}: {e}"
+        except CheckpointError as e:
+            problem = str(e)
+    problems = [p for p in _gather_objects(problem, topology.world_group()) if p]
+    if problems:
+        raise CheckpointError(problems[0])
+
+
+def _acquire(directory: str) -> None:
+    import fcntl
+    import socket
+    import time
+
+    path = os.path.realpath(directory)
+    if path in _held_locks:
+        return
+    os.makedirs(path, exist_ok=True)
+    fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 4096).decode("utf-8", "replace").strip() or "a process that wrote no name"
+        os.close(fd)
+        raise CheckpointError(f"checkpoint directory {directory!r} is in use by another job ({holder}); give each "
+                              f"job its own checkpoint directory, or stop that job first") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, (f"host {socket.gethostname()}, pid {os.getpid()}, since "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}").encode())
+    _held_locks[path] = fd
+
+
+def release_directory(directory: str) -> None:
+    """Give up this process's lock on directory (lock_directory), if it holds one."""
+    fd = _held_locks.pop(os.path.realpath(directory), None)
+    if fd is not None:
+        os.close(fd)
 
 
 CLEANUP_PREFIX = "checkpoints-"

@@ -686,6 +686,7 @@ class Engine:
         self.wait_for_checkpoint()
         self.quiesce()
         fingerprint = self.checkpoint_fingerprint()
+        checkpoint.lock_directory(directory, self.topology, writing=False)  # (a second job must not resume the first's run)
         step_dir, marker = checkpoint.agree_on_checkpoint(directory, step, self.topology)
         if reshard and checkpoint.layout_changed(marker, self.topology, fingerprint):
             return reshard_module.load_resharded(self.checkpoint_parts(), step_dir, marker, self.topology.rank,

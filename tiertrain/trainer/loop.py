@@ -423,6 +423,8 @@ class Trainer:
         ckpt = self.config.checkpoint
         if not ckpt.dir:
             return 0
+        # Before anything in the directory is cleaned, removed or resumed: one job per directory.
+        checkpoint.lock_directory(ckpt.dir, self.engine.topology)
         if self.is_main:
             # What a job killed mid-save left (temporary files, uncommitted step directories):
             # nobody saves yet, and no rank reads those.
