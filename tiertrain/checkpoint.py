@@ -476,6 +476,52 @@ def rank_file_name(rank: int) -> str:
     return f"rank{rank:05d}.pt"
 
 
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+MAX_MARKER_BYTES = 64 << 20
+"""A commit marker larger than this is not one (it is read whole into memory)."""
+
+
+def open_checkpoint_file(step_dir: str, name: str) -> int:
+    """An open descriptor (read-only) of file ``name`` of a step directory, once it is what a
+    checkpoint's file is: a plain name (no path separator, no ``..``), not a symbolic link, a
+    regular file (not a FIFO, a device or a directory) in a step directory that is no link
+    either. A checkpoint directory may come from anyone, and its commit marker names files: a
+    link to /dev/zero or a FIFO used to make export and resume read or wait forever, and a path
+    in the marker could point anywhere. The caller closes the descriptor."""
+    if not isinstance(name, str) or not _PLAIN_NAME.match(name):
+        raise CheckpointError(f"{step_dir!r}: the commit marker names the file {name!r}, which is not a plain file "
+                              f"name in the step directory (letters, digits, '_', '.', '-'; no path)")
+    if os.path.islink(step_dir):
+        raise CheckpointError(f"{step_dir!r} is a symbolic link: a checkpoint's step directories are never links")
+    path = os.path.join(step_dir, name)
+    try:  # (O_NONBLOCK: opening a FIFO returns at once, and fstat then refuses it)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path!r} is missing from a committed checkpoint") from None
+    except OSError as e:
+        import errno
+
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"{path!r} is a symbolic link: a checkpoint's files are never links "
+                                  f"(one pointing out of the directory, or at a device, is refused)") from None
+        raise CheckpointError(f"{path!r} cannot be read: {e.strerror or e}") from None
+    import stat
+
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path!r} is not a regular file (a FIFO, a device or a directory): refused")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _fd_sha256(fd: int) -> str:
+    h = hashlib.sha256()
+    with os.fdopen(os.dup(fd), "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 _verified: dict[tuple[str, str], tuple[int, int, int]] = {}  # (path, sha256) -> (inode, size, mtime_ns) last verified
 
 
@@ -484,14 +530,16 @@ def verified_file(step_dir: str, name: str, sha256: str) -> str:
     sha256 committed for it (a CheckpointError naming the file otherwise). A file verified
     before and unchanged since (inode, size, modification time) is not read again."""
     path = os.path.join(step_dir, name)
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path!r} is missing from a committed checkpoint")
-    st = os.stat(path)
-    seen = (st.st_ino, st.st_size, st.st_mtime_ns)
-    if _verified.get((path, sha256)) == seen:
-        return path
-    if file_sha256(path) != sha256:
-        raise CheckpointError(f"{path!r} is corrupt: its sha256 differs from the one committed")
+    fd = open_checkpoint_file(step_dir, name)
+    try:
+        st = os.fstat(fd)
+        seen = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if _verified.get((path, sha256)) == seen:
+            return path
+        if _fd_sha256(fd) != sha256:
+            raise CheckpointError(f"{path!r} is corrupt: its sha256 differs from the one committed")
+    finally:
+        os.close(fd)
     _verified[(path, sha256)] = seen
     return path
 
@@ -617,10 +665,16 @@ def marked_steps(directory: str) -> list[int]:
 def read_marker(directory: str, step: int) -> dict:
     """The commit marker of step, or a CheckpointError naming the file when it cannot be read,
     is not JSON or is not a marker (a byte flip, a truncation, a hand edit)."""
-    path = os.path.join(_step_path(directory, step), MARKER)
+    step_dir = _step_path(directory, step)
+    path = os.path.join(step_dir, MARKER)
+    fd = open_checkpoint_file(step_dir, MARKER)
     try:
-        with open(path, "rb") as f:
-            marker = json.loads(f.read().decode("utf-8"))
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(MAX_MARKER_BYTES + 1)
+        if len(data) > MAX_MARKER_BYTES:
+            raise CheckpointError(f"{path!r} is corrupt: larger than {MAX_MARKER_BYTES} bytes, which no commit "
+                                  f"marker is")
+        marker = json.loads(data.decode("utf-8"))
     except OSError as e:
         raise CheckpointError(f"{path!r} cannot be read: {e.strerror or e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -630,7 +684,28 @@ def read_marker(directory: str, step: int) -> dict:
     if missing:
         raise CheckpointError(f"{path!r} is corrupt: it is not a tiertrain commit marker (a JSON object with "
                               f"{', '.join(_MARKER_KEYS)}; missing {', '.join(missing)})")
+    problem = _marker_shape_problem(marker)
+    if problem:
+        raise CheckpointError(f"{path!r} is corrupt: {problem}")
     return marker
+
+
+def _marker_shape_problem(marker: dict) -> str | None:
+    """What in a marker does not hold together (one checksum and one layout per rank, ...)."""
+    world = marker["world_size"]
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        return f"world_size {world!r} is not a positive number of ranks"
+    for key in ("sha256", "layouts") + (("shards",) if "shards" in marker else ()):
+        value = marker[key]
+        if not isinstance(value, list) or len(value) != world:
+            return f"{key!r} must list one entry per rank ({world}), it has {len(value) if isinstance(value, list) else value!r}"
+    bad = [d for d in marker["sha256"] if not (isinstance(d, str) and re.fullmatch(r"[0-9a-f]{64}", d))]
+    if bad:
+        return f"'sha256' holds {bad[0]!r}, which is not a sha256 digest"
+    files = marker.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        return "'files' must map file names to sha256 digests"
+    return None
 
 
 def _marker_problem(directory: str, step: int) -> str | None:
