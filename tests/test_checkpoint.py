@@ -243,7 +243,7 @@ def test_a_second_job_in_a_checkpoint_directory_is_refused_naming_the_first(tmp_
     import sys
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, tiertrain.checkpoint as c; c._acquire(sys.argv[1]); "
+        [sys.executable, "-c", "import sys, tiertrain.checkpoint as c; c.claim_directory(sys.argv[1]); "
                                "print('locked', flush=True); sys.stdin.read()", str(tmp_path)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

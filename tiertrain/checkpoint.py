@@ -812,7 +812,7 @@ def lock_directory(directory: str, topology, writing: bool = True) -> None:
     problem = None
     if topology.rank == 0 and (writing or os.path.isdir(directory)):
         try:
-            _acquire(directory)
+            claim_directory(directory)
         except OSError as e:
             import errno
 
@@ -825,7 +825,8 @@ def lock_directory(directory: str, topology, writing: bool = True) -> None:
         raise CheckpointError(problems[0])
 
 
-def _acquire(directory: str) -> None:
+def claim_directory(directory: str) -> None:
+    """This process's exclusive lock on a checkpoint directory (lock_directory's, for one process)."""
     import fcntl
     import socket
     import time
@@ -853,6 +854,15 @@ def release_directory(directory: str) -> None:
     fd = _held_locks.pop(os.path.realpath(directory), None)
     if fd is not None:
         os.close(fd)
+
+
+def is_checkpoint_directory(directory: str) -> bool:
+    """Whether directory holds checkpoint steps (committed or not) or a checkpoint lock."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return False
+    return LOCK in names or any(_STEP_DIR.match(n) or _SIDE_DIR.match(n) for n in names)
 
 
 CLEANUP_PREFIX = "checkpoints-"

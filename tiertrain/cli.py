@@ -39,6 +39,8 @@ commands:
              and write a config for `tiertrain train --config`
   export     write a saved checkpoint as a Hugging Face checkpoint (safetensors, config.json),
              offline: one process, one tensor in memory at a time
+  clean      remove what killed runs left: abandoned launch directories with their swap files,
+             unfinished checkpoint saves and unlocked swap directories in the DIRs given
   plot       draw a run's metrics (loss and eval loss, throughput, memory per tier against
              the estimator's prediction, step time) as PNGs
 
@@ -764,6 +766,33 @@ def _peak_rss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
+def cmd_clean(argv: list[str]) -> int:
+    from .checkpoint import CheckpointError
+    from .cleanup import clean_directory, remove_abandoned_launches
+
+    p = argparse.ArgumentParser(
+        prog="tiertrain clean", allow_abbrev=False,
+        description="Remove what killed runs left behind, naming each thing removed: launch directories "
+                    "($TMPDIR/tiertrain-launch-*) whose launcher is gone, with the swap files and unfinished "
+                    "checkpoint saves their ranks registered; in each DIR given, a checkpoint directory's "
+                    "unfinished steps and temporary files (refused while a live job holds the directory) or a "
+                    "swap directory's rank directories that no live process locks. Every new launch does the "
+                    "first part by itself.")
+    p.add_argument("dirs", metavar="DIR", nargs="*", help="a checkpoint directory or a swap directory (zero.nvme_path)")
+    args = p.parse_args(argv)
+    lines = remove_abandoned_launches()
+    for directory in args.dirs:
+        try:
+            lines += clean_directory(directory)
+        except (CheckpointError, OSError) as e:
+            return _error(str(e), code=1)
+    for line in lines:
+        print(f"removed {line}")
+    if not lines:
+        print("nothing to remove")
+    return 0
+
+
 def cmd_export(argv: list[str]) -> int:
     from .checkpoint import CheckpointError
     from .consolidate import FORMATS, export_checkpoint
@@ -817,7 +846,7 @@ def cmd_plot(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "config": cmd_config, "estimate": cmd_estimate, "probe": cmd_probe,
-            "plan": cmd_plan, "export": cmd_export, "plot": cmd_plot}
+            "plan": cmd_plan, "export": cmd_export, "clean": cmd_clean, "plot": cmd_plot}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,7 +48,6 @@ import queue
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -187,6 +186,12 @@ def run(fn: Callable[..., Any], *args, timeout: float = DEFAULT_TIMEOUT_S, **kwa
     with _run_timeout(timeout), _sigterm_raises():
         if not under_torchrun():
             return fn(*args, **kwargs)
+        # A worker whose torchrun agent is killed (SIGKILL: it stops nothing) must not train on
+        # to the end of the run, writing checkpoints: it gets SIGTERM when its parent dies.
+        parent = os.getppid()
+        _die_with_parent()
+        if os.getppid() != parent:  # (it died before the request: no signal will come)
+            raise Terminated("the torchrun agent that started this worker is gone")
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         torch.set_num_threads(_threads_per_rank(local_world))
         _set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -407,7 +412,11 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args, timeout: float = DEF
     # Where the ranks' swappers register the directories they create
     # (tiertrain.offload.swap.CLEANUP_ENV): removed below once every rank is gone, however
     # each ended (returned, raised, or was killed before it could clean up itself).
-    cleanup_dir = tempfile.mkdtemp(prefix="tiertrain-launch-")
+    from .cleanup import new_launch_dir, remove_abandoned_launches
+
+    for line in remove_abandoned_launches():  # (what launchers killed earlier could not remove)
+        print(f"tiertrain: removed what a killed run left: {line}", file=sys.stderr)
+    cleanup_dir = new_launch_dir()
     try:
         with _sigterm_raises():  # SIGTERM to the launcher: stop the ranks, then clean up
             return _run_workers(ctx, fn, nproc, host, timeout, deadline, cleanup_dir, args, kwargs)
@@ -418,14 +427,9 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args, timeout: float = DEF
 def _remove_left_behind(cleanup_dir: str) -> None:
     """Remove the swap directories the (now stopped) ranks registered and what a rank killed
     mid-save left in their checkpoint directories, then cleanup_dir."""
-    try:
-        from .checkpoint import remove_left_behind as remove_crashed_checkpoint_files
-        from .offload.swap import remove_left_behind
+    from .cleanup import remove_launch_dir
 
-        remove_left_behind(cleanup_dir)
-        remove_crashed_checkpoint_files(cleanup_dir)
-    finally:
-        shutil.rmtree(cleanup_dir, ignore_errors=True)
+    remove_launch_dir(cleanup_dir)
 
 
 def _run_workers(ctx, fn, nproc: int, host: str, timeout: float, deadline: float | None, cleanup_dir: str,

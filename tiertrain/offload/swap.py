@@ -254,7 +254,7 @@ def remove_left_behind(cleanup_dir: str, owner_pid: Optional[int] = None) -> lis
         except OSError:
             continue
         if rank_dir and os.path.isdir(rank_dir):
-            if owner_pid is None and _locked_by_another(os.path.join(rank_dir, ".lock")):
+            if owner_pid is None and locked_by_another(os.path.join(rank_dir, ".lock")):
                 continue
             shutil.rmtree(rank_dir, ignore_errors=True)
             removed.append(rank_dir)
@@ -272,7 +272,7 @@ def remove_left_behind(cleanup_dir: str, owner_pid: Optional[int] = None) -> lis
     return removed
 
 
-def _locked_by_another(lock_path: str) -> bool:
+def locked_by_another(lock_path: str) -> bool:
     """Whether a live process holds the swap directory's flock."""
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
