@@ -104,6 +104,33 @@ def layout_fingerprint(layout, topology, stage: int, dtype: str, state_format: s
     }
 
 
+class interpreting:
+    """``with interpreting(step_dir):`` errors met while interpreting a checkpoint's contents (its
+    marker's layout and shard descriptions, its tensors' shapes) become a CheckpointError naming
+    it. A checkpoint is data: one changed after it was written (a marker edited, a file replaced
+    with its checksum recomputed) must end in an error that names it, not in a traceback from
+    deep inside the reader (found by tests/fuzz_checkpoints.py). The original error is chained
+    (--debug shows it). (A class, not contextlib.contextmanager, which lets a StopIteration
+    through unchanged.)"""
+
+    CAUGHT = (KeyError, IndexError, TypeError, ValueError, StopIteration, AttributeError, OverflowError,
+              RuntimeError)
+
+    def __init__(self, step_dir: str):
+        self.step_dir = step_dir
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if error is None or isinstance(error, CheckpointError) or not isinstance(error, self.CAUGHT):
+            return False
+        text = str(error).strip().splitlines()
+        raise CheckpointError(f"the checkpoint in {self.step_dir!r} does not hold together ({kind.__name__}: "
+                              f"{text[0][:300] if text else ''}): its commit marker or files were changed after "
+                              f"tiertrain wrote them") from error
+
+
 def _gather_objects(obj: Any, group) -> list[Any]:
     if group is None or not dist.is_initialized():
         return [obj]

@@ -176,6 +176,12 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         raise NotImplementedError("safetensors files are little-endian; this machine is not")
     checkpoint_dir, out_dir = os.fspath(checkpoint_dir), os.fspath(out_dir)
     step_dir, marker = _step_dir(checkpoint_dir, step)
+    with checkpoint.interpreting(step_dir):  # (a marker or file changed after it was written: named)
+        return _export(step_dir, marker, out_dir, target, max_shard_bytes, format)
+
+
+def _export(step_dir: str, marker: dict, out_dir: str, target: torch.dtype, max_shard_bytes: int,
+            format: str | None) -> ConsolidateReport:
     if marker.get("shards") is None:
         raise CheckpointError(f"{step_dir!r} records no shard layout (saved before resharding existed); "
                               f"it cannot be exported offline")

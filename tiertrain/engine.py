@@ -688,10 +688,12 @@ class Engine:
         fingerprint = self.checkpoint_fingerprint()
         checkpoint.lock_directory(directory, self.topology, writing=False)  # (a second job must not resume the first's run)
         step_dir, marker = checkpoint.agree_on_checkpoint(directory, step, self.topology)
-        if reshard and checkpoint.layout_changed(marker, self.topology, fingerprint):
-            return reshard_module.load_resharded(self.checkpoint_parts(), step_dir, marker, self.topology.rank,
-                                                 fingerprint, self.shard_description(), self.update)
-        return checkpoint.load(self.checkpoint_parts(), step_dir, marker, self.topology, fingerprint, self.device)
+        with checkpoint.interpreting(step_dir):
+            if reshard and checkpoint.layout_changed(marker, self.topology, fingerprint):
+                return reshard_module.load_resharded(self.checkpoint_parts(), step_dir, marker, self.topology.rank,
+                                                     fingerprint, self.shard_description(), self.update)
+            return checkpoint.load(self.checkpoint_parts(), step_dir, marker, self.topology, fingerprint,
+                                   self.device)
 
     def masters(self) -> list[torch.Tensor]:
         """This rank's fp32 master shard of every unit (read from NVMe when they live there)."""

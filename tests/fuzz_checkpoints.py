@@ -1,0 +1,322 @@
+"""A fuzzer of checkpoint and safetensors files (issue 32): random mutations of a committed
+checkpoint's marker, rank file and held-tensors file, of a safetensors header, and special files
+(links, FIFOs, directories) in their place, each read the way a resume or an export reads it.
+
+Every case must end, within a second, in a result or in the library's own error
+(CheckpointError, or ValueError for a pretrained file), never in another exception (a raw
+traceback for the user); no file outside the checkpoint may be opened (an audit hook watches
+every open of a sentinel directory beside it); and every tensor read from a safetensors file
+must hold bytes that are in the file (none from process memory).
+
+    python tests/fuzz_checkpoints.py --cases 20000 --seed 3     # a longer run than CI's
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import struct
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+_watch = {"root": None, "opened": []}
+
+
+def _audit(event, args):  # (installed once per process; active while a root is set)
+    root = _watch["root"]
+    if root is None or event != "open" or not args:
+        return
+    path = args[0]
+    if isinstance(path, int):
+        return
+    path = os.fsdecode(path)
+    if os.path.abspath(path).startswith(root):
+        _watch["opened"].append(path)
+
+
+@dataclass
+class Findings:
+    cases: int = 0
+    accepted: int = 0
+    refused: int = 0
+    hangs: list = field(default_factory=list)
+    raw: list = field(default_factory=list)
+    outside: list = field(default_factory=list)
+    leaked: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    def failures(self) -> list:
+        return self.hangs + self.raw + self.outside + self.leaked
+
+
+class _Hang(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Hang()
+
+
+def make_checkpoint(root: str) -> str:
+    """A committed single-rank checkpoint with a held-tensors file (a model with a buffer)."""
+    import tiertrain
+    from reference import global_batches, make_config, make_model
+
+    cfg = make_config(batch={"micro_batch_size": 2})
+    model = make_model()
+    model.register_buffer("scale", torch.arange(6, dtype=torch.float32))
+    engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
+    engine.train_batch(iter(global_batches(1, 2)))
+    directory = os.path.join(root, "ckpt")
+    engine.save_checkpoint(directory)
+    return directory
+
+
+# -- mutations ------------------------------------------------------------------------------
+
+NAMES = ["/dev/zero", "../outside/secret", "../../outside/secret", "a/b", "", ".", "..", "x" * 300,
+         "rank00000.pt", "COMMITTED.json", "\u00e9", "OUTSIDE_ABS"]
+VALUES = [None, -1, 0, 1, 2, 10**12, 2**63, -2**63, 1.5, float("1e308"), "x", "", [], {}, [1, 2], {"a": 1}, True]
+
+
+def _mutate_json(rng: random.Random, obj, outside: str):
+    """One random change somewhere in a JSON value."""
+    if isinstance(obj, dict) and obj and rng.random() < 0.8:
+        key = rng.choice(list(obj))
+        roll = rng.random()
+        if roll < 0.2:
+            del obj[key]
+        elif roll < 0.6:
+            obj[key] = _mutate_json(rng, obj[key], outside)
+        else:
+            obj[key] = rng.choice(VALUES)
+        if rng.random() < 0.1:
+            name = rng.choice(NAMES).replace("OUTSIDE_ABS", outside)
+            obj[name] = rng.choice(VALUES + ["0" * 64])
+        return obj
+    if isinstance(obj, list) and obj and rng.random() < 0.8:
+        roll = rng.random()
+        i = rng.randrange(len(obj))
+        if roll < 0.3:
+            del obj[i]
+        elif roll < 0.5:
+            obj.append(obj[i])
+        else:
+            obj[i] = _mutate_json(rng, obj[i], outside)
+        return obj
+    if isinstance(obj, int) and not isinstance(obj, bool) and rng.random() < 0.7:
+        return rng.choice([obj + 1, obj - 1, -obj, obj * 1000, 2**62, -1, 0])
+    return rng.choice(VALUES + NAMES[:3])
+
+
+def _flip_bytes(rng: random.Random, data: bytes) -> bytes:
+    data = bytearray(data)
+    roll = rng.random()
+    if roll < 0.3 and data:
+        del data[rng.randrange(len(data)):]
+    elif roll < 0.4:
+        data += bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+    else:
+        for _ in range(rng.randrange(1, 8)):
+            if data:
+                data[rng.randrange(len(data))] = rng.randrange(256)
+    return bytes(data)
+
+
+def _rewrite_marker(step_dir: str, change) -> None:
+    from tiertrain.checkpoint import MARKER
+
+    path = os.path.join(step_dir, MARKER)
+    with open(path) as f:
+        marker = json.load(f)
+    marker = change(marker)
+    with open(path, "w") as f:
+        f.write(marker if isinstance(marker, str) else json.dumps(marker))
+
+
+def _recommit(step_dir: str, name: str) -> None:
+    """Recompute name's checksum in the marker, as the producer of a hostile file would."""
+    from tiertrain.fileio import file_sha256
+
+    def change(marker):
+        digest = file_sha256(os.path.join(step_dir, name))
+        if name.startswith("rank"):
+            marker["sha256"][0] = digest
+        else:
+            marker["files"][name] = digest
+        return marker
+    _rewrite_marker(step_dir, change)
+
+
+def _safetensors_mutation(rng: random.Random, data: bytes) -> bytes:
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    body = data[8 + length:]
+    roll = rng.random()
+    if roll < 0.6:
+        header = _mutate_json(rng, header, "/")
+        text = json.dumps(header).encode()
+        return struct.pack("<Q", len(text)) + text + body
+    if roll < 0.8:
+        return struct.pack("<Q", rng.choice([0, 1, length + 1, length * 1000, 2**63 - 1])) + data[8:]
+    return _flip_bytes(rng, data)
+
+
+# -- one case -------------------------------------------------------------------------------
+
+def _read_like_a_resume_and_an_export(directory: str, out: str):
+    from tiertrain.checkpoint import agree_on_checkpoint, load_rank_file, rank_file_name, verified_file
+    from tiertrain.consolidate import export_checkpoint
+
+    class One:
+        rank, world_size = 0, 1
+
+        @staticmethod
+        def world_group():
+            return None
+    step_dir, marker = agree_on_checkpoint(directory, None, One())
+    load_rank_file(verified_file(step_dir, rank_file_name(0), marker["sha256"][0]), torch.device("cpu"))
+    return export_checkpoint(directory, out)
+
+
+def _check_exported_bytes(out: str, sources: list[bytes], findings: Findings, what: str) -> None:
+    from safetensors import safe_open
+
+    for name in os.listdir(out):
+        if not name.endswith(".safetensors"):
+            continue
+        with safe_open(os.path.join(out, name), framework="pt") as f:
+            for key in f.keys():
+                t = f.get_tensor(key)
+                raw = t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+                # (one rank, fp32: every exported tensor is written as it was read, so its bytes
+                # are in an input file: a rank file's masters, or the held tensors)
+                if raw and not any(raw in s for s in sources):
+                    findings.leaked.append(f"{what}: exported {key!r} holds bytes that are in no input file")
+
+
+def run_case(rng: random.Random, pristine: str, scratch: str, outside: str, findings: Findings) -> None:
+    from tiertrain.checkpoint import CheckpointError
+
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.copytree(pristine, scratch)
+    step_dir = os.path.join(scratch, sorted(n for n in os.listdir(scratch) if n.startswith("step_"))[0])
+    out = scratch + "-out"
+    shutil.rmtree(out, ignore_errors=True)
+    kind = rng.choice(["marker", "marker-text", "rank", "held", "held-header", "special"])
+    if kind == "marker":
+        _rewrite_marker(step_dir, lambda m: _mutate_json(rng, m, outside))
+    elif kind == "marker-text":
+        _rewrite_marker(step_dir, lambda m: _flip_bytes(rng, json.dumps(m).encode()).decode("latin-1"))
+    elif kind == "rank":
+        path = os.path.join(step_dir, "rank00000.pt")
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(path, "wb") as f:
+            f.write(_flip_bytes(rng, data))
+        if rng.random() < 0.7:
+            _recommit(step_dir, "rank00000.pt")
+    elif kind in ("held", "held-header"):
+        path = os.path.join(step_dir, "held_tensors.safetensors")
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(path, "wb") as f:
+            f.write(_safetensors_mutation(rng, data) if kind == "held-header" else _flip_bytes(rng, data))
+        if rng.random() < 0.8:
+            _recommit(step_dir, "held_tensors.safetensors")
+    else:
+        name = rng.choice(["rank00000.pt", "COMMITTED.json", "held_tensors.safetensors", "export.json"])
+        path = os.path.join(step_dir, name)
+        os.remove(path)
+        special = rng.choice(["zero", "fifo", "dir", "outside", "dangling"])
+        if special == "zero":
+            os.symlink("/dev/zero", path)
+        elif special == "fifo":
+            os.mkfifo(path)
+        elif special == "dir":
+            os.mkdir(path)
+        elif special == "outside":
+            os.symlink(os.path.join(outside, "secret"), path)
+        else:
+            os.symlink(os.path.join(scratch, "missing"), path)
+    inputs = []
+    for name in os.listdir(step_dir):
+        p = os.path.join(step_dir, name)
+        if os.path.isfile(p) and not os.path.islink(p):
+            with open(p, "rb") as f:
+                inputs.append(f.read())
+    what = f"case {findings.cases} ({kind})"
+    _watch["root"], _watch["opened"] = outside, []
+    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    try:
+        _read_like_a_resume_and_an_export(scratch, out)
+        findings.accepted += 1
+        _check_exported_bytes(out, inputs, findings, what)
+    except _Hang:
+        findings.hangs.append(f"{what}: no result within 1 s")
+    except CheckpointError:
+        findings.refused += 1
+    except Exception as e:  # noqa: BLE001 - what the fuzzer looks for
+        findings.raw.append(f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        _watch["root"] = None
+    if _watch["opened"]:
+        findings.outside.append(f"{what}: opened {_watch['opened'][:3]}")
+    findings.cases += 1
+
+
+def fuzz(cases: int, seed: int, budget_s: float, root: str | None = None) -> Findings:
+    if not getattr(fuzz, "hooked", False):
+        sys.addaudithook(_audit)
+        fuzz.hooked = True
+    signal.signal(signal.SIGALRM, _alarm)
+    own = root is None
+    root = root or tempfile.mkdtemp(prefix="tiertrain-fuzz-")
+    try:
+        outside = os.path.join(root, "outside")
+        os.makedirs(outside, exist_ok=True)
+        with open(os.path.join(outside, "secret"), "w") as f:
+            f.write("{}")
+        pristine = make_checkpoint(root)
+        rng = random.Random(seed)
+        findings = Findings()
+        start = time.monotonic()
+        while findings.cases < cases and time.monotonic() - start < budget_s:
+            run_case(rng, pristine, os.path.join(root, "scratch"), os.path.realpath(outside), findings)
+        findings.seconds = time.monotonic() - start
+        return findings
+    finally:
+        if own:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", type=int, default=10_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-s", type=float, default=600.0)
+    args = p.parse_args(argv)
+    f = fuzz(args.cases, args.seed, args.budget_s)
+    print(f"{f.cases} cases in {f.seconds:.0f} s: {f.accepted} accepted, {f.refused} refused; "
+          f"{len(f.hangs)} hangs, {len(f.raw)} raw errors, {len(f.outside)} reads outside, {len(f.leaked)} leaks")
+    for line in f.failures()[:50]:
+        print("  " + line)
+    if f.cases < args.cases:
+        print(f"only {f.cases} of {args.cases} cases within --budget-s {args.budget_s:g}")
+        return 1
+    return 1 if f.failures() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
