@@ -261,3 +261,21 @@ def test_a_second_job_in_a_checkpoint_directory_is_refused_naming_the_first(tmp_
         holder.wait()
     engine.save_checkpoint(str(tmp_path))  # (the holder is gone, and its lock with it)
     assert committed_steps(str(tmp_path)) == [0]
+
+
+def test_a_disk_full_during_a_save_names_the_file_and_the_free_space(tmp_path, monkeypatch):
+    """torch.save reports a full disk as "[enforce fail at inline_container.cc:672] . unexpected
+    pos": a raw traceback naming neither the file nor the disk (issue 32, item 9). The save now
+    fails on every rank with the file, torch's words and the bytes free, and commits nothing."""
+    import tiertrain.checkpoint as checkpoint_module
+
+    cfg = make_config()
+    engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
+
+    def full(state, f):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4736 vs 4630")
+    monkeypatch.setattr(checkpoint_module.torch, "save", full)
+    with pytest.raises(CheckpointError, match=r"writing '.*rank00000\.pt' failed \(\[enforce fail at "
+                                              r"inline_container\.cc:672\] \. unexpected pos.*\); \d+ bytes free"):
+        engine.save_checkpoint(str(tmp_path))
+    assert committed_steps(str(tmp_path)) == []

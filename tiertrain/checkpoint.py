@@ -442,7 +442,10 @@ def _write_and_commit(state: dict, directory: str, step_dir: str, step: int, ran
                 atomic_write(target, (lambda f, c=content: f.write(c)) if isinstance(content, bytes) else content)
                 file_digests[name] = file_sha256(target)
     except (OSError, CheckpointError) as e:
-        error = f"rank {rank}: writing {path!r} failed: {getattr(e, 'strerror', None) or e}"
+        error = f"rank {rank}: writing {path!r} failed: {getattr(e, 'strerror', None) or e}{_free_space(step_dir)}"
+    except RuntimeError as e:  # (torch.save's archive writer reports a full disk as "unexpected pos")
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        error = f"rank {rank}: writing {path!r} failed ({first}){_free_space(step_dir)}"
     # Each rank's own layout is recorded: under pipeline or tensor parallelism they differ.
     digests = _gather_objects((digest, error, fingerprint, shards), group)
     errors = [e for _, e, _, _ in digests if e]
@@ -477,6 +480,15 @@ def _replace_committed(step_dir: str, new_dir: str) -> None:
         new_dir = step_dir + OLD
     fsync_directory(os.path.dirname(step_dir) or ".")
     shutil.rmtree(new_dir, ignore_errors=True)
+
+
+def _free_space(path: str) -> str:
+    """"; N bytes free on its file system" (where a failed write says whether the disk is full)."""
+    try:
+        free = shutil.disk_usage(path if os.path.isdir(path) else os.path.dirname(path) or ".").free
+    except OSError:
+        return ""
+    return f"; {free} bytes free on its file system" + (" (full)" if free < (1 << 20) else "")
 
 
 def layout_changed(marker: dict, topology, fingerprint: dict) -> bool:
