@@ -239,26 +239,17 @@ def test_a_second_job_in_a_checkpoint_directory_is_refused_naming_the_first(tmp_
     first's run, and each deleted the other's half-written steps. The directory is now locked by
     the job that uses it (its rank 0, for as long as its process lives): another job's save or
     load is an error naming the holder's host and pid. A lock dies with its process."""
-    import subprocess
-    import sys
+    from tiertrain.testing import another_job_holding
 
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, tiertrain.checkpoint as c; c.claim_directory(sys.argv[1]); "
-                               "print('locked', flush=True); sys.stdin.read()", str(tmp_path)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
-        cfg = make_config()
-        engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
-        named = rf"checkpoint directory .* is in use by another job \(host .*, pid {holder.pid}, since"
+    cfg = make_config()
+    engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
+    with another_job_holding(str(tmp_path)) as pid:
+        named = rf"checkpoint directory .* is in use by another job \(host .*, pid {pid}, since"
         with pytest.raises(CheckpointError, match=named):
             engine.save_checkpoint(str(tmp_path))
         with pytest.raises(CheckpointError, match=named):
             engine.load_checkpoint(str(tmp_path))
         assert committed_steps(str(tmp_path)) == []
-    finally:
-        holder.kill()
-        holder.wait()
     engine.save_checkpoint(str(tmp_path))  # (the holder is gone, and its lock with it)
     assert committed_steps(str(tmp_path)) == [0]
 

@@ -9,7 +9,10 @@ is raised, so a hang costs seconds, not a CI run.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import subprocess
+import sys
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -18,7 +21,24 @@ from .launch import WorkerFailure as RankFailure
 from .launch import WorkersTimedOut as DistributedTimeout
 from .launch import launch_local
 
-__all__ = ["DistributedTimeout", "RankFailure", "run_distributed"]
+__all__ = ["DistributedTimeout", "RankFailure", "run_distributed", "another_job_holding"]
+
+
+@contextlib.contextmanager
+def another_job_holding(directory: str) -> Iterator[int]:
+    """A separate process holding the checkpoint lock of directory (as another job's rank 0
+    does) until the block ends; yields its pid."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, tiertrain.checkpoint as c; c.claim_directory(sys.argv[1]); "
+                               "print('locked', flush=True); sys.stdin.read()", str(directory)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        if holder.stdout.readline().strip() != "locked":
+            raise RuntimeError(f"the process meant to hold {directory!r} did not lock it")
+        yield holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def _with_rank(fn: Callable[..., Any], args: tuple, kwargs: dict, threads: int) -> Any:
