@@ -48,6 +48,8 @@ save time, and the caller's ``extra`` must be JSON-like (:func:`json_like_extra`
 from __future__ import annotations
 
 import enum
+import errno
+import fcntl
 import hashlib
 import io
 import json
@@ -55,8 +57,11 @@ import os
 import pickle
 import re
 import shutil
+import socket
+import stat
 import sys
 import threading
+import time
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Mapping, Protocol
 
@@ -538,14 +543,10 @@ def open_checkpoint_file(step_dir: str, name: str) -> int:
     except FileNotFoundError:
         raise CheckpointError(f"{path!r} is missing from a committed checkpoint") from None
     except OSError as e:
-        import errno
-
         if e.errno == errno.ELOOP:
             raise CheckpointError(f"{path!r} is a symbolic link: a checkpoint's files are never links "
                                   f"(one pointing out of the directory, or at a device, is refused)") from None
         raise CheckpointError(f"{path!r} cannot be read: {e.strerror or e}") from None
-    import stat
-
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise CheckpointError(f"{path!r} is not a regular file (a FIFO, a device or a directory): refused")
@@ -853,8 +854,6 @@ def lock_directory(directory: str, topology, writing: bool = True) -> None:
         try:
             claim_directory(directory)
         except OSError as e:
-            import errno
-
             if writing or e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 problem = f"checkpoint directory {directory!r}: {e}"
         except CheckpointError as e:
@@ -866,10 +865,6 @@ def lock_directory(directory: str, topology, writing: bool = True) -> None:
 
 def claim_directory(directory: str) -> None:
     """This process's exclusive lock on a checkpoint directory (lock_directory's, for one process)."""
-    import fcntl
-    import socket
-    import time
-
     path = os.path.realpath(directory)
     if path in _held_locks:
         return
