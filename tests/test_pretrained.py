@@ -333,3 +333,22 @@ def test_bad_paths_name_the_directory_and_the_expected_files(checkpoints, tmp_pa
     torch.save({}, tmp_path / "pytorch_model.bin")
     with pytest.raises(ValueError, match=r"not a \.safetensors file"):
         tiertrain.load_pretrained(_build("gpt", 1), tmp_path / "pytorch_model.bin")
+
+
+def test_a_safetensors_header_that_overruns_its_file_is_refused_naming_the_file(tmp_path):
+    """Issue 32, item 9: a malformed header (offsets past the file's end) ended in the
+    safetensors library's own error, naming no file."""
+    import struct
+
+    from tiertrain.pretrained import load_pretrained
+
+    path = tmp_path / "model.safetensors"
+    save_file({"weight": torch.ones(4, 4)}, str(path))
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    header["weight"]["data_offsets"] = [0, 1 << 20]
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length:])
+    with pytest.raises(ValueError, match=r"load_pretrained: '.*model\.safetensors' is not a valid safetensors file"):
+        load_pretrained(torch.nn.Linear(4, 4, bias=False), str(tmp_path))

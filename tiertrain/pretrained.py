@@ -125,13 +125,16 @@ class _Checkpoint:
     accounting of what was read."""
 
     def __init__(self, files: list[str], stack: ExitStack, report: LoadReport):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         self.report = report
         self._handle: dict[str, Any] = {}
         self._file: dict[str, str] = {}
         for path in files:
-            handle = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            try:  # (the library checks the header against the file: offsets, dtypes, shapes)
+                handle = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"load_pretrained: {path!r} is not a valid safetensors file: {e}") from None
             for key in handle.keys():
                 if key in self._file:
                     raise ValueError(f"load_pretrained: tensor {key!r} is in both {self._file[key]!r} and {path!r}")
