@@ -490,3 +490,25 @@ def test_a_worker_failure_is_one_line_for_a_user_error_and_a_traceback_otherwise
     err = capsys.readouterr().err
     assert "Traceback" in err and "note: also failed: rank 0" in err
     assert err.strip().splitlines()[-1] == "error: rank 1 failed: KeyError: 'w'"
+
+
+@pytest.mark.timeout(240)
+def test_a_run_that_diverges_marks_its_checkpoint_and_the_resume_takes_the_previous_one(tmp_path):
+    """Issue 32, item 9: optimizer.lr 1e30 stops the run cleanly (its gradients never finite
+    again), but the checkpoint it saved after the exploding update, finite masters up to 5e28,
+    was the newest one and the one a resume took. The run now marks it diverged on the way out,
+    and a resume passes over it to the previous one, saying so."""
+    ckpt = tmp_path / "ckpt"
+    common = [*TINY, "--nproc", "1", "--data.cache_dir", str(tmp_path / "cache"), "--logging.metrics_file", "",
+              "--checkpoint.dir", str(ckpt), "--checkpoint.interval", "1", "--checkpoint.keep_last", "5"]
+    healthy = _tiertrain(["train", "--steps", "2", *common], cwd=tmp_path)
+    assert healthy.returncode == 0, healthy.stderr[-3000:]
+    exploding = _tiertrain(["train", "--steps", "8", "--optimizer.lr", "1e30", "--precision.max_consecutive_skips",
+                            "2", *common], cwd=tmp_path)
+    assert exploding.returncode == 1 and "the run has diverged" in exploding.stderr, exploding.stderr[-3000:]
+    assert "the checkpoint of step 3" in exploding.stderr and "is marked diverged" in exploding.stderr
+    assert committed_steps(str(ckpt)) == [1, 2, 3] and checkpoint.diverged_reason(str(ckpt), 3)
+    resumed = _tiertrain(["train", "--steps", "3", *common], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step 3 is marked diverged" in resumed.stderr and "falling back to step 2" in resumed.stderr
+    assert committed_steps(str(ckpt)) == [1, 2, 3] and checkpoint.diverged_reason(str(ckpt), 3) is None

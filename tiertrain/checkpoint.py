@@ -596,13 +596,21 @@ def agree_on_checkpoint(directory: str, step: int | None, topology) -> tuple[str
     if rank == 0:
         try:
             find_committed(directory, step)  # (the error naming why nothing is loadable)
-            choice = ([step] if step is not None else list(reversed(committed_steps(directory))), None)
+            candidates, diverged = [step], []
+            if step is None:  # (a checkpoint marked diverged is loaded only when asked for by step)
+                newest_first = list(reversed(committed_steps(directory)))
+                diverged = [f"step {c} is marked diverged ({diverged_reason(directory, c)})" for c in newest_first
+                            if diverged_reason(directory, c) is not None]
+                candidates = [c for c in newest_first if diverged_reason(directory, c) is None]
+            choice = (candidates, diverged, None if candidates else
+                      f"no committed checkpoint in {directory!r} is fit to resume: {'; '.join(diverged)}; load one "
+                      f"by its step (load_checkpoint(dir, step=N)) to resume it anyway")
         except CheckpointError as e:
-            choice = ([], str(e))
-    candidates, error = _gather_objects(choice, group)[0]
+            choice = ([], [], str(e))
+    candidates, passed_over, error = _gather_objects(choice, group)[0]
     if error is not None:
         raise CheckpointError(error)
-    passed_over = []
+    passed_over = list(passed_over)
     for candidate in candidates:
         step_dir, problem = _step_path(directory, candidate), None
         try:
@@ -621,6 +629,35 @@ def agree_on_checkpoint(directory: str, step: int | None, topology) -> tuple[str
             return step_dir, marker
         passed_over.append(f"step {candidate} is not intact ({'; '.join(problems)})")
     raise CheckpointError(f"no intact committed checkpoint in {directory!r}: {'; '.join(passed_over)}")
+
+
+DIVERGED = "DIVERGED.json"
+"""Written into a committed step directory whose state a run found diverged (mark_diverged)."""
+
+
+def mark_diverged(directory: str, step: int, reason: str) -> bool:
+    """Mark step's committed checkpoint as the state of a run that diverged (its next steps'
+    gradients were never finite again), so that a resume passes over it by default
+    (agree_on_checkpoint); returns whether a committed checkpoint of that step was there."""
+    step_dir = _step_path(directory, step)
+    if not os.path.exists(os.path.join(step_dir, MARKER)):
+        return False
+    atomic_write(os.path.join(step_dir, DIVERGED), lambda f: f.write(json.dumps({"reason": reason}).encode()))
+    return True
+
+
+def diverged_reason(directory: str, step: int) -> str | None:
+    """Why step's checkpoint is marked diverged, or None when it is not."""
+    path = os.path.join(_step_path(directory, step), DIVERGED)
+    if not os.path.lexists(path):
+        return None
+    try:
+        fd = open_checkpoint_file(os.path.dirname(path), DIVERGED)
+        with os.fdopen(fd, "rb") as f:
+            reason = json.loads(f.read(1 << 16).decode("utf-8")).get("reason")
+    except (CheckpointError, OSError, ValueError, AttributeError):
+        reason = None
+    return str(reason)[:500] if reason else "no reason recorded"
 
 
 def find_committed(directory: str, step: int | None = None) -> tuple[str, dict]:

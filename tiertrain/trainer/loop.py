@@ -44,6 +44,7 @@ import torch.nn as nn
 
 from ..config import ConfigError
 from ..launch import check_terminated
+from ..precision import NonFiniteError
 from .auto import predicted_tier_bytes, resolve_auto_offload
 from .batches import batch_stream, count_tokens, eval_batches, is_dataset
 from .config import LoopConfig
@@ -258,6 +259,9 @@ class Trainer:
                 if bar is not None:
                     bar.update(1)
                 self._maybe_save(step, final)
+        except NonFiniteError as e:
+            self._mark_diverged(e)
+            raise
         finally:
             if bar is not None:
                 bar.close()
@@ -267,6 +271,23 @@ class Trainer:
         if self.is_main:
             print(format_summary(summary), flush=True)
         return summary
+
+    def _mark_diverged(self, error: Exception) -> None:
+        """The run stopped on gradients that stayed non-finite: the checkpoint of the state that
+        produced them (this step count's) is marked diverged, so a resume does not take it by
+        default (the previous one is the state to resume, with a lower optimizer.lr)."""
+        from .. import checkpoint
+
+        directory = self.config.checkpoint.dir
+        if not directory:
+            return
+        # (every rank raised at the same step, the norm being global: each lets its background
+        # save commit, so that the mark lands on a committed checkpoint)
+        self.engine.wait_for_checkpoint()
+        if self.is_main:
+            if checkpoint.mark_diverged(directory, self.engine.steps, str(error).splitlines()[0][:300]):
+                print(f"tiertrain: the checkpoint of step {self.engine.steps} in {directory!r} is marked diverged: "
+                      f"a resume passes over it", file=sys.stderr, flush=True)
 
     def _train_step(self, window: "Window") -> int:
         """One optimizer step (grad_accum_steps micro-batches); returns this rank's tokens."""
