@@ -30,19 +30,12 @@ import statistics
 import pytest
 import torch
 
+from tiertrain.device import env_flag
+
 ON_CPU_ENV = "TIERTRAIN_GPU_TESTS_ON_CPU"
 
 
-def _on_cpu() -> bool:
-    value = os.environ.get(ON_CPU_ENV, "").strip()
-    if value in ("", "0"):
-        return False
-    if value != "1":
-        raise ValueError(f"{ON_CPU_ENV}={value!r} is invalid: expected 1 (run tests/test_gpu.py on the CPU) or 0")
-    return True
-
-
-ON_CPU = _on_cpu()
+ON_CPU = env_flag(ON_CPU_ENV, "run tests/test_gpu.py on the CPU")
 DEVICE = torch.device("cpu") if ON_CPU else torch.device("cuda", 0)
 
 pytestmark = [pytest.mark.gpu,

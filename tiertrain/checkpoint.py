@@ -68,7 +68,7 @@ from typing import Any, Callable, Mapping, Protocol
 import torch
 import torch.distributed as dist
 
-from .fileio import atomic_write, exchange_paths, file_sha256, fsync_directory
+from .fileio import atomic_write, exchange_paths, file_sha256, fsync_directory, stream_sha256
 
 MARKER = "COMMITTED.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -554,14 +554,6 @@ def open_checkpoint_file(step_dir: str, name: str) -> int:
     return fd
 
 
-def _fd_sha256(fd: int) -> str:
-    h = hashlib.sha256()
-    with os.fdopen(os.dup(fd), "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 _verified: dict[tuple[str, str], tuple[int, int, int]] = {}  # (path, sha256) -> (inode, size, mtime_ns) last verified
 
 
@@ -576,7 +568,9 @@ def verified_file(step_dir: str, name: str, sha256: str) -> str:
         seen = (st.st_ino, st.st_size, st.st_mtime_ns)
         if _verified.get((path, sha256)) == seen:
             return path
-        if _fd_sha256(fd) != sha256:
+        with os.fdopen(os.dup(fd), "rb") as f:
+            actual = stream_sha256(f)
+        if actual != sha256:
             raise CheckpointError(f"{path!r} is corrupt: its sha256 differs from the one committed")
     finally:
         os.close(fd)
@@ -598,10 +592,9 @@ def agree_on_checkpoint(directory: str, step: int | None, topology) -> tuple[str
             find_committed(directory, step)  # (the error naming why nothing is loadable)
             candidates, diverged = [step], []
             if step is None:  # (a checkpoint marked diverged is loaded only when asked for by step)
-                newest_first = list(reversed(committed_steps(directory)))
-                diverged = [f"step {c} is marked diverged ({diverged_reason(directory, c)})" for c in newest_first
-                            if diverged_reason(directory, c) is not None]
-                candidates = [c for c in newest_first if diverged_reason(directory, c) is None]
+                reasons = {c: diverged_reason(directory, c) for c in reversed(committed_steps(directory))}
+                diverged = [f"step {c} is marked diverged ({why})" for c, why in reasons.items() if why is not None]
+                candidates = [c for c, why in reasons.items() if why is None]
             choice = (candidates, diverged, None if candidates else
                       f"no committed checkpoint in {directory!r} is fit to resume: {'; '.join(diverged)}; load one "
                       f"by its step (load_checkpoint(dir, step=N)) to resume it anyway")

@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import enum
 import os
+import weakref
 from typing import Callable
 
+import numpy as np
 import torch
 
 DEFER_COPIES_ENV = "TIERTRAIN_DEFER_COPIES"
@@ -127,15 +129,21 @@ GPU_HOST_ENV = "TIERTRAIN_EMULATE_GPU_HOST"
 _emulated_pinned: dict[int, int] = {}  # data_ptr -> bytes of each live emulated pinned allocation
 
 
-def emulating_gpu_host() -> bool:
-    """Whether this CPU process emulates a GPU host (GPU_HOST_ENV): pinned host memory, and the
-    defaults an accelerator gets (:func:`acts_as_accelerator`)."""
-    value = os.environ.get(GPU_HOST_ENV, "").strip()
+def env_flag(name: str, meaning: str) -> bool:
+    """An on/off switch from the environment: unset, empty or 0 is off, 1 is on; anything else
+    is a ValueError naming the variable, its value and ``meaning`` (what 1 does)."""
+    value = os.environ.get(name, "").strip()
     if value in ("", "0"):
         return False
     if value != "1":
-        raise ValueError(f"{GPU_HOST_ENV}={value!r} is invalid: expected 1 (emulate a GPU host) or 0")
+        raise ValueError(f"{name}={value!r} is invalid: expected 1 ({meaning}) or 0")
     return True
+
+
+def emulating_gpu_host() -> bool:
+    """Whether this CPU process emulates a GPU host (GPU_HOST_ENV): pinned host memory, and the
+    defaults an accelerator gets (:func:`acts_as_accelerator`)."""
+    return env_flag(GPU_HOST_ENV, "emulate a GPU host")
 
 
 def acts_as_accelerator(device: torch.device) -> bool:
@@ -174,10 +182,6 @@ def host_empty(shape, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
 
 def _emulated_pinned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     # A tensor over a numpy array has a storage that is not resizable, as pinned memory's is.
-    import weakref
-
-    import numpy as np
-
     numel = 1
     for n in ([shape] if isinstance(shape, int) else shape):
         numel *= int(n)
@@ -351,6 +355,6 @@ class DeviceStreams:
 
 
 __all__ = ["Copy", "DeviceStreams", "Transfer", "DEFER_COPIES_ENV", "GPU_HOST_ENV", "device_module",
-           "emulating_gpu_host", "acts_as_accelerator", "pins_host", "pins_host_by_default", "host_empty", "is_pinned", "emulated_pinned_bytes",
+           "env_flag", "emulating_gpu_host", "acts_as_accelerator", "pins_host", "pins_host_by_default", "host_empty", "is_pinned", "emulated_pinned_bytes",
            "free_storage", "renew_storage",
            "is_accelerator", "accelerator_available", "default_device", "free_memory", "peak_allocated"]

@@ -1,6 +1,8 @@
 """Durable file writes: a file is either absent, the old version, or complete."""
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import os
 import tempfile
@@ -28,10 +30,15 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
 
 def file_sha256(path) -> str:
     """The sha256 of a file's content, read 1 MiB at a time."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+        return stream_sha256(f)
+
+
+def stream_sha256(f: BinaryIO) -> str:
+    """The sha256 of what is left to read in the open binary file f, read 1 MiB at a time."""
+    h = hashlib.sha256()
+    for block in iter(lambda: f.read(1 << 20), b""):
+        h.update(block)
     return h.hexdigest()
 
 
@@ -52,9 +59,6 @@ def exchange_paths(a: str | os.PathLike, b: str | os.PathLike) -> bool:
     """Swap two existing paths in one atomic step (Linux renameat2 RENAME_EXCHANGE): at every
     instant each name holds one of the two. Returns False where the system or the file system
     cannot (the caller then swaps in two renames); other errors are raised."""
-    import ctypes
-    import errno
-
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):
