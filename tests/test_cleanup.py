@@ -36,17 +36,23 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _exited(pid: int) -> bool:
+    """Reaped, or a zombie whose every thread has exited: a killed process's leader can show
+    as a zombie while another of its threads (one blocked in a disk write) still holds its
+    files, and so its flocks."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split(")")[-1].split()[0] != "Z":
+                return False
+        return os.listdir(f"/proc/{pid}/task") == [str(pid)]
+    except FileNotFoundError:
+        return True
+
+
 def _gone(pids, within: float) -> bool:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().split(")")[-1].split()[0] != "Z":
-                        alive.append(pid)
-            except FileNotFoundError:
-                pass
+        alive = [pid for pid in pids if not _exited(pid)]
         if not alive:
             return True
         time.sleep(0.2)
@@ -122,6 +128,32 @@ def test_an_abandoned_launch_directory_is_removed_with_what_its_ranks_registered
     assert any(line.startswith(f"launch directory {abandoned}") for line in removed)
     assert not abandoned.exists() and not rank_dir.exists() and not (ckpt / "step_00000001").exists()
     assert live.exists(), "a live launcher's directory is not touched"
+
+
+def test_a_swap_directory_still_locked_keeps_its_registration_for_the_next_launch(tmp_path):
+    """The launcher is gone but some process still holds a rank's swap directory (the killed
+    rank's last thread, blocked in a write, has not closed its files): it is left alone, and so
+    is the launch directory that names it, until a later launch finds it free."""
+    tmp = tmp_path / "tmp"
+    abandoned = tmp / f"{LAUNCH_PREFIX}{_dead_pid()}-abcd"
+    abandoned.mkdir(parents=True)
+    rank_dir = tmp_path / "swap" / "rank0"
+    rank_dir.mkdir(parents=True)
+    (rank_dir / ".lock").write_text("")
+    (abandoned / "swap-999-1").write_text(f"{rank_dir}\n\n")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_EX); "
+                               "print('locked', flush=True); sys.stdin.read()", str(rank_dir / ".lock")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert remove_abandoned_launches(str(tmp)) == []
+        assert rank_dir.exists() and (abandoned / "swap-999-1").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    removed = remove_abandoned_launches(str(tmp))
+    assert f"swap directory {rank_dir}" in removed and not rank_dir.exists() and not abandoned.exists()
 
 
 @pytest.mark.timeout(60)

@@ -40,19 +40,26 @@ def _alive(pid: int) -> bool:
 def remove_launch_dir(launch_dir: str) -> list[str]:
     """Remove what the ranks of a launch registered (swap directories no live process locks,
     what killed saves left in their checkpoint directories), then the launch directory itself;
-    returns a line for each thing removed."""
+    returns a line for each thing removed. A swap directory still locked (a killed rank's last
+    thread has not closed its files yet) keeps its registration and the launch directory, so
+    the next launch or ``tiertrain clean`` removes it."""
     from .checkpoint import remove_left_behind as remove_crashed_checkpoint_files
     from .offload.swap import remove_left_behind as remove_swap_dirs
 
-    lines = []
-    try:
-        lines += [f"swap directory {d}" for d in remove_swap_dirs(launch_dir)]
-        removed = remove_crashed_checkpoint_files(launch_dir)
-        if removed:
-            lines.append(f"{removed} bytes of unfinished checkpoint saves")
-    finally:
+    lines = [f"swap directory {d}" for d in remove_swap_dirs(launch_dir)]
+    removed = remove_crashed_checkpoint_files(launch_dir)
+    if removed:
+        lines.append(f"{removed} bytes of unfinished checkpoint saves")
+    if not _still_registered(launch_dir):
         shutil.rmtree(launch_dir, ignore_errors=True)
     return lines
+
+
+def _still_registered(launch_dir: str) -> bool:
+    try:
+        return any(n.startswith("swap-") for n in os.listdir(launch_dir))
+    except OSError:
+        return False
 
 
 def remove_abandoned_launches(tmp_dir: str | None = None) -> list[str]:
@@ -70,7 +77,8 @@ def remove_abandoned_launches(tmp_dir: str | None = None) -> list[str]:
         if not m or int(m.group(1)) == os.getpid() or _alive(int(m.group(1))) or not os.path.isdir(path):
             continue
         lines += remove_launch_dir(path)
-        lines.append(f"launch directory {path} (its launcher, pid {m.group(1)}, is gone)")
+        if not os.path.exists(path):
+            lines.append(f"launch directory {path} (its launcher, pid {m.group(1)}, is gone)")
     return lines
 
 
