@@ -512,3 +512,19 @@ def test_a_run_that_diverges_marks_its_checkpoint_and_the_resume_takes_the_previ
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step 3 is marked diverged" in resumed.stderr and "falling back to step 2" in resumed.stderr
     assert committed_steps(str(ckpt)) == [1, 2, 3] and checkpoint.diverged_reason(str(ckpt), 3) is None
+
+
+def test_a_model_that_cannot_fit_the_machine_is_one_line_before_any_allocation(tmp_path, capsys):
+    """Issue 32, item 9: a Hugging Face config with vocab_size 1e9 tried to allocate 256 GB at
+    the build and died there with a raw allocator error. The estimator's peaks for the layout
+    asked for are compared with the RAM available first, and the line names the short tier,
+    the model's size and its largest tensor; nothing is built."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=10**9, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, max_position_embeddings=64).save_pretrained(tmp_path / "huge_vocab")
+    assert cli.main(["train", "--nproc", "2", "--model.hf", str(tmp_path / "huge_vocab"), "--model.seq_len", "32",
+                     "--steps", "1", "--logging.progress", "false"]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "does not fit this machine" in line and "host RAM" in line and "while the model is built" in line
+    assert "model.embed_tokens.weight [1000000000, 64]" in line and "tiertrain plan" in line

@@ -202,6 +202,10 @@ def check_launch(cfg: TrainConfig, world_size: int) -> None:
             if value % tp:
                 raise ConfigError(f"{name}={value} is invalid with parallel.tp={tp}: expected a multiple of {tp} "
                                   f"(each tensor-parallel rank holds an equal share)")
+    if cfg.zero.offload != "auto":  # (auto plans for the machine itself)
+        from .trainer.auto import check_fits
+
+        check_fits(cfg, model_dims(cfg), world_size, accelerator=torch.cuda.is_available())
     if cfg.data.path:
         _check_data(cfg, dp)
     check_paths(cfg)

@@ -50,7 +50,7 @@ from tiertrain.tiers import Tier
 if False:  # typing only
     from tiertrain.estimate.modules import HFModelDims  # noqa: F401
 
-__all__ = ["Hardware", "Plan", "Shortfall", "plan", "PlanError", "render_plan", "plan_to_json", "RAM"]
+__all__ = ["Hardware", "Plan", "Shortfall", "plan", "evaluate", "PlanError", "render_plan", "plan_to_json", "RAM"]
 
 RAM = "ram"
 """The budget key of host RAM on a machine without an accelerator, where the device and CPU
@@ -208,6 +208,8 @@ class Candidate:
     """Why the engine cannot run this layout (the ``allowed`` check), else None."""
     build_usage: dict[str, int] | None = None
     """Bytes per rank by tier at the peak of building the model (Estimate.build)."""
+    model: Any = None
+    """The meta-device model estimated (set by :func:`evaluate`)."""
 
     @property
     def fits(self) -> bool:
@@ -446,6 +448,16 @@ class _Evaluator:
         short = _shortfalls(usage, self.hw) + (_shortfalls(build, self.hw, "build") if build else [])
         return Candidate(lay, est, usage, short, predicted_efficiency(lay, self.dims, self.hw), rung,
                          self.allowed(lay) if self.allowed is not None else None, build)
+
+
+def evaluate(dims: "ModelDims | HFModelDims", hardware: Hardware, layout: ZeroLayout) -> Candidate:
+    """One layout as given (no rung, no alternatives): its estimate, the usage per tier while
+    training and while building, and what is short on ``hardware``; ``model`` is the meta
+    model it was estimated on."""
+    evaluator = _Evaluator(dims, hardware, layout)
+    candidate = evaluator._candidate("given", layout)
+    candidate.model = evaluator.model(layout.tile_factor)
+    return candidate
 
 
 def _checkpoint_options(n_layers: int) -> list[int]:

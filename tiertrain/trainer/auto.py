@@ -16,7 +16,8 @@ from ..config import Config, ConfigError
 from ..tiers import Tier
 from .records import local_ranks
 
-__all__ = ["apply_plan", "plan_for", "resolve_auto_offload", "predicted_tier_bytes"]
+__all__ = ["apply_plan", "plan_for", "resolve_auto_offload", "predicted_tier_bytes", "check_fits",
+           "host_memory_available"]
 
 
 def apply_plan(cfg: Config, plan) -> Config:
@@ -47,15 +48,12 @@ def plan_for(cfg: Config, dims: Any, world_size: int, device: torch.device | Non
     (``probe_path``, default $TIERTRAIN_PROBE or runs/hardware_probe.json). Only layouts
     cfg's type accepts are chosen."""
     from ..estimate.plan import Hardware, Plan, plan
-    from ..estimate.probe import HardwareProbe, _cgroup_memory_limit, read_meminfo
+    from ..estimate.probe import HardwareProbe
 
     local = local_ranks(world_size)
     nodes = max(1, world_size // local)
     path = probe_path or os.environ.get("TIERTRAIN_PROBE") or "runs/hardware_probe.json"
-    mem = read_meminfo()
-    available = mem.get("MemAvailable", mem.get("MemFree", 0))
-    limit = _cgroup_memory_limit()
-    available = min(available, limit) if limit else available
+    available = host_memory_available()
     if os.path.isfile(path):
         hw = Hardware.from_probe(HardwareProbe.load(path), ranks_per_node=local, nodes=nodes)
         hw.source = f"probe file {path}, RAM available now"
@@ -66,8 +64,7 @@ def plan_for(cfg: Config, dims: Any, world_size: int, device: torch.device | Non
         from ..device import free_memory
         hw.device_memory = free_memory(device)  # (None on the CPU)
     hw.swap_dir = cfg.zero.nvme_path or None
-    hw.nvme_bytes = shutil.disk_usage(cfg.zero.nvme_path).free if cfg.zero.nvme_path and \
-        os.path.isdir(cfg.zero.nvme_path) else None
+    hw.nvme_bytes = _swap_free(cfg)
 
     def allowed(layout) -> str | None:
         stub = Plan(True, dims, layout, None, hw, {}, {}, None, "")
@@ -79,6 +76,58 @@ def plan_for(cfg: Config, dims: Any, world_size: int, device: torch.device | Non
 
     return plan(dims, hw, micro_batch=cfg.batch.micro_batch_size, precision=cfg.precision.dtype,
                 bucket_mb=cfg.zero.bucket_mb, allowed=allowed)
+
+
+def host_memory_available() -> int:
+    """Bytes of host RAM this job may take now: MemAvailable, capped by a cgroup limit."""
+    from ..estimate.probe import _cgroup_memory_limit, read_meminfo
+
+    mem = read_meminfo()
+    available = mem.get("MemAvailable", mem.get("MemFree", 0))
+    limit = _cgroup_memory_limit()
+    return min(available, limit) if limit else available
+
+
+def _swap_free(cfg: Config) -> int | None:
+    """Free bytes of zero.nvme_path's file system (its nearest existing ancestor: the run
+    creates it), or None without a swap directory."""
+    path = cfg.zero.nvme_path and os.path.abspath(cfg.zero.nvme_path)
+    if not path:
+        return None
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def check_fits(cfg: Config, dims: Any, world_size: int, accelerator: bool = False) -> None:
+    """ConfigError, before anything is allocated, when the layout cfg asks for cannot fit this
+    machine now: the estimator's peaks per rank (building the model, and the training step)
+    against the host RAM available and the swap directory's free space, with no reserve, so
+    only a job predicted to need more than there is is refused. With an accelerator only the
+    host tiers are checked (the device's own allocator names a device shortfall). The line
+    names the short tier, the model's size and its largest tensor (a vocabulary of 1e9 would
+    otherwise be a 256 GB allocation that fails, or swaps, minutes later)."""
+    from ..estimate import ZeroLayout
+    from ..estimate.plan import Hardware, evaluate
+    from ..estimate.report import human_bytes
+
+    local = local_ranks(world_size)
+    hw = Hardware(ranks_per_node=local, nodes=max(1, world_size // local), host_memory=host_memory_available(),
+                  device_memory=(1 << 62) if accelerator else None, nvme_bytes=_swap_free(cfg),
+                  swap_dir=cfg.zero.nvme_path or None, reserve=0.0, source="this machine now")
+    layout = dataclasses.replace(ZeroLayout.from_config(cfg, world_size), tile_factor=getattr(cfg, "tile_factor", 1))
+    candidate = evaluate(dims, hw.validate(), layout)
+    short = [s for s in candidate.short if s.tier is not Tier.DEVICE]
+    if not short:
+        return
+    name, p = max(candidate.model.named_parameters(), key=lambda item: item[1].numel())
+    raise ConfigError(
+        f"this job does not fit this machine: {'; '.join(s.describe() for s in short)} (a model of "
+        f"{dims.num_parameters():,} parameters, its largest tensor {name} {list(p.shape)}; stage "
+        f"{cfg.zero.stage}, parameters on {Tier(cfg.zero.offload_params).value}, optimizer on "
+        f"{Tier(cfg.zero.offload_optimizer).value}; {world_size} rank(s), {human_bytes(hw.host_memory)} of RAM "
+        f"available). Check the model's config (vocab_size, hidden size), move states to NVMe "
+        f"(zero.offload_params / zero.offload_optimizer with zero.nvme_path), or see what fits with `tiertrain plan`")
 
 
 def resolve_auto_offload(cfg: Config, dims: Any, topology) -> Config:
