@@ -351,10 +351,21 @@ class CheckpointConfig:
     """With resume=false: delete the checkpoints already in dir before the first step (without it such a run is refused, so that an older run's checkpoints are never lost or resumed by mistake)."""
     async_save: bool = False
     """Return from a save once the state is copied, and write and commit it in the background while training goes on (the final save is waited for; bench/results/checkpoint.md measures the stall)."""
+    loss_spike_factor: float = 10.0
+    """A checkpoint saved at a step whose loss (mean over data-parallel ranks) exceeds this many times the largest of the previous spike_window steps' is marked diverged, and a resume passes over it (tiertrain/trainer/divergence.py); 0 disables."""
+    grad_norm_spike_factor: float = 100.0
+    """The same for the step's gradient norm (an update that explodes); 0 disables."""
+    spike_window: int = 20
+    """Healthy steps whose largest loss and gradient norm a step is compared with."""
 
     def validate(self, path: str = "checkpoint") -> None:
         _check_positive(f"{path}.interval", self.interval, allow_zero=True)
         _check_positive(f"{path}.keep_last", self.keep_last)
+        for name in ("loss_spike_factor", "grad_norm_spike_factor"):
+            value = getattr(self, name)
+            if not (value == 0 or value > 1):
+                _fail(f"{path}.{name}", value, "0 (off) or a factor > 1")
+        _check_positive(f"{path}.spike_window", self.spike_window)
 
 
 @dataclass

@@ -22,7 +22,9 @@ command over it, tiertrain/train.py):
   collectives and swap IO (tiertrain/waits.py): the parts add up to the step;
 * checkpoints every ``checkpoint.interval`` steps (``checkpoint.async_save`` in the
   background), resume from the newest at any layout, with the data position, and SIGTERM /
-  Ctrl-C ending the run cleanly (tiertrain.launch).
+  Ctrl-C ending the run cleanly (tiertrain.launch); a checkpoint saved while the loss or the
+  gradient norm spikes, or before gradients stayed non-finite, is marked diverged and a resume
+  passes over it (tiertrain/trainer/divergence.py).
 
 Metrics are means over the data-parallel ranks (loss weighted by micro-batches, times per
 optimizer step) and maxima for memory; ``tokens_per_s`` and TFLOP/s count every rank's
@@ -48,6 +50,7 @@ from ..precision import NonFiniteError
 from .auto import predicted_tier_bytes, resolve_auto_offload
 from .batches import batch_stream, count_tokens, eval_batches, is_dataset
 from .config import LoopConfig
+from .divergence import DivergenceWatch
 from .flops import flops_per_token, peak_flops_per_rank
 from ..zero.stage3 import tensors_in
 from .records import (Window, finite_or_none, format_summary, gather_over_dp, local_ranks, peak_rss_bytes,
@@ -174,6 +177,8 @@ class Trainer:
         self.step = 0
         self.run_id = uuid.uuid4().hex
         self.records: list[dict[str, Any]] = []
+        ckpt = config.checkpoint
+        self.divergence = DivergenceWatch(ckpt.loss_spike_factor, ckpt.grad_norm_spike_factor, ckpt.spike_window)
 
     # -- construction --------------------------------------------------------------------
 
@@ -237,8 +242,10 @@ class Trainer:
         try:
             for step in range(start + 1, cfg.steps + 1):
                 check_terminated()  # (a SIGTERM whose Terminated something below swallowed)
-                tokens_total += self._train_step(window)
+                tokens, loss = self._train_step(window)
+                tokens_total += tokens
                 self.step = step
+                self._watch_divergence(step, loss)
                 final = step == cfg.steps
                 if step == start + 1 or step % cfg.logging.log_interval == 0 or final:
                     last_train = self._record(window, step, t_start, peak_flops)
@@ -260,7 +267,7 @@ class Trainer:
                     bar.update(1)
                 self._maybe_save(step, final)
         except NonFiniteError as e:
-            self._mark_diverged(e)
+            self._mark_diverged(str(e).splitlines()[0][:300])
             raise
         finally:
             if bar is not None:
@@ -272,10 +279,11 @@ class Trainer:
             print(format_summary(summary), flush=True)
         return summary
 
-    def _mark_diverged(self, error: Exception) -> None:
-        """The run stopped on gradients that stayed non-finite: the checkpoint of the state that
-        produced them (this step count's) is marked diverged, so a resume does not take it by
-        default (the previous one is the state to resume, with a lower optimizer.lr)."""
+    def _mark_diverged(self, reason: str) -> None:
+        """The checkpoint of this step count is the state of a run that diverged (it stopped on
+        gradients that stayed non-finite, or was saved in a loss or gradient-norm spike): it is
+        marked, so a resume does not take it by default (the previous one is the state to
+        resume, with a lower optimizer.lr). Collective."""
         from .. import checkpoint
 
         directory = self.config.checkpoint.dir
@@ -285,12 +293,29 @@ class Trainer:
         # save commit, so that the mark lands on a committed checkpoint)
         self.engine.wait_for_checkpoint()
         if self.is_main:
-            if checkpoint.mark_diverged(directory, self.engine.steps, str(error).splitlines()[0][:300]):
+            if checkpoint.mark_diverged(directory, self.engine.steps, reason):
                 print(f"tiertrain: the checkpoint of step {self.engine.steps} in {directory!r} is marked diverged: "
                       f"a resume passes over it", file=sys.stderr, flush=True)
 
-    def _train_step(self, window: "Window") -> int:
-        """One optimizer step (grad_accum_steps micro-batches); returns this rank's tokens."""
+    def _watch_divergence(self, step: int, loss: float) -> None:
+        """Judge the step's loss (averaged over data-parallel ranks) and gradient norm; the
+        first spike of a streak is a warning line on rank 0."""
+        watch = self.divergence
+        if not watch.enabled:
+            return
+        if self.topology.size("dp") > 1 and dist.is_initialized():
+            total = torch.tensor([loss], dtype=torch.float64)
+            dist.all_reduce(total, group=self.dp_group)
+            loss = float(total) / self.topology.size("dp")
+        was_spiking = watch.spike is not None
+        spike = watch.observe(step, loss, self.engine.last_grad_norm)
+        if spike is not None and not was_spiking and self.is_main:
+            print(f"tiertrain: warning: {spike.describe()}; checkpoints saved while it lasts are marked diverged",
+                  file=sys.stderr, flush=True)
+
+    def _train_step(self, window: "Window") -> tuple[int, float]:
+        """One optimizer step (grad_accum_steps micro-batches); returns this rank's tokens and
+        its mean loss."""
         engine, tokens = self.engine, 0
         if self.topology.size("pp") > 1:  # the pipeline schedule runs forward and backward itself
             batches = []
@@ -301,7 +326,7 @@ class Trainer:
             with window.timing("schedule"):
                 loss = engine.train_batch(iter(batches))
             window.add_loss(loss, tokens)
-            return tokens
+            return tokens, float(loss)
         total = 0.0
         for _ in range(engine.accum):
             with window.timing("data"):
@@ -315,7 +340,7 @@ class Trainer:
         with window.timing("optimizer"):
             engine.step()
         window.add_loss(total / engine.accum, tokens)
-        return tokens
+        return tokens, total / engine.accum
 
     def evaluate(self) -> dict[str, float]:
         """Loss and perplexity on up to eval.batches micro-batches per rank of eval_data
@@ -471,6 +496,11 @@ class Trainer:
                 self.train_batches.load_state_dict(position)
             except ValueError as e:
                 raise ConfigError(f"checkpoint.dir={ckpt.dir!r}: the data order cannot continue: {e}") from None
+        if "divergence" in extra:  # (checkpoints saved before the watch had none)
+            try:
+                self.divergence.load_state_dict(extra["divergence"], f"checkpoint {step_dir!r}")
+            except ValueError as e:
+                raise checkpoint.CheckpointError(str(e)) from None
         if isinstance(marker.get("run_id"), str):
             self.run_id = marker["run_id"]  # its run continues: keep_last rotates its checkpoints
         return int(extra.get("step", self.engine.steps))
@@ -481,11 +511,13 @@ class Trainer:
         ckpt = self.config.checkpoint
         if not ckpt.dir or not (final or (ckpt.interval and step % ckpt.interval == 0)):
             return
-        extra = {"step": step, "data": self.train_batches.state_dict()}
+        extra = {"step": step, "data": self.train_batches.state_dict(), "divergence": self.divergence.state_dict()}
         if self.fingerprint is not None:
             extra["model"] = self.fingerprint
         self.engine.save_checkpoint(ckpt.dir, extra=extra, keep_last=ckpt.keep_last, run_id=self.run_id,
                                     background=ckpt.async_save and not final)
+        if self.divergence.spike is not None:
+            self._mark_diverged(self.divergence.spike.describe())
 
     # -- lifetime ------------------------------------------------------------------------
 
