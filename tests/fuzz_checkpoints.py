@@ -1,12 +1,15 @@
 """A fuzzer of checkpoint and safetensors files (issue 32): random mutations of a committed
 checkpoint's marker, rank file and held-tensors file, of a safetensors header, and special files
-(links, FIFOs, directories) in their place, each read the way a resume or an export reads it.
+(links, FIFOs, directories) in their place, each read the way a resume (the engine's own
+``load_checkpoint``) and an export read it; and the same of a pretrained model directory's
+``model.safetensors``, read by ``load_pretrained`` into an engine.
 
 Every case must end, within a second, in a result or in the library's own error
 (CheckpointError, or ValueError for a pretrained file), never in another exception (a raw
 traceback for the user); no file outside the checkpoint may be opened (an audit hook watches
 every open of a sentinel directory beside it); and every tensor read from a safetensors file
-must hold bytes that are in the file (none from process memory).
+(exported, or loaded into the engine) must hold bytes that are in the file (none from process
+memory).
 
     python tests/fuzz_checkpoints.py --cases 20000 --seed 3     # a longer run than CI's
 """
@@ -67,8 +70,12 @@ def _alarm(signum, frame):
     raise _Hang()
 
 
-def make_checkpoint(root: str) -> str:
-    """A committed single-rank checkpoint with a held-tensors file (a model with a buffer)."""
+def make_checkpoint(root: str):
+    """A committed single-rank checkpoint with a held-tensors file (a model with a buffer), a
+    pretrained directory of the same model's weights, and the engine that wrote them (which
+    every case restores into)."""
+    from safetensors.torch import save_file
+
     import tiertrain
     from reference import global_batches, make_config, make_model
 
@@ -79,7 +86,12 @@ def make_checkpoint(root: str) -> str:
     engine.train_batch(iter(global_batches(1, 2)))
     directory = os.path.join(root, "ckpt")
     engine.save_checkpoint(directory)
-    return directory
+    pretrained = os.path.join(root, "pretrained")
+    os.makedirs(pretrained)
+    weights = {k: v.detach().clone().contiguous() for k, v in engine.full_state_dict().items()
+               if k in dict(engine.module.named_parameters())}
+    save_file(weights, os.path.join(pretrained, "model.safetensors"))
+    return directory, pretrained, engine
 
 
 # -- mutations ------------------------------------------------------------------------------
@@ -174,7 +186,7 @@ def _safetensors_mutation(rng: random.Random, data: bytes) -> bytes:
 
 # -- one case -------------------------------------------------------------------------------
 
-def _read_like_a_resume_and_an_export(directory: str, out: str):
+def _read_like_a_resume_and_an_export(directory: str, out: str, engine):
     from tiertrain.checkpoint import agree_on_checkpoint, load_rank_file, rank_file_name, verified_file
     from tiertrain.consolidate import export_checkpoint
 
@@ -186,7 +198,21 @@ def _read_like_a_resume_and_an_export(directory: str, out: str):
             return None
     step_dir, marker = agree_on_checkpoint(directory, None, One())
     load_rank_file(verified_file(step_dir, rank_file_name(0), marker["sha256"][0]), torch.device("cpu"))
-    return export_checkpoint(directory, out)
+    export_checkpoint(directory, out)
+    engine.load_checkpoint(directory)
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _check_loaded_bytes(engine, sources: list[bytes], findings: Findings, what: str) -> None:
+    """Every parameter load_pretrained accepted holds bytes of the file (one rank, fp32: each is
+    copied as read)."""
+    for name, t in engine.full_state_dict().items():
+        raw = _raw(t)
+        if name in dict(engine.module.named_parameters()) and raw and not any(raw in s for s in sources):
+            findings.leaked.append(f"{what}: loaded {name!r} holds bytes that are in no input file")
 
 
 def _check_exported_bytes(out: str, sources: list[bytes], findings: Findings, what: str) -> None:
@@ -197,23 +223,44 @@ def _check_exported_bytes(out: str, sources: list[bytes], findings: Findings, wh
             continue
         with safe_open(os.path.join(out, name), framework="pt") as f:
             for key in f.keys():
-                t = f.get_tensor(key)
-                raw = t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+                raw = _raw(f.get_tensor(key))
                 # (one rank, fp32: every exported tensor is written as it was read, so its bytes
                 # are in an input file: a rank file's masters, or the held tensors)
                 if raw and not any(raw in s for s in sources):
                     findings.leaked.append(f"{what}: exported {key!r} holds bytes that are in no input file")
 
 
-def run_case(rng: random.Random, pristine: str, scratch: str, outside: str, findings: Findings) -> None:
-    from tiertrain.checkpoint import CheckpointError
+def _replace_with_special_file(rng: random.Random, path: str, scratch: str, outside: str) -> None:
+    """path becomes a link to /dev/zero, out of the directory or to nothing, a FIFO or a directory."""
+    os.remove(path)
+    special = rng.choice(["zero", "fifo", "dir", "outside", "dangling"])
+    if special == "zero":
+        os.symlink("/dev/zero", path)
+    elif special == "fifo":
+        os.mkfifo(path)
+    elif special == "dir":
+        os.mkdir(path)
+    elif special == "outside":
+        os.symlink(os.path.join(outside, "secret"), path)
+    else:
+        os.symlink(os.path.join(scratch, "missing"), path)
 
-    shutil.rmtree(scratch, ignore_errors=True)
+
+def _pretrained_case(rng: random.Random, pristine: str, scratch: str, outside: str, kind: str) -> None:
+    """A mutated copy of the pretrained directory at scratch."""
     shutil.copytree(pristine, scratch)
-    step_dir = os.path.join(scratch, sorted(n for n in os.listdir(scratch) if n.startswith("step_"))[0])
-    out = scratch + "-out"
-    shutil.rmtree(out, ignore_errors=True)
-    kind = rng.choice(["marker", "marker-text", "rank", "held", "held-header", "special"])
+    path = os.path.join(scratch, "model.safetensors")
+    if kind == "pretrained-special":
+        _replace_with_special_file(rng, path, scratch, outside)
+        return
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(_safetensors_mutation(rng, data) if kind == "pretrained-header" else _flip_bytes(rng, data))
+
+
+def _checkpoint_case(rng: random.Random, step_dir: str, scratch: str, outside: str, kind: str) -> None:
+    """One mutation of the checkpoint copied to scratch (its step directory step_dir)."""
     if kind == "marker":
         _rewrite_marker(step_dir, lambda m: _mutate_json(rng, m, outside))
     elif kind == "marker-text":
@@ -234,21 +281,29 @@ def run_case(rng: random.Random, pristine: str, scratch: str, outside: str, find
             f.write(_safetensors_mutation(rng, data) if kind == "held-header" else _flip_bytes(rng, data))
         if rng.random() < 0.8:
             _recommit(step_dir, "held_tensors.safetensors")
-    else:
+    elif kind == "special":
         name = rng.choice(["rank00000.pt", "COMMITTED.json", "held_tensors.safetensors", "export.json"])
-        path = os.path.join(step_dir, name)
-        os.remove(path)
-        special = rng.choice(["zero", "fifo", "dir", "outside", "dangling"])
-        if special == "zero":
-            os.symlink("/dev/zero", path)
-        elif special == "fifo":
-            os.mkfifo(path)
-        elif special == "dir":
-            os.mkdir(path)
-        elif special == "outside":
-            os.symlink(os.path.join(outside, "secret"), path)
-        else:
-            os.symlink(os.path.join(scratch, "missing"), path)
+        _replace_with_special_file(rng, os.path.join(step_dir, name), scratch, outside)
+
+
+def run_case(rng: random.Random, pristine, scratch: str, outside: str, findings: Findings) -> None:
+    from tiertrain.checkpoint import CheckpointError
+    from tiertrain.pretrained import load_pretrained
+
+    directory, pretrained, engine = pristine
+    shutil.rmtree(scratch, ignore_errors=True)
+    out = scratch + "-out"
+    shutil.rmtree(out, ignore_errors=True)
+    kind = rng.choice(["marker", "marker-text", "rank", "held", "held-header", "special",
+                       "pretrained", "pretrained-header", "pretrained-special"])
+    if kind.startswith("pretrained"):
+        _pretrained_case(rng, pretrained, scratch, outside, kind)
+        read, refusal, step_dir = (lambda: load_pretrained(engine, scratch)), ValueError, scratch
+    else:
+        shutil.copytree(directory, scratch)
+        step_dir = os.path.join(scratch, sorted(n for n in os.listdir(scratch) if n.startswith("step_"))[0])
+        _checkpoint_case(rng, step_dir, scratch, outside, kind)
+        read, refusal = (lambda: _read_like_a_resume_and_an_export(scratch, out, engine)), CheckpointError
     inputs = []
     for name in os.listdir(step_dir):
         p = os.path.join(step_dir, name)
@@ -259,12 +314,15 @@ def run_case(rng: random.Random, pristine: str, scratch: str, outside: str, find
     _watch["root"], _watch["opened"] = outside, []
     signal.setitimer(signal.ITIMER_REAL, 1.0)
     try:
-        _read_like_a_resume_and_an_export(scratch, out)
+        read()
         findings.accepted += 1
-        _check_exported_bytes(out, inputs, findings, what)
+        if kind.startswith("pretrained"):
+            _check_loaded_bytes(engine, inputs, findings, what)
+        else:
+            _check_exported_bytes(out, inputs, findings, what)
     except _Hang:
         findings.hangs.append(f"{what}: no result within 1 s")
-    except CheckpointError:
+    except refusal:
         findings.refused += 1
     except Exception as e:  # noqa: BLE001 - what the fuzzer looks for
         findings.raw.append(f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
@@ -288,7 +346,7 @@ def fuzz(cases: int, seed: int, budget_s: float, root: str | None = None) -> Fin
         os.makedirs(outside, exist_ok=True)
         with open(os.path.join(outside, "secret"), "w") as f:
             f.write("{}")
-        pristine = make_checkpoint(root)
+        pristine = make_checkpoint(root)  # (checkpoint, pretrained directory, engine)
         rng = random.Random(seed)
         findings = Findings()
         start = time.monotonic()

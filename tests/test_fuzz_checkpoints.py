@@ -1,6 +1,8 @@
 """The checkpoint fuzzer (tests/fuzz_checkpoints.py) on a small budget; CI also runs it for
 10,000 cases (.ci/run). Mutated markers, rank files, held-tensor files and safetensors headers,
-and links, FIFOs and directories in their place: each read as a resume and an export read it."""
+and links, FIFOs and directories in their place: each read as a resume (the engine's
+load_checkpoint) and an export read it; and mutated pretrained weight files, read by
+load_pretrained into the engine."""
 from __future__ import annotations
 
 import pytest

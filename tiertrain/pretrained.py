@@ -85,6 +85,32 @@ class LoadReport:
 # -- the checkpoint --------------------------------------------------------------------------------
 
 
+def unreadable_file(path: str) -> str | None:
+    """Why an entry that is there cannot be read as a weight file (a dangling symlink, as a
+    Hugging Face cache snapshot with a missing blob leaves; a directory, FIFO or device; no
+    read permission), or None when it is a readable regular file. Links are followed: a cache
+    snapshot is a directory of links into the cache's blobs."""
+    if os.path.islink(path) and not os.path.exists(path):
+        return (f"a symlink to {os.readlink(path)!r}, which does not exist (a cache snapshot whose blob is "
+                f"missing?)")
+    if not os.path.isfile(path):
+        return "not a regular file" + (f" (a link to {os.path.realpath(path)!r})" if os.path.islink(path) else "")
+    if not os.access(path, os.R_OK):
+        return "not readable (permissions)"
+    return None
+
+
+def _weight_file(path: str) -> bool:
+    """Whether path is there; ValueError naming it when it is there but cannot be read."""
+    if not os.path.lexists(path):
+        return False
+    problem = unreadable_file(path)
+    if problem:
+        raise ValueError(f"load_pretrained: {path!r} is {problem}; expected the safetensors weights "
+                         f"save_pretrained writes")
+    return True
+
+
 def checkpoint_files(path: str | os.PathLike) -> list[str]:
     """The safetensors files of a checkpoint: ``path`` itself when it is a .safetensors file;
     in a directory, the shards its ``model.safetensors.index.json`` lists, else
@@ -100,19 +126,19 @@ def checkpoint_files(path: str | os.PathLike) -> list[str]:
         raise FileNotFoundError(f"load_pretrained: {path!r} does not exist; expected a Hugging Face checkpoint "
                                 f"directory (with {SINGLE_FILE}, or {INDEX_FILE} and its shards) or a .safetensors file")
     index = os.path.join(path, INDEX_FILE)
-    if os.path.isfile(index):
+    if _weight_file(index):
         with open(index) as f:
             weight_map = json.load(f).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"load_pretrained: {index!r} has no 'weight_map' (expected {{tensor name: shard file}})")
         names = sorted(set(weight_map.values()))
-        absent = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+        absent = [n for n in names if not _weight_file(os.path.join(path, n))]
         if absent:
             raise FileNotFoundError(f"load_pretrained: {index!r} lists shard files missing from {path!r}: "
                                     f"{_listing(absent)}")
         return [os.path.join(path, n) for n in names]
     single = os.path.join(path, SINGLE_FILE)
-    if os.path.isfile(single):
+    if _weight_file(single):
         return [single]
     present = sorted(os.listdir(path))
     raise FileNotFoundError(f"load_pretrained: no {SINGLE_FILE} or {INDEX_FILE} in {path!r} (it holds "

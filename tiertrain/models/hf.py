@@ -102,18 +102,17 @@ def has_weights(directory: str) -> bool:
     that is there but cannot be read (a dangling symlink, as a Hugging Face cache snapshot with
     a missing blob leaves; not a regular file; no read permission) is a ConfigError naming it:
     training from the initialisation instead would be silent."""
+    from ..pretrained import unreadable_file
+
     found = False
     for name in WEIGHT_FILES:
         path = os.path.join(directory, name)
         if not os.path.lexists(path):
             continue
-        if os.path.islink(path) and not os.path.exists(path):
-            raise ConfigError(f"model.hf={directory!r}: {name} is a symlink to {os.readlink(path)!r}, which does not "
-                              f"exist (a cache snapshot whose blob is missing?); restore the file, or remove the "
-                              f"link to train from the initialisation")
-        if not os.path.isfile(path) or not os.access(path, os.R_OK):
-            raise ConfigError(f"model.hf={directory!r}: {name} is not a readable regular file; expected the "
-                              f"safetensors weights save_pretrained writes")
+        problem = unreadable_file(path)
+        if problem:
+            raise ConfigError(f"model.hf={directory!r}: {name} is {problem}; restore the file, or remove it to "
+                              f"train from the initialisation")
         found = True
     return found
 
