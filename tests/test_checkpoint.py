@@ -166,6 +166,46 @@ def test_a_save_of_a_committed_step_that_fails_keeps_the_committed_one(tmp_path,
     assert _step_entries(tmp_path) == ["step_00000001"], "nothing is left beside it"
 
 
+def test_the_newest_save_is_resumed_not_the_highest_step(tmp_path):
+    """Every commit gets a save number one above the directory's largest: after a run went back
+    to step 2 (the newer ones diverged, or it loaded step 2 by name) and saved step 3 again, a
+    resume continues that line, not the step 4 of the line it left."""
+    from tiertrain.checkpoint import read_marker, saves_newest_first
+
+    cfg = make_config(batch={"micro_batch_size": 2})
+    engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
+    batches = global_batches(6, 2)
+    for i in range(4):
+        engine.train_batch(iter([batches[i]]))
+        engine.save_checkpoint(str(tmp_path), extra={"line": "first"})
+    assert [read_marker(str(tmp_path), s)["save_id"] for s in (1, 2, 3, 4)] == [1, 2, 3, 4]
+    engine.load_checkpoint(str(tmp_path), step=2)
+    engine.train_batch(iter([batches[5]]))
+    engine.save_checkpoint(str(tmp_path), extra={"line": "second"})
+    assert saves_newest_first(str(tmp_path)) == [3, 4, 2, 1]
+    assert engine.load_checkpoint(str(tmp_path)) == {"line": "second"} and engine.steps == 3
+    engine.train_batch(iter([batches[4]]))
+    engine.save_checkpoint(str(tmp_path), extra={"line": "second"})
+    assert saves_newest_first(str(tmp_path)) == [4, 3, 2, 1]
+    assert engine.load_checkpoint(str(tmp_path)) == {"line": "second"} and engine.steps == 4
+
+
+def test_rotation_keeps_the_newest_saves(tmp_path):
+    from tiertrain.checkpoint import rotate
+
+    cfg = make_config(batch={"micro_batch_size": 2})
+    engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
+    batches = global_batches(4, 2)
+    for i in range(3):
+        engine.train_batch(iter([batches[i]]))
+        engine.save_checkpoint(str(tmp_path), run_id="r")
+    engine.load_checkpoint(str(tmp_path), step=1)
+    engine.train_batch(iter([batches[3]]))
+    engine.save_checkpoint(str(tmp_path), run_id="r")  # step 2 again, the newest save
+    assert rotate(str(tmp_path), "r", keep_last=2) == [1]
+    assert committed_steps(str(tmp_path)) == [2, 3]
+
+
 def test_a_save_interrupted_between_its_two_renames_is_found_and_settled(tmp_path, monkeypatch):
     """Where the file system cannot exchange two directories atomically, the new checkpoint
     takes the old one's place in two renames; killed between them, step_N is gone for a moment:

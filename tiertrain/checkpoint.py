@@ -53,6 +53,7 @@ import fcntl
 import hashlib
 import io
 import json
+import math
 import os
 import pickle
 import re
@@ -465,6 +466,7 @@ def _write_and_commit(state: dict, directory: str, step_dir: str, step: int, ran
             marker["files"] = file_digests
         if run_id is not None:
             marker["run_id"] = run_id  # whose checkpoint this is: rotation deletes only its own run's
+        marker["save_id"] = _next_save_id(directory)  # (which save is newest: saves_newest_first)
         atomic_write(os.path.join(step_dir, MARKER), lambda f: f.write(json.dumps(marker, indent=1).encode()))
         if step_dir.endswith(NEXT):
             _replace_committed(step_dir[:-len(NEXT)], step_dir)
@@ -513,6 +515,31 @@ def committed_steps(directory: str) -> list[int]:
     (a JSON object with the marker's keys), oldest first. A step whose marker is corrupt is
     left out (find_committed names it); marked_steps lists those too."""
     return [step for step in marked_steps(directory) if _marker_problem(directory, step) is None]
+
+
+def saves_newest_first(directory: str, steps: list[int] | None = None) -> list[int]:
+    """The marked steps (or ``steps``) in the order they were saved, newest first: by each
+    marker's ``save_id`` (one more than the directory's largest at every commit), then by step.
+    The step count alone does not say which save is newest: a run resumed from an older
+    checkpoint (the newer ones marked diverged, or one loaded by its step) saves lower steps
+    after higher ones of the line it left. A marker without a save_id (written before them)
+    counts as 0; one that cannot be read comes first, so a caller reaches it, and names it."""
+    def key(step: int) -> tuple[float, int]:
+        try:
+            return float(read_marker(directory, step).get("save_id", 0)), step
+        except CheckpointError:
+            return math.inf, step
+    return sorted(marked_steps(directory) if steps is None else steps, key=key, reverse=True)
+
+
+def _next_save_id(directory: str) -> int:
+    ids = [0]
+    for step in marked_steps(directory):
+        try:
+            ids.append(int(read_marker(directory, step).get("save_id", 0)))
+        except CheckpointError:
+            pass
+    return max(ids) + 1
 
 
 def rank_file_name(rank: int) -> str:
@@ -592,7 +619,8 @@ def agree_on_checkpoint(directory: str, step: int | None, topology) -> tuple[str
             find_committed(directory, step)  # (the error naming why nothing is loadable)
             candidates, diverged = [step], []
             if step is None:  # (a checkpoint marked diverged is loaded only when asked for by step)
-                reasons = {c: diverged_reason(directory, c) for c in reversed(committed_steps(directory))}
+                newest_first = saves_newest_first(directory, committed_steps(directory))
+                reasons = {c: diverged_reason(directory, c) for c in newest_first}
                 diverged = [f"step {c} is marked diverged ({why})" for c, why in reasons.items() if why is not None]
                 candidates = [c for c, why in reasons.items() if why is None]
             choice = (candidates, diverged, None if candidates else
@@ -666,7 +694,7 @@ def find_committed(directory: str, step: int | None = None) -> tuple[str, dict]:
                                   f"committed: {committed_steps(directory)}")
         return _step_path(directory, step), read_marker(directory, step)
     corrupt = []
-    for candidate in reversed(marked):
+    for candidate in saves_newest_first(directory, marked):
         problem = _marker_problem(directory, candidate)
         if problem is None:
             if corrupt:
@@ -775,6 +803,9 @@ def _marker_shape_problem(marker: dict) -> str | None:
     files = marker.get("files", {})
     if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
         return "'files' must map file names to sha256 digests"
+    save_id = marker.get("save_id", 0)
+    if isinstance(save_id, bool) or not isinstance(save_id, int) or not 0 <= save_id < 1 << 62:
+        return f"'save_id' {save_id!r} is not a save number (an int >= 0)"
     return None
 
 
@@ -796,16 +827,17 @@ def run_of(directory: str, step: int) -> str | None:
 
 
 def rotate(directory: str, run_id: str | None, keep_last: int) -> list[int]:
-    """Delete all but the newest keep_last committed checkpoints of run run_id; returns the
-    steps deleted. Rotation goes by run, not by step number: another run's checkpoints, those
+    """Delete all but the newest keep_last committed checkpoints of run run_id (in the order
+    they were saved: saves_newest_first); returns the steps deleted. Rotation goes by run, not by step number: another run's checkpoints, those
     without a run id (written before run ids, or by a caller that gave none) and those whose
     marker is corrupt are never deleted, so a new run in a directory holding an older run's
     higher steps keeps its own checkpoints (once, the older ones won and every new checkpoint
     was deleted the moment it was committed)."""
     if run_id is None or keep_last <= 0:
         return []
-    own = [step for step in committed_steps(directory) if run_of(directory, step) == run_id]
-    doomed = own[:-keep_last]
+    own = [step for step in saves_newest_first(directory, committed_steps(directory))
+           if run_of(directory, step) == run_id]
+    doomed = own[keep_last:]
     for old in doomed:
         shutil.rmtree(_step_path(directory, old), ignore_errors=True)
     return doomed
