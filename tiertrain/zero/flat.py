@@ -186,17 +186,35 @@ class FlatParameters:
     def _build_unit(self, unit: Unit, params, rebuild_param, keep_full_grads: bool, trainable: bool) -> UnitBuffers:
         """Pack unit's parameters into its full buffer, cut this rank's shard (into the
         parameter tier's store when partitioned), allocate master and gradient (trained units
-        only) and point the parameters at their slots."""
+        only) and point the parameters at their slots. A master of its own is filled from the
+        parameters' values, not from the compute copy: an fp32 model wrapped at bf16 keeps its
+        fp32 weights exactly (the compute copy is rounded)."""
         placement, dtype, device, rank = self.placement, self.dtype, self.device, self.shard_rank
+        lo, hi = unit.shard_range(rank)
+        # The master is the shard itself when both are fp32 on the same tier (on NVMe, the
+        # optimizer then takes the shard's file over: use_optimizer_masters).
+        shard_tier = Tier.DEVICE if unit.resident else placement.param_tier
+        # With the NVMe optimizer no device copy touches the master or gradient in RAM: the
+        # masters leave for its files at its build, and its step may free the gradient in
+        # place; reduced gradients reach the host through a pinned transfer buffer.
+        host_only = placement.optimizer_tier == Tier.NVME
+        master = None
+        if trainable and not (dtype == torch.float32 and placement.optimizer_tier == shard_tier):
+            master = placement.empty(unit.shard_numel, torch.float32, placement.optimizer_tier,
+                                     device_copies=not host_only)
+            master.zero_()  # (the padding)
         full = torch.zeros(unit.padded_numel, dtype=dtype, device=device)
         for k, slot in enumerate(unit.slots):
             p = params[slot.name]
             value = rebuild_param(p) if rebuild_param is not None else p.detach()
             full[slot.offset:slot.end].copy_(value.reshape(-1))
+            if master is not None:  # from the value itself: the compute copy may be rounded (bf16)
+                a, b = max(slot.offset, lo), min(slot.end, hi)
+                if a < b:
+                    master[a - lo:b - lo].copy_(value.reshape(-1)[a - slot.offset:b - slot.offset])
             self.unit_of[p] = (unit.index, k)
             if trainable:
                 self.slot_of[p] = (unit.index, k)
-        lo, hi = unit.shard_range(rank)
         if unit.resident:
             shard = full[lo:hi]
         else:
@@ -206,19 +224,8 @@ class FlatParameters:
             master = grad = torch.empty(0, dtype=torch.float32, device=device)
             grad_full = None
         else:
-            # The master is the shard itself when both are fp32 on the same tier (on NVMe, the
-            # optimizer then takes the shard's file over: use_optimizer_masters).
-            shard_tier = Tier.DEVICE if unit.resident else placement.param_tier
-            # With the NVMe optimizer no device copy touches the master or gradient in RAM: the
-            # masters leave for its files at its build, and its step may free the gradient in
-            # place; reduced gradients reach the host through a pinned transfer buffer.
-            host_only = placement.optimizer_tier == Tier.NVME
-            if dtype == torch.float32 and placement.optimizer_tier == shard_tier:
+            if master is None:
                 master = shard
-            else:
-                master = placement.empty(unit.shard_numel, torch.float32, placement.optimizer_tier,
-                                         device_copies=not host_only)
-                master.copy_(shard)
             if keep_full_grads:
                 grad_full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
                 grad = grad_full[lo:hi]
