@@ -306,11 +306,15 @@ def rank_state(parts: Mapping[str, Stateful]) -> dict:
 
 def restore_rank_state(parts: Mapping[str, Stateful], state: dict) -> None:
     """Inverse of rank_state, part by part in the parts' order."""
-    missing = [name for name in parts if name not in state]
+    # (a part the checkpoint may predate says what it keeps instead: absent_from_checkpoint)
+    missing = [name for name in parts if name not in state and not hasattr(parts[name], "absent_from_checkpoint")]
     if missing:
         raise CheckpointError(f"the checkpoint holds no state for {missing}; it has {sorted(state)}")
     for name, part in parts.items():
-        part.load_state_dict(state[name])
+        if name in state:
+            part.load_state_dict(state[name])
+        else:
+            part.absent_from_checkpoint("the checkpoint")
 
 
 def save(parts: Mapping[str, Stateful], directory: str, step: int, topology, fingerprint: dict,

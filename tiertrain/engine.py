@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from . import checkpoint
 from . import reshard as reshard_module
+from .buffers import ModuleBuffers, persistent_buffers
 from .comm import Collectives, CommCounter
 from .config import Config, ConfigError
 from .device import acts_as_accelerator, pins_host
@@ -313,6 +314,8 @@ class Engine:
         if self.fetcher is not None:
             self.fetcher.begin_forward()
         batch = self._to_device(batch)
+        if self.module.training and self.config.zero.broadcast_buffers and self.comm.size > 1:
+            ModuleBuffers(self.module).broadcast(self.comm)  # (DDP's broadcast_buffers)
         check = self.fetcher.use_check() if self.fetcher is not None else None
         if check is None and not self.flat.gathers_in_flight:
             return self.loss_fn(self.module, batch)
@@ -582,6 +585,8 @@ class Engine:
         parts = {"update": self.update, "scaler": self.scaler, "train_state": self.train_state, "rng": RNGState(self.device)}
         if self.flat.frozen_units:
             parts["frozen"] = FrozenShards(self.flat)
+        if persistent_buffers(self.module):
+            parts["buffers"] = ModuleBuffers(self.module)
         return parts
 
     def checkpoint_fingerprint(self) -> dict:
@@ -702,7 +707,8 @@ class Engine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's value in fp32, by name (collective): trained ones from their fp32
-        masters, frozen ones from their compute-dtype values, all gathered from the shards."""
+        masters, frozen ones from their compute-dtype values, all gathered from the shards;
+        and the persistent buffers (floating ones in fp32), as ``state_dict`` names them."""
         out = {}
         self.update.settle(collective=True)
         masters = self.masters()
@@ -719,6 +725,8 @@ class Engine:
         for name, p in self.module.named_parameters():
             if name not in out and not p.requires_grad:  # frozen and whole on every rank
                 out[name] = p.detach().float().clone()
+        for name, b in persistent_buffers(self.module).items():
+            out[name] = (b.detach().float() if b.is_floating_point() else b.detach()).clone()
         return out
 
     def save_pretrained(self, directory: str, dtype: torch.dtype | str | None = None,

@@ -626,6 +626,16 @@ def _nvme_update(update: "OptimizerUpdate", run: _SavedRun, rank: int, shards: d
             "schedule": run.file(source)["update"].get("schedule")}
 
 
+def _buffers(run: _SavedRun, world: int, source: int) -> dict:
+    """Every saved rank's persistent buffers by name (a pipeline stage saved its own; the
+    data-parallel copies are equal), the replicated source's first."""
+    out: dict = {}
+    for r in [source] + [r for r in range(world) if r != source]:
+        for name, value in (run.file(r).get("buffers") or {}).items():
+            out.setdefault(name, value)
+    return out
+
+
 def load_resharded(parts: Mapping[str, Stateful], step_dir: str, marker: dict, rank: int, fingerprint: dict,
                    shards: dict, update: "OptimizerUpdate") -> dict:
     """Rebuild this rank's state from a checkpoint saved at another layout (marker: its commit
@@ -652,10 +662,12 @@ def load_resharded(parts: Mapping[str, Stateful], step_dir: str, marker: dict, r
                       for s in run.file(r)["frozen"]["shards"]), torch.float32)
         state["frozen"] = {"shards": _fill(unit_pieces(rank, shards, "frozen"), frozen_units, run, "frozen",
                                            "frozen", shards, dtype)}
+    if "buffers" in parts:
+        state["buffers"] = _buffers(run, marker["world_size"], source)
     unknown = [n for n in parts if n not in state]
     if unknown:
         raise CheckpointError(f"resharding does not know how to rebuild the checkpoint parts {unknown}; it "
-                              f"rebuilds 'update', 'frozen' and the replicated {list(REPLICATED_PARTS)}")
+                              f"rebuilds 'update', 'frozen', 'buffers' and the replicated {list(REPLICATED_PARTS)}")
     restore_rank_state(parts, state)
     return run.file(source)["extra"]
 
