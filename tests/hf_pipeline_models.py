@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiertrain.pipeline.hf_split import next_token_loss
-
 transformers = pytest.importorskip("transformers")  # (skips the importing test module without it)
 
 T5_TARGET = 12
@@ -18,17 +16,19 @@ TIED = {"bert": ("bert.embeddings.word_embeddings.weight", "cls.predictions.deco
 """(embedding, head) of each tied model: the head's copy on the last stage must stay equal."""
 
 
-def shifted_loss(logits, labels, vocab_size=None, **kwargs):
-    """The reference model's loss: the pipeline's last stage's (labels already shifted)."""
-    return next_token_loss(logits, labels)
+CAUSAL_LMS = ("llama", "gpt2", "qwen2-tied")
+
+
+def hf_convention(batches: list[dict]) -> list[dict]:
+    """Causal-LM batches as Hugging Face gives them: labels = input_ids (the model's loss shifts
+    them), from tiertrain's already-shifted ones."""
+    return [{"input_ids": b["input_ids"], "labels": b["input_ids"]} for b in batches]
 
 
 def _causal_lm(model_class, config):
-    """model_class(config) initialised from seed 0, in train mode, with the reference's loss."""
+    """model_class(config) initialised from seed 0, in train mode, with its own loss."""
     torch.manual_seed(0)
-    model = model_class(config)
-    model.loss_function = shifted_loss
-    return model.train()
+    return model_class(config).train()
 
 
 def llama():

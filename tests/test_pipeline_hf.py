@@ -10,8 +10,9 @@ embeddings, labels aligned with the inputs and -100 where not masked) are handed
 interleaved schedule (v=2: 4 blocks → 4 chunks, 2 per rank), and the losses and the
 parameters gathered from both stages must equal the single-process run of the same steps on
 the whole model within the float64 oracle's bound (tests/reference.py; AdamW eps=1e-3 and an
-active grad_clip as in test_engine_pp). The loss is tiertrain's (labels already shifted), so
-the decoder-only reference models get the same loss function (T5 and BERT keep their own).
+active grad_clip as in test_engine_pp). The loss is the model's own at every layout: the
+decoders get Hugging Face's batches (labels = input_ids, which their loss shifts), T5 and BERT
+theirs (labels aligned with the logits).
 GPT-2, Qwen2, T5 and BERT check the
 tied-weight exchange between the first and last stage (interleaved: chunk 0 of rank 0 and
 chunk 1 of rank 1); an explicit, unbalanced split checks ``split=``.
@@ -32,7 +33,7 @@ import torch.nn as nn
 
 import tiertrain
 
-from hf_pipeline_models import T5_TARGET, TIED as HF_TIED, mlm as _mlm
+from hf_pipeline_models import CAUSAL_LMS, T5_TARGET, TIED as HF_TIED, hf_convention, mlm as _mlm
 from hf_pipeline_models import bert as _bert, gpt2 as _gpt2, llama as _llama, qwen2_tied as _qwen2_tied, t5 as _t5
 from reference import Oracle, engine_train, global_batches, make_config, rank_slices, reference_train, tp_gathered
 from tiertrain.parallel import parallelize_module
@@ -93,6 +94,8 @@ def _batches(name="llama", dp=1, steps=STEPS):
         return [{"input_ids": b["input_ids"], "labels": b["labels"][:, :T5_TARGET].contiguous()} for b in batches]
     if name == "bert":
         return [_mlm(b) for b in batches]
+    if name in CAUSAL_LMS:
+        return hf_convention(batches)
     return batches
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_pipeline_models import T5_TARGET, TIED as HF_TIED, bert, gpt2, llama, mlm, t5
+from hf_pipeline_models import CAUSAL_LMS, T5_TARGET, TIED as HF_TIED, bert, gpt2, hf_convention, llama, mlm, t5
 from reference import Oracle, engine_train, global_batches, make_config, make_model, reference_train
 from tiertrain.testing import run_distributed
 
@@ -56,6 +56,8 @@ def _batches(dp, name="gpt"):
         return [{"input_ids": b["input_ids"], "labels": b["labels"][:, :T5_TARGET].contiguous()} for b in batches]
     if name == "bert":  # a quarter of each row masked and predicted, token types 0 then 1
         return [mlm(b) for b in batches]
+    if name in CAUSAL_LMS:  # labels = input_ids: the model's own loss shifts them
+        return hf_convention(batches)
     return batches
 
 

@@ -221,26 +221,51 @@ def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
     node.add_module(leaf, module)
 
 
+def _causal_lm_loss_of(model: nn.Module):
+    """The loss a Hugging Face causal LM computes from its logits and labels (its
+    ``loss_function``: transformers' ForCausalLMLoss shifts the labels, ``labels =
+    input_ids``, and leaves -100 out; or the one the user set), or None for a model without
+    one (an encoder-decoder's and a masked-LM encoder's loss is :func:`next_token_loss`, whose
+    labels are aligned with the logits as theirs are)."""
+    return getattr(model, "loss_function", None) if hasattr(model, "loss_type") else None
+
+
+def _shifts_labels(loss_function) -> bool:
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return loss_function is ForCausalLMLoss
+
+
 def _head_loss(stage: "HFStage", logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The loss of the last stage: the cross-entropy of the logits against the labels at the
-    same positions (:func:`next_token_loss`: decoders' labels come already shifted, a masked-LM
-    encoder's are aligned with its inputs; neither is shifted here). A vocabulary-parallel head
-    (``lm_head`` made a :class:`~tiertrain.parallel.ColumnParallelLinear` by a tensor-parallel
-    plan, its logits [B, T, V/t]) gets the vocab-parallel cross-entropy, never gathering the
-    logits."""
+    """The loss of the last stage: the model's own (issue 34, item 3: the same batch means the
+    same at every pipeline size). A causal LM's is its ``loss_function`` (transformers' shifts
+    the labels); an encoder-decoder's or a masked-LM encoder's is the cross-entropy against
+    labels at the same positions (:func:`next_token_loss`, -100 left out, as theirs). A
+    vocabulary-parallel head (``lm_head`` made a :class:`~tiertrain.parallel.ColumnParallelLinear`
+    by a tensor-parallel plan, its logits [B, T, V/t]) gets the vocab-parallel cross-entropy of
+    the same labels, never gathering the logits."""
     from ..parallel.tensor import ColumnParallelLinear, tp_world_size, vocab_parallel_cross_entropy
     head = getattr(stage, "lm_head", None)
     vocab = getattr(stage.hf_config, "vocab_size", None)
+    loss_function = stage.loss_function
     if (isinstance(head, ColumnParallelLinear) and not head.gather_output
             and tp_world_size(head.group) > 1):
         if head.sequence_parallel:
             raise ValueError("hf_split's stages do not support sequence parallelism (the plan's "
                              "sequence_parallel=True): only the hidden states [batch, seq, hidden] travel")
+        if loss_function is not None and not _shifts_labels(loss_function):
+            raise ValueError(f"a vocabulary-parallel head computes transformers' causal-LM loss only; this "
+                             f"model's loss_function is {getattr(loss_function, '__name__', loss_function)!r}: "
+                             f"keep lm_head whole (no 'colwise' plan for it) to use it")
+        if loss_function is not None:  # (ForCausalLMLoss: position t predicts labels[t + 1])
+            labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
         return vocab_parallel_cross_entropy(logits, labels, head.group)
     if vocab is not None and logits.shape[-1] != vocab:
         raise ValueError(f"the head gave {logits.shape[-1]} logits per token, not vocab_size={vocab}: a "
                          f"vocabulary-split head must be lm_head converted by the tensor-parallel plan style "
                          f"'colwise' (tiertrain.parallel.parallelize_module)")
+    if loss_function is not None:
+        return loss_function(logits, labels, vocab_size=logits.shape[-1])
     return next_token_loss(logits, labels)
 
 
@@ -259,6 +284,8 @@ class HFStage(nn.Module):
         super().__init__()
         self.kind = family.kind
         self.hf_config = getattr(model, "config", None)
+        self.loss_function = _causal_lm_loss_of(model) if family.kind in ("rotary", "gpt2") else None
+        """The model's own causal-LM loss (see _head_loss); None: next_token_loss."""
         self.index, self.num_stages = index, num_stages
         self.is_first, self.is_last = first, last
         self.paths = list(paths)
