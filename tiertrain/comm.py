@@ -159,6 +159,25 @@ class Arrivals:
         keys = [f"{self.PREFIX}{r}" for r in range(self.size)]
         return {r: int(self.store.add(k, 0)) for r, k in enumerate(keys)}
 
+    WAITING = "tiertrain/waiting/"
+
+    def different_collective(self, number: int, what: str) -> tuple[int, str] | None:
+        """Called by a rank whose wait for collective #number (``what``) has gone on for
+        long: say so in the store, and return (group rank, what it waits for) of a peer
+        waiting in a collective of the same number that is another one (the ranks run
+        different code: one ran out of batches, or took a branch the others did not), else
+        None. A peer's entry counts only while the peer's issue count is still ``number``."""
+        self.store.set(f"{self.WAITING}{self.rank}", f"{number}|{what}")
+        counts = self.counts()
+        for r in range(self.size):
+            key = f"{self.WAITING}{r}"
+            if r == self.rank or counts[r] != number or not self.store.check([key]):
+                continue
+            theirs, _, their_what = self.store.get(key).decode(errors="replace").partition("|")
+            if theirs == str(number) and their_what != what:
+                return r, their_what
+        return None
+
 
 @dataclass
 class CommCounter:
@@ -192,12 +211,13 @@ class Work:
     or the peer that went away)."""
 
     def __init__(self, handle, on_done=None, timeout: datetime.timedelta | None = None, explain=None,
-                 clock: WaitClock | None = None):
+                 clock: WaitClock | None = None, check_peers=None):
         self._handle = handle
         self._clock = clock
         self._on_done = on_done
         self._timeout = timeout if timeout is not None else datetime.timedelta(seconds=run_timeout())
         self._explain = explain
+        self._check_peers = check_peers
 
     def then(self, on_done) -> "Work":
         """Run on_done once, after the collective and any earlier completion steps."""
@@ -207,19 +227,43 @@ class Work:
 
     def wait(self) -> None:
         if self._handle is not None:
-            try:
-                with self._clock.timing() if self._clock is not None else contextlib.nullcontext():
-                    self._handle.wait(timeout=self._timeout)
-            except RuntimeError as e:  # gloo: "Timed out waiting …", c10d: "… timed out …"
-                if self._explain is None:
-                    raise
-                if "timed out" in str(e).lower() or is_connection_lost(e):
-                    raise self._explain(e) from e
-                raise
+            with self._clock.timing() if self._clock is not None else contextlib.nullcontext():
+                self._wait_in_slices()
             self._handle = None
         if self._on_done is not None:
             done, self._on_done = self._on_done, None
             done()
+
+
+    def _wait_in_slices(self) -> None:
+        """Wait up to the timeout; with check_peers, in slices of SUSPECT_S: a wait that
+        outlasts a slice asks check_peers() whether the ranks are in different collectives
+        (the error it returns is raised at once, not after the whole timeout). A gloo wait
+        that times out can be waited on again."""
+        total = self._timeout.total_seconds()
+        waited = 0.0
+        while True:
+            part = total - waited if self._check_peers is None else min(SUSPECT_S, total - waited)
+            try:
+                self._handle.wait(timeout=datetime.timedelta(seconds=part))
+                return
+            except RuntimeError as e:  # gloo: "Timed out waiting …", c10d: "… timed out …"
+                if self._explain is None:
+                    raise
+                timed_out = "timed out" in str(e).lower()
+                if not timed_out and not is_connection_lost(e):
+                    raise
+                waited += part
+                if not timed_out or waited >= total:
+                    raise self._explain(e) from e
+                mismatch = self._check_peers()
+                if mismatch is not None:
+                    raise mismatch from None
+
+
+SUSPECT_S = 5.0
+"""Seconds a collective may wait before its rank checks, in the store, whether the ranks of
+its group wait in different collectives (then it fails at once, naming them)."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -267,10 +311,28 @@ class Collectives:
                                           f"error, so it issues no more collectives: {self.broken}")
 
     def _work(self, handle, what: str, number: int | None) -> Work:
-        """A Work whose timeout says what this rank waited for and which ranks never issued it."""
+        """A Work whose timeout says what this rank waited for and which ranks never issued it,
+        and which fails within seconds when the ranks wait in different collectives."""
         started = time.monotonic()
+        check = None if number is None else (lambda: self._different_collective(what, number))
         return Work(handle, timeout=self.timeout, explain=lambda error: self._explain(what, number, started, error),
-                    clock=self.counter.waits)
+                    clock=self.counter.waits, check_peers=check)
+
+    def _different_collective(self, what: str, number: int) -> "CollectiveMismatchError | None":
+        try:
+            found = self.arrivals.different_collective(number, what) if self.arrivals is not None else None
+        except Exception:  # noqa: BLE001 - the store is gone: the timeout will name what it can
+            return None
+        if found is None:
+            return None
+        peer, theirs = found
+        ranks = dist.get_process_group_ranks(self.group)
+        me = ranks[self.rank]
+        message = (f"rank {me} waits in collective #{number} of the group of ranks {ranks} ({what}), rank "
+                   f"{ranks[peer]} in its collective #{number} ({theirs}): the ranks run different code — "
+                   f"unequal numbers of batches or steps per rank, or a branch one rank took alone")
+        self.fail(message)
+        return CollectiveMismatchError(message)
 
     def _issue(self) -> int | None:
         """Count the collective about to be issued in the group's arrival counters."""
