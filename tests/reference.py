@@ -97,13 +97,17 @@ def _floats_to(batch, dtype):
 def tp_gathered(engine, local: dict) -> dict:
     """This rank's fp32 parameters (``local``, e.g. what engine_train returns) with every
     tensor-parallel shard gathered over the tp group: whole parameters (of this pipeline
-    stage's, with pp > 1), comparable with the reference's."""
+    stage's only, with pp > 1), comparable with the reference's."""
     from tiertrain.parallel.tensor import gather_tensor
 
     group = engine.topology.group("tp")
     out = {}
     for name, tensor in local.items():
-        p = engine.flat.params[name]
+        p = engine.flat.params.get(name)
+        if p is None:  # (with pp > 1, full_state_dict also holds the other stages' tensors: theirs to gather)
+            if engine.topology.size("pp") == 1:
+                out[name] = tensor
+            continue
         out[name] = gather_tensor(tensor, p.tp_shard_dim, group) if getattr(p, "tp_sharded", False) else tensor
     return out
 

@@ -116,7 +116,8 @@ def _case(rank: int, world: int, root: str, label: str) -> dict:
         engine_b.close()
     model = engine.module
     engine.close()  # the model now holds the trained fp32 values
-    out["closed"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["closed"] = {n: t.detach().float().clone() if t.is_floating_point() else t.detach().clone()
+                     for n, t in model.state_dict().items()}
     if rank == 0:
         out["logits"] = _logits(model, name)
     return out

@@ -27,10 +27,9 @@ import torch
 import torch.distributed as dist
 
 import tiertrain
-from reference import Oracle, global_batches, make_config, make_model, rank_slices, reference_train
+from reference import Oracle, global_batches, make_config, make_model, rank_slices, reference_train, tp_gathered
 from tiertrain.checkpoint import CheckpointError
 from tiertrain.parallel import apply_tensor_parallel
-from tiertrain.parallel.tensor import gather_tensor
 from tiertrain.testing import run_distributed
 
 K, MICRO, GLOBAL = 2, 2, 8
@@ -119,12 +118,7 @@ def _step(engine, cfg, batch) -> float:
 def _whole_model(engine) -> dict[str, torch.Tensor]:
     """The parameters of the model as one process holds them: tensor-parallel slices gathered,
     every pipeline stage's merged (collective)."""
-    local = engine.full_state_dict()
-    group = engine.topology.group("tp")
-    mine = {}
-    for name, tensor in local.items():
-        p = engine.flat.params.get(name)
-        mine[name] = gather_tensor(tensor, p.tp_shard_dim, group) if getattr(p, "tp_sharded", False) else tensor
+    mine = tp_gathered(engine, engine.full_state_dict())
     stages = [None] * dist.get_world_size()
     dist.all_gather_object(stages, mine)
     merged = {}

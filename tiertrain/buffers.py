@@ -17,17 +17,21 @@ import torch.nn as nn
 __all__ = ["ModuleBuffers", "persistent_buffers"]
 
 
-def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers ``module.state_dict()`` holds, by its names."""
-    saved = set(module.state_dict(keep_vars=True))
-    return {name: b for name, b in module.named_buffers() if name in saved}
+def persistent_buffers(module: nn.Module | list[nn.Module]) -> dict[str, torch.Tensor]:
+    """The buffers ``module.state_dict()`` holds, by its names; of a list of modules (a rank's
+    pipeline stages, whose names are the whole model's), of each."""
+    out: dict[str, torch.Tensor] = {}
+    for m in module if isinstance(module, list) else [module]:
+        saved = set(m.state_dict(keep_vars=True))
+        out.update({name: b for name, b in m.named_buffers() if name in saved})
+    return out
 
 
 class ModuleBuffers:
     """The persistent buffers of this rank's module, as a checkpoint part (the same on every
     data-parallel rank while they are broadcast)."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module | list[nn.Module]):
         self.module = module
 
     def state_dict(self) -> dict[str, torch.Tensor]:

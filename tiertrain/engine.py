@@ -585,9 +585,14 @@ class Engine:
         parts = {"update": self.update, "scaler": self.scaler, "train_state": self.train_state, "rng": RNGState(self.device)}
         if self.flat.frozen_units:
             parts["frozen"] = FrozenShards(self.flat)
-        if persistent_buffers(self.module):
-            parts["buffers"] = ModuleBuffers(self.module)
+        if persistent_buffers(self.named_modules_of_state()):
+            parts["buffers"] = ModuleBuffers(self.named_modules_of_state())
         return parts
+
+    def named_modules_of_state(self) -> list[nn.Module]:
+        """The modules whose parameter and buffer names are the model's (the pipeline engine's
+        stages; here the model)."""
+        return [self.module]
 
     def checkpoint_fingerprint(self) -> dict:
         """What a checkpoint of this rank must match to load here."""
@@ -708,7 +713,12 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's value in fp32, by name (collective): trained ones from their fp32
         masters, frozen ones from their compute-dtype values, all gathered from the shards;
-        and the persistent buffers (floating ones in fp32), as ``state_dict`` names them."""
+        and the persistent buffers (floating ones in fp32), as ``state_dict`` names them.
+        Under tensor parallelism each tensor is this rank's slice."""
+        return self._rank_state_dict()
+
+    def _rank_state_dict(self) -> dict[str, torch.Tensor]:
+        """full_state_dict of this rank's model (a pipeline rank's: its stages)."""
         out = {}
         self.update.settle(collective=True)
         masters = self.masters()
@@ -722,10 +732,11 @@ class Engine:
                 self.comm.all_gather(full, shard.to(self.device))
             for slot in u.unit.slots:
                 out[slot.name] = full[slot.offset:slot.end].view(slot.shape).clone()
-        for name, p in self.module.named_parameters():
-            if name not in out and not p.requires_grad:  # frozen and whole on every rank
-                out[name] = p.detach().float().clone()
-        for name, b in persistent_buffers(self.module).items():
+        for module in self.named_modules_of_state():
+            for name, p in module.named_parameters():
+                if name not in out and not p.requires_grad:  # frozen and whole on every rank
+                    out[name] = p.detach().float().clone()
+        for name, b in persistent_buffers(self.named_modules_of_state()).items():
             out[name] = (b.detach().float() if b.is_floating_point() else b.detach()).clone()
         return out
 
@@ -762,7 +773,7 @@ class Engine:
             errors.append(e)
         try:
             self.quiesce()
-            values = self.full_state_dict()
+            values = self._rank_state_dict()
         except BaseException as e:  # still undo everything, then raise the first error
             errors.append(e)
         for undo in reversed(self._on_close):

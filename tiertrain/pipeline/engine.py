@@ -179,6 +179,24 @@ class PipelineEngine(Engine):
         """(Stage 3: the base engine's fetcher gets no modules; see __init__.)"""
         return {}, {}
 
+    def named_modules_of_state(self) -> list[nn.Module]:
+        return list(self.stages)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model, as at every other layout (issue 34, item 10): every pipeline
+        rank's parameters and buffers gathered to every rank of the pipeline (collective over
+        all ranks; the tied head's copy on the last stage included). Under tensor parallelism
+        each tensor is this tensor-parallel rank's slice, as without a pipeline."""
+        mine = {k: v.cpu() for k, v in self._rank_state_dict().items()}
+        if self.topology.size("pp") == 1:
+            return mine
+        stages: list[Any] = [None] * self.topology.size("pp")
+        torch.distributed.all_gather_object(stages, mine, group=self.topology.group("pp"))
+        whole: dict[str, torch.Tensor] = {}
+        for stage in stages:
+            whole.update({k: v for k, v in stage.items() if k not in whole})
+        return {k: v.to(self.device) for k, v in whole.items()}
+
     def tied_copies(self) -> dict[str, str]:
         """The last stage's copy of a tied embedding, kept equal to the first stage's."""
         return {tied_names(s)[1]: tied_names(s)[0] for s in self._tied_stages if s.is_last and not s.is_first}
