@@ -4,6 +4,7 @@ swap files and unfinished checkpoint saves its ranks registered) is removed by t
 or by ``tiertrain clean``, which names each thing it removed."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -180,6 +181,45 @@ def test_a_worker_dies_with_its_torchrun_agent(tmp_path):
         parent.send_signal(signal.SIGKILL)
         parent.wait()
     assert _gone([pid], within=20), "the worker outlived its torchrun agent"
+
+
+@pytest.mark.timeout(60)
+def test_a_repeated_parent_death_signal_lets_the_worker_unwind(tmp_path):
+    """A dying multi-threaded parent (torchrun's agent) can send the parent-death signal once
+    per thread, as the worker passes from one to the next. The second used to end the worker by
+    the default action (its SIGTERM handler had turned itself off after the first), before it
+    removed its swap files. Now the first raises Terminated and the others are ignored."""
+    marker, unwound = tmp_path / "worker.json", tmp_path / "unwound"
+    worker = (f"import ctypes, json, os, time, tiertrain.launch as l\n"
+              f"def fn():\n"
+              f"    sig = ctypes.c_int()\n"
+              f"    ctypes.CDLL('libc.so.6').prctl(2, ctypes.byref(sig))  # PR_GET_PDEATHSIG\n"
+              f"    open({str(marker)!r}, 'w').write(json.dumps([os.getpid(), sig.value]))\n"
+              f"    try:\n"
+              f"        time.sleep(600)\n"
+              f"    finally:\n"
+              f"        time.sleep(1.0)  # (while the other signals arrive)\n"
+              f"        open({str(unwound)!r}, 'w').write('yes')\n"
+              f"l.run(fn, timeout=60)\n")
+    agent = ("import os, subprocess, sys, socket, time\n"
+             "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+             "env = dict(os.environ, RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', LOCAL_WORLD_SIZE='1',\n"
+             "           MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))\n"
+             "subprocess.Popen([sys.executable, '-c', sys.argv[1]], env=env)\n"
+             "time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", agent, worker], env=_env(tmp_path))
+    try:
+        _wait_for(lambda: marker.exists() and marker.read_text().endswith("]"), 40, "the worker's start")
+        pid, death_signal = json.loads(marker.read_text())
+        assert death_signal != 0, "the worker asked for a signal when its parent dies"
+        for _ in range(5):
+            os.kill(pid, death_signal)
+            time.sleep(0.1)
+        assert _gone([pid], within=20), "the worker did not stop"
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    assert unwound.exists(), "the worker was ended by a repeated signal before its finally blocks ran"
 
 
 def test_tiertrain_clean_settles_a_checkpoint_directory_and_names_what_it_removed(tmp_path, capsys):

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import enum
 import errno
-import fcntl
 import hashlib
 import io
 import json
@@ -58,18 +57,16 @@ import os
 import pickle
 import re
 import shutil
-import socket
 import stat
 import sys
 import threading
-import time
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Mapping, Protocol
 
 import torch
 import torch.distributed as dist
 
-from .fileio import atomic_write, exchange_paths, file_sha256, fsync_directory, stream_sha256
+from .fileio import LockHeld, atomic_write, exchange_paths, file_sha256, fsync_directory, lock_file, stream_sha256
 
 MARKER = "COMMITTED.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -935,18 +932,11 @@ def claim_directory(directory: str) -> None:
     if path in _held_locks:
         return
     os.makedirs(path, exist_ok=True)
-    fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 4096).decode("utf-8", "replace").strip() or "a process that wrote no name"
-        os.close(fd)
-        raise CheckpointError(f"checkpoint directory {directory!r} is in use by another job ({holder}); give each "
+        _held_locks[path] = lock_file(os.path.join(path, LOCK))
+    except LockHeld as e:
+        raise CheckpointError(f"checkpoint directory {directory!r} is in use by another job ({e.holder}); give each "
                               f"job its own checkpoint directory, or stop that job first") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, (f"host {socket.gethostname()}, pid {os.getpid()}, since "
-                  f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}").encode())
-    _held_locks[path] = fd
 
 
 def release_directory(directory: str) -> None:

@@ -235,7 +235,7 @@ def _check_resumable(directory: str) -> None:
                           f"run)") from None
 
 
-USER_ERRORS = {"ConfigError": 2, "CheckpointError": 1, "NonFiniteError": 1}
+USER_ERRORS = {"ConfigError": 2, "CheckpointError": 1, "NonFiniteError": 1, "SwapDirError": 1}
 """Exceptions that report a user's mistake or a refusal the user acts on, by class name (the
 form a worker's failure arrives in), with the exit status: one line, no traceback (unless
 --debug). Anything else is a failure of the program and keeps its traceback."""

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import hashlib
 import os
+import socket
 import tempfile
+import time
 from typing import BinaryIO, Callable
 
 
@@ -70,3 +73,32 @@ def exchange_paths(a: str | os.PathLike, b: str | os.PathLike) -> bool:
     if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), os.fspath(a), os.fspath(b))
+
+
+class LockHeld(Exception):
+    """Another process holds the lock; ``holder`` is what it wrote there (host, pid, since)."""
+
+    def __init__(self, holder: str):
+        super().__init__(holder)
+        self.holder = holder
+
+
+def lock_file(path: str | os.PathLike) -> int:
+    """An open descriptor holding an exclusive flock on ``path`` (created if missing), which
+    then names this process: host, pid, since when. LockHeld naming the holder when another
+    process holds it. The kernel drops the lock when the process ends, however it ends; the
+    descriptor is not inherited by children (O_CLOEXEC)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 4096).decode("utf-8", "replace").strip() or "a process that wrote no name"
+        os.close(fd)
+        raise LockHeld(holder) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.write(fd, (f"host {socket.gethostname()}, pid {os.getpid()}, since "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}").encode())
+    return fd

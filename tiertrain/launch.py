@@ -45,7 +45,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import shutil
 import signal
 import sys
 import threading
@@ -187,7 +186,7 @@ def run(fn: Callable[..., Any], *args, timeout: float = DEFAULT_TIMEOUT_S, **kwa
         if not under_torchrun():
             return fn(*args, **kwargs)
         # A worker whose torchrun agent is killed (SIGKILL: it stops nothing) must not train on
-        # to the end of the run, writing checkpoints: it gets SIGTERM when its parent dies.
+        # to the end of the run, writing checkpoints: it gets SIGHUP when its parent dies.
         parent = os.getppid()
         _die_with_parent()
         if os.getppid() != parent:  # (it died before the request: no signal will come)
@@ -213,12 +212,39 @@ def run(fn: Callable[..., Any], *args, timeout: float = DEFAULT_TIMEOUT_S, **kwa
 # --------------------------------------------------------------------------- local workers
 
 
+ORPHAN_GRACE_S = 30.0
+"""Seconds a worker whose parent died has to unwind (remove its swap files) before it exits
+regardless (a main thread blocked where no signal handler can run)."""
+
+
+def _parent_died(signum, frame) -> None:
+    # A dying parent's threads each send PR_SET_PDEATHSIG's signal as the worker is handed from
+    # one to the next: the first is the request, the others are ignored (a second SIGTERM used
+    # to end the worker on the spot, before it removed its swap files).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    _terminated_by.append("SIGHUP")
+    raise Terminated("its parent process (the launcher or torchrun agent) died")
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    time.sleep(ORPHAN_GRACE_S)
+    os._exit(1)
+
+
 def _die_with_parent() -> None:
+    """SIGHUP when the parent dies (raising Terminated once, so the worker unwinds), and a
+    watchdog that ends the worker ORPHAN_GRACE_S after that if it has not."""
     try:
         import ctypes
 
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGHUP, _parent_died)
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGHUP)  # PR_SET_PDEATHSIG
+        threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True,
+                         name="tiertrain-orphan-watchdog").start()
     except Exception:
         pass
 

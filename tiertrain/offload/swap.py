@@ -43,6 +43,7 @@ from .aio import (AsyncIO, Checksum, Handle, SwapCorruptionError, SwapDirError, 
                   errno_name)
 from .buffers import AlignedBufferPool, Buffer, round_up
 from ..comm import run_timeout
+from ..fileio import LockHeld, lock_file
 from ..waits import WaitClock
 
 __all__ = ["SwapHandle", "TensorSwapper", "remove_left_behind"]
@@ -365,18 +366,15 @@ class TensorSwapper:
                                e.errno) from e
         lock_path = os.path.join(self.rank_dir, ".lock")
         try:
-            lock_box[0] = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            lock_box[0] = lock_file(lock_path)
+        except LockHeld as e:
+            raise SwapDirError(f"swap directory {self.rank_dir} is in use by another live process "
+                               f"({e.holder}); give each job its own swap path (zero.nvme_path)",
+                               self.rank_dir, _errno.EWOULDBLOCK) from None
         except OSError as e:
             raise SwapDirError(f"swap directory {self.rank_dir} is not writable: cannot create "
                                f"{lock_path}: {e.strerror} ({errno_name(e.errno)})",
                                self.rank_dir, e.errno) from e
-        try:
-            fcntl.flock(lock_box[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(lock_box[0])
-            raise SwapDirError(f"swap directory {self.rank_dir} is in use by another live "
-                               f"process (flock on {lock_path} held); give each job its own "
-                               f"swap path", self.rank_dir, e.errno) from e
         parent = None if existed else self.swap_dir
         self._finalizer = weakref.finalize(self, _cleanup, self.rank_dir, lock_box, parent,
                                            _register_for_launcher(self.rank_dir, parent))

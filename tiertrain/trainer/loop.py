@@ -166,6 +166,10 @@ class Trainer:
         self.num_parameters = sum(p.numel() for p in shape_model.parameters())
         del shape_model
 
+        if config.checkpoint.dir:  # one job per directory, named before its swap files or model are built
+            from .. import checkpoint
+
+            checkpoint.lock_directory(config.checkpoint.dir, self.topology)
         if factory is not None:
             model = self._build(factory)
         self.model = model
