@@ -157,22 +157,25 @@ def test_a_swap_directory_still_locked_keeps_its_registration_for_the_next_launc
     assert f"swap directory {rank_dir}" in removed and not rank_dir.exists() and not abandoned.exists()
 
 
+AGENT = ("import os, subprocess, sys, socket, time\n"
+         "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+         "env = dict(os.environ, RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', LOCAL_WORLD_SIZE='1',\n"
+         "           MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))\n"
+         "subprocess.Popen([sys.executable, '-c', sys.argv[1]], env=env)\n"
+         "time.sleep(600)\n")
+"""A stand-in for torchrun's agent: starts the worker script (argv[1]) as rank 0 of 1, then waits."""
+
+
 @pytest.mark.timeout(60)
 def test_a_worker_dies_with_its_torchrun_agent(tmp_path):
-    """Under torchrun, tiertrain.launch.run asks for SIGTERM when the parent (the agent) dies."""
+    """Under torchrun, tiertrain.launch.run asks for a signal when the parent (the agent) dies."""
     marker = tmp_path / "worker.pid"
     worker = (f"import os, time, tiertrain.launch as l\n"
               f"def fn():\n"
               f"    open({str(marker)!r}, 'w').write(str(os.getpid()))\n"
               f"    time.sleep(600)\n"
               f"l.run(fn, timeout=60)\n")
-    agent = ("import os, subprocess, sys, socket, time\n"
-             "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
-             "env = dict(os.environ, RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', LOCAL_WORLD_SIZE='1',\n"
-             "           MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))\n"
-             "subprocess.Popen([sys.executable, '-c', sys.argv[1]], env=env)\n"
-             "time.sleep(600)\n")
-    parent = subprocess.Popen([sys.executable, "-c", agent, worker], env=_env(tmp_path))
+    parent = subprocess.Popen([sys.executable, "-c", AGENT, worker], env=_env(tmp_path))
     try:
         _wait_for(marker.exists, 40, "the worker's start")
         time.sleep(0.5)
@@ -201,13 +204,7 @@ def test_a_repeated_parent_death_signal_lets_the_worker_unwind(tmp_path):
               f"        time.sleep(1.0)  # (while the other signals arrive)\n"
               f"        open({str(unwound)!r}, 'w').write('yes')\n"
               f"l.run(fn, timeout=60)\n")
-    agent = ("import os, subprocess, sys, socket, time\n"
-             "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
-             "env = dict(os.environ, RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', LOCAL_WORLD_SIZE='1',\n"
-             "           MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))\n"
-             "subprocess.Popen([sys.executable, '-c', sys.argv[1]], env=env)\n"
-             "time.sleep(600)\n")
-    parent = subprocess.Popen([sys.executable, "-c", agent, worker], env=_env(tmp_path))
+    parent = subprocess.Popen([sys.executable, "-c", AGENT, worker], env=_env(tmp_path))
     try:
         _wait_for(lambda: marker.exists() and marker.read_text().endswith("]"), 40, "the worker's start")
         pid, death_signal = json.loads(marker.read_text())
