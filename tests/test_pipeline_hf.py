@@ -256,8 +256,48 @@ def test_an_unrecognised_model_is_a_clear_error_naming_what_was_found():
     gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=8))
-    with pytest.raises(ValueError, match=r"GemmaForCausalLM \(model_type='gemma'\) has the Llama layout.*split="):
+    with pytest.raises(ValueError, match=r"GemmaForCausalLM \(model_type='gemma'\) has the Llama layout.*cannot "
+                                         r"be cut into pipeline stages yet: train it at parallel.pp=1") as refused:
         split_hf(gemma, 2)
+    assert "split=" not in str(refused.value), "its own advice must not be a split that cannot run"
+
+
+def _gemma2():
+    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8))
+
+
+def _phi3():
+    return transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, pad_token_id=0))
+
+
+def _opt():
+    return transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=64, hidden_size=16, ffn_dim=32, num_hidden_layers=2, num_attention_heads=2,
+        word_embed_proj_dim=16, max_position_embeddings=32))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("build,split,layer", [
+    (_gemma2, [["model.embed_tokens", "model.layers.0"], ["model.layers.1", "model.norm", "lm_head"]],
+     "model.layers.0"),
+    (_phi3, [["model.embed_tokens", "model.layers.0"], ["model.layers.1", "model.norm", "lm_head"]],
+     "model.layers.0"),
+    (_opt, [["model.decoder.embed_tokens", "model.decoder.embed_positions", "model.decoder.layers.0"],
+            ["model.decoder.layers.1", "model.decoder.final_layer_norm", "lm_head"]], "model.decoder.embed_positions"),
+])
+def test_a_split_that_cannot_run_is_refused_naming_the_layer_and_what_it_lacks(build, split, layer):
+    """Issue 34, item 9: the refusal for Gemma2 and Phi-3 said to pass split=; doing so failed at
+    the first forward (no position embeddings reach the layer), OPT with a shape error, and the
+    other rank waited for the timeout. A layer that takes inputs from its model's own forward
+    cannot run in a chain: the split is refused before anything runs."""
+    model = build()
+    with pytest.raises(ValueError, match=rf"split: '{layer}' \(\w+\) takes \w+.*cannot be cut into pipeline "
+                                         rf"stages; train it at parallel.pp=1"):
+        split_hf(model, 2, split=split)
 
 
 @pytest.mark.timeout(30)

@@ -261,3 +261,51 @@ def _pair_run(rank, world):
 def test_first_step_events_without_collectives_are_compared_by_digest():
     with pytest.raises(RankFailure, match="sequences of partitioned modules they ran before it differ"):
         run_distributed(_pair_run, 2, timeout=30)
+
+
+def _forward_outside_the_engine(rank, world, tiers, check, swap):
+    cfg = make_config(zero={"stage": 3, "offload_params": tiers, "stage3_check": check, "nvme_path": swap},
+                      batch={"micro_batch_size": 2}, optimizer={"eps": 1e-3})
+    model = make_model(n_layers=3)
+    engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
+    batches = global_batches(4, 4)
+    engine.train_batch(rank_slices(batches[0], rank, world, 2, 1))
+    held_out = next(rank_slices(batches[3], rank, world, 2, 1))
+    out = {"engine.evaluate": float(engine.evaluate(held_out))}
+    model.eval()
+    with torch.no_grad():
+        out["model(x) under no_grad"] = float(model(**held_out))
+    model.train()
+    loss = model(**held_out)  # (grad enabled: the forward runs, its backward cannot)
+    out["model(x) with grad"] = float(loss)
+    try:
+        loss.backward()
+        out["backward"] = "ran"
+    except RuntimeError as e:
+        out["backward"] = str(e)
+    out["released after"] = all(p.untyped_storage().size() == 0 for p in model.blocks[1].parameters())
+    out["next step"] = engine.train_batch(rank_slices(batches[1], rank, world, 2, 1))
+    return out
+
+
+def _uninterrupted(rank, world):
+    cfg = make_config(zero={"stage": 3}, batch={"micro_batch_size": 2}, optimizer={"eps": 1e-3})
+    engine = tiertrain.wrap(make_model(n_layers=3), cfg, tiertrain.Topology.build(cfg.parallel))
+    batches = global_batches(4, 4)
+    return [engine.train_batch(rank_slices(batches[i], rank, world, 2, 1)) for i in (0, 1)]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("tiers,check", [("none", "traced"), ("nvme", "every")])
+def test_a_forward_outside_the_engine_gathers_unit_by_unit(tmp_path, tiers, check):
+    """Issue 34, item 5: model(x) after training, outside the engine, raised "ranks executed
+    different modules" (a wrong diagnosis); the only way was gathered_parameters(), which
+    gathers the whole model. Now each unit is gathered around its module, as DeepSpeed's
+    ZeRO-3 inference does, and released after; a backward through such a forward is refused
+    by name; training goes on as if it had not happened."""
+    expected = run_distributed(_uninterrupted, 2, timeout=60)
+    for rank, out in enumerate(run_distributed(_forward_outside_the_engine, 2, tiers, check, str(tmp_path), timeout=60)):
+        assert out["model(x) under no_grad"] == out["engine.evaluate"] == out["model(x) with grad"]
+        assert "a forward run outside the engine at ZeRO stage 3" in out["backward"]
+        assert out["released after"], "the units are released after an outside forward"
+        assert out["next step"] == expected[rank][1], "training continues bit for bit"

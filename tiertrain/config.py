@@ -238,6 +238,8 @@ class ZeroConfig:
     """Stage 3: cap on gathered parameter MiB resident at once; 0 means no cap beyond what is in use."""
     persistence_threshold: int = 0
     """Stage 3: parameters with at most this many elements stay whole on every rank."""
+    unit_params: int = 0
+    """Stage 3, a model without nn.ModuleList: a module becomes a unit once its parameters outside smaller units number this many (FSDP's size_based_auto_wrap_policy min_num_params); 0: a sixteenth of the model."""
     offload_optimizer: Tier = Tier.DEVICE
     """Tier holding fp32 master weights and optimizer state: none (the device), cpu or nvme."""
     offload_params: Tier = Tier.DEVICE
@@ -284,6 +286,7 @@ class ZeroConfig:
             _check_positive(f"{path}.prefetch_mb", self.prefetch_mb, allow_zero=True)
         _check_positive(f"{path}.max_live_mb", self.max_live_mb, allow_zero=True)
         _check_positive(f"{path}.persistence_threshold", self.persistence_threshold, allow_zero=True)
+        _check_positive(f"{path}.unit_params", self.unit_params, allow_zero=True)
         _check_positive(f"{path}.nvme_chunk_mb", self.nvme_chunk_mb)
         _check_positive(f"{path}.nvme_grads_in_ram_mb", self.nvme_grads_in_ram_mb, allow_zero=True)
         if isinstance(self.nvme_kept_units, bool) or not isinstance(self.nvme_kept_units, int) or self.nvme_kept_units < 0:

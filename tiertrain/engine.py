@@ -66,6 +66,10 @@ class MemoryReport:
     """Of activation_checkpoints, the bytes held in the CPU tier (activations.offload=cpu)."""
     frozen_params: int = 0
     """Of params, the bytes of frozen parameters (requires_grad=False): their shards at stage 3."""
+    units: int = 0
+    """Stage 3: the partitioned units the parameters are gathered by (0 at stages 0-2)."""
+    largest_unit_share: float = 0.0
+    """Stage 3: the fraction of the model's parameters in the largest unit, gathered whole at once."""
 
     @property
     def total(self) -> int:
@@ -311,8 +315,15 @@ class Engine:
     def __call__(self, batch: Any) -> torch.Tensor:
         """Forward one micro-batch; returns the (unscaled) loss."""
         self.update.cancel()  # (a forward before step() sees the parameters before it)
-        if self.fetcher is not None:
-            self.fetcher.begin_forward()
+        if self.fetcher is None:
+            return self._forward(batch)
+        self.fetcher.begin_forward()
+        try:
+            return self._forward(batch)
+        finally:
+            self.fetcher.end_forward()  # (the model called directly from now on: ParameterFetcher)
+
+    def _forward(self, batch: Any) -> torch.Tensor:
         batch = self._to_device(batch)
         if self.module.training and self.config.zero.broadcast_buffers and self.comm.size > 1:
             ModuleBuffers(self.module).broadcast(self.comm)  # (DDP's broadcast_buffers)
@@ -547,7 +558,16 @@ class Engine:
                             flat["master"] + extra.optimizer, cpu_tier=flat["cpu_tier"] + extra.cpu_tier,
                             nvme_tier=flat["nvme_tier"] + extra.nvme_tier,
                             activation_checkpoints=ckpt.peak_bytes, activation_checkpoints_cpu=ckpt.host_peak_bytes,
-                            frozen_params=whole_frozen + frozen_shards)
+                            frozen_params=whole_frozen + frozen_shards, **self._unit_summary())
+
+    def _unit_summary(self) -> dict:
+        """Stage 3's units and the share of the model in the largest (a model cut badly gathers
+        most of itself at once, and stage 3 then saves little)."""
+        units = [u.unit for u in self.flat.all_units if not u.unit.resident]
+        if self.stage != 3 or not units:
+            return {}
+        total = sum(u.unit.numel for u in self.flat.all_units)
+        return {"units": len(units), "largest_unit_share": max(u.numel for u in units) / max(total, 1)}
 
     @contextlib.contextmanager
     def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None, modifier_rank: int | None = None):

@@ -97,6 +97,7 @@ sides), so the copies stay equal. With the bare :class:`~.executor.PipelineExecu
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -160,10 +161,14 @@ def recognise(model: nn.Module) -> Family:
             and all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
             and isinstance(base.layers, nn.ModuleList)):
         if model_type not in ROTARY_DECODERS:
+            # (not "give split=": its layers take the rotary embeddings and the mask from the
+            # model's forward, which an explicit split of an unrecognised model cannot carry)
             raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) has the Llama layout "
                              f"(model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head) but is not "
-                             f"a family known to run it unchanged ({', '.join(sorted(ROTARY_DECODERS))}); "
-                             f"{_how()}")
+                             f"a family known to run it unchanged ({', '.join(sorted(ROTARY_DECODERS))}: embeddings "
+                             f"→ layers → norm → head and nothing else, where others scale the embeddings or "
+                             f"soft-cap the logits); it cannot be cut into pipeline stages yet: train it at "
+                             f"parallel.pp=1 (ZeRO and tensor parallelism apply)")
         n = len(base.layers)
         return Family("rotary", ["model.embed_tokens"], [f"model.layers.{i}" for i in range(n)],
                       ["model.norm", "lm_head"], ["model.rotary_emb"])
@@ -520,6 +525,30 @@ def _balanced(model: nn.Module, family: Family, num_stages: int, balance: str) -
     raise ValueError(f"split_hf: balance={balance!r} is invalid: valid values are 'layers', 'params'")
 
 
+PARENT_INPUTS = ("position_embeddings", "attention_mask", "position_ids", "cache_position", "encoder_hidden_states")
+"""Inputs a Hugging Face layer takes from its parent model's forward (rotary cos/sin, the causal
+or padding mask, positions): a chain of modules, each run on the previous one's output, cannot
+give them."""
+
+
+def _check_chainable(model: nn.Module, name: str, module: nn.Module) -> None:
+    """ValueError when ``module`` needs more than the previous module's output: an unrecognised
+    model is split as a plain chain (kind "sequential"), and such a layer would fail at the first
+    forward (no position embeddings) or, worse, run without its causal mask."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return
+    needed = [p.name for p in parameters[1:] if p.name in PARENT_INPUTS]
+    if needed:
+        raise ValueError(
+            f"split: {name!r} ({type(module).__name__}) takes {', '.join(needed)} from "
+            f"{type(model).__name__}'s own forward, which a split of an unrecognised model cannot give (each "
+            f"stage runs its modules on the previous one's output only): {type(model).__name__} cannot be cut into "
+            f"pipeline stages; train it at parallel.pp=1 (ZeRO and tensor parallelism apply), or use a recognised "
+            f"family ({', '.join(sorted(ROTARY_DECODERS))}, gpt2, t5, bert, roberta)")
+
+
 def _explicit(model: nn.Module, family: Family | None, split: list[list[str]], num_stages: int) -> list[list[str]]:
     """Check a user's split (see the module docstring); returns each stage's paths, groups whole."""
     if len(split) != num_stages or any(not isinstance(s, (list, tuple)) or not s for s in split):
@@ -534,6 +563,8 @@ def _explicit(model: nn.Module, family: Family | None, split: list[list[str]], n
         flat = [n for s in split for n in s]
         if len(set(flat)) != len(flat):
             raise ValueError(f"split: a module is named twice: {flat}")
+        for name in flat:
+            _check_chainable(model, name, names[name])
         covered = {id(p) for n in flat for p in names[n].parameters()}
         missing = [n for n, p in model.named_parameters() if id(p) not in covered]
         if missing:

@@ -234,8 +234,8 @@ class Trainer:
         if self.is_main:
             print(f"tiertrain: {self.num_parameters:,} parameters | zero.stage={cfg.zero.stage} | "
                   f"{cfg.precision.dtype} | world_size={self.topology.world_size} (dp={self.topology.size('dp')}) "
-                  f"| global batch {self.engine.global_batch_size} samples | {cfg.steps - start} steps",
-                  flush=True)
+                  f"| global batch {self.engine.global_batch_size} samples | {cfg.steps - start} steps"
+                  + self._units_line(), flush=True)
         peak_flops, self.peak_source = peak_flops_per_rank(
             cfg.logging.peak_tflops, self.topology.device.type != "cpu", local_ranks(self.topology.world_size))
         window = Window(self.engine)
@@ -282,6 +282,17 @@ class Trainer:
         if self.is_main:
             print(format_summary(summary), flush=True)
         return summary
+
+    def _units_line(self) -> str:
+        """Stage 3: how many units, and how much of the model the largest gathers at once."""
+        report = self.engine.memory_report()
+        if not report.units:
+            return ""
+        line = f" | {report.units} stage-3 units, the largest {report.largest_unit_share:.0%} of the model"
+        if report.largest_unit_share > 0.5:
+            line += (" (gathered whole at once: stage 3 saves little; give unit_modules=[...] to wrap(), or a "
+                     "smaller zero.unit_params)")
+        return line
 
     def _mark_diverged(self, reason: str) -> None:
         """The checkpoint of this step count is the state of a run that diverged (it stopped on

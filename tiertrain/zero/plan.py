@@ -15,13 +15,37 @@ from .construct import full_shape, is_partitioned
 from .layout import FlatLayout, bucket_layout, module_layout
 
 
-def default_unit_modules(model: nn.Module) -> list[str]:
-    """Stage-3 units: each child of every nn.ModuleList (transformer blocks), plus the root."""
+def default_unit_modules(model: nn.Module, min_params: int = 0) -> list[str]:
+    """Stage-3 units: each child of every nn.ModuleList (transformer blocks), plus the root. A
+    model without a ModuleList (a CNN, a Sequential ResNet) is cut by size instead
+    (:func:`size_based_unit_modules`, ``min_params``; 0: a sixteenth of the model): as one
+    root unit it would be gathered whole, and stage 3 would save nothing."""
     prefixes = []
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList):
             prefixes += [f"{name}.{child}" if name else child for child, _ in module.named_children()]
-    return prefixes
+    if prefixes:
+        return prefixes
+    total = sum(full_shape(p).numel() for p in model.parameters())
+    return size_based_unit_modules(model, min_params or max(1, total // 16))
+
+
+def size_based_unit_modules(model: nn.Module, min_params: int) -> list[str]:
+    """FSDP's size_based_auto_wrap_policy as unit prefixes: children first, a module becomes a
+    unit once the parameters it holds outside the units below it number ``min_params`` or
+    more; what is left stays in the root unit."""
+    units: list[str] = []
+
+    def visit(name: str, module: nn.Module) -> int:
+        left = sum(full_shape(p).numel() for p in module.parameters(recurse=False))
+        for child, sub in module.named_children():
+            left += visit(f"{name}.{child}" if name else child, sub)
+        if name and left >= min_params:
+            units.append(name)
+            return 0
+        return left
+    visit("", model)
+    return units
 
 
 def parameter_aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -66,7 +90,7 @@ def default_plan(model: nn.Module, config: Config, dp: int, unit_modules: list[s
     frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
     zc, stage = config.zero, config.zero.stage
     if stage == 3:
-        prefixes = default_unit_modules(model) if unit_modules is None else list(unit_modules)
+        prefixes = default_unit_modules(model, zc.unit_params) if unit_modules is None else list(unit_modules)
         for prefix in prefixes:
             model.get_submodule(prefix)  # raises AttributeError naming a bad prefix
         layout = module_layout(named, prefixes, dp, zc.persistence_threshold, shape_of=full_shape,

@@ -91,6 +91,13 @@ class ReleasedParameterCheck(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _outside_backward(grad: torch.Tensor) -> None:
+    raise RuntimeError("a forward run outside the engine at ZeRO stage 3 (model(x) rather than engine(batch)) has "
+                       "released its parameters again, and its backward cannot run: train through "
+                       "engine(batch) and engine.backward(loss); call the model directly under torch.no_grad() "
+                       "(evaluation, generation)")
+
+
 class ParameterFetcher:
     """Gathers, prefetches and releases stage-3 units around their modules, and keeps every
     rank's collectives in step (``check``: "traced", "every" or "off"; see the module
@@ -120,6 +127,8 @@ class ParameterFetcher:
         self._in_backward = False
         self._depth = 0  # unit forwards in progress
         self._backward_begun: set[int] = set()  # units whose backward began, grads not yet done
+        self._engine_forward = False  # inside the engine's own forward (begin_forward .. end_forward)
+        self._outside: list[tuple[int, list[int]]] = []  # units an outside forward gathered, innermost last
         self._handles = []
         for index, module in unit_modules.items():
             self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(index)))
@@ -224,7 +233,12 @@ class ParameterFetcher:
             return None
         return ReleasedParameterCheck(self.flat)
 
+    def end_forward(self) -> None:
+        """The engine's forward is over: a module called now runs outside it (see _outside_pre)."""
+        self._engine_forward = False
+
     def begin_forward(self) -> None:
+        self._engine_forward = True
         self._position = -1
         self._in_backward = False
         self._depth = 0
@@ -281,13 +295,39 @@ class ParameterFetcher:
                 self.agreement.log(Event.RECOMPUTE, index)
                 self.fetch(index)
                 return
+            if not self._engine_forward and not self._in_backward:
+                self._outside_pre(index)
+                return
             self.agreement.log(Event.VISIT, index)  # first: every run is an event
             self._depth += 1
             self._visit(index, backward=False)
         return hook
 
+    def _outside_pre(self, index: int) -> None:
+        """A forward outside the engine (the user's own evaluation, ``model(x)`` between steps),
+        as DeepSpeed's ZeRO-3 inference: gather the unit (each gather agreed by every rank, as
+        gathered_parameters' are), released after the module; nothing is traced."""
+        gathered = []
+        for i in self._with_frozen(index):
+            if not self.flat.all_units[i].gathered:
+                self.agreement.open(Event.OUTSIDE, i)
+                self.flat.gather(i)
+                gathered.append(i)
+        self._outside.append((index, gathered))
+
+    def _outside_post(self, index: int, output: Any) -> None:
+        _, gathered = self._outside.pop()
+        for i in gathered:
+            self.flat.release(i)
+        for t in tensors_in(output):
+            if t.requires_grad:
+                t.register_hook(_outside_backward)
+
     def _make_post_forward(self, index: int):
         def hook(module, args, kwargs, output):
+            if self._outside and self._outside[-1][0] == index and not recomputing():
+                self._outside_post(index, output)
+                return
             if not recomputing():
                 self.agreement.log(Event.RELEASE, index)
                 self._depth -= 1
