@@ -196,6 +196,9 @@ class Oracle:
     params32: dict
     losses64: list[float]
     params64: dict
+    buffers: frozenset = frozenset()
+    """The reference model's persistent buffers, which an engine's full_state_dict holds beside
+    the parameters and check() leaves out (tests/test_buffers.py checks buffers against DDP)."""
 
     @classmethod
     def run(cls, reference_fn, model, *args, **kwargs) -> "Oracle":
@@ -204,7 +207,8 @@ class Oracle:
         float64 copy."""
         losses32, params32 = reference_fn(model, *args, **kwargs)
         losses64, params64 = reference_fn(copy.deepcopy(model).double(), *args, **kwargs)
-        return cls(losses32, params32, losses64, params64)
+        buffers = frozenset(model.state_dict()) - {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        return cls(losses32, params32, losses64, params64, buffers)
 
     def loss_noise(self, steps: int | None = None) -> float:
         """The fp32 reference's largest loss distance over the first `steps` steps (all)."""
@@ -226,6 +230,7 @@ class Oracle:
             parts.append(("losses", loss_distances(losses, self.losses64[:len(losses)]),
                           self.loss_noise(len(losses))))
         if params is not None:
+            params = {n: v for n, v in params.items() if key(n) not in self.buffers}
             dist = rel_distances(params, {n: self.params64[key(n)] for n in params})
             parts.append(("parameters", list(dist.values()), self.param_noise))
         for kind, distances, noise in parts:

@@ -127,8 +127,9 @@ def _engine_cases(rank, world, root):
             in_layout = {s.name for u in engine.flat.all_units for s in u.unit.slots}
             out["plain frozen"] = out.get("plain frozen", 0) + sum(
                 not p.requires_grad and n not in in_layout for n, p in engine.module.named_parameters())
-        out[label] = dict(params=engine.full_state_dict(), compute=compute, report=_report(report),
-                          buffers={n: b.detach().clone() for n, b in engine.module.named_buffers()})
+        buffers = {n: b.detach().clone() for n, b in engine.module.named_buffers()}
+        params = {n: v for n, v in engine.full_state_dict().items() if n not in buffers}  # (it holds buffers too)
+        out[label] = dict(params=params, compute=compute, report=_report(report), buffers=buffers)
         engine.close()
 
     # A strict failure raises on every rank before anything is written.

@@ -244,7 +244,7 @@ def _die_with_parent() -> None:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGHUP)  # PR_SET_PDEATHSIG
         threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True,
-                         name="tiertrain-orphan-watchdog").start()
+                         name="orphan-watchdog (tiertrain.launch)").start()
     except Exception:
         pass
 
