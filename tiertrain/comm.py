@@ -234,7 +234,6 @@ class Work:
             done, self._on_done = self._on_done, None
             done()
 
-
     def _wait_in_slices(self) -> None:
         """Wait up to the timeout; with check_peers, in slices of SUSPECT_S: a wait that
         outlasts a slice asks check_peers() whether the ranks are in different collectives
@@ -296,6 +295,10 @@ class Collectives:
         # On gloo, all_to_all_single (+ a local sum) beat reduce_scatter_tensor 2× and
         # all_gather_into_tensor 1.5× at 32 MiB: bench/results/gloo_collectives.md.
         self.via_all_to_all = group is not None and dist.get_backend(group) == "gloo"
+        self.waits_in_slices = self.via_all_to_all
+        """Whether a long wait checks for ranks in different collectives (SUSPECT_S): on gloo,
+        whose timed-out wait can be waited on again; NCCL aborts its communicator when a wait
+        with a timeout expires, so there a wait takes the whole timeout at once."""
         self.broken: str | None = None
         """Set by :meth:`fail`: this rank left the group's common sequence of collectives."""
 
@@ -314,7 +317,9 @@ class Collectives:
         """A Work whose timeout says what this rank waited for and which ranks never issued it,
         and which fails within seconds when the ranks wait in different collectives."""
         started = time.monotonic()
-        check = None if number is None else (lambda: self._different_collective(what, number))
+        check = None
+        if number is not None and self.waits_in_slices:
+            check = lambda: self._different_collective(what, number)  # noqa: E731
         return Work(handle, timeout=self.timeout, explain=lambda error: self._explain(what, number, started, error),
                     clock=self.counter.waits, check_peers=check)
 

@@ -172,6 +172,7 @@ class Engine:
                 self.flat, self.comm, modules, prefetch_bytes=int(self._prefetch_mb() * 2**20),
                 max_live_bytes=int(config.zero.max_live_mb * 2**20), check=config.zero.stage3_check,
                 frozen_of=frozen_of)
+            self.fetcher.before_outside = self._before_outside_forward
             # Backward completes blocks last-first, then the root (embeddings are used first
             # in forward, so their gradients come last), then the persistent small parameters.
             partitioned = [u.index for u in self.layout.units if not u.resident]
@@ -380,6 +381,12 @@ class Engine:
         self._state_written()
         self.update.cancel()
         self.flat.wait_gathers()
+
+    def _before_outside_forward(self) -> None:
+        """The model is called outside the engine: it reads the newest parameters, as
+        gathered_parameters() does."""
+        self.quiesce()
+        self.update.flush()
 
     def _state_written(self) -> None:
         """Before the training state changes: a background save has serialised it."""

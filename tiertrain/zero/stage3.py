@@ -129,6 +129,8 @@ class ParameterFetcher:
         self._backward_begun: set[int] = set()  # units whose backward began, grads not yet done
         self._engine_forward = False  # inside the engine's own forward (begin_forward .. end_forward)
         self._outside: list[tuple[int, list[int]]] = []  # units an outside forward gathered, innermost last
+        self.before_outside = None
+        """Called when a forward outside the engine begins (the engine settles its update)."""
         self._handles = []
         for index, module in unit_modules.items():
             self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(index)))
@@ -307,6 +309,8 @@ class ParameterFetcher:
         """A forward outside the engine (the user's own evaluation, ``model(x)`` between steps),
         as DeepSpeed's ZeRO-3 inference: gather the unit (each gather agreed by every rank, as
         gathered_parameters' are), released after the module; nothing is traced."""
+        if not self._outside and self.before_outside is not None:
+            self.before_outside()
         gathered = []
         for i in self._with_frozen(index):
             if not self.flat.all_units[i].gathered:
