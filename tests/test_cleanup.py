@@ -4,6 +4,7 @@ swap files and unfinished checkpoint saves its ranks registered) is removed by t
 or by ``tiertrain clean``, which names each thing it removed."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -166,6 +167,17 @@ AGENT = ("import os, subprocess, sys, socket, time\n"
 """A stand-in for torchrun's agent: starts the worker script (argv[1]) as rank 0 of 1, then waits."""
 
 
+@contextlib.contextmanager
+def _agent_running(tmp_path, worker: str):
+    """The stand-in agent running ``worker`` until the block ends, then SIGKILLed."""
+    agent = subprocess.Popen([sys.executable, "-c", AGENT, worker], env=_env(tmp_path))
+    try:
+        yield agent
+    finally:
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+
+
 @pytest.mark.timeout(60)
 def test_a_worker_dies_with_its_torchrun_agent(tmp_path):
     """Under torchrun, tiertrain.launch.run asks for a signal when the parent (the agent) dies."""
@@ -175,14 +187,10 @@ def test_a_worker_dies_with_its_torchrun_agent(tmp_path):
               f"    open({str(marker)!r}, 'w').write(str(os.getpid()))\n"
               f"    time.sleep(600)\n"
               f"l.run(fn, timeout=60)\n")
-    parent = subprocess.Popen([sys.executable, "-c", AGENT, worker], env=_env(tmp_path))
-    try:
+    with _agent_running(tmp_path, worker):
         _wait_for(marker.exists, 40, "the worker's start")
         time.sleep(0.5)
         pid = int(marker.read_text())
-    finally:
-        parent.send_signal(signal.SIGKILL)
-        parent.wait()
     assert _gone([pid], within=20), "the worker outlived its torchrun agent"
 
 
@@ -204,8 +212,7 @@ def test_a_repeated_parent_death_signal_lets_the_worker_unwind(tmp_path):
               f"        time.sleep(1.0)  # (while the other signals arrive)\n"
               f"        open({str(unwound)!r}, 'w').write('yes')\n"
               f"l.run(fn, timeout=60)\n")
-    parent = subprocess.Popen([sys.executable, "-c", AGENT, worker], env=_env(tmp_path))
-    try:
+    with _agent_running(tmp_path, worker):
         _wait_for(lambda: marker.exists() and marker.read_text().endswith("]"), 40, "the worker's start")
         pid, death_signal = json.loads(marker.read_text())
         assert death_signal != 0, "the worker asked for a signal when its parent dies"
@@ -213,9 +220,6 @@ def test_a_repeated_parent_death_signal_lets_the_worker_unwind(tmp_path):
             os.kill(pid, death_signal)
             time.sleep(0.1)
         assert _gone([pid], within=20), "the worker did not stop"
-    finally:
-        parent.send_signal(signal.SIGKILL)
-        parent.wait()
     assert unwound.exists(), "the worker was ended by a repeated signal before its finally blocks ran"
 
 

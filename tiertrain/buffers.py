@@ -14,32 +14,38 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["ModuleBuffers", "persistent_buffers"]
+__all__ = ["ModuleBuffers"]
 
 
-def persistent_buffers(module: nn.Module | list[nn.Module]) -> dict[str, torch.Tensor]:
-    """The buffers ``module.state_dict()`` holds, by its names; of a list of modules (a rank's
-    pipeline stages, whose names are the whole model's), of each."""
-    out: dict[str, torch.Tensor] = {}
-    for m in module if isinstance(module, list) else [module]:
-        saved = set(m.state_dict(keep_vars=True))
-        out.update({name: b for name, b in m.named_buffers() if name in saved})
-    return out
+def _persistent_names(module: nn.Module) -> list[str]:
+    """The buffers ``module.state_dict()`` holds, by its names."""
+    saved = set(module.state_dict(keep_vars=True))
+    return [name for name, _ in module.named_buffers() if name in saved]
 
 
 class ModuleBuffers:
-    """The persistent buffers of this rank's module, as a checkpoint part (the same on every
-    data-parallel rank while they are broadcast)."""
+    """The persistent buffers of this rank's module (or of its pipeline stages, whose names are
+    the whole model's), as a checkpoint part (the same on every data-parallel rank while they
+    are broadcast). Which buffers is found once; their tensors are looked up at each use (a
+    module may replace a buffer's tensor)."""
 
     def __init__(self, module: nn.Module | list[nn.Module]):
-        self.module = module
+        modules = module if isinstance(module, list) else [module]
+        self._where = [(m, name) for m in modules for name in _persistent_names(m)]
+
+    def __bool__(self) -> bool:
+        return bool(self._where)
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """Every persistent buffer by its state_dict name."""
+        return {name: m.get_buffer(name) for m, name in self._where}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: b.detach().clone() for name, b in persistent_buffers(self.module).items()}
+        return {name: b.detach().clone() for name, b in self.named().items()}
 
     def load_state_dict(self, state: Any) -> None:
         """ValueError naming the buffers missing from ``state`` or of another shape."""
-        own = persistent_buffers(self.module)
+        own = self.named()
         if not isinstance(state, dict):
             raise ValueError(f"the checkpoint's buffers are {type(state).__name__}, expected {{name: tensor}}")
         missing = sorted(set(own) - set(state))
@@ -56,15 +62,15 @@ class ModuleBuffers:
 
     def absent_from_checkpoint(self, source: str) -> None:
         """A checkpoint saved before buffers were part of it: they keep their current values."""
-        if persistent_buffers(self.module):
+        if self:
             warnings.warn(f"{source} holds no buffers (saved before tiertrain checkpointed them): "
-                          f"{sorted(persistent_buffers(self.module))[:5]} keep their current values", stacklevel=3)
+                          f"{sorted(self.named())[:5]} keep their current values", stacklevel=3)
 
     def broadcast(self, comm, src_local_rank: int = 0) -> None:
         """Every rank takes rank src_local_rank's values (collective over comm's group), one
         broadcast per dtype of the buffers flattened together."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for b in persistent_buffers(self.module).values():
+        for b in self.named().values():
             by_dtype.setdefault(b.dtype, []).append(b)
         for dtype in sorted(by_dtype, key=str):  # (the same order on every rank)
             tensors = by_dtype[dtype]

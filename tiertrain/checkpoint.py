@@ -525,22 +525,21 @@ def saves_newest_first(directory: str, steps: list[int] | None = None) -> list[i
     checkpoint (the newer ones marked diverged, or one loaded by its step) saves lower steps
     after higher ones of the line it left. A marker without a save_id (written before them)
     counts as 0; one that cannot be read comes first, so a caller reaches it, and names it."""
-    def key(step: int) -> tuple[float, int]:
-        try:
-            return float(read_marker(directory, step).get("save_id", 0)), step
-        except CheckpointError:
-            return math.inf, step
-    return sorted(marked_steps(directory) if steps is None else steps, key=key, reverse=True)
+    return sorted(marked_steps(directory) if steps is None else steps,
+                  key=lambda step: (_save_id(directory, step), step), reverse=True)
+
+
+def _save_id(directory: str, step: int) -> float:
+    """step's save number (0 for a marker written before them; inf for one that cannot be read)."""
+    try:
+        return float(read_marker(directory, step).get("save_id", 0))
+    except CheckpointError:
+        return math.inf
 
 
 def _next_save_id(directory: str) -> int:
-    ids = [0]
-    for step in marked_steps(directory):
-        try:
-            ids.append(int(read_marker(directory, step).get("save_id", 0)))
-        except CheckpointError:
-            pass
-    return max(ids) + 1
+    ids = [i for i in (_save_id(directory, step) for step in marked_steps(directory)) if i != math.inf]
+    return int(max(ids, default=0)) + 1
 
 
 def rank_file_name(rank: int) -> str:
@@ -829,9 +828,9 @@ def run_of(directory: str, step: int) -> str | None:
 
 def rotate(directory: str, run_id: str | None, keep_last: int) -> list[int]:
     """Delete all but the newest keep_last committed checkpoints of run run_id (in the order
-    they were saved: saves_newest_first); returns the steps deleted. Rotation goes by run, not by step number: another run's checkpoints, those
-    without a run id (written before run ids, or by a caller that gave none) and those whose
-    marker is corrupt are never deleted, so a new run in a directory holding an older run's
+    they were saved: saves_newest_first); returns the steps deleted. Rotation goes by run, not
+    by step number: another run's checkpoints, those without a run id (written before run ids,
+    or by a caller that gave none) and those whose marker is corrupt are never deleted, so a new run in a directory holding an older run's
     higher steps keeps its own checkpoints (once, the older ones won and every new checkpoint
     was deleted the moment it was committed)."""
     if run_id is None or keep_last <= 0:

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from . import checkpoint
 from . import reshard as reshard_module
-from .buffers import ModuleBuffers, persistent_buffers
+from .buffers import ModuleBuffers
 from .comm import Collectives, CommCounter
 from .config import Config, ConfigError
 from .device import acts_as_accelerator, pins_host
@@ -145,6 +145,8 @@ class Engine:
         plan = plan or default_plan(model, config, self.dp, unit_modules)
         named, self.layout, self.launch_when_ready = plan.named, plan.layout, plan.launch_when_ready
         self._cast_buffers_and_frozen(model, {n for n, _ in plan.frozen})
+        self.buffers = ModuleBuffers(self.named_modules_of_state())
+        """The model's persistent buffers: checkpointed, in full_state_dict, broadcast (zero.broadcast_buffers)."""
         self.placement = Placement(self.device, optimizer_tier=config.zero.offload_optimizer,
                                    param_tier=config.zero.offload_params)
         self.swapper = self._build_swapper() if Tier.NVME in (config.zero.offload_optimizer,
@@ -326,8 +328,8 @@ class Engine:
 
     def _forward(self, batch: Any) -> torch.Tensor:
         batch = self._to_device(batch)
-        if self.module.training and self.config.zero.broadcast_buffers and self.comm.size > 1:
-            ModuleBuffers(self.module).broadcast(self.comm)  # (DDP's broadcast_buffers)
+        if self.buffers and self.module.training and self.config.zero.broadcast_buffers and self.comm.size > 1:
+            self.buffers.broadcast(self.comm)  # (DDP's broadcast_buffers)
         check = self.fetcher.use_check() if self.fetcher is not None else None
         if check is None and not self.flat.gathers_in_flight:
             return self.loss_fn(self.module, batch)
@@ -612,8 +614,8 @@ class Engine:
         parts = {"update": self.update, "scaler": self.scaler, "train_state": self.train_state, "rng": RNGState(self.device)}
         if self.flat.frozen_units:
             parts["frozen"] = FrozenShards(self.flat)
-        if persistent_buffers(self.named_modules_of_state()):
-            parts["buffers"] = ModuleBuffers(self.named_modules_of_state())
+        if self.buffers:
+            parts["buffers"] = self.buffers
         return parts
 
     def named_modules_of_state(self) -> list[nn.Module]:
@@ -763,7 +765,7 @@ class Engine:
             for name, p in module.named_parameters():
                 if name not in out and not p.requires_grad:  # frozen and whole on every rank
                     out[name] = p.detach().float().clone()
-        for name, b in persistent_buffers(self.named_modules_of_state()).items():
+        for name, b in self.buffers.named().items():
             out[name] = (b.detach().float() if b.is_floating_point() else b.detach()).clone()
         return out
 

@@ -75,6 +75,14 @@ def exchange_paths(a: str | os.PathLike, b: str | os.PathLike) -> bool:
     raise OSError(err, os.strerror(err), os.fspath(a), os.fspath(b))
 
 
+def nearest_existing(path: str) -> str:
+    """``path`` itself if it exists, else its nearest ancestor that does (where a directory
+    about to be created would be)."""
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
 class LockHeld(Exception):
     """Another process holds the lock; ``holder`` is what it wrote there (host, pid, since)."""
 

@@ -44,6 +44,7 @@ import torch
 
 from .config import ConfigError, _check_positive, _fail
 from .data.formats import TEXT_SUFFIXES, RawDtype
+from .fileio import nearest_existing
 from .models.gpt import GPT, GPTConfig
 from .observe.writers import metrics_line  # (re-exported: the job's metrics lines)
 from .trainer.config import LoopConfig
@@ -235,9 +236,7 @@ def _writable_dir(field_name: str, value: str, directory: str) -> None:
         if not os.access(path, os.W_OK | os.X_OK):
             raise ConfigError(f"{field_name}={value!r} is invalid: the directory {path!r} is not writable")
         return
-    parent = os.path.dirname(path)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
+    parent = nearest_existing(os.path.dirname(path))
     if not os.path.isdir(parent):
         raise ConfigError(f"{field_name}={value!r} is invalid: {parent!r} is a file, so no directory can be "
                           f"created below it; expected a directory path")

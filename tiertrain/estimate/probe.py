@@ -130,6 +130,15 @@ def read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
     return out
 
 
+def ram_available(mem: dict[str, int] | None = None, limit: int | None = None) -> int:
+    """Bytes of host RAM a job may take now: MemAvailable (MemFree where the kernel has none),
+    capped by the cgroup memory limit; ``mem`` and ``limit`` when already read."""
+    mem = read_meminfo() if mem is None else mem
+    limit = _cgroup_memory_limit() if limit is None else limit
+    available = mem.get("MemAvailable", mem.get("MemFree", 0))
+    return min(available, limit) if limit else available
+
+
 def _cgroup_memory_limit() -> int | None:
     """cgroup memory limit in bytes, or None when unlimited / not visible."""
     for p in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
@@ -308,11 +317,10 @@ def probe(swap_dir: str | os.PathLike[str] | None = None, quick: bool = False,
     d = _check_swap_dir(swap_dir) if swap_dir is not None else None
     mem = read_meminfo()
     limit = _cgroup_memory_limit()
-    available = mem.get("MemAvailable", mem.get("MemFree", 0))
     result = HardwareProbe(
         cpu_count=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
         ram_total_bytes=mem.get("MemTotal", 0),
-        ram_available_bytes=min(available, limit) if limit else available,
+        ram_available_bytes=ram_available(mem, limit),
         cgroup_memory_limit_bytes=limit,
         host_copy_gbps=0.0,
         quick=bool(quick),

@@ -16,8 +16,7 @@ from ..config import Config, ConfigError
 from ..tiers import Tier
 from .records import local_ranks
 
-__all__ = ["apply_plan", "plan_for", "resolve_auto_offload", "predicted_tier_bytes", "check_fits",
-           "host_memory_available"]
+__all__ = ["apply_plan", "plan_for", "resolve_auto_offload", "predicted_tier_bytes", "check_fits"]
 
 
 def apply_plan(cfg: Config, plan) -> Config:
@@ -48,12 +47,12 @@ def plan_for(cfg: Config, dims: Any, world_size: int, device: torch.device | Non
     (``probe_path``, default $TIERTRAIN_PROBE or runs/hardware_probe.json). Only layouts
     cfg's type accepts are chosen."""
     from ..estimate.plan import Hardware, Plan, plan
-    from ..estimate.probe import HardwareProbe
+    from ..estimate.probe import HardwareProbe, ram_available
 
     local = local_ranks(world_size)
     nodes = max(1, world_size // local)
     path = probe_path or os.environ.get("TIERTRAIN_PROBE") or "runs/hardware_probe.json"
-    available = host_memory_available()
+    available = ram_available()
     if os.path.isfile(path):
         hw = Hardware.from_probe(HardwareProbe.load(path), ranks_per_node=local, nodes=nodes)
         hw.source = f"probe file {path}, RAM available now"
@@ -78,25 +77,14 @@ def plan_for(cfg: Config, dims: Any, world_size: int, device: torch.device | Non
                 bucket_mb=cfg.zero.bucket_mb, allowed=allowed)
 
 
-def host_memory_available() -> int:
-    """Bytes of host RAM this job may take now: MemAvailable, capped by a cgroup limit."""
-    from ..estimate.probe import _cgroup_memory_limit, read_meminfo
-
-    mem = read_meminfo()
-    available = mem.get("MemAvailable", mem.get("MemFree", 0))
-    limit = _cgroup_memory_limit()
-    return min(available, limit) if limit else available
-
-
 def _swap_free(cfg: Config) -> int | None:
-    """Free bytes of zero.nvme_path's file system (its nearest existing ancestor: the run
+    """Free bytes of zero.nvme_path's file system (of its nearest existing ancestor: the run
     creates it), or None without a swap directory."""
-    path = cfg.zero.nvme_path and os.path.abspath(cfg.zero.nvme_path)
-    if not path:
+    from ..fileio import nearest_existing
+
+    if not cfg.zero.nvme_path:
         return None
-    while not os.path.isdir(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return shutil.disk_usage(path).free
+    return shutil.disk_usage(nearest_existing(os.path.abspath(cfg.zero.nvme_path))).free
 
 
 def check_fits(cfg: Config, dims: Any, world_size: int, accelerator: bool = False) -> None:
@@ -109,10 +97,11 @@ def check_fits(cfg: Config, dims: Any, world_size: int, accelerator: bool = Fals
     otherwise be a 256 GB allocation that fails, or swaps, minutes later)."""
     from ..estimate import ZeroLayout
     from ..estimate.plan import Hardware, evaluate
+    from ..estimate.probe import ram_available
     from ..estimate.report import human_bytes
 
     local = local_ranks(world_size)
-    hw = Hardware(ranks_per_node=local, nodes=max(1, world_size // local), host_memory=host_memory_available(),
+    hw = Hardware(ranks_per_node=local, nodes=max(1, world_size // local), host_memory=ram_available(),
                   device_memory=(1 << 62) if accelerator else None, nvme_bytes=_swap_free(cfg),
                   swap_dir=cfg.zero.nvme_path or None, reserve=0.0, source="this machine now")
     layout = dataclasses.replace(ZeroLayout.from_config(cfg, world_size), tile_factor=getattr(cfg, "tile_factor", 1))
