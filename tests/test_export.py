@@ -28,8 +28,9 @@ SMALL_SHARDS = 16 * 1024
 """Bytes per file in the sharded exports: several files per rank for these small models."""
 
 
-BUILDERS = {"llama": zoo.llama_gqa, "gpt2": zoo.gpt2_tied, "t5": zoo.t5, "lora": zoo.lora, "bart": zoo.bart}
-CAUSAL = {"llama": True, "gpt2": True, "t5": False, "lora": True, "bart": False}
+BUILDERS = {"llama": zoo.llama_gqa, "gpt2": zoo.gpt2_tied, "t5": zoo.t5, "lora": zoo.lora, "bart": zoo.bart,
+            "mixtral": zoo.mixtral, "qwen2_moe": zoo.qwen2_moe}
+CAUSAL = {"llama": True, "gpt2": True, "t5": False, "lora": True, "bart": False, "mixtral": True, "qwen2_moe": True}
 
 # label -> (model, zero section, precision section, exports: (directory, save_pretrained kwargs),
 #           round trip: (export directory, zero section of the engine it is loaded into) or None)
@@ -48,6 +49,12 @@ CASES = {
     "gpt2 tied, stage 0": ("gpt2", {"stage": 0}, {}, [("fp32", {})], None),
     "llama bf16, stage 1": ("llama", {"stage": 1}, {"dtype": "bf16"},
                             [("fp32", {"max_shard_bytes": SMALL_SHARDS}), ("bf16", {"dtype": torch.bfloat16})], None),
+    # Checkpoints converted by transformers (issue 34, item 7): experts one tensor each on disk,
+    # stacked in memory.
+    "mixtral experts, stage 3": ("mixtral", {"stage": 3}, {}, [("fp32", {"max_shard_bytes": SMALL_SHARDS})],
+                                 ("fp32", {"stage": 2, "offload_optimizer": "cpu"})),
+    "qwen2 moe, stage 1": ("qwen2_moe", {"stage": 1}, {}, [("fp32", {}), ("bf16", {"dtype": "bf16"})],
+                           ("fp32", {"stage": 3})),
     "gpt2, stage 3, params+optimizer on nvme": (
         "gpt2", {"stage": 3, "offload_params": "nvme", "offload_optimizer": "nvme", "nvme_chunk_mb": 0.01}, {},
         [("fp32", {"max_shard_bytes": SMALL_SHARDS}), ("bf16", {"dtype": torch.bfloat16})], ("fp32", {"stage": 1})),
@@ -233,7 +240,10 @@ def test_files_hold_the_tensors_hugging_face_names_cast_once(exported, label, tm
     model = _build(name)
     model.save_pretrained(str(tmp_path / "hf"))  # what transformers writes for the same model
     hf_names = set(_file_tensors(str(tmp_path / "hf")))
-    buffers = {n: b for n, b in model.state_dict().items() if n in hf_names and n not in full}
+    # The values as transformers' own save would write them: through its checkpoint conversion
+    # (experts unstacked), from the trained model's tensors and the module's buffers.
+    from transformers.core_model_loading import revert_weight_conversion
+    expected = revert_weight_conversion(model, {**model.state_dict(), **full})
     for export, kwargs in exports:
         directory = _directory(root, label, export)
         tensors = _file_tensors(directory)
@@ -241,7 +251,7 @@ def test_files_hold_the_tensors_hugging_face_names_cast_once(exported, label, tm
         assert not extra and not missing, f"{label} ({export}): names differ from save_pretrained's: {extra}, {missing}"
         dtype = torch.bfloat16 if kwargs.get("dtype") is not None else torch.float32
         for n, t in tensors.items():
-            want = full[n] if n in full else buffers[n]
+            want = expected[n]
             assert t.dtype == dtype and torch.equal(t, want.to(dtype)), f"{label} ({export}): {n}"
         config = json.load(open(os.path.join(directory, "config.json")))
         assert config["architectures"] == [type(model).__name__] and config["dtype"] == str(dtype)[6:]

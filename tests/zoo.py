@@ -72,6 +72,17 @@ def mixtral():
         experts_implementation="eager"))
 
 
+def qwen2_moe():
+    """Mixture of experts with a shared expert beside the routed ones (Qwen2-MoE; its
+    checkpoints, like Mixtral's, hold one tensor per expert where the model stacks them)."""
+    T = _transformers()
+    return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, moe_intermediate_size=16,
+        shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=32, num_experts=4, num_experts_per_tok=2, output_router_logits=False,
+        tie_word_embeddings=False, experts_implementation="eager"))
+
+
 def switch():
     """Nested module lists: a T5-style encoder-decoder (block[i].layer[j]) whose sparse layers
     hold a dict of expert modules (block[i].layer[j].mlp.experts.expert_k), top-1 routed, with

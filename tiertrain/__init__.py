@@ -13,9 +13,11 @@ from .wrapping import wrap
 from .topology import Topology
 from .zero.construct import partitioned_init
 from .export import ExportReport
-from .pretrained import LoadReport, PretrainedMismatchError, load_pretrained
+from .peft_export import PeftExport
+from .pretrained import LoadReport, PretrainedMismatchError, PretrainedMissingWarning, load_pretrained
 from .trainer import EvalConfig, LoopConfig, Trainer
 
 __all__ = ["Config", "ConfigError", "Engine", "EvalConfig", "ExportReport", "LoadReport", "LoopConfig", "MemoryReport",
-           "PretrainedMismatchError", "Topology", "Trainer", "load_pretrained", "partitioned_init", "wrap"]
+           "PeftExport", "PretrainedMismatchError", "PretrainedMissingWarning", "Topology", "Trainer", "load_pretrained",
+           "partitioned_init", "wrap"]
 __version__ = "0.1.0"

@@ -30,8 +30,9 @@ import torch
 
 from . import checkpoint
 from .checkpoint import MARKER, CheckpointError, rank_file_name, verified_file
-from .export import (DEFAULT_MAX_SHARD_BYTES, StreamedFile, TensorItem, plan_files, remove_stale, resolve_dtype,
-                     write_hf_config, write_index)
+from .export import (DEFAULT_MAX_SHARD_BYTES, ConvertedValues, StreamedFile, TensorItem, converted_items, plan_files,
+                     remove_stale, resolve_dtype, write_hf_config, write_index)
+from .hf_conversion import meta_model
 from .reshard import global_value, open_saved, opened_files, saved_parameters
 
 EXPORT_INFO = "export.json"
@@ -206,13 +207,13 @@ def _export(step_dir: str, marker: dict, out_dir: str, target: torch.dtype, max_
     # units; at any tensor- or pipeline-parallel layout, whole: reshard.global_value), then
     # what the module held whole.
     items: list[TensorItem] = []
-    sources: dict[int, tuple] = {}
+    sources: dict[str, tuple] = {}
     for kind, layout_name, shape in saved_parameters(run):
         name = layout_name if info is None else info["names"].get(layout_name)
         if name is None:
             continue
         item = TensorItem(name, tuple(shape), target, len(items), None)
-        sources[id(item)] = ("param", kind, layout_name)
+        sources[item.name] = ("param", kind, layout_name)
         items.append(item)
     held = None
     if info is not None and info.get("held") and HELD_TENSORS in extra_files:
@@ -220,11 +221,11 @@ def _export(step_dir: str, marker: dict, out_dir: str, target: torch.dtype, max_
         for name in info["held"]:
             saved, shape = held.entry(name)
             item = TensorItem(name, shape, target if saved.is_floating_point else saved, len(items), None)
-            sources[id(item)] = ("held", name)
+            sources[item.name] = ("held", name)
             items.append(item)
 
-    def assemble(item: TensorItem) -> torch.Tensor:
-        source = sources[id(item)]
+    def assemble_one(item: TensorItem) -> torch.Tensor:
+        source = sources[(item.members[0] if item.members else item).name]  # (by the model's name)
         if source[0] == "held":
             return held.read(source[1]).to(item.dtype)
         _, kind, layout_name = source
@@ -234,6 +235,15 @@ def _export(step_dir: str, marker: dict, out_dir: str, target: torch.dtype, max_
         del value
         _release_file_pages({os.path.realpath(path) for path in opened_files(run)})
         return out.view(item.shape)
+
+    hf_model = None
+    if HF_CONFIG in extra_files and info is not None:  # (the run's names are the model's: convert as it saves)
+        with open(os.path.join(step_dir, HF_CONFIG)) as f:
+            hf_model = meta_model(json.load(f))
+    if hf_model is not None:
+        items = converted_items(hf_model, items)
+        converted = ConvertedValues(hf_model, items, assemble_one)
+    assemble = (lambda item: assemble_one(item) if item.group is None else converted(item).to(item.dtype))
 
     plan = plan_files(items, max_shard_bytes)
     report.files = [f.name for f in plan.files]

@@ -770,16 +770,17 @@ class Engine:
         return out
 
     def save_pretrained(self, directory: str, dtype: torch.dtype | str | None = None,
-                        max_shard_bytes: int | None = None) -> "ExportReport":
+                        max_shard_bytes: int | None = None, peft=None) -> "ExportReport":
         """Collective: write the model as a Hugging Face safetensors checkpoint (config
         included) that ``type(model).from_pretrained`` and tiertrain.load_pretrained load,
         the ranks writing its files in parallel and no rank ever holding the whole model
         (ZeRO-Infinity §6): one unit gathered at a time. Values: the fp32 masters (frozen
         parameters: their compute-dtype values), in dtype (None: fp32). max_shard_bytes:
-        tensor bytes per file at most (default 5 GB). See tiertrain/export.py."""
+        tensor bytes per file at most (default 5 GB). A peft.PeftModel needs peft=
+        tiertrain.PeftExport.ADAPTER or .MERGED (tiertrain/peft_export.py). See tiertrain/export.py."""
         from .export import save_pretrained
 
-        return save_pretrained(self, directory, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        return save_pretrained(self, directory, dtype=dtype, max_shard_bytes=max_shard_bytes, peft=peft)
 
     def undo_on_close(self, undo: Callable[[], None]) -> None:
         """Have close() call undo (after what was registered later): wrap() hands over what

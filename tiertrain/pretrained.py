@@ -21,8 +21,11 @@ when the shard or the master lives on NVMe, whose files are written whole), and 
 itself needs no communication: each rank reads its own slices from the shared files (an
 engine first completes an update still in flight, as any engine operation does). Names are matched as Hugging
 Face matches them: a parameter shared under several names (tied embeddings) is found under
-any of them, and a checkpoint of the base model loads into a model with a head (or the
-reverse) through ``base_model_prefix``.
+any of them, a checkpoint of the base model loads into a model with a head (or the
+reverse) through ``base_model_prefix``, and a family whose checkpoints transformers converts
+(experts stored one tensor each, stacked in memory; renamed layers) is read through
+transformers' own conversion (tiertrain/hf_conversion.py): a converted tensor is read whole
+by each rank that keeps part of it, one conversion group at a time.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import json
 import math
 import os
 import re
+import warnings
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -39,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .engine import Engine
+from .hf_conversion import ConvertedCheckpoint, checkpoint_view
 from .topology import Topology
 from .zero.construct import full_shape, is_partitioned
 from .zero.flat import UnitBuffers
@@ -51,6 +56,10 @@ class PretrainedMismatchError(ValueError):
     """The checkpoint does not fit the model: tensors missing, unexpected, or of another shape.
     Raised before anything is written, on every rank alike (each checks the same headers), so
     the model is left as it was and no rank is left waiting in a collective."""
+
+
+class PretrainedMissingWarning(UserWarning):
+    """load_pretrained(strict=False) left model tensors at their initial values (named)."""
 
 
 @dataclass
@@ -72,6 +81,9 @@ class LoadReport:
     name_mapping: str = "as is"
     """How model names map to checkpoint names: 'as is', 'with prefix P.' (a checkpoint of the
     model with a head, into its base model) or 'without prefix P.' (the reverse)."""
+    conversion: str = "none"
+    """The checkpoint conversion applied (transformers' mapping of the model's family: experts
+    stacked, layers renamed), or 'none' when the checkpoint holds the model's own names."""
     files: list[str] = field(default_factory=list)
     """The safetensors files of the checkpoint."""
     bytes_read: int = 0
@@ -349,8 +361,15 @@ def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict:
                         f"got {type(target).__name__}")
     report = LoadReport(files=checkpoint_files(path))
     with ExitStack() as stack, torch.no_grad():
-        ckpt = _Checkpoint(report.files, stack, report)
+        ckpt = checkpoint_view(_Checkpoint(report.files, stack, report), module)
+        if isinstance(ckpt, ConvertedCheckpoint):
+            report.conversion = (f"transformers' checkpoint conversion of {type(module).__name__}: "
+                                 f"{ckpt.converted_count} tensors converted, {ckpt.renamed_count} renamed")
         matched = _match(module, ckpt, strict, report)
+        if report.missing:  # (strict=False: said, never silent)
+            warnings.warn(f"load_pretrained: {len(report.missing)} tensors of this {type(module).__name__} have no "
+                          f"value in {_listing(report.files, 3)} and keep their initial (random) values: "
+                          f"{', '.join(report.missing)}", PretrainedMissingWarning, stacklevel=2)
         tp = [t.name for t in matched if getattr(t.tensor, "tp_sharded", False)]
         if tp:
             raise NotImplementedError(f"load_pretrained: {_listing(tp, 5)} are tensor-parallel slices; load the "
@@ -473,4 +492,4 @@ def _master_shard(engine: Engine, index: int) -> torch.Tensor:
     return engine.update.masters()[index].detach().clone()
 
 
-__all__ = ["LoadReport", "PretrainedMismatchError", "checkpoint_files", "load_pretrained"]
+__all__ = ["LoadReport", "PretrainedMismatchError", "PretrainedMissingWarning", "checkpoint_files", "load_pretrained"]

@@ -304,6 +304,11 @@ class HFModelDims:
 # --------------------------------------------------------------------------- building
 
 
+class UnmodelledFamily(ValueError):
+    """A Hugging Face family whose activations the estimator does not model (its model states
+    can still be estimated from the module or a parameter count)."""
+
+
 def load_hf_config(path_or_config: Any):
     """A transformers PretrainedConfig from a config, a ``config.json`` path or a
     directory holding one; ValueError naming the value and what is valid otherwise."""
@@ -402,7 +407,7 @@ def _spec(config: Any) -> dict[str, Any]:
                              f"encoder_ffn_dim={config.encoder_ffn_dim}, decoder_ffn_dim={config.decoder_ffn_dim}")
     else:
         valid = sorted(x for v in SUPPORTED_FAMILIES.values() for x in v)
-        raise ValueError(f"model_type={t!r}: activations are not modelled for this family; supported are {valid}. "
+        raise UnmodelledFamily(f"model_type={t!r}: activations are not modelled for this family; supported are {valid}. "
                          "For model states only, pass the module (or a parameter count) to "
                          "tiertrain.estimate.estimate(...) instead")
     if impl == "sdpa":
