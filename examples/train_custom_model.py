@@ -82,12 +82,13 @@ def train(stage: int, steps: int, dtype: str) -> dict:
     for step in range(1, steps + 1):
         loss = engine(next(batches))  # forward (ZeRO-3 gathers each block just in time)
         engine.backward(loss)  # gradients are reduced (ZeRO-2/3: reduce-scattered) during backward
+        lr = engine.learning_rate()  # (the rate this step applies: config.schedule's)
         engine.step()  # AdamW on this rank's shard, then parameters are republished
         value = float(loss.detach())
         first = value if first is None else first
         last = value
         if topology.rank == 0 and (step == 1 or step % 20 == 0 or step == steps):
-            print(f"step {step:4d}  loss {value:.4f}  lr {engine.schedule.get_last_lr()[0]:.2e}  "
+            print(f"step {step:4d}  loss {value:.4f}  lr {lr:.2e}  "
                   f"model states/rank {engine.memory_report().total / 2**20:.2f} MiB", flush=True)
 
     state = engine.full_state_dict()  # collective: every rank takes part, all get full tensors
