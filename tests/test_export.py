@@ -256,6 +256,10 @@ def test_files_hold_the_tensors_hugging_face_names_cast_once(exported, label, tm
         config = json.load(open(os.path.join(directory, "config.json")))
         assert config["architectures"] == [type(model).__name__] and config["dtype"] == str(dtype)[6:]
         assert not [f for f in os.listdir(directory) if f.endswith(".tmp")], "temporary files left"
+        umask = os.umask(0)
+        os.umask(umask)
+        modes = {f: os.stat(os.path.join(directory, f)).st_mode & 0o777 for f in os.listdir(directory)}
+        assert set(modes.values()) == {0o666 & ~umask}, f"{label} ({export}): not the mode open() gives: {modes}"
 
 
 @pytest.mark.timeout(420)

@@ -32,7 +32,7 @@ def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny Llama with a BPE tokenizer trained on the corpus, as save_pretrained writes it."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("hf")
@@ -40,6 +40,7 @@ def model_dir(tmp_path_factory):
     lines = [line for line in text.splitlines() if line.strip()]
     tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
     tokenizer.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"]))
     directory = root / "model"
     torch.manual_seed(0)
@@ -85,6 +86,20 @@ def test_fine_tunes_a_hugging_face_model_on_jsonl_with_eval_and_exports_it(model
     exported = tmp_path / "exported"
     done = _cli("export", str(run / "ckpt"), str(exported), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
+    # Issue 35, item 4: the tokenizer trained with is exported with the model, and every file
+    # has the mode open() gives (they were owner-only, 0600).
+    from transformers import AutoTokenizer
+
+    assert (exported / "tokenizer.json").read_bytes() == (directory / "tokenizer.json").read_bytes()
+    tokenizer = AutoTokenizer.from_pretrained(exported)
+    text = "def main(self):"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert ids == AutoTokenizer.from_pretrained(directory).encode(text, add_special_tokens=False)
+    assert ids and tokenizer.decode(ids) == text
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {f: os.stat(exported / f).st_mode & 0o777 for f in os.listdir(exported)}
+    assert set(modes.values()) == {0o666 & ~umask}, modes
     trained = AutoModelForCausalLM.from_pretrained(exported)
     before = AutoModelForCausalLM.from_pretrained(directory)
     changed = [n for n, p in trained.named_parameters() if not torch.equal(p, before.state_dict()[n])]

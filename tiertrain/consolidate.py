@@ -31,7 +31,7 @@ import torch
 from . import checkpoint
 from .checkpoint import MARKER, CheckpointError, rank_file_name, verified_file
 from .export import (DEFAULT_MAX_SHARD_BYTES, ConvertedValues, StreamedFile, TensorItem, converted_items, plan_files,
-                     remove_stale, resolve_dtype, write_hf_config, write_index)
+                     WITH_MODEL, remove_stale, resolve_dtype, write_files_with_model, write_hf_config, write_index)
 from .hf_conversion import meta_model
 from .reshard import global_value, open_saved, opened_files, saved_parameters
 
@@ -254,6 +254,11 @@ def _export(step_dir: str, marker: dict, out_dir: str, target: torch.dtype, max_
     if HF_CONFIG in extra_files and format != "safetensors":
         with open(os.path.join(step_dir, HF_CONFIG)) as f:
             report.config_files = write_hf_config(out_dir, json.load(f), target)
+        kept = {}
+        for name in sorted(n for n in extra_files if n.startswith(WITH_MODEL)):
+            with open(os.path.join(step_dir, name), "rb") as f:
+                kept[name.removeprefix(WITH_MODEL)] = f.read()
+        report.config_files += write_files_with_model(out_dir, kept)
     with torch.no_grad():
         for spec in plan.files:
             writer = StreamedFile(out_dir, spec)

@@ -141,6 +141,9 @@ class Engine:
         self._checkpoint_group = None
         """A gloo group of every rank for background saves' checksum exchange (made at the first)."""
         self._own_run_id: str | None = None
+        self.files_with_model: dict[str, bytes] = {}
+        """Files written beside the model by every checkpoint (for the offline export) and by
+        save_pretrained: a --model.hf run's tokenizer (models.hf.tokenizer_files), name → content."""
         """The run id of this engine's saves when the caller gives none (made at the first)."""
         plan = plan or default_plan(model, config, self.dp, unit_modules)
         named, self.layout, self.launch_when_ready = plan.named, plan.layout, plan.launch_when_ready
@@ -687,6 +690,7 @@ class Engine:
             hf = export_module.hf_config_json(self.module)
             if hf is not None:
                 files["hf_config.json"] = json.dumps(hf, indent=1).encode()
+            files.update({export_module.WITH_MODEL + name: data for name, data in self.files_with_model.items()})
         if self._checkpoint_group is None and self.topology.world_group() is not None:
             # (made at the first save of either kind, so that a background save does not pay for it)
             self._checkpoint_group = torch.distributed.new_group(backend="gloo")

@@ -38,7 +38,6 @@ import os
 import re
 import struct
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, BinaryIO, Callable
 
@@ -46,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .fileio import atomic_write
+from .fileio import atomic_write, temporary_beside
 from .hf_conversion import SaveGroup, saving_groups
 from .peft_export import PeftExport, adapter_names, base_model, merge_groups, peft_model, write_adapter_config
 from .zero.layout import Slot
@@ -367,7 +366,7 @@ class _StreamedFile:
     def __init__(self, directory: str, spec: _File):
         self.spec = spec
         self.path = os.path.join(directory, spec.name)
-        fd, self.tmp = tempfile.mkstemp(dir=directory, prefix=f".{spec.name}.", suffix=_TEMP_SUFFIX)
+        fd, self.tmp = temporary_beside(directory, f".{spec.name}.", _TEMP_SUFFIX)
         self.f: BinaryIO = os.fdopen(fd, "wb")
         self.next = 0
         """The index in spec.items of the next tensor to write."""
@@ -640,6 +639,7 @@ def save_pretrained(engine: "Engine", directory: str | os.PathLike, dtype: torch
                 write_adapter_config(engine.module, directory)
             else:
                 _write_config(config_of, directory, target)
+            write_files_with_model(directory, engine.files_with_model)
     except Exception as e:
         failed.append(e)
     _agree(engine, failed, "preparing the directory")
@@ -753,6 +753,17 @@ def write_index(directory: str, plan: _Plan) -> None:
 def remove_stale(directory: str, plan: _Plan) -> None:
     """An earlier export's index, its files this plan does not replace, and leftover temporaries."""
     _remove_stale(directory, plan)
+
+
+WITH_MODEL = "with_model--"
+"""The prefix, in a checkpoint, of the files kept with the model (Engine.files_with_model)."""
+
+
+def write_files_with_model(directory: str, files: dict[str, bytes]) -> list[str]:
+    """The files kept with the model (its tokenizer), each written whole, beside the weights."""
+    for name, data in files.items():
+        atomic_write(os.path.join(directory, name), lambda f, data=data: f.write(data))
+    return sorted(files)
 
 
 def hf_config_json(module: nn.Module) -> dict | None:

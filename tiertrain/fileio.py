@@ -12,14 +12,42 @@ import time
 from typing import BinaryIO, Callable
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (os.umask can only be read by setting it,
+    which races with other threads creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def temporary_beside(directory: str, prefix: str, suffix: str) -> tuple[int, str]:
+    """mkstemp in directory, with the mode open() would have given the file (0666 less the
+    umask): mkstemp's 0600 would survive the rename, leaving checkpoints and exported models
+    readable by their owner only."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    return fd, tmp
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
     """Write through write(f) to a temporary file beside path, fsync it, then rename it over
-    path; on any failure the temporary file is removed and path is untouched."""
+    path; on any failure the temporary file is removed and path is untouched. The file gets
+    the mode open() would give it."""
     path = os.fspath(path)
     directory = os.path.dirname(path) or "."
     tmp = None
-    try:  # (mkstemp inside: a signal right after it still finds tmp to remove)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:  # (created inside: a signal right after it still finds tmp to remove)
+        fd, tmp = temporary_beside(directory, os.path.basename(path) + ".", ".tmp")
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

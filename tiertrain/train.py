@@ -414,11 +414,12 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
     trainer = Trainer(factory, cfg, train_data, eval_data, topology=topology, seq_len=cfg.model.seq_len,
                       partitioned_construction=partitioned, **options)
     if cfg.model.hf:
-        from .models.hf import has_weights
+        from .models.hf import has_weights, tokenizer_files
         from .pretrained import load_pretrained
 
         if has_weights(cfg.model.hf):
             load_pretrained(trainer.engine, cfg.model.hf)
+        trainer.engine.files_with_model.update(tokenizer_files(cfg.model.hf))  # (exported with the model)
     # No close(): it would gather the whole model on every rank only to hand it back, and
     # the process ends here (the launcher removes the swap files).
     return trainer.fit()

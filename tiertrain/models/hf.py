@@ -97,6 +97,25 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt", "merges.txt")
+"""The files transformers' tokenizers are saved as (whichever of them a directory has)."""
+
+
+def tokenizer_files(directory: str) -> dict[str, bytes]:
+    """The tokenizer saved with a model (TOKENIZER_FILES found in directory), name → content:
+    kept with the run's checkpoints and written beside every export, so that
+    ``AutoTokenizer.from_pretrained`` of an exported directory gets the tokenizer trained with."""
+    out = {}
+    for name in TOKENIZER_FILES:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                out[name] = f.read()
+    return out
+
+
 def has_weights(directory: str) -> bool:
     """Whether the directory holds safetensors weights to load (a fine-tune). A weight file
     that is there but cannot be read (a dangling symlink, as a Hugging Face cache snapshot with
