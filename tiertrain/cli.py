@@ -96,11 +96,29 @@ def _split_args(argv: list[str], takes_value: dict[str, bool]) -> tuple[list[str
     return own, overrides
 
 
-def load_train_config(path: str | None, overrides: list[str]):
-    """TrainConfig from an optional YAML/TOML file and --section.key overrides (validated)."""
+def load_train_config(path: str | None, overrides: list[str], deepspeed: str | None = None):
+    """TrainConfig from an optional YAML/TOML file, an optional DeepSpeed config
+    (tiertrain/deepspeed_config.py) and --section.key overrides, in that order (validated)."""
+    return load_with_deepspeed(path, overrides, deepspeed)[0]
+
+
+def load_with_deepspeed(path: str | None, overrides: list[str], deepspeed: str | None):
+    """(load_train_config's TrainConfig, what became of each key of the DeepSpeed config)."""
     from .train import TrainConfig
 
-    return load(TrainConfig, path, overrides)
+    if deepspeed is None:
+        return load(TrainConfig, path, overrides), []
+    from .config import from_dict, merge, parse_overrides, read_file
+    from .deepspeed_config import from_deepspeed
+
+    base, extra = read_file(path) if path else {}, parse_overrides(overrides)
+    dtype = (merge(base, extra).get("precision") or {}).get("dtype", "fp32")  # (where the file says "auto")
+    translation = from_deepspeed(deepspeed, dtype=dtype)
+    data = merge(merge(base, translation.values), extra)
+    cfg = from_dict(TrainConfig, data)
+    cfg.validate()
+    translation.finish(cfg)
+    return cfg, translation.lines()
 
 
 def _all_docs(cls: type) -> dict[str, str]:
@@ -160,8 +178,8 @@ def _error(message: str, code: int = 2) -> int:
 def _train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tiertrain train", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="tiertrain train [-h] [--config FILE] [--nproc N] [--timeout S] [--resume DIR] [--data PATH] "
-              "[--section.key VALUE ...]",
+        usage="tiertrain train [-h] [--config FILE] [--deepspeed ds.json] [--nproc N] [--timeout S] [--resume DIR] "
+              "[--data PATH] [--section.key VALUE ...]",
         description="Train a GPT, or a Hugging Face causal LM (--model.hf DIR), with the tiertrain engine.\n"
                     "With no options: the default job (see `tiertrain config`) on 2 local gloo processes\n"
                     "(one per GPU with CUDA).",
@@ -169,6 +187,9 @@ def _train_parser() -> argparse.ArgumentParser:
                "  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\\n"
                "      -m tiertrain.cli train ...")
     p.add_argument("--config", metavar="FILE", help="YAML or TOML file with config sections")
+    p.add_argument("--deepspeed", metavar="FILE",
+                   help="a DeepSpeed JSON config, translated key by key (docs/deepspeed.md; refused keys are "
+                        "named); --config values come first, --section.key overrides after")
     p.add_argument("--nproc", type=int, metavar="N",
                    help="local processes to start (default: number of GPUs, else 2; 1 runs in this process)")
     from .comm import DEFAULT_TIMEOUT_S
@@ -191,7 +212,7 @@ def cmd_train(argv: list[str]) -> int:
     from .train import check_launch, run_training
 
     own, overrides = _split_args(argv, {"--config": True, "--nproc": True, "--timeout": True, "--resume": True,
-                                        "--data": True})
+                                        "--data": True, "--deepspeed": True})
     args = _train_parser().parse_args(own)
     timeout = args.timeout if args.timeout is not None else launch.DEFAULT_TIMEOUT_S
     if not (math.isfinite(timeout) and timeout > 0):  # (NaN passes `<= 0`: it compares false)
@@ -201,7 +222,10 @@ def cmd_train(argv: list[str]) -> int:
         overrides = [*overrides, "--checkpoint.dir", args.resume, "--checkpoint.resume", "true"]
     if args.data is not None:
         overrides = [*overrides, "--data.path", args.data]
-    cfg = load_train_config(args.config, overrides)
+    cfg, fates = load_with_deepspeed(args.config, overrides, args.deepspeed)
+    if fates and int(os.environ.get("RANK", "0")) == 0:
+        print(f"tiertrain: the DeepSpeed config {args.deepspeed}, key by key:\n  " + "\n  ".join(fates),
+              file=sys.stderr)
 
     if launch.under_torchrun():
         if args.nproc is not None:
@@ -264,16 +288,20 @@ def _report_worker_failure(failure, debug: bool) -> int:
 
 
 def cmd_config(argv: list[str]) -> int:
-    own, overrides = _split_args(argv, {"--config": True})
+    own, overrides = _split_args(argv, {"--config": True, "--from-deepspeed": True})
     p = argparse.ArgumentParser(
         prog="tiertrain config", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="tiertrain config [-h] [--config FILE] [--section.key VALUE ...]",
-        description="Print the resolved training config (defaults < --config file < overrides) as\n"
-                    "YAML, each field with its documentation; the output is a valid --config file.",
+        usage="tiertrain config [-h] [--config FILE] [--from-deepspeed ds.json] [--section.key VALUE ...]",
+        description="Print the resolved training config (defaults < --config file < DeepSpeed config <\n"
+                    "overrides) as YAML, each field with its documentation; the output is a valid --config file.",
         epilog=_OVERRIDES_HELP)
     p.add_argument("--config", metavar="FILE", help="YAML or TOML file with config sections")
+    p.add_argument("--from-deepspeed", metavar="FILE", help="a DeepSpeed JSON config (docs/deepspeed.md)")
     args = p.parse_args(own)
-    cfg = load_train_config(args.config, overrides)
+    cfg, fates = load_with_deepspeed(args.config, overrides, args.from_deepspeed)
+    if fates:
+        print(f"# from the DeepSpeed config {args.from_deepspeed}, key by key:")
+        print("\n".join(f"#   {line}" for line in fates))
     print("# tiertrain training config (resolved); use with: tiertrain train --config FILE")
     print("\n".join(render_config(cfg)))
     return 0

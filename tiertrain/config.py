@@ -147,17 +147,29 @@ class OptimizerConfig:
 @dataclass
 class ScheduleConfig:
     warmup_steps: int = 20
-    """Optimizer steps of linear warmup from 0 to the peak learning rate."""
+    """Optimizer steps of warmup from warmup_start_ratio to the peak learning rate."""
     decay_steps: int = 0
-    """Optimizer steps over which the rate follows a cosine to min_lr_ratio; 0 keeps it constant after warmup."""
+    """Optimizer steps over which the rate decays (decay_shape) to min_lr_ratio; 0 keeps it constant after warmup."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
+    warmup_shape: Literal["linear", "log"] = "linear"
+    """Warmup ramp: linear in the step, or log (DeepSpeed WarmupLR's default, log(s+1)/log(warmup_steps))."""
+    warmup_start_ratio: float = 0.0
+    """Rate the warmup starts from, as a fraction of the peak (DeepSpeed's warmup_min_lr / warmup_max_lr)."""
+    decay_shape: Literal["cosine", "linear"] = "cosine"
+    """Decay after warmup: a half cosine, or linear (DeepSpeed's WarmupDecayLR) to min_lr_ratio."""
 
     def validate(self, path: str = "schedule") -> None:
         _check_positive(f"{path}.warmup_steps", self.warmup_steps, allow_zero=True)
         _check_positive(f"{path}.decay_steps", self.decay_steps, allow_zero=True)
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             _fail(f"{path}.min_lr_ratio", self.min_lr_ratio, "a value in [0, 1]")
+        if not 0.0 <= self.warmup_start_ratio <= 1.0:
+            _fail(f"{path}.warmup_start_ratio", self.warmup_start_ratio, "a value in [0, 1]")
+        if self.warmup_shape not in ("linear", "log"):
+            _fail(f"{path}.warmup_shape", self.warmup_shape, "'linear' or 'log'")
+        if self.decay_shape not in ("cosine", "linear"):
+            _fail(f"{path}.decay_shape", self.decay_shape, "'cosine' or 'linear'")
 
 
 @dataclass

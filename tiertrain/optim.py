@@ -99,13 +99,21 @@ def build_adamw(groups: list[dict], config: OptimizerConfig) -> torch.optim.Adam
 
 
 def lr_factor(step: int, schedule: ScheduleConfig) -> float:
-    """Multiplier of the peak rate at optimizer step `step` (0-based): linear warmup, then cosine."""
+    """Multiplier of the peak rate at optimizer step `step` (0-based): warmup (linear or log,
+    from warmup_start_ratio; its first increment taken at step 0), then a cosine or linear decay."""
     if schedule.warmup_steps and step < schedule.warmup_steps:
-        return (step + 1) / schedule.warmup_steps
+        if schedule.warmup_shape == "log":
+            ramp = math.log(step + 2) / math.log(schedule.warmup_steps + 1)
+        else:
+            ramp = (step + 1) / schedule.warmup_steps
+        start = schedule.warmup_start_ratio
+        return ramp if start == 0.0 else start + (1.0 - start) * ramp
     if not schedule.decay_steps:
         return 1.0
     progress = min(1.0, (step - schedule.warmup_steps) / schedule.decay_steps)
     floor = schedule.min_lr_ratio
+    if schedule.decay_shape == "linear":
+        return floor + (1.0 - floor) * (1.0 - progress)
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 

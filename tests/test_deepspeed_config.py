@@ -1,0 +1,141 @@
+"""A DeepSpeed config in one line (issue 35, item 1): ``tiertrain train --deepspeed ds.json``
+and ``tiertrain config --from-deepspeed ds.json`` translate every key to its tiertrain
+counterpart, say which have no effect and why, and refuse by name, all at once, the keys that
+cannot be honoured. tests/deepspeed_configs/ holds the ZeRO-2 and ZeRO-3 offload configs of
+the transformers documentation ("auto" values) and an explicit one in DeepSpeed's own terms."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tiertrain.cli import load_train_config
+from tiertrain.config import ConfigError
+from tiertrain.deepspeed_config import from_deepspeed
+from tiertrain.optim import lr_factor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = os.path.join(HERE, "deepspeed_configs")
+
+
+def _path(name: str) -> str:
+    return os.path.join(CONFIGS, name)
+
+
+def test_the_transformers_zero2_config_keeps_tiertrain_values_where_it_says_auto():
+    cfg = load_train_config(None, ["--optimizer.lr", "0.002"], deepspeed=_path("transformers_zero2.json"))
+    assert (cfg.zero.stage, cfg.zero.offload_optimizer.config_name) == (2, "cpu")
+    assert cfg.optimizer.lr == 0.002 and cfg.optimizer.grad_clip == 1.0  # ("auto": tiertrain's own)
+    assert cfg.zero.bucket_mb == pytest.approx(5e8 * 4 / 2**20, rel=1e-6)  # (elements → MiB of fp32)
+    assert cfg.optimizer.weight_decay_on == "all"  # (DeepSpeed decays every parameter)
+    assert cfg.schedule.warmup_shape == "log" and cfg.schedule.decay_steps == 0  # (WarmupLR: log, then flat)
+
+
+def test_the_transformers_zero3_offload_config_puts_parameters_and_optimizer_on_the_cpu():
+    cfg = load_train_config(None, ["--precision.dtype", "bf16"], deepspeed=_path("transformers_zero3_offload.json"))
+    assert cfg.zero.stage == 3
+    assert (cfg.zero.offload_params.config_name, cfg.zero.offload_optimizer.config_name) == ("cpu", "cpu")
+    assert cfg.zero.max_live_mb == pytest.approx(1e9 * 2 / 2**20, rel=1e-6)  # (bf16 parameters: 2 bytes)
+    assert cfg.precision.dtype == "bf16"
+
+
+def test_explicit_values_and_the_keys_deepspeed_defaults_mean(tmp_path):
+    cfg = load_train_config(None, ["--zero.nvme_path", str(tmp_path)], deepspeed=_path("deepspeed_zero3_explicit.json"))
+    assert (cfg.batch.micro_batch_size, cfg.batch.grad_accum_steps, cfg.precision.dtype) == (4, 2, "bf16")
+    assert (cfg.optimizer.lr, cfg.optimizer.betas, cfg.optimizer.weight_decay) == (0.001, (0.9, 0.95), 0.01)
+    assert cfg.zero.offload_optimizer.config_name == "nvme" and cfg.zero.nvme_buffers == 4
+    assert cfg.zero.nvme_path == str(tmp_path), "a --section.key override comes after the DeepSpeed file"
+    assert cfg.zero.persistence_threshold == 100000
+    assert cfg.zero.prefetch_mb == pytest.approx(1e7 * 2 / 2**20, rel=1e-6)
+    # Left out of a DeepSpeed file means DeepSpeed's default, not tiertrain's.
+    bare = load_train_config(None, [], deepspeed={"train_micro_batch_size_per_gpu": 2})
+    assert bare.optimizer.grad_clip == 0.0 and bare.zero.stage == 0
+    assert (bare.schedule.warmup_steps, bare.schedule.decay_steps) == (0, 0)
+
+
+def _deepspeed_gamma(kind: str, step: int, warmup: int, total: int, low: float, high: float) -> float:
+    """DeepSpeed's WarmupLR/WarmupDecayLR rate at its scheduler step (its docs' formulas): a
+    linear ramp step/warmup from warmup_min_lr, then flat or (total - step)/(total - warmup)."""
+    if step < warmup:
+        return low + (high - low) * step / warmup
+    if kind == "WarmupLR":
+        return high
+    return high * max(0.0, (total - step) / (total - warmup))
+
+
+def test_warmup_decay_follows_deepspeeds_formula_its_ramp_one_step_earlier():
+    cfg = load_train_config(None, ["--steps", "100"], deepspeed=_path("deepspeed_zero3_explicit.json"))
+    ours = [cfg.optimizer.lr * lr_factor(s, cfg.schedule) for s in range(100)]
+    theirs = [_deepspeed_gamma("WarmupDecayLR", s, 10, 100, 1e-4, 1e-3) for s in range(101)]
+    assert all(math.isclose(ours[s], theirs[s + 1], rel_tol=1e-12) for s in range(9)), "the ramp, one step earlier"
+    assert all(math.isclose(ours[s], theirs[s], rel_tol=1e-12, abs_tol=1e-15) for s in range(10, 100)), \
+        "the linear decay to 0 at total_num_steps"
+
+
+def test_unhonourable_keys_are_refused_all_at_once_by_name():
+    with pytest.raises(ConfigError) as caught:
+        from_deepspeed({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}},
+                        "zero_optimization": {"stage": 3, "zero_quantized_weights": True},
+                        "fp16": {"enabled": True, "loss_scale": 128},
+                        "train_batch_sise": 8})
+    message = str(caught.value)
+    for key in ("optimizer.type", "zero_optimization.zero_quantized_weights", "fp16.loss_scale",
+                "train_batch_sise"):
+        assert key in message, (key, message)
+    assert "docs/deepspeed.md" in message
+    with pytest.raises(ConfigError, match="fp16.enabled and bf16.enabled are both true"):
+        from_deepspeed({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu=-1 is invalid"):
+        from_deepspeed({"train_micro_batch_size_per_gpu": -1})
+
+
+def test_every_key_of_the_documented_configs_has_a_stated_fate():
+    for name in sorted(os.listdir(CONFIGS)):
+        with open(_path(name)) as f:
+            ds = json.load(f)
+        fates = dict(from_deepspeed(ds, dtype="bf16").fates)
+        keys = [k for k, v in ds.items() if not isinstance(v, dict) or k in ("wandb", "tensorboard")]
+        keys += [f"{k}.{sub}" for k, v in ds.items() if isinstance(v, dict) and k not in ("optimizer", "scheduler")
+                 for sub in v if not isinstance(v[sub], dict)]
+        missing = [k for k in keys if not any(f == k or f.startswith(k + ".") for f in fates)]
+        assert not missing, f"{name}: no fate for {missing}"
+
+
+def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tiertrain.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=150)
+
+
+@pytest.mark.timeout(200)
+def test_a_run_from_the_deepspeed_config_equals_the_run_from_its_printed_tiertrain_config(tmp_path):
+    """The acceptance of the issue: the transformers ZeRO-2 offload config trains unchanged from
+    the CLI, and `tiertrain config --from-deepspeed` prints the tiertrain config of the same run:
+    the two runs' losses are the same, step for step."""
+    common = ["--steps", "4", "--logging.log_interval", "1", "--logging.progress", "false",
+              "--model.n_layers", "2", "--model.hidden", "64", "--model.n_heads", "4", "--model.seq_len", "32",
+              "--schedule.warmup_steps", "2", "--data.cache_dir", str(tmp_path / "cache")]
+    printed = _cli("config", "--from-deepspeed", _path("transformers_zero2.json"), *common, cwd=tmp_path)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    (tmp_path / "printed.yaml").write_text(printed.stdout)
+    runs = {}
+    for label, how in (("deepspeed", ["--deepspeed", _path("transformers_zero2.json")]),
+                       ("printed", ["--config", str(tmp_path / "printed.yaml")])):
+        metrics = tmp_path / f"{label}.jsonl"
+        done = _cli("train", *how, *common, "--nproc", "2", "--logging.metrics_file", str(metrics), cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[label] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines() if '"loss"' in line]
+        if label == "deepspeed":
+            assert "zero_optimization.overlap_comm: no effect" in done.stderr, done.stderr[-2000:]
+    assert len(runs["deepspeed"]) == 4 and runs["deepspeed"] == runs["printed"], runs
+
+
+def test_the_documentation_table_names_every_key_the_translation_knows():
+    from tiertrain.deepspeed_config import documented_keys
+
+    text = open(os.path.join(os.path.dirname(HERE), "docs", "deepspeed.md")).read()
+    absent = [k for keys in documented_keys().values() for k in keys if f"`{k}`" not in text]
+    assert not absent, f"docs/deepspeed.md does not list {absent}"

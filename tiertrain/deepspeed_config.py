@@ -1,0 +1,427 @@
+"""A DeepSpeed config (``ds_config.json``) as a tiertrain config (issue 35, item 1):
+``tiertrain train --deepspeed ds.json``, ``tiertrain config --from-deepspeed ds.json``,
+:func:`from_deepspeed` and ``TiertrainTrainer(..., deepspeed=...)``.
+
+Every key of the file gets one of three fates, all listed in docs/deepspeed.md:
+
+* **mapped** to the tiertrain field with the same meaning, sizes converted (DeepSpeed counts
+  buffer sizes in elements, tiertrain in MiB);
+* **no effect**, where tiertrain always does what the key asks for (``overlap_comm``,
+  ``contiguous_gradients``) or the key tunes a mechanism tiertrain does not have (a reuse
+  distance, a pinned-memory switch); the value is read, checked, and said in the banner;
+* **refused**, with the reason, where honouring it would need a mechanism tiertrain lacks
+  (1-bit Adam, quantised weights, MiCS): a ConfigError names every such key at once.
+
+The file means what it means to DeepSpeed: a key it leaves out takes DeepSpeed's default, not
+tiertrain's (no ``gradient_clipping`` is no clipping; ``weight_decay`` decays every parameter;
+no ``scheduler`` is a constant rate; no ``zero_optimization`` is stage 0). ``"auto"``, as in
+the configs transformers documents, keeps tiertrain's own value for the field (the CLI's
+flag or default; under the Hugging Face Trainer, TrainingArguments').
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import ConfigError
+
+MiB = 2 ** 20
+AUTO = "auto"
+
+
+@dataclass
+class Translation:
+    """A DeepSpeed config as tiertrain config values."""
+
+    values: dict[str, dict | Any] = field(default_factory=dict)
+    """Nested tiertrain config values ({"zero": {"stage": 3}, ...}), as a --config file holds them."""
+    fates: list[tuple[str, str]] = field(default_factory=list)
+    """(DeepSpeed key, what became of it), in the file's order."""
+    refused: list[tuple[str, str]] = field(default_factory=list)
+    """(DeepSpeed key, why it cannot be honoured)."""
+    decay_over_run: bool = False
+    """total_num_steps "auto": the decay spans the run's steps after warmup (:meth:`finish`)."""
+
+    def finish(self, cfg) -> None:
+        """What needs the whole config (a TrainConfig): the decay of an "auto" total_num_steps."""
+        if self.decay_over_run:
+            cfg.schedule.decay_steps = max(0, cfg.steps - cfg.schedule.warmup_steps)
+            cfg.validate()
+
+    def lines(self) -> list[str]:
+        return [f"{key}: {fate}" for key, fate in self.fates]
+
+    def set(self, key: str, path: str, value: Any, note: str = "") -> None:
+        section, _, name = path.rpartition(".")
+        target = self.values
+        for part in filter(None, section.split(".")):
+            target = target.setdefault(part, {})
+        target[name] = value
+        self.fates.append((key, f"→ {path} = {value!r}" + (f" ({note})" if note else "")))
+
+    def no_effect(self, key: str, why: str) -> None:
+        self.fates.append((key, f"no effect: {why}"))
+
+    def refuse(self, key: str, why: str) -> None:
+        self.refused.append((key, why))
+
+
+def read_deepspeed(source: str | os.PathLike | dict) -> dict:
+    """The config as a dict: a dict as given, or a JSON file's content."""
+    if isinstance(source, dict):
+        return source
+    path = os.fspath(source)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--deepspeed={path!r} does not exist: expected a DeepSpeed JSON config") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--deepspeed={path!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--deepspeed={path!r} holds a {type(data).__name__}, expected a JSON object of config keys")
+    return data
+
+
+def from_deepspeed(source: str | os.PathLike | dict, dtype: str = "fp32") -> Translation:
+    """Translate a DeepSpeed config (see the module docstring); ConfigError naming every key
+    that cannot be honoured, or whose value is not one DeepSpeed accepts either. dtype: the
+    compute dtype where the config says "auto" (it sizes the parameter buffers it converts)."""
+    ds = read_deepspeed(source)
+    t = Translation()
+    precision = _precision(ds) or dtype
+    itemsize = 4 if precision == "fp32" else 2
+    for key, value in ds.items():
+        handler = _TOP.get(key)
+        if handler is None:
+            t.refuse(key, "not a DeepSpeed config key tiertrain knows (a typo, or a feature it does not have)")
+        elif handler is not _SKIP:
+            handler(t, key, value)
+    _zero(ds.get("zero_optimization"), t, itemsize)
+    if "gradient_clipping" not in ds:
+        t.set("gradient_clipping (absent)", "optimizer.grad_clip", 0.0, "DeepSpeed's default: no clipping")
+    if "scheduler" not in ds:
+        t.set("scheduler (absent)", "schedule.warmup_steps", 0, "DeepSpeed's default: a constant rate")
+        t.set("scheduler (absent)", "schedule.decay_steps", 0)
+    if t.refused:
+        raise ConfigError("the DeepSpeed config has keys tiertrain cannot honour: "
+                          + "; ".join(f"{k}: {why}" for k, why in t.refused)
+                          + " (docs/deepspeed.md lists every key and its fate)")
+    return t
+
+
+# -- the sections ----------------------------------------------------------------------------------
+
+
+def _auto(value: Any) -> bool:
+    return isinstance(value, str) and value == AUTO
+
+
+def _number(key: str, value: Any, integer: bool = False, minimum: float | None = 0) -> float | int:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and integer:
+        ok = float(value).is_integer()
+    if not ok or (minimum is not None and value < minimum):
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(f"DeepSpeed {key}={value!r} is invalid: expected {kind}"
+                          + (f" >= {minimum}" if minimum is not None else "") + ' or "auto"')
+    return int(value) if integer else float(value)
+
+
+def _mapped(path: str, integer: bool = False, minimum: float | None = 0, convert=None, note: str = ""):
+    def handle(t: Translation, key: str, value: Any) -> None:
+        if _auto(value):
+            t.fates.append((key, f"auto: tiertrain's {path}"))
+            return
+        number = _number(key, value, integer, minimum)
+        t.set(key, path, convert(number) if convert else number, note)
+    return handle
+
+
+def _no_effect(why: str):
+    return lambda t, key, value: t.no_effect(key, why)
+
+
+def _refuse_unless(default: Any, why: str):
+    def handle(t: Translation, key: str, value: Any) -> None:
+        if value == default or _auto(value):
+            t.no_effect(key, f"{value!r}, the default (tiertrain: the same)")
+        else:
+            t.refuse(key, f"{value!r}: {why}")
+    return handle
+
+
+def _precision(ds: dict) -> str | None:
+    """The dtype the config asks for; None when it says "auto"."""
+    enabled = {k: ds[k].get("enabled") if isinstance(ds.get(k), dict) else None for k in ("fp16", "bf16")}
+    on = [k for k, v in enabled.items() if v is True]
+    if len(on) > 1:
+        raise ConfigError("DeepSpeed fp16.enabled and bf16.enabled are both true: expected at most one")
+    if on:
+        return on[0]
+    return None if AUTO in enabled.values() else "fp32"
+
+
+def _fp16(t: Translation, key: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise ConfigError(f"DeepSpeed {key}={value!r} is invalid: expected an object")
+    on = value.get("enabled") is True or _auto(value.get("enabled"))
+    if _auto(value.get("enabled")):
+        t.fates.append((f"{key}.enabled", "auto: tiertrain's precision.dtype"))
+    elif on:
+        t.set(f"{key}.enabled", "precision.dtype", key, "fp32 masters and optimizer state, as DeepSpeed")
+    for sub, v in value.items():
+        name = f"{key}.{sub}"
+        if sub == "enabled":
+            continue
+        if key == "bf16" or not on:
+            t.no_effect(name, f"{key} is not enabled" if not on else "bf16 needs no loss scaling")
+        elif sub == "loss_scale":
+            if not _auto(v) and _number(name, v) != 0:
+                t.refuse(name, f"{v!r}: a static loss scale; tiertrain's fp16 scale is dynamic (loss_scale 0)")
+            else:
+                t.no_effect(name, "0: dynamic loss scaling, tiertrain's")
+        elif sub == "initial_scale_power":
+            _mapped("precision.loss_scale.initial_scale", integer=True, convert=lambda p: float(2 ** p),
+                    note="2 ** initial_scale_power")(t, name, v)
+        elif sub == "loss_scale_window":
+            _mapped("precision.loss_scale.growth_interval", integer=True, minimum=1)(t, name, v)
+        elif sub == "hysteresis":
+            _mapped("precision.loss_scale.hysteresis", integer=True, minimum=1)(t, name, v)
+        elif sub == "min_loss_scale":
+            _mapped("precision.loss_scale.min_scale", minimum=0)(t, name, v)
+        elif sub == "consecutive_hysteresis":
+            _refuse_unless(False, "tiertrain's hysteresis counts overflows since the last growth")(t, name, v)
+        elif sub == "auto_cast":
+            _refuse_unless(False, "tiertrain computes in the fp16 parameters' dtype; it does not autocast")(t, name, v)
+        else:
+            t.refuse(name, "not an fp16 key tiertrain knows")
+
+
+def _optimizer(t: Translation, key: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise ConfigError(f"DeepSpeed {key}={value!r} is invalid: expected an object with type and params")
+    kind = str(value.get("type", "")).lower()
+    params = value.get("params") or {}
+    adamw = kind == "adamw" or (kind in ("adam", "cpuadam", "fusedadam") and params.get("adam_w_mode", True))
+    if not adamw:
+        t.refuse(f"{key}.type", f"{value.get('type')!r}: tiertrain's optimizer from a config is AdamW (DeepSpeed's "
+                                f"Adam with adam_w_mode, AdamW); other optimizers are passed in code (optimizer=)")
+        return
+    t.no_effect(f"{key}.type", f"{value.get('type')!r}: AdamW (torch's fused CPU or device kernel)")
+    for sub, v in params.items():
+        name = f"{key}.params.{sub}"
+        if sub == "lr":
+            _mapped("optimizer.lr", minimum=0)(t, name, v)
+        elif sub == "eps":
+            _mapped("optimizer.eps", minimum=0)(t, name, v)
+        elif sub == "weight_decay":
+            _mapped("optimizer.weight_decay", minimum=0)(t, name, v)
+            t.set(name, "optimizer.weight_decay_on", "all", "DeepSpeed decays every parameter")
+        elif sub == "betas":
+            if _auto(v):
+                t.fates.append((name, "auto: tiertrain's optimizer.betas"))
+            elif isinstance(v, (list, tuple)) and len(v) == 2:
+                t.set(name, "optimizer.betas", [_number(name, b) for b in v])
+            else:
+                raise ConfigError(f"DeepSpeed {name}={v!r} is invalid: expected [beta1, beta2]")
+        elif sub in ("adam_w_mode", "torch_adam", "fp32_optimizer_states"):
+            t.no_effect(name, f"{v!r}: the update is AdamW with fp32 state either way")
+        elif sub == "amsgrad":
+            _refuse_unless(False, "tiertrain's AdamW has no AMSGrad")(t, name, v)
+        else:
+            t.refuse(name, "not an AdamW parameter")
+
+
+def _scheduler(t: Translation, key: str, value: Any) -> None:
+    """WarmupLR, WarmupDecayLR and WarmupCosineLR as tiertrain's schedule (warmup from a start
+    ratio, linear or log, then constant, linear or cosine decay)."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"DeepSpeed {key}={value!r} is invalid: expected an object with type and params")
+    kind, params = value.get("type"), value.get("params") or {}
+    if kind not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+        t.refuse(f"{key}.type", f"{kind!r}: tiertrain maps WarmupLR, WarmupDecayLR and WarmupCosineLR; another "
+                                f"schedule is passed in code (lr_scheduler=)")
+        return
+    t.no_effect(f"{key}.type", f"{kind}: tiertrain's schedule (its warmup takes the first increment at the first step; "
+                               f"DeepSpeed's first step runs at the start rate: the same ramp, one step earlier)")
+    warmup = params.get("warmup_num_steps", 1000)
+    _mapped("schedule.warmup_steps", integer=True)(t, f"{key}.params.warmup_num_steps", warmup)
+    shape = params.get("warmup_type", "log")
+    if shape not in ("log", "linear"):
+        raise ConfigError(f"DeepSpeed {key}.params.warmup_type={shape!r} is invalid: expected 'log' or 'linear'")
+    t.set(f"{key}.params.warmup_type", "schedule.warmup_shape", shape)
+    if kind == "WarmupCosineLR":
+        _mapped("schedule.warmup_start_ratio", minimum=0)(t, f"{key}.params.warmup_min_ratio",
+                                                          params.get("warmup_min_ratio", 0.0))
+        _mapped("schedule.min_lr_ratio", minimum=0)(t, f"{key}.params.cos_min_ratio", params.get("cos_min_ratio", 0.0001))
+    else:
+        peak, low = params.get("warmup_max_lr", 0.001), params.get("warmup_min_lr", 0.0)
+        _mapped("optimizer.lr", minimum=0)(t, f"{key}.params.warmup_max_lr", peak)
+        if not (_auto(low) or _auto(peak)) and _number(f"{key}.params.warmup_max_lr", peak) > 0:
+            t.set(f"{key}.params.warmup_min_lr", "schedule.warmup_start_ratio", _number("warmup_min_lr", low) / peak)
+        else:
+            t.fates.append((f"{key}.params.warmup_min_lr", "auto: tiertrain's schedule.warmup_start_ratio"))
+    if kind == "WarmupLR":
+        t.set(f"{key}.type", "schedule.decay_steps", 0, "constant after warmup")
+        return
+    total = params.get("total_num_steps")
+    if total is None:
+        raise ConfigError(f"DeepSpeed {key}.params.total_num_steps is missing: {kind} needs it")
+    if _auto(total) or _auto(warmup):
+        t.fates.append((f"{key}.params.total_num_steps", "auto: decay over the run's steps after warmup"))
+        t.decay_over_run = True
+    else:
+        t.set(f"{key}.params.total_num_steps", "schedule.decay_steps",
+              max(0, _number("total_num_steps", total, integer=True) - int(warmup)), "total_num_steps - warmup")
+    t.set(f"{key}.type", "schedule.decay_shape", "linear" if kind == "WarmupDecayLR" else "cosine")
+    if kind == "WarmupDecayLR":
+        t.set(f"{key}.type", "schedule.min_lr_ratio", 0.0, "WarmupDecayLR decays to 0")
+
+
+def _monitor(path: str, project: bool):
+    def handle(t: Translation, key: str, value: Any) -> None:
+        if not isinstance(value, dict) or not value.get("enabled"):
+            t.no_effect(key, "not enabled")
+            return
+        if project:
+            t.set(key, path, value.get("project") or "tiertrain")
+        else:
+            t.set(key, path, os.path.join(value.get("output_path") or "runs", value.get("job_name") or "tb"))
+    return handle
+
+
+def _zero(value: Any, t: Translation, itemsize: int) -> None:
+    if value is None:
+        t.set("zero_optimization (absent)", "zero.stage", 0, "DeepSpeed's default")
+        return
+    if not isinstance(value, dict):
+        raise ConfigError(f"DeepSpeed zero_optimization={value!r} is invalid: expected an object")
+    key = "zero_optimization"
+    for sub, v in value.items():
+        name = f"{key}.{sub}"
+        handler = _ZERO.get(sub)
+        if sub in ("offload_optimizer", "offload_param"):
+            _offload(t, name, v, "zero.offload_optimizer" if sub == "offload_optimizer" else "zero.offload_params")
+        elif sub in _ELEMENTS:
+            path, bytes_per = _ELEMENTS[sub]
+            per = itemsize if bytes_per is None else bytes_per
+            _mapped(path, convert=lambda n, per=per: round(n * per / MiB, 6),
+                    note=f"elements × {per} bytes, in MiB")(t, name, v)
+        elif handler is None:
+            t.refuse(name, "not a zero_optimization key tiertrain knows")
+        else:
+            handler(t, name, v)
+
+
+def _offload(t: Translation, key: str, value: Any, path: str) -> None:
+    if not isinstance(value, dict):
+        raise ConfigError(f"DeepSpeed {key}={value!r} is invalid: expected an object with device")
+    device = value.get("device", "none")
+    if device not in ("none", "cpu", "nvme"):
+        raise ConfigError(f"DeepSpeed {key}.device={device!r} is invalid: expected 'none', 'cpu' or 'nvme'")
+    t.set(f"{key}.device", path, device)
+    for sub, v in value.items():
+        name = f"{key}.{sub}"
+        if sub == "device":
+            continue
+        if sub == "nvme_path":
+            t.set(name, "zero.nvme_path", str(v))
+        elif sub == "buffer_count" and path == "zero.offload_optimizer":
+            _mapped("zero.nvme_buffers", integer=True, minimum=1)(t, name, v)
+        elif sub in ("pin_memory", "fast_init", "buffer_count", "buffer_size", "max_in_cpu", "pipeline_read",
+                     "pipeline_write", "pipeline", "ratio"):
+            t.no_effect(name, f"{v!r}: tiertrain pins the host memory a device copy reads and sizes its own "
+                              f"staging (zero.nvme_chunk_mb, nvme_kept_units)")
+        else:
+            t.refuse(name, "not an offload key tiertrain knows")
+
+
+_ELEMENTS = {
+    "reduce_bucket_size": ("zero.bucket_mb", 4),
+    "stage3_prefetch_bucket_size": ("zero.prefetch_mb", None),
+    "stage3_max_live_parameters": ("zero.max_live_mb", None),
+}
+"""Sizes DeepSpeed counts in elements → (tiertrain field in MiB, bytes per element: fp32
+gradients, or compute-dtype parameters (None))."""
+
+_ALWAYS = "tiertrain always does it"
+_ZERO = {
+    "stage": _mapped("zero.stage", integer=True),
+    "stage3_param_persistence_threshold": _mapped("zero.persistence_threshold", integer=True),
+    "overlap_comm": _no_effect(f"{_ALWAYS}: reductions overlap backward"),
+    "contiguous_gradients": _no_effect(f"{_ALWAYS}: gradients live in flat buffers"),
+    "reduce_scatter": _no_effect(f"{_ALWAYS} at stages 2-3"),
+    "allgather_partitions": _no_effect(_ALWAYS),
+    "allgather_bucket_size": _no_effect("parameters are gathered one unit at a time"),
+    "round_robin_gradients": _no_effect("each rank reduces its own shard"),
+    "stage3_max_reuse_distance": _no_effect("a gathered unit is released after its use (zero.max_live_mb caps them)"),
+    "stage3_gather_16bit_weights_on_model_save": _no_effect("save_pretrained and export always gather the weights"),
+    "stage3_gather_fp16_weights_on_model_save": _no_effect("save_pretrained and export always gather the weights"),
+    "ignore_unused_parameters": _no_effect("unused parameters get zero gradients"),
+    "load_from_fp32_weights": _no_effect("checkpoints hold the fp32 masters"),
+    "elastic_checkpoint": _no_effect("checkpoints reshard to any layout"),
+    "cpu_offload": _refuse_unless(False, "the old spelling; use offload_optimizer.device 'cpu'"),
+    "zero_hpz_partition_size": _refuse_unless(1, "ZeRO++ hierarchical partitioning is not implemented"),
+    "zero_quantized_weights": _refuse_unless(False, "ZeRO++ quantised weights are not implemented"),
+    "zero_quantized_gradients": _refuse_unless(False, "ZeRO++ quantised gradients are not implemented"),
+    "mics_shard_size": _refuse_unless(-1, "MiCS is not implemented"),
+    "memory_efficient_linear": _no_effect("linear layers are the model's own"),
+    "sub_group_size": _no_effect("the NVMe optimizer streams chunks of zero.nvme_chunk_mb; the CPU tier steps "
+                                 "each shard whole"),
+    "stage3_module_granularity_threshold": _no_effect("units are the ModuleList's children, or zero.unit_params"),
+}
+
+_SKIP = object()
+_TOP = {
+    "train_batch_size": _mapped("batch.global_batch_size", integer=True, minimum=1),
+    "train_micro_batch_size_per_gpu": _mapped("batch.micro_batch_size", integer=True, minimum=1),
+    "gradient_accumulation_steps": _mapped("batch.grad_accum_steps", integer=True, minimum=1),
+    "gradient_clipping": _mapped("optimizer.grad_clip"),
+    "steps_per_print": _no_effect("DeepSpeed's own console print; metrics are logged every logging.log_interval"),
+    "fp16": _fp16,
+    "bf16": _fp16,
+    "optimizer": _optimizer,
+    "scheduler": _scheduler,
+    "zero_optimization": _SKIP,  # (after the precision is known)
+    "tensorboard": _monitor("logging.tensorboard_dir", project=False),
+    "wandb": _monitor("logging.wandb_project", project=True),
+    "wall_clock_breakdown": _no_effect("every metrics record splits the step into its phases"),
+    "flops_profiler": _no_effect("every metrics record holds TFLOP/s and MFU"),
+    "memory_breakdown": _no_effect("every metrics record holds memory per tier"),
+    "csv_monitor": _no_effect("metrics go to logging.metrics_file (JSONL)"),
+    "comms_logger": _no_effect("engine.counter holds the bytes of each collective"),
+    "dump_state": _no_effect("tiertrain config prints the resolved config"),
+    "zero_allow_untested_optimizer": _no_effect("an unknown optimizer is checked, not trusted (tiertrain/optim.py)"),
+    "zero_force_ds_cpu_optimizer": _no_effect("the CPU tier steps with torch's fused CPU AdamW"),
+    "checkpoint": _no_effect("checkpoints are tiertrain's, resharded to any layout"),
+    "aio": _no_effect("tiertrain's NVMe IO sizes its own requests (zero.nvme_chunk_mb)"),
+    "activation_checkpointing": _no_effect("DeepSpeed applies it where the model calls deepspeed.checkpointing; "
+                                           "set activations.checkpoint_every (and activations.offload cpu)"),
+    "prescale_gradients": _refuse_unless(False, "gradients are averaged after the reduction"),
+    "gradient_predivide_factor": _refuse_unless(1.0, "gradients are averaged after the reduction"),
+    "communication_data_type": _refuse_unless(None, "gradients are reduced in fp32"),
+    "data_types": _refuse_unless({"grad_accum_dtype": "fp32"}, "gradients accumulate in fp32"),
+    "amp": _refuse_unless({"enabled": False}, "NVIDIA Apex AMP is not supported; use bf16 or fp16"),
+    "sparse_attention": _refuse_unless(None, "not implemented"),
+    "compression_training": _refuse_unless(None, "not implemented"),
+    "curriculum_learning": _refuse_unless(None, "not implemented"),
+    "data_efficiency": _refuse_unless(None, "not implemented"),
+    "elasticity": _refuse_unless({"enabled": False}, "not implemented; resume at another size reshards instead"),
+    "autotuning": _refuse_unless({"enabled": False}, "not implemented; tiertrain plan chooses a layout"),
+    "pipeline": _refuse_unless(None, "set parallel.pp and parallel.schedule"),
+    "tensor_parallel": _refuse_unless(None, "set parallel.tp"),
+    "sequence_parallel_size": _refuse_unless(1, "not implemented"),
+}
+
+
+def documented_keys() -> dict[str, list[str]]:
+    """Every key this translation knows, by section (for docs/deepspeed.md's table)."""
+    return {"": sorted(_TOP), "zero_optimization": sorted(set(_ZERO) | set(_ELEMENTS) | {"offload_optimizer",
+                                                                                         "offload_param"})}
+
+
+__all__ = ["Translation", "documented_keys", "from_deepspeed", "read_deepspeed"]
