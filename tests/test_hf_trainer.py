@@ -319,13 +319,49 @@ def test_an_epoch_that_ends_inside_an_accumulation_window_is_refused(tmp_path):
     assert trainer.engine is None
 
 
-def test_deepspeed_is_refused(tmp_path):
-    """TrainingArguments(deepspeed=...) needs the deepspeed package to be built; a script that
-    has it passes its config through: the attribute is what the trainer reads."""
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none")
-    args.deepspeed = "ds_config.json"
-    with pytest.raises(ConfigError, match=r"TrainingArguments\(deepspeed='ds_config.json'\).*zero"):
-        TiertrainTrainer(model=_model(), args=args, train_dataset=_List(EVAL))
+DS_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed_configs")
+
+
+def test_a_deepspeed_config_sets_zero_and_the_schedule_its_auto_values_the_training_arguments(tmp_path):
+    """Issue 35, item 1: TrainingArguments(deepspeed=...) needs the deepspeed package to be
+    built, so the config comes as TiertrainTrainer(deepspeed=...) (or args.deepspeed, where it
+    can be set). The transformers documentation's ZeRO-2 config: stage 2 with the optimizer on
+    the CPU, "auto" values from the arguments, and its WarmupLR (a log warmup, then flat)."""
+    import json
+
+    from tiertrain.integrations.hf_trainer import deepspeed_schedule
+    from tiertrain.optim import lr_factor
+
+    path = os.path.join(DS_CONFIGS, "transformers_zero2.json")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", learning_rate=1e-3,
+                                          warmup_steps=4, max_steps=20, max_grad_norm=0.5)
+    trainer = TiertrainTrainer(model=_model(), args=args, train_dataset=_List(EVAL), deepspeed=path)
+    config = trainer.tiertrain_config
+    assert (config.zero.stage, config.zero.offload_optimizer.config_name) == (2, "cpu")
+    assert (config.optimizer.lr, config.optimizer.grad_clip) == (1e-3, 0.5)  # ("auto": the arguments')
+    schedule = deepspeed_schedule(path, args, 20)
+    assert (schedule.warmup_steps, schedule.warmup_shape, schedule.decay_steps) == (4, "log", 0)
+    assert [lr_factor(s, schedule) for s in (3, 10)] == [1.0, 1.0] and 0 < lr_factor(0, schedule) < 1
+    # Trained: the rates applied are the DeepSpeed schedule's (the arguments ask for a linear warmup).
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", learning_rate=1e-3,
+                                          warmup_steps=4, max_steps=3, per_device_train_batch_size=2,
+                                          logging_steps=1, use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = TiertrainTrainer(model=_model(), args=args, train_dataset=_List(EVAL), deepspeed=path)
+    trainer.train()
+    applied = [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e]
+    schedule = deepspeed_schedule(path, args, 3)
+    assert applied == [1e-3 * lr_factor(s, schedule) for s in range(3)], applied
+    # An explicit value that disagrees with the arguments is refused, as transformers refuses it.
+    with open(path) as f:
+        ds = json.load(f)
+    ds["optimizer"]["params"]["lr"] = 3e-4
+    with pytest.raises(ConfigError, match=r"DeepSpeed optimizer.params.lr=0.0003 disagrees with "
+                                          r"TrainingArguments\(learning_rate\)=0.001"):
+        TiertrainTrainer(model=_model(), args=args, train_dataset=_List(EVAL), deepspeed=ds)
+    # A key left out takes DeepSpeed's default: no clipping.
+    del ds["gradient_clipping"], ds["optimizer"]["params"]["lr"]
+    config = config_from_training_arguments(args, None, ds)
+    assert config.optimizer.grad_clip == 0.0 and config.zero.stage == 2
 
 
 def test_conflicting_and_unsupported_trainer_inputs_are_refused(tmp_path):

@@ -42,6 +42,8 @@ class Translation:
     """(DeepSpeed key, what became of it), in the file's order."""
     refused: list[tuple[str, str]] = field(default_factory=list)
     """(DeepSpeed key, why it cannot be honoured)."""
+    assignments: list[tuple[str, Any, str]] = field(default_factory=list)
+    """(tiertrain field, value, the DeepSpeed key it came from), in order."""
     decay_over_run: bool = False
     """total_num_steps "auto": the decay spans the run's steps after warmup (:meth:`finish`)."""
 
@@ -60,6 +62,7 @@ class Translation:
         for part in filter(None, section.split(".")):
             target = target.setdefault(part, {})
         target[name] = value
+        self.assignments.append((path, value, key))
         self.fates.append((key, f"→ {path} = {value!r}" + (f" ({note})" if note else "")))
 
     def no_effect(self, key: str, why: str) -> None:

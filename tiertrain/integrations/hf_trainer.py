@@ -51,13 +51,22 @@ output_dir, callbacks, report_to work as in the Trainer. What tiertrain_config m
 activations, parallel.dp and precision.loss_scale; a field TrainingArguments also sets must be
 left at its default or agree with it (else ConfigError naming both).
 
+**A DeepSpeed config** (``TiertrainTrainer(..., deepspeed="ds_config.json")``, or
+``TrainingArguments.deepspeed`` where the deepspeed package lets it be set) is translated as
+``tiertrain train --deepspeed`` translates it (docs/deepspeed.md): its "auto" values are the
+TrainingArguments', its explicit ones must agree with them (as transformers requires), a key
+it leaves out takes DeepSpeed's default (no ``gradient_clipping``: no clipping, as the
+DeepSpeed engine would do), and its scheduler block (WarmupLR, WarmupDecayLR,
+WarmupCosineLR) is the schedule, "auto" resolved as transformers resolves it; without one,
+lr_scheduler_type applies. The Trainer's decay split (no decay for biases and norms) is kept.
+
 Limits
 ------
 * Works: train() (max_steps or epochs, gradient accumulation, logging with loss, grad_norm and
   learning_rate, eval and save strategies, callbacks), evaluate(), predict(), save_model(),
   resume_from_checkpoint from a checkpoint this trainer saved, compute_loss overrides,
   compute_loss_func, label smoothing, compute_metrics (with eval logits).
-* Refused with a ConfigError naming the argument and what is valid: deepspeed, fsdp,
+* Refused with a ConfigError naming the argument and what is valid: fsdp,
   parallelism_config, torch_compile, activation_checkpointing/gradient_checkpointing (use
   tiertrain_config.activations), optim other than adamw_torch/adamw_torch_fused, optim_args,
   lr_scheduler_type reduce_lr_on_plateau/greedy, auto_find_batch_size, use_liger_kernel,
@@ -126,9 +135,6 @@ def check_training_arguments(args) -> None:
     """Raise ConfigError for a TrainingArguments setting the engine would not honour (it would
     silently train differently); see the module docstring's Limits. Reads fields only (does
     not set up devices)."""
-    if args.deepspeed:
-        _refuse("deepspeed", args.deepspeed, "tiertrain's engine replaces DeepSpeed; set deepspeed=None and choose "
-                "ZeRO stage and offload in tiertrain_config.zero (stage, offload_optimizer, offload_params)")
     if args.fsdp:
         _refuse("fsdp", args.fsdp, "tiertrain's engine replaces FSDP; set fsdp=None (or '') and use "
                 "tiertrain_config.zero.stage=3 for fully sharded parameters")
@@ -187,13 +193,17 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def config_from_training_arguments(args, base: Config | None = None) -> Config:
+def config_from_training_arguments(args, base: Config | None = None, deepspeed=None) -> Config:
     """The engine's Config: ``base`` (zero, activations, parallel, loss scaling; default
     Config()) with the fields TrainingArguments decides set from it. A field both set to
     different values raises ConfigError naming both (neither silently wins); so does a
     base with a schedule or checkpoint section of its own (the Trainer's scheduler and
-    save_steps apply), or with parallel.tp/pp > 1. Validated."""
+    save_steps apply), or with parallel.tp/pp > 1. deepspeed: a DeepSpeed config (a dict or
+    a JSON file; default: args.deepspeed), translated as tiertrain/deepspeed_config.py does,
+    its "auto" values TrainingArguments', its explicit ones checked against them as
+    transformers checks them. Validated."""
     check_training_arguments(args)
+    deepspeed = deepspeed if deepspeed is not None else (args.deepspeed or None)
     config = copy.deepcopy(base) if base is not None else Config()
     defaults = Config()
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
@@ -215,6 +225,8 @@ def config_from_training_arguments(args, base: Config | None = None) -> Config:
                               f"which sets it to {value!r}: with TiertrainTrainer the TrainingArguments decide it; "
                               f"leave {path} at its default ({default!r}) or change {argument}")
         _set_field(config, path, value)
+    if deepspeed is not None:
+        _apply_deepspeed(config, defaults, deepspeed, {path: (value, arg) for path, value, arg in derived}, dtype)
     for section, instead in (("schedule", "lr_scheduler_type, warmup_steps and max_steps"),
                              ("checkpoint", "output_dir, save_steps and save_total_limit")):
         if getattr(config, section) != getattr(defaults, section):
@@ -227,6 +239,50 @@ def config_from_training_arguments(args, base: Config | None = None) -> Config:
     config.batch.global_batch_size = 0 if config.batch.global_batch_size == defaults.batch.global_batch_size \
         else config.batch.global_batch_size
     return config.validate()
+
+
+def _apply_deepspeed(config: Config, defaults: Config, deepspeed, decided: dict, dtype: str) -> None:
+    """The DeepSpeed config's values into config: those TrainingArguments decide must agree
+    with them (DeepSpeed's "auto" takes them; a key left out takes DeepSpeed's default, as the
+    DeepSpeed engine would: no gradient clipping); the schedule is deepspeed_schedule's; the
+    rest (zero, loss scaling, monitors) set, unless tiertrain_config set them otherwise."""
+    from ..deepspeed_config import from_deepspeed
+
+    for path, value, key in from_deepspeed(deepspeed, dtype=dtype).assignments:
+        if path.startswith("schedule.") or key.startswith("scheduler") or path == "optimizer.weight_decay_on":
+            continue  # (the schedule: deepspeed_schedule; the decay split: the Trainer's, as it hands it over)
+        if path in decided and not key.endswith("(absent)"):
+            want, argument = decided[path]
+            if not _same(value, want):
+                raise ConfigError(f"DeepSpeed {key}={value!r} disagrees with TrainingArguments({argument})={want!r}: "
+                                  f"set it to \"auto\" or to the same value (transformers refuses the same mismatch)")
+            continue
+        given, default = _field(config, path), _field(defaults, path)
+        if path not in decided and not _same(given, default) and not _same(given, value):
+            raise ConfigError(f"tiertrain_config {path}={given!r} disagrees with DeepSpeed {key}={value!r}: "
+                              f"set one of them")
+        _set_field(config, path, value)
+
+
+def deepspeed_schedule(deepspeed, args, max_steps: int):
+    """The learning-rate schedule of a DeepSpeed config's scheduler block (a ScheduleConfig),
+    its "auto" values resolved as transformers resolves them (warmup_num_steps: the
+    TrainingArguments' warmup; warmup_min_lr: 0; total_num_steps: the run's steps); None
+    without a scheduler block (the Trainer's lr_scheduler_type applies, as with DeepSpeed)."""
+    from ..config import ScheduleConfig
+    from ..deepspeed_config import from_deepspeed, read_deepspeed
+
+    if deepspeed is None or "scheduler" not in read_deepspeed(deepspeed):
+        return None
+    translation = from_deepspeed(deepspeed)
+    schedule = ScheduleConfig(warmup_steps=args.get_warmup_steps(max_steps), min_lr_ratio=0.0)
+    for path, value, key in translation.assignments:
+        if path.startswith("schedule."):
+            setattr(schedule, path.removeprefix("schedule."), value)
+    if translation.decay_over_run:
+        schedule.decay_steps = max(0, max_steps - schedule.warmup_steps)
+    schedule.validate()
+    return schedule
 
 
 class _AsIs:
@@ -255,6 +311,13 @@ def _hf_scheduler(optimizer: torch.optim.Optimizer, args, max_steps: int):
     return get_scheduler(args.lr_scheduler_type, optimizer=optimizer,
                          num_warmup_steps=args.get_warmup_steps(max_steps), num_training_steps=max_steps,
                          scheduler_specific_kwargs=args.lr_scheduler_kwargs)
+
+
+def _tiertrain_scheduler(optimizer: torch.optim.Optimizer, schedule):
+    """A DeepSpeed config's schedule (deepspeed_schedule) over the engine's optimizer."""
+    from ..optim import lr_factor
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, schedule))
 
 
 def _use_the_engines_device(args) -> None:
@@ -355,7 +418,7 @@ class TiertrainTrainer(Trainer):
     stage and tiers, activation checkpointing); default: Config() (stage 0)."""
 
     def __init__(self, model: nn.Module | None = None, args=None, *positional,
-                 tiertrain_config: Config | None = None, **kwargs):
+                 tiertrain_config: Config | None = None, deepspeed=None, **kwargs):
         if positional:
             raise TypeError("TiertrainTrainer: pass the Trainer's arguments after args by keyword")
         if args is None:
@@ -369,7 +432,8 @@ class TiertrainTrainer(Trainer):
                               "on the whole model cannot step the engine's shards; pass "
                               "optimizer_cls_and_kwargs=(torch.optim.X, {...}) and TrainingArguments' "
                               "lr_scheduler_type/warmup_steps instead")
-        self.tiertrain_config = config_from_training_arguments(args, tiertrain_config)
+        self.deepspeed_config = deepspeed if deepspeed is not None else (args.deepspeed or None)
+        self.tiertrain_config = config_from_training_arguments(args, tiertrain_config, self.deepspeed_config)
         _use_the_engines_device(args)
         self.engine = None
         self._engine_max_steps: int | None = None
@@ -428,8 +492,11 @@ class TiertrainTrainer(Trainer):
         if self.optimizer_cls_and_kwargs is not None:
             cls, options = self.optimizer_cls_and_kwargs
             optimizer = functools.partial(cls, **options)  # (as Trainer.create_optimizer builds it)
+        schedule = deepspeed_schedule(self.deepspeed_config, self.args, max_steps)
+        scheduler = (functools.partial(_hf_scheduler, args=self.args, max_steps=max_steps) if schedule is None
+                     else functools.partial(_tiertrain_scheduler, schedule=schedule))
         self.engine = wrap(model, config, topology, loss_fn=_call_model, optimizer=optimizer, param_groups=groups,
-                           lr_scheduler=functools.partial(_hf_scheduler, args=self.args, max_steps=max_steps))
+                           lr_scheduler=scheduler)
         self._engine_max_steps = max_steps
         self._proxy = _EngineModel(self.engine)
         self.model_wrapped = self._proxy
