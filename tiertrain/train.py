@@ -300,9 +300,10 @@ def _build_dataset(cfg: TrainConfig, check_ids: bool = True):
             # Text is tokenised with the model directory's own tokenizer.
             from .models.hf import tokenizer_file
             tokenizer = tokenizer_file(cfg.model.hf)
+        vocab_name = f"model.hf={cfg.model.hf!r} (its config's vocab_size)" if cfg.model.hf else "model.vocab_size"
         return open_token_dataset(d.path, seq_len=cfg.model.seq_len, vocab_size=cfg.vocab_size(), dtype=d.dtype,
                                   tokenizer=tokenizer, text_field=d.text_field, cache_dir=d.cache_dir,
-                                  check_ids=check_ids)
+                                  check_ids=check_ids, vocab_name=vocab_name)
     return bundled_dataset(cfg.model.seq_len, cfg.data.cache_dir)
 
 

@@ -159,10 +159,23 @@ class TextTokenizer:
                 for e in self._hf.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
 
-def load_tokenizer(path: str | os.PathLike, vocab_size: int, data_path: str = "") -> TextTokenizer:
+GPT_VOCAB = "model.vocab_size"
+"""The name of the vocabulary size in messages for tiertrain's GPT (the field that sets it)."""
+
+
+def _larger_vocabulary(vocab_name: str, needed: int | None = None) -> str:
+    """The fix of a vocabulary too small: the field to raise (the GPT's), or, for a model whose
+    vocabulary is its own (model.hf), data tokenised with the model's tokenizer."""
+    if vocab_name == GPT_VOCAB:
+        return f"--model.vocab_size {needed}" if needed else "a larger --model.vocab_size"
+    return f"the tokenizer {vocab_name} was trained with (model.vocab_size does not apply to it)"
+
+
+def load_tokenizer(path: str | os.PathLike, vocab_size: int, data_path: str = "",
+                   vocab_name: str = GPT_VOCAB) -> TextTokenizer:
     """The tokenizer.json at ``path`` (``tokenizers`` library), or a ConfigError naming
     ``data.tokenizer`` when it is missing, does not load, or has more ids than
-    ``vocab_size`` (the model's embedding rows)."""
+    ``vocab_size`` (the model's embedding rows; vocab_name says where that number comes from)."""
     where = f"data.tokenizer={str(path)!r} is invalid for data.path={data_path!r}"
     p = Path(path)
     if not p.is_file():
@@ -181,9 +194,9 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int, data_path: str = ""
                           f"tokenizers' Tokenizer.save or a Hugging Face tokenizer's save_pretrained") from None
     tok = TextTokenizer(hf, digest=hashlib.sha256(raw).hexdigest(), name=f"tokenizer {p.name}")
     if tok.vocab_size > vocab_size:
-        raise ConfigError(f"{where}: it has a vocabulary of {tok.vocab_size} ids, more than model.vocab_size="
-                          f"{vocab_size}; expected model.vocab_size >= {tok.vocab_size} "
-                          f"(--model.vocab_size {tok.vocab_size})")
+        raise ConfigError(f"{where}: it has a vocabulary of {tok.vocab_size} ids, more than {vocab_name}="
+                          f"{vocab_size}; expected at most {vocab_size} ids "
+                          f"({_larger_vocabulary(vocab_name, tok.vocab_size)})")
     return tok
 
 
@@ -197,6 +210,7 @@ def open_token_dataset(
     text_field: str = "text",
     cache_dir: str | os.PathLike = "runs/cache",
     check_ids: bool = True,
+    vocab_name: str = GPT_VOCAB,
 ) -> TokenArrayDataset:
     """``path`` opened as next-token windows of ``seq_len`` (see the module docstring for
     the formats), after checking it fits a model of ``vocab_size`` ids and ``seq_len``.
@@ -214,7 +228,8 @@ def open_token_dataset(
         if not any((p / m).is_file() for m in HF_DATASET_MARKERS):
             raise ConfigError(f"{where}: it is a directory without the files datasets' save_to_disk writes "
                               f"({', '.join(HF_DATASET_MARKERS)}); {_VALID}")
-        tokens, raw_dtype = _hf_dataset_tokens(p, shown, vocab_size, tokenizer, text_field, Path(cache_dir)), None
+        tokens, raw_dtype = _hf_dataset_tokens(p, shown, vocab_size, tokenizer, text_field, Path(cache_dir),
+                                               vocab_name), None
     elif not p.is_file():
         raise ConfigError(f"{where}: it is not a regular file; {_VALID}")
     else:
@@ -238,7 +253,7 @@ def open_token_dataset(
             raise ConfigError(f"{where}: it is {NOT_TOKENS[p.suffix.lower()]} by its name, which is not read as "
                               f"data; {_VALID}")
         elif text:
-            tok = load_tokenizer(tokenizer, vocab_size, shown) if tokenizer else TextTokenizer()
+            tok = load_tokenizer(tokenizer, vocab_size, shown, vocab_name) if tokenizer else TextTokenizer()
             tokens = _cached(Path(cache_dir), p.stem, file_sha256(p), tok, text_field,
                              lambda: _tokenize_file(p, shown, tok, text_field))
         else:
@@ -259,8 +274,8 @@ def open_token_dataset(
             at = (f"row {pos // tokens.shape[1]}, column {pos % tokens.shape[1]} (position {pos})"
                   if tokens.ndim == 2 else f"position {pos}")
             hint = f", or check data.dtype={raw_dtype!r} is what the file was written as" if raw_dtype else ""
-            raise ConfigError(f"{where}: token id {value} at {at} is outside the vocabulary of model.vocab_size="
-                              f"{vocab_size}; expected ids in 0..{vocab_size - 1} (a larger --model.vocab_size, "
+            raise ConfigError(f"{where}: token id {value} at {at} is outside the vocabulary of {vocab_name}="
+                              f"{vocab_size}; expected ids in 0..{vocab_size - 1} ({_larger_vocabulary(vocab_name)}, "
                               f"or data tokenised for this model{hint})")
     return TokenArrayDataset(tokens, seq_len, shown)
 
@@ -415,7 +430,7 @@ def _encode(texts: Iterable[str], tok: TextTokenizer, add_special_tokens: bool, 
 
 
 def _hf_dataset_tokens(p: Path, shown: str, vocab_size: int, tokenizer: str, text_field: str,
-                       cache_dir: Path) -> np.ndarray:
+                       cache_dir: Path, vocab_name: str = GPT_VOCAB) -> np.ndarray:
     """A save_to_disk directory's ``input_ids`` (equal-length rows stay rows), or its text
     column tokenised and cached like a JSONL file (keyed by the dataset's fingerprint)."""
     where = f"data.path={shown!r} is invalid"
@@ -447,7 +462,7 @@ def _hf_dataset_tokens(p: Path, shown: str, vocab_size: int, tokenizer: str, tex
         raise ConfigError(f"{where}: the dataset has no {text_field!r} column (its columns: "
                           f"{', '.join(map(repr, columns))}); expected an 'input_ids' column or the text column "
                           f"named by data.text_field")
-    tok = load_tokenizer(tokenizer, vocab_size, shown) if tokenizer else TextTokenizer()
+    tok = load_tokenizer(tokenizer, vocab_size, shown, vocab_name) if tokenizer else TextTokenizer()
     return _cached(cache_dir, p.name, hashlib.sha256(fingerprint.encode()).hexdigest(), tok, text_field,
                    lambda: _encode((t + "\n" for t in ds[text_field]), tok, add_special_tokens=True))
 
