@@ -2,7 +2,8 @@
 every ZeRO stage as under DDP (rank 0's broadcast before each forward, within the float64
 oracle's bound), are in ``full_state_dict``, survive a checkpoint (also resharded to another
 data-parallel size), and a checkpoint saved before buffers were checkpointed still loads.
-They used to be in no checkpoint: zeros after a resume, and different on every rank."""
+They used to be in no checkpoint: zeros after a resume, and different on every rank. Under
+pipeline parallelism each stage's buffers start every step from its data-parallel rank 0's."""
 from __future__ import annotations
 
 import warnings
@@ -172,3 +173,113 @@ def test_save_pretrained_and_export_write_the_trained_buffers(tmp_path):
         written = load_file(str(tmp_path / where / "model.safetensors"))
         for name in BUFFERS:
             assert torch.equal(written[name].to(trained[name].dtype), trained[name]), f"{where}: {name}"
+
+
+# --------------------------------------------------------------------------- pipeline parallelism
+
+FEATURES, HIDDEN, CLASSES, PP_MICRO, PP_ACCUM, PP_STEPS = 3, 4, 2, 2, 2, 3
+PP_BUFFERS = ("norm_in.running_mean", "norm_in.running_var", "norm_in.num_batches_tracked",
+              "norm_out.running_mean", "norm_out.running_var", "norm_out.num_batches_tracked")
+
+
+class FirstStage(nn.Module):
+    """Normalises the raw features: its running statistics depend on the data alone, so the
+    test can compute them (reference_norm_in)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm_in = nn.BatchNorm1d(FEATURES)
+        self.fc_in = nn.Linear(FEATURES, HIDDEN)
+
+    def forward(self, x, batch):
+        return self.fc_in(self.norm_in(batch["features"]))
+
+
+class LastStage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm_out = nn.BatchNorm1d(HIDDEN)
+        self.fc_out = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x, batch):
+        return F.cross_entropy(self.fc_out(F.relu(self.norm_out(x))), batch["labels"])
+
+
+def pp_batches() -> list[dict]:
+    """Global batches whose data-parallel halves differ in scale and offset, so that each dp
+    rank's running statistics would drift their own way."""
+    g = torch.Generator().manual_seed(5)
+    rows = 2 * PP_MICRO * PP_ACCUM
+    out = []
+    for _ in range(PP_STEPS):
+        features = torch.randn(rows, FEATURES, generator=g)
+        replica = torch.arange(rows) // PP_MICRO % 2  # (the dp rank rank_slices gives each row to)
+        out.append({"features": features * (1 + 3 * replica[:, None]) + 2 * replica[:, None],
+                    "labels": torch.randint(0, CLASSES, (rows,), generator=g)})
+    return out
+
+
+def reference_norm_in(micro_batches) -> nn.BatchNorm1d:
+    """The first stage's BatchNorm after a training forward of each micro-batch, in order."""
+    norm = nn.BatchNorm1d(FEATURES)
+    with torch.no_grad():
+        for b in micro_batches:
+            norm(b["features"])
+    return norm
+
+
+def _pipeline_with_norms(rank, world, directory):
+    cfg = make_config(parallel={"pp": 2, "dp": 2, "schedule": "1f1b"},
+                      batch={"micro_batch_size": PP_MICRO, "grad_accum_steps": PP_ACCUM})
+    topology = tiertrain.Topology.build(cfg.parallel)
+    pp, dp = topology.coord("pp"), topology.coord("dp")
+    torch.manual_seed(0)
+    stages = [FirstStage(), LastStage()]
+    engine = tiertrain.wrap([stages[pp]], cfg, topology, activation_shape=(PP_MICRO, HIDDEN))
+    seen = []  # the buffers the first micro-batch's forward of each step sees
+
+    def first_forward_of_the_step(module, args):
+        if len(seen) == engine.steps:
+            seen.append({k: v.clone() for k, v in module.state_dict().items() if k in PP_BUFFERS})
+    stages[pp].register_forward_pre_hook(first_forward_of_the_step)
+    for batch in pp_batches():
+        engine.train_batch(rank_slices(batch, dp, 2, PP_MICRO, PP_ACCUM))
+    trained = engine.full_state_dict()
+    engine.save_checkpoint(directory)
+    resumed = tiertrain.wrap([[FirstStage(), LastStage()][pp]], cfg, topology, activation_shape=(PP_MICRO, HIDDEN))
+    resumed.load_checkpoint(directory)
+    return pp, dp, seen, {k: trained[k] for k in PP_BUFFERS}, resumed.full_state_dict()
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_stages_start_every_step_from_data_parallel_rank_0s_buffers(tmp_path):
+    """pp = 2 × dp = 2: each stage's buffers are broadcast over the stage's data-parallel group
+    before the step's first forward, as DDP's broadcast_buffers (once per step: the schedule
+    interleaves the micro-batches' forwards). They used to stay each rank's own: the dp
+    ranks of a stage drifted apart, each following its own data. They are in
+    full_state_dict (the whole pipeline's, on every rank) and in the checkpoint."""
+    results = run_distributed(_pipeline_with_norms, 4, str(tmp_path / "ckpt"), timeout=100)
+    by_stage = {}
+    for pp, dp, seen, trained, resumed in results:
+        by_stage.setdefault(pp, {})[dp] = seen
+        assert sorted(trained) == sorted(PP_BUFFERS), "full_state_dict holds both stages' buffers"
+        for name in PP_BUFFERS:  # (what each rank saved, its own after its last step, is what it resumes)
+            assert torch.equal(resumed[name], trained[name]), f"stage {pp}, dp rank {dp}: {name} after a resume"
+        assert int(trained["norm_in.num_batches_tracked"]) == PP_STEPS * PP_ACCUM
+        # After training: rank 0's statistics up to the last step, then this rank's own last step.
+        rank0_micro = [m for b in pp_batches()[:-1] for m in rank_slices(b, 0, 2, PP_MICRO, PP_ACCUM)]
+        own_last = list(rank_slices(pp_batches()[-1], dp, 2, PP_MICRO, PP_ACCUM))
+        expected = reference_norm_in(rank0_micro + own_last)
+        for name in ("running_mean", "running_var"):
+            torch.testing.assert_close(trained[f"norm_in.{name}"], getattr(expected, name), rtol=1e-6, atol=1e-7)
+    for pp, ranks in by_stage.items():
+        assert len(ranks[0]) == len(ranks[1]) == PP_STEPS
+        for step, (zero, one) in enumerate(zip(ranks[0], ranks[1])):
+            for name in zero:
+                assert torch.equal(zero[name], one[name]), (f"stage {pp}, step {step}: dp rank 1's {name} is not "
+                                                             f"dp rank 0's at the step's first forward")
+    for step, seen in enumerate(by_stage[0][0]):  # dp rank 0's, which it always keeps
+        rank0_micro = [m for b in pp_batches()[:step] for m in rank_slices(b, 0, 2, PP_MICRO, PP_ACCUM)]
+        expected = reference_norm_in(rank0_micro)
+        for name in ("running_mean", "running_var"):
+            torch.testing.assert_close(seen[f"norm_in.{name}"], getattr(expected, name), rtol=1e-6, atol=1e-7)

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -133,8 +134,9 @@ def _unequal_batches(rank, world):
 @pytest.mark.timeout(60)
 def test_unequal_batch_counts_are_named_within_seconds_not_at_the_timeout():
     """Issue 34, item 6: it waited for the whole timeout (600 s by default), then said "every
-    rank of the group issued it" though the ranks were in different collectives. A wait that
-    outlasts a few seconds now compares, in the store, what each rank waits for."""
+    rank of the group issued it" though the ranks were in different collectives. Before each
+    collective a rank now compares, in the store, what it is about to issue with what its
+    peers issued at that number (tiertrain.comm.Arrivals)."""
     start = time.monotonic()
     with pytest.raises(RankFailure) as caught:
         run_distributed(_unequal_batches, 2, timeout=45)
@@ -142,8 +144,113 @@ def test_unequal_batch_counts_are_named_within_seconds_not_at_the_timeout():
     first_line = str(caught.value).splitlines()[0]
     assert "CollectiveMismatchError" in first_line and "the ranks run different code" in first_line, first_line
     assert "unequal numbers of batches or steps per rank" in first_line
-    assert "all_gather" in first_line, "the line names what the other rank waits for"
+    assert "full_state_dict()" in first_line, "the line names what the rank out of batches is in"
     assert elapsed < 30, f"{elapsed:.0f} s: named within seconds, not at the 45 s timeout"
+
+
+def _one_step_fewer_on_rank_1(rank, world, stage, after, directory):
+    """Rank 1's data ends one step before rank 0's; then every rank does what a user's code
+    does after its loop: ``after``, or nothing (rank 0's last train_batch is then one rank 1
+    never runs)."""
+    import tiertrain
+    from reference import global_batches, make_config, make_model, rank_slices
+
+    cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2})
+    engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
+    for batch in global_batches(3 - rank, 4):
+        engine.train_batch(rank_slices(batch, rank, world, 2, 1))
+    if after == "full_state_dict":
+        engine.full_state_dict()
+    elif after == "save_checkpoint":
+        engine.save_checkpoint(directory)
+
+
+_AT = r"(is about to issue|waits in|in its) collective #{n}[^(]*"
+"""How the line places a rank at collective #n, whichever of the two found the difference."""
+_TRAINING_COLLECTIVE = r"\((all_reduce|reduce_scatter|all_gather|broadcast)[^)]* of \d+ torch\.\w+ elements\)"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("after", ["full_state_dict", "save_checkpoint", "train_batch"])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_unequal_batch_counts_at_stages_0_to_2_fail_within_seconds_naming_both_ranks(tmp_path, stage, after):
+    """Issue 34, item 6 at stages 0-2, where nothing caught it: gloo paired rank 1's
+    full_state_dict gathers with rank 0's gradient reductions and completed both with each
+    other's data (stages 1-2) or rank 0 failed with "its process died?" when rank 1 returned
+    (stage 0), and a checkpoint save (gathered on the world group) and rank 0's gradient
+    all-reduce (on the data-parallel group) waited for each other until the timeout. Now the
+    rank that reaches collective #n second, or waits in it, fails at once naming both ranks,
+    what each is in, and the likely cause."""
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as caught:
+        run_distributed(_one_step_fewer_on_rank_1, 2, stage, after, str(tmp_path / "ckpt"), timeout=45)
+    elapsed = time.monotonic() - start
+    first_line = str(caught.value).splitlines()[0]
+    assert caught.value.exc_type == "CollectiveMismatchError", first_line
+    found = re.search(r"collective #(\d+) of the group of ranks \[0, 1\]", first_line)
+    assert found, first_line
+    n = int(found.group(1))
+    assert re.search("rank 0 " + _AT.format(n=n) + _TRAINING_COLLECTIVE, first_line), f"rank 0's: {first_line}"
+    if after == "train_batch":  # (rank 1 is in nothing: its function returned)
+        assert f"rank 1 returned from its program after its collective #{n - 1}" in first_line, first_line
+    else:
+        assert re.search("rank 1 " + _AT.format(n=n) + re.escape(f"({after}())"), first_line), first_line
+    assert "the ranks run different code — unequal numbers of batches or steps per rank" in first_line
+    assert elapsed < 30, f"{elapsed:.0f} s: named within seconds, not at the 45 s timeout"
+
+
+def _many_collectives(rank, world, slots, diverge_at):
+    """More collectives than the check has slots (Arrivals.SLOTS, made small here), the ranks
+    in step; with diverge_at, rank 1 broadcasts where rank 0 all-reduces."""
+    c = comm.Collectives(dist.group.WORLD)
+    comm.Arrivals.SLOTS = slots
+    store = dist.group.WORLD.get_group_store()
+    keys = []
+    for n in range(1, 6 * slots + 1):
+        if n == diverge_at and rank == 1:
+            c.broadcast(torch.ones(4), 0)
+        else:
+            c.all_reduce(torch.ones(4))
+        keys.append(store.num_keys())
+    return keys
+
+
+@pytest.mark.timeout(60)
+def test_the_check_reuses_its_slots_and_still_catches_a_divergence_after_wrapping_around():
+    """The store holds a bounded number of keys for the check (one per slot and one position
+    per rank), however many collectives run; ranks in step are never reported; ranks that
+    diverge after the slots wrapped around several times still are."""
+    slots = 8
+    keys = run_distributed(_many_collectives, 2, slots, None, timeout=30)
+    for mine in keys:
+        assert len(set(mine[2 * slots:])) == 1, f"the store grew with the collectives: {mine}"
+    with pytest.raises(RankFailure) as caught:
+        run_distributed(_many_collectives, 2, slots, 4 * slots + 3, timeout=30)
+    first_line = str(caught.value).splitlines()[0]
+    assert caught.value.exc_type == "CollectiveMismatchError", first_line
+    assert f"collective #{4 * slots + 3} of the group of ranks [0, 1]" in first_line
+    assert "(broadcast of 4 torch.float32 elements from rank 0)" in first_line
+    assert "(all_reduce of 4 torch.float32 elements)" in first_line
+
+
+def _far_ahead(rank, world, slots):
+    """Rank 0 issues 3 × SLOTS asynchronous all-reduces before rank 1 issues any."""
+    c = comm.Collectives(dist.group.WORLD)
+    comm.Arrivals.SLOTS = slots
+    c.all_reduce(torch.ones(1))
+    if rank == 1:
+        time.sleep(1.0)
+    works = [c.all_reduce(torch.full((4,), float(i)), async_op=True) for i in range(3 * slots)]
+    for work in works:
+        work.wait()
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_more_than_the_slots_ahead_is_not_reported():
+    """A slot that holds a newer collective than this rank's (its peer ran more than SLOTS
+    asynchronous collectives ahead) is not a mismatch: the check is skipped there."""
+    assert run_distributed(_far_ahead, 2, 4, timeout=30) == [True, True]
 
 
 # --------------------------------------------------------------------------- clean exit

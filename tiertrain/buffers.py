@@ -1,7 +1,8 @@
 """A module's persistent buffers (BatchNorm's running statistics, a step counter) as model
 state (issue 34, item 1): a checkpoint part restored on resume and resharded by name, part of
 ``full_state_dict``, and kept equal over the data-parallel ranks as DDP keeps them
-(``broadcast_buffers=True``: rank 0's values before each training forward).
+(``broadcast_buffers=True``: rank 0's values before each training forward; under pipeline
+parallelism, over each stage's data-parallel ranks before the first forward of each step).
 
 Persistent buffers are those ``module.state_dict()`` holds. Non-persistent ones (rotary
 frequencies, cached masks) are derived, never trained, and neither saved nor broadcast.

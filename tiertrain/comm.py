@@ -13,7 +13,9 @@ import datetime
 import math
 import os
 import re
+import threading
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -130,53 +132,202 @@ def peer_lost(error: BaseException, me: int, ranks: list[int], what: str | None 
     return PeerLost(head, me, what or "", lost)
 
 
-class Arrivals:
-    """How many collectives each rank of a group has issued, kept in the group's c10d store
-    (one counter per rank, ``store.add``), so that a rank whose wait times out can name the
-    ranks that never issued the collective it waits for, even when those ranks are stopped
-    or hung and cannot answer. The counters live in the store rather than in this object so
-    that every Collectives object built on the same group (the engine's, the stage-3
-    constructor's, a delayed update's) counts into the same per-rank sequence.
+class _Sequence:
+    """This process's place in one group's sequence of collectives, shared by every
+    Collectives object built on the group (the engine's, the stage-3 constructor's, a delayed
+    update's): they all count into one sequence, as the backend does."""
 
-    One store round trip per collective (~30 µs on localhost, measured); a store that stops
-    answering disables the counts (the run then fails with the plain timeout message)
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.issued: int | None = None
+        """Collectives this rank issued on the group (None: not read from the store yet)."""
+        self.seen: dict[int, str] = {}
+        """slot → the value this rank last found in it (Arrivals.issue's compare_set expects it)."""
+        self.disabled = False
+        """The store failed once, or this rank finished: no more checks on this group (a check
+        with a number missed would report ranks that agree as different)."""
+        self.arrivals: Arrivals | None = None
+        """The first Arrivals built on the group (finish_collectives finishes through it)."""
+
+
+_SEQUENCES: "weakref.WeakKeyDictionary[dist.ProcessGroup, _Sequence]" = weakref.WeakKeyDictionary()
+_SEQUENCES_LOCK = threading.Lock()
+
+
+def _sequence_of(group: dist.ProcessGroup) -> _Sequence:
+    with _SEQUENCES_LOCK:
+        sequence = _SEQUENCES.get(group)
+        if sequence is None:
+            sequence = _SEQUENCES[group] = _Sequence()
+        return sequence
+
+
+class Arrivals:
+    """Where each rank of a group is in the group's one sequence of collectives, kept in the
+    group's c10d store, so that ranks running different code learn it before they meet in
+    different collectives, and a rank whose wait times out can name who never came.
+
+    **Before issuing collective #n** (:meth:`issue`) a rank records its position ("n|what",
+    a ``set``, sent without waiting for a reply) and checks slot ``n % SLOTS``: the first rank
+    to reach #n writes "n|rank|what" there (``compare_set`` against the value it found in
+    that slot at #n - SLOTS), every later one gets that value back and compares. A rank that
+    ran out of batches and saves a checkpoint while its peer is still in its gradient
+    reduction is stopped at the first collective where the two differ, before issuing it:
+    gloo would pair the two (both all_to_all underneath, or sizes that happen to fit) and
+    complete them with each other's data, or fail later with an unrelated error. Only
+    collectives issued through :class:`Collectives` (and operations it marks with
+    :meth:`Collectives.enter`) are compared; raw ``torch.distributed`` calls are not seen.
+
+    **Later**, the positions name the ranks that never issued a collective a wait timed out
+    on (even stopped or hung ones, which cannot answer), a peer waiting in a different
+    collective (:meth:`different_collective`), and a rank whose program returned
+    (:meth:`finish`) while its peers still issue collectives.
+
+    ``what`` must be the same text on every rank for collectives that legitimately match
+    (sizes, dtypes, the source's global rank; never this rank's own number).
+
+    Cost: one store round trip per collective (the compare_set; ~25 µs on localhost), what
+    the per-rank counter it replaced cost. Store memory: SLOTS keys and one position per
+    rank, whatever the run's length. The check runs on every backend: NCCL, too, pairs
+    collectives of the same size silently (or hangs until its watchdog's timeout), and the
+    round trip is the one every collective already paid for its arrival count. A store that
+    fails disables the checks of the group (the run goes on, with plain timeout messages)
     rather than failing the collective."""
 
-    PREFIX = "tiertrain/issued/"
+    SLOT = "tiertrain/slot/"
+    POSITION = "tiertrain/at/"
+    SLOTS = 1024
+    """Slots reused in turn. A rank SLOTS collectives ahead of a peer (async collectives
+    never waited for) makes that peer find a newer number in its slot: the check is skipped
+    there, never reported as a mismatch."""
+    FINISHED = "nothing more: its program returned"
+    """A position's ``what`` once :meth:`finish` recorded that this rank is done."""
 
     def __init__(self, group: dist.ProcessGroup, rank: int, size: int):
         self.store = group.get_group_store()
         self.rank = rank
         self.size = size
         self.ranks = dist.get_process_group_ranks(group)
+        self.sequence = _sequence_of(group)
+        if self.sequence.arrivals is None:
+            self.sequence.arrivals = self
 
-    def issue(self) -> int:
-        """Count one more collective issued by this rank; returns its number (1-based)."""
-        return int(self.store.add(f"{self.PREFIX}{self.rank}", 1))
+    @property
+    def enabled(self) -> bool:
+        return not self.sequence.disabled
+
+    def issue(self, what: str) -> tuple[int, tuple[int, str, int] | None]:
+        """Take this rank's next number n for the collective ``what`` about to be issued,
+        record it as this rank's position, and compare it with slot n's: returns (n, None),
+        or (n, (group rank, its what, its number)) for a peer that issued a different
+        collective #n or finished after #n - 1 (then this rank must not issue it). Raises
+        when the store fails (the group's checks are disabled first)."""
+        seq = self.sequence
+        with seq.lock:
+            try:
+                if seq.issued is None:  # (a group re-created on the same store continues its numbers)
+                    seq.issued = self._stored_positions([self.rank])[self.rank][0]
+                seq.issued += 1
+                number = seq.issued
+                self.store.set(f"{self.POSITION}{self.rank}", f"{number}|{what}")
+                return number, self._claim(number, what)
+            except Exception:
+                seq.disabled = True
+                raise
+
+    def finish(self) -> None:
+        """Record that this rank's program is done with the group: a peer that issues (or
+        waits in) a collective this rank never will is told so at once, instead of
+        waiting for its timeout. The write is acknowledged before returning (the process
+        may exit right after)."""
+        seq = self.sequence
+        with seq.lock:
+            if seq.disabled or seq.issued is None:
+                return
+            self.store.set(f"{self.POSITION}{self.rank}", f"{seq.issued}|{self.FINISHED}")
+            self._claim(seq.issued + 1, self.FINISHED)
+            seq.disabled = True  # (nothing more is issued on it from this process)
+
+    def _claim(self, number: int, what: str) -> tuple[int, str, int] | None:
+        """compare_set slot ``number``: see the class docstring."""
+        seq = self.sequence
+        slot = number % self.SLOTS
+        key = f"{self.SLOT}{slot}"
+        mine = f"{number}|{self.rank}|{what}"
+        expected = seq.seen.get(slot, "")
+        for _ in range(3):
+            current = self.store.compare_set(key, expected, mine).decode(errors="replace")
+            found = _number(current)
+            if found >= number:
+                break
+            # The slot holds an older collective than the one this rank last saw there (its
+            # first use in this process, or a store written by an earlier group of the same
+            # name): claim it from that value. (A missing key makes compare_set answer with
+            # the expected value itself: then expect nothing.)
+            expected = current if current != expected else ""
+        else:
+            return None
+        if found != number:
+            # A peer is SLOTS collectives ahead: no check this time. (What this rank expects in
+            # the slot stays the older value, so that at #number + SLOTS it compares again.)
+            return None
+        seq.seen[slot] = current
+        _, peer, theirs = current.split("|", 2)
+        if int(peer) == self.rank or theirs == what:
+            return None
+        return int(peer), theirs, number - 1 if theirs == self.FINISHED else number
+
+    def _stored_positions(self, ranks) -> dict[int, tuple[int, str]]:
+        """{group rank: (collectives it issued, what the last one was)}; (0, "") for a rank
+        that issued none."""
+        out = {}
+        for r in ranks:
+            key = f"{self.POSITION}{r}"
+            value = self.store.get(key).decode(errors="replace") if self.store.check([key]) else ""
+            count, _, what = value.partition("|")
+            out[r] = (int(count) if count.isdigit() else 0, what)
+        return out
+
+    def positions(self) -> dict[int, tuple[int, str]]:
+        """Every group rank's (collectives issued, what the last one was)."""
+        return self._stored_positions(range(self.size))
 
     def counts(self) -> dict[int, int]:
         """Collectives issued so far by each group rank (0 for a rank that issued none)."""
-        keys = [f"{self.PREFIX}{r}" for r in range(self.size)]
-        return {r: int(self.store.add(k, 0)) for r, k in enumerate(keys)}
+        return {r: count for r, (count, _) in self.positions().items()}
 
-    WAITING = "tiertrain/waiting/"
-
-    def different_collective(self, number: int, what: str) -> tuple[int, str] | None:
-        """Called by a rank whose wait for collective #number (``what``) has gone on for
-        long: say so in the store, and return (group rank, what it waits for) of a peer
-        waiting in a collective of the same number that is another one (the ranks run
-        different code: one ran out of batches, or took a branch the others did not), else
-        None. A peer's entry counts only while the peer's issue count is still ``number``."""
-        self.store.set(f"{self.WAITING}{self.rank}", f"{number}|{what}")
-        counts = self.counts()
-        for r in range(self.size):
-            key = f"{self.WAITING}{r}"
-            if r == self.rank or counts[r] != number or not self.store.check([key]):
+    def different_collective(self, number: int, what: str) -> tuple[int, str, int] | None:
+        """Called by a rank whose wait for collective #number (``what``) has gone on for long,
+        or whose peer went away: (group rank, what it is in, its number) of a peer at the same
+        number in another collective, or done with the group (what = FINISHED) — the ranks
+        run different code: one ran out of batches, or took a branch the others did not —
+        else None."""
+        for r, (count, theirs) in self.positions().items():
+            if r == self.rank:
                 continue
-            theirs, _, their_what = self.store.get(key).decode(errors="replace").partition("|")
-            if theirs == str(number) and their_what != what:
-                return r, their_what
+            if theirs == self.FINISHED and count < number or count == number and theirs != what:
+                return r, theirs, count
         return None
+
+
+def _number(value: str) -> int:
+    """The collective number a slot's value starts with (-1 for none)."""
+    head = value.split("|", 1)[0]
+    return int(head) if head.isdigit() else -1
+
+
+def finish_collectives() -> None:
+    """This process's program is done: record it in every group it issued collectives on
+    (Arrivals.finish), so that a peer still issuing some fails at once naming this rank, not
+    after its timeout. tiertrain.launch calls it when a rank's function returns; a store
+    that is gone already is ignored."""
+    with _SEQUENCES_LOCK:
+        sequences = list(_SEQUENCES.values())
+    for sequence in sequences:
+        try:
+            sequence.arrivals.finish()
+        except Exception:  # noqa: BLE001 - best effort at exit: the peer then sees a lost connection
+            pass
 
 
 @dataclass
@@ -265,6 +416,16 @@ SUSPECT_S = 5.0
 its group wait in different collectives (then it fails at once, naming them)."""
 
 
+def _within(seconds: float, fn):
+    """fn()'s result, or None when it has not returned within seconds (it goes on, on a daemon
+    thread, and its result is dropped)."""
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(fn()), name="comm store query", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return result[0] if result else None
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -324,36 +485,70 @@ class Collectives:
                     clock=self.counter.waits, check_peers=check)
 
     def _different_collective(self, what: str, number: int) -> "CollectiveMismatchError | None":
+        """A long wait: the error to raise when a peer is in another collective #number, or
+        done with the group; else None."""
         try:
             found = self.arrivals.different_collective(number, what) if self.arrivals is not None else None
         except Exception:  # noqa: BLE001 - the store is gone: the timeout will name what it can
             return None
         if found is None:
             return None
-        peer, theirs = found
+        return self._mismatch(f"waits in collective #{number}", what, *found)
+
+    def _mismatch(self, doing: str, what: str, peer: int, theirs: str, their_number: int) -> CollectiveMismatchError:
+        """The one-line error for ranks at one collective number in different collectives (or
+        a peer done with the group): both ranks and what each is in. Marks this rank out of
+        step (fail)."""
         ranks = dist.get_process_group_ranks(self.group)
-        me = ranks[self.rank]
-        message = (f"rank {me} waits in collective #{number} of the group of ranks {ranks} ({what}), rank "
-                   f"{ranks[peer]} in its collective #{number} ({theirs}): the ranks run different code — "
-                   f"unequal numbers of batches or steps per rank, or a branch one rank took alone")
+        if theirs == Arrivals.FINISHED:
+            where = f"rank {ranks[peer]} returned from its program after its collective #{their_number}"
+        else:
+            where = f"rank {ranks[peer]} in its collective #{their_number} ({theirs})"
+        message = (f"rank {ranks[self.rank]} {doing} of the group of ranks {ranks} ({what}), {where}: the ranks "
+                   f"run different code — unequal numbers of batches or steps per rank, or a branch one rank took "
+                   f"alone")
         self.fail(message)
         return CollectiveMismatchError(message)
 
-    def _issue(self) -> int | None:
-        """Count the collective about to be issued in the group's arrival counters."""
-        if self.arrivals is None:
+    def _issue(self, what: str) -> int | None:
+        """Take the number of the collective ``what`` about to be issued, after checking that
+        no peer issued a different collective at that number (Arrivals.issue): then raise
+        CollectiveMismatchError instead of issuing it. None when the group keeps no count."""
+        if self.arrivals is None or not self.arrivals.enabled:
             return None
         try:
-            return self.arrivals.issue()
-        except Exception:  # noqa: BLE001 - the store went away: keep training, lose the counts
+            number, different = self.arrivals.issue(what)
+        except Exception:  # noqa: BLE001 - the store went away: keep training, lose the checks
             self.arrivals = None
             return None
+        if different is not None:
+            raise self._mismatch(f"is about to issue collective #{number}", what, *different)
+        return number
+
+    def enter(self, operation: str) -> None:
+        """Mark the start of a collective operation of the engine (``operation``, e.g.
+        "save_checkpoint()") in the group's sequence, as a collective would be, without
+        communicating: ranks whose code differs here (one saves while its peer is still in a
+        training step, one has returned) fail at once naming both, also where the operation
+        issues no collective on this group first (a checkpoint's gathers run on the world
+        group, stage 0's full_state_dict on none). Every rank of the group must call it."""
+        if self.size == 1:
+            return
+        self._usable()
+        self._issue(operation)
 
     def _explain(self, what: str, number: int | None, started: float, error: BaseException) -> RuntimeError:
         me = dist.get_global_rank(self.group, self.rank)
         ranks = dist.get_process_group_ranks(self.group)
         if "timed out" not in str(error).lower():
-            return peer_lost(error, me, ranks, what, number)
+            # A peer went away: one that raised on a different collective, or returned from its
+            # program, is named as such; else it died (peer_lost). The store is asked on a helper
+            # thread, for SUSPECT_S at most: a store whose host died may not answer until its
+            # own timeout, and a lost peer must be reported at once.
+            mismatch = None
+            if number is not None:
+                mismatch = _within(SUSPECT_S, lambda: self._different_collective(what, number))
+            return mismatch if mismatch is not None else peer_lost(error, me, ranks, what, number)
         waited = time.monotonic() - started
         head = (f"rank {me} timed out after {waited:.0f} s (timeout {self.timeout.total_seconds():g} s) "
                 f"waiting for {what}" + (f", collective #{number}" if number else "") +
@@ -394,9 +589,11 @@ class Collectives:
         if self.size == 1:
             return Work(None)
         self._usable()
-        number = self._issue()
+        reduction = "" if op == dist.ReduceOp.SUM else f" ({getattr(op, 'name', op)})"
+        what = f"all_reduce{reduction} of {tensor.numel()} {tensor.dtype} elements"
+        number = self._issue(what)
         handle = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
-        work = self._work(handle, f"all_reduce of {tensor.numel()} {tensor.dtype} elements", number)
+        work = self._work(handle, what, number)
         if not async_op:
             work.wait()
         return work
@@ -410,8 +607,8 @@ class Collectives:
                 output.copy_(input)
             return Work(None)
         self._usable()
-        number = self._issue()
         what = f"reduce_scatter of {input.numel()} {input.dtype} elements"
+        number = self._issue(what)
         chunks = input.view(self.size, -1)
         mine = chunks[self.rank]
         in_place = output.data_ptr() == mine.data_ptr()
@@ -449,7 +646,8 @@ class Collectives:
                 output.copy_(input)
             return Work(None)
         self._usable()
-        number = self._issue()
+        what = f"all_gather of {output.numel()} {output.dtype} elements"
+        number = self._issue(what)
         if self.via_all_to_all and self.size == 2:
             # Send my shard to the peer and receive its shard straight into its chunk of
             # output (split sizes: nothing to myself); my own chunk is a local copy, made
@@ -465,7 +663,7 @@ class Collectives:
             handle = dist.all_to_all_single(output, replicated, group=self.group, async_op=True)
         else:
             handle = dist.all_gather_into_tensor(output, input, group=self.group, async_op=True)
-        work = self._work(handle, f"all_gather of {output.numel()} {output.dtype} elements", number)
+        work = self._work(handle, what, number)
         if not async_op:
             work.wait()
         return work
@@ -474,10 +672,11 @@ class Collectives:
         if self.size == 1:
             return
         self._usable()
-        number = self._issue()
         src = dist.get_global_rank(self.group, src_local_rank)
+        what = f"broadcast of {tensor.numel()} {tensor.dtype} elements from rank {src}"
+        number = self._issue(what)
         handle = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
-        self._work(handle, f"broadcast of {tensor.numel()} {tensor.dtype} elements from rank {src}", number).wait()
+        self._work(handle, what, number).wait()
 
     def check_same(self, code: int, describe, digest: int = 0) -> None:
         """Raise CollectiveMismatchError on every rank unless all ranks pass the same code

@@ -273,7 +273,7 @@ class ZeroConfig:
     nvme_kept_units: int = 4
     """Parameters on NVMe: read staging tensors kept, with their values, per unit shard size once their gather is done, so that the units forward gathered last are not read again when backward gathers them first; each costs one unit's shard of RAM (0: none kept, every gather reads the disk). With fp32 parameters and the optimizer on NVMe, as many again may be handed to the step running in backward, which then takes each unit's masters from the gather that read them instead of reading them again."""
     broadcast_buffers: bool = True
-    """Before each training forward, data-parallel rank 0's persistent buffers (BatchNorm's running statistics) are copied to the other ranks, as DDP's broadcast_buffers, so they stay equal; false: each rank keeps its own."""
+    """Before each training forward, data-parallel rank 0's persistent buffers (BatchNorm's running statistics) are copied to the other ranks, as DDP's broadcast_buffers, so they stay equal (under pipeline parallelism once per step, before the first micro-batch's forward, over each stage's data-parallel ranks); false: each rank keeps its own."""
     overlap_nvme_step: bool = True
     """NVMe optimizer: update each unit's state during the boundary backward, once its gradient is reduced (not with grad_clip > 0 or fp16, whose global norm gates the step)."""
     offload: Literal["manual", "auto"] = "manual"

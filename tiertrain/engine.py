@@ -586,6 +586,8 @@ class Engine:
         """Full parameters readable outside forward (every rank must enter). With
         modifier_rank set, that data-parallel rank's edits are broadcast and written back
         into every shard and master copy on exit."""
+        if self.fetcher is None:  # (at stage 3 the gathers' agreement names the units as well)
+            self.comm.enter("gathered_parameters()")
         self.quiesce()
         self.update.flush()  # what is read or edited is the newest parameters
         wanted = None if params is None else {self.flat.unit_index(p) for p in params}
@@ -651,6 +653,8 @@ class Engine:
         training goes on (checkpoint.async_save); the next optimizer step waits until the
         state is serialised (it changes it), the next save, a load and close() until it is
         committed, as does :meth:`wait_for_checkpoint`."""
+        # (its gathers run on the world group: a rank still training must fail here, naming both)
+        self.comm.enter("save_checkpoint()")
         self.wait_for_checkpoint()
         self.quiesce()
         self.update.settle(collective=True)  # an update in flight is saved, not lost
@@ -726,6 +730,7 @@ class Engine:
         A checkpoint saved at another layout (data-, tensor- or pipeline-parallel size, ZeRO
         stage, optimizer tier, unit sizes) is resharded to this run's (tiertrain/reshard.py);
         reshard=False refuses it instead."""
+        self.comm.enter("load_checkpoint()")
         self.wait_for_checkpoint()
         self.quiesce()
         fingerprint = self.checkpoint_fingerprint()
@@ -750,8 +755,11 @@ class Engine:
         Under tensor parallelism each tensor is this rank's slice."""
         return self._rank_state_dict()
 
-    def _rank_state_dict(self) -> dict[str, torch.Tensor]:
-        """full_state_dict of this rank's model (a pipeline rank's: its stages)."""
+    def _rank_state_dict(self, operation: str = "full_state_dict()") -> dict[str, torch.Tensor]:
+        """full_state_dict of this rank's model (a pipeline rank's: its stages). operation:
+        the collective operation it serves (Collectives.enter: at stage 0 it issues no
+        collective, and a rank still training would not learn that its peer is here)."""
+        self.comm.enter(operation)
         out = {}
         self.update.settle(collective=True)
         masters = self.masters()
@@ -784,6 +792,7 @@ class Engine:
         tiertrain.PeftExport.ADAPTER or .MERGED (tiertrain/peft_export.py). See tiertrain/export.py."""
         from .export import save_pretrained
 
+        self.comm.enter("save_pretrained()")
         return save_pretrained(self, directory, dtype=dtype, max_shard_bytes=max_shard_bytes, peft=peft)
 
     def undo_on_close(self, undo: Callable[[], None]) -> None:
@@ -807,7 +816,7 @@ class Engine:
             errors.append(e)
         try:
             self.quiesce()
-            values = self._rank_state_dict()
+            values = self._rank_state_dict("close()")
         except BaseException as e:  # still undo everything, then raise the first error
             errors.append(e)
         for undo in reversed(self._on_close):

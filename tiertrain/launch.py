@@ -25,10 +25,12 @@ One timeout: ``timeout`` (``tiertrain train --timeout``) is the process group's,
 rank gets it as ``$TIERTRAIN_TIMEOUT_S``, which the engine's collective, pipeline and swap IO
 waits read (tiertrain.comm.run_timeout). A collective that times out names the ranks that
 never issued it (tiertrain.comm.Arrivals), and the launcher blames those, not the rank that
-waited. Clean exit: SIGTERM raises :class:`Terminated` (a KeyboardInterrupt) in the launcher
-and in the ranks, so that they unwind; the ranks' swap directories are registered with the
-launcher (tiertrain.offload.swap.CLEANUP_ENV) and removed once every rank is gone, however
-it ended (a multiprocessing worker never runs atexit handlers, and a killed one runs nothing).
+waited; a rank whose function returned records it (tiertrain.comm.finish_collectives), so
+that a peer still issuing collectives (it had more batches) fails at once naming it. Clean
+exit: SIGTERM raises :class:`Terminated` (a KeyboardInterrupt) in the launcher and in the
+ranks, so that they unwind; the ranks' swap directories are registered with the launcher
+(tiertrain.offload.swap.CLEANUP_ENV) and removed once every rank is gone, however it ended
+(a multiprocessing worker never runs atexit handlers, and a killed one runs nothing).
 
 torch's own elastic launcher (``torch.distributed.launcher.api.elastic_launch``) was tried
 first: on this CPU-only setup it starts workers with ``spawn`` (≈17 s for 2 ranks), logs
@@ -55,7 +57,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .comm import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, PeerLost, is_connection_lost, peer_lost
+from .comm import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, PeerLost, finish_collectives, is_connection_lost, peer_lost
 
 __all__ = ["WorkerFailure", "Terminated", "check_terminated", "under_torchrun", "default_nproc", "default_backend", "run",
            "launch_local", "DEFAULT_TIMEOUT_S"]
@@ -197,7 +199,9 @@ def run(fn: Callable[..., Any], *args, timeout: float = DEFAULT_TIMEOUT_S, **kwa
         dist.init_process_group(default_backend(), init_method="env://",
                                 timeout=datetime.timedelta(seconds=timeout))
         try:
-            return fn(*args, **kwargs)
+            value = fn(*args, **kwargs)
+            finish_collectives()  # (a peer still issuing collectives fails at once, naming this rank)
+            return value
         except RuntimeError as e:
             # A peer (node) went away under a collective issued outside tiertrain.comm (a
             # checkpoint barrier, a metrics gather): name the rank and node it was, not only
@@ -310,6 +314,7 @@ def _worker(fn, rank: int, world_size: int, host: str, port_conn, timeout: float
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=td)
         dist.init_process_group(default_backend(), store=store, rank=rank, world_size=world_size, timeout=td)
         value = fn(*args, **kwargs)
+        finish_collectives()  # (a peer still issuing collectives fails at once, naming this rank)
         payload = io.BytesIO()  # by value: shared-memory tensor handles die with this process
         torch.save(value, payload)
     except BaseException as e:  # everything, KeyboardInterrupt and SystemExit included

@@ -20,6 +20,11 @@ micro-batches per step, and everything else is the ordinary engine:
   get the same update and stay equal. The copy is left out of the gradient norm.
 * **Gradient norm and overflow**: squares summed over dp shards, tp slices and pp stages,
   so clipping and fp16 overflow skips agree on every rank.
+* **Buffers** (BatchNorm's running statistics; :mod:`tiertrain.buffers`) of each stage are
+  broadcast from the stage's data-parallel rank 0 once per step, before the first
+  micro-batch's forward (``zero.broadcast_buffers``), so the dp ranks of a stage start every
+  step from the same values; each rank's are checkpointed, and full_state_dict holds every
+  stage's.
 * **Checkpoints** are saved per rank; loading checks each rank's own layout.
 * **ZeRO stage 3** (:mod:`.zero3`): each chunk is laid out as a stage-3 model of its own,
   one partitioned unit per block plus one for the chunk's embeddings/norm/head, so every
@@ -237,6 +242,10 @@ class PipelineEngine(Engine):
         optimizer step; returns the mean loss of the micro-batches (on every pipeline rank).
         Every rank of a pipeline must be given the same micro-batches."""
         micro = [self._to_device(next(batches)) for _ in range(self.accum)]
+        if self.buffers and self.module.training and self.config.zero.broadcast_buffers and self.comm.size > 1:
+            # DDP's broadcast_buffers, over this stage's data-parallel group: once per step, before
+            # the first micro-batch's forward (the schedule interleaves the forwards of several).
+            self.buffers.broadcast(self.comm)
         self.reducer.begin(reduce_now=False)
         loss = self.executor.run(micro, loss_scale=self.scaler.scale / self.dp)  # 1/dp: see Engine.backward
         if self.pipeline_fetcher is not None:
