@@ -16,7 +16,7 @@ TIED = {"bert": ("bert.embeddings.word_embeddings.weight", "cls.predictions.deco
 """(embedding, head) of each tied model: the head's copy on the last stage must stay equal."""
 
 
-CAUSAL_LMS = ("llama", "gpt2", "qwen2-tied")
+CAUSAL_LMS = ("llama", "gpt2", "qwen2-tied", "qwen3")
 
 
 def hf_convention(batches: list[dict]) -> list[dict]:
@@ -47,6 +47,13 @@ def qwen2_tied():
     return _causal_lm(transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True))
+
+
+def qwen3():
+    """Qwen3: per-head RMS norms on the queries and keys (a family issue 34's items had not run on)."""
+    return _causal_lm(transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=32, tie_word_embeddings=False))
 
 
 def t5(tie=True):

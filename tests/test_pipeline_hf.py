@@ -35,6 +35,7 @@ import tiertrain
 
 from hf_pipeline_models import CAUSAL_LMS, T5_TARGET, TIED as HF_TIED, hf_convention, mlm as _mlm
 from hf_pipeline_models import bert as _bert, gpt2 as _gpt2, llama as _llama, qwen2_tied as _qwen2_tied, t5 as _t5
+from hf_pipeline_models import qwen3 as _qwen3
 from reference import Oracle, engine_train, global_batches, make_config, rank_slices, reference_train, tp_gathered
 from tiertrain.parallel import parallelize_module
 from tiertrain.pipeline import pipeline_stages
@@ -67,7 +68,8 @@ class _Chain(nn.Module):
         return next_token_loss(self.out(x), labels)
 
 
-MODELS = {"llama": _llama, "gpt2": _gpt2, "qwen2-tied": _qwen2_tied, "chain": _Chain, "t5": _t5, "bert": _bert}
+MODELS = {"llama": _llama, "gpt2": _gpt2, "qwen2-tied": _qwen2_tied, "chain": _Chain, "t5": _t5, "bert": _bert,
+          "qwen3": _qwen3}
 TIED = {**HF_TIED, "chain": ("embed.weight", "out.weight")}
 
 TP_PLANS = {  # (tiertrain.parallel.parallelize_module)
@@ -118,6 +120,7 @@ CASES = [  # (model, zero stage, schedule, virtual stages, explicit split)
     ("t5", 2, "interleaved", 2, False),
     ("bert", 1, "1f1b", 1, False),  # encoder: masked-LM loss, labels not shifted
     ("bert", 2, "interleaved", 2, False),
+    ("qwen3", 2, "1f1b", 1, False),  # (issue 34's labels, items 3 and 10, on a family not used before)
 ]
 
 GRID_CASES = [  # (model, zero stage, schedule, virtual stages) at (2,1,2) and (1,2,2)
@@ -172,6 +175,23 @@ def test_models_split_automatically_match_single_process():
     assert layers[8] == [[[0], [2]], [[1], [3]]]
     assert layers[9] == [[[0, 1]], [[2, 3]]]  # BERT's encoder.layer
     assert layers[10] == [[[0], [2]], [[1], [3]]]
+
+
+def _qwen3_whole(rank, world):
+    model = _qwen3()
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    engine = tiertrain.wrap(model, _config(3, 2), tiertrain.Topology.build(_config(3, 2).parallel))
+    full = engine.full_state_dict()
+    return expected, full, len(engine.flat.params)
+
+
+@pytest.mark.timeout(60)
+def test_full_state_dict_of_a_qwen3_at_pp2_is_the_whole_model_on_every_rank():
+    """Issue 34, item 10 on Qwen3 at stage 3: every rank gets every tensor, the values the model
+    was built with, though each rank holds only its stage."""
+    for expected, full, local in run_distributed(_qwen3_whole, 2, timeout=50):
+        assert sorted(full) == sorted(expected) and local < len(expected)
+        assert all(torch.equal(full[k], expected[k]) for k in expected)
 
 
 def _message_numel(name):
