@@ -40,10 +40,14 @@ def _transformers_model(module: nn.Module) -> bool:
 
 
 def _load_transforms(module: nn.Module) -> list | None:
-    """The transforms from_pretrained applies to module's checkpoints (None: names as they are)."""
+    """The transforms from_pretrained applies to module's checkpoints (None: names as they are,
+    as in transformers before 5, which kept every family on disk as in memory)."""
     if not _transformers_model(module):
         return None
-    from transformers.conversion_mapping import get_model_conversion_mapping
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return None
 
     transforms = get_model_conversion_mapping(module)
     return transforms or None
@@ -55,8 +59,11 @@ def _save_transforms(module: nn.Module) -> list | None:
     no prefix changes, which only a load can decide)."""
     if not _transformers_model(module):
         return None
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange
+    except ImportError:
+        return None
 
     transforms = getattr(module, "_weight_conversions", None)
     if transforms is None:
