@@ -329,7 +329,7 @@ class Job:
                 "--model.n_heads", str(a.heads), "--model.seq_len", str(a.seq),
                 "--batch.micro_batch_size", str(a.micro_batch),
                 "--zero.stage", "3", "--zero.offload_params", "nvme", "--zero.offload_optimizer", "nvme",
-                "--zero.nvme_path", swap or self.swap,
+                "--zero.nvme_path", swap or self.swap, "--zero.nvme_create", "true",
                 "--checkpoint.dir", self.ckpt, *self.variant.args,
                 "--checkpoint.resume", "true",
                 "--logging.metrics_file", metrics, "--logging.log_interval", "1", "--logging.progress", "false",

@@ -73,6 +73,7 @@ def _wait_for(predicate, within: float, what: str):
 @pytest.mark.timeout(120)
 def test_a_killed_launcher_takes_its_workers_along_and_the_next_run_removes_what_it_left(tmp_path):
     env, swap, ckpt = _env(tmp_path), tmp_path / "swap", tmp_path / "ckpt"
+    swap.mkdir()
     job = subprocess.Popen(
         [sys.executable, "-m", "tiertrain.cli", "train", "--nproc", "2", *TINY, "--steps", "100000",
          "--zero.stage", "3", "--zero.offload_params", "nvme", "--zero.nvme_path", str(swap),

@@ -154,6 +154,18 @@ def test_checkpoint_dir_that_is_a_file_fails_before_training(tmp_path, capsys):
     assert "checkpoint.dir=" in line and "ckpt" in line and "directory" in line
 
 
+def test_a_missing_nvme_path_is_refused_unless_told_to_create_it(tmp_path, capsys):
+    """Issue 35, item 7: a mistyped mount point (/mnt/nvme0 for /mnt/nvme) was created on
+    whatever filesystem held its parent, often the root disk."""
+    missing = tmp_path / "mnt" / "nvme0"
+    args = ["train", "--nproc", "2", *TINY, "--zero.stage", "3", "--zero.offload_params", "nvme",
+            "--zero.nvme_path", str(missing)]
+    assert cli.main(args) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert f"zero.nvme_path={str(missing)!r} does not exist" in line and "--zero.nvme_create true" in line, line
+    assert "on the filesystem mounted at" in line and not missing.exists()
+
+
 @pytest.mark.parametrize("field, relative", [
     ("logging.metrics_file", "blocker/m.jsonl"),
     ("logging.metrics_file", "metrics_dir_itself"),
@@ -436,6 +448,8 @@ def test_resume_flag_at_another_world_size_and_stage_and_one_line_worker_errors(
     second = _tiertrain(["train", "--nproc", "1", "--zero.stage", "3", "--steps", "3", "--resume", str(ckpt),
                          *common], cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
+    # (issue 35, item 5: one rank instead of two accumulates twice, keeping the global batch)
+    assert "batch.grad_accum_steps 1 -> 2 keeps the checkpoint's global batch of 4 samples" in second.stderr
     records = [_strict_json(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]  # appended: the run continued
     assert math.isfinite(records[-1]["loss"]) and 4.0 < records[-1]["loss"] < 7.0
@@ -528,3 +542,31 @@ def test_a_model_that_cannot_fit_the_machine_is_one_line_before_any_allocation(t
     line = _one_line_error(capsys.readouterr().err)
     assert "does not fit this machine" in line and "host RAM" in line and "while the model is built" in line
     assert "model.embed_tokens.weight [1000000000, 64]" in line and "tiertrain plan" in line
+
+
+@pytest.mark.timeout(120)
+def test_a_small_corpus_trains_with_evaluation_on_what_it_holds_out(tmp_path):
+    """Issue 35, item 7: data.eval_fraction of a small corpus held out fewer samples than one
+    micro-batch per rank, and the run failed at its first evaluation, after training had
+    started. Now the partial batch is evaluated (as the Hugging Face Trainer does); a split
+    that would leave a rank nothing to train on is one line before any process starts."""
+    import json
+
+    import numpy as np
+
+    tokens = np.arange(33 * 40, dtype=np.uint16) % 256  # 40 samples of 32 + 1 tokens
+    np.save(tmp_path / "small.npy", tokens)
+    metrics = tmp_path / "m.jsonl"
+    args = ["train", "--nproc", "2", *TINY, "--batch.micro_batch_size", "8", "--data.path",
+            str(tmp_path / "small.npy"), "--steps", "2", "--eval.every", "1", "--logging.metrics_file", str(metrics)]
+    done = subprocess.run([sys.executable, "-m", "tiertrain.cli", *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    evals = [r for r in map(json.loads, metrics.read_text().splitlines()) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [1, 2] and all(r["eval_tokens"] == 2 * 32 for r in evals), evals
+    assert math.isfinite(evals[-1]["eval_loss"])
+    np.save(tmp_path / "tiny.npy", tokens[:33 * 3])  # 3 samples: 2 held out (one per rank) leave 1
+    bad = [a if a != str(tmp_path / "small.npy") else str(tmp_path / "tiny.npy") for a in args]
+    done = subprocess.run([sys.executable, "-m", "tiertrain.cli", *bad], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=100)
+    assert done.returncode == 2 and "leaves 1 to train on" in _one_line_error(done.stderr)

@@ -137,6 +137,20 @@ def test_a_resumed_run_continues_bit_for_bit(tmp_path):
     assert resumed == whole[2:], "steps 3-4 after the resume are those of the uninterrupted run"
 
 
+def test_a_resume_that_would_change_the_global_batch_is_refused_naming_the_numbers(tmp_path):
+    """Issue 35, item 5: resumed with another accumulation (or process count), the global batch
+    changed silently (16 -> 8). The Trainer refuses, naming both; `tiertrain train --resume`
+    changes the accumulation instead (tests/test_faults_config.py)."""
+    samples = global_batches(1, 24)[0]
+    config = loop_config(checkpoint={"dir": str(tmp_path / "ckpt")}, steps=1, batch={"grad_accum_steps": 2})
+    with Trainer(make_model(), config, TokenSamples(samples)) as trainer:
+        trainer.fit()
+    config = loop_config(checkpoint={"dir": str(tmp_path / "ckpt")}, steps=2)
+    with Trainer(make_model(), config, TokenSamples(samples)) as trainer:
+        with pytest.raises(ConfigError, match=rf"global batch of {2 * MICRO} samples; this run's is {MICRO}"):
+            trainer.fit()
+
+
 def test_metrics_name_loss_eval_throughput_tiers_and_step_time(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     config = loop_config(zero={"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},

@@ -207,9 +207,15 @@ def _train_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _say(lines: list[str]) -> None:
+    """Notes for the user, once (rank 0 under torchrun)."""
+    if lines and int(os.environ.get("RANK", "0")) == 0:
+        print("\n".join(f"tiertrain: {line}" for line in lines), file=sys.stderr)
+
+
 def cmd_train(argv: list[str]) -> int:
     from . import launch
-    from .train import check_launch, run_training
+    from .train import check_launch, keep_global_batch, run_training
 
     own, overrides = _split_args(argv, {"--config": True, "--nproc": True, "--timeout": True, "--resume": True,
                                         "--data": True, "--deepspeed": True})
@@ -230,6 +236,7 @@ def cmd_train(argv: list[str]) -> int:
     if launch.under_torchrun():
         if args.nproc is not None:
             print("tiertrain: --nproc is ignored under torchrun (WORLD_SIZE is set)", file=sys.stderr)
+        _say(keep_global_batch(cfg, int(os.environ["WORLD_SIZE"])))
         check_launch(cfg, int(os.environ["WORLD_SIZE"]))
         launch.run(run_training, cfg, timeout=timeout)
         return 0
@@ -237,6 +244,7 @@ def cmd_train(argv: list[str]) -> int:
     nproc = args.nproc if args.nproc is not None else launch.default_nproc()
     if nproc < 1:
         raise ConfigError(f"--nproc={nproc} is invalid: expected >= 1")
+    _say(keep_global_batch(cfg, nproc))
     check_launch(cfg, nproc)
     if nproc == 1:
         launch.run(run_training, cfg, timeout=timeout)  # alone, with the run's timeout and SIGTERM handling

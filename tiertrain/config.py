@@ -257,7 +257,9 @@ class ZeroConfig:
     offload_params: Tier = Tier.DEVICE
     """Tier holding parameter shards (stage 3): none (the device), cpu or nvme."""
     nvme_path: str = ""
-    """Swap directory for the nvme tier."""
+    """Swap directory for the nvme tier; with tiertrain train it must exist (or nvme_create)."""
+    nvme_create: bool = False
+    """tiertrain train: create zero.nvme_path when it does not exist; by default that is an error, so that a mistyped mount point does not put swap on another disk."""
     stage3_check: Literal["traced", "every", "off"] = "traced"
     """Stage 3: ranks agree at the start of each pass and check later passes against the first (traced); every: agree before each collective (modules whose order changes between steps); off."""
     nvme_chunk_mb: float = 24.0

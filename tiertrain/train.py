@@ -175,6 +175,37 @@ class TrainConfig(LoopConfig):
         return self.model.vocab_size
 
 
+def keep_global_batch(cfg: TrainConfig, world_size: int) -> list[str]:
+    """A resume (checkpoint.resume, a committed checkpoint in checkpoint.dir) at another
+    data-parallel size keeps the checkpoint's global batch: batch.grad_accum_steps is changed
+    in cfg so that micro × accum × dp equals it, and the change is returned to be said; a
+    ConfigError names the numbers when micro × dp does not divide it. batch.global_batch_size
+    set to another value is a choice to change it (kept). Returns the lines to print."""
+    from .checkpoint import CheckpointError, find_committed, peek_extra
+
+    ckpt = cfg.checkpoint
+    if not (ckpt.dir and ckpt.resume and os.path.isdir(ckpt.dir)):
+        return []
+    try:
+        step_dir, _ = find_committed(ckpt.dir)
+    except CheckpointError:
+        return []
+    saved = (peek_extra(step_dir) or {}).get("global_batch_size")
+    _, dp, _ = cfg.parallel.resolve(world_size)
+    per_step = cfg.batch.micro_batch_size * dp
+    current = per_step * cfg.batch.grad_accum_steps
+    if not isinstance(saved, int) or saved == current or cfg.batch.global_batch_size not in (0, saved):
+        return []
+    if saved % per_step:
+        raise ConfigError(f"checkpoint {step_dir!r} trained with a global batch of {saved} samples, which "
+                          f"batch.micro_batch_size={cfg.batch.micro_batch_size} × dp={dp} does not divide, so the "
+                          f"resume cannot keep it: choose a micro-batch size and process count whose product divides "
+                          f"{saved}, or set batch.global_batch_size={current} to change it")
+    old, cfg.batch.grad_accum_steps = cfg.batch.grad_accum_steps, saved // per_step
+    return [f"resuming at dp={dp}: batch.grad_accum_steps {old} -> {cfg.batch.grad_accum_steps} keeps the "
+            f"checkpoint's global batch of {saved} samples"]
+
+
 def check_launch(cfg: TrainConfig, world_size: int) -> None:
     """ConfigError now, before any process starts, for what would fail on every rank later."""
     pp, dp, tp = cfg.parallel.resolve(world_size)
@@ -227,6 +258,8 @@ def _check_data(cfg: TrainConfig, dp: int) -> None:
     token ids against model.vocab_size, length against model.seq_len; text is tokenised
     into data.cache_dir here, once), and at least one sample per data-parallel rank."""
     samples = len(_build_dataset(cfg))
+    if cfg.eval.every:
+        held_out(cfg, samples, dp)  # (the split must leave every rank a sample: said now, not after training)
     if samples < max(dp, 1):
         raise ConfigError(f"data.path={cfg.data.path!r} is invalid: its {samples} samples of model.seq_len="
                           f"{cfg.model.seq_len} + 1 tokens are too few: expected at least {max(dp, 1)} (one per "
@@ -250,6 +283,13 @@ def _writable_dir(field_name: str, value: str, directory: str) -> None:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{field_name}={value!r} is invalid: {path!r} cannot be created, {parent!r} is not "
                           f"writable")
+
+
+def _mount_point(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.ismount(path):
+        path = os.path.dirname(path)
+    return path
 
 
 def check_paths(cfg: TrainConfig) -> None:
@@ -281,6 +321,13 @@ def check_paths(cfg: TrainConfig) -> None:
     if cfg.zero.nvme_path and ("nvme" in (cfg.zero.offload_optimizer, cfg.zero.offload_params)
                                or cfg.zero.offload == "auto"):
         _writable_dir("zero.nvme_path", cfg.zero.nvme_path, cfg.zero.nvme_path)
+        path = os.path.abspath(cfg.zero.nvme_path)
+        if not os.path.exists(path) and not cfg.zero.nvme_create:
+            parent = nearest_existing(path)
+            raise ConfigError(f"zero.nvme_path={cfg.zero.nvme_path!r} does not exist: swap would be created under "
+                              f"{parent!r}, on the filesystem mounted at {_mount_point(parent)!r} (a mistyped "
+                              f"mount point?); expected an existing directory on the disk to swap to, or "
+                              f"--zero.nvme_create true to create it")
     if not cfg.data.path:
         _writable_dir("data.cache_dir", cfg.data.cache_dir, cfg.data.cache_dir)
 
@@ -379,18 +426,31 @@ def _model_factory(cfg: TrainConfig, topology):
     return (lambda: build_model(cfg, topology, partitioned=False)), {}, cfg.tile_factor == 1
 
 
-def _eval_split(cfg: TrainConfig, dataset):
-    """(train, held-out) samples: with eval.every, the last data.eval_fraction of them
-    (at least one per data-parallel rank's micro-batch) are held out and never trained on."""
+def held_out(cfg: TrainConfig, samples: int, dp: int) -> int:
+    """How many of the samples the evaluation holds out: data.eval_fraction of them, at least
+    one per data-parallel rank (a partial micro-batch is evaluated); ConfigError, before any
+    process starts, when what is left cannot give every rank a sample to train on."""
+    held = max(round(samples * cfg.data.eval_fraction), dp, 1)
+    if samples - held < max(dp, 1):
+        raise ConfigError(f"data.eval_fraction={cfg.data.eval_fraction} of {samples} samples, with at least one "
+                          f"held out per data-parallel rank ({held}), leaves {samples - held} to train on: expected "
+                          f"at least {max(dp, 1)} (more data, a shorter model.seq_len, or eval.every=0)")
+    return held
+
+
+def _eval_split(cfg: TrainConfig, dataset, dp: int):
+    """(train, held-out) samples: with eval.every, the last held_out(...) of them are held out
+    and never trained on (more than data.eval_fraction when that is under one per rank: said)."""
     from torch.utils.data import Subset
 
     if not cfg.eval.every:
         return dataset, None
     n = len(dataset)
-    held = max(1, round(n * cfg.data.eval_fraction))
-    if held >= n:
-        raise ConfigError(f"data.eval_fraction={cfg.data.eval_fraction} holds out all {n} samples: expected a "
-                          f"fraction that leaves samples to train on")
+    held = held_out(cfg, n, dp)
+    if held > round(n * cfg.data.eval_fraction) and int(os.environ.get("RANK", "0")) == 0:
+        print(f"tiertrain: evaluation holds out {held} of {n} samples, one per data-parallel rank "
+              f"(data.eval_fraction={cfg.data.eval_fraction} gives {round(n * cfg.data.eval_fraction)})",
+              file=sys.stderr)
     return Subset(dataset, range(0, n - held)), Subset(dataset, range(n - held, n))
 
 
@@ -406,7 +466,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
     topology = Topology.build(cfg.parallel)
     check_launch(cfg, topology.world_size)
     dataset = _build_dataset(cfg, check_ids=False)  # (check_launch above scanned the same file)
-    train_data, eval_data = _eval_split(cfg, dataset)
+    train_data, eval_data = _eval_split(cfg, dataset, topology.size("dp"))
     if cfg.zero.offload == "auto" and not cfg.model.hf:
         from .trainer.auto import resolve_auto_offload
 
@@ -419,7 +479,10 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
         from .pretrained import load_pretrained
 
         if has_weights(cfg.model.hf):
-            load_pretrained(trainer.engine, cfg.model.hf)
+            report = load_pretrained(trainer.engine, cfg.model.hf)
+            if topology.rank == 0:
+                print(f"tiertrain: weights from model.hf={cfg.model.hf!r}: {len(report.loaded)} tensors"
+                      + (f" ({report.conversion})" if report.conversion != "none" else ""), flush=True)
         trainer.engine.files_with_model.update(tokenizer_files(cfg.model.hf))  # (exported with the model)
     # No close(): it would gather the whole model on every rank only to hand it back, and
     # the process ends here (the launcher removes the swap files).

@@ -152,12 +152,14 @@ def batch_stream(data: Any, dp_rank: int, dp_size: int, micro_batch_size: int, *
 def eval_batches(data: Any, dp_rank: int, dp_size: int, micro_batch_size: int,
                  collate: Callable[[list], Any] | None = None) -> Iterator[Any]:
     """This rank's held-out micro-batches, from the start, in order, once (a fresh iterator
-    per evaluation): a Dataset's samples r, r + dp, ... collated micro_batch_size at a time
-    (whole batches only), or every dp-th batch of an iterable."""
+    per evaluation): a Dataset's samples r, r + dp, ... collated micro_batch_size at a time,
+    the last batch partial when the held-out samples end inside one (as the Hugging Face
+    Trainer evaluates them: a held-out split smaller than a micro-batch per rank is evaluated,
+    not an error once training has started), or every dp-th batch of an iterable."""
     if is_dataset(data):
         collate = collate or default_collate
         mine = range(dp_rank, len(data) - len(data) % dp_size, dp_size)  # the same count on every rank
-        for start in range(0, len(mine) - micro_batch_size + 1, micro_batch_size):
+        for start in range(0, len(mine), micro_batch_size):
             yield collate([data[i] for i in mine[start:start + micro_batch_size]])
         return
     for i, batch in enumerate(data):

@@ -235,7 +235,7 @@ class Trainer:
             print(f"tiertrain: {self.num_parameters:,} parameters | zero.stage={cfg.zero.stage} | "
                   f"{cfg.precision.dtype} | world_size={self.topology.world_size} (dp={self.topology.size('dp')}) "
                   f"| global batch {self.engine.global_batch_size} samples | {cfg.steps - start} steps"
-                  + self._units_line(), flush=True)
+                  + self._units_line() + self._tiers_line(), flush=True)
         peak_flops, self.peak_source = peak_flops_per_rank(
             cfg.logging.peak_tflops, self.topology.device.type != "cpu", local_ranks(self.topology.world_size))
         window = Window(self.engine)
@@ -282,6 +282,16 @@ class Trainer:
         if self.is_main:
             print(format_summary(summary), flush=True)
         return summary
+
+    def _tiers_line(self) -> str:
+        """Where the model states live and where checkpoints go (issue 35, item 5: the banner
+        did not say which tiers were active)."""
+        zero = self.config.zero
+        line = (f" | optimizer state on {zero.offload_optimizer.config_name}"
+                f", parameters on {zero.offload_params.config_name}")
+        if "nvme" in (zero.offload_optimizer.config_name, zero.offload_params.config_name):
+            line += f" (swap in {zero.nvme_path})"
+        return line + (f" | checkpoints in {self.config.checkpoint.dir}" if self.config.checkpoint.dir else "")
 
     def _units_line(self) -> str:
         """Stage 3: how many units, and how much of the model the largest gathers at once."""
@@ -379,8 +389,8 @@ class Trainer:
             dist.all_reduce(totals, group=self.dp_group)
         loss_sum, tokens, count = totals.tolist()
         if count == 0:
-            raise ConfigError("eval_data gave no batch on some data-parallel rank: it needs at least "
-                              f"{dp} × batch.micro_batch_size samples (or {dp} batches)")
+            raise ConfigError(f"eval_data gave no batch on some data-parallel rank: it needs at least {dp} samples "
+                              f"(one per rank), or {dp} batches")
         loss = loss_sum / tokens if tokens else float("nan")
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": int(tokens)}
 
@@ -504,7 +514,17 @@ class Trainer:
         saved = checkpoint.peek_extra(step_dir) or {}
         if isinstance(saved.get("model"), dict) and self.fingerprint is not None:
             _compare_fingerprints(saved["model"], self.fingerprint, f"checkpoint {step_dir!r}")
+        saved_batch = saved.get("global_batch_size")
+        if isinstance(saved_batch, int) and saved_batch != self.engine.global_batch_size:
+            dp = self.topology.size("dp")
+            raise ConfigError(f"checkpoint {step_dir!r} trained with a global batch of {saved_batch} samples; this run's "
+                              f"is {self.engine.global_batch_size} (batch.micro_batch_size × grad_accum_steps × dp="
+                              f"{dp}): resuming would change it silently. Choose batch.grad_accum_steps so that "
+                              f"micro × accum × dp = {saved_batch} (tiertrain train --resume does it), or start a "
+                              f"new run")
         extra = self.engine.load_checkpoint(ckpt.dir, step=marker["step"]) or {}
+        if self.is_main:
+            print(f"tiertrain: resumed from {step_dir} (step {marker['step']})", flush=True)
         position = extra.get("data", {"sampler": extra["sampler"]} if "sampler" in extra else None)
         if position is not None:
             try:
@@ -526,7 +546,8 @@ class Trainer:
         ckpt = self.config.checkpoint
         if not ckpt.dir or not (final or (ckpt.interval and step % ckpt.interval == 0)):
             return
-        extra = {"step": step, "data": self.train_batches.state_dict(), "divergence": self.divergence.state_dict()}
+        extra = {"step": step, "data": self.train_batches.state_dict(), "divergence": self.divergence.state_dict(),
+                 "global_batch_size": self.engine.global_batch_size}
         if self.fingerprint is not None:
             extra["model"] = self.fingerprint
         self.engine.save_checkpoint(ckpt.dir, extra=extra, keep_last=ckpt.keep_last, run_id=self.run_id,
