@@ -98,6 +98,7 @@ def _snapshot_while_training(rank, world, root):
     return _equal(at_save, loaded), _equal(at_save, after) != [], seen_while_pending, committed_steps(root)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_background_save_holds_the_state_at_the_save_while_training_goes_on(tmp_path):
     for differ, moved, seen, committed in run_distributed(_snapshot_while_training, 2, str(tmp_path), timeout=60):

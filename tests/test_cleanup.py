@@ -70,6 +70,7 @@ def _wait_for(predicate, within: float, what: str):
     raise AssertionError(f"{what} did not happen within {within} s")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_killed_launcher_takes_its_workers_along_and_the_next_run_removes_what_it_left(tmp_path):
     env, swap, ckpt = _env(tmp_path), tmp_path / "swap", tmp_path / "ckpt"

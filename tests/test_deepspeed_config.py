@@ -110,6 +110,7 @@ def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
                           timeout=150)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_run_from_the_deepspeed_config_equals_the_run_from_its_printed_tiertrain_config(tmp_path):
     """The acceptance of the issue: the transformers ZeRO-2 offload config trains unchanged from

@@ -26,6 +26,7 @@ def test_every_example_has_a_runner():
     assert sorted(set(RUNNERS) | set(ELSEWHERE)) == present, "an example without a test"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("name", sorted(RUNNERS))
 def test_the_example_runs(name, tmp_path):

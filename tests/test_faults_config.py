@@ -429,6 +429,7 @@ def test_metrics_lines_are_strict_json_with_a_flag_for_non_finite_values():
 # --------------------------------------------------------------------------- subprocesses: workers, --resume
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_resume_flag_at_another_world_size_and_stage_and_one_line_worker_errors(tmp_path):
     """`tiertrain train --resume DIR` continues a 2-rank stage-2 run on 1 rank at stage 3
@@ -506,6 +507,7 @@ def test_a_worker_failure_is_one_line_for_a_user_error_and_a_traceback_otherwise
     assert err.strip().splitlines()[-1] == "error: rank 1 failed: KeyError: 'w'"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_run_that_diverges_marks_its_checkpoint_and_the_resume_takes_the_previous_one(tmp_path):
     """Issue 32, item 9: optimizer.lr 1e30 stops the run cleanly (its gradients never finite

@@ -395,6 +395,7 @@ def _kill_namespace(ns):
             pass
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_two_nodes_the_survivor_names_the_lost_node(tmp_path, token_cache):
     """Two "nodes" on one machine: two network namespaces joined by a veth pair, one torchrun

@@ -31,6 +31,7 @@ def _bench_gpu():
         sys.path[:] = path
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     gpu = _bench_gpu()

@@ -44,6 +44,7 @@ def test_freed_buffers_are_reused_instead_of_faulted_in_again():
     assert retained < 0.02 * pages_per_step, retained
 
 
+@pytest.mark.slow
 def test_the_engine_applies_it_unless_disabled():
     code = """
 import sys, torch, tiertrain

@@ -226,6 +226,7 @@ def _grid_run(rank, world, dp, tp, cases):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2)], ids=["dp2_tp1_pp2", "dp1_tp2_pp2"])
 def test_four_rank_layouts_match_single_process(dp, tp):

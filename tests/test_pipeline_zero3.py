@@ -104,6 +104,7 @@ def _run(rank, world, cases):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_dp2_pp2_zero3_cpu_tier_matches_single_process_and_stays_partitioned():
     results = run_distributed(_run, 4, CASES, timeout=140)

@@ -54,6 +54,7 @@ def model_dir(tmp_path_factory):
     return directory, corpus
 
 
+@pytest.mark.slow
 def test_fine_tunes_a_hugging_face_model_on_jsonl_with_eval_and_exports_it(model_dir, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from transformers import AutoModelForCausalLM
@@ -111,6 +112,7 @@ def test_fine_tunes_a_hugging_face_model_on_jsonl_with_eval_and_exports_it(model
     assert {"loss.png", "throughput.png", "memory.png"} <= set(os.listdir(plots))
 
 
+@pytest.mark.slow
 def test_a_mixture_of_experts_checkpoint_trains_from_the_cli_and_exports_as_transformers_writes_it(model_dir,
                                                                                                      tmp_path):
     """Issue 34, item 7: ``--model.hf`` of a Mixtral directory (experts one tensor each on disk)

@@ -124,6 +124,7 @@ def _run(rank, world, config, samples, held_out):
         return [r.get("loss") for r in trainer.records if "loss" in r], summary
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_bit_for_bit(tmp_path):
     samples, held_out = global_batches(1, 24)[0], global_batches(1, 8, seed=3)[0]
     def config(directory: str, **more) -> LoopConfig:
@@ -237,6 +238,7 @@ def test_an_iterable_is_read_again_each_epoch():
         assert trainer.fit()["steps_run"] == 3
 
 
+@pytest.mark.slow
 def test_the_quickstart_example_trains_evaluates_and_resumes(tmp_path):
     """examples/trainer_quickstart.py (a user's own nn.Module in under 30 lines): trains with
     evaluation and metrics, and a second launch resumes from its checkpoint."""
