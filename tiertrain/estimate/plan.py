@@ -441,7 +441,11 @@ class _Evaluator:
 
     def _candidate(self, rung: str, lay: ZeroLayout) -> Candidate:
         self.count += 1
-        est = estimate(self.model(lay.tile_factor), lay, self.hw.overhead, accelerator=not self.hw.shared)
+        # A Hugging Face model's dims carry its activation model (estimate.modules): given as
+        # dims, as `tiertrain estimate` gives them, not as the bare meta module, whose
+        # activations the estimate cannot see (issue 35, item 3: plan and estimate disagreed).
+        spec = self.dims if hasattr(self.dims, "activation_bytes") else self.model(lay.tile_factor)
+        est = estimate(spec, lay, self.hw.overhead, accelerator=not self.hw.shared)
         est.dims = self.dims
         usage = _usage(est, self.hw)
         build = _build_usage(est, self.hw)
