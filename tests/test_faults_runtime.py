@@ -503,3 +503,29 @@ def test_what_a_rank_killed_mid_save_left_is_removed_once_every_rank_is_gone(tmp
     assert not [f for f in left if f.endswith(".tmp")], left
     assert not os.path.exists(tmp_path / "step_00000002"), left  # uncommitted: never loadable
     assert os.path.exists(tmp_path / "step_00000001" / "COMMITTED.json")
+
+
+def test_under_torchrun_a_rank_s_diagnosis_is_one_line_and_reaches_torchrun_s_summary(tmp_path, monkeypatch, capsys):
+    """Issue 35, item 7: under torchrun a hung-rank timeout printed its one-line diagnosis
+    inside a full traceback, and torchrun's summary had no message (error_file: <N/A>). The
+    rank now prints one line, and writes the diagnosis to the error file torchrun gives it
+    (torch.distributed.elastic's handler), which torchrun's summary shows."""
+    import json
+
+    from tiertrain import cli
+
+    diagnosis = ("rank 1 timed out after 30 s waiting for all_reduce of 4 torch.float32 elements, collective #9 "
+                 "of the group of ranks [0, 1]: rank 0 never issued it")
+
+    def hung(argv):
+        raise comm.CollectiveTimeout(diagnosis, 1, "all_reduce of 4 torch.float32 elements", [0])
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setitem(cli.COMMANDS, "train", hung)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    assert cli.main(["train"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: rank 1 failed: CollectiveTimeout: {diagnosis}"], err
+    recorded = json.loads(error_file.read_text())
+    assert diagnosis in json.dumps(recorded), recorded

@@ -273,6 +273,25 @@ form a worker's failure arrives in), with the exit status: one line, no tracebac
 --debug). Anything else is a failure of the program and keeps its traceback."""
 
 
+DIAGNOSES = {"CollectiveTimeout", "CollectiveMismatchError", "PeerLost"}
+"""A rank's failures whose message is the diagnosis (which rank hung, died or ran other code):
+one line like a user error (the traceback only with --debug), exit status 1."""
+
+
+def _record_for_torchrun(exc: BaseException) -> None:
+    """Under torchrun, write the failure to the error file torchrun gives each rank
+    (TORCHELASTIC_ERROR_FILE, torch.distributed.elastic's own error handler), so that its
+    summary shows this message instead of an exit code and "error_file: <N/A>"."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        get_error_handler().record_exception(exc)
+    except Exception:  # noqa: BLE001 - the report is best effort; the failure itself is printed below
+        pass
+
+
 def _user_error_code(exc: BaseException) -> int | None:
     return next((USER_ERRORS[c.__name__] for c in type(exc).__mro__ if c.__name__ in USER_ERRORS), None)
 
@@ -917,9 +936,16 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         return _error(f"invalid YAML: {' '.join(str(e).split())}")
     except Exception as e:
+        _record_for_torchrun(e)
         launch = sys.modules.get("tiertrain.launch")  # (imported by whatever started workers)
         if launch is not None and isinstance(e, launch.WorkerFailure):
             return _report_worker_failure(e, debug)
+        if type(e).__name__ in DIAGNOSES:  # (this rank's own diagnosis, under torchrun: one line)
+            if debug:
+                traceback.print_exc()
+            text = str(e).strip()
+            return _error(f"rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: "
+                          f"{text.splitlines()[0] if text else ''}", code=1)
         code = _user_error_code(e)
         if code is None:
             # The estimator and the probe report bad arguments as ValueError. Training reports
