@@ -200,6 +200,8 @@ def _fp16(t: Translation, key: str, value: Any) -> None:
             _refuse_unless(False, "tiertrain's hysteresis counts overflows since the last growth")(t, name, v)
         elif sub == "auto_cast":
             _refuse_unless(False, "tiertrain computes in the fp16 parameters' dtype; it does not autocast")(t, name, v)
+        elif sub == "fp16_master_weights_and_grads":
+            _refuse_unless(False, "tiertrain keeps fp32 master weights and gradients")(t, name, v)
         else:
             t.refuse(name, "not an fp16 key tiertrain knows")
 
@@ -375,6 +377,14 @@ _ZERO = {
     "memory_efficient_linear": _no_effect("linear layers are the model's own"),
     "sub_group_size": _no_effect("the NVMe optimizer streams chunks of zero.nvme_chunk_mb; the CPU tier steps "
                                  "each shard whole"),
+    "model_persistence_threshold": _refuse_unless(9223372036854775807, "a model-wide persistence budget is not "
+                                                  "implemented; stage3_param_persistence_threshold is"),
+    "use_multi_rank_bucket_allreduce": _no_effect("each bucket is reduced once, by the rank owning its shard"),
+    "mics_hierarchical_params_gather": _refuse_unless(False, "MiCS is not implemented"),
+    "zeropp_loco_param": _refuse_unless(None, "ZeRO++ LoCo is not implemented"),
+    "log_trace_cache_warnings": _no_effect("stage 3 checks each pass against the first (zero.stage3_check)"),
+    "stage3_use_all_reduce_for_fetch_params": _no_effect("parameters are gathered with all-gathers"),
+    "override_module_apply": _no_effect("the model's own apply() is untouched"),
     "stage3_module_granularity_threshold": _no_effect("units are the ModuleList's children, or zero.unit_params"),
 }
 
@@ -418,6 +428,19 @@ _TOP = {
     "pipeline": _refuse_unless(None, "set parallel.pp and parallel.schedule"),
     "tensor_parallel": _refuse_unless(None, "set parallel.tp"),
     "sequence_parallel_size": _refuse_unless(1, "not implemented"),
+    "sparse_gradients": _refuse_unless(False, "gradients are dense"),
+    "dataloader_drop_last": _no_effect("the data sampler gives every rank whole micro-batches"),
+    "timers": _no_effect("every metrics record splits the step into its phases"),
+    "eigenvalue": _refuse_unless({"enabled": False}, "not implemented"),
+    "progressive_layer_drop": _refuse_unless({"enabled": False}, "not implemented"),
+    "quantize_training": _refuse_unless({"enabled": False}, "not implemented"),
+    "weight_quantization": _refuse_unless(None, "not implemented"),
+    "hybrid_engine": _refuse_unless({"enabled": False}, "not implemented (RLHF generation engine)"),
+    "nebula": _refuse_unless({"enabled": False}, "not implemented; checkpoints are tiertrain's"),
+    "compile": _refuse_unless({"enabled": False}, "compile the model yourself (torch.compile) before wrapping it"),
+    "torch_autocast": _refuse_unless({"enabled": False}, "tiertrain computes in precision.dtype; it does not "
+                                                          "autocast"),
+    "use_data_before_expert_parallelism": _refuse_unless(False, "expert parallelism is not implemented"),
 }
 
 
