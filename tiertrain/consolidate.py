@@ -30,8 +30,9 @@ import torch
 
 from . import checkpoint
 from .checkpoint import MARKER, CheckpointError, rank_file_name, verified_file
-from .export import (DEFAULT_MAX_SHARD_BYTES, ConvertedValues, StreamedFile, TensorItem, converted_items, plan_files,
-                     WITH_MODEL, remove_stale, resolve_dtype, write_files_with_model, write_hf_config, write_index)
+from .export import (DEFAULT_MAX_SHARD_BYTES, WITH_MODEL, StreamedFile, TensorItem, plan_files, remove_stale,
+                     resolve_dtype, write_files_with_model, write_hf_config, write_index)
+from .export_groups import ConvertedValues, converted_items
 from .hf_conversion import meta_model
 from .reshard import global_value, open_saved, opened_files, saved_parameters
 

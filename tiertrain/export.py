@@ -30,7 +30,6 @@ Hugging Face config. ``type(model).from_pretrained(directory)`` and
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import json
 import math
@@ -46,8 +45,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .fileio import atomic_write, temporary_beside
-from .hf_conversion import SaveGroup, saving_groups
-from .peft_export import PeftExport, adapter_names, base_model, merge_groups, peft_model, write_adapter_config
+from .export_groups import ConvertedValues, GroupMembers, converted_items
+from .hf_conversion import SaveGroup
+from .peft_export import PeftExport, peft_items, peft_model, write_adapter_config
 from .zero.layout import Slot
 
 if TYPE_CHECKING:
@@ -231,81 +231,6 @@ def _model_tensors(engine: "Engine", dtype: torch.dtype) -> list[_Item]:
         items.append(_Item(name, tuple(t.shape), dtype if t.is_floating_point() else t.dtype, len(items), None,
                            value=t))
     return converted_items(engine.module, items)
-
-
-def converted_items(module: nn.Module, items: list[_Item]) -> list[_Item]:
-    """items (the model's tensors under their state_dict names) as the model's Hugging Face
-    checkpoint holds them: through its checkpoint conversion (hf_conversion.saving_groups:
-    experts unstacked, layers renamed), in the model's order. A converted tensor waits for the
-    last unit its group's members are in; positions follow that order."""
-    groups = saving_groups(module, {i.name: i.shape for i in items})
-    return items if groups is None else grouped_items(items, groups)
-
-
-def grouped_items(items: list[_Item], groups: list[SaveGroup]) -> list[_Item]:
-    """The checkpoint's items from the model's, one group at a time (a group renamed: its
-    member under the new name; converted: each output waiting for its members' last unit)."""
-    by_name = {i.name: i for i in items}
-    out: list[_Item] = []
-    for g in groups:
-        members = tuple(by_name[m] for m in g.members)
-        if g.renames_only:
-            (name, _), = g.outputs.items()
-            out.append(dataclasses.replace(members[0], name=name, members=members))  # (renamed only)
-            continue
-        units = [m.unit for m in members if m.unit is not None]
-        first = min(members, key=lambda m: m.position)
-        for name, shape in g.outputs.items():
-            out.append(_Item(name, shape, first.dtype, first.position, max(units) if units else None,
-                             group=g, members=members))
-    order = sorted(range(len(out)), key=lambda k: (out[k].unit is None, out[k].unit or 0, out[k].position, k))
-    return [dataclasses.replace(out[k], position=n) for n, k in enumerate(order)]
-
-
-def _peft_items(module: nn.Module, items: list[_Item], peft: PeftExport | None, world: int):
-    """(items, the module whose config.json is written (None: adapter_config.json), ranks that
-    write, the single file's name) of a PEFT model's export (tiertrain/peft_export.py)."""
-    if not isinstance(peft, PeftExport):
-        raise ValueError(f"save_pretrained: this model is a peft.PeftModel, whose own tensor names load into "
-                         f"nothing; pass peft=PeftExport.ADAPTER (adapter_config.json + adapter weights, for "
-                         f"PeftModel.from_pretrained) or peft=PeftExport.MERGED (the base model with the adapters "
-                         f"merged, for from_pretrained), got peft={peft!r}")
-    shapes = {i.name: i.shape for i in items}
-    if peft is PeftExport.ADAPTER:
-        names = adapter_names(module, shapes)
-        chosen = [dataclasses.replace(i, name=names[i.name], members=(i,)) for i in items if i.name in names]
-        return [dataclasses.replace(i, position=n) for n, i in enumerate(chosen)], None, 1, ADAPTER_FILE
-    merged = grouped_items(items, merge_groups(module, shapes))
-    base = base_model(module)
-    if saving_groups(base, {i.name: i.shape for i in merged}) is not None:
-        raise NotImplementedError(f"save_pretrained(peft=PeftExport.MERGED): {type(base).__name__}'s checkpoints "
-                                  f"are converted (tiertrain/hf_conversion.py) after the merge, which is not "
-                                  f"supported; write PeftExport.ADAPTER")
-    return merged, base, world, SINGLE_FILE
-
-
-ADAPTER_FILE = "adapter_model.safetensors"
-
-
-class ConvertedValues:
-    """The values of converted items, each group converted once and each of its outputs handed
-    out once (only those this writer writes are kept: at most one group's outputs at a time
-    when items are taken in order). member_value gives a member's value."""
-
-    def __init__(self, module: nn.Module, items: list[_Item], member_value: Callable[[_Item], torch.Tensor]):
-        self.module = module
-        self.member_value = member_value
-        self.wanted = {i.name for i in items if i.group is not None}
-        self.ready: dict[str, torch.Tensor] = {}
-
-    def __call__(self, item: _Item) -> torch.Tensor:
-        if item.name not in self.ready:
-            values = {m.name: self.member_value(m) for m in item.members}
-            converted = item.group.convert(values, self.module)
-            del values
-            self.ready.update({k: v for k, v in converted.items() if k in self.wanted})
-        self.wanted.discard(item.name)
-        return self.ready.pop(item.name)
 
 
 def _plan(items: list[_Item], world: int, max_shard_bytes: int, single: str = SINGLE_FILE) -> _Plan:
@@ -496,29 +421,6 @@ def _unit_values(engine: "Engine", u: "UnitBuffers", dtype: torch.dtype, masters
     return full
 
 
-class _GroupMembers:
-    """The members of the converted groups this rank writes, kept from their unit's gather
-    until the group is converted: a view of the gathered unit when the group is complete with
-    it, else a copy (the unit is dropped before the next one is gathered)."""
-
-    def __init__(self, items: list[_Item]):
-        self.last_unit = {m.name: i.unit for i in items if i.group is not None for m in i.members}
-        self.by_unit: dict[int, dict[str, _Item]] = {}
-        for i in items:
-            for m in (i.members if i.group is not None else ()):
-                if m.unit is not None:
-                    self.by_unit.setdefault(m.unit, {})[m.name] = m
-        self.kept: dict[str, torch.Tensor] = {}
-
-    def collect(self, unit: int, cut: Callable[[_Item], torch.Tensor]) -> None:
-        for name, m in self.by_unit.get(unit, {}).items():
-            value = cut(m)
-            self.kept[name] = value if self.last_unit[name] == unit else value.clone()
-
-    def take(self, m: _Item) -> torch.Tensor:
-        return m.value if m.unit is None else self.kept.pop(m.name)
-
-
 def _cutter(full: torch.Tensor) -> Callable[[_Item], torch.Tensor]:
     """A tensor of the unit, cut from the unit's whole flat buffer (a view: no copy)."""
     return lambda item: full[item.slot.offset:item.slot.end].view(item.slot.shape)
@@ -619,7 +521,7 @@ def save_pretrained(engine: "Engine", directory: str | os.PathLike, dtype: torch
     engine.update.flush()
     items, config_of, world, single = _model_tensors(engine, target), engine.module, engine.comm.size, SINGLE_FILE
     if peft_model(engine.module):
-        items, config_of, world, single = _peft_items(engine.module, items, peft, world)
+        items, config_of, world, single = peft_items(engine.module, items, peft, world, SINGLE_FILE)
     elif peft is not None:
         raise ValueError(f"save_pretrained: peft={peft} is for a peft.PeftModel; this model is a "
                          f"{type(engine.module).__name__} (leave peft=None)")
@@ -649,7 +551,7 @@ def save_pretrained(engine: "Engine", directory: str | os.PathLike, dtype: torch
     writer = _RankWriter(directory, mine, report)
     masters = _Masters(engine)
     by_index = engine.flat.all_units
-    members = _GroupMembers([i for f in mine for i in f.items])
+    members = GroupMembers([i for f in mine for i in f.items])
     converted = ConvertedValues(engine.module, [i for f in mine for i in f.items], members.take)
     with torch.no_grad():
         for index in plan.units:

@@ -17,12 +17,14 @@ re-initialises every weight. Two forms load:
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 import torch
 import torch.nn as nn
 
-from .hf_conversion import SaveGroup
+from .export_groups import grouped_items
+from .hf_conversion import SaveGroup, saving_groups
 
 
 class PeftExport(enum.Enum):
@@ -124,4 +126,32 @@ def write_adapter_config(module: nn.Module, directory: str) -> list[str]:
     return ["adapter_config.json"]
 
 
-__all__ = ["PeftExport", "adapter_names", "base_model", "merge_groups", "peft_model", "write_adapter_config"]
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def peft_items(module: nn.Module, items: list, peft: PeftExport | None, world: int, single: str):
+    """(items, the module whose config.json is written (None: adapter_config.json), ranks that
+    write, the single file's name) of a PEFT model's export: the adapter's tensors under peft's
+    names, written by one rank into adapter_model.safetensors; or the merged base model, by
+    every rank as any export (single: the name of a checkpoint of one file)."""
+    if not isinstance(peft, PeftExport):
+        raise ValueError(f"save_pretrained: this model is a peft.PeftModel, whose own tensor names load into "
+                         f"nothing; pass peft=PeftExport.ADAPTER (adapter_config.json + adapter weights, for "
+                         f"PeftModel.from_pretrained) or peft=PeftExport.MERGED (the base model with the adapters "
+                         f"merged, for from_pretrained), got peft={peft!r}")
+    shapes = {i.name: i.shape for i in items}
+    if peft is PeftExport.ADAPTER:
+        names = adapter_names(module, shapes)
+        chosen = [dataclasses.replace(i, name=names[i.name], members=(i,)) for i in items if i.name in names]
+        return [dataclasses.replace(i, position=n) for n, i in enumerate(chosen)], None, 1, ADAPTER_FILE
+    merged = grouped_items(items, merge_groups(module, shapes))
+    base = base_model(module)
+    if saving_groups(base, {i.name: i.shape for i in merged}) is not None:
+        raise NotImplementedError(f"save_pretrained(peft=PeftExport.MERGED): {type(base).__name__}'s checkpoints "
+                                  f"are converted (tiertrain/hf_conversion.py) after the merge, which is not "
+                                  f"supported; write PeftExport.ADAPTER")
+    return merged, base, world, single
+
+
+__all__ = ["ADAPTER_FILE", "PeftExport", "adapter_names", "base_model", "merge_groups", "peft_items", "peft_model",
+           "write_adapter_config"]
