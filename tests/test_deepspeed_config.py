@@ -112,18 +112,19 @@ def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_a_run_from_the_deepspeed_config_equals_the_run_from_its_printed_tiertrain_config(tmp_path):
-    """The acceptance of the issue: the transformers ZeRO-2 offload config trains unchanged from
-    the CLI, and `tiertrain config --from-deepspeed` prints the tiertrain config of the same run:
-    the two runs' losses are the same, step for step."""
+@pytest.mark.parametrize("name", ["transformers_zero2.json", "transformers_zero3_offload.json"])
+def test_a_run_from_the_deepspeed_config_equals_the_run_from_its_printed_tiertrain_config(tmp_path, name):
+    """The acceptance of the issue: the transformers documentation's ZeRO-2 and ZeRO-3 offload
+    configs train unchanged from the CLI, and `tiertrain config --from-deepspeed` prints the
+    tiertrain config of the same run: the two runs' losses are the same, step for step."""
     common = ["--steps", "4", "--logging.log_interval", "1", "--logging.progress", "false",
               "--model.n_layers", "2", "--model.hidden", "64", "--model.n_heads", "4", "--model.seq_len", "32",
               "--schedule.warmup_steps", "2", "--data.cache_dir", str(tmp_path / "cache")]
-    printed = _cli("config", "--from-deepspeed", _path("transformers_zero2.json"), *common, cwd=tmp_path)
+    printed = _cli("config", "--from-deepspeed", _path(name), *common, cwd=tmp_path)
     assert printed.returncode == 0, printed.stderr[-2000:]
     (tmp_path / "printed.yaml").write_text(printed.stdout)
     runs = {}
-    for label, how in (("deepspeed", ["--deepspeed", _path("transformers_zero2.json")]),
+    for label, how in (("deepspeed", ["--deepspeed", _path(name)]),
                        ("printed", ["--config", str(tmp_path / "printed.yaml")])):
         metrics = tmp_path / f"{label}.jsonl"
         done = _cli("train", *how, *common, "--nproc", "2", "--logging.metrics_file", str(metrics), cwd=tmp_path)

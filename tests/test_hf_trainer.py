@@ -358,6 +358,11 @@ def test_a_deepspeed_config_sets_zero_and_the_schedule_its_auto_values_the_train
     with pytest.raises(ConfigError, match=r"DeepSpeed optimizer.params.lr=0.0003 disagrees with "
                                           r"TrainingArguments\(learning_rate\)=0.001"):
         TiertrainTrainer(model=_model(), args=args, train_dataset=_List(EVAL), deepspeed=ds)
+    # TrainingArguments(deepspeed=...) needs the deepspeed package to be built; where it is, the
+    # trainer reads the config from there (here: the attribute set after construction).
+    args.deepspeed = path
+    assert TiertrainTrainer(model=_model(), args=args, train_dataset=_List(EVAL)).deepspeed_config == path
+    args.deepspeed = None
     # A key left out takes DeepSpeed's default: no clipping.
     del ds["gradient_clipping"], ds["optimizer"]["params"]["lr"]
     config = config_from_training_arguments(args, None, ds)
