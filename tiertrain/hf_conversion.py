@@ -142,18 +142,8 @@ class ConvertedCheckpoint:
         self.converted_count = len(self._group_of)
         self.renamed_count = sum(k != v for k, v in self._direct.items())
 
-    @property
-    def report(self):
-        return self.raw.report
-
     def keys(self) -> list[str]:
         return list(self._direct) + list(self._group_of)
-
-    def source_names(self, key: str) -> list[str]:
-        """The checkpoint tensors the model tensor key is made of."""
-        if key in self._direct:
-            return [self._direct[key]]
-        return [k for k, _ in self._group_of[key].sources]
 
     def shape(self, key: str) -> tuple[int, ...]:
         if key in self._direct:

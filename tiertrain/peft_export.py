@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 
 import torch
 import torch.nn as nn
@@ -35,11 +36,10 @@ class PeftExport(enum.Enum):
 
 
 def peft_model(module: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(module, PeftModel)
+    """Whether module is a peft.PeftModel (peft is not imported for it: a process that never
+    imported peft holds none)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(module, peft.PeftModel)
 
 
 def _adapter(module: nn.Module) -> str:
