@@ -50,14 +50,14 @@ OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 OptimizerArg = Union[torch.optim.Optimizer, type, OptimizerFactory]
 """wrap(optimizer=...): an Optimizer subclass, a factory of param groups, or an instance."""
 
-NOT_ELEMENTWISE = {
+KNOWN_WHOLE_TENSOR = {
     "LBFGS": "it minimises over all parameters at once with a closure",
     "SparseAdam": "it needs sparse gradients",
     "Adafactor": "it factors the second moment over each whole matrix",
     "Muon": "it orthogonalises each whole matrix",
 }
-"""torch optimizers that cannot step a parameter piece by piece (the flat shards cut
-parameters into pieces), with why."""
+"""Why some torch optimizers need whole tensors, added to the message when the probe
+(tiertrain/optim_probe.py, which decides for every optimizer by what it does) refuses them."""
 
 _NOT_OPTIONS = ("params", "initial_lr", "param_names")
 """Group keys that are not hyper-parameters: the tensors, what a scheduler built on the user's
@@ -226,17 +226,38 @@ def client_optimizer(model: nn.Module, config: Config, optimizer: OptimizerArg |
         groups = (ParamGroup(tuple(n for n, p in named if p.requires_grad), {}),)
     if optimizer is None and lr_scheduler is None:
         lr_scheduler = partial(build_schedule, schedule=config.schedule)
+    if optimizer is not None:  # (the default AdamW is elementwise)
+        _check_elementwise(build, groups, _optimizer_name(optimizer))
     stand_in = ClientOptimizer(build, groups, lr_scheduler, "").stand_in()
     if not isinstance(stand_in, torch.optim.Optimizer):
         raise TypeError(f"optimizer={optimizer!r} built a {type(stand_in).__name__}, not a torch.optim.Optimizer")
     name = type(stand_in).__name__
-    if name in NOT_ELEMENTWISE:
-        raise ConfigError(f"optimizer {name} cannot train under tiertrain: {NOT_ELEMENTWISE[name]}, while each "
-                          f"rank steps pieces of parameters (its slice of the flat shards); use an elementwise "
-                          f"optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...)")
     if config.zero.offload_optimizer == Tier.NVME:
         streamed_update(stand_in)  # refused before the engine makes swap files
     return ClientOptimizer(build, groups, lr_scheduler, name)
+
+
+def _optimizer_name(optimizer: OptimizerArg) -> str:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return type(optimizer).__name__
+    target = optimizer.func if isinstance(optimizer, partial) else optimizer
+    return getattr(target, "__name__", repr(target))
+
+
+def _check_elementwise(build: OptimizerFactory, groups: Sequence[ParamGroup], name: str) -> None:
+    """ConfigError unless the optimizer steps parameters piece by piece as it steps them whole,
+    with every group's hyper-parameters (tiertrain/optim_probe.py): one that needs whole tensors
+    would train silently wrong on the flat shards."""
+    from .optim_probe import elementwise_problem
+
+    for group in groups:
+        problem = elementwise_problem(build, dict(group.options), name)
+        if problem is not None:
+            known = f" ({KNOWN_WHOLE_TENSOR[name]})" if name in KNOWN_WHOLE_TENSOR else ""
+            raise ConfigError(f"optimizer {name}{known} cannot train under tiertrain yet: {problem}. Each rank "
+                              f"updates only its pieces of the parameters (ZeRO's partitioned optimizer state), so "
+                              f"an optimizer that needs whole tensors would train wrong; use an elementwise "
+                              f"optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...)")
 
 
 def _rebuild(cls: type, defaults: dict) -> OptimizerFactory:

@@ -1,0 +1,88 @@
+"""Whether an optimizer can step parameters piece by piece, decided by what it does, not by
+its name (issue 37, item 2).
+
+Every data-parallel rank steps its slice of the flat shards (ZeRO §5.1: each rank updates
+only the optimizer state it owns), so a parameter reaches the optimizer cut into pieces of
+flattened elements. An elementwise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...) gives
+the same values either way; one that looks at a whole tensor (Muon orthogonalises each
+matrix, Adafactor factors its second moment, LAMB scales by a per-tensor trust ratio) does
+not, and trained that way it would end far from single-process training with no error. A
+user's own class under any name is checked the same way.
+
+The probe: a copy of the optimizer, with each group's hyper-parameters, steps a small matrix
+and a vector a few times with the same gradients twice, whole and cut into flat pieces at
+uneven points (a piece across the two tensors' boundary included, as a shard would be), and
+the two results are compared. Elementwise arithmetic agrees to rounding (fused kernels round
+a vectorised body and a scalar tail differently); anything else is refused, naming the
+difference, before the engine builds anything.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+SHAPES = ((6, 5), (5,))
+"""The probe's parameters: a matrix and a vector (a weight and its bias); the matrix alone for
+an optimizer that takes matrices only (Muon)."""
+CUTS = (7, 19)
+"""Where the flattened probe is cut: uneven pieces (one across the two tensors' boundary)."""
+STEPS = 3
+TOLERANCE = 1e-4
+"""Largest difference allowed, relative to the largest change the steps made (plus a few
+roundings of the values themselves): the same elementwise arithmetic in another order differs
+by ~1e-7 of the values; a whole-tensor optimizer differs at the order of its steps."""
+
+
+def _gradients(step: int, shapes=SHAPES) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(shape, generator=g) for shape in shapes]
+
+
+def _run(build: Callable, options: dict, params: list[torch.Tensor], grads_of: Callable[[int], list[torch.Tensor]]):
+    optimizer = build([{"params": params, **options}])
+    for step in range(STEPS):
+        for p, g in zip(params, grads_of(step)):
+            p.grad = g
+        optimizer.step()
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def _pieces(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    bounds = (0, *CUTS, flat.numel())
+    return [flat[a:b].clone() for a, b in zip(bounds, bounds[1:])]
+
+
+def elementwise_problem(build: Callable, options: dict, name: str) -> str | None:
+    """Why the optimizer ``build`` (a factory of param groups) with a group's ``options``
+    cannot step parameters in pieces, or None when it can (see the module docstring)."""
+    failed = None
+    for shapes in (SHAPES, SHAPES[:1]):
+        start = [torch.randn(shape, generator=torch.Generator().manual_seed(7)) for shape in shapes]
+        try:
+            whole = _run(build, options, [t.clone().requires_grad_(True) for t in start],
+                         lambda step: _gradients(step, shapes))
+            break
+        except Exception as e:  # (a closure or sparse gradients needed; or matrices only: try one)
+            failed = failed or e
+    else:
+        return (f"stepping it on a {SHAPES[0]} matrix and a {SHAPES[1]} vector raised {type(failed).__name__}: "
+                f"{' '.join(str(failed).split())[:200]}")
+    try:
+        cut = _run(build, options, [p.requires_grad_(True) for p in _pieces(start)],
+                   lambda step: _pieces(_gradients(step, shapes)))
+    except Exception as e:
+        return (f"stepping it on flat pieces of parameters (as each rank steps its slice of the flat shards) "
+                f"raised {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+    moved = float((whole - torch.cat([t.reshape(-1) for t in start])).abs().max())
+    difference = float((whole - cut).abs().max())
+    allowed = TOLERANCE * moved + 1e-6 * float(whole.abs().max())
+    if not torch.isfinite(whole).all() or difference > allowed:
+        return (f"stepped on {' and '.join(str(s) for s in shapes)} tensors whole and cut into flat pieces (as each "
+                f"rank steps its slice of the flat shards), {name} gives other values: largest difference "
+                f"{difference:.2e}, for changes up to {moved:.2e}; it does not update each element on its own")
+    return None
+
+
+__all__ = ["elementwise_problem"]
