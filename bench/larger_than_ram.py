@@ -1,4 +1,4 @@
-"""The acid test of ZeRO-Infinity (issue 4, acceptance (d); PAPERS.md §3): train a GPT whose
+"""The acid test of ZeRO-Infinity (issue 4, acceptance (d); docs/concepts.md#zero-infinity): train a GPT whose
 model states are at least 1.5× this machine's RAM, and compare its step time with the IO
 lower bound (bytes moved / the disk bandwidth measured in the same run).
 

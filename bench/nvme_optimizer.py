@@ -1,4 +1,4 @@
-"""Optimizer step from NVMe (tiertrain.offload.NVMeAdamW, ZeRO-Infinity §3 of PAPERS.md) against
+"""Optimizer step from NVMe (tiertrain.offload.NVMeAdamW, docs/concepts.md#optimizer-step-with-nvme) against
 the same AdamW in RAM and against the IO lower bound, all measured in one run on one disk.
 
 Rows, for ``--params`` fp32 parameters split into ``--shards`` shards (ZeRO units):

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The largest model this machine trains, at the disk's speed: tiertrain and DeepSpeed
-ZeRO-Infinity side by side at growing sizes (issue 20; PAPERS.md §3).
+ZeRO-Infinity side by side at growing sizes (issue 20; docs/concepts.md#zero-infinity).
 
 For each size the same GPT (hidden 2560, 20 heads, vocabulary 256, sequence 64, no biases,
 layers chosen for the size) is trained by each framework on 2 gloo ranks, fp32, micro-batch

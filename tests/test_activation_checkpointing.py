@@ -1,4 +1,5 @@
-"""Activation checkpointing (ZeRO-R P_a / P_a+cpu, ZeRO-Infinity §3: PAPERS.md §1, §3).
+"""Activation checkpointing (ZeRO-R P_a / P_a+cpu, ZeRO-Infinity §3:
+docs/concepts.md#zero-r-residual-memory, docs/concepts.md#transformer-memory).
 
 Specifications:
 1. Recomputing every k-th block changes no number: losses and gradients equal the

@@ -1,4 +1,4 @@
-"""Specification of tiertrain.estimate: the papers' numbers (PAPERS.md §1, §3) and the
+"""Specification of tiertrain.estimate: the papers' numbers (docs/concepts.md#zero, docs/concepts.md#zero-infinity) and the
 engine's own accounting. GB in the papers' tables is 1e9 bytes."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ TB_BINARY = 2**40
 
 # --------------------------------------------------------------------------- ZeRO §5 Table 1
 
-# PAPERS.md §1, Table 1: GB per device for (Ψ, N_d) and stages os (1), os+g (2), os+g+p (3),
+# docs/concepts.md#zero-memory-per-rank, the paper's Table 1: GB per device for (Ψ, N_d) and stages os (1), os+g (2), os+g+p (3),
 # exactly as printed (strings, so the number of printed digits is part of the data).
 TABLE_1 = {
     7.5e9: {1: ("120", "120", "120"), 4: ("52.5", "41.3", "30"), 16: ("35.6", "21.6", "7.5"),

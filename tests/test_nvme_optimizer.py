@@ -1,4 +1,4 @@
-"""NVMeAdamW: ZeRO-Infinity's optimizer step from NVMe (PAPERS.md §3) — fp32 masters and Adam
+"""NVMeAdamW: ZeRO-Infinity's optimizer step from NVMe (docs/concepts.md#optimizer-step-with-nvme) — fp32 masters and Adam
 moments live in swap files and stream through a few aligned buffers; every step must be bit for
 bit torch.optim.AdamW(fused=True) on the same tensors in memory."""
 import errno

@@ -1,6 +1,6 @@
 """ZeRO-Offload and ZeRO-Infinity: optimizer state (and, at stage 3, parameter shards) on
-the CPU or NVMe tier trains exactly like keeping everything on the device (PAPERS.md
-§2-§3). On a machine without an accelerator the device and CPU tiers are both host memory
+the CPU or NVMe tier trains exactly like keeping everything on the device (docs/concepts.md#zero-offload,
+docs/concepts.md#zero-infinity). On a machine without an accelerator the device and CPU tiers are both host memory
 and the same copies run; the NVMe tier is swap files in a temporary directory."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Specification of the planner (tiertrain.estimate.plan, `tiertrain plan`, zero.offload=auto).
 
-1. Placement policy (ZeRO-Infinity §3, PAPERS.md): offload only when memory is short; the
+1. Placement policy (ZeRO-Infinity §3, docs/concepts.md#placement-policy): offload only when memory is short; the
    lowest ZeRO stage that fits; optimizer states and gradients leave the device first, to
    the fastest tier with room; then parameters (or activation checkpoints); nothing fits →
    an error naming the tier that is short and by how much.

@@ -1,5 +1,5 @@
 """Choose the 3D layout (t, p, d), the micro-batches m and the virtual stages v of a
-Megatron PTD-P run (PAPERS.md §4), with the per-rank memory of the estimator's formulas and
+Megatron PTD-P run (docs/concepts.md#megatron-ptd-p), with the per-rank memory of the estimator's formulas and
 a simple communication model.
 
 Symbols: K nodes of G ranks (one per accelerator), N = K·G; t tensor-, p pipeline-, d
@@ -36,7 +36,7 @@ configurations"); :func:`plan3d` applies them in this order:
    again with every block checkpointed (``activations.checkpoint_every = 1``).
 7. *ZeRO stage 1 across d* (Megatron's distributed optimizer): it partitions the fp32
    master weights and Adam moments over d for the same 2Ψ of traffic as plain data
-   parallelism (ZeRO §7, PAPERS.md §1), so it is used whenever d > 1 (stage 0 at d = 1,
+   parallelism (ZeRO §7, docs/concepts.md#zero-communication-volume), so it is used whenever d > 1 (stage 0 at d = 1,
    where there is nothing to partition). Stage 2 is not used: with m > 1 both engines
    accumulate the step's micro-batches in whole fp32 gradient buffers and reduce them at
    the last one (``Engine.backward``: ``reduce_now=boundary``; the pipeline engine per

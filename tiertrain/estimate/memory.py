@@ -2,7 +2,7 @@
 
 Two families of functions live here, and their names say which is which:
 
-* ``zero_*`` and ``infinity_*`` reproduce the papers exactly (PAPERS.md §1 and §3):
+* ``zero_*`` and ``infinity_*`` reproduce the papers exactly (docs/concepts.md#zero and docs/concepts.md#zero-infinity):
   ZeRO §5 Table 1 / Table 2 (16 B per parameter of mixed-precision Adam) and the
   ZeRO-Infinity §3 memory requirements (model states, activation checkpoints, MSWM, AWM).
 * ``engine_*`` and :func:`estimate` describe what *tiertrain's engine* keeps, byte for

@@ -1,5 +1,5 @@
 """Choose a training layout that fits: ZeRO stage, memory tiers, activation checkpointing
-and tiling, by ZeRO-Infinity's placement policy (PAPERS.md §3), with the memory of every
+and tiling, by ZeRO-Infinity's placement policy (docs/concepts.md#placement-policy), with the memory of every
 candidate predicted by :func:`tiertrain.estimate.estimate` (tiertrain's own buffers) and its
 efficiency by the bandwidth model (:mod:`tiertrain.estimate.bandwidth`).
 

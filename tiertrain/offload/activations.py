@@ -1,6 +1,7 @@
 """Activation checkpointing: full-block recomputation every k blocks, with the checkpoints
 (the saved block inputs) optionally held in the CPU tier (ZeRO-R's activation checkpointing
-and its CPU offload, PAPERS.md §1; ZeRO-Infinity's memory model and offload engine, §3).
+and its CPU offload, docs/concepts.md#zero-r-residual-memory; ZeRO-Infinity's memory model and offload engine,
+docs/concepts.md#zero-infinity).
 
 ``apply_activation_checkpointing(model, config)`` runs the forward of every k-th block
 (blocks 0, k, 2k, …; ``k = config.checkpoint_every``) under
@@ -9,7 +10,7 @@ block's inputs, and backward recomputes the block (forward once more) just befor
 backward needs the activations. Compute per step grows from 3× to 4× the forward (the
 "recomputation 1×" of ZeRO-Infinity §4), and the activations held between forward and
 backward fall from every block's intermediates to ≈ ``bsz·seq·hd·bytes`` per checkpointed
-block (PAPERS.md §3: checkpoints ≈ 2·bsz·seq·hd·nl/ci bytes in fp16, ci = k), plus the
+block (docs/concepts.md#transformer-memory: checkpoints ≈ 2·bsz·seq·hd·nl/ci bytes in fp16, ci = k), plus the
 working memory of the one block being recomputed (AWM).
 
 With ``config.offload == "cpu"`` the checkpoints live in host memory between forward and
@@ -18,7 +19,7 @@ device's copy stream (the forward continues meanwhile), and copied back, the rec
 waiting for it, when backward starts recomputing that block (tiertrain/device.py: the same
 calls on every device; on the CPU the deferred-copy harness checks their waits). Each checkpoint crosses the link twice
 (saved once, fetched once) per ci blocks of compute, an arithmetic intensity of 24·hd·ci
-(ZeRO-Infinity §4, PAPERS.md §3), so 1–2 GB/s keep the GPU busy: that is why its placement
+(ZeRO-Infinity §4, docs/concepts.md#bandwidth-and-efficiency), so 1–2 GB/s keep the GPU busy: that is why its placement
 policy sends checkpoints to the CPU before parameters. (The copy back is not prefetched
 ahead of the recomputation: a possible refinement; the bandwidth needed is small.) On a
 CPU-only machine, where the "device" is host memory already, the same code path copies

@@ -1,4 +1,4 @@
-"""ZeRO-Offload's one-step delayed parameter update (DPU, PAPERS.md §2), an opt-in mode:
+"""ZeRO-Offload's one-step delayed parameter update (DPU, docs/concepts.md#delayed-parameter-update), an opt-in mode:
 ``zero.delayed_update: true`` with ``zero.offload_optimizer: cpu`` (stages 2-3).
 
 **Schedule.** Number the optimizer steps t = 0, 1, 2, … and write g_t for step t's reduced,

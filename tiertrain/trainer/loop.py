@@ -287,8 +287,9 @@ class Trainer:
         """Where the model states live and where checkpoints go (issue 35, item 5: the banner
         did not say which tiers were active)."""
         zero = self.config.zero
-        line = (f" | optimizer state on {zero.offload_optimizer.config_name}"
-                f", parameters on {zero.offload_params.config_name}")
+        where = {"none": "the device", "cpu": "the CPU", "nvme": "NVMe"}
+        line = (f" | optimizer state on {where[zero.offload_optimizer.config_name]}"
+                f", parameters on {where[zero.offload_params.config_name]}")
         if "nvme" in (zero.offload_optimizer.config_name, zero.offload_params.config_name):
             line += f" (swap in {zero.nvme_path})"
         return line + (f" | checkpoints in {self.config.checkpoint.dir}" if self.config.checkpoint.dir else "")
