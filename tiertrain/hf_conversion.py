@@ -24,6 +24,7 @@ This module uses those transforms, never a copy of them:
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -32,11 +33,10 @@ import torch.nn as nn
 
 
 def _transformers_model(module: nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return False
-    return isinstance(module, PreTrainedModel)
+    """Whether module is a transformers model (transformers' modeling code is not imported for it,
+    which takes seconds: a process that never imported it holds no such model)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(module, modeling.PreTrainedModel)
 
 
 def _load_transforms(module: nn.Module) -> list | None:
