@@ -229,9 +229,8 @@ def cmd_train(argv: list[str]) -> int:
     if args.data is not None:
         overrides = [*overrides, "--data.path", args.data]
     cfg, fates = load_with_deepspeed(args.config, overrides, args.deepspeed)
-    if fates and int(os.environ.get("RANK", "0")) == 0:
-        print(f"tiertrain: the DeepSpeed config {args.deepspeed}, key by key:\n  " + "\n  ".join(fates),
-              file=sys.stderr)
+    if fates:
+        _say([f"the DeepSpeed config {args.deepspeed}, key by key:\n  " + "\n  ".join(fates)])
 
     if launch.under_torchrun():
         if args.nproc is not None:

@@ -438,7 +438,7 @@ def held_out(cfg: TrainConfig, samples: int, dp: int) -> int:
     return held
 
 
-def _eval_split(cfg: TrainConfig, dataset, dp: int):
+def _eval_split(cfg: TrainConfig, dataset, dp: int, say: bool):
     """(train, held-out) samples: with eval.every, the last held_out(...) of them are held out
     and never trained on (more than data.eval_fraction when that is under one per rank: said)."""
     from torch.utils.data import Subset
@@ -447,7 +447,7 @@ def _eval_split(cfg: TrainConfig, dataset, dp: int):
         return dataset, None
     n = len(dataset)
     held = held_out(cfg, n, dp)
-    if held > round(n * cfg.data.eval_fraction) and int(os.environ.get("RANK", "0")) == 0:
+    if held > round(n * cfg.data.eval_fraction) and say:  # (once: rank 0)
         print(f"tiertrain: evaluation holds out {held} of {n} samples, one per data-parallel rank "
               f"(data.eval_fraction={cfg.data.eval_fraction} gives {round(n * cfg.data.eval_fraction)})",
               file=sys.stderr)
@@ -466,7 +466,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
     topology = Topology.build(cfg.parallel)
     check_launch(cfg, topology.world_size)
     dataset = _build_dataset(cfg, check_ids=False)  # (check_launch above scanned the same file)
-    train_data, eval_data = _eval_split(cfg, dataset, topology.size("dp"))
+    train_data, eval_data = _eval_split(cfg, dataset, topology.size("dp"), say=topology.rank == 0)
     if cfg.zero.offload == "auto" and not cfg.model.hf:
         from .trainer.auto import resolve_auto_offload
 
