@@ -131,3 +131,11 @@ def machine_lines(*, dirs: Sequence[str] = (), packages: Sequence[str] = (), deb
     if lscpu_head:
         lines += ["lscpu | head:", sh("lscpu | head")]
     return lines
+
+
+def print_and_write(text: str, out: str) -> None:
+    """Print a results text and, when out is a path, write it there."""
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text)

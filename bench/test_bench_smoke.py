@@ -93,3 +93,24 @@ def test_plan_to_train_small_takes_the_nvme_path(tmp_path):
     assert "(falls)" in text
     assert "| = **measured increase** (what the plan predicts) |" in text
     assert not swap.exists()  # the swap directory is removed afterwards
+
+
+@pytest.mark.timeout(300)
+def test_cpu_step_and_overlap_run(tmp_path):
+    """The CPU-tier step benchmark (a small size, both kernels), its traces, and the overlap proxy."""
+    import subprocess
+
+    step = subprocess.run([sys.executable, os.path.join(HERE, "cpu_step.py"), "--elements", "2e7", "--rounds", "1",
+                           "--reps", "1", "--out", str(tmp_path / "step.md")], capture_output=True, text=True, timeout=280)
+    assert step.returncode == 0, step.stderr[-2000:]
+    text = (tmp_path / "step.md").read_text()
+    assert "stage 3, parameters and optimizer on CPU, compiled" in text and "× bare fused AdamW" in text
+    traced = subprocess.run([sys.executable, os.path.join(HERE, "cpu_step.py"), "--trace", str(tmp_path / "t"),
+                             "--trace-elements", "4e6"], capture_output=True, text=True, timeout=280)
+    assert traced.returncode == 0, traced.stderr[-2000:]
+    assert (tmp_path / "t-delayed.json.gz").exists() and (tmp_path / "t-sync.png").exists()
+    overlap = subprocess.run([sys.executable, os.path.join(HERE, "cpu_overlap.py"), "--d", "256", "--layers", "2",
+                              "--batch", "8", "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "o.md")],
+                             capture_output=True, text=True, timeout=280)
+    assert overlap.returncode == 0, overlap.stderr[-2000:]
+    assert "| delayed update |" in (tmp_path / "o.md").read_text()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .spans import span
 from .waits import WaitClock
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -378,7 +379,7 @@ class Work:
 
     def wait(self) -> None:
         if self._handle is not None:
-            with self._clock.timing() if self._clock is not None else contextlib.nullcontext():
+            with span("wait/collective"), self._clock.timing() if self._clock is not None else contextlib.nullcontext():
                 self._wait_in_slices()
             self._handle = None
         if self._on_done is not None:

@@ -129,8 +129,8 @@ class OptimizerConfig:
     """Parameters weight decay applies to: matrices (2+ dims: not biases or norm gains), or all."""
     grad_clip: float = 1.0
     """Clip gradients to this global L2 norm across all shards; 0 disables clipping."""
-    impl: Literal["auto", "fused", "foreach", "single"] = "auto"
-    """torch AdamW kernel: fused, foreach, single-tensor, or auto (fused where available)."""
+    impl: Literal["auto", "fused", "foreach", "single", "compiled"] = "auto"
+    """AdamW kernel: torch's fused, foreach or single-tensor; compiled (AdamW, clip and the cast to the compute dtype in one torch.compile'd pass, for the optimizer in host memory); auto (compiled on the CPU tier from 2**26 elements per rank, else fused)."""
 
     def validate(self, path: str = "optimizer") -> None:
         _check_positive(f"{path}.lr", self.lr)
@@ -403,9 +403,13 @@ class LoggingConfig:
     """Weights & Biases mode: offline writes the run under wandb/ for a later `wandb sync`."""
     peak_tflops: float = 0.0
     """One rank's peak TFLOP/s at the compute dtype, for MFU; 0: the probe file's measured matmul peak, else MFU is not reported."""
+    trace_steps: int = 0
+    """Optimizer steps to record as a Chrome/Perfetto trace (trace-rank<r>.json beside the metrics file), from the run's second step; 0: none."""
 
     def validate(self, path: str = "logging") -> None:
         _check_positive(f"{path}.log_interval", self.log_interval)
+        if not (isinstance(self.trace_steps, int) and not isinstance(self.trace_steps, bool) and self.trace_steps >= 0):
+            _fail(f"{path}.trace_steps", self.trace_steps, "a whole number of steps >= 0 (0: no trace)")
         if self.wandb_mode not in ("online", "offline"):
             _fail(f"{path}.wandb_mode", self.wandb_mode, "'online' or 'offline'")
         if not (isinstance(self.peak_tflops, (int, float)) and self.peak_tflops >= 0):
@@ -444,6 +448,12 @@ class Config:
                     else f"parallel.pp={self.parallel.pp} (pipeline parallelism)")
             raise ConfigError(f"zero.delayed_update=True is not supported with {what}: valid with fp32 or bf16, "
                               f"parallel.pp=1")
+        if self.optimizer.impl == "compiled" and (self.zero.delayed_update or self.zero.offload_optimizer == Tier.NVME):
+            form = ("zero.delayed_update=True (its update runs in the background with torch's fused AdamW)"
+                    if self.zero.delayed_update else "zero.offload_optimizer='nvme' (the NVMe optimizer streams "
+                    "its own chunks)")
+            raise ConfigError(f"optimizer.impl='compiled' is not used with {form}: valid with the optimizer in "
+                              f"memory and a synchronous step; use optimizer.impl='auto' or 'fused'")
         if self.zero.overlap_param_gather and self.parallel.pp > 1:
             raise ConfigError(f"zero.overlap_param_gather=True is not supported with parallel.pp={self.parallel.pp}: "
                               f"the pipeline runs its stages' forwards itself; valid with parallel.pp=1")

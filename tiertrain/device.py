@@ -45,6 +45,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .spans import span
+
 DEFER_COPIES_ENV = "TIERTRAIN_DEFER_COPIES"
 """The environment variable that turns on the deferred-copy harness (see the module docstring)."""
 
@@ -262,9 +264,10 @@ class Transfer:
     def synchronize(self) -> torch.Tensor:
         """Block the host until the copy has landed; returns the destination (which host code
         may then read)."""
-        if self._event is not None:
-            self._event.synchronize()
-        self._land()
+        with span("wait/copy"):
+            if self._event is not None:
+                self._event.synchronize()
+            self._land()
         return self.value
 
 

@@ -27,8 +27,9 @@ from .config import Config, ConfigError
 from .device import acts_as_accelerator, pins_host
 from .host_memory import retain_freed_host_memory
 from .offload.activations import checkpoint_memory
-from .optim import OptimizerArg, SchedulerFactory, client_optimizer, clip_coefficient, scheduled_lr
+from .optim import OptimizerArg, SchedulerFactory, client_optimizer, clip_coefficient, scheduled_lr, squared_norm
 from .precision import DynamicLossScaler, compute_dtype
+from .spans import span
 from .tiers import Tier
 from .topology import Topology
 from .train_state import RNGState, TrainState
@@ -202,6 +203,9 @@ class Engine:
             self.flat, config, topology, self.reducer, self.swapper, lazy_zero=self.launch_when_ready,
             global_gradient_changes=(config.optimizer.grad_clip > 0 or self.scaler.enabled
                                      or (self.tp_comm.size > 1 and bool(self._partial_grads))),
+            gradients_final_at_landing=(not self.scaler.enabled and self._norm_grads is None
+                                        and not (self.tp_comm.size > 1 and bool(self._partial_grads))),
+            gradient_views_held=self._norm_grads is not None or bool(self._partial_grads),
             optimizer=client))
         """The optimizer step, in the form the configuration asks for (tiertrain/update/)."""
         self._on_close.append(self.update.close)  # (first undone: its thread, its swap files)
@@ -320,14 +324,15 @@ class Engine:
 
     def __call__(self, batch: Any) -> torch.Tensor:
         """Forward one micro-batch; returns the (unscaled) loss."""
-        self.update.cancel()  # (a forward before step() sees the parameters before it)
-        if self.fetcher is None:
-            return self._forward(batch)
-        self.fetcher.begin_forward()
-        try:
-            return self._forward(batch)
-        finally:
-            self.fetcher.end_forward()  # (the model called directly from now on: ParameterFetcher)
+        with span("forward"):
+            self.update.cancel()  # (a forward before step() sees the parameters before it)
+            if self.fetcher is None:
+                return self._forward(batch)
+            self.fetcher.begin_forward()
+            try:
+                return self._forward(batch)
+            finally:
+                self.fetcher.end_forward()  # (the model called directly from now on: ParameterFetcher)
 
     def _forward(self, batch: Any) -> torch.Tensor:
         batch = self._to_device(batch)
@@ -353,6 +358,10 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward one micro-batch; gradients are reduced during backward (see reducer)."""
+        with span("backward"):
+            self._backward(loss)
+
+    def _backward(self, loss: torch.Tensor) -> None:
         self.flat.wait_gathers()
         boundary = (self.micro_steps + 1) % self.accum == 0
         self.update.before_backward(boundary, self.learning_rate())
@@ -416,13 +425,18 @@ class Engine:
         update form (tiertrain/update/) then steps with them."""
         if not self.at_boundary or self.micro_steps == self._stepped_at:
             return False
+        with span("step"):
+            return self._step()
+
+    def _step(self) -> bool:
         self._stepped_at = self.micro_steps
         self._state_written()  # (a background save reads the masters and moments this step changes)
         self.flat.wait_gathers()
         self.update.before_step()
         if self.fetcher is not None:
             self.fetcher.agree(Event.STEP)
-        self.reducer.wait()
+        with span("step/reduce_wait"):
+            self.reducer.wait()
         unused = self._unused_on_every_rank()
         self.flat.zero_stale_grads()
         self._sum_partial_grads_over_tp()
@@ -430,8 +444,9 @@ class Engine:
         if self.scaler.enabled:
             for g in grads:
                 g.mul_(1.0 / self.scaler.scale)
-        norm = self._global_grad_norm(grads)
-        self.last_grad_norm = float(norm)
+        with span("step/grad_norm"):
+            norm = self._global_grad_norm(grads)
+            self.last_grad_norm = float(norm)
         if not torch.isfinite(norm):
             self.update.cancel()
             # A run whose gradients stay non-finite would skip forever (the loss scale stuck at
@@ -460,7 +475,8 @@ class Engine:
             clip = clip_coefficient(norm, self.config.optimizer.grad_clip).to(self.placement.optimizer)
         if unused:
             self.update.leave_unchanged(unused)
-        self.update.step(grads, clip, self.learning_rate(), self.steps)
+        with span("step/update"):
+            self.update.step(grads, clip, self.learning_rate(), self.steps)
         if self.fetcher is not None and self.update.publishes_in_step:
             self.fetcher.prefetch_next_forward()
         self.scaler.update(overflow=False)
@@ -505,7 +521,7 @@ class Engine:
             grads = self._norm_grads or [torch.zeros(1, device=self.placement.optimizer)]
         # (An in-place NVMe step releases the gradient shards it consumed: their squares were
         # taken when each reduction landed, the same sums in the same order.)
-        squares = torch.stack(kept if kept is not None else [g.pow(2).sum() for g in grads]).sum().to(self.device)
+        squares = torch.stack(kept if kept is not None else [squared_norm(g) for g in grads]).sum().to(self.device)
         for comm in ((self.comm,) if self.stage > 0 else ()) + (self.tp_comm, self.pp_comm):
             if comm.size > 1:
                 comm.all_reduce(squares, count=False)

@@ -8,7 +8,9 @@ file itself) and writes, as PNGs beside it (or in ``--out``):
 * ``memory.png``     model-state bytes per tier (device, cpu, nvme) as measured, with the
   estimator's prediction dashed in the same colour, and the peak RSS per rank;
 * ``timing.png``     the step time split into data, forward, backward, optimizer, I/O and
-  communication waits, stacked per logged step.
+  communication waits, stacked per logged step;
+* ``trace-rank<r>.png`` for each trace a run recorded (``--logging.trace_steps``): what ran when,
+  on which thread (tiertrain/observe/trace.py). A trace file given instead of a run draws that.
 
 A picture whose keys no record has is not drawn. A resumed run appends to the metrics file
 and may log a step twice: the later record of a step wins, as it is the run that continued.
@@ -293,6 +295,14 @@ def _plot_timing(train, out_dir, run_name) -> str | None:
 # --------------------------------------------------------------------------- entry points
 
 
+TRACE_SUFFIXES = (".json", ".json.gz")
+"""A trace file (tiertrain/observe/trace.py), plain or gzipped."""
+
+
+def _trace_png(name: str) -> str:
+    return next(name[:-len(s)] for s in TRACE_SUFFIXES[::-1] if name.endswith(s)) + ".png"
+
+
 def plot_run(path: str, out_dir: str | None = None) -> list[str]:
     """Write loss.png, throughput.png, memory.png and timing.png (those the metrics have
     keys for) for the run at ``path`` (a run directory or its metrics .jsonl file) into
@@ -301,6 +311,12 @@ def plot_run(path: str, out_dir: str | None = None) -> list[str]:
     FileNotFoundError when path is neither; ValueError when the file holds no record or no
     key any picture draws; ImportError with the pip command when matplotlib is missing.
     """
+    if path.endswith(TRACE_SUFFIXES) and os.path.isfile(path):
+        from .trace import plot_trace
+
+        out = os.path.join(out_dir or os.path.dirname(os.path.abspath(path)), _trace_png(os.path.basename(path)))
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        return [plot_trace(path, out)]
     metrics_file = find_metrics_file(path)
     train, evals = load_records(metrics_file)
     run_dir = os.path.dirname(os.path.abspath(metrics_file))
@@ -312,6 +328,12 @@ def plot_run(path: str, out_dir: str | None = None) -> list[str]:
     written = [_plot_loss(train, evals, out_dir, run_name), _plot_throughput(train, out_dir, run_name),
                _plot_memory(train, out_dir, run_name), _plot_timing(train, out_dir, run_name)]
     written = [p for p in written if p is not None]
+    if written:
+        from .trace import plot_trace
+
+        for name in sorted(os.listdir(run_dir)):
+            if name.startswith("trace-rank") and name.endswith(TRACE_SUFFIXES):
+                written.append(plot_trace(os.path.join(run_dir, name), os.path.join(out_dir, _trace_png(name))))
     if not written:
         raise ValueError(f"metrics file {metrics_file!r} has {len(train) + len(evals)} record(s) but none with "
                          f"loss, eval_loss, tokens_per_s, tflops, mfu, bytes_* or time_* values: nothing to plot")
@@ -324,9 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tiertrain plot", allow_abbrev=False,
         description="Plot a run's metrics file: loss.png, throughput.png, memory.png and timing.png "
-                    "(those its records have values for).")
+                    "(those its records have values for), and trace-rank<r>.png for each trace the run "
+                    "recorded (--logging.trace_steps).")
     parser.add_argument("run", metavar="RUN_DIR",
-                        help=f"a run directory holding {METRICS_NAME}, or a metrics .jsonl file")
+                        help=f"a run directory holding {METRICS_NAME}, a metrics .jsonl file, or a trace .json file "
+                             f"(--logging.trace_steps)")
     parser.add_argument("--out", metavar="DIR", default=None,
                         help="where to write the PNGs (default: beside the metrics file)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

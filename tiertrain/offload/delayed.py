@@ -23,10 +23,14 @@ It is one form of the optimizer step (tiertrain/update/protocol.py), chosen by t
 Engine.step after the gradient norm): (1) wait for update t-1;
 (2) agree with every rank that it succeeded (one 1-element all-reduce over the world);
 (3) publish θ_t exactly as the synchronous path does (masters → compute-dtype shards,
-all-gather of resident units); (4) copy g_t × clip coefficient into the **gradient
-snapshot** and zero the gradient shard, which the next backward accumulates into; (5) hand
+all-gather of resident units); (4) swap g_t's buffers with the **gradient snapshot**'s: the
+reduced shards become the snapshot the update reads (the worker multiplies them by the clip
+coefficient) and the old snapshot the gradient shards the next backward overwrites, so the
+main thread moves no gradient (where the engine keeps views of the gradient shards, for
+tensor parallelism, g_t × clip coefficient is copied into the snapshot instead); (5) hand
 update t (AdamW over this rank's master shard, reading the snapshot, at update t's rate of
-the schedule) to the worker thread.
+the schedule) to the worker thread. Each unit's gradient norm was taken during backward as
+its reduction landed (update/protocol.py LandingNorms).
 During warmup the same five steps run and then the engine waits for the update at once.
 
 **Buffers.** The snapshot is one persistent fp32 buffer per unit, the size of the gradient
@@ -62,8 +66,9 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Collectives
-from ..update.protocol import (GroupSchedule, OptimizerUpdate, UpdateMemory, gradients_hidden, optimizer_state_bytes,
-                               restore_masters, shard_optimizer)
+from ..spans import span
+from ..update.protocol import (PIECE, GroupSchedule, LandingNorms, OptimizerUpdate, UpdateMemory, gradients_hidden,
+                               optimizer_state_bytes, restore_masters, shard_optimizer)
 
 
 class DelayedUpdateError(RuntimeError):
@@ -77,15 +82,28 @@ class DelayedUpdate(OptimizerUpdate):
 
     publishes_in_step = False
 
-    def __init__(self, flat, config, lazy_zero: bool, group, device: torch.device, client=None):
+    def __init__(self, flat, config, lazy_zero: bool, group, device: torch.device, client=None,
+                 landing_norms: LandingNorms | None = None, swap_gradients: bool = False):
         super().__init__(flat, config, lazy_zero)
+        self.landing_norms = landing_norms
+        self.swap_gradients = swap_gradients
+        """Hand the reduced gradient shards themselves to the update, the snapshots becoming the
+        next backward's gradient buffers: no copy on the main thread, the clip factor applied
+        by the worker. (Not where the engine keeps views of the gradient shards.)"""
+        self._clip: torch.Tensor | None = None
+        self.staging = {u.unit.index: flat.placement.empty(u.shard.numel(), u.shard.dtype,
+                                                           flat.placement.optimizer_tier)
+                        for u in flat.units if u.shard.dtype != u.master.dtype}
+        """Per unit whose compute dtype is not fp32: its updated masters cast by the worker, so
+        that publishing them is a plain copy on the main thread, not a cast."""
         self.device = device
         self.warmup = config.zero.delayed_update_warmup
         self.group = group
         self.comm = Collectives(group) if group is not None else None
         self._untie_masters()
         # The optimizer reads its gradients from the snapshot, never from the live shard.
-        self.snapshots = [torch.zeros_like(u.grad) for u in flat.units]
+        self.snapshots = [flat.placement.empty(u.grad.numel(), u.grad.dtype, flat.placement.optimizer_tier).zero_()
+                          for u in flat.units]
         self.optimizer = shard_optimizer(flat, [u.master for u in flat.units], self.snapshots, config, client)
         # A client lr_scheduler steps a stand-in on this thread while the worker steps the
         # optimizer; its hyper-parameters reach the optimizer between updates (GroupSchedule).
@@ -120,14 +138,18 @@ class DelayedUpdate(OptimizerUpdate):
     def step(self, grads, clip, lr, step):
         """At an accumulation boundary, after the gradient norm (collective on every rank):
         finish and publish the previous update, then start this step's."""
+        self.norms_consumed()
         self.wait(agree=True)
         self.publish()
-        with torch.no_grad():
-            for g, snap in zip(grads, self.snapshots):
-                if clip is None:
-                    snap.copy_(g)
-                else:
-                    torch.mul(g, clip, out=snap)
+        if self.swap_gradients:
+            self._swap(clip)
+        else:
+            with torch.no_grad():
+                for g, snap in zip(grads, self.snapshots):
+                    if clip is None:
+                        snap.copy_(g)
+                    else:
+                        torch.mul(g, clip, out=snap)
         # The snapshot holds them now: the next reduction overwrites each gradient, as after a
         # synchronous step, so no pass zeroes them.
         self.flat.zero_grads(lazy=self.lazy_zero)
@@ -143,9 +165,30 @@ class DelayedUpdate(OptimizerUpdate):
         else:
             self.overlapped_steps += 1
 
+    def _swap(self, clip: torch.Tensor | None) -> None:
+        """The reduced gradient shards become the snapshots (and the optimizer's gradients), the
+        old snapshots the gradient shards; the worker scales them by clip."""
+        for i, u in enumerate(self.flat.units):
+            u.grad, self.snapshots[i] = self.snapshots[i], u.grad
+        for group in self.optimizer.param_groups:
+            for view in group["params"]:
+                index, start, end = getattr(view, PIECE)
+                view.grad = self.snapshots[index][start:end]
+        self._clip = clip
+
     def _update(self) -> None:
-        with gradients_hidden(self.optimizer, self._updating_without):
+        with span("delayed_update"), gradients_hidden(self.optimizer, self._updating_without):
+            if self._clip is not None:
+                for snapshot in self.snapshots:
+                    snapshot.mul_(self._clip)
+                self._clip = None
             self.optimizer.step()
+            self._stage()
+
+    def _stage(self) -> None:
+        """The masters cast into the staging buffers (what publish() stores)."""
+        for index, buffer in self.staging.items():
+            buffer.copy_(self.flat.units[index].master)
 
     def wait(self, agree: bool) -> None:
         """Wait for the update in flight (if any). agree=True (every rank must call it): all
@@ -199,7 +242,7 @@ class DelayedUpdate(OptimizerUpdate):
     def publish(self) -> None:
         """Copy the updated masters into the compute shards and all-gather (collective)."""
         if self.unpublished:
-            self.flat.publish_masters()
+            self.flat.publish_masters(sources=self.staging)
             self.unpublished = False
 
     def flush(self) -> None:
@@ -217,11 +260,17 @@ class DelayedUpdate(OptimizerUpdate):
     def snapshot_bytes(self) -> int:
         return sum(s.numel() * s.element_size() for s in self.snapshots)
 
+    @property
+    def staging_bytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self.staging.values())
+
     def memory(self):
         self.wait(agree=False)  # (the first update creates the Adam moments)
         moments = optimizer_state_bytes(self.optimizer)
-        # The snapshot the background update reads: one more fp32 gradient shard, CPU tier.
-        return UpdateMemory(optimizer=moments, cpu_tier=moments + self.snapshot_bytes,
+        # The snapshot the background update reads: one more fp32 gradient shard, CPU tier;
+        # the staging buffers: one more compute-dtype shard, counted with the optimizer's.
+        return UpdateMemory(optimizer=moments + self.staging_bytes,
+                            cpu_tier=moments + self.staging_bytes + self.snapshot_bytes,
                             extra_grads=self.snapshot_bytes)
 
     def state_dict(self):
@@ -255,6 +304,7 @@ class DelayedUpdate(OptimizerUpdate):
         finally:
             for u, master in zip(flat.units, masters):
                 u.master = master
+        self._stage()  # (what the next publish() stores: the restored masters)
         self.unpublished = True
 
     def discard(self) -> None:

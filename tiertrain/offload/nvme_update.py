@@ -20,6 +20,7 @@ import torch
 from ..comm import run_timeout
 from ..config import ConfigError
 from ..elementwise import AdamWRule, ElementwiseRule, streamed_update
+from ..optim import squared_norm
 from ..update.protocol import GroupSchedule, OptimizerUpdate, UpdateMemory, scale_gradients, shard_param_groups
 from .nvme_optimizer import NVMeAdamW, pieces_from_param_groups
 
@@ -212,7 +213,7 @@ class OverlappedNVMeUpdate(NVMeUpdate):
         """Unit index's gradient shard is final: its squared norm is kept, then the step may
         update (and release) it."""
         u = self.flat.units[index]
-        self._squares[index] = u.grad.pow(2).sum()
+        self._squares[index] = squared_norm(u.grad)
         with self._progress:
             self._held[index] = u.grad.numel() * u.grad.element_size()
             self.peak_held_bytes = max(self.peak_held_bytes, sum(self._held.values()))

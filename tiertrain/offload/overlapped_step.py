@@ -41,6 +41,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
+from ..spans import span
 from .chunk_update import ChunkUpdate, StepStats
 
 
@@ -180,8 +181,9 @@ class OverlappedStep:
 
     def _run(self) -> None:
         try:
-            self._stats, self._new_gens = self._opt.stream_step(self._update, self._positions,
-                                                                set_threads=False)
+            with span("nvme_step"):
+                self._stats, self._new_gens = self._opt.stream_step(self._update, self._positions,
+                                                                    set_threads=False)
             self._shard_updated(self._current)
         except BaseException as e:  # noqa: BLE001 - raised on the caller's thread by finish()
             self._error = e

@@ -224,6 +224,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Resume when a checkpoint is there, train to ``config.steps``, evaluate and save as
         configured; returns the summary (the same keys on every rank)."""
+        from ..observe.trace import StepTrace, trace_path
         from ..observe.writers import open_writers
 
         cfg = self.config
@@ -239,6 +240,7 @@ class Trainer:
         peak_flops, self.peak_source = peak_flops_per_rank(
             cfg.logging.peak_tflops, self.topology.device.type != "cpu", local_ranks(self.topology.world_size))
         window = Window(self.engine)
+        trace = StepTrace(trace_path(cfg.logging, self.topology.rank), cfg.logging.trace_steps, first_step=start + 2)
         t_start = time.perf_counter()
         tokens_total = 0
         last_train: dict[str, Any] = {}
@@ -246,7 +248,9 @@ class Trainer:
         try:
             for step in range(start + 1, cfg.steps + 1):
                 check_terminated()  # (a SIGTERM whose Terminated something below swallowed)
+                trace.before_step(step)
                 tokens, loss = self._train_step(window)
+                trace.after_step(step)
                 tokens_total += tokens
                 self.step = step
                 self._watch_divergence(step, loss)
@@ -274,6 +278,10 @@ class Trainer:
             self._mark_diverged(str(e).splitlines()[0][:300])
             raise
         finally:
+            trace.close()
+            if trace.written and self.is_main:
+                print(f"tiertrain: trace of {cfg.logging.trace_steps} step(s) in {trace.path} "
+                      f"(Perfetto or chrome://tracing; tiertrain plot draws it)", flush=True)
             if bar is not None:
                 bar.close()
             if writers is not None:

@@ -14,7 +14,7 @@ from ..offload.delayed import DelayedUpdate
 from ..offload.nvme_update import NVMeUpdate, OverlappedNVMeUpdate
 from ..tiers import Tier
 from .in_memory import InMemoryUpdate
-from .protocol import OptimizerUpdate
+from .protocol import LandingNorms, OptimizerUpdate
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -44,6 +44,13 @@ class UpdateContext:
     global_gradient_changes: bool
     """Something global (clipping, an fp16 unscale, a tensor-parallel sum of partial gradients)
     changes the gradients after their reduction, so no unit may be updated before step()."""
+    gradients_final_at_landing: bool = False
+    """Nothing changes a gradient shard after its reduction at the accumulation boundary has
+    landed (no fp16 unscale, no tensor-parallel sum of partial gradients): its squared norm may
+    be taken then, during backward."""
+    gradient_views_held: bool = True
+    """The engine keeps views of the gradient shards across steps (tensor-parallel partial
+    gradients, a norm over a subset of them): no form may replace the shards' buffers."""
     optimizer: "ClientOptimizer | None" = None
     """The optimizer, param groups and lr_scheduler the user brought (tiertrain/optim.py
     client_optimizer); None: the default AdamW with config.schedule."""
@@ -71,7 +78,11 @@ def build_update(context: UpdateContext) -> OptimizerUpdate:
             return OverlappedNVMeUpdate(c.flat, c.config, c.lazy_zero, c.swapper, c.topology.rank, c.reducer,
                                         c.optimizer)
         return NVMeUpdate(c.flat, c.config, c.lazy_zero, c.swapper, c.topology.rank, c.optimizer)
+    # On the CPU tier each unit's gradient norm is taken as its reduction lands (protocol.LandingNorms).
+    norms = LandingNorms(c.flat, c.reducer) if (c.gradients_final_at_landing and c.lazy_zero
+                                                 and c.flat.placement.offload_optimizer) else None
     if zc.delayed_update:
         group = c.topology.world_group() if dist.is_initialized() else None
-        return DelayedUpdate(c.flat, c.config, c.lazy_zero, group, c.topology.device, c.optimizer)
-    return InMemoryUpdate(c.flat, c.config, c.lazy_zero, c.optimizer)
+        return DelayedUpdate(c.flat, c.config, c.lazy_zero, group, c.topology.device, c.optimizer, norms,
+                             swap_gradients=not c.gradient_views_held)
+    return InMemoryUpdate(c.flat, c.config, c.lazy_zero, c.optimizer, norms)

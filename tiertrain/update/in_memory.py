@@ -3,31 +3,51 @@ tiertrain/optim.py) over views of this rank's fp32 master shards, on the device 
 tier (ZeRO stages 0-3; ZeRO-Offload with offload_optimizer=cpu)."""
 from __future__ import annotations
 
-from .protocol import (GroupSchedule, OptimizerUpdate, UpdateMemory, gradients_hidden, optimizer_state_bytes,
-                       restore_masters, scale_gradients, shard_optimizer)
+from .host_adamw import CompileUnavailable, HostAdamW, warn_unavailable
+from .protocol import (PIECE, SLOT_NAME, GroupSchedule, LandingNorms, OptimizerUpdate, UpdateMemory, gradients_hidden,
+                       optimizer_state_bytes, restore_masters, scale_gradients, shard_optimizer)
+
+AUTO_COMPILED_ELEMENTS = 1 << 26
+"""optimizer.impl=auto takes the compiled pass (update/host_adamw.py) for an optimizer on the
+CPU tier whose shard holds at least this many elements: there it saves ~0.3 s per step per
+billion elements (bench/results/cpu_step.md), and its one-time compile (~20 s, then cached on
+disk) is repaid within the first hundreds of steps."""
 
 
 class InMemoryUpdate(OptimizerUpdate):
     """AdamW (torch, fused kernel by default), or the client's optimizer and lr_scheduler,
     stepping the flat masters in place."""
 
-    def __init__(self, flat, config, lazy_zero: bool, client=None):
+    def __init__(self, flat, config, lazy_zero: bool, client=None, landing_norms: LandingNorms | None = None):
         super().__init__(flat, config, lazy_zero)
+        self.landing_norms = landing_norms
         self.optimizer = shard_optimizer(flat, [u.master for u in flat.units], [u.grad for u in flat.units],
                                          config, client)
         self.schedule = GroupSchedule() if client is None else GroupSchedule(self.optimizer, client.lr_scheduler)
+        self.host_pass = _host_pass(flat, config, self.optimizer, client)
+        """The compiled AdamW + clip + cast pass, when optimizer.impl chose it; else None."""
+        self.host_pass_writes = frozenset() if self.host_pass is None else frozenset(
+            u.unit.index for u in flat.units if flat.host_compute_shard(u.unit.index) is not None)
+        """The units whose compute shards the compiled pass writes (publish_masters skips them)."""
 
     def own_learning_rate(self):
         return self.schedule.learning_rate()
 
     def step(self, grads, clip, lr, step):
-        scale_gradients(grads, clip)
         self.schedule.apply(self.optimizer, lr)
-        with gradients_hidden(self.optimizer, self.unchanged):
-            self.optimizer.step()
+        if self.host_pass is not None:
+            unchanged = self.unchanged
+            self.host_pass.step(clip, skip=lambda p: getattr(p, SLOT_NAME) in unchanged)
+            sources = {index: None for index in self.host_pass_writes}  # (written by the pass)
+        else:
+            scale_gradients(grads, clip)
+            with gradients_hidden(self.optimizer, self.unchanged):
+                self.optimizer.step()
+            sources = {}
         self.unchanged = frozenset()
+        self.norms_consumed()
         self.schedule.advance()
-        self.publish_and_reset()
+        self.publish_and_reset(sources)
 
     def masters(self):
         return [u.master for u in self.flat.units]
@@ -45,3 +65,31 @@ class InMemoryUpdate(OptimizerUpdate):
     def load_state_dict(self, state):
         restore_masters(self.flat, self.optimizer, state)
         self.schedule.load_state_dict(state.get("schedule"))
+
+
+def _host_pass(flat, config, optimizer, client) -> HostAdamW | None:
+    """The compiled pass where optimizer.impl asks for it (compiled), or where auto chooses it:
+    the default AdamW, on the CPU tier, over a large shard. Unavailable under auto: said, and
+    torch's fused step runs instead."""
+    impl = config.optimizer.impl
+    if impl == "auto":
+        shard = sum(u.master.numel() for u in flat.units)
+        if client is not None or not flat.placement.offload_optimizer or shard < AUTO_COMPILED_ELEMENTS:
+            return None
+    elif impl != "compiled":
+        return None
+    if client is not None:
+        raise ValueError("optimizer.impl=compiled is the default AdamW's kernel; a client optimizer "
+                         "(wrap(optimizer=...)) steps itself: leave optimizer.impl at auto")
+
+    def destination(piece):
+        index, start, end = getattr(piece, PIECE)
+        shard = flat.host_compute_shard(index)
+        return None if shard is None else shard[start:end]
+    try:
+        return HostAdamW(optimizer, destination)
+    except CompileUnavailable as e:
+        if impl == "compiled":
+            raise
+        warn_unavailable(e)
+        return None

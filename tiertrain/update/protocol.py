@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 from ..checkpoint import CheckpointError
-from ..optim import build_adamw, decays
+from ..optim import build_adamw, decays, squared_norm
+from ..spans import span
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -80,6 +81,7 @@ def shard_param_groups(flat: "FlatParameters", masters: list[torch.Tensor], grad
             view = master[a:b]
             view.grad = grad[a:b]
             setattr(view, SLOT_NAME, slot.name)  # (see gradients_hidden)
+            setattr(view, PIECE, (u.unit.index, a, b))
             try:
                 index = group_of(slot.name)
             except KeyError:
@@ -105,6 +107,9 @@ def shard_optimizer(flat: "FlatParameters", masters: list[torch.Tensor], grads: 
 SLOT_NAME = "tiertrain_parameter"
 """The attribute naming the parameter a piece of an optimizer group belongs to."""
 
+PIECE = "tiertrain_piece"
+"""The attribute holding a piece's place: (unit index, start, end) in that unit's shard."""
+
 
 @contextlib.contextmanager
 def gradients_hidden(optimizer: torch.optim.Optimizer, names: frozenset[str]):
@@ -123,6 +128,41 @@ def gradients_hidden(optimizer: torch.optim.Optimizer, names: frozenset[str]):
     finally:
         for view, grad in hidden:
             view.grad = grad
+
+
+class LandingNorms:
+    """Each unit's squared gradient norm, taken as its reduction lands at the accumulation
+    boundary (the reducer's on_reduced, during backward), instead of in the step: on the CPU
+    tier the host would otherwise read every gradient once more inside the step. Valid only
+    where nothing changes a gradient shard after it landed (UpdateContext.gradients_final_at_landing)."""
+
+    def __init__(self, flat: "FlatParameters", reducer):
+        self.flat = flat
+        self.reducer = reducer
+        self._squares: dict[int, torch.Tensor] = {}
+
+    def begin(self, boundary: bool) -> None:
+        """A micro-batch's backward starts: at the boundary, take the squares as units land."""
+        if boundary:
+            self._squares = {}
+            self.reducer.on_reduced = self._landed
+
+    def _landed(self, index: int) -> None:
+        with span("grad_norm_at_landing"):
+            self._squares[index] = squared_norm(self.flat.units[index].grad)
+
+    def squares(self) -> list[torch.Tensor] | None:
+        """Per unit its squared norm (units no reduction reached this step, zeroed since, are
+        read now); None when this boundary took none."""
+        if not self._squares:
+            return None
+        return [self._squares[i] if i in self._squares else squared_norm(u.grad)
+                for i, u in enumerate(self.flat.units)]
+
+    def stop(self) -> None:
+        """The step consumed them (or was cancelled): none is taken until the next boundary."""
+        self.reducer.on_reduced = None
+        self._squares = {}
 
 
 def scale_gradients(grads: list[torch.Tensor], clip: torch.Tensor | None) -> None:
@@ -266,9 +306,15 @@ class OptimizerUpdate(ABC):
 
     # -- the step ------------------------------------------------------------------------
 
+    landing_norms: LandingNorms | None = None
+    """The gradient norms taken during backward as each unit's reduction lands (a form that
+    takes them sets it; the factory builds it where valid), or None: in the step."""
+
     def before_backward(self, boundary: bool, lr: float) -> None:
         """A micro-batch's backward starts; boundary: the last of this step, whose gradient
         reductions complete the gradients; lr: the rate this step's update will use."""
+        if self.landing_norms is not None:
+            self.landing_norms.begin(boundary)
 
     def before_step(self) -> None:
         """step() begins (every rank), before the gradient reductions are waited on."""
@@ -280,12 +326,18 @@ class OptimizerUpdate(ABC):
 
     def cancel(self) -> None:
         """Undo work started ahead of step() that step() will not commit."""
+        self.norms_consumed()
+
+    def norms_consumed(self) -> None:
+        """The landing norms of this boundary were used (or will not be): stop taking them."""
+        if self.landing_norms is not None:
+            self.landing_norms.stop()
 
     def grad_squares(self) -> list[torch.Tensor] | None:
         """Per unit (in flat.units order) the squared L2 norm of its reduced gradient shard,
-        taken before the form freed the shard (the NVMe step in place); None: the gradients
-        are all there to read."""
-        return None
+        taken before the form freed the shard (the NVMe step in place) or as it landed
+        (landing_norms); None: the gradients are all there to read."""
+        return None if self.landing_norms is None else self.landing_norms.squares()
 
     unchanged: frozenset[str] = frozenset()
     """Parameters the next step() leaves unchanged, optimizer state included (see
@@ -297,10 +349,11 @@ class OptimizerUpdate(ABC):
         update, no weight decay, no moment decay, no step count; the next step() must too."""
         self.unchanged = names
 
-    def publish_and_reset(self) -> None:
+    def publish_and_reset(self, sources: dict | None = None) -> None:
         """The updated masters into the compute shards (all-gather at stages 1-2, left running
-        with zero.overlap_param_gather), then the gradients zeroed for the next step."""
-        self.flat.publish_masters(in_background=self.config.zero.overlap_param_gather)
+        with zero.overlap_param_gather), then the gradients zeroed for the next step.
+        sources: as FlatParameters.publish_masters takes them."""
+        self.flat.publish_masters(in_background=self.config.zero.overlap_param_gather, sources=sources or {})
         self.flat.zero_grads(lazy=self.lazy_zero)
 
     # -- outside the step ----------------------------------------------------------------

@@ -29,6 +29,8 @@ back ("p swap" of ZeRO-Infinity §6).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 import torch.nn as nn
@@ -36,6 +38,7 @@ import torch.nn as nn
 from ..comm import Collectives, Work
 from ..device import DeviceStreams, free_storage, host_empty, pins_host, renew_storage
 from ..offload.shard_store import NVMeShards, OptimizerMasterShards, shard_store
+from ..spans import span
 from ..tiers import Tier
 from .layout import FlatLayout, Unit
 
@@ -371,12 +374,32 @@ class FlatParameters:
 
     # -- after the optimizer step -----------------------------------------------------
 
-    def publish_masters(self, in_background: bool = False) -> None:
+    def host_compute_shard(self, index: int) -> torch.Tensor | None:
+        """The compute-dtype shard publish_masters copies trained unit ``index``'s master into,
+        when that copy is a plain one into host memory, which the CPU-tier optimizer may then
+        write in its own pass (tiertrain/update/host_adamw.py); None when the master is the
+        shard, or the shard lives on an accelerator or in swap files."""
+        u = self._all[index]
+        if u.master is u.shard or u.shard.device.type != "cpu" or self.masters_dropped:
+            return None
+        if not u.unit.resident and self.shards.tier is Tier.NVME:
+            return None
+        return u.shard
+
+    def publish_masters(self, in_background: bool = False,
+                        sources: Mapping[int, torch.Tensor | None] = MappingProxyType({})) -> None:
         """Copy updated fp32 masters into the compute-dtype shards, then rebuild resident
         units' full buffers with an all-gather (ZeRO §5.1: stages 1-2 all-gather the
         updated parameters). Partitioned units are gathered on their next use.
         ``in_background``: return with the all-gathers in flight (each unit's ``pending``);
-        :meth:`gather` or :meth:`wait_gathers` completes them (tiertrain/zero/param_gather.py)."""
+        :meth:`gather` or :meth:`wait_gathers` completes them (tiertrain/zero/param_gather.py).
+        ``sources``: per unit index, the compute-dtype values to store instead of casting its
+        master (an update form cast them off the critical path), or None: its shard holds them
+        already (the optimizer wrote its host_compute_shard)."""
+        with span("publish"):
+            self._publish(in_background, sources)
+
+    def _publish(self, in_background: bool, sources: Mapping[int, torch.Tensor | None]) -> None:
         self.wait_gathers()  # a gather still sending a shard must finish before it changes
         self.shards.drop_staged()  # (copies of the shards before this update)
         # A partitioned unit still gathered holds the parameters before this update: release
@@ -387,12 +410,13 @@ class FlatParameters:
                 self.release(u.unit.index)
         if not self.masters_dropped:  # (otherwise the optimizer wrote the shards: ShardWriter)
             for u in self.units:
-                if u.master is u.shard:
+                source = sources.get(u.unit.index, u.master)
+                if u.master is u.shard or source is None:
                     continue
                 if u.unit.resident:
-                    u.shard.copy_(u.master)
+                    u.shard.copy_(source)
                 else:
-                    self.shards.write(u.unit.index, u.shard, u.master)
+                    self.shards.write(u.unit.index, u.shard, source)
         # All launched before any is waited on: gloo queues them back to back instead of
         # paying one round trip per unit.
         for u in self.units:

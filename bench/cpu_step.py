@@ -1,0 +1,232 @@
+"""The engine's optimizer step at the CPU tier against torch's bare fused AdamW (issue 36, item 1).
+
+The bare step: ``torch.optim.AdamW(fused=True)`` over one fp32 tensor of N elements whose
+gradient is set, nothing else. The engine's step phase: ``engine.step()`` of a model of N
+parameters (a stack of bias-free d × d linear layers, bf16 compute, AdamW, clip 1.0) after a
+backward, which includes the global norm, the clip, the update, the copy of the new values
+into the bf16 compute shards and the rest of the step's bookkeeping. Two placements: stage 2
+with the optimizer on the CPU, stage 3 with parameters and optimizer on the CPU. Each is run
+with ``optimizer.impl`` compiled (AdamW + clip + cast in one pass: tiertrain/update/host_adamw.py)
+and fused (torch's kernel, then a separate cast), so the table shows what the pass changes.
+
+Same threads; at 100 M elements, in one process, the bare step and each engine alternate in
+rounds (load drifts hit all alike); above 300 M only one of them fits in memory at a time, so
+each runs in a process of its own, the bare step before and after the engines.
+A profile of one engine step names where its time goes.
+
+    python bench/cpu_step.py --elements 100e6 5e8 --out bench/results/cpu_step.md
+    python bench/cpu_step.py --trace docs/traces/cpu_tier_step     # the traces of docs/traces/
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import gzip
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import tiertrain
+from _common import machine_lines, print_and_write
+from tiertrain.config import from_dict
+
+PLACEMENTS = {
+    "stage 2, optimizer on CPU": {"stage": 2, "offload_optimizer": "cpu"},
+    "stage 3, parameters and optimizer on CPU": {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+}
+
+
+class Linears(torch.nn.Module):
+    """layers × (d × d) bias-free linear layers; the loss is the mean square of the output."""
+
+    def __init__(self, d: int, layers: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d, bias=False) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.float().pow(2).mean()
+
+
+def shape_for(elements: float) -> tuple[int, int]:
+    d = 2048 if elements <= 5e7 else 4096 if elements <= 4e8 else 8192
+    return d, max(1, round(elements / (d * d)))
+
+
+def bare_step(numel: int):
+    p = torch.nn.Parameter(torch.randn(numel))
+    p.grad = torch.randn(numel)
+    opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.1, fused=True)
+    opt.step()
+    return opt.step
+
+
+def engine_step(d: int, layers: int, zero: dict, impl: str):
+    cfg = from_dict(tiertrain.Config, {
+        "zero": zero, "precision": {"dtype": "bf16"}, "batch": {"micro_batch_size": 1},
+        "optimizer": {"lr": 1e-4, "grad_clip": 1.0, "impl": impl}, "schedule": {"warmup_steps": 0}}).validate()
+    torch.manual_seed(0)
+    engine = tiertrain.wrap(Linears(d, layers), cfg, tiertrain.Topology.build(cfg.parallel))
+    x = torch.randn(4, d)
+
+    def backward():
+        engine.backward(engine(x))
+
+    def step():
+        backward()
+        start = time.perf_counter()
+        engine.step()
+        return time.perf_counter() - start
+    step()  # (the first step creates the moments)
+    return engine, backward, step
+
+
+def timed(fn, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def profile_rows(engine, backward, top: int = 6) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    backward()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return "; ".join(f"{e.key[:40]} {e.self_cpu_time_total / 1e3:.1f} ms ×{e.count}" for e in rows)
+
+
+def _in_own_process(fn, *fn_args):
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, fn_args)
+
+
+def bare_times(numel: int, args) -> list[float]:
+    """The bare step's times (rounds × reps)."""
+    torch.set_num_threads(args.threads)
+    return timed(bare_step(numel), args.rounds * args.reps)
+
+
+def engine_times(d, layers, zero, impl, args, bare=None, bare_times=None) -> tuple[list[float], str]:
+    """The engine's step times (rounds × reps) and a profile of one step; with bare, the bare
+    step is timed after each round too (into bare_times)."""
+    torch.set_num_threads(args.threads)
+    engine, backward, step = engine_step(d, layers, zero, impl)
+    times = []
+    for _ in range(args.rounds):
+        times += [step() for _ in range(args.reps)]
+        if bare is not None:
+            bare_times += timed(bare, args.reps)
+    profile = profile_rows(engine, backward)
+    del engine, backward, step
+    gc.collect()
+    return times, profile
+
+
+def measure(elements: float, args) -> list[str]:
+    d, layers = shape_for(elements)
+    numel = d * d * layers
+    results: dict[str, list[float]] = {}
+    profiles: dict[str, str] = {}
+    fits_together = numel <= 3e8
+    if fits_together:
+        bare = bare_step(numel)
+        results["bare"] = timed(bare, args.reps)
+    else:  # (in processes of their own too, as the engines: the same conditions of memory)
+        results["bare"] = _in_own_process(bare_times, numel, args)
+    for name, zero in PLACEMENTS.items():
+        for impl in args.impls:
+            key = f"{name}, {impl}"
+            if fits_together:
+                results[key], profiles[key] = engine_times(d, layers, zero, impl, args, bare, results["bare"])
+            else:  # (a process of its own: all of its memory is given back when it ends)
+                results[key], profiles[key] = _in_own_process(engine_times, d, layers, zero, impl, args)
+    if not fits_together:
+        results["bare"] += _in_own_process(bare_times, numel, args)
+    base = statistics.median(results["bare"])
+    lines = [f"### {numel / 1e6:.0f} M elements ({layers} × Linear({d}, {d}))", "",
+             "| step | median (ms) | × bare fused AdamW |", "|---|---|---|",
+             f"| torch fused AdamW, bare | {base * 1e3:.1f} | 1.00 |"]
+    for key, values in results.items():
+        if key != "bare":
+            t = statistics.median(values)
+            lines.append(f"| engine.step(): {key} | {t * 1e3:.1f} | **{t / base:.2f}** |")
+    lines += ["", "Where one engine step's time goes (torch profiler, self CPU time):", ""]
+    lines += [f"- {key}: {text}" for key, text in profiles.items()]
+    return lines + [""]
+
+
+def write_traces(prefix: str, elements: float, threads: int) -> list[str]:
+    """Two steps (forward, backward, step) of the stage-2 CPU-tier engine, synchronous and with
+    the delayed update, recorded as Chrome traces (prefix-sync.json.gz, prefix-delayed.json.gz)
+    and drawn beside them; returns the files written."""
+    from tiertrain.observe.trace import StepTrace, plot_trace
+
+    d, layers = shape_for(elements)
+    written = []
+    for name, extra in (("sync", {}), ("delayed", {"delayed_update": True, "delayed_update_warmup": 1})):
+        zero = {**PLACEMENTS["stage 2, optimizer on CPU"], **extra}
+        engine, _, step = engine_step(d, layers, zero, "fused" if extra else "compiled")
+        for _ in range(2):
+            step()
+        trace = StepTrace(f"{prefix}-{name}.json", steps=2, first_step=0)
+        for i in range(2):
+            trace.before_step(i)
+            step()
+            trace.after_step(i)
+        engine.update.flush()
+        written.append(plot_trace(trace.path, f"{prefix}-{name}.png"))
+        with open(trace.path, "rb") as raw, gzip.open(trace.path + ".gz", "wb") as packed:
+            packed.write(raw.read())  # (Perfetto opens .json.gz; a tenth of the size)
+        os.remove(trace.path)
+        written.append(trace.path + ".gz")
+        del engine, step
+        gc.collect()
+    return written
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--elements", type=float, nargs="+", default=[100e6, 5e8])
+    ap.add_argument("--impls", nargs="+", default=["compiled", "fused"], choices=["compiled", "fused"])
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--trace", default="", metavar="PREFIX",
+                    help="write two-step traces of the stage-2 CPU-tier engine (synchronous and delayed "
+                         "update) as PREFIX-sync.json.gz / PREFIX-delayed.json.gz with their plots, and stop")
+    ap.add_argument("--trace-elements", type=float, default=25e6)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.trace:
+        for path in write_traces(args.trace, args.trace_elements, args.threads):
+            print(path)
+        return
+    load_before = os.getloadavg()
+    body = []
+    for elements in args.elements:
+        body += measure(elements, args)
+        print("\n".join(body[-12:]), flush=True)
+    lines = ["# The CPU-tier optimizer step against the bare fused AdamW", "",
+             f"Command: `python {' '.join(sys.argv)}`", "",
+             f"Machine: {'; '.join(machine_lines())}; {args.threads} torch threads; "
+             f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}.",
+             "One process; bf16 compute, AdamW (lr 1e-4, weight decay 0.1), clip 1.0; engine step timed from "
+             "after backward to the return of engine.step().", ""] + body
+    print_and_write("\n".join(lines), args.out)
+
+
+if __name__ == "__main__":
+    main()

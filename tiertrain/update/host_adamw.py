@@ -1,0 +1,189 @@
+"""AdamW, the clip factor and the copy into the compute dtype in one pass over memory, for an
+optimizer whose state is in host memory (the CPU tier of ZeRO-Offload,
+docs/concepts.md#the-cpu-update-in-one-pass).
+
+An AdamW step is bound by memory traffic: it reads the master, the gradient and both moments
+and writes three of them back (28 bytes per element). torch's fused kernel does that in one
+pass, but around it the step used to make three more: the gradients multiplied by the clip
+factor (8 bytes), and after the update the masters copied into the bf16/fp16 compute shards
+(6 bytes). DeepSpeed's CPU Adam writes the half-precision copy in its update loop for this
+reason. Here one compiled loop (torch.compile, inductor's vectorised C++ on the CPU) reads each
+element once, scales its gradient, updates it and stores the master, both moments and the
+compute-dtype copy: bench/results/cpu_step.md measures it against the bare fused kernel.
+
+The optimizer stays torch's ``AdamW``: its ``state`` holds the moments and step counts this
+module updates, so checkpoints and resharding see the same state either way, and pieces too
+small to be worth a call (a norm's gain, a bias) take torch's own fused step.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import shutil
+import warnings
+from typing import Callable
+
+import torch
+
+from ..spans import span
+
+SMALL_PIECE = 1 << 16
+"""Pieces with fewer elements take torch's fused step (one call over all of them): a compiled
+call costs ~40 µs, the bare update of 64 Ki elements about as much."""
+
+WARM_ELEMENTS = 1 << 20
+"""The compile runs once on scratch tensors of this size: inductor chooses a parallel loop
+from the size it first sees (and caches that choice), so it must see a large one."""
+
+_HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay", "bias_correction1", "bias_correction2_sqrt",
+          "grad_factor")
+
+
+def _adamw(param, grad, exp_avg, exp_avg_sq, hyper):
+    """torch AdamW's update of one piece (torch.optim.adamw, decoupled decay), with the
+    gradient multiplied by grad_factor (the clip coefficient) on the way in."""
+    lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, grad_factor = hyper.unbind()
+    g = grad * grad_factor
+    param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).add_((1 - beta2) * g * g)
+    denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
+    param.sub_((lr / bias_correction1) * exp_avg / denom)
+
+
+def _adamw_cast(param, grad, exp_avg, exp_avg_sq, out, hyper):
+    """_adamw, then the new values stored in ``out`` (the compute-dtype shard) in the same loop."""
+    _adamw(param, grad, exp_avg, exp_avg_sq, hyper)
+    out.copy_(param)
+
+
+class CompileUnavailable(RuntimeError):
+    """torch.compile could not build the kernel on this machine (no C++ compiler, or inductor
+    failed): the message says why."""
+
+
+@functools.cache
+def _kernels(cast_dtype: torch.dtype | None):
+    """The compiled kernel (with a cast into cast_dtype, or without), built and warmed once
+    per process."""
+    compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        raise CompileUnavailable("no C++ compiler (c++, g++ or clang++) on PATH: torch.compile needs one to "
+                                 "build CPU kernels")
+    fn = _adamw if cast_dtype is None else _adamw_cast
+    kernel = torch.compile(fn, dynamic=True, fullgraph=True)
+    scratch = [torch.zeros(WARM_ELEMENTS) for _ in range(4)]
+    if cast_dtype is not None:
+        scratch.append(torch.zeros(WARM_ELEMENTS, dtype=cast_dtype))
+    try:
+        kernel(*scratch, torch.tensor([0.0, 0.9, 0.99, 1e-8, 0.0, 1.0, 1.0, 1.0]))
+    except Exception as e:  # (inductor's errors have no common public base)
+        raise CompileUnavailable(f"torch.compile failed to build the AdamW kernel: {type(e).__name__}: {e}") from e
+    return kernel
+
+
+def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why this optimizer's step cannot run as the compiled pass (None: it can)."""
+    if type(optimizer) is not torch.optim.AdamW:
+        return f"it is a {type(optimizer).__name__}, not torch.optim.AdamW"
+    for i, group in enumerate(optimizer.param_groups):
+        for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+            if group.get(flag):
+                return f"param group {i} sets {flag}=True"
+        if isinstance(group["lr"], torch.Tensor):
+            return f"param group {i} has a tensor learning rate"
+        for p in group["params"]:
+            if p.device.type != "cpu" or p.dtype != torch.float32:
+                return f"param group {i} holds a {p.dtype} tensor on {p.device}, not fp32 in host memory"
+    return None
+
+
+class HostAdamW:
+    """Steps a torch AdamW over fp32 pieces in host memory with the compiled pass; each piece's
+    new values are also written into its compute-dtype destination, when it has one."""
+
+    def __init__(self, optimizer: torch.optim.AdamW,
+                 destination_of: Callable[[torch.Tensor], torch.Tensor | None]):
+        reason = unsupported_reason(optimizer)
+        if reason is not None:
+            raise ValueError(f"optimizer.impl=compiled steps torch's AdamW in host memory; {reason}")
+        self.optimizer = optimizer
+        self.destinations = {id(p): destination_of(p) for g in optimizer.param_groups for p in g["params"]}
+        cast_dtypes = {d.dtype for d in self.destinations.values() if d is not None}
+        if len(cast_dtypes) > 1:
+            raise ValueError(f"compute shards of several dtypes ({sorted(map(str, cast_dtypes))}): one expected")
+        self.cast_dtype = cast_dtypes.pop() if cast_dtypes else None
+        _kernels(None)
+        if self.cast_dtype is not None:
+            _kernels(self.cast_dtype)
+
+    def step(self, clip: torch.Tensor | None, skip: Callable[[torch.Tensor], bool] = lambda p: False) -> None:
+        """One AdamW update of every piece with a gradient (skip(p): leave it, state included,
+        as torch does a parameter whose .grad is None), its gradient scaled by clip; then every
+        piece's destination holds its values."""
+        with span("optimizer_pass"):
+            self._step(1.0 if clip is None else float(clip), clip, skip)
+
+    def _step(self, factor: float, clip: torch.Tensor | None, skip: Callable[[torch.Tensor], bool]) -> None:
+        small = []
+        for group in self.optimizer.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None or skip(p):
+                    if self.destinations[id(p)] is not None:
+                        self.destinations[id(p)].copy_(p)
+                    continue
+                if p.numel() < SMALL_PIECE:
+                    small.append(p)
+                    continue
+                state = self._state(p)
+                state["step"] += 1
+                step = float(state["step"])
+                hyper = torch.tensor([group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                                      1 - beta1 ** step, math.sqrt(1 - beta2 ** step), factor])
+                out = self.destinations[id(p)]
+                if out is None:
+                    _kernels(None)(p, p.grad, state["exp_avg"], state["exp_avg_sq"], hyper)
+                else:
+                    _kernels(self.cast_dtype)(p, p.grad, state["exp_avg"], state["exp_avg_sq"], out, hyper)
+        self._step_small(small, clip)
+
+    def _state(self, p: torch.Tensor) -> dict:
+        """The piece's AdamW state, created as torch's fused AdamW creates it."""
+        state = self.optimizer.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _step_small(self, small: list[torch.Tensor], clip: torch.Tensor | None) -> None:
+        """torch's own step over the small pieces (every other piece's gradient hidden)."""
+        if not small:
+            return
+        chosen = {id(p) for p in small}
+        hidden = []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in chosen and p.grad is not None:
+                    hidden.append((p, p.grad))
+                    p.grad = None
+        try:
+            if clip is not None:
+                for p in small:
+                    p.grad.mul_(clip)
+            self.optimizer.step()
+        finally:
+            for p, grad in hidden:
+                p.grad = grad
+        for p in small:
+            out = self.destinations[id(p)]
+            if out is not None:
+                out.copy_(p)
+
+
+def warn_unavailable(error: CompileUnavailable) -> None:
+    """optimizer.impl=auto chose the compiled pass and it is not available: said once."""
+    warnings.warn(f"optimizer.impl=auto: the compiled CPU-tier AdamW is not available ({error}); "
+                  f"stepping with torch's fused AdamW and a separate cast instead (slower, same update)",
+                  RuntimeWarning, stacklevel=3)
