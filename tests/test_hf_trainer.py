@@ -23,7 +23,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from reference import Oracle, make_config, reference_train  # noqa: E402
+from reference import Oracle, engine_train, make_config, reference_train  # noqa: E402
 from tiertrain.config import Config, ConfigError, from_dict  # noqa: E402
 from tiertrain.integrations.hf_trainer import TiertrainTrainer, config_from_training_arguments  # noqa: E402
 from tiertrain.testing import run_distributed  # noqa: E402
@@ -395,3 +395,55 @@ def test_conflicting_and_unsupported_trainer_inputs_are_refused(tmp_path):
     lazy.lr_scheduler_type = "reduce_lr_on_plateau"
     with pytest.raises(ConfigError, match=r"lr_scheduler_type='reduce_lr_on_plateau'"):
         config_from_training_arguments(lazy)
+
+
+@pytest.mark.timeout(120)
+def test_training_arguments_deepspeed_trains_like_the_cli_translation_of_the_same_file(tmp_path):
+    """Issue 35: TrainingArguments(deepspeed=ds.json) (it needs the deepspeed package, which CI
+    installs for this test) trains as tiertrain.wrap with the config `tiertrain train
+    --deepspeed ds.json` builds from the same file: both within the float64 oracle's bound of
+    the single-process reference, with the DeepSpeed schedule's rates."""
+    if os.environ.get("TIERTRAIN_TEST_DEEPSPEED"):  # (CI's step for this test: not found is a failure)
+        import deepspeed  # noqa: F401
+    else:
+        pytest.importorskip("deepspeed")
+    import json
+
+    from tiertrain.cli import load_with_deepspeed
+    from tiertrain.optim import lr_factor
+
+    micro, accum = 2, 2
+    ds = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum, "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": EPS,
+                                                     "weight_decay": 0.0}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
+                                                            "warmup_num_steps": 2, "total_num_steps": STEPS}},
+          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    data = _samples(STEPS * micro * accum, seed=1)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), deepspeed=str(path), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accum, max_steps=STEPS, learning_rate=LR, adam_epsilon=EPS, weight_decay=0.0,
+        max_grad_norm=1.0, logging_steps=1, report_to="none", disable_tqdm=True, seed=0,
+        train_sampling_strategy="sequential", save_strategy="no", use_cpu=True)
+    try:
+        trainer = TiertrainTrainer(model=_model(), args=args, train_dataset=_List(data))
+        assert torch.distributed.get_world_size() == 1  # (the world of one DeepSpeed would make)
+        trainer.train()
+        trainer_losses, trainer_params = _losses(trainer), trainer.engine.full_state_dict()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    config, _ = load_with_deepspeed(None, ["--steps", str(STEPS)], str(path))
+    assert (config.zero.stage, config.zero.offload_optimizer.config_name) == (2, "cpu")
+    batches = [{k: torch.stack([s[k] for s in data[i * micro * accum:(i + 1) * micro * accum]])
+                for k in ("input_ids", "labels")} for i in range(STEPS)]
+    losses, params, _ = engine_train(0, 1, _model(), config, batches)
+    oracle = Oracle.run(reference_train, _model(), config, batches)
+    assert oracle.losses64[-1] < oracle.losses64[0], "the reference itself must learn"
+    oracle.check(trainer_losses, trainer_params, "TrainingArguments(deepspeed=...)")
+    oracle.check(losses, params, "tiertrain.wrap with `tiertrain train --deepspeed`'s config")
+    rates = [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e]
+    assert rates == [LR * lr_factor(s, config.schedule) for s in range(STEPS)], rates
+    assert lr_factor(0, config.schedule) < lr_factor(1, config.schedule) and lr_factor(STEPS - 1, config.schedule) < 1

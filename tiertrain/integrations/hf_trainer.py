@@ -52,7 +52,8 @@ activations, parallel.dp and precision.loss_scale; a field TrainingArguments als
 left at its default or agree with it (else ConfigError naming both).
 
 **A DeepSpeed config** (``TiertrainTrainer(..., deepspeed="ds_config.json")``, or
-``TrainingArguments.deepspeed`` where the deepspeed package lets it be set) is translated as
+``TrainingArguments(deepspeed=...)``, which transformers builds only where the deepspeed package
+is installed; a single process then gets the world of one DeepSpeed would make) is translated as
 ``tiertrain train --deepspeed`` translates it (docs/deepspeed.md): its "auto" values are the
 TrainingArguments', its explicit ones must agree with them (as transformers requires), a key
 it leaves out takes DeepSpeed's default (no ``gradient_clipping``: no clipping, as the
@@ -333,6 +334,20 @@ def _use_the_engines_device(args) -> None:
             args._setup_devices  # again now, before the Trainer builds its Accelerator on that state
 
 
+def _one_process_group_for_deepspeed_arguments(args) -> None:
+    """TrainingArguments(deepspeed=...) makes Accelerate's state a distributed one even in a
+    single process (DeepSpeed's init_distributed would make it a world of one), so the Trainer
+    gathers its logged loss over a process group that nothing has initialised: a single process
+    gets that world of one (gloo, an in-memory store), as under DeepSpeed. Under torchrun the
+    launcher's group is used."""
+    from transformers.training_args import ParallelMode
+
+    if (args.parallel_mode != ParallelMode.DISTRIBUTED or torch.distributed.is_initialized()
+            or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        return
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+
+
 class _EngineModel(nn.Module):
     """What the Trainer's loops see as the model: calling it runs the engine's forward (the
     stage-3 gathers, the compute dtype); train()/eval() reach the real model; zero_grad() is
@@ -440,6 +455,7 @@ class TiertrainTrainer(Trainer):
         self._proxy: _EngineModel | None = None
         self._resumed_from: str | None = None
         super().__init__(model=model, args=args, **kwargs)
+        _one_process_group_for_deepspeed_arguments(self.args)
         if self.args.n_gpu > 1:
             _refuse("n_gpu", self.args.n_gpu, "one device per process: launch one process per GPU (torchrun)")
         # Counted before the engine partitions the parameters (floating_point_ops).
