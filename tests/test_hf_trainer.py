@@ -397,12 +397,23 @@ def test_conflicting_and_unsupported_trainer_inputs_are_refused(tmp_path):
         config_from_training_arguments(lazy)
 
 
+EXPLICIT_DS = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+               "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": EPS,
+                                                          "weight_decay": 0.0}},
+               "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
+                                                                 "warmup_num_steps": 2, "total_num_steps": STEPS}},
+               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+
+
 @pytest.mark.timeout(120)
-def test_training_arguments_deepspeed_trains_like_the_cli_translation_of_the_same_file(tmp_path):
+@pytest.mark.parametrize("name", ["transformers_zero2.json", "transformers_zero3_offload.json", "explicit"])
+def test_training_arguments_deepspeed_trains_like_the_cli_translation_of_the_same_file(tmp_path, name):
     """Issue 35: TrainingArguments(deepspeed=ds.json) (it needs the deepspeed package, which CI
-    installs for this test) trains as tiertrain.wrap with the config `tiertrain train
-    --deepspeed ds.json` builds from the same file: both within the float64 oracle's bound of
-    the single-process reference, with the DeepSpeed schedule's rates."""
+    installs for this test) with the transformers docs' ZeRO-2 and ZeRO-3 offload configs,
+    unchanged, and an explicit one, trains as tiertrain.wrap with the config `tiertrain train
+    --deepspeed ds.json` builds from the same file (its "auto" values given on the command line as
+    the arguments give them): both within the float64 oracle's bound of the single-process
+    reference, at the DeepSpeed schedule's rates."""
     if os.environ.get("TIERTRAIN_TEST_DEEPSPEED"):  # (CI's step for this test: not found is a failure)
         import deepspeed  # noqa: F401
     else:
@@ -412,20 +423,17 @@ def test_training_arguments_deepspeed_trains_like_the_cli_translation_of_the_sam
     from tiertrain.cli import load_with_deepspeed
     from tiertrain.optim import lr_factor
 
-    micro, accum = 2, 2
-    ds = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum, "gradient_clipping": 1.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": EPS,
-                                                     "weight_decay": 0.0}},
-          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
-                                                            "warmup_num_steps": 2, "total_num_steps": STEPS}},
-          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(ds))
+    micro, accum, warmup = 2, 2, 2
+    path = os.path.join(DS_CONFIGS, name)
+    if name == "explicit":
+        path = str(tmp_path / "ds.json")
+        with open(path, "w") as f:
+            json.dump(EXPLICIT_DS, f)
     data = _samples(STEPS * micro * accum, seed=1)
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), deepspeed=str(path), per_device_train_batch_size=micro,
+        output_dir=str(tmp_path / "out"), deepspeed=path, per_device_train_batch_size=micro,
         gradient_accumulation_steps=accum, max_steps=STEPS, learning_rate=LR, adam_epsilon=EPS, weight_decay=0.0,
-        max_grad_norm=1.0, logging_steps=1, report_to="none", disable_tqdm=True, seed=0,
+        warmup_steps=warmup, max_grad_norm=1.0, logging_steps=1, report_to="none", disable_tqdm=True, seed=0,
         train_sampling_strategy="sequential", save_strategy="no", use_cpu=True)
     try:
         trainer = TiertrainTrainer(model=_model(), args=args, train_dataset=_List(data))
@@ -435,15 +443,21 @@ def test_training_arguments_deepspeed_trains_like_the_cli_translation_of_the_sam
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    config, _ = load_with_deepspeed(None, ["--steps", str(STEPS)], str(path))
-    assert (config.zero.stage, config.zero.offload_optimizer.config_name) == (2, "cpu")
+    rates = [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e]
+    # The CLI's translation of the same file, "auto" values given as the arguments give them.
+    config, _ = load_with_deepspeed(None, [
+        "--steps", str(STEPS), "--optimizer.lr", str(LR), "--optimizer.eps", str(EPS), "--optimizer.weight_decay", "0",
+        "--optimizer.betas", "[0.9, 0.999]", "--optimizer.grad_clip", "1.0", "--schedule.warmup_steps", str(warmup),
+        "--batch.micro_batch_size", str(micro), "--batch.grad_accum_steps", str(accum)], path)
     batches = [{k: torch.stack([s[k] for s in data[i * micro * accum:(i + 1) * micro * accum]])
                 for k in ("input_ids", "labels")} for i in range(STEPS)]
     losses, params, _ = engine_train(0, 1, _model(), config, batches)
+    placement = lambda z: (z.stage, z.offload_optimizer.config_name, z.offload_params.config_name)  # noqa: E731
+    assert placement(trainer.tiertrain_config.zero) == placement(config.zero) == \
+        {"transformers_zero3_offload.json": (3, "cpu", "cpu")}.get(name, (2, "cpu", "none"))
     oracle = Oracle.run(reference_train, _model(), config, batches)
     assert oracle.losses64[-1] < oracle.losses64[0], "the reference itself must learn"
-    oracle.check(trainer_losses, trainer_params, "TrainingArguments(deepspeed=...)")
-    oracle.check(losses, params, "tiertrain.wrap with `tiertrain train --deepspeed`'s config")
-    rates = [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e]
+    oracle.check(trainer_losses, trainer_params, f"TrainingArguments(deepspeed={name})")
+    oracle.check(losses, params, f"tiertrain.wrap with `tiertrain train --deepspeed {name}`'s config")
     assert rates == [LR * lr_factor(s, config.schedule) for s in range(STEPS)], rates
-    assert lr_factor(0, config.schedule) < lr_factor(1, config.schedule) and lr_factor(STEPS - 1, config.schedule) < 1
+    assert lr_factor(0, config.schedule) < lr_factor(1, config.schedule)  # (a warmup, as each file says)
