@@ -29,8 +29,8 @@ def trace_path(logging, rank: int) -> str:
 
 
 class StepTrace:
-    """Records optimizer steps first_step .. first_step + steps - 1 (0-based, counted by the
-    caller) with torch's profiler and writes them to path as a Chrome trace."""
+    """Records optimizer steps first_step .. first_step + steps - 1 (numbered as the caller
+    numbers them) with torch's profiler and writes them to path as a Chrome trace."""
 
     def __init__(self, path: str, steps: int, first_step: int = 1):
         self.path = path
@@ -115,9 +115,12 @@ def load_spans(path: str) -> list[Span]:
 def plot_trace(path: str, out_path: str) -> str:
     """Draw the spans of the trace at path as out_path (a PNG): one row per (thread, span), the
     main thread's first, bars where each span ran."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError(f"tiertrain plot needs matplotlib, which cannot be imported here ({e}): "
+                          f"`pip install matplotlib`") from e
     spans = load_spans(path)
     main = {s.thread for s in spans if s.name == "forward"}
     threads = []

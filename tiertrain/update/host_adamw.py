@@ -35,10 +35,6 @@ WARM_ELEMENTS = 1 << 20
 """The compile runs once on scratch tensors of this size: inductor chooses a parallel loop
 from the size it first sees (and caches that choice), so it must see a large one."""
 
-_HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay", "bias_correction1", "bias_correction2_sqrt",
-          "grad_factor")
-
-
 def _adamw(param, grad, exp_avg, exp_avg_sq, hyper):
     """torch AdamW's update of one piece (torch.optim.adamw, decoupled decay), with the
     gradient multiplied by grad_factor (the clip coefficient) on the way in."""
