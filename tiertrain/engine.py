@@ -199,12 +199,12 @@ class Engine:
 
         self._norm_grads, self._partial_grads = self._gradient_views(plan.counts_in_norm)
         self.scaler = DynamicLossScaler(config.precision.loss_scale, enabled=config.precision.dtype == "fp16")
+        tp_partial_sums = self.tp_comm.size > 1 and bool(self._partial_grads)
         self.update = update_factory(UpdateContext(
             self.flat, config, topology, self.reducer, self.swapper, lazy_zero=self.launch_when_ready,
-            global_gradient_changes=(config.optimizer.grad_clip > 0 or self.scaler.enabled
-                                     or (self.tp_comm.size > 1 and bool(self._partial_grads))),
+            global_gradient_changes=config.optimizer.grad_clip > 0 or self.scaler.enabled or tp_partial_sums,
             gradients_final_at_landing=(not self.scaler.enabled and self._norm_grads is None
-                                        and not (self.tp_comm.size > 1 and bool(self._partial_grads))),
+                                        and not tp_partial_sums),
             gradient_views_held=self._norm_grads is not None or bool(self._partial_grads),
             optimizer=client))
         """The optimizer step, in the form the configuration asks for (tiertrain/update/)."""

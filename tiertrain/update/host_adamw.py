@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from ..spans import span
+from .protocol import gradients_hidden_where
 
 SMALL_PIECE = 1 << 16
 """Pieces with fewer elements take torch's fused step (one call over all of them): a compiled
@@ -158,20 +159,11 @@ class HostAdamW:
         if not small:
             return
         chosen = {id(p) for p in small}
-        hidden = []
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in chosen and p.grad is not None:
-                    hidden.append((p, p.grad))
-                    p.grad = None
-        try:
+        with gradients_hidden_where(self.optimizer, lambda p: id(p) not in chosen):
             if clip is not None:
                 for p in small:
                     p.grad.mul_(clip)
             self.optimizer.step()
-        finally:
-            for p, grad in hidden:
-                p.grad = grad
         for p in small:
             out = self.destinations[id(p)]
             if out is not None:

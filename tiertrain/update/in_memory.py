@@ -26,9 +26,10 @@ class InMemoryUpdate(OptimizerUpdate):
         self.schedule = GroupSchedule() if client is None else GroupSchedule(self.optimizer, client.lr_scheduler)
         self.host_pass = _host_pass(flat, config, self.optimizer, client)
         """The compiled AdamW + clip + cast pass, when optimizer.impl chose it; else None."""
-        self.host_pass_writes = frozenset() if self.host_pass is None else frozenset(
-            u.unit.index for u in flat.units if flat.host_compute_shard(u.unit.index) is not None)
-        """The units whose compute shards the compiled pass writes (publish_masters skips them)."""
+        self.host_pass_writes = {} if self.host_pass is None else {
+            u.unit.index: None for u in flat.units if flat.host_compute_shard(u.unit.index) is not None}
+        """The units whose compute shards the compiled pass writes, as publish_masters' sources
+        (None: the shard holds its values already)."""
 
     def own_learning_rate(self):
         return self.schedule.learning_rate()
@@ -38,7 +39,7 @@ class InMemoryUpdate(OptimizerUpdate):
         if self.host_pass is not None:
             unchanged = self.unchanged
             self.host_pass.step(clip, skip=lambda p: getattr(p, SLOT_NAME) in unchanged)
-            sources = {index: None for index in self.host_pass_writes}  # (written by the pass)
+            sources = self.host_pass_writes
         else:
             scale_gradients(grads, clip)
             with gradients_hidden(self.optimizer, self.unchanged):

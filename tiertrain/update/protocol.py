@@ -111,18 +111,23 @@ PIECE = "tiertrain_piece"
 """The attribute holding a piece's place: (unit index, start, end) in that unit's shard."""
 
 
-@contextlib.contextmanager
 def gradients_hidden(optimizer: torch.optim.Optimizer, names: frozenset[str]):
     """Within: the pieces of the named parameters have no .grad, so torch's optimizer leaves
     them and their state unchanged, as it does for a parameter whose .grad is None in one
     process (a parameter no rank used this step: an expert no token was routed to)."""
+    return gradients_hidden_where(optimizer, lambda view: getattr(view, SLOT_NAME, None) in names)
+
+
+@contextlib.contextmanager
+def gradients_hidden_where(optimizer: torch.optim.Optimizer, hide: Callable[[torch.Tensor], bool]):
+    """Within: the optimizer's pieces for which hide(piece) holds have no .grad (torch's step
+    leaves them and their state unchanged)."""
     hidden = []
-    if names:
-        for group in optimizer.param_groups:
-            for view in group["params"]:
-                if getattr(view, SLOT_NAME, None) in names and view.grad is not None:
-                    hidden.append((view, view.grad))
-                    view.grad = None
+    for group in optimizer.param_groups:
+        for view in group["params"]:
+            if view.grad is not None and hide(view):
+                hidden.append((view, view.grad))
+                view.grad = None
     try:
         yield
     finally:
