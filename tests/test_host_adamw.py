@@ -156,3 +156,31 @@ def test_on_the_cpu_tier_each_units_norm_is_taken_during_backward_and_equals_the
         else:
             assert not during
     assert norms["cpu"] == norms["none"]
+
+
+def test_a_kernel_the_graph_cache_cannot_build_is_built_once_more_without_it(monkeypatch):
+    """inductor's on-disk graph cache does not key on ATEN_CPU_CAPABILITY (C++ cached for AVX-512
+    fails to compile under `default`): a failed build is retried without that cache, and a
+    kernel that fails both ways is CompileUnavailable naming both failures."""
+    real, asked = torch.compile, []
+
+    def compile_failing_with(failing):
+        def compile_(fn, **kwargs):
+            asked.append(kwargs.get("options"))
+            if kwargs.get("options") in failing:
+                def broken(*args):
+                    raise RuntimeError(f"cannot build with options {kwargs.get('options')}")
+                return broken
+            return real(fn, **kwargs)
+        return compile_
+    monkeypatch.setattr(host_adamw.torch, "compile", compile_failing_with([{}]))
+    kernel = host_adamw._kernels.__wrapped__(None)
+    assert asked == [{}, {"fx_graph_cache": False}]
+    p, g, m, v = (torch.ones(8) for _ in range(4))
+    kernel(p, g, m, v, torch.tensor([0.1, 0.9, 0.99, 1e-8, 0.0, 1.0, 1.0, 1.0]))
+    assert bool((p < 1).all())  # (it stepped)
+    monkeypatch.setattr(host_adamw.torch, "compile", compile_failing_with([{}, {"fx_graph_cache": False}]))
+    with pytest.raises(host_adamw.CompileUnavailable, match=r"with and without inductor's graph cache: "
+                                                            r"RuntimeError: cannot build with options \{\}; then "
+                                                            r"RuntimeError: cannot build with options"):
+        host_adamw._kernels.__wrapped__(None)

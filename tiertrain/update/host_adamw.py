@@ -68,15 +68,22 @@ def _kernels(cast_dtype: torch.dtype | None):
         raise CompileUnavailable("no C++ compiler (c++, g++ or clang++) on PATH: torch.compile needs one to "
                                  "build CPU kernels")
     fn = _adamw if cast_dtype is None else _adamw_cast
-    kernel = torch.compile(fn, dynamic=True, fullgraph=True)
     scratch = [torch.zeros(WARM_ELEMENTS) for _ in range(4)]
     if cast_dtype is not None:
         scratch.append(torch.zeros(WARM_ELEMENTS, dtype=cast_dtype))
-    try:
-        kernel(*scratch, torch.tensor([0.0, 0.9, 0.99, 1e-8, 0.0, 1.0, 1.0, 1.0]))
-    except Exception as e:  # (inductor's errors have no common public base)
-        raise CompileUnavailable(f"torch.compile failed to build the AdamW kernel: {type(e).__name__}: {e}") from e
-    return kernel
+    hyper = torch.tensor([0.0, 0.9, 0.99, 1e-8, 0.0, 1.0, 1.0, 1.0])
+    # inductor's on-disk graph cache does not key on ATEN_CPU_CAPABILITY: C++ written for
+    # AVX-512 and cached fails to compile under `default`. Then once more, without that cache.
+    failures = []
+    for options in ({}, {"fx_graph_cache": False}):
+        kernel = torch.compile(fn, dynamic=True, fullgraph=True, options=options)
+        try:
+            kernel(*scratch, hyper)
+            return kernel
+        except Exception as e:  # (inductor's errors have no common public base)
+            failures.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+    raise CompileUnavailable(f"torch.compile failed to build the AdamW kernel, with and without inductor's "
+                             f"graph cache: {failures[0]}; then {failures[1]}")
 
 
 def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
