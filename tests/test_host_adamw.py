@@ -184,3 +184,34 @@ def test_a_kernel_the_graph_cache_cannot_build_is_built_once_more_without_it(mon
                                                             r"RuntimeError: cannot build with options \{\}; then "
                                                             r"RuntimeError: cannot build with options"):
         host_adamw._kernels.__wrapped__(None)
+
+
+def _llama():
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32))
+
+
+def _llama_batches():
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 128, (MICRO * 2, 16), generator=g) for _ in range(STEPS)]
+    return [{"input_ids": x, "labels": x.clone()} for x in ids]  # (the user's convention: labels = inputs)
+
+
+def _train_llama(rank, world):
+    host_adamw.SMALL_PIECE = 0
+    losses, params, engine = engine_train(rank, world, _llama(), _config(PLACEMENTS["stage 3, both on CPU"]),
+                                          _llama_batches())
+    return losses, params, engine.update.host_pass is not None
+
+
+@pytest.mark.timeout(120)
+def test_a_hugging_face_llama_trains_with_the_compiled_step_like_single_process():
+    losses, params, pass_used = run_distributed(_train_llama, 2, timeout=110)[0]
+    assert pass_used
+    oracle = Oracle.run(reference_train, _llama(), _config(PLACEMENTS["stage 3, both on CPU"]), _llama_batches())
+    assert oracle.losses64[-1] < oracle.losses64[0], "the reference itself must learn"
+    oracle.check(losses, params, "compiled CPU-tier step, Hugging Face Llama, stage 3 both on CPU")
