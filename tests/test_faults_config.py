@@ -494,12 +494,12 @@ def test_a_worker_failure_is_one_line_for_a_user_error_and_a_traceback_otherwise
     line; a failure of the program with the rank's traceback and the other ranks' notes."""
     from tiertrain.launch import WorkerFailure
 
-    def failure(exc_type, message):
-        f = WorkerFailure(1, exc_type, message, "Traceback (most recent call last):\n  ...\n")
+    def failure(exc_type, message, exit_code=None):
+        f = WorkerFailure(1, exc_type, message, "Traceback (most recent call last):\n  ...\n", exit_code=exit_code)
         f.others = ["rank 0: RuntimeError: Connection closed by peer"]
         return f
 
-    assert cli._report_worker_failure(failure("CheckpointError", "'x/rank00001.pt' is corrupt"), debug=False) == 1
+    assert cli._report_worker_failure(failure("CheckpointError", "'x/rank00001.pt' is corrupt", exit_code=1), debug=False) == 1
     assert _one_line_error(capsys.readouterr().err) == "error: 'x/rank00001.pt' is corrupt"
     assert cli._report_worker_failure(failure("KeyError", "'w'"), debug=False) == 1
     err = capsys.readouterr().err

@@ -9,6 +9,7 @@ Megatron-style tensor/pipeline/data parallelism, behind one engine contract::
 """
 from .config import Config, ConfigError
 from .engine import Engine, MemoryReport
+from .errors import TiertrainError
 from .wrapping import wrap
 from .topology import Topology
 from .zero.construct import partitioned_init
@@ -18,6 +19,6 @@ from .pretrained import LoadReport, PretrainedMismatchError, PretrainedMissingWa
 from .trainer import EvalConfig, LoopConfig, Trainer
 
 __all__ = ["Config", "ConfigError", "Engine", "EvalConfig", "ExportReport", "LoadReport", "LoopConfig", "MemoryReport",
-           "PeftExport", "PretrainedMismatchError", "PretrainedMissingWarning", "Topology", "Trainer", "load_pretrained",
-           "partitioned_init", "wrap"]
+           "PeftExport", "PretrainedMismatchError", "PretrainedMissingWarning", "TiertrainError", "Topology", "Trainer",
+           "load_pretrained", "partitioned_init", "wrap"]
 __version__ = "0.1.0"

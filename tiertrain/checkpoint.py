@@ -66,6 +66,7 @@ from typing import Any, Callable, Mapping, Protocol
 import torch
 import torch.distributed as dist
 
+from .errors import TiertrainError
 from .fileio import LockHeld, atomic_write, exchange_paths, file_sha256, fsync_directory, lock_file, stream_sha256
 
 MARKER = "COMMITTED.json"
@@ -78,8 +79,10 @@ _SIDE_DIR = re.compile(r"^step_(\d{8})(\.next|\.old)$")
 _EXTRA_FILE = re.compile(r"^(?!rank\d+\.pt$)[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(TiertrainError, RuntimeError):
     """A checkpoint is missing, corrupt or was saved with another layout."""
+
+    exit_code = 1
 
 
 class Stateful(Protocol):

@@ -8,7 +8,8 @@
 
 Invalid configurations print one ``error: ...`` line to stderr and exit with status 2; a
 refused checkpoint or a diverged run (CheckpointError, NonFiniteError), in this process or
-in a worker rank, one line and status 1. ``tiertrain --debug <command>`` adds the traceback.
+in a worker rank, one line and status 1 (each error's class says how it is reported:
+tiertrain.errors.TiertrainError). ``tiertrain --debug <command>`` adds the traceback.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import Any
 import yaml
 
 from .config import ConfigError, field_docs, load
+from .errors import TiertrainError
 from .tiers import Tier
 
 USAGE = """\
@@ -266,17 +268,6 @@ def _check_resumable(directory: str) -> None:
                           f"run)") from None
 
 
-USER_ERRORS = {"ConfigError": 2, "CheckpointError": 1, "NonFiniteError": 1, "SwapDirError": 1}
-"""Exceptions that report a user's mistake or a refusal the user acts on, by class name (the
-form a worker's failure arrives in), with the exit status: one line, no traceback (unless
---debug). Anything else is a failure of the program and keeps its traceback."""
-
-
-DIAGNOSES = {"CollectiveTimeout", "CollectiveMismatchError", "PeerLost"}
-"""A rank's failures whose message is the diagnosis (which rank hung, died or ran other code):
-one line like a user error (the traceback only with --debug), exit status 1."""
-
-
 def _record_for_torchrun(exc: BaseException) -> None:
     """Under torchrun, write the failure to the error file torchrun gives each rank
     (TORCHELASTIC_ERROR_FILE, torch.distributed.elastic's own error handler), so that its
@@ -292,13 +283,15 @@ def _record_for_torchrun(exc: BaseException) -> None:
 
 
 def _user_error_code(exc: BaseException) -> int | None:
-    return next((USER_ERRORS[c.__name__] for c in type(exc).__mro__ if c.__name__ in USER_ERRORS), None)
+    """The exit status of a one-line report of exc (TiertrainError.exit_code); None when exc
+    is a failure of the program, reported with its traceback."""
+    return exc.exit_code if isinstance(exc, TiertrainError) else None
 
 
 def _report_worker_failure(failure, debug: bool) -> int:
     """A worker rank's failure (launch.WorkerFailure): a user error as its one line, anything
     else (or everything with --debug) with the rank's traceback and the other ranks' notes."""
-    code = USER_ERRORS.get(failure.exc_type or "")
+    code = failure.exit_code
     if code is None or debug:
         if failure.details:
             print(failure.details.rstrip(), file=sys.stderr)
@@ -939,7 +932,7 @@ def main(argv: list[str] | None = None) -> int:
         launch = sys.modules.get("tiertrain.launch")  # (imported by whatever started workers)
         if launch is not None and isinstance(e, launch.WorkerFailure):
             return _report_worker_failure(e, debug)
-        if type(e).__name__ in DIAGNOSES:  # (this rank's own diagnosis, under torchrun: one line)
+        if isinstance(e, TiertrainError) and e.message_is_diagnosis:  # (this rank's own, under torchrun)
             if debug:
                 traceback.print_exc()
             text = str(e).strip()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .errors import TiertrainError
 from .spans import span
 from .waits import WaitClock
 
@@ -49,15 +50,19 @@ def run_timeout() -> float:
     return seconds if math.isfinite(seconds) and seconds > 0 else DEFAULT_TIMEOUT_S
 
 
-class CollectiveMismatchError(RuntimeError):
+class CollectiveMismatchError(TiertrainError, RuntimeError):
     """Ranks issued different collectives (e.g. took different branches under ZeRO-3)."""
 
+    message_is_diagnosis = True
 
-class CollectiveTimeout(RuntimeError):
+
+class CollectiveTimeout(TiertrainError, RuntimeError):
     """A collective did not complete within the run's timeout. ``rank`` (global) timed out
     waiting for ``waiting_for``; ``missing_ranks`` (global) are the ranks of the group that
     had not issued that collective when the wait ended (empty when all had: the transfer
     itself stalled, e.g. a peer stopped or a link died mid-way)."""
+
+    message_is_diagnosis = True
 
     def __init__(self, message: str, rank: int, waiting_for: str, missing_ranks: list[int]):
         super().__init__(message)
@@ -66,10 +71,12 @@ class CollectiveTimeout(RuntimeError):
         self.missing_ranks = missing_ranks
 
 
-class PeerLost(RuntimeError):
+class PeerLost(TiertrainError, RuntimeError):
     """A collective failed because a peer's connection closed (its process or its node died).
     ``rank`` (global) is the rank that noticed, ``lost_ranks`` the ranks it lost (global; all
     the group's ranks on other nodes when the peer could not be told apart)."""
+
+    message_is_diagnosis = True
 
     def __init__(self, message: str, rank: int, waiting_for: str, lost_ranks: list[int]):
         super().__init__(message)

@@ -18,11 +18,14 @@ from typing import Any, Literal, get_args, get_origin
 
 import yaml
 
+from .errors import TiertrainError
 from .tiers import Tier
 
 
-class ConfigError(ValueError):
+class ConfigError(TiertrainError, ValueError):
     """A configuration value is invalid; the message names field, value and what is valid."""
+
+    exit_code = 2
 
 
 def _fail(path: str, value: Any, valid: str) -> None:

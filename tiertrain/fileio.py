@@ -11,6 +11,8 @@ import tempfile
 import time
 from typing import BinaryIO, Callable
 
+from .errors import TiertrainError
+
 
 def _umask() -> int:
     """The process's umask, read without changing it (os.umask can only be read by setting it,
@@ -111,7 +113,7 @@ def nearest_existing(path: str) -> str:
     return path
 
 
-class LockHeld(Exception):
+class LockHeld(TiertrainError):
     """Another process holds the lock; ``holder`` is what it wrote there (host, pid, since)."""
 
     def __init__(self, holder: str):

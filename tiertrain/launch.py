@@ -52,12 +52,14 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .comm import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, PeerLost, finish_collectives, is_connection_lost, peer_lost
+from .comm import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, CollectiveTimeout, PeerLost, finish_collectives, is_connection_lost,
+                   peer_lost)
+from .errors import TiertrainError
 
 __all__ = ["WorkerFailure", "Terminated", "check_terminated", "under_torchrun", "default_nproc", "default_backend", "run",
            "launch_local", "DEFAULT_TIMEOUT_S"]
@@ -70,7 +72,10 @@ __all__ = ["WorkerFailure", "Terminated", "check_terminated", "under_torchrun", 
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread so that finally blocks and exit handlers run (the
     default action ends the process on the spot, leaving swap files behind). A
-    KeyboardInterrupt, so that whatever handles Ctrl-C handles it the same way."""
+    KeyboardInterrupt, so that whatever handles Ctrl-C handles it the same way.
+
+    Not a TiertrainError: that is an Exception, and an ``except Exception`` on the way out
+    (a best-effort cleanup, a worker's report) would then swallow the stop request."""
 
 
 _terminated_by: list[str] = []
@@ -121,22 +126,27 @@ def _run_timeout(timeout: float):
             os.environ[TIMEOUT_ENV] = previous
 
 
-class WorkerFailure(RuntimeError):
+class WorkerFailure(TiertrainError, RuntimeError):
     """A local worker raised or died. ``rank``, ``exc_type`` (class name or None when it
-    died without reporting), ``message`` (one line) and ``details`` (its traceback)."""
+    died without reporting), ``message`` (one line) and ``details`` (its traceback).
+    ``exit_code`` is the rank's error's (:attr:`TiertrainError.exit_code`, computed in the
+    rank from the exception itself): the command reports a user's error in a rank as its one
+    line with that status; None for a failure of the program, or a rank that died without
+    reporting."""
 
-    def __init__(self, rank: int, exc_type: str | None, message: str, details: str):
+    def __init__(self, rank: int, exc_type: str | None, message: str, details: str, exit_code: int | None = None):
         kind = f"{exc_type}: " if exc_type else ""
         super().__init__(f"rank {rank} failed: {kind}{message}" + (f"\n{details}" if details else ""))
         self.rank = rank
         self.exc_type = exc_type
         self.message = message
         self.details = details
+        self.exit_code = exit_code
         self.others: list[str] = []
         """One line per other rank that failed too (usually as a consequence)."""
 
 
-class WorkersTimedOut(RuntimeError):
+class WorkersTimedOut(TiertrainError, RuntimeError):
     """The ranks had not all finished when launch_local's deadline expired (a hang)."""
 
 
@@ -267,6 +277,26 @@ def _remove_own_swap(cleanup_dir: str | None) -> None:
             pass
 
 
+class _RankError(NamedTuple):
+    """What a failed rank sends the launcher about its exception (plain values: the
+    exception object itself may not pickle)."""
+
+    caught_at: float
+    """time.time() when the rank caught it: the earliest is the root cause."""
+    exc_type: str
+    """The class name, for the report."""
+    message: str
+    """The first line of the message."""
+    details: str
+    """The traceback."""
+    missing_ranks: list[int] | None
+    """For a collective timeout (tiertrain.comm.CollectiveTimeout), the ranks that never
+    issued the collective (empty when all had and the transfer stalled); None for any other
+    failure."""
+    exit_code: int | None
+    """The exception's TiertrainError.exit_code (None for any other exception)."""
+
+
 def _report_failure(results, rank: int, e: BaseException, cleanup_dir: str | None = None) -> None:
     """Send this rank's exception (with the time it was caught) and exit non-zero. The
     process group is deliberately not destroyed first: closing its connections makes the
@@ -276,9 +306,11 @@ def _report_failure(results, rank: int, e: BaseException, cleanup_dir: str | Non
     caught_at = time.time()
     text = str(e).strip()
     message = text.splitlines()[0] if text else type(e).__name__
-    missing = [int(r) for r in getattr(e, "missing_ranks", None) or []]
+    missing = [int(r) for r in e.missing_ranks] if isinstance(e, CollectiveTimeout) else None
+    exit_code = e.exit_code if isinstance(e, TiertrainError) else None
     try:
-        results.put((rank, False, (caught_at, type(e).__name__, message, traceback.format_exc(), missing)))
+        results.put((rank, False, _RankError(caught_at, type(e).__name__, message, traceback.format_exc(), missing,
+                                             exit_code)))
         results.close()
         results.join_thread()  # the report must leave before os._exit
     except Exception:
@@ -341,7 +373,7 @@ _EXIT_GRACE_S = 10.0
 """After every rank reported success, how long each may take to exit before it is stopped."""
 
 
-def _root_cause(reports: dict[int, tuple], dead: dict[int, int],
+def _root_cause(reports: dict[int, _RankError], dead: dict[int, int],
                 states: dict[int, str] | None = None) -> "WorkerFailure":
     """The failure to blame: a rank that died without reporting (killed, crashed) if any,
     else the earliest exception. Peers of a failed rank fail later ("Connection closed by
@@ -354,10 +386,11 @@ def _root_cause(reports: dict[int, tuple], dead: dict[int, int],
         rank = reporter = min(dead)
         failure = WorkerFailure(rank, None, f"ended with {_exit_status(dead[rank])} before reporting", "")
     else:
-        rank = reporter = min(reports, key=lambda r: (reports[r][0], r))
-        _, exc_type, message, details, *rest = reports[rank]
-        absent = [r for r in (rest[0] if rest else []) if r not in reports]
-        stalled = [] if absent or exc_type != "CollectiveTimeout" else \
+        rank = reporter = min(reports, key=lambda r: (reports[r].caught_at, r))
+        report = reports[rank]
+        message = report.message
+        absent = [r for r in report.missing_ranks or [] if r not in reports]
+        stalled = [] if absent or report.missing_ranks is None else \
             [r for r in sorted(states or {}) if r not in reports and r != rank]  # all issued it: one stopped mid-way?
         if absent:
             rank = absent[0]
@@ -367,9 +400,9 @@ def _root_cause(reports: dict[int, tuple], dead: dict[int, int],
         elif stalled:
             rank = stalled[0]
             message = f"its process is {states[rank]} in the middle of a collective: {message}"
-        failure = WorkerFailure(rank, exc_type, message, details)
+        failure = WorkerFailure(rank, report.exc_type, message, report.details, exit_code=report.exit_code)
     # (the reporter's own message is the failure's when it blamed a rank that never arrived)
-    failure.others = [f"rank {r}: {reports[r][1]}: {reports[r][2]}" for r in sorted(reports)
+    failure.others = [f"rank {r}: {reports[r].exc_type}: {reports[r].message}" for r in sorted(reports)
                       if r not in (rank, reporter)]
     failure.others += [f"rank {r}: ended with {_exit_status(d)}" for r, d in sorted(dead.items()) if r != rank]
     return failure
@@ -489,7 +522,7 @@ def _run_workers(ctx, fn, nproc: int, host: str, timeout: float, deadline: float
                 pass  # that worker already died: noticed below
             send.close()
         values: dict[int, Any] = {}
-        reports: dict[int, tuple] = {}
+        reports: dict[int, _RankError] = {}
         first_failure = None
         give_up = None if deadline is None else time.monotonic() + deadline
         while len(values) < nproc:

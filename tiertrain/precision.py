@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from .config import LossScaleConfig
+from .errors import TiertrainError
 
 if TYPE_CHECKING:
     from .zero.flat import FlatParameters
@@ -81,10 +82,12 @@ class DynamicLossScaler:
         self.state = ScalerState(**state)
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(TiertrainError, RuntimeError):
     """Training stopped: too many steps in a row had non-finite gradients
     (precision.max_consecutive_skips); the message names the step, the loss scale and the
     first non-finite gradient found on the raising rank."""
+
+    exit_code = 1
 
 
 def first_nonfinite(flat: "FlatParameters", grads: Sequence[torch.Tensor]) -> str | None:

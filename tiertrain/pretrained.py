@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .engine import Engine
+from .errors import TiertrainError
 from .hf_conversion import ConvertedCheckpoint, checkpoint_view
 from .topology import Topology
 from .zero.construct import full_shape, is_partitioned
@@ -52,7 +53,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-class PretrainedMismatchError(ValueError):
+class PretrainedMismatchError(TiertrainError, ValueError):
     """The checkpoint does not fit the model: tensors missing, unexpected, or of another shape.
     Raised before anything is written, on every rank alike (each checks the same headers), so
     the model is left as it was and no rank is left waiting in a collective."""

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..errors import TiertrainError
 from .peak import ActivationBytes
 
 __all__ = ["HFModelDims", "dims_of_hf_config", "dims_of_module", "load_hf_config", "SUPPORTED_FAMILIES",
@@ -304,7 +305,7 @@ class HFModelDims:
 # --------------------------------------------------------------------------- building
 
 
-class UnmodelledFamily(ValueError):
+class UnmodelledFamily(TiertrainError, ValueError):
     """A Hugging Face family whose activations the estimator does not model (its model states
     can still be estimated from the module or a parameter count)."""
 

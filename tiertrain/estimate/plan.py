@@ -38,6 +38,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
+from tiertrain.errors import TiertrainError
 from tiertrain.estimate.bandwidth import (
     ait_activation_checkpoints,
     ait_optimizer_states,
@@ -57,7 +58,7 @@ RAM = "ram"
 tiers are one pool (not a :class:`~tiertrain.tiers.Tier`: a budget, not a placement)."""
 
 
-class PlanError(ValueError):
+class PlanError(TiertrainError, ValueError):
     """Nothing fits; the message names the tiers that are short and by how much."""
 
     def __init__(self, message: str, plan: "Plan"):

@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from ..comm import run_timeout
+from ..errors import TiertrainError
 from .buffers import Buffer, round_up
 
 __all__ = ["AsyncIO", "Checksum", "Handle", "SwapCorruptionError", "SwapDirError", "SwapError",
@@ -96,7 +97,7 @@ _DIR_ERRNOS = {_errno.ENOENT, _errno.ENOTDIR, _errno.EACCES, _errno.EPERM, _errn
 # ---------------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------------
-class SwapError(OSError):
+class SwapError(TiertrainError, OSError):
     """Base of the swap errors; ``path`` is the file or directory concerned."""
 
     def __init__(self, message: str, path: str, errno: Optional[int] = None):
@@ -108,6 +109,8 @@ class SwapError(OSError):
 
 class SwapDirError(SwapError):
     """The swap location is missing, not a directory, or not writable."""
+
+    exit_code = 1
 
 
 class SwapSpaceError(SwapError):

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from ..comm import run_timeout
+from ..errors import TiertrainError
 from ..device import host_empty, pins_host_by_default
 
 __all__ = ["AlignedBufferPool", "Buffer", "PoolExhaustedError", "page_aligned_empty", "round_up",
@@ -33,7 +34,7 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-class PoolExhaustedError(RuntimeError):
+class PoolExhaustedError(TiertrainError, RuntimeError):
     """No buffer of the requested size became free within the timeout."""
 
 

@@ -66,12 +66,13 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Collectives
+from ..errors import TiertrainError
 from ..spans import span
 from ..update.protocol import (PIECE, GroupSchedule, LandingNorms, OptimizerUpdate, UpdateMemory, gradients_hidden,
                                optimizer_state_bytes, restore_masters, shard_optimizer)
 
 
-class DelayedUpdateError(RuntimeError):
+class DelayedUpdateError(TiertrainError, RuntimeError):
     """The background optimizer update failed on some rank; raised on every rank."""
 
 

@@ -41,6 +41,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
+from ..errors import TiertrainError
 from ..spans import span
 from .chunk_update import ChunkUpdate, StepStats
 
@@ -68,7 +69,7 @@ class SteppedOptimizer(Protocol):
     def end_overlapped_step(self) -> None: ...
 
 
-class StepCancelled(Exception):
+class StepCancelled(TiertrainError):
     """Raised inside the worker when the step is cancelled while it waits for a gradient."""
 
 

@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 
 from ..comm import run_timeout
+from ..errors import TiertrainError
 
 __all__ = ["P2PTimeout", "PendingTransfer", "PipeComm", "transfer_tag"]
 
 
-class P2PTimeout(RuntimeError):
+class P2PTimeout(TiertrainError, RuntimeError):
     """A point-to-point transfer did not complete in time (deadlock or failed peer)."""
 
 

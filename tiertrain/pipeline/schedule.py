@@ -35,6 +35,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from ..errors import TiertrainError
+
 __all__ = [
     "ActionKind", "Action", "Schedule", "ScheduleDeadlock", "Slot", "Timeline",
     "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "lower", "stage_rank", "local_chunk",
@@ -93,7 +95,7 @@ class Schedule:
         return self.ranks[rank]
 
 
-class ScheduleDeadlock(RuntimeError):
+class ScheduleDeadlock(TiertrainError, RuntimeError):
     """A schedule whose in-order execution can never finish (simulated, before running it)."""
 
 

@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import TiertrainError
 from ..spans import span
 from .protocol import gradients_hidden_where
 
@@ -54,7 +55,7 @@ def _adamw_cast(param, grad, exp_avg, exp_avg_sq, out, hyper):
     out.copy_(param)
 
 
-class CompileUnavailable(RuntimeError):
+class CompileUnavailable(TiertrainError, RuntimeError):
     """torch.compile could not build the kernel on this machine (no C++ compiler, or inductor
     failed): the message says why."""
 

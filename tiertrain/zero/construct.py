@@ -56,6 +56,7 @@ from torch.nn.modules.module import (
 )
 
 from ..comm import Collectives
+from ..errors import TiertrainError
 from ..topology import Topology
 
 FULL_SHAPE = "tiertrain_full_shape"
@@ -77,7 +78,7 @@ def forget_partition(p: torch.Tensor) -> None:
         delattr(p, FULL_SHAPE)
 
 
-class PartitionedInitError(RuntimeError):
+class PartitionedInitError(TiertrainError, RuntimeError):
     """A construction under partitioned_init that would not give the weights of an ordinary one."""
 
 

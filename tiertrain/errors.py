@@ -1,0 +1,27 @@
+"""The base of tiertrain's errors, and how the ``tiertrain`` command reports each one.
+
+Every exception class tiertrain defines derives from :class:`TiertrainError` as well as from
+the builtin it always had (``ValueError``, ``RuntimeError``, ``OSError``), so ``except
+ValueError`` in a caller's code still catches a ``ConfigError``. The command reads the class
+attributes below, never a class name: a new subclass is reported as its base says.
+"""
+from __future__ import annotations
+
+__all__ = ["TiertrainError"]
+
+
+class TiertrainError(Exception):
+    """The base of every error tiertrain raises on purpose.
+
+    Its class attributes say how the ``tiertrain`` command reports it when it ends a command
+    (``tiertrain --debug`` adds the traceback in every case)."""
+
+    exit_code: int | None = None
+    """The exit status of a one-line report ``error: <first line of the message>``: a user's
+    mistake, or a refusal the user acts on (2 for an invalid configuration, 1 otherwise).
+    None: a failure of the program, reported with its traceback."""
+
+    message_is_diagnosis: bool = False
+    """The message is a rank's diagnosis of a distributed failure (which rank hung, died or
+    issued another collective): reported as the one line ``error: rank R failed: <class>:
+    <message>``, exit status 1, the traceback adding nothing to it."""
