@@ -40,8 +40,9 @@ EXACT_OPT = {"eps": 1e-3, "lr": 1e-2}  # see tests/test_engine.py for why eps=1e
 CASES = [(k, off) for k in (1, 2) for off in ("none", "cpu")]
 
 
-def _checkpointed(model, k, offload, **kw):
-    apply_activation_checkpointing(model, ActivationConfig(checkpoint_every=k, offload=offload), **kw)
+def _checkpointed(model, k, offload, recompute="block", **kw):
+    apply_activation_checkpointing(model, ActivationConfig(checkpoint_every=k, offload=offload, recompute=recompute),
+                                   **kw)
     return model
 
 
@@ -199,11 +200,11 @@ def _model(tiled: bool):
 def _engine_runs(rank, world, cases):
     batches = global_batches(3, 8)
     out = []
-    for stage, prefetch, k, offload, tiled, early_stop in cases:
+    for stage, prefetch, k, offload, recompute, tiled, early_stop in cases:
         zero = {"stage": stage, **({"prefetch_mb": prefetch} if stage == 3 else {})}
         cfg = make_config(zero=zero, batch={"micro_batch_size": 2, "grad_accum_steps": 2}, optimizer=EXACT_OPT)
         runs = []
-        for prepare in (None, lambda m, topology, k=k, offload=offload: _checkpointed(m, k, offload)):
+        for prepare in (None, lambda m, topology, k=k, offload=offload, r=recompute: _checkpointed(m, k, offload, r)):
             # early_stop=False: the recomputation runs the whole block, every nested unit's hooks included
             with set_checkpoint_early_stop(early_stop):
                 losses, params, engine = engine_train(rank, world, _model(tiled), cfg, batches, prepare=prepare)
@@ -220,16 +221,19 @@ def _engine_runs(rank, world, cases):
     return out
 
 
-ENGINE_CASES = [  # (stage, prefetch_mb, checkpoint_every, offload, early_stop)
-    (2, None, 1, "cpu", True),
-    (3, 0, 1, "none", True), (3, 0, 2, "cpu", True), (3, 1, 1, "cpu", True), (3, 1, 1, "none", False),
+ENGINE_CASES = [  # (stage, prefetch_mb, checkpoint_every, offload, recompute, early_stop)
+    (2, None, 1, "cpu", "block", True),
+    (3, 0, 1, "none", "block", True), (3, 0, 2, "cpu", "block", True), (3, 1, 1, "cpu", "block", True),
+    (3, 1, 1, "none", "block", False),
+    (2, None, 1, "cpu", "selective", True), (3, 0, 1, "none", "selective", True),
+    (3, 1, 2, "cpu", "selective", True), (3, 1, 1, "none", "selective", False),
 ]
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("tiled", [False, True], ids=["blocks", "nested_units"])
 def test_engine_with_checkpointing_matches_reference(tiled):
-    cases = [c[:4] + (tiled, c[4]) for c in ENGINE_CASES if tiled is False or c[0] == 3]
+    cases = [c[:5] + (tiled, c[5]) for c in ENGINE_CASES if tiled is False or c[0] == 3]
     results = run_distributed(_engine_runs, 2, cases, timeout=80)[0]
     cfg = make_config(optimizer=EXACT_OPT)
     oracle = Oracle.run(reference_train, _model(tiled), cfg, global_batches(3, 8))
@@ -244,10 +248,21 @@ def test_engine_with_checkpointing_matches_reference(tiled):
         assert traces == base_traces and live == 0, case
         if case[1] == 0:  # without prefetch, recomputing adds at most one nested unit to what is gathered
             assert peak <= base_peak + tile, (case, peak, base_peak, tile)
-        k = case[2]
+        k, offload, recompute = case[2:5]
         n_ckpt = math.ceil(2 / k)
-        assert mem.peak_bytes == n_ckpt * 2 * 16 * 32 * 4, case  # micro-batch 2 × seq 16 × hidden 32 fp32
-        assert mem.bytes == 0 and mem.host_peak_bytes == (mem.peak_bytes if case[3] == "cpu" else 0), case
+        inputs = n_ckpt * 2 * 16 * 32 * 4  # micro-batch 2 × seq 16 × hidden 32 fp32
+        kept = n_ckpt * _kept_per_block(micro_batch=2) if recompute == "selective" else 0
+        assert mem.peak_bytes == inputs + kept, case
+        assert mem.bytes == 0 and mem.host_peak_bytes == (inputs if offload == "cpu" else 0), case
+
+
+def _kept_per_block(micro_batch: int) -> int:
+    """The estimator's bytes of the outputs a selectively checkpointed block of make_model()
+    keeps (fp32)."""
+    from tiertrain.estimate.memory import ModelDims
+    from tiertrain.estimate.peak import gpt_activation_bytes
+
+    return gpt_activation_bytes(ModelDims.from_gpt_config(make_model().config), micro_batch, 4).kept_at(0)
 
 
 # --------------------------------------------------------------------------- 4. bad input

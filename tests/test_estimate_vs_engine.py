@@ -20,8 +20,8 @@ parameters on the CPU tier, and on NVMe — and then:
   (``FlatParameters.peak_gathered_bytes``) equal the estimator's model-state working memory
   (:func:`~tiertrain.estimate.peak.stage3_gathered_bytes`), and nothing stays gathered
   between steps;
-* activation checkpoints: the engine's peak of saved block inputs (and its CPU-tier share)
-  equals the estimator's checkpoint bytes.
+* activation checkpoints: the engine's peak of saved block inputs (and its CPU-tier share),
+  plus the outputs selective recomputation keeps, equals the estimator's checkpoint bytes.
 
 So a change to the engine's persistent buffers that the estimator does not follow fails
 here. The transient buffers (buckets and reductions in flight, activations) are not
@@ -61,6 +61,8 @@ CASES = {
     "stage3 fp32 all on nvme": ["--zero.stage=3", "--precision.dtype=fp32", "--zero.offload_optimizer=nvme",
                                 "--zero.offload_params=nvme"],
     "stage3 checkpoints": ["--zero.stage=3", "--activations.checkpoint_every=1"],
+    "stage3 selective checkpoints on cpu": ["--zero.stage=3", "--activations.checkpoint_every=1",
+                                            "--activations.offload=cpu", "--activations.recompute=selective"],
 }
 """Name -> config overrides (an NVMe case gets ``zero.nvme_path`` under pytest's tmp_path)."""
 
@@ -203,9 +205,11 @@ def test_activation_checkpoints_equal_the_engines(reports, name):
     lay = ZeroLayout.from_config(_config(name, "/unused"), 2)
     dims = _dims()
     n_checkpoints = len(range(0, dims.n_layers, lay.checkpoint_interval))
-    predicted = gpt_activation_bytes(dims, lay.micro_batch, PRECISION_BYTES[lay.precision]).checkpoint * n_checkpoints
+    acts = gpt_activation_bytes(dims, lay.micro_batch, PRECISION_BYTES[lay.precision])
+    inputs = acts.checkpoint * n_checkpoints
+    kept = acts.kept_at(0) * n_checkpoints if lay.recompute == "selective" else 0  # (on the device)
     est = estimate(dims, lay)
     assert est.line("activation checkpoints").tier is lay.checkpoint_tier
     for rep in reports[name]:
-        assert rep["checkpoints"] == predicted
-        assert rep["checkpoints_cpu"] == (predicted if lay.checkpoint_tier is Tier.CPU else 0)
+        assert rep["checkpoints"] == inputs + kept
+        assert rep["checkpoints_cpu"] == (inputs if lay.checkpoint_tier is Tier.CPU else 0)

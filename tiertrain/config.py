@@ -344,6 +344,8 @@ class ActivationConfig:
     """Recompute activations in backward for every k-th transformer block (full-block checkpointing); 0 disables."""
     offload: Tier = Tier.DEVICE
     """Tier holding the checkpointed block inputs between forward and backward: none (the device) or cpu."""
+    recompute: Literal["block", "selective"] = "block"
+    """What a checkpointed block recomputes in backward: block (all of it) or selective (keep the outputs of its matrix multiplications and attention kernels, recompute the rest; docs/concepts.md#selective-activation-checkpointing)."""
 
     def __post_init__(self) -> None:
         # Any tier parses here; activation checkpointing names the ones it supports (device, cpu).
@@ -357,6 +359,12 @@ class ActivationConfig:
         if self.offload.offloaded and self.checkpoint_every == 0:
             _fail(f"{path}.offload", self.offload.config_name,
                   f"'none' while {path}.checkpoint_every=0 (there are no checkpoints to offload)")
+        if self.recompute not in ("block", "selective"):
+            _fail(f"{path}.recompute", self.recompute, "'block' or 'selective'")
+        if self.recompute == "selective" and self.checkpoint_every == 0:
+            _fail(f"{path}.recompute", self.recompute,
+                  f"'block' while {path}.checkpoint_every=0 (no block is checkpointed; set checkpoint_every=1 "
+                  f"to checkpoint every block selectively)")
 
 
 @dataclass

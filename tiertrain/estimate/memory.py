@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from .lines import PRECISION_BYTES, TIERS, EstimateLine, Tier, masters_are_param_shards, second_generation_lines
-from .peak import engine_build_peak, engine_estimate_lines, engine_grad_tier
+from .peak import engine_build_peak, engine_estimate_lines, engine_grad_tier, gpt_activation_bytes
 
 __all__ = [
     "PRECISION_BYTES",
@@ -411,6 +411,9 @@ class ZeroLayout:
     backend: str = "gloo"
     """Collective backend: "gloo" (CPU; with more than 2 ranks its reduce-scatter and
     all-gather stage a full-size copy) or "nccl"."""
+    recompute: str = "block"
+    """activations.recompute: "block" (a checkpointed block keeps its input) or "selective"
+    (also its matmul and fused-attention outputs; engine accounting only)."""
 
     def __post_init__(self) -> None:
         # A tier given by any spelling Tier accepts ("cpu", "none", a member) becomes the
@@ -452,6 +455,13 @@ class ZeroLayout:
                 f"ZeroLayout.param_tier={self.param_tier.value!r} is invalid with stage={self.stage}: "
                 "parameters can leave the device only when partitioned (stage 3)"
             )
+        if self.recompute not in ("block", "selective"):
+            raise ValueError(f"ZeroLayout.recompute={self.recompute!r} is invalid: must be 'block' or 'selective'")
+        if self.recompute == "selective" and (self.accounting == "paper" or not self.checkpoint_interval):
+            raise ValueError("ZeroLayout.recompute='selective' is invalid with "
+                             + ("accounting='paper' (the papers checkpoint whole blocks; use accounting='engine')"
+                                if self.accounting == "paper" else
+                                "checkpoint_interval=0 (no block is checkpointed; use 'block')"))
         if self.accounting not in ("engine", "paper"):
             raise ValueError(
                 f"ZeroLayout.accounting={self.accounting!r} is invalid: must be 'engine' or 'paper'"
@@ -483,6 +493,7 @@ class ZeroLayout:
                    param_tier=Tier(z.offload_params) if z.stage == 3 else Tier.DEVICE,
                    grad_tier=engine_grad_tier(z.stage, optimizer_tier),
                    checkpoint_tier=Tier(acts.offload), checkpoint_interval=acts.checkpoint_every,
+                   recompute=acts.recompute,
                    micro_batch=config.batch.micro_batch_size, bucket_mb=z.bucket_mb,
                    prefetch_mb=z.prefetch_mb or 0.0, persistence_threshold=z.persistence_threshold,
                    nvme_in_place=z.nvme_in_place, nvme_grads_in_ram_mb=z.nvme_grads_in_ram_mb,
@@ -677,6 +688,13 @@ def _activation_lines(d: ModelDims, lay: ZeroLayout) -> list[EstimateLine]:
         n_ckpt = math.ceil(nl / ci)
         lines.insert(0, EstimateLine("activation checkpoints", dt * b * s * h * n_ckpt, lay.checkpoint_tier,
                                      f"{dt}·bsz·seq·hd·⌈nl/ci⌉ (ZeRO-Infinity §3)"))
+        if lay.recompute == "selective":  # the kept outputs: on the device, split like the linears (÷t)
+            acts = (d.activation_bytes(b, dt) if hasattr(d, "activation_bytes")
+                    else gpt_activation_bytes(d, b, dt))
+            lines.insert(1, EstimateLine("activations kept by selective recompute",
+                                         math.ceil(n_ckpt * acts.kept_at(0) / lay.tp),
+                                         Tier.DEVICE, "⌈nl/ci⌉ × the matmul and fused-attention outputs of a "
+                                         "block, ÷t (activations.recompute=selective)"))
         awm = (infinity_awm_bytes(b, s, ci, h, a) if paper else math.ceil(min(ci, nl) * layer))
         lines.insert(1, EstimateLine("activation working memory", awm, Tier.DEVICE,
                                      "bsz·seq·ci·(16·hd+2·attn_heads·seq) (ZeRO-Infinity §3 AWM)" if paper

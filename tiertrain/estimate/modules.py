@@ -251,6 +251,38 @@ class HFModelDims:
             return 2 * th * D + self._norm(tokens, D) + body + mask
         return 2 * th * D + 2 * D * tokens + body + mask
 
+    def _attention_kept(self, s_q: int, s_kv: int, b: int, D: int) -> int:
+        """Outputs one attention keeps under selective recomputation: the Q, K, V and output
+        projections, and the fused SDPA's output and log-sum-exp (the math and eager paths
+        run batched matmuls, which are recomputed)."""
+        h, a, qd, kvd = self.hidden, self.n_heads, self.n_heads * self.head_dim, self.kv_heads * self.head_dim
+        fused = (s_q * qd * b * D + 4 * b * a * s_q) if self.attention == "flash" else 0
+        return (s_q * qd + 2 * s_kv * kvd + s_q * h) * b * D + fused
+
+    def _mlp_kept(self, tokens: int, D: int) -> int:
+        """Outputs the MLP keeps under selective recomputation: its linears (gate and up, or
+        the first, then the down projection)."""
+        return tokens * ((2 if self.gated_mlp else 1) * self.intermediate + self.hidden) * D
+
+    def kept_bytes(self, micro_batch: int, precision_bytes: int) -> list[int]:
+        """Outputs each block keeps besides its input when checkpointed selectively
+        (``activations.recompute = "selective"``), in registration order."""
+        b, D = micro_batch, precision_bytes
+        s, sd = self.seq_len, self.decoder_seq_len
+        if self.kind == "encoder-decoder":
+            enc = self._attention_kept(s, s, b, D) + self._mlp_kept(b * s, D)
+            dec = self._attention_kept(sd, sd, b, D) + self._attention_kept(sd, s, b, D) + self._mlp_kept(b * sd, D)
+            return [enc] * self.n_encoder_layers + [dec] * self.n_decoder_layers
+        return [self._attention_kept(s, s, b, D) + self._mlp_kept(b * s, D)] * self.n_layers
+
+    def _kept_unused(self, micro_batch: int, D: int) -> int:
+        """Of the largest block's kept outputs, those its backward never reads: the
+        projections back to the residual stream (and Q/K before rotary)."""
+        tokens = micro_batch * (self.decoder_seq_len if self.kind == "encoder-decoder" else self.seq_len)
+        projections = 3 if self.kind == "encoder-decoder" else 2
+        rotary = (self.n_heads + self.kv_heads) * self.head_dim if self.model_type in _LLAMA_LIKE else 0
+        return tokens * (projections * self.hidden + rotary) * D
+
     def block_bytes(self, micro_batch: int, precision_bytes: int) -> list[int]:
         """Saved-for-backward bytes of each block, in registration order (encoder first)."""
         b, D = micro_batch, precision_bytes
@@ -299,7 +331,8 @@ class HFModelDims:
         tied = V * h * D if self.tie_embeddings else 0
         return ActivationBytes(block=max(blocks), checkpoint=b * s * h * D, head=head, logits_in_flight=logits,
                                head_backward=head_bwd, block_backward=block_bwd, tied_head_grad=tied,
-                               blocks=tuple(blocks))
+                               blocks=tuple(blocks), kept=tuple(self.kept_bytes(b, D)),
+                               kept_unused=self._kept_unused(b, D))
 
 
 # --------------------------------------------------------------------------- building

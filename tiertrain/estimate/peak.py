@@ -115,10 +115,35 @@ class ActivationBytes:
     blocks: tuple[int, ...] = ()
     """Per block, in registration order, when blocks differ (an encoder-decoder's decoder
     blocks also keep cross-attention); empty: every block keeps ``block``."""
+    kept: tuple[int, ...] = ()
+    """Per block (one entry: every block), the outputs a selectively checkpointed block keeps
+    besides its input (``activations.recompute = "selective"``): its matrix multiplications
+    and fused attention (tiertrain.offload.activations.SELECTIVE_SAVED_OPS)."""
+    kept_unused: int = 0
+    """Of a block's ``kept`` bytes, those its backward never reads (the outputs of the
+    projections back to the residual stream, and of Q/K before rotary): the recomputed block
+    shares the rest with the cache, so these are what recomputation holds on top of ``block``'s
+    other tensors."""
 
     def block_at(self, i: int) -> int:
         """Bytes saved by block ``i`` (not checkpointed)."""
         return self.blocks[i] if i < len(self.blocks) else self.block
+
+    def kept_at(self, i: int) -> int:
+        """Bytes block ``i`` keeps besides its input when checkpointed selectively."""
+        return self.kept[min(i, len(self.kept) - 1)] if self.kept else 0
+
+    def held_by_checkpointed(self, i: int, selective: bool) -> int:
+        """Bytes block ``i`` holds between forward and backward when checkpointed: its input,
+        plus its kept outputs when ``selective``."""
+        return self.checkpoint + (self.kept_at(i) if selective else 0)
+
+    def recompute_working(self, i: int, selective: bool) -> int:
+        """Bytes the recomputation of block ``i`` adds while its backward runs: every tensor
+        the block saves, less the kept outputs it takes from the cache (already held)."""
+        if not selective:
+            return self.block_at(i)
+        return self.block_at(i) - (self.kept_at(i) - self.kept_unused)
 
 
 def gpt_activation_bytes(dims: Any, micro_batch: int, precision_bytes: int) -> ActivationBytes:
@@ -136,8 +161,12 @@ def gpt_activation_bytes(dims: Any, micro_batch: int, precision_bytes: int) -> A
     head_bwd = 2 * 4 * s * b * V + (s * b * V * D if D != 4 else 0)
     block_bwd = (f + 1) * sbh * D + f * h * h * D
     tied = V * h * D if dims.tie_embeddings else 0
+    # selective: qkv (3), proj, fc1 (f), fc2 outputs, and the fused SDPA's output and lse
+    # (with attention dropout SDPA takes the math path: nothing of it is kept)
+    kept = (5 + f) * sbh * D + (0 if drop else sbh * D + 4 * b * a * s)
     return ActivationBytes(block=block, checkpoint=sbh * D, head=head, logits_in_flight=logits,
-                           head_backward=head_bwd, block_backward=block_bwd, tied_head_grad=tied)
+                           head_backward=head_bwd, block_backward=block_bwd, tied_head_grad=tied,
+                           kept=(kept,), kept_unused=2 * sbh * D)
 
 
 # --------------------------------------------------------------------------- the layout
@@ -175,7 +204,8 @@ _LAYOUTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictiona
 def engine_units(model: nn.Module, stage: int, dp: int, bucket_mb: float = 25.0,
                  persistence_threshold: int = 0):
     """The engine's FlatLayout for ``model`` (any device, meta included): exactly what
-    ``Engine._build_layout`` builds (cached per module; the module must not change)."""
+    ``tiertrain.zero.plan.default_plan`` lays out for the engine (cached per module; the module
+    must not change)."""
     from tiertrain.zero.layout import bucket_layout, module_layout
 
     key = (stage, dp if stage else 1, float(bucket_mb) if stage < 3 else 0.0,
@@ -265,12 +295,15 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
                   bucket_mb: float = 25.0, prefetch_mb: float = 0.0, persistence_threshold: int = 0,
                   backend: str = "gloo", rank: int | None = None,
                   acts: ActivationBytes | None = None, checkpoint_every: int = 0,
-                  checkpoint_tier: Tier = Tier.DEVICE, max_in_flight: int = 2) -> PeakBreakdown:
+                  checkpoint_tier: Tier = Tier.DEVICE, max_in_flight: int = 2,
+                  recompute: str = "block") -> PeakBreakdown:
     """Simulate one training step of tiertrain's engine on ``model`` (meta is fine) and
     return what one rank holds at the peak. ``acts``: the model's activation sizes (None:
     activations not modelled, model states and engine buffers only). ``rank``: the rank
     to account (None: rank 0, the largest: ranks differ only in the Adam moments of their
-    shard's real elements, and each unit's padding sits at its end)."""
+    shard's real elements, and each unit's padding sits at its end). ``recompute``:
+    ``activations.recompute`` ("selective": checkpointed blocks also keep their kept
+    outputs, on the device whatever ``checkpoint_tier``)."""
     if rank is None:
         rank = 0  # every rank holds the same buffers; the padding (no Adam state) is at the end
     param_tier, optimizer_tier, checkpoint_tier = Tier(param_tier), Tier(optimizer_tier), Tier(checkpoint_tier)
@@ -336,19 +369,18 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
         blocks = {p: i for i, p in enumerate(prefixes)}
         n_blocks = len(prefixes)
         ckpt = set(range(0, n_blocks, checkpoint_every)) if checkpoint_every > 0 else set()
-        saved = [acts.checkpoint if i in ckpt else acts.block_at(i) for i in range(n_blocks)]
+        selective = recompute == "selective"
         ckpt_bytes = acts.checkpoint * len(ckpt)
         if checkpoint_tier is Tier.CPU and ckpt:  # the host pool keeps every checkpoint's buffer
             cpu_items["activation checkpoints (CPU pool)"] = ckpt_bytes
-            saved = [0 if i in ckpt else acts.block_at(i) for i in range(n_blocks)]
 
         def act_items(alive_blocks: int) -> dict[str, int]:
-            live = saved[:alive_blocks]
-            full = sum(x for i, x in enumerate(live) if i not in ckpt)
-            chk = sum(x for i, x in enumerate(live) if i in ckpt)
-            d = {"activations (blocks)": full}
+            live = range(alive_blocks)
+            d = {"activations (blocks)": sum(acts.block_at(i) for i in live if i not in ckpt)}
             if ckpt and checkpoint_tier is not Tier.CPU:
-                d["activation checkpoints"] = chk
+                d["activation checkpoints"] = acts.checkpoint * sum(1 for i in live if i in ckpt)
+            if ckpt and selective:
+                d["kept outputs (selective recompute)"] = sum(acts.kept_at(i) for i in live if i in ckpt)
             return d
 
         # stage 3: units (by index) of the root and of each block; gathered state
@@ -417,7 +449,7 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
             d = act_items(b + 1)
             d["backward buffers"] = (acts.block_backward if b >= 0 else 0) + acts.tied_head_grad
             if b in ckpt:  # recomputation: the block's activations again (+ its fetched input)
-                d["activation working memory (recompute)"] = acts.block_at(b) + (
+                d["activation working memory (recompute)"] = acts.recompute_working(b, selective) + (
                     acts.checkpoint if checkpoint_tier is Tier.CPU else 0)
             d.update(engine_items(b if gathered and b >= 0 else None))
             return d
@@ -721,6 +753,10 @@ _ITEM_LINES = {
                              "through backward (tiertrain GPT, fused SDPA; saved_tensors_hooks count)"),
     "activation checkpoints": ("activation checkpoints",
                                "s·b·h·D per checkpointed block (its input; blocks 0, ci, 2ci, …)"),
+    "kept outputs (selective recompute)": ("activations kept by selective recompute",
+                                           "per checkpointed block not yet through backward: its matmul and "
+                                           "fused-attention outputs, on the device (activations.recompute="
+                                           "selective; tiertrain.offload.activations.SELECTIVE_SAVED_OPS)"),
     "activations (embedding, head, logits)": ("activations (embedding, head, logits)",
                                               "2·s·b·h·D + 4·s·b·V (fp32 log-softmax) + ids/labels; at forward "
                                               "end + logits s·b·V·D (+ fp32 copy)"),
@@ -788,7 +824,8 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
     pk = simulate_peak(module, dp=lay.dp, stage=lay.stage, precision_bytes=D, param_tier=param_tier,
                        optimizer_tier=optimizer_tier, bucket_mb=lay.bucket_mb, prefetch_mb=lay.prefetch_mb,
                        persistence_threshold=lay.persistence_threshold, backend=lay.backend, acts=acts,
-                       checkpoint_every=lay.checkpoint_interval, checkpoint_tier=lay.checkpoint_tier)
+                       checkpoint_every=lay.checkpoint_interval, checkpoint_tier=lay.checkpoint_tier,
+                       recompute=lay.recompute)
     layout = engine_units(module, lay.stage, lay.dp, lay.bucket_mb, lay.persistence_threshold)
     n_units = len(layout.units)
     kind = ("one unit per block + root" if lay.stage == 3 else
@@ -837,6 +874,9 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
             add("activation checkpoints", 0, lay.checkpoint_tier, _ITEM_LINES["activation checkpoints"][1])
         add("activations (embedding, head, logits)", 0, Tier.DEVICE,
             _ITEM_LINES["activations (embedding, head, logits)"][1])
+        if lay.checkpoint_interval and lay.recompute == "selective":
+            name, formula = _ITEM_LINES["kept outputs (selective recompute)"]
+            add(name, 0, Tier.DEVICE, formula)
         if lay.checkpoint_interval:
             add("activation working memory", 0, Tier.DEVICE, _ITEM_LINES["activation working memory (recompute)"][1])
     if lay.stage == 3:

@@ -50,31 +50,60 @@ recomputation keeps its parameters. So at most one nested unit more than without
 checkpointing is gathered at a time, each step's prefetch order stays the traced one, and
 ranks stay in step (they all recompute the same blocks in the same order).
 
+Selective recomputation (``config.recompute == "selective"``,
+docs/concepts.md#selective-activation-checkpointing): the checkpointed forward also keeps
+the outputs of the block's matrix multiplications and fused attention
+(:data:`SELECTIVE_SAVED_OPS`, torchtitan's op-level policy), through torch's public
+``create_selective_checkpoint_contexts``; the recomputation takes those from the cache and
+recomputes only the cheap ops between them (norms, activations, rotary, elementwise), so
+backward does no more FLOPs than without checkpointing. The kept outputs stay on the device
+whatever ``offload`` says (they are what makes backward fast); ``memory()`` counts them in
+``saved_op_bytes``. Hugging Face models run a training forward without their KV cache while
+checkpointed (:class:`_NoCacheInTraining`).
+
 Dropout: checkpoint stashes the RNG state (CPU, and the inputs' devices') at forward and
 restores it for the recomputation, so every mask is drawn again identically.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..config import ACTIVATION_TIERS, ActivationConfig, ConfigError, parse_tier
 from ..device import Copy, DeviceStreams, host_empty, pins_host, pins_host_by_default
 from ..tiers import Tier
 from ..zero.recompute import recomputation
 
-__all__ = ["ActivationCheckpointing", "CheckpointMemory", "HostCheckpointPool",
+__all__ = ["ActivationCheckpointing", "CheckpointMemory", "HostCheckpointPool", "SELECTIVE_SAVED_OPS",
            "apply_activation_checkpointing", "checkpoint_blocks", "checkpoint_memory",
            "checkpointing_of"]
 
 _ATTR = "_tiertrain_activation_checkpointing"
 _OFFLOAD = ACTIVATION_TIERS
+
+
+def _aten_ops(*names: str) -> frozenset:
+    """The default overloads of the named aten ops this torch build has (the fused attention
+    kernels differ between builds and devices)."""
+    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
+
+
+SELECTIVE_SAVED_OPS = _aten_ops(
+    "mm", "addmm", "_scaled_mm", "_grouped_mm",  # the linears (F.linear reaches aten as mm/addmm)
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward")
+"""Ops whose outputs a selectively checkpointed block keeps: matrix multiplications and
+fused attention. Batched matmuls (``bmm``) are not among them: in eager attention they make
+the s×s scores, the memory checkpointing exists to drop."""
 
 
 # --------------------------------------------------------------------------- blocks
@@ -149,6 +178,8 @@ class CheckpointMemory:
     """Host pool capacity: buffers in use plus freed ones kept for reuse."""
     recomputations: int = 0
     """Blocks recomputed in backward so far."""
+    saved_op_bytes: int = 0
+    """Of ``bytes``, the op outputs kept by selective recomputation (on the device)."""
 
 
 class _Counters:
@@ -157,7 +188,12 @@ class _Counters:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.device = self.host = self.peak = self.host_peak = self.recomputations = 0
+        self.device = self.host = self.peak = self.host_peak = self.recomputations = self.saved_ops = 0
+
+    def add_saved_ops(self, nbytes: int) -> None:
+        with self.lock:
+            self.saved_ops += nbytes
+        self.add(nbytes, 0)
 
     def add(self, device: int, host: int) -> None:
         with self.lock:
@@ -268,6 +304,50 @@ class _OnHost:
         owner._counters.add(0, -self.nbytes)
 
 
+def _release_saved_ops(counters: _Counters, kept: list[int]) -> None:
+    counters.add_saved_ops(-kept[0])
+
+
+class _NoCacheInTraining:
+    """Forward hooks on a Hugging Face model: no KV cache in a training forward. Its blocks
+    would write to the cache, and a block recomputed in backward would find it changed by its
+    own forward (and write to it again); the cache serves generation only, and Hugging Face's
+    own gradient checkpointing turns it off too. Each config with ``use_cache`` set (an
+    encoder-decoder's decoder stack holds its own copy) reads False for the length of the
+    call, and a ``use_cache=True`` argument becomes False. A class, not a closure, so that
+    ``copy.deepcopy(model)`` rebinds it to the copy."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.turned_off: list = []
+
+    @classmethod
+    def install(cls, model: nn.Module) -> list:
+        """The hooks' handles; none for a model without a ``use_cache`` config."""
+        if not any(hasattr(getattr(m, "config", None), "use_cache") for m in model.modules()):
+            return []
+        hooks = cls(model)
+        return [model.register_forward_pre_hook(hooks.before, with_kwargs=True),
+                model.register_forward_hook(hooks.after, always_call=True)]
+
+    def before(self, module, args, kwargs):
+        if not (module.training and torch.is_grad_enabled()):
+            return None
+        configs = {id(c): c for m in self.model.modules() if (c := getattr(m, "config", None)) is not None}
+        for config in configs.values():
+            if getattr(config, "use_cache", None) is True:
+                config.use_cache = False
+                self.turned_off.append(config)
+        if kwargs.get("use_cache"):
+            return args, {**kwargs, "use_cache": False}
+        return None
+
+    def after(self, module, args, output):
+        for config in self.turned_off:
+            config.use_cache = True
+        self.turned_off = []
+
+
 # --------------------------------------------------------------------------- the wrapper
 
 
@@ -276,8 +356,8 @@ class _CheckpointedForward:
     checkpoint, with the handle's saved-tensor hooks around it (see the module docstring).
     A class, not a closure, so that ``copy.deepcopy(model)`` rebinds it to the copy."""
 
-    def __init__(self, owner: "ActivationCheckpointing", module: nn.Module, previous):
-        self.owner, self.module, self.previous = owner, module, previous
+    def __init__(self, owner: "ActivationCheckpointing", module: nn.Module, previous, name: str):
+        self.owner, self.module, self.previous, self.name = owner, module, previous, name
 
     def _run(self, *args, **kwargs):
         if self.previous is not None:
@@ -296,7 +376,7 @@ class _CheckpointedForward:
         owner = self.owner
         with torch.autograd.graph.saved_tensors_hooks(owner._pack, owner._unpack):
             return checkpoint(run, *args, *kwargs.values(), use_reentrant=False,
-                              context_fn=owner._contexts)
+                              context_fn=functools.partial(owner._contexts, self.name))
 
 
 class ActivationCheckpointing:
@@ -319,8 +399,9 @@ class ActivationCheckpointing:
         for name in self.checkpointed:
             module = model.get_submodule(name)
             previous = module.__dict__.get("forward")
-            module.forward = _CheckpointedForward(self, module, previous)
+            module.forward = _CheckpointedForward(self, module, previous, name)
             self._installed.append((module, previous))
+        self._cache_hooks = _NoCacheInTraining.install(model)
 
     def streams(self, device: torch.device) -> DeviceStreams:
         """The streams and copies of the device a checkpoint comes from."""
@@ -343,8 +424,45 @@ class ActivationCheckpointing:
             return packed.tensor
         return packed
 
-    def _contexts(self):
-        return contextlib.nullcontext(), self._recomputing()
+    def _contexts(self, block: str):
+        if self.config.recompute == "block":
+            return contextlib.nullcontext(), self._recomputing()
+        return self._selective_contexts(block)
+
+    def _selective_contexts(self, block: str):
+        """torch's selective-checkpoint modes for one checkpointed call, with the bytes of
+        the outputs they keep counted until the call's recompute mode (which holds them) is
+        freed with the block's part of the autograd graph."""
+        kept = [0]
+        counters = self._counters
+
+        def policy(ctx, op, *args, **kwargs):
+            if op not in SELECTIVE_SAVED_OPS:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            outputs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)
+            nbytes = sum(t.untyped_storage().nbytes() for t in outputs if isinstance(t, torch.Tensor))
+            kept[0] += nbytes
+            counters.add_saved_ops(nbytes)
+            return CheckpointPolicy.MUST_SAVE
+
+        caching, cached = create_selective_checkpoint_contexts(policy)
+        weakref.finalize(cached, _release_saved_ops, counters, kept)
+        return caching, self._recomputing_selectively(block, cached)
+
+    @contextlib.contextmanager
+    def _recomputing_selectively(self, block: str, cached):
+        with cached, self._recomputing():
+            try:
+                yield
+            except RuntimeError as e:
+                if "not found in storage" not in str(e):  # (torch's words name an op, not the block)
+                    raise
+                raise RuntimeError(
+                    f"selective recomputation of block {block!r} failed: its recomputation did not run the ops "
+                    f"its forward ran, so the kept outputs cannot be matched to them. The block's forward must "
+                    f"depend on its inputs only, not on state its forward changes (a KV cache written to: pass "
+                    f"use_cache=False; a counter or flag read in forward); or use activations.recompute=block. "
+                    f"torch said: {e}") from e
 
     @contextlib.contextmanager
     def _recomputing(self):
@@ -361,7 +479,7 @@ class ActivationCheckpointing:
             return CheckpointMemory(bytes=c.device + c.host, peak_bytes=c.peak, host_bytes=c.host,
                                     host_peak_bytes=c.host_peak,
                                     host_reserved_bytes=self.pool.reserved_bytes if self.pool else 0,
-                                    recomputations=c.recomputations)
+                                    recomputations=c.recomputations, saved_op_bytes=c.saved_ops)
 
     def reset_peak(self) -> None:
         c = self._counters
@@ -376,11 +494,15 @@ class ActivationCheckpointing:
             else:
                 module.forward = previous
         self._installed = []
+        for hook in self._cache_hooks:
+            hook.remove()
+        self._cache_hooks = []
         self._model.__dict__.pop(_ATTR, None)
 
     def __repr__(self) -> str:
         return (f"ActivationCheckpointing(checkpoint_every={self.config.checkpoint_every}, "
-                f"offload='{self.offload.config_name}', checkpointed={self.checkpointed})")
+                f"recompute='{self.config.recompute}', offload='{self.offload.config_name}', "
+                f"checkpointed={self.checkpointed})")
 
 
 def apply_activation_checkpointing(model: nn.Module, config: ActivationConfig,
