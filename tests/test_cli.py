@@ -130,7 +130,9 @@ def test_unknown_command_and_help(capsys):
 
 
 def test_overrides_mix_with_command_options():
-    own, overrides = cli._split_args(
+    from tiertrain.cli.common import split_args
+
+    own, overrides = split_args(
         ["--zero.stage", "3", "--nproc", "4", "--config=x.yaml", "--steps=5", "--precision.dtype", "bf16"],
         {"--config": True, "--nproc": True})
     assert own == ["--nproc", "4", "--config=x.yaml"]

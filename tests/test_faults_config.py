@@ -492,6 +492,7 @@ def test_resume_flag_needs_a_committed_checkpoint(tmp_path, capsys):
 def test_a_worker_failure_is_one_line_for_a_user_error_and_a_traceback_otherwise(capsys):
     """How `tiertrain train` reports a rank's failure: a refusal the user acts on as its one
     line; a failure of the program with the rank's traceback and the other ranks' notes."""
+    from tiertrain.cli.report import report_worker_failure
     from tiertrain.launch import WorkerFailure
 
     def failure(exc_type, message, exit_code=None):
@@ -499,9 +500,9 @@ def test_a_worker_failure_is_one_line_for_a_user_error_and_a_traceback_otherwise
         f.others = ["rank 0: RuntimeError: Connection closed by peer"]
         return f
 
-    assert cli._report_worker_failure(failure("CheckpointError", "'x/rank00001.pt' is corrupt", exit_code=1), debug=False) == 1
+    assert report_worker_failure(failure("CheckpointError", "'x/rank00001.pt' is corrupt", exit_code=1), debug=False) == 1
     assert _one_line_error(capsys.readouterr().err) == "error: 'x/rank00001.pt' is corrupt"
-    assert cli._report_worker_failure(failure("KeyError", "'w'"), debug=False) == 1
+    assert report_worker_failure(failure("KeyError", "'w'"), debug=False) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "note: also failed: rank 0" in err
     assert err.strip().splitlines()[-1] == "error: rank 1 failed: KeyError: 'w'"

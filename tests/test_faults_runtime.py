@@ -58,7 +58,7 @@ def test_every_wait_takes_the_run_timeout(tmp_path):
 def test_one_default_and_the_single_process_path():
     """The default is one number (launcher, comm, --help), and a run in this process
     (--nproc 1: launch.run without torchrun) gets its timeout too, only while it runs."""
-    from tiertrain.cli import _train_parser
+    from tiertrain.cli.train import _train_parser
 
     assert launch.DEFAULT_TIMEOUT_S == comm.DEFAULT_TIMEOUT_S
     assert f"(default {comm.DEFAULT_TIMEOUT_S:g})" in " ".join(_train_parser().format_help().split())
