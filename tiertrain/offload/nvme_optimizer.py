@@ -169,8 +169,9 @@ def _plan(s: int, numel: int, pieces: List[Piece], cap: int) -> List[Chunk]:
 def pieces_from_param_groups(shards: Sequence[torch.Tensor], groups: Sequence[dict],
                              default_weight_decay: float = 0.0) -> List[List[Piece]]:
     """The ``pieces`` argument from torch-style param groups whose params are contiguous 1-D
-    views of ``shards`` (as Engine._optimizer_groups builds them over ``u.master``): each view
-    becomes (start, end, group's weight_decay) of the shard it lies in. Empty views are skipped."""
+    views of ``shards`` (as tiertrain.update.protocol.shard_param_groups builds them over the
+    units' shards): each view becomes (start, end, group's weight_decay) of the shard it lies
+    in. Empty views are skipped."""
     spans = []
     for s, t in enumerate(shards):
         base = t.data_ptr()
