@@ -203,6 +203,21 @@ def test_the_estimate_counts_the_kept_outputs_on_the_device():
         ZeroLayout(checkpoint_interval=1, recompute="tile").validate()
 
 
+def test_tiertrain_estimate_takes_the_choice(capsys):
+    import json
+
+    from tiertrain import cli
+
+    args = ["estimate", "--preset", "small", "--ci", "1", "--micro-batch", "4", "--json"]
+    assert cli.main(args + ["--recompute", "selective"]) == 0
+    lines = {line["name"]: line for line in json.loads(capsys.readouterr().out)["lines"]}
+    assert lines["activations kept by selective recompute"]["bytes"] > 0
+    assert cli.main(args) == 0
+    assert "activations kept by selective recompute" not in capsys.readouterr().out
+    assert cli.main(["estimate", "--preset", "small", "--recompute", "selective"]) == 2
+    assert "recompute='selective' is invalid with checkpoint_interval=0" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- 3. errors
 
 

@@ -34,6 +34,8 @@ def _estimate_parser() -> argparse.ArgumentParser:
     lay.add_argument("--micro-batch", type=int, help="sequences per micro-batch per rank (default 1)")
     lay.add_argument("--ci", type=int, help="activation checkpoint interval: blocks 0, ci, 2ci, ... are checkpointed "
                                             "(activations.checkpoint_every); 0 = none (default)")
+    lay.add_argument("--recompute", choices=["block", "selective"],
+                     help="what a checkpointed block recomputes (activations.recompute; default block)")
     lay.add_argument("--tile", type=int, help="memory-centric tiling factor (default 1)")
     lay.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"],
                      help="tier of fp32 master weights and Adam state (default none = device)")
@@ -98,7 +100,7 @@ def cmd_estimate(argv: list[str]) -> int:
                   optimizer_tier=_tier(a.offload_optimizer), grad_tier=_tier(grad_tier),
                   param_tier=_tier(a.offload_params), ranks_per_node=a.ranks_per_node,
                   accounting=a.accounting, bucket_mb=a.bucket_mb, prefetch_mb=a.prefetch_mb,
-                  checkpoint_tier=_tier(a.offload_checkpoints),
+                  checkpoint_tier=_tier(a.offload_checkpoints), recompute=a.recompute,
                   backend="nccl" if a.device == "cuda" else None)
     from ..estimate.peak import HostOverhead
 

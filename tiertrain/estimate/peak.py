@@ -878,7 +878,9 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
             name, formula = _ITEM_LINES["kept outputs (selective recompute)"]
             add(name, 0, Tier.DEVICE, formula)
         if lay.checkpoint_interval:
-            add("activation working memory", 0, Tier.DEVICE, _ITEM_LINES["activation working memory (recompute)"][1])
+            add("activation working memory", 0, Tier.DEVICE, _ITEM_LINES["activation working memory (recompute)"][1]
+                if lay.recompute == "block" else "one checkpointed block recomputed selectively in backward: what "
+                "the block saves less the kept outputs it reads from the cache")
     if lay.stage == 3:
         add("model-state working memory", 0, Tier.DEVICE, _ITEM_LINES["gathered parameters (stage 3)"][1])
     transient_device = 0
