@@ -4,7 +4,8 @@ docs/concepts.md#selective-activation-checkpointing).
 Specifications:
 1. It changes no number: losses and gradients equal the unmodified model bit for bit, for
    tiertrain's GPT (every k, both tiers, with dropout) and for Hugging Face families
-   (decoder with GQA, GPT-2, encoder, encoder-decoder, MoE). (Composition with ZeRO stages 2
+   (tests/zoo.py: decoders with GQA, tied heads, a sliding window; encoder; encoder-decoder;
+   MoE; LoRA). (Composition with ZeRO stages 2
    and 3, prefetch and nested stage-3 units: tests/test_activation_checkpointing.py's engine
    cases, which include selective ones.)
 2. It is worth it: backward recomputes no matrix multiplication or attention (its FLOPs equal
@@ -67,38 +68,13 @@ def test_gpt_losses_and_gradients_equal_the_unmodified_model(k, offload, dropout
 
 
 transformers = pytest.importorskip("transformers")
-V = 96
 
-
-def _hf_configs():
-    t = transformers
-    return {
-        "llama-gqa": t.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=V, max_position_embeddings=128),
-        "gpt2": t.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=V, n_positions=128),
-        "bert": t.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=160,
-                             vocab_size=V, max_position_embeddings=128),
-        "t5": t.T5Config(d_model=64, d_kv=16, d_ff=160, num_layers=2, num_decoder_layers=2, num_heads=4,
-                         vocab_size=V, decoder_start_token_id=0, pad_token_id=0),
-        "qwen2-moe": t.Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                                      shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, vocab_size=V,
-                                      max_position_embeddings=128),
-    }
-
-
-HF_CONFIGS = _hf_configs()
-MODELLED = ("llama-gqa", "gpt2", "bert", "t5")
-"""The families whose activations tiertrain.estimate.modules models."""
+import zoo  # noqa: E402
+from test_estimate_hf import CONFIGS as MODELLED, V, _real  # noqa: E402  (the estimator's tiny families)
 
 
 def _hf_model(name, dtype=torch.float32):
-    t = transformers
-    cfg = HF_CONFIGS[name]
-    auto = (t.AutoModelForSeq2SeqLM if cfg.is_encoder_decoder else
-            t.AutoModelForMaskedLM if cfg.model_type == "bert" else t.AutoModelForCausalLM)
-    torch.manual_seed(0)
-    return auto.from_config(cfg).to(dtype).train()  # (dropout on where the config has it)
+    return _real(MODELLED[name]).to(dtype).train()  # (dropout on where the config has it)
 
 
 def _hf_batch(b=3, s=40):
@@ -111,11 +87,11 @@ def _hf_loss(model, batch):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("name", sorted(HF_CONFIGS))
+@pytest.mark.parametrize("name", sorted(zoo.MODELS))
 def test_hugging_face_families_equal_the_unmodified_model(name):
-    batch = _hf_batch()
-    reference = _loss_and_grads(_hf_model(name), batch, _hf_loss)
-    model = _checkpointed(_hf_model(name))
+    batch = zoo.batches(name, 1, 4)[0]
+    reference = _loss_and_grads(zoo.build(name), batch, _hf_loss)
+    model = _checkpointed(zoo.build(name))
     _assert_same(_loss_and_grads(model, batch, _hf_loss), reference)
     assert checkpoint_memory(model).recomputations == len(checkpointing_of(model).checkpointed) > 0
 
@@ -169,7 +145,7 @@ def test_backward_recomputes_no_matmul_and_holds_what_the_estimator_predicts():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", MODELLED)
+@pytest.mark.parametrize("name", sorted(MODELLED))
 def test_kept_outputs_of_hugging_face_blocks_are_the_estimators(name, dtype):
     from tiertrain.estimate.modules import dims_of_module
 
