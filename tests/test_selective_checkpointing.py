@@ -5,9 +5,8 @@ Specifications:
 1. It changes no number: losses and gradients equal the unmodified model bit for bit, for
    tiertrain's GPT (every k, both tiers, with dropout) and for Hugging Face families
    (tests/zoo.py: decoders with GQA, tied heads, a sliding window; encoder; encoder-decoder;
-   MoE; LoRA). (Composition with ZeRO stages 2
-   and 3, prefetch and nested stage-3 units: tests/test_activation_checkpointing.py's engine
-   cases, which include selective ones.)
+   MoE; LoRA). (Composition with ZeRO stages 2 and 3, prefetch and nested stage-3 units:
+   tests/test_activation_checkpointing.py's engine cases, which include selective ones.)
 2. It is worth it: backward recomputes no matrix multiplication or attention (its FLOPs equal
    those of the model without checkpointing; full-block recomputation's exceed them by the
    checkpointed blocks' forward), for the bytes the estimator predicts: the kept outputs of
