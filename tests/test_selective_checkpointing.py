@@ -6,7 +6,8 @@ Specifications:
    tiertrain's GPT (every k, both tiers, with dropout) and for Hugging Face families
    (tests/zoo.py: decoders with GQA, tied heads, a sliding window; encoder; encoder-decoder;
    MoE; LoRA). (Composition with ZeRO stages 2 and 3, prefetch and nested stage-3 units:
-   tests/test_activation_checkpointing.py's engine cases, which include selective ones.)
+   tests/test_activation_checkpointing.py's engine cases, which include selective ones; tensor and
+   pipeline parallelism here.)
 2. It is worth it: backward recomputes no matrix multiplication or attention (its FLOPs equal
    those of the model without checkpointing; full-block recomputation's exceed them by the
    checkpointed blocks' forward), for the bytes the estimator predicts: the kept outputs of
@@ -113,6 +114,45 @@ def test_a_hugging_face_model_trains_without_its_cache_while_checkpointed():
         assert model(**batch).past_key_values is not None
     handle.remove()
     assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+PARALLEL = {  # name -> (parallel section, tensor-parallel preparation)
+    "tp=2": ({"tp": 2}, False), "tp=2 sequence parallel": ({"tp": 2}, True), "pp=2 1f1b": ({"pp": 2}, None),
+}
+
+
+def _parallel_runs(rank, world):
+    """Each layout trained twice on this rank, without and with selective recomputation."""
+    from reference import engine_train, make_config
+    from tiertrain.parallel import apply_tensor_parallel
+
+    out = {}
+    for name, (parallel, sequence_parallel) in PARALLEL.items():
+        prepare = None if sequence_parallel is None else (
+            lambda m, topo, sp=sequence_parallel: apply_tensor_parallel(m, topo, sequence_parallel=sp))
+        for activations in ({}, {"checkpoint_every": 1, "recompute": "selective"}):
+            cfg = make_config(zero={"stage": 1}, parallel={"dp": 1, **parallel}, activations=activations,
+                              batch={"micro_batch_size": 2, "grad_accum_steps": 2}, optimizer={"eps": 1e-3})
+            losses, params, engine = engine_train(rank, world, make_model(n_layers=4), cfg, global_batches(2, 4),
+                                                  prepare=prepare)
+            out[name, bool(activations)] = (losses, params, engine.memory_report().activation_checkpoints)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_tensor_and_pipeline_parallel_runs_are_unchanged():
+    """Megatron's tensor parallelism (its collectives inside the block are recomputed, the
+    linears' local outputs kept) and a 1F1B pipeline (each stage checkpoints its own blocks)
+    train bit for bit as without checkpointing."""
+    from tiertrain.testing import run_distributed
+
+    for by_rank in run_distributed(_parallel_runs, 2, timeout=110):
+        for name in PARALLEL:
+            (losses, params, held), (plain_losses, plain_params, _) = by_rank[name, True], by_rank[name, False]
+            assert held > 0, name  # (block inputs and kept outputs: the blocks were checkpointed)
+            assert losses == plain_losses, name
+            assert params.keys() == plain_params.keys()
+            assert all(torch.equal(params[n], plain_params[n]) for n in params), name
 
 
 # --------------------------------------------------------------------------- 2. what it saves
