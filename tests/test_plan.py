@@ -162,6 +162,43 @@ def test_gpu_hardware_does_not_add_host_allocator_retention_to_the_device():
 
 
 @pytest.mark.timeout(60)
+def test_checkpointing_is_selective_where_that_fits_and_whole_blocks_only_where_needed(tmp_path):
+    """Every block checkpointed selectively holds more than whole-block checkpointing but
+    recomputes no matrix multiplication (docs/concepts.md#selective-activation-checkpointing):
+    where it fits it is chosen over any whole-block interval, with the efficiency of none."""
+    import dataclasses
+
+    from tiertrain.estimate import ZeroLayout
+    from tiertrain.estimate.plan import evaluate
+
+    base = ZeroLayout(dp=2, stage=3, micro_batch=8, precision="bf16", ranks_per_node=2, backend="nccl")
+
+    def device_bytes(**changes):
+        return evaluate(DIMS, gpu(64), dataclasses.replace(base, **changes)).usage[Tier.DEVICE]
+
+    none, selective, whole = (device_bytes(), device_bytes(checkpoint_interval=1, recompute="selective"),
+                              device_bytes(checkpoint_interval=1))
+    assert none > selective > whole
+    reserve = gpu(64).reserve
+    chosen = {}
+    for budget in ((none + selective) / 2, (selective + whole) / 2):
+        p = plan(DIMS, gpu(budget / (1 - reserve) / GiB), micro_batch=8, precision="bf16", stages=(3,),
+                 tile_factors=(1,))
+        assert p.fits and p.rung == "no offload"
+        chosen[budget] = p
+    roomy, tight = chosen.values()
+    assert (roomy.layout.checkpoint_interval, roomy.layout.recompute) == (1, "selective")
+    assert roomy.efficiency["recompute_factor"] == 1.0
+    assert tight.layout.recompute == "block" and tight.layout.checkpoint_interval >= 1
+    assert tight.efficiency["recompute_factor"] < 1.0
+    path = tmp_path / "plan.yaml"
+    path.write_text(roomy.to_yaml())
+    cfg = load(TrainConfig, str(path))
+    assert (cfg.activations.checkpoint_every, cfg.activations.recompute) == (1, "selective")
+    assert "activations.recompute" in render_plan(roomy) and roomy.to_dict()["plan"]["recompute"] == "selective"
+
+
+@pytest.mark.timeout(60)
 def test_efficiency_uses_the_bandwidth_model():
     p = plan(DIMS, gpu(0.9), micro_batch=2, precision="bf16")
     eff = p.efficiency

@@ -8,8 +8,11 @@ wins:
 
 1. **no offload** ("offload only when aggregate device memory is not enough"): the lowest
    ZeRO stage that fits (stages 0–2 move the same 2Ψ per step and fewer collectives the
-   lower the stage; stage 3 moves 3Ψ), first without activation checkpointing, then
-   checkpointing as few blocks as fits (blocks 0, k, 2k, …: the largest k);
+   lower the stage; stage 3 moves 3Ψ), first without activation checkpointing, then every
+   block checkpointed selectively (no matrix multiplication recomputed,
+   docs/concepts.md#selective-activation-checkpointing), then checkpointing as few blocks
+   whole as fits (blocks 0, k, 2k, …: the largest k); the same order wherever checkpointing
+   is searched below;
 2. **optimizer states and gradients offloaded** to the fastest tier with room (CPU memory,
    then NVMe), at stage 2 then 3 (ZeRO-Offload builds on stage 2);
 3. **parameters or activation checkpoints** (stage 3): if moving one of them suffices, the
@@ -221,7 +224,7 @@ class Candidate:
         lay = self.layout
         return {"rung": self.rung, "stage": lay.stage, "optimizer_tier": lay.optimizer_tier,
                 "param_tier": lay.param_tier, "checkpoint_every": lay.checkpoint_interval,
-                "checkpoint_tier": lay.checkpoint_tier, "tile_factor": lay.tile_factor,
+                "recompute": lay.recompute, "checkpoint_tier": lay.checkpoint_tier, "tile_factor": lay.tile_factor,
                 "usage_per_rank": dict(self.usage),
                 "build_peak_per_rank": None if self.build_usage is None else dict(self.build_usage),
                 "built_partitioned": None if self.estimate.build is None else self.estimate.build.partitioned,
@@ -277,7 +280,7 @@ class Plan:
             "batch": {"micro_batch_size": lay.micro_batch},
             "zero": zero,
             "activations": {"checkpoint_every": lay.checkpoint_interval,
-                            "offload": _checkpoint_offload(lay).config_name},
+                            "offload": _checkpoint_offload(lay).config_name, "recompute": lay.recompute},
             "tile_factor": lay.tile_factor,
         }
 
@@ -306,7 +309,7 @@ class Plan:
             "plan": {"stage": lay.stage, "dp": lay.dp, "precision": lay.precision, "micro_batch": lay.micro_batch,
                      "optimizer_tier": lay.optimizer_tier, "grad_tier": lay.grad_tier, "param_tier": lay.param_tier,
                      "checkpoint_every": lay.checkpoint_interval, "checkpoint_tier": lay.checkpoint_tier,
-                     "tile_factor": lay.tile_factor},
+                     "recompute": lay.recompute, "tile_factor": lay.tile_factor},
             "memory_per_rank": dict(self.usage),
             "budget_per_rank": dict(self.budget),
             "peak_at": self.estimate.peak_at,
@@ -397,8 +400,7 @@ def predicted_efficiency(lay: ZeroLayout, dims: ModelDims, hw: Hardware) -> dict
         eff = ait * bw / (ait * bw + hw.peak_flops)
         states.append({"state": name, "tier": tier, "ait": ait, "bandwidth": bw, "efficiency": eff,
                        "formula": f"AIT = {f} (ZeRO-Infinity §4.1)" + (f", ×dp={lay.dp} (bandwidth-centric)" if part else "")})
-    c = len(range(0, dims.n_layers, lay.checkpoint_interval)) if lay.checkpoint_interval else 0
-    recompute = 3 / (3 + c / dims.n_layers)
+    recompute = 3 / (3 + recomputed_blocks(lay, dims.n_layers) / dims.n_layers)
     transfer = 1.0 / (1.0 + sum(hw.peak_flops / (x["ait"] * x["bandwidth"]) for x in states if x["bandwidth"]))
     return {"peak_flops": hw.peak_flops, "states": states, "recompute_factor": recompute,
             "transfer": transfer, "combined": transfer * recompute}
@@ -465,6 +467,14 @@ def evaluate(dims: "ModelDims | HFModelDims", hardware: Hardware, layout: ZeroLa
     return candidate
 
 
+def recomputed_blocks(lay: ZeroLayout, n_layers: int) -> int:
+    """Blocks whose whole forward backward runs again: those checkpointed, unless selectively
+    (which recomputes only elementwise ops: counted as none, as the FLOPs are)."""
+    if not lay.checkpoint_interval or lay.recompute == "selective":
+        return 0
+    return len(range(0, n_layers, lay.checkpoint_interval))
+
+
 def _checkpoint_options(n_layers: int) -> list[int]:
     """checkpoint_every values from fewest checkpointed blocks to most (distinct counts):
     k = nl checkpoints block 0 only; k = 1 every block."""
@@ -481,9 +491,8 @@ def _score(c: Candidate) -> float:
     """Predicted efficiency; without a compute peak, the recomputation factor alone."""
     if c.efficiency is not None:
         return c.efficiency["combined"]
-    lay, nl = c.layout, c.estimate.dims.n_layers if c.estimate.dims else 1
-    blocks = len(range(0, nl, lay.checkpoint_interval)) if lay.checkpoint_interval else 0
-    return 3 / (3 + blocks / nl)
+    nl = c.estimate.dims.n_layers if c.estimate.dims else 1
+    return 3 / (3 + recomputed_blocks(c.layout, nl) / nl)
 
 
 def _tiling_can_help(c: Candidate) -> bool:
@@ -501,7 +510,9 @@ def _first_fit(evaluate, rung: str, tried: list, ks: list[int], tiles: list[int]
     """The first fitting candidate over tile factors (stage 3 only; fewest first) and, for
     the first tile factor where any fits, the checkpoint interval with the least
     checkpointing that fits. ``ks`` runs from most memory to least (0 = none, then fewest
-    checkpointed blocks); memory falls along it, so it is searched by bisection."""
+    checkpointed blocks); memory falls along it, so it is searched by bisection. Where
+    checkpointing is needed, every block checkpointed selectively is taken instead when it
+    fits: it recomputes no matrix multiplication, so it is as fast as none."""
     if not ks:
         return None
     tile_list = tiles if fixed.get("stage") == 3 else [1]
@@ -521,6 +532,11 @@ def _first_fit(evaluate, rung: str, tried: list, ks: list[int], tiles: list[int]
                 hi, best = mid, c
             else:
                 lo = mid + 1
+        if best.layout.checkpoint_interval:  # checkpointing is needed: selectively, if that fits
+            selective = evaluate(rung, checkpoint_interval=1, recompute="selective", tile_factor=tile, **fixed)
+            tried.append(selective.summary())
+            if selective.fits:
+                return selective
         return best
     return None
 
@@ -688,6 +704,7 @@ def render_plan(p: Plan) -> str:
             ["zero.offload_optimizer", Tier(lay.optimizer_tier).config_name],
             ["zero.offload_params", Tier(lay.param_tier).config_name],
             ["activations.checkpoint_every", str(lay.checkpoint_interval)],
+            ["activations.recompute", lay.recompute],
             ["activations.offload", _checkpoint_offload(lay).config_name],
             ["tile_factor", str(lay.tile_factor)]]
     out += _table(rows, right=set()) + [""]
