@@ -264,7 +264,7 @@ class ZeroConfig:
     nvme_create: bool = False
     """tiertrain train: create zero.nvme_path when it does not exist; by default that is an error, so that a mistyped mount point does not put swap on another disk."""
     stage3_check: Literal["traced", "every", "off"] = "traced"
-    """Stage 3: ranks agree at the start of each pass and check later passes against the first (traced); every: agree before each collective (modules whose order changes between steps); off."""
+    """Stage 3: ranks agree at the start of each pass and check later passes against the first (traced); every: agree before each collective (modules whose order changes between steps), and check every forward's parameter uses, which runs compiled blocks eagerly (docs/compile.md); off."""
     nvme_chunk_mb: float = 24.0
     """NVMe optimizer: MiB per streamed chunk (fp32 master and both Adam moments of its parameters)."""
     nvme_buffers: int = 4

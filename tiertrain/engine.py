@@ -344,6 +344,9 @@ class Engine:
         with contextlib.ExitStack() as context:
             if check is not None:  # stage 3's first forward: no parameter read outside its unit
                 context.enter_context(check)
+                # Run it eagerly: a compiled block would trace the check and compile again
+                # without it on the next step (docs/compile.md).
+                context.enter_context(torch.compiler.set_stance("force_eager"))
             if self.flat.gathers_in_flight:
                 # The step's parameter all-gathers are still running: each operation waits for
                 # the units it touches (zero.overlap_param_gather; tiertrain/zero/param_gather.py).
