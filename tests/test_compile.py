@@ -1,4 +1,5 @@
-"""``torch.compile`` with the engine: each block compiled before ``wrap()`` (docs/compile.md).
+"""``torch.compile`` with the engine: each block's forward compiled before ``wrap()``
+(``tiertrain.compile_blocks``, docs/compile.md).
 
 Specification, on 2 gloo ranks, for tiertrain's GPT at ZeRO stages 0–3 and a Hugging Face
 Llama at stage 3, with and without activation checkpointing (whole-block and selective):
@@ -75,8 +76,7 @@ def _train(rank, world, name, stage, activations, backend):
 
     model, blocks = _model(name)
     if backend is not None:
-        for block in blocks:
-            block.forward = torch.compile(block.forward, backend=backend)
+        assert len(tiertrain.compile_blocks(model, backend=backend)) == len(blocks)  # (each layer of the stack)
     cfg = make_config(zero={"stage": stage}, activations=activations,
                       batch={"micro_batch_size": 2, "grad_accum_steps": 1}, optimizer={"eps": 1e-3})
     engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))

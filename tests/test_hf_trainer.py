@@ -280,7 +280,6 @@ REFUSED = [
     (dict(fsdp="full_shard"), "fsdp"),
     (dict(optim="sgd"), "optim"),
     (dict(optim="adafactor"), "optim"),
-    (dict(torch_compile=True), "torch_compile"),
     (dict(activation_checkpointing=True), "activation_checkpointing"),
     (dict(auto_find_batch_size=True), "auto_find_batch_size"),
     (dict(bf16_full_eval=True, use_cpu=True), "bf16_full_eval"),
@@ -305,6 +304,36 @@ def test_arguments_the_engine_would_not_honour_are_refused(tmp_path, environ_kep
     with pytest.raises(ConfigError, match=rf"TrainingArguments\({argument}=") as e:
         TiertrainTrainer(model=_model(), args=args, train_dataset=_List(EVAL))
     assert "valid" in str(e.value) or "set " in str(e.value)
+
+
+@pytest.mark.timeout(120)
+def test_torch_compile_compiles_each_block_and_trains_as_eager(tmp_path, environ_kept):
+    """TrainingArguments(torch_compile=True) compiles each decoder layer's forward (the engine's
+    stage-3 hooks around it, docs/compile.md), with the arguments' backend: a hook inside a
+    layer runs while dynamo traces it, and training ("eager" backend: the captured graphs run
+    unchanged) is bit for bit the uncompiled trainer's."""
+    data = _samples(STEPS * 2, seed=1)
+    stage3 = from_dict(Config, {"zero": {"stage": 3}})
+
+    def train(directory, **extra):
+        model = _model()
+        traced = []
+        model.model.layers[0].mlp.register_forward_pre_hook(
+            lambda module, args: traced.append(torch.compiler.is_compiling()))
+        args = _args(str(tmp_path / directory), 2, 1, use_cpu=True, **extra)
+        trainer = TiertrainTrainer(model=model, args=args, train_dataset=_List(data), tiertrain_config=stage3)
+        trainer.train()
+        params = trainer.engine.full_state_dict()
+        trainer.engine.close()
+        return _losses(trainer), params, traced
+
+    eager_losses, eager_params, eager_traced = train("eager")
+    losses, params, traced = train("compiled", torch_compile=True, torch_compile_backend="eager")
+    assert eager_traced and not any(eager_traced)
+    assert any(traced)  # (the hook ran inside the compiled layer's trace)
+    assert losses == eager_losses
+    assert params.keys() == eager_params.keys()  # (the parameter names are the model's own)
+    assert all(torch.equal(params[n], eager_params[n]) for n in params)
 
 
 def test_an_epoch_that_ends_inside_an_accumulation_window_is_refused(tmp_path):

@@ -7,6 +7,7 @@ Megatron-style tensor/pipeline/data parallelism, behind one engine contract::
     engine = tiertrain.wrap(model, config, topology)
     loss = engine(batch); engine.backward(loss); engine.step()
 """
+from .compiling import compile_blocks
 from .config import Config, ConfigError
 from .engine import Engine, MemoryReport
 from .errors import TiertrainError
@@ -20,5 +21,5 @@ from .trainer import EvalConfig, LoopConfig, Trainer
 
 __all__ = ["Config", "ConfigError", "Engine", "EvalConfig", "ExportReport", "LoadReport", "LoopConfig", "MemoryReport",
            "PeftExport", "PretrainedMismatchError", "PretrainedMissingWarning", "TiertrainError", "Topology", "Trainer",
-           "load_pretrained", "partitioned_init", "wrap"]
+           "compile_blocks", "load_pretrained", "partitioned_init", "wrap"]
 __version__ = "0.1.0"

@@ -67,8 +67,10 @@ Limits
   learning_rate, eval and save strategies, callbacks), evaluate(), predict(), save_model(),
   resume_from_checkpoint from a checkpoint this trainer saved, compute_loss overrides,
   compute_loss_func, label smoothing, compute_metrics (with eval logits).
+* torch_compile (with torch_compile_backend/mode) compiles each block's forward
+  (tiertrain.compiling.compile_blocks, docs/compile.md), not the whole model.
 * Refused with a ConfigError naming the argument and what is valid: fsdp,
-  parallelism_config, torch_compile, activation_checkpointing/gradient_checkpointing (use
+  parallelism_config, activation_checkpointing/gradient_checkpointing (use
   tiertrain_config.activations), optim other than adamw_torch/adamw_torch_fused, optim_args,
   lr_scheduler_type reduce_lr_on_plateau/greedy, auto_find_batch_size, use_liger_kernel,
   bf16_full_eval/fp16_full_eval, load_best_model_at_end, save_strategy="best", more than one GPU
@@ -102,6 +104,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..compiling import compile_blocks
 from ..config import Config, ConfigError
 from ..topology import Topology
 from ..wrapping import wrap
@@ -142,8 +145,6 @@ def check_training_arguments(args) -> None:
     if getattr(args, "parallelism_config", None) is not None:
         _refuse("parallelism_config", args.parallelism_config, "set it to None; the engine's data parallelism "
                 "spans every rank (tiertrain_config.parallel)")
-    if args.torch_compile:
-        _refuse("torch_compile", True, "set torch_compile=False (the engine's stage-3 hooks are not compiled)")
     for name in ("activation_checkpointing", "gradient_checkpointing"):
         if getattr(args, name, False):
             _refuse(name, True, f"set {name}=False and use tiertrain_config.activations.checkpoint_every=1 "
@@ -511,6 +512,8 @@ class TiertrainTrainer(Trainer):
         schedule = deepspeed_schedule(self.deepspeed_config, self.args, max_steps)
         scheduler = (functools.partial(_hf_scheduler, args=self.args, max_steps=max_steps) if schedule is None
                      else functools.partial(_tiertrain_scheduler, schedule=schedule))
+        if self.args.torch_compile:  # each block, not the whole model: the engine's hooks stay outside
+            compile_blocks(model, backend=self.args.torch_compile_backend, mode=self.args.torch_compile_mode)
         self.engine = wrap(model, config, topology, loss_fn=_call_model, optimizer=optimizer, param_groups=groups,
                            lr_scheduler=scheduler)
         self._engine_max_steps = max_steps
