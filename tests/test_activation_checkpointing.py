@@ -27,10 +27,10 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from reference import (Oracle, engine_train, global_batches, make_config, make_model, rank_slices,
                        reference_train)
 from tiertrain.config import ActivationConfig, ConfigError
+from tiertrain.blocks import model_blocks
 from tiertrain.engine import default_loss
 from tiertrain.estimate.memory import infinity_activation_checkpoint_bytes
-from tiertrain.offload.activations import (apply_activation_checkpointing, checkpoint_blocks,
-                                           checkpoint_memory, checkpointing_of)
+from tiertrain.offload.activations import apply_activation_checkpointing, checkpoint_memory, checkpointing_of
 from tiertrain.testing import run_distributed
 from tiertrain.tiling import apply_tiling
 
@@ -310,5 +310,5 @@ def test_memory_is_found_from_a_module_holding_checkpointed_blocks():
 
 def test_default_blocks_are_the_outermost_modulelist_children():
     model = _model(tiled=True)  # blocks.i.mlp.fc2.tiles is a ModuleList inside each block
-    assert checkpoint_blocks(model) == ["blocks.0", "blocks.1"]
-    assert checkpoint_blocks(model, [model.blocks[1].mlp, "blocks.0.attn"]) == ["blocks.0.attn", "blocks.1.mlp"]
+    assert model_blocks(model) == ["blocks.0", "blocks.1"]
+    assert model_blocks(model, [model.blocks[1].mlp, "blocks.0.attn"]) == ["blocks.0.attn", "blocks.1.mlp"]

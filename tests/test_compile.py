@@ -1,17 +1,25 @@
-"""``torch.compile`` with the engine: each block's forward compiled before ``wrap()``
-(``tiertrain.compile_blocks``, docs/compile.md).
+"""``torch.compile`` with the engine, in every form users write it (docs/compile.md):
+``tiertrain.compile_blocks(model)``, ``block.compile()``, ``torch.compile(block)`` wrappers,
+``torch.compile(model)`` and ``model.compile()``.
 
-Specification, on 2 gloo ranks, for tiertrain's GPT at ZeRO stages 0–3 and a Hugging Face
-Llama at stage 3, with and without activation checkpointing (whole-block and selective):
+Specification, on 2 gloo ranks, for tiertrain's GPT (4 blocks) at ZeRO stages 0–3 and a Hugging
+Face Llama at stage 3, with and without activation checkpointing (whole-block and selective):
 
 1. No graph break inside a block: every call of a block runs exactly one compiled graph (a
-   break would run two or more), the recomputation of a checkpointed block one more.
-2. No recompilation: the blocks compile in the first step (at stage 3, whose first forward is
-   recorded eagerly under the parameter-use check, in the second step's forward or the first
-   step's recomputation), and no later step compiles a graph.
-3. Numerics: the compiled run trains bit for bit as the same engine uncompiled (the counting
+   break would run two or more), the recomputation of a checkpointed block one more; a
+   compiled model runs a few more for the code around its blocks (the engine's hooks at the
+   blocks' edges run eagerly between them: :data:`AROUND`), or one graph for all where there
+   are none.
+2. No recompilation: the graphs compile in the first step (at stage 3, whose first forward is
+   recorded eagerly under the parameter-use check, in the first two), and no later step
+   compiles one.
+3. The model's own names: parameters keep their names (a wrapper's ``_orig_mod`` is not in
+   them), so checkpoints and exports are those of the uncompiled model.
+4. Numerics: the compiled run trains bit for bit as the same engine uncompiled (the counting
    backend runs the captured graphs as they are; the uncompiled engine equals single-process
    PyTorch within the float64 oracle's bound elsewhere in the suite).
+5. ``.compile()`` of a module whose blocks are checkpointed is refused, naming the block and the
+   fix: torch's checkpoint would run the block outside the compiled call, silently eagerly.
 
 The graphs are counted by a backend of our own (the public ``backend=`` argument of
 ``torch.compile``) that runs each captured graph unchanged.
@@ -21,14 +29,26 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tiertrain.config import ConfigError
 from tiertrain.testing import run_distributed
 
 STEPS = 4
+WHOLE, SELECTIVE = {"checkpoint_every": 1}, {"checkpoint_every": 1, "recompute": "selective"}
+AROUND = {"gpt": 2, "llama": 3}
+"""Graphs a compiled model runs besides its blocks' at stage 3, where the engine's hooks at each
+block's edges run eagerly: the code before the blocks and after them (and, in the Llama, the
+resumed loop between its layers). A graph break inside each block would add one per block."""
+BLOCK_FORMS = ("compile_blocks", "block.compile()", "torch.compile(block)")
+MODEL_FORMS = ("torch.compile(model)", "model.compile()")
 
-CASES = [  # (model, zero stage, activations)
-    ("gpt", 0, {}), ("gpt", 1, {}), ("gpt", 2, {}), ("gpt", 3, {}),
-    ("gpt", 3, {"checkpoint_every": 1}), ("gpt", 3, {"checkpoint_every": 1, "recompute": "selective"}),
-    ("llama", 3, {}), ("llama", 3, {"checkpoint_every": 1, "recompute": "selective"}),
+CASES = [  # (model, zero stage, activations, form)
+    ("gpt", 0, {}, "compile_blocks"), ("gpt", 0, {}, "torch.compile(model)"),
+    ("gpt", 2, {}, "block.compile()"), ("gpt", 2, {}, "torch.compile(block)"),
+    *[("gpt", 3, {}, form) for form in BLOCK_FORMS + MODEL_FORMS],
+    ("gpt", 3, WHOLE, "compile_blocks"), ("gpt", 3, WHOLE, "torch.compile(block)"),
+    ("gpt", 3, WHOLE, "torch.compile(model)"), ("gpt", 3, SELECTIVE, "compile_blocks"),
+    ("llama", 3, {}, "compile_blocks"), ("llama", 3, {}, "block.compile()"), ("llama", 3, {}, "torch.compile(model)"),
+    ("llama", 3, SELECTIVE, "torch.compile(block)"),
 ]
 
 
@@ -52,7 +72,7 @@ def _model(name: str):
     from reference import make_model
 
     if name == "gpt":
-        model = make_model()
+        model = make_model(n_layers=4)
         return model, model.blocks
     import zoo
 
@@ -70,13 +90,33 @@ def _batches(name: str):
     return zoo.batches("llama-gqa", STEPS, 4)
 
 
-def _train(rank, world, name, stage, activations, backend):
+def compiled(model, blocks, form: str, backend):
+    """model compiled in the given form."""
+    import tiertrain
+
+    if form == "compile_blocks":
+        assert len(tiertrain.compile_blocks(model, backend=backend)) == len(blocks)  # (each layer of the stack)
+    elif form == "block.compile()":
+        for block in blocks:
+            block.compile(backend=backend)
+    elif form == "torch.compile(block)":
+        for i, block in enumerate(blocks):
+            blocks[i] = torch.compile(block, backend=backend)
+    elif form == "torch.compile(model)":
+        return torch.compile(model, backend=backend)
+    else:
+        model.compile(backend=backend)
+    return model
+
+
+def _train(rank, world, name, stage, activations, form, backend):
     import tiertrain
     from reference import make_config, rank_slices
 
     model, blocks = _model(name)
+    n_blocks = len(blocks)
     if backend is not None:
-        assert len(tiertrain.compile_blocks(model, backend=backend)) == len(blocks)  # (each layer of the stack)
+        model = compiled(model, blocks, form, backend)
     cfg = make_config(zero={"stage": stage}, activations=activations,
                       batch={"micro_batch_size": 2, "grad_accum_steps": 1}, optimizer={"eps": 1e-3})
     engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
@@ -88,30 +128,49 @@ def _train(rank, world, name, stage, activations, backend):
             per_step.append((backend.graphs - graphs, backend.runs - runs))
     params = engine.full_state_dict()
     engine.close()
-    return losses, params, per_step, len(blocks)
+    return losses, params, per_step, n_blocks
 
 
 def _every_case(rank, world):
-    out = []
-    for name, stage, activations in CASES:
+    eager, out = {}, []
+    for name, stage, activations, form in CASES:
+        key = (name, stage, str(activations))
+        if key not in eager:
+            eager[key] = _train(rank, world, name, stage, activations, form, None)
         torch._dynamo.reset()  # (each case compiles from nothing)
-        eager = _train(rank, world, name, stage, activations, None)
-        compiled = _train(rank, world, name, stage, activations, CountingBackend())
-        out.append((eager, compiled))
+        out.append((eager[key], _train(rank, world, name, stage, activations, form, CountingBackend())))
     return out
 
 
-@pytest.mark.timeout(240)
-def test_compiled_blocks_run_one_graph_per_call_compile_once_and_train_as_eager():
-    for by_case in run_distributed(_every_case, 2, timeout=230):
-        for (name, stage, activations), (eager, compiled) in zip(CASES, by_case, strict=True):
-            case = (name, stage, activations)
-            losses, params, per_step, n_blocks = compiled
+@pytest.mark.timeout(300)
+def test_every_form_runs_one_graph_per_block_call_compiles_once_and_trains_as_eager():
+    for by_case in run_distributed(_every_case, 2, timeout=290):
+        for case, (eager, compiled_run) in zip(CASES, by_case, strict=True):
+            name, stage, activations, form = case
+            losses, params, per_step, n_blocks = compiled_run
             assert losses == eager[0], case
-            assert all(torch.equal(params[n], eager[1][n]) for n in eager[1]), case
-            # compiled in the first step, or at stage 3 (whose first forward is recorded
-            # eagerly) the second; after that nothing compiles and each block call runs one graph
-            first = next(i for i, (graphs, _) in enumerate(per_step) if graphs)
-            assert first <= (1 if stage == 3 else 0), (case, per_step)
+            assert params.keys() == eager[1].keys(), case  # (no _orig_mod in the names)
+            assert all(torch.equal(params[n], eager[1][n]) for n in params), case
+            settled = 2 if stage == 3 else 1  # (stage 3 records its first forward eagerly)
+            assert sum(graphs for graphs, _ in per_step[:settled]) > 0, (case, per_step)
+            assert all(graphs == 0 for graphs, _ in per_step[settled:]), (case, per_step)  # no recompiles
             calls = n_blocks * (2 if activations else 1)  # (a checkpointed block runs again in backward)
-            assert all(step == (0, calls) for step in per_step[first + 1:]), (case, per_step)
+            runs = [r for _, r in per_step[settled:]]
+            if form in MODEL_FORMS:  # one graph per block call and the code around them, or one in all
+                assert all(r <= calls + AROUND[name] for r in runs), (case, per_step)  # (no hooks below stage 3)
+            else:
+                assert all(r == calls for r in runs), (case, per_step)
+
+
+def test_compiling_a_module_with_compile_above_checkpointed_blocks_is_refused():
+    from reference import make_model
+
+    from tiertrain.config import ActivationConfig
+    from tiertrain.offload.activations import apply_activation_checkpointing
+
+    for compile_it in (lambda m: m.blocks[1].compile(), lambda m: m.compile()):
+        model = make_model()
+        compile_it(model)
+        with pytest.raises(ConfigError, match=r"activation checkpointing of block 'blocks\.[01]'.*compiled with "
+                                               r"\.compile\(\).*tiertrain\.compile_blocks"):
+            apply_activation_checkpointing(model, ActivationConfig(checkpoint_every=1))

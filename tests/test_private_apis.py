@@ -8,7 +8,11 @@ gives it. Each test fails when that behaviour changes, naming the code that depe
 * ``Tensor._base`` telling views from tensors that own their storage —
   ``tiertrain.pipeline.executor.release_output`` frees only the latter;
 * ``torch._dynamo`` being the module that building a torch optimizer imports lazily —
-  ``tiertrain.launch.launch_local`` imports it once before forking the ranks.
+  ``tiertrain.launch.launch_local`` imports it once before forking the ranks;
+* ``torch.compile(module)`` returning ``torch._dynamo.eval_frame.OptimizedModule`` with the
+  module in ``_orig_mod`` and its settings in ``dynamo_ctx``, and ``Module.compile()`` setting
+  ``_compiled_call_impl`` — ``tiertrain/compiling.py`` takes the wrapper apart (the model keeps
+  its names) and refuses ``.compile()`` above checkpointed blocks.
 
 ``backward_from`` (pipeline executor) used the private ``Variable._execution_engine``; it now
 uses the public ``torch.autograd.backward`` on ``torch.autograd.graph.get_gradient_edge``, and
@@ -188,3 +192,37 @@ def test_building_an_optimizer_imports_torch_dynamo():
     assert not seen["after_torch"], "import torch now imports torch._dynamo: drop launch_local's preload"
     assert seen["after_optimizer"], ("building a torch optimizer no longer imports torch._dynamo: "
                                      "drop launch_local's preload of it")
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile's module wrapper and Module.compile(): what tiertrain/compiling.py takes apart
+# ---------------------------------------------------------------------------------------------
+def test_a_compiled_module_wrapper_and_module_compile_keep_what_compiling_reads():
+    """tiertrain.compiling.unwrap_compiled replaces a ``torch.compile(module)`` wrapper by the
+    module, its forward compiled by the wrapper's ``dynamo_ctx``; compile_checkpointed_block
+    refuses a module whose ``.compile()`` left ``_compiled_call_impl``. Fails if the wrapper
+    stops being ``torch._dynamo.eval_frame.OptimizedModule`` with the module in ``_orig_mod``, if
+    ``dynamo_ctx`` no longer compiles a function with the wrapper's backend, or if ``.compile()``
+    stops setting ``_compiled_call_impl``."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    from tiertrain.compiling import unwrap_compiled
+
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    module = torch.nn.Linear(3, 3)
+    wrapper = torch.compile(module, backend=backend)
+    assert isinstance(wrapper, OptimizedModule) and wrapper._orig_mod is module
+    compiled = wrapper.dynamo_ctx(lambda x: torch.relu(x) * 2)
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0)) and len(graphs) == 1
+    assert unwrap_compiled(wrapper) is module and "forward" in module.__dict__
+    module(torch.ones(3))
+    assert len(graphs) == 2, "the wrapper's settings no longer compile the unwrapped module's forward"
+    other = torch.nn.Linear(3, 3)
+    assert getattr(other, "_compiled_call_impl", None) is None
+    other.compile(backend=backend)
+    assert other._compiled_call_impl is not None, "Module.compile() no longer sets _compiled_call_impl"

@@ -166,8 +166,8 @@ class Engine:
             # directly, not through the engine (which waits per operation).
             self._on_close += [
                 model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self.flat.wait_gathers()).remove,
-                model.register_forward_pre_hook(lambda module, args: None if self._waits_per_operation
-                                                else self.flat.wait_gathers()).remove]
+                model.register_forward_pre_hook(torch.compiler.disable(
+                    lambda module, args: None if self._waits_per_operation else self.flat.wait_gathers())).remove]
         for _, p in named + plan.frozen:
             forget_partition(p)  # the flat buffers own the shard now
 

@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 
 import torch.nn as nn
 
+from .compiling import unwrap_compiled
 from .config import Config, ConfigError
 from .engine import Engine, LossFn
 from .offload.activations import apply_activation_checkpointing, checkpointing_of
@@ -60,6 +61,8 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
                           f"they work with parallel.pp=1")
     if topology.size("pp") == 1 and activation_shape is not None:
         raise ConfigError("activation_shape is for pipeline parallelism; parallel.pp is 1")
+    if isinstance(model, nn.Module):
+        model = unwrap_compiled(model)  # the model's own names, its hooks outside compiled code
     checkpointing = None
     if (config.activations.checkpoint_every > 0 and isinstance(model, nn.Module)
             and checkpointing_of(model) is None):

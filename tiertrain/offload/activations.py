@@ -77,14 +77,15 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ..blocks import model_blocks
+from ..compiling import compile_checkpointed_block, unwrap_compiled
 from ..config import ACTIVATION_TIERS, ActivationConfig, ConfigError, parse_tier
 from ..device import Copy, DeviceStreams, host_empty, pins_host, pins_host_by_default
 from ..tiers import Tier
 from ..zero.recompute import recomputation
 
 __all__ = ["ActivationCheckpointing", "CheckpointMemory", "HostCheckpointPool", "SELECTIVE_SAVED_OPS",
-           "apply_activation_checkpointing", "checkpoint_blocks", "checkpoint_memory",
-           "checkpointing_of"]
+           "apply_activation_checkpointing", "checkpoint_memory", "checkpointing_of"]
 
 _ATTR = "_tiertrain_activation_checkpointing"
 _OFFLOAD = ACTIVATION_TIERS
@@ -104,58 +105,6 @@ SELECTIVE_SAVED_OPS = _aten_ops(
 """Ops whose outputs a selectively checkpointed block keeps: matrix multiplications and
 fused attention. Batched matmuls (``bmm``) are not among them: in eager attention they make
 the s×s scores, the memory checkpointing exists to drop."""
-
-
-# --------------------------------------------------------------------------- blocks
-
-
-def checkpoint_blocks(model: nn.Module, blocks: Iterable[str | nn.Module] | None = None) -> list[str]:
-    """Names of the blocks to consider, in model order. Default: the children of every
-    nn.ModuleList (engine.default_unit_modules' rule), keeping only the outermost ones (a
-    TiledLinear's tiles inside a block are part of that block). Given blocks may be module
-    names or modules of the model; they must be distinct, proper submodules and disjoint."""
-    names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
-    if blocks is None:
-        found = []
-        for name, module in model.named_modules():
-            if isinstance(module, nn.ModuleList):
-                found += [f"{name}.{c}" if name else c for c, _ in module.named_children()]
-        if not found:
-            raise ValueError(
-                f"apply_activation_checkpointing: {type(model).__name__} has no nn.ModuleList, so it has "
-                f"no default blocks to checkpoint; pass blocks=[...] (submodule names such as 'layers.0', "
-                f"or the modules themselves)")
-        chosen = [n for n in found if not any(n.startswith(o + ".") for o in found if o != n)]
-    else:
-        chosen = []
-        for b in list(blocks):
-            if isinstance(b, nn.Module):
-                if b not in names:
-                    raise ValueError(f"blocks: a {type(b).__name__} that is not a submodule of "
-                                     f"{type(model).__name__}; valid: its submodules or their names")
-                b = names[b]
-            if not isinstance(b, str) or b == "":
-                raise ValueError(f"blocks: {b!r} is invalid: expected the name of a proper submodule of "
-                                 f"{type(model).__name__} (not the model itself), e.g. 'layers.0'")
-            try:
-                model.get_submodule(b)
-            except AttributeError:
-                some = [n for n, _ in model.named_children()]
-                raise ValueError(f"blocks: {b!r} is not a submodule of {type(model).__name__}; "
-                                 f"valid names start with one of {some}") from None
-            if b in chosen:
-                raise ValueError(f"blocks: {b!r} is given twice; each block is checkpointed once")
-            chosen.append(b)
-        if not chosen:
-            raise ValueError("blocks=[] is invalid: expected at least one block name (or None for the default)")
-        for a in chosen:
-            for b in chosen:
-                if b.startswith(a + "."):
-                    raise ValueError(f"blocks {a!r} and {b!r} are nested; checkpointed blocks must be "
-                                     f"disjoint (checkpoint the outer one only)")
-        order = {n: i for i, (n, _) in enumerate(model.named_modules(remove_duplicate=False))}
-        chosen.sort(key=lambda n: order.get(n, len(order)))
-    return chosen
 
 
 # --------------------------------------------------------------------------- accounting
@@ -314,11 +263,11 @@ class _NoCacheInTraining:
     own forward (and write to it again); the cache serves generation only, and Hugging Face's
     own gradient checkpointing turns it off too. Each config with ``use_cache`` set (an
     encoder-decoder's decoder stack holds its own copy) reads False for the length of the
-    call, and a ``use_cache=True`` argument becomes False. A class, not a closure, so that
-    ``copy.deepcopy(model)`` rebinds it to the copy."""
+    call, and a ``use_cache=True`` argument becomes False. The hooks read the model they are
+    called on (a deep copy of the model calls them with the copy). They run outside compiled
+    code (a compiled model calls them eagerly)."""
 
-    def __init__(self, model: nn.Module):
-        self.model = model
+    def __init__(self):
         self.turned_off: list = []
 
     @classmethod
@@ -326,14 +275,14 @@ class _NoCacheInTraining:
         """The hooks' handles; none for a model without a ``use_cache`` config."""
         if not any(hasattr(getattr(m, "config", None), "use_cache") for m in model.modules()):
             return []
-        hooks = cls(model)
-        return [model.register_forward_pre_hook(hooks.before, with_kwargs=True),
-                model.register_forward_hook(hooks.after, always_call=True)]
+        hooks = cls()
+        return [model.register_forward_pre_hook(torch.compiler.disable(hooks.before), with_kwargs=True),
+                model.register_forward_hook(torch.compiler.disable(hooks.after), always_call=True)]
 
     def before(self, module, args, kwargs):
         if not (module.training and torch.is_grad_enabled()):
             return None
-        configs = {id(c): c for m in self.model.modules() if (c := getattr(m, "config", None)) is not None}
+        configs = {id(c): c for m in module.modules() if (c := getattr(m, "config", None)) is not None}
         for config in configs.values():
             if getattr(config, "use_cache", None) is True:
                 config.use_cache = False
@@ -509,13 +458,14 @@ def apply_activation_checkpointing(model: nn.Module, config: ActivationConfig,
                                    blocks: Iterable[str | nn.Module] | None = None,
                                    device: torch.device | str | None = None) -> ActivationCheckpointing:
     """Checkpoint every ``config.checkpoint_every``-th block of ``model`` in place (blocks 0,
-    k, 2k, … of :func:`checkpoint_blocks`), holding the checkpoints in the tier
+    k, 2k, … of :func:`tiertrain.blocks.model_blocks`), holding the checkpoints in the tier
     ``config.offload`` names; call before ``tiertrain.wrap``. ``device``: where the model
     computes (decides whether CPU-tier buffers are pinned; default: pinned when CUDA is
     available). ``checkpoint_every=0`` checkpoints nothing. Returns the handle, also found
     later with :func:`checkpointing_of` / :func:`checkpoint_memory`."""
     if not isinstance(config, ActivationConfig):
         raise TypeError(f"config must be an ActivationConfig (Config.activations), got {type(config).__name__}")
+    model = unwrap_compiled(model)  # (a compiled wrapper's module checkpointed, its forward compiled)
     k = config.checkpoint_every
     if isinstance(k, bool) or not isinstance(k, int):
         raise ConfigError(f"activations.checkpoint_every={k!r} is invalid: expected an int >= 0 "
@@ -525,7 +475,7 @@ def apply_activation_checkpointing(model: nn.Module, config: ActivationConfig,
     if _ATTR in model.__dict__:
         raise RuntimeError(f"activation checkpointing is already applied to this {type(model).__name__} "
                            f"({model.__dict__[_ATTR]!r}); call .remove() on that handle first")
-    names = checkpoint_blocks(model, blocks)
+    names = model_blocks(model, blocks)
     again = [n for n in names if isinstance(model.get_submodule(n).__dict__.get("forward"), _CheckpointedForward)]
     if again:
         raise RuntimeError(f"blocks {again} are already checkpointed (by an earlier apply_activation_checkpointing "
@@ -534,6 +484,8 @@ def apply_activation_checkpointing(model: nn.Module, config: ActivationConfig,
         shown = names if len(names) <= 4 else names[:2] + ["…"] + names[-1:]
         raise ConfigError(f"activations.checkpoint_every={k} is invalid: the model has {len(names)} "
                           f"block(s) ({', '.join(shown)}); expected 0 (off) or 1..{len(names)}")
+    for name in names[::k] if k > 0 else []:
+        compile_checkpointed_block(model, name)
     pin = pins_host_by_default() if device is None else pins_host(torch.device(device))
     handle = ActivationCheckpointing(model, config, names, pin)
     model.__dict__[_ATTR] = handle

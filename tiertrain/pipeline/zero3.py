@@ -119,9 +119,10 @@ class PipelineFetcher:
         for k, (stage, pairs) in enumerate(zip(self.stages, chunks)):
             self._roots[k] = next((index for index, module in pairs if module is stage), None)
             for index, module in pairs:
-                self._handles.append(module.register_forward_pre_hook(self._pre_forward(index)))
-                self._handles.append(module.register_forward_hook(self._post_forward(index, module is stage),
-                                                                  with_kwargs=True))
+                # (eager inside a compiled module: see tiertrain/zero/stage3.py ParameterFetcher)
+                self._handles.append(module.register_forward_pre_hook(torch.compiler.disable(self._pre_forward(index))))
+                self._handles.append(module.register_forward_hook(
+                    torch.compiler.disable(self._post_forward(index, module is stage)), with_kwargs=True))
         self._chunk_of = {index: k for k, units in enumerate(self._units) for index in units}
         for p, (index, _) in flat.slot_of.items():
             if index in self._chunk_of:

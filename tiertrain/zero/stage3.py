@@ -133,8 +133,11 @@ class ParameterFetcher:
         """Called when a forward outside the engine begins (the engine settles its update)."""
         self._handles = []
         for index, module in unit_modules.items():
-            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(index)))
-            self._handles.append(module.register_forward_hook(self._make_post_forward(index), with_kwargs=True))
+            # Outside compiled code: a module compiled with its hooks (module.compile(), a compiled
+            # model) runs them eagerly between its graphs (docs/compile.md).
+            self._handles.append(module.register_forward_pre_hook(torch.compiler.disable(self._make_pre_forward(index))))
+            self._handles.append(module.register_forward_hook(torch.compiler.disable(self._make_post_forward(index)),
+                                                              with_kwargs=True))
 
     # -- collective agreement --------------------------------------------------------
 
