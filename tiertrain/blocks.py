@@ -23,9 +23,8 @@ def model_blocks(model: nn.Module, blocks: Iterable[str | nn.Module] | None = No
                 found += [f"{name}.{c}" if name else c for c, _ in module.named_children()]
         if not found:
             raise ValueError(
-                f"{type(model).__name__} has no nn.ModuleList, so it has "
-                f"no default blocks to checkpoint; pass blocks=[...] (submodule names such as 'layers.0', "
-                f"or the modules themselves)")
+                f"{type(model).__name__} has no nn.ModuleList, so it has no default blocks; pass "
+                f"blocks=[...] (submodule names such as 'layers.0', or the modules themselves)")
         chosen = [n for n in found if not any(n.startswith(o + ".") for o in found if o != n)]
     else:
         chosen = []
@@ -45,15 +44,15 @@ def model_blocks(model: nn.Module, blocks: Iterable[str | nn.Module] | None = No
                 raise ValueError(f"blocks: {b!r} is not a submodule of {type(model).__name__}; "
                                  f"valid names start with one of {some}") from None
             if b in chosen:
-                raise ValueError(f"blocks: {b!r} is given twice; each block is checkpointed once")
+                raise ValueError(f"blocks: {b!r} is given twice; name each block once")
             chosen.append(b)
         if not chosen:
             raise ValueError("blocks=[] is invalid: expected at least one block name (or None for the default)")
         for a in chosen:
             for b in chosen:
                 if b.startswith(a + "."):
-                    raise ValueError(f"blocks {a!r} and {b!r} are nested; checkpointed blocks must be "
-                                     f"disjoint (checkpoint the outer one only)")
+                    raise ValueError(f"blocks {a!r} and {b!r} are nested; blocks must be disjoint (name the "
+                                     f"outer one only)")
         order = {n: i for i, (n, _) in enumerate(model.named_modules(remove_duplicate=False))}
         chosen.sort(key=lambda n: order.get(n, len(order)))
     return chosen

@@ -72,7 +72,8 @@ def compile_checkpointed_block(model: nn.Module, name: str) -> None:
     ``.compile()`` on the way is refused (its settings cannot be read back): under
     checkpointing its blocks would silently run eagerly."""
     parts = name.split(".")
-    path = [(".".join(parts[:i]) or "the model", model.get_submodule(".".join(parts[:i]))) for i in range(len(parts) + 1)]
+    prefixes = [".".join(parts[:i]) for i in range(len(parts) + 1)]
+    path = [(prefix or "the model", model.get_submodule(prefix)) for prefix in prefixes]
     for label, module in path:
         # Private: nn.Module.compile() keeps the compiled call in _compiled_call_impl (see above).
         if getattr(module, "_compiled_call_impl", None) is not None:

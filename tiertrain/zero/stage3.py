@@ -135,7 +135,8 @@ class ParameterFetcher:
         for index, module in unit_modules.items():
             # Outside compiled code: a module compiled with its hooks (module.compile(), a compiled
             # model) runs them eagerly between its graphs (docs/compile.md).
-            self._handles.append(module.register_forward_pre_hook(torch.compiler.disable(self._make_pre_forward(index))))
+            pre = torch.compiler.disable(self._make_pre_forward(index))
+            self._handles.append(module.register_forward_pre_hook(pre))
             self._handles.append(module.register_forward_hook(torch.compiler.disable(self._make_post_forward(index)),
                                                               with_kwargs=True))
 
