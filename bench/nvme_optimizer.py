@@ -43,7 +43,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from _common import machine_lines  # noqa: E402
 from tiertrain.config import OptimizerConfig  # noqa: E402
-from tiertrain.offload import AlignedBufferPool, AsyncIO, NVMeAdamW  # noqa: E402
+from tiertrain.io import AlignedBufferPool, AsyncIO  # noqa: E402
+from tiertrain.offload import NVMeAdamW  # noqa: E402
 
 MiB = 1 << 20
 

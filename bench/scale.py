@@ -292,7 +292,7 @@ def cpu_per_byte(mib: int = 32, repeat: int = 10) -> dict[str, float]:
     import ctypes
     import zlib
 
-    from tiertrain.offload.aio import sum64
+    from tiertrain.io.aio import sum64
 
     data = torch.randn(mib << 18)
     mv = memoryview(data.numpy()).cast("B")
@@ -475,7 +475,7 @@ def render(data: dict) -> str:
                      f"{100 * r['copy_cpu_share']:.1f}% |")
     if data.get("cpu_per_byte"):
         L += ["", "## CPU per byte (one thread, GB/s; `--cpu-per-byte`)", "",
-              "Why the swap layer hashes with XXH3 and reuses its staging tensors (tiertrain/offload/aio.py, "
+              "Why the swap layer hashes with XXH3 and reuses its staging tensors (tiertrain/io/aio.py, "
               "shard_store.py).", "", "| operation | GB/s |", "|---|---|"]
         L += [f"| {k} | {v:.2f} |" for k, v in data["cpu_per_byte"].items()]
     if data.get("notes"):

@@ -1,4 +1,4 @@
-"""Swap IO throughput of tiertrain.offload.AsyncIO (O_DIRECT, parallel pwritev/preadv) against
+"""Swap IO throughput of tiertrain.io.AsyncIO (O_DIRECT, parallel pwritev/preadv) against
 ``dd`` with O_DIRECT on the same disk, in the same run.
 
 For each directory (default: /tmp, plus the repository's directory when it is on another
@@ -38,7 +38,7 @@ import time
 import torch
 
 from _common import machine_lines
-from tiertrain.offload import AlignedBufferPool, AsyncIO, TensorSwapper
+from tiertrain.io import AlignedBufferPool, AsyncIO, TensorSwapper
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

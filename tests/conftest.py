@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 def one_torch_thread():
     """Test-data preparation only: on 2 oversubscribed cores, torch's 2-thread OpenMP regions
     make small tensor ops ~10x slower than one thread (measured), which would dominate the
-    test time. The library's own copies do not use OpenMP (see offload.swap._copy_bytes)."""
+    test time. The library's own copies do not use OpenMP (see tiertrain.io.swap._copy_bytes)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -21,7 +21,7 @@ def one_torch_thread():
 @pytest.fixture
 def aio():
     """An AsyncIO with 4 threads and 1 MiB blocks, closed (with a bounded wait) afterwards."""
-    from tiertrain.offload import AsyncIO
+    from tiertrain.io import AsyncIO
 
     io = AsyncIO(num_threads=4, block_bytes=1 << 20)
     yield io

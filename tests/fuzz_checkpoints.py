@@ -158,7 +158,7 @@ def _rewrite_marker(step_dir: str, change) -> None:
 
 def _recommit(step_dir: str, name: str) -> None:
     """Recompute name's checksum in the marker, as the producer of a hostile file would."""
-    from tiertrain.fileio import file_sha256
+    from tiertrain.io.fileio import file_sha256
 
     def change(marker):
         digest = file_sha256(os.path.join(step_dir, name))

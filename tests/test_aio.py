@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from tiertrain.offload import (AlignedBufferPool, AsyncIO, PoolExhaustedError,
-                               SwapCorruptionError, SwapDirError, SwapSpaceError)
-from tiertrain.offload import aio as aio_mod
+from tiertrain.io import (AlignedBufferPool, AsyncIO, PoolExhaustedError, SwapCorruptionError, SwapDirError,
+                          SwapSpaceError)
+from tiertrain.io import aio as aio_mod
 
 T = 20  # seconds: every wait in these tests is bounded
 pytestmark = [pytest.mark.timeout(120),  # a hang fails the test instead of the run
@@ -134,7 +134,7 @@ def test_a_page_aligned_range_of_a_tensor_goes_to_disk_and_back_with_no_copy(tmp
     page leaves the bytes after it alone: a write sends them as they are (not zeroed, they are
     the next range's) and a read does not land on them. A range not starting at a page boundary
     has no such buffer (the swap layer copies through its pool)."""
-    from tiertrain.offload.buffers import page_aligned_empty, tensor_range_buffer
+    from tiertrain.io.buffers import page_aligned_empty, tensor_range_buffer
 
     t = page_aligned_empty(3000, torch.float32)
     assert t.data_ptr() % 4096 == 0 and t.numel() == 3000

@@ -307,7 +307,7 @@ def test_a_held_tensor_whose_header_overruns_the_file_is_refused_not_filled_from
     import shutil
     import struct
 
-    from tiertrain.fileio import file_sha256
+    from tiertrain.io.fileio import file_sha256
 
     root, _ = saved
     copy = tmp_path / "hostile"

@@ -24,7 +24,7 @@ from tiertrain import TiertrainError, cli, launch
 from tiertrain.checkpoint import CheckpointError
 from tiertrain.comm import CollectiveMismatchError, CollectiveTimeout, PeerLost
 from tiertrain.config import ConfigError
-from tiertrain.offload.aio import SwapCorruptionError, SwapDirError, SwapError, SwapSpaceError
+from tiertrain.io.aio import SwapCorruptionError, SwapDirError, SwapError, SwapSpaceError
 from tiertrain.precision import NonFiniteError
 
 OUTSIDE_THE_FAMILY = {

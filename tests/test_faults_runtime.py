@@ -35,7 +35,7 @@ def _timeouts_seen(rank, world, swap_dir):
     """The timeout of every kind of wait a rank builds, as the engine builds them (without
     passing one): collectives, pipeline transfers, swap IO, swap buffers."""
     from tiertrain import Topology
-    from tiertrain.offload import AlignedBufferPool, AsyncIO, TensorSwapper
+    from tiertrain.io import AlignedBufferPool, AsyncIO, TensorSwapper
     from tiertrain.pipeline.p2p import PipeComm
 
     pool = AlignedBufferPool(1 << 20, 1 << 20, pin=False)
@@ -473,7 +473,7 @@ def test_two_nodes_the_survivor_names_the_lost_node(tmp_path, token_cache):
 def _killed_mid_save(rank, world, directory):
     import tiertrain
     from tiertrain.config import from_dict
-    from tiertrain.fileio import atomic_write
+    from tiertrain.io.fileio import atomic_write
     from tiertrain.models.gpt import GPT, GPTConfig
 
     cfg = from_dict(tiertrain.Config, {"zero": {"stage": 2}, "batch": {"micro_batch_size": 2}}).validate()

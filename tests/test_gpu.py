@@ -152,7 +152,7 @@ def test_host_tier_buffers_are_pinned():
     _skip_without_cuda("pinned host memory")
     import tiertrain
     from reference import make_config, make_model
-    from tiertrain.offload.buffers import AlignedBufferPool
+    from tiertrain.io.buffers import AlignedBufferPool
 
     cfg = make_config(zero={"stage": 3, "offload_params": "cpu", "offload_optimizer": "cpu", "bucket_mb": 0.02},
                       batch={"micro_batch_size": MICRO})

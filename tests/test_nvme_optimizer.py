@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from tiertrain.config import OptimizerConfig
-from tiertrain.offload import (AlignedBufferPool, AsyncIO, NVMeAdamW, SwapCorruptionError,
-                               SwapDirError, SwapSpaceError, TensorSwapper,
-                               pieces_from_param_groups)
-from tiertrain.offload import aio as aio_mod
+from tiertrain.io import (AlignedBufferPool, AsyncIO, SwapCorruptionError, SwapDirError, SwapSpaceError,
+                          TensorSwapper)
+from tiertrain.io import aio as aio_mod
+from tiertrain.offload import NVMeAdamW, pieces_from_param_groups
 from tiertrain.offload import nvme_optimizer as nvme_mod
 
 T = 20  # seconds: every wait in these tests is bounded

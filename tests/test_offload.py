@@ -79,7 +79,7 @@ def _nvme_engine(nvme_path, **zero):
 
 
 def test_unusable_nvme_path_is_refused_at_wrap_naming_it(tmp_path):
-    from tiertrain.offload import SwapDirError
+    from tiertrain.io import SwapDirError
 
     not_a_dir = tmp_path / "file"
     not_a_dir.write_bytes(b"x")
@@ -90,7 +90,7 @@ def test_unusable_nvme_path_is_refused_at_wrap_naming_it(tmp_path):
 def test_truncated_parameter_swap_file_is_an_error_naming_it(tmp_path):
     import os
 
-    from tiertrain.offload import SwapError
+    from tiertrain.io import SwapError
 
     engine = _nvme_engine(str(tmp_path), nvme_kept_units=0)
     batch = global_batches(1, 2)[0]

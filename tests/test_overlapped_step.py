@@ -14,7 +14,8 @@ import torch
 from reference import make_config, make_model, global_batches, rank_slices
 from test_nvme_optimizer import (CFG, CHUNK, LRS, PIECES, SIZES, T, Reference, _assert_same, _grads, _shards,
                                  swapper)  # noqa: F401 - the fixture
-from tiertrain.offload import NVMeAdamW, SwapCorruptionError
+from tiertrain.io import SwapCorruptionError
+from tiertrain.offload import NVMeAdamW
 from tiertrain.testing import run_distributed
 from tiertrain.zero.flat import ShardWriter
 

@@ -12,12 +12,12 @@ What an import depends on, following what Python executes:
 
 * the module it names, and for ``from P import name``, also the submodule ``P.name`` if
   there is one;
-* the ``__init__`` of every package on the way to it (Python runs ``tiertrain/offload/
-  __init__.py`` before ``tiertrain/offload/swap.py``), *except the importer's own ancestor
+* the ``__init__`` of every package on the way to it (Python runs ``tiertrain/io/
+  __init__.py`` before ``tiertrain/io/swap.py``), *except the importer's own ancestor
   packages*. Those are always initialised, or being initialised, before the importer runs,
   so an edge to them says nothing about import order; counting it would turn every package
   whose ``__init__`` re-exports its submodules into a cycle with each submodule
-  (``offload/__init__ -> offload/swap -> offload/__init__``), whether or not anything breaks;
+  (``io/__init__ -> io/swap -> io/__init__``), whether or not anything breaks;
 * but an import that reads a *name defined by* an ancestor's ``__init__`` (``from . import
   NVMeAdamW``, not a submodule) does depend on that ``__init__``: if the ``__init__`` is
   still running the import that led here, the name is not there yet. That edge is kept, and
@@ -203,6 +203,36 @@ def import_cycles(graph: dict[str, set[str]], limit: int = MAX_CYCLES_PER_COMPON
 
 
 # -- the tests ---------------------------------------------------------------------------------
+
+IO_PACKAGE = "tiertrain.io"
+IO_LEAVES = ("tiertrain.device", "tiertrain.errors", "tiertrain.spans", "tiertrain.waits")
+"""The only modules outside tiertrain.io that the file IO stack may reach: leaves, which import
+no tiertrain module but each other (device placement and copies, the error family, timing
+spans, the run's timeout and wait clocks)."""
+
+
+def test_the_io_package_imports_nothing_above_it():
+    """tiertrain.io (asynchronous file IO, the aligned buffer pool, swap files, durable writes)
+    is the layer below the tiers: its modules, and whatever they import in turn, import no
+    tiertrain module outside tiertrain.io except the leaves of IO_LEAVES. A tier, a ZeRO stage,
+    a checkpoint or the launcher may use it; it never uses them, not even through a lazy import
+    inside a function."""
+    graph = import_graph(PACKAGE_ROOT)
+    io_modules = {name for name in graph if name == IO_PACKAGE or name.startswith(IO_PACKAGE + ".")}
+    assert {f"{IO_PACKAGE}.{name}" for name in ("aio", "buffers", "swap", "fileio")} <= io_modules
+    allowed = io_modules | set(IO_LEAVES)
+    reached, stack = set(), sorted(io_modules)
+    while stack:
+        module = stack.pop()
+        if module in reached:
+            continue
+        reached.add(module)
+        stack += sorted(graph.get(module, set()) & allowed)
+    above = [f"{module} imports {dependency}" for module in sorted(reached)
+             for dependency in sorted(graph.get(module, set()) - allowed)]
+    assert not above, ("the file IO stack reaches above itself (pass the thing in, or move it down into "
+                       "tiertrain.io or a leaf):\n  " + "\n  ".join(above))
+
 
 def test_no_import_cycles():
     cycles = import_cycles(import_graph(PACKAGE_ROOT))

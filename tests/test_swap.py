@@ -17,8 +17,7 @@ import threading
 import pytest
 import torch
 
-from tiertrain.offload import (AlignedBufferPool, SwapCorruptionError, SwapDirError,
-                               TensorSwapper)
+from tiertrain.io import AlignedBufferPool, SwapCorruptionError, SwapDirError, TensorSwapper
 
 T = 20
 pytestmark = [pytest.mark.timeout(120),  # a hang fails the test instead of the run
@@ -263,7 +262,7 @@ def test_corrupted_swap_file(swapper):
 # ------------------------------------------------------------------------------ full disk
 CHILD = r"""
 import json, os, resource, signal, sys, torch
-from tiertrain.offload import *
+from tiertrain.io import *
 mode, root = sys.argv[1], sys.argv[2]
 out = {}
 def attempt(name, fn):

@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import TiertrainError
-from .fileio import LockHeld, atomic_write, exchange_paths, file_sha256, fsync_directory, lock_file, stream_sha256
+from .io.fileio import LockHeld, atomic_write, exchange_paths, file_sha256, fsync_directory, lock_file, stream_sha256
 
 MARKER = "COMMITTED.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -959,14 +959,14 @@ def is_checkpoint_directory(directory: str) -> bool:
 
 CLEANUP_PREFIX = "checkpoints-"
 """Registration files of checkpoint directories in the launcher's cleanup directory
-($TIERTRAIN_CLEANUP_DIR, tiertrain/offload/swap.py CLEANUP_ENV)."""
+($TIERTRAIN_CLEANUP_DIR, tiertrain/io/swap.py CLEANUP_ENV)."""
 
 
 def register_for_cleanup(directory: str) -> None:
     """Tell the local launcher (when there is one) that this process writes checkpoints into
     directory, so that what a rank killed mid-save leaves there is removed once every rank is
     gone (remove_left_behind): the rank itself cannot."""
-    from .offload.swap import CLEANUP_ENV
+    from .io.swap import CLEANUP_ENV
 
     where = os.environ.get(CLEANUP_ENV)
     if not where or not os.path.isdir(where):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import math
 import os
 import re
 import threading
@@ -24,30 +23,9 @@ import torch.distributed as dist
 
 from .errors import TiertrainError
 from .spans import span
-from .waits import WaitClock
-
-DEFAULT_TIMEOUT_S = 600.0
-"""The run's timeout when none is given (``tiertrain train --timeout``): the longest any
-collective, point-to-point transfer or swap IO may wait before the run fails."""
-
-TIMEOUT_ENV = "TIERTRAIN_TIMEOUT_S"
-"""Set by tiertrain.launch in every rank (to the process group's timeout), so that waits
-built deep inside the engine (collectives, pipeline transfers, swap IO) use the same value
-as the process group without each constructor being handed it."""
+from .waits import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, WaitClock, run_timeout  # noqa: F401 (re-exported)
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
-
-
-def run_timeout() -> float:
-    """The run's one timeout in seconds: $TIERTRAIN_TIMEOUT_S (set by tiertrain.launch from
-    ``--timeout`` for every rank), else DEFAULT_TIMEOUT_S. Read at construction time of each
-    waiting object, not at import: the launcher imports this module before it knows the value."""
-    value = os.environ.get(TIMEOUT_ENV, "")
-    try:
-        seconds = float(value)
-    except ValueError:
-        return DEFAULT_TIMEOUT_S
-    return seconds if math.isfinite(seconds) and seconds > 0 else DEFAULT_TIMEOUT_S
 
 
 class CollectiveMismatchError(TiertrainError, RuntimeError):

@@ -247,7 +247,7 @@ class Engine:
         """This rank's swap directory under zero.nvme_path, with a buffer pool large enough
         for the prefetch depth of ZeRO-Infinity (reads of 3 units ahead, in the half of the
         pool prefetches may hold) and as much again for writes."""
-        from .offload import AlignedBufferPool, AsyncIO, TensorSwapper
+        from .io import AlignedBufferPool, AsyncIO, TensorSwapper
 
         block = SWAP_BLOCK_BYTES
         largest = max(u.shard_numel for u in self.layout.all_units) * torch.finfo(self.dtype).bits // 8

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .fileio import atomic_write, temporary_beside
+from .io.fileio import atomic_write, temporary_beside
 from .export_groups import ConvertedValues, GroupMembers, converted_items
 from .hf_conversion import SaveGroup
 from .peft_export import PeftExport, peft_items, peft_model, write_adapter_config

@@ -45,7 +45,7 @@ import torch
 
 from .config import ConfigError, _check_positive, _fail
 from .data.formats import TEXT_SUFFIXES, RawDtype
-from .fileio import nearest_existing
+from .io.fileio import nearest_existing
 from .models.gpt import GPT, GPTConfig
 from .observe.writers import metrics_line  # (re-exported: the job's metrics lines)
 from .trainer.config import LoopConfig

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from tiertrain.fileio import atomic_write
+from tiertrain.io.fileio import atomic_write
 
 from tiertrain.data.corpus import load_bundled_corpus
 from tiertrain.data.tokenizer import ByteTokenizer

@@ -44,7 +44,7 @@ from torch.utils.data import Dataset
 
 from tiertrain.config import ConfigError
 from tiertrain.data.tokenizer import ByteTokenizer
-from tiertrain.fileio import atomic_write, file_sha256
+from tiertrain.io.fileio import atomic_write, file_sha256
 
 __all__ = ["RawDtype", "TokenArrayDataset", "TextTokenizer", "first_out_of_range", "load_tokenizer",
            "open_token_dataset"]

@@ -1,8 +1,8 @@
 """The CPU and NVMe tiers: what tiertrain keeps off the compute device, and how it moves it.
 
-* the NVMe IO stack (DeepNVMe-style): an aligned, pinned-when-CUDA buffer pool reused for all
-  traffic (:mod:`.buffers`), an asynchronous parallel O_DIRECT file IO layer (:mod:`.aio`) and
-  a tensor swapper on top (:mod:`.swap`);
+* where partitioned parameter shards live between uses: device, CPU or swap files
+  (:mod:`.shard_store`), on the file IO stack below (:mod:`tiertrain.io`: asynchronous
+  O_DIRECT IO, the aligned buffer pool, the tensor swapper);
 * the optimizer step from NVMe: :class:`NVMeAdamW` (:mod:`.nvme_optimizer`, with the per-chunk
   update in :mod:`.chunk_update` and the step overlapped with backward in
   :mod:`.overlapped_step`) and its update form for the engine (:mod:`.nvme_update`);
@@ -12,13 +12,7 @@
 """
 from .activations import (ActivationCheckpointing, CheckpointMemory, apply_activation_checkpointing,
                           checkpoint_memory)
-from .aio import (AsyncIO, Checksum, Handle, SwapCorruptionError, SwapDirError, SwapError,
-                  SwapSpaceError)
-from .buffers import AlignedBufferPool, Buffer, PoolExhaustedError
-from .swap import SwapHandle, TensorSwapper, check_swap_dir
 from .nvme_optimizer import NVMeAdamW, StepStats, pieces_from_param_groups
 
-__all__ = ["ActivationCheckpointing", "AlignedBufferPool", "CheckpointMemory", "apply_activation_checkpointing",
-           "checkpoint_memory", "AsyncIO", "Buffer", "Checksum", "Handle", "NVMeAdamW", "PoolExhaustedError",
-           "SwapCorruptionError", "SwapDirError", "SwapError", "SwapHandle", "SwapSpaceError",
-           "StepStats", "TensorSwapper", "check_swap_dir", "pieces_from_param_groups"]
+__all__ = ["ActivationCheckpointing", "CheckpointMemory", "NVMeAdamW", "StepStats", "apply_activation_checkpointing",
+           "checkpoint_memory", "pieces_from_param_groups"]

@@ -3,7 +3,7 @@ from NVMe (docs/concepts.md#optimizer-step-with-nvme; ZeRO-Offload §2 is the CP
 
 Between steps this rank's optimizer state — for every ZeRO unit, the fp32 master shard and
 AdamW's ``exp_avg`` and ``exp_avg_sq`` — is held only in swap files (one
-:class:`~tiertrain.offload.swap.TensorSwapper` key per chunk). :meth:`NVMeAdamW.step` streams it
+:class:`~tiertrain.io.swap.TensorSwapper` key per chunk). :meth:`NVMeAdamW.step` streams it
 through CPU memory chunk by chunk, in a ring of ``num_buffers`` aligned buffers of
 ``chunk_bytes`` each, with the three kinds of work of the paper overlapped:
 
@@ -49,8 +49,8 @@ one per optimizer (every piece is at the same step, as in torch), and the learni
 passed by the caller at every step (the schedule lives in the engine).
 
 **Failures.** Every IO error surfaces as the swap layer's exception naming the file or directory
-(:class:`~tiertrain.offload.aio.SwapDirError`, :class:`~tiertrain.offload.aio.SwapSpaceError`,
-:class:`~tiertrain.offload.aio.SwapCorruptionError`, or ``TimeoutError`` after
+(:class:`~tiertrain.io.aio.SwapDirError`, :class:`~tiertrain.io.aio.SwapSpaceError`,
+:class:`~tiertrain.io.aio.SwapCorruptionError`, or ``TimeoutError`` after
 ``wait_timeout`` — nothing waits unbounded), with a note saying what state is left:
 
 * ``transactional=True`` (default): every chunk's record has two generations on disk; a step
@@ -99,12 +99,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..elementwise import AdamWRule, ElementwiseRule
-from .aio import DEFAULT_CHECKSUM, AsyncIO, SwapSpaceError
-from .buffers import AlignedBufferPool, Buffer, round_up, tensor_range_buffer
+from ..io.aio import DEFAULT_CHECKSUM, AsyncIO, SwapSpaceError
+from ..io.buffers import AlignedBufferPool, Buffer, round_up, tensor_range_buffer
 from .chunk_update import BYTES_PER_ELEM, MASTER_BYTES, MOMENT_BYTES, Chunk, ChunkUpdate, StepStats, publish_chunk
 from .overlapped_step import OverlappedStep
 from ..comm import run_timeout
-from .swap import DEFAULT_WAIT_TIMEOUT, SwapHandle, TensorSwapper
+from ..io.swap import DEFAULT_WAIT_TIMEOUT, SwapHandle, TensorSwapper
 
 __all__ = ["ALIGN_ELEMS", "NVMeAdamW", "StepStats", "pieces_from_param_groups"]
 
@@ -476,7 +476,7 @@ class NVMeAdamW:
         (e.g. the staging of a stage-3 gather), or None; asked (on the worker) as each chunk's
         read is issued, and the chunks of a shard it gives read only their moments record. A
         chunk that starts at a page boundary of that tensor (with the tensor's storage running
-        on to the page boundary after the chunk: tiertrain/offload/buffers.py,
+        on to the page boundary after the chunk: tiertrain/io/buffers.py,
         page_aligned_empty) is updated in it and its master record written from it, with no
         copy: the tensor then holds the step's new values for those chunks. The tensor is the
         step's until the shard is updated (``on_shard_updated``) and the writes from it landed
@@ -635,7 +635,7 @@ class NVMeAdamW:
         size): its chunks' master records alone, 4 bytes per element. A chunk that starts at a
         page boundary of ``out`` lands there with no copy through the swap pool (``padded``:
         ``out``'s storage runs on past its end to a page boundary, bytes the read may fill, as
-        from tiertrain/offload/buffers.py page_aligned_empty). Allowed while an overlapped step
+        from tiertrain/io/buffers.py page_aligned_empty). Allowed while an overlapped step
         runs, for shards it has not reached (a stage-3 gather during backward reads units whose
         gradients are not final yet; the engine guarantees that)."""
         self._check_readable()

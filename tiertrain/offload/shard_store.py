@@ -34,7 +34,7 @@ import torch
 
 from ..device import Copy, DeviceStreams, Transfer, free_storage
 from ..tiers import Tier
-from .buffers import page_aligned_empty, tensor_range_buffer
+from ..io.buffers import page_aligned_empty, tensor_range_buffer
 
 
 class DeviceShards:
@@ -356,7 +356,7 @@ class OptimizerMasterShards(NVMeShards):
     back from the master records. :meth:`keep_for_step`, called as the unit's gradient becomes
     complete, hands that tensor to the step instead of leaving it among the spares; the step
     then reads only the moments record of the unit's chunks (8 bytes per element, not 12).
-    The staging tensors are page-aligned (:func:`~tiertrain.offload.buffers.page_aligned_empty`)
+    The staging tensors are page-aligned (:func:`~tiertrain.io.buffers.page_aligned_empty`)
     and the optimizer cuts its chunks at page boundaries where the pieces allow, so the step
     updates each chunk's master in the tensor itself and writes the master record straight from
     it: no copy in or out (a chunk that is not page-aligned in it is copied into the step's

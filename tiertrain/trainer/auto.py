@@ -80,7 +80,7 @@ def plan_for(cfg: Config, dims: Any, world_size: int, device: torch.device | Non
 def _swap_free(cfg: Config) -> int | None:
     """Free bytes of zero.nvme_path's file system (of its nearest existing ancestor: the run
     creates it), or None without a swap directory."""
-    from ..fileio import nearest_existing
+    from ..io.fileio import nearest_existing
 
     if not cfg.zero.nvme_path:
         return None

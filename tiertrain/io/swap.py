@@ -1,5 +1,5 @@
-"""Tensor swapping to files through :class:`~tiertrain.offload.aio.AsyncIO` and an
-:class:`~tiertrain.offload.buffers.AlignedBufferPool`.
+"""Tensor swapping to files through :class:`~tiertrain.io.aio.AsyncIO` and an
+:class:`~tiertrain.io.buffers.AlignedBufferPool`.
 
 Every rank owns ``swap_dir/rank{r}/`` (created, locked with ``flock`` so two live processes never
 share it, emptied of stale files left by a crashed run, and removed on ``close()``, at exit, or
@@ -16,7 +16,7 @@ done). ``swap_in(key, out)`` reads into pool buffers and copies into ``out`` in 
 reads early so a later ``swap_in`` only waits for what is still in flight. Every size works —
 0 bytes, a few bytes, anything not a multiple of 4096 — through the same aligned path: nothing is
 silently kept in memory instead. Reads are verified against the size and checksums recorded at
-write time (see :mod:`tiertrain.offload.aio`).
+write time (see :mod:`tiertrain.io.aio`).
 
 Ordering per key is the swapper's job: a ``swap_in``/``prefetch`` after a ``swap_out`` of the
 same key waits for (or chains after) that write, a ``swap_out`` over a key waits for its reads.
@@ -42,14 +42,13 @@ import torch
 from .aio import (AsyncIO, Checksum, Handle, SwapCorruptionError, SwapDirError, SwapSpaceError,
                   errno_name)
 from .buffers import AlignedBufferPool, Buffer, round_up
-from ..comm import run_timeout
-from ..fileio import LockHeld, lock_file
-from ..waits import WaitClock
+from .fileio import LockHeld, lock_file
+from ..waits import WaitClock, run_timeout
 
 __all__ = ["SwapHandle", "TensorSwapper", "remove_left_behind"]
 
 DEFAULT_WAIT_TIMEOUT = None
-"""Waits default to the run's one timeout (tiertrain.comm.run_timeout(): ``--timeout``, as the
+"""Waits default to the run's one timeout (tiertrain.waits.run_timeout(): ``--timeout``, as the
 launcher hands it to every rank), read when the swapper is built: a constant here used to cut
 IO waits at 300 s whatever the run's timeout was."""
 
@@ -129,7 +128,7 @@ class SwapHandle:
                                f"{timeout} s")
 
     def wait(self, timeout: Optional[float] = None):
-        """None: the run's timeout (tiertrain.comm.run_timeout())."""
+        """None: the run's timeout (tiertrain.waits.run_timeout())."""
         with self._clock.timing() if self._clock is not None else contextlib.nullcontext():
             self._wait_event(run_timeout() if timeout is None else timeout)
         if self._error is not None:

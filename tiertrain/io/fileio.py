@@ -11,7 +11,7 @@ import tempfile
 import time
 from typing import BinaryIO, Callable
 
-from .errors import TiertrainError
+from ..errors import TiertrainError
 
 
 def _umask() -> int:

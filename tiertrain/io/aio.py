@@ -9,7 +9,7 @@ every chunk finished and re-raises the first IO error; ``flush()`` waits for eve
 
 O_DIRECT needs the memory address, the file offset and the length to be multiples of the
 device's logical block size (4096 covers every device we meet). A request whose buffer is an
-:class:`~tiertrain.offload.buffers.Buffer` of the aligned pool always qualifies: a write of ``n``
+:class:`~tiertrain.io.buffers.Buffer` of the aligned pool always qualifies: a write of ``n``
 logical bytes writes ``round_up(n, 4096)`` bytes (the tail of the last page zero-filled from the
 buffer's own capacity, or sent as it is when the tail is not the buffer's:
 ``Buffer.owns_tail``) and a read of ``n`` bytes reads the padded length into the buffer and
@@ -59,8 +59,8 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..comm import run_timeout
 from ..errors import TiertrainError
+from ..waits import run_timeout
 from .buffers import Buffer, round_up
 
 __all__ = ["AsyncIO", "Checksum", "Handle", "SwapCorruptionError", "SwapDirError", "SwapError",
@@ -247,7 +247,7 @@ class Handle:
         return self._error
 
     def wait(self, timeout: Optional[float] = None) -> int:
-        """None: the run's timeout (tiertrain.comm.run_timeout()); nothing waits unbounded."""
+        """None: the run's timeout (tiertrain.waits.run_timeout()); nothing waits unbounded."""
         self._wait_event(run_timeout() if timeout is None else timeout)
         if self._error is not None:
             self._observed = True
@@ -417,7 +417,7 @@ class AsyncIO:
 
     def flush(self, timeout: Optional[float] = None) -> None:
         """Wait for every submitted request; raise the first error no ``wait`` has reported.
-        timeout None: the run's timeout (tiertrain.comm.run_timeout())."""
+        timeout None: the run's timeout (tiertrain.waits.run_timeout())."""
         deadline = time.monotonic() + (run_timeout() if timeout is None else timeout)
         while True:
             with self._lock:

@@ -19,15 +19,15 @@ from typing import Callable, Optional
 
 import torch
 
-from ..comm import run_timeout
-from ..errors import TiertrainError
 from ..device import host_empty, pins_host_by_default
+from ..errors import TiertrainError
+from ..waits import run_timeout
 
 __all__ = ["AlignedBufferPool", "Buffer", "PoolExhaustedError", "page_aligned_empty", "round_up",
            "tensor_range_buffer"]
 
 DEFAULT_ACQUIRE_TIMEOUT = None
-"""The run's one timeout (tiertrain.comm.run_timeout()), read when a pool is built."""
+"""The run's one timeout (tiertrain.waits.run_timeout()), read when a pool is built."""
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -195,7 +195,7 @@ class AlignedBufferPool:
         self.num_blocks = total_bytes // block_bytes
         self.total_bytes = self.num_blocks * block_bytes
         self.pinned = bool(pin)
-        # None: the run's one timeout (--timeout, tiertrain.comm.run_timeout()); a buffer
+        # None: the run's one timeout (--timeout, tiertrain.waits.run_timeout()); a buffer
         # frees when IO completes, so this is an IO wait like the swapper's.
         self.acquire_timeout = run_timeout() if acquire_timeout is None else acquire_timeout
         raw = host_empty(self.total_bytes + alignment, torch.uint8, pinned=self.pinned)
