@@ -17,7 +17,7 @@ bit for bit). Each chain (below) draws one **variant** (``--variants``):
   overflow and are skipped (the same steps every run), so the optimizer step count, which
   names the ``step_N`` directory, stands still while saves go on (interval 1, keep_last 1):
   each save of those steps writes ``step_N.next`` beside the committed ``step_N`` and exchanges
-  the two (tiertrain/checkpoint.py ``_replace_committed``). A kill then must not lose step_N.
+  the two (tiertrain/state/checkpoint.py ``_replace_committed``). A kill then must not lose step_N.
 
 1. A **reference** run per variant without faults (run twice: if the two differ, training itself
    is not deterministic and every later mismatch of that variant is reported as such) records
@@ -116,7 +116,7 @@ AGENT_GRACE_S = 5.0
 """How long the workers of a SIGKILLed torchrun agent may take to be gone."""
 SECOND_QUICK_S = 10.0
 """How long a second job on a directory in use may take from its go to its refusal."""
-SIDE_DIR = re.compile(r"^step_(\d+)(\.next|\.old)$")  # tiertrain/checkpoint.py _SIDE_DIR
+SIDE_DIR = re.compile(r"^step_(\d+)(\.next|\.old)$")  # tiertrain/state/checkpoint.py _SIDE_DIR
 STEP_DIR = re.compile(r"^step_(\d+)$")
 PREWARM = ("import sys, torch, torch._dynamo, tiertrain.cli, tiertrain.launch, tiertrain.train\n"
            "sys.exit(tiertrain.cli.main(sys.argv[1:]) if sys.stdin.readline() == 'go\\n' else 0)")

@@ -146,7 +146,7 @@ def _flip_bytes(rng: random.Random, data: bytes) -> bytes:
 
 
 def _rewrite_marker(step_dir: str, change) -> None:
-    from tiertrain.checkpoint import MARKER
+    from tiertrain.state.checkpoint import MARKER
 
     path = os.path.join(step_dir, MARKER)
     with open(path) as f:
@@ -187,8 +187,8 @@ def _safetensors_mutation(rng: random.Random, data: bytes) -> bytes:
 # -- one case -------------------------------------------------------------------------------
 
 def _read_like_a_resume_and_an_export(directory: str, out: str, engine):
-    from tiertrain.checkpoint import agree_on_checkpoint, load_rank_file, rank_file_name, verified_file
-    from tiertrain.consolidate import export_checkpoint
+    from tiertrain.state.checkpoint import agree_on_checkpoint, load_rank_file, rank_file_name, verified_file
+    from tiertrain.state.consolidate import export_checkpoint
 
     class One:
         rank, world_size = 0, 1
@@ -287,8 +287,8 @@ def _checkpoint_case(rng: random.Random, step_dir: str, scratch: str, outside: s
 
 
 def run_case(rng: random.Random, pristine, scratch: str, outside: str, findings: Findings) -> None:
-    from tiertrain.checkpoint import CheckpointError
-    from tiertrain.pretrained import load_pretrained
+    from tiertrain.state.checkpoint import CheckpointError
+    from tiertrain.state.pretrained import load_pretrained
 
     directory, pretrained, engine = pristine
     shutil.rmtree(scratch, ignore_errors=True)

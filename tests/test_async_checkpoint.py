@@ -20,8 +20,8 @@ import torch
 
 import tiertrain
 from reference import global_batches, make_config, make_model, rank_slices
-import tiertrain.checkpoint as checkpoint_module
-from tiertrain.checkpoint import CheckpointError, committed_steps
+import tiertrain.state.checkpoint as checkpoint_module
+from tiertrain.state.checkpoint import CheckpointError, committed_steps
 from tiertrain.testing import run_distributed
 
 MICRO, GLOBAL = 2, 8

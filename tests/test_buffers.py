@@ -160,7 +160,7 @@ def test_full_state_dict_names_the_buffers_as_state_dict_does():
 def test_save_pretrained_and_export_write_the_trained_buffers(tmp_path):
     from safetensors.torch import load_file
 
-    from tiertrain.consolidate import export_checkpoint
+    from tiertrain.state.consolidate import export_checkpoint
 
     cfg = _config(3)
     engine = tiertrain.wrap(cnn(), cfg, tiertrain.Topology.build(cfg.parallel))

@@ -9,7 +9,7 @@ import torch
 
 import tiertrain
 from reference import global_batches, make_config, make_model, rank_slices
-from tiertrain.checkpoint import CheckpointError, committed_steps
+from tiertrain.state.checkpoint import CheckpointError, committed_steps
 from tiertrain.testing import RankFailure, run_distributed
 
 STEPS, SPLIT = 6, 3
@@ -131,7 +131,7 @@ def _step_entries(directory) -> list[str]:
 
 
 def _saved_micro_steps(directory, step=1) -> int:
-    from tiertrain.checkpoint import find_committed, load_rank_file, rank_file_name, verified_file
+    from tiertrain.state.checkpoint import find_committed, load_rank_file, rank_file_name, verified_file
 
     step_dir, marker = find_committed(str(directory), step)
     state = load_rank_file(verified_file(step_dir, rank_file_name(0), marker["sha256"][0]), torch.device("cpu"))
@@ -145,7 +145,7 @@ def test_a_save_of_a_committed_step_that_fails_keeps_the_committed_one(tmp_path,
     it, so a kill or a full disk during the rewrite (with keep_last 1: nothing older) lost the
     run's only checkpoint. Now it is written beside and takes the old one's place only once
     committed."""
-    import tiertrain.checkpoint as checkpoint_module
+    import tiertrain.state.checkpoint as checkpoint_module
 
     if not atomic_exchange:
         monkeypatch.setattr(checkpoint_module, "exchange_paths", lambda a, b: False)
@@ -170,7 +170,7 @@ def test_the_newest_save_is_resumed_not_the_highest_step(tmp_path):
     """Every commit gets a save number one above the directory's largest: after a run went back
     to step 2 (the newer ones diverged, or it loaded step 2 by name) and saved step 3 again, a
     resume continues that line, not the step 4 of the line it left."""
-    from tiertrain.checkpoint import read_marker, saves_newest_first
+    from tiertrain.state.checkpoint import read_marker, saves_newest_first
 
     cfg = make_config(batch={"micro_batch_size": 2})
     engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
@@ -191,7 +191,7 @@ def test_the_newest_save_is_resumed_not_the_highest_step(tmp_path):
 
 
 def test_rotation_keeps_the_newest_saves(tmp_path):
-    from tiertrain.checkpoint import rotate
+    from tiertrain.state.checkpoint import rotate
 
     cfg = make_config(batch={"micro_batch_size": 2})
     engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
@@ -211,8 +211,8 @@ def test_a_save_interrupted_between_its_two_renames_is_found_and_settled(tmp_pat
     takes the old one's place in two renames; killed between them, step_N is gone for a moment:
     readers then take the committed step_N.next, and the next save (or the launcher's cleanup)
     puts it in place."""
-    import tiertrain.checkpoint as checkpoint_module
-    from tiertrain.checkpoint import find_committed, remove_crashed_saves
+    import tiertrain.state.checkpoint as checkpoint_module
+    from tiertrain.state.checkpoint import find_committed, remove_crashed_saves
 
     monkeypatch.setattr(checkpoint_module, "exchange_paths", lambda a, b: False)
     engine = _engine_after_a_skipped_step(tmp_path)
@@ -298,7 +298,7 @@ def test_a_disk_full_during_a_save_names_the_file_and_the_free_space(tmp_path, m
     """torch.save reports a full disk as "[enforce fail at inline_container.cc:672] . unexpected
     pos": a raw traceback naming neither the file nor the disk (issue 32, item 9). The save now
     fails on every rank with the file, torch's words and the bytes free, and commits nothing."""
-    import tiertrain.checkpoint as checkpoint_module
+    import tiertrain.state.checkpoint as checkpoint_module
 
     cfg = make_config()
     engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))

@@ -1,4 +1,4 @@
-"""Loading a checkpoint runs no code from it (tiertrain/checkpoint.py: torch.load with
+"""Loading a checkpoint runs no code from it (tiertrain/state/checkpoint.py: torch.load with
 weights_only=True), and everything the engine saves still loads that way.
 
 A checkpoint directory may come from anyone, and whoever writes its rank files also writes
@@ -33,7 +33,7 @@ from torch.optim import lr_scheduler
 
 import tiertrain
 from reference import global_batches, make_config, make_model, rank_slices
-from tiertrain.checkpoint import MARKER, CheckpointError, json_like_extra, plain_state
+from tiertrain.state.checkpoint import MARKER, CheckpointError, json_like_extra, plain_state
 from tiertrain.testing import run_distributed
 
 MICRO = 2

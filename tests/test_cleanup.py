@@ -108,7 +108,7 @@ def _dead_pid() -> int:
 def test_an_abandoned_launch_directory_is_removed_with_what_its_ranks_registered(tmp_path):
     """Ranks killed before they could unwind leave their swap files and a half-written step;
     their launch directory lists both. A launch directory whose launcher lives is left alone."""
-    from tiertrain.checkpoint import CLEANUP_PREFIX
+    from tiertrain.state.checkpoint import CLEANUP_PREFIX
     from tiertrain.io.swap import CLEANUP_ENV  # noqa: F401 (the registrations' home)
 
     tmp = tmp_path / "tmp"

@@ -17,9 +17,9 @@ import torch
 
 import tiertrain
 from reference import make_config, rank_slices
-from tiertrain.checkpoint import CheckpointError
+from tiertrain.state.checkpoint import CheckpointError
 from tiertrain.cli import main
-from tiertrain.consolidate import export_checkpoint
+from tiertrain.state.consolidate import export_checkpoint
 from tiertrain.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -222,7 +222,7 @@ def test_memory_stays_near_one_tensor(saved, tmp_path):
         pytest.skip("the peak RSS is read from /proc (Linux)")
     script = (
         "import sys\n"
-        "from tiertrain.consolidate import export_checkpoint\n"
+        "from tiertrain.state.consolidate import export_checkpoint\n"
         "def kib(key):\n"
         "    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(key))\n"
         "export_checkpoint(sys.argv[3], sys.argv[4])\n"  # (warm-up: what the first export imports)

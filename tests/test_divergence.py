@@ -9,7 +9,7 @@ import math
 import pytest
 
 from reference import global_batches, make_model
-from tiertrain import checkpoint
+from tiertrain.state import checkpoint
 from tiertrain.config import ConfigError, from_dict
 from tiertrain.testing import run_distributed
 from tiertrain.trainer import LoopConfig, Trainer

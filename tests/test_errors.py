@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import tiertrain
 from tiertrain import TiertrainError, cli, launch
-from tiertrain.checkpoint import CheckpointError
+from tiertrain.state.checkpoint import CheckpointError
 from tiertrain.comm import CollectiveMismatchError, CollectiveTimeout, PeerLost
 from tiertrain.config import ConfigError
 from tiertrain.io.aio import SwapCorruptionError, SwapDirError, SwapError, SwapSpaceError

@@ -18,8 +18,9 @@ import types
 import pytest
 import torch
 
-from tiertrain import checkpoint, cli
-from tiertrain.checkpoint import CheckpointError, committed_steps, find_committed
+from tiertrain import cli
+from tiertrain.state import checkpoint
+from tiertrain.state.checkpoint import CheckpointError, committed_steps, find_committed
 from tiertrain.config import Config, ConfigError, OptimizerConfig, load
 from tiertrain.train import TrainConfig, default_model, run_training
 

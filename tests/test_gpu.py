@@ -321,13 +321,13 @@ def _same(a: dict, b: dict) -> list[str]:
 def test_a_checkpoint_saved_on_the_gpu_resumes_bit_for_bit_and_exports_the_masters(tier, tmp_path):
     """Two steps, save; a third step in the saving engine and in a fresh engine (other initial
     weights) that loaded the checkpoint: the same loss and parameters, bit for bit. Then the
-    live export (save_pretrained) and the offline one (tiertrain.consolidate) of the checkpoint
+    live export (save_pretrained) and the offline one (tiertrain.state.consolidate) of the checkpoint
     hold the masters bit for bit, and load_pretrained brings them into another engine.
     Attention runs as plain matmuls (the math SDPA kernel): the fused kernels' backward may add
     in a different order on each call, which would make equal runs differ in the last bit."""
     import tiertrain
     from reference import global_batches, make_model
-    from tiertrain.consolidate import export_checkpoint
+    from tiertrain.state.consolidate import export_checkpoint
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     batches = global_batches(STEPS, MICRO)

@@ -13,8 +13,8 @@ import pytest
 
 import tiertrain
 from reference import global_batches, make_config, make_model
-from tiertrain.checkpoint import MARKER, CheckpointError
-from tiertrain.consolidate import export_checkpoint
+from tiertrain.state.checkpoint import MARKER, CheckpointError
+from tiertrain.state.consolidate import export_checkpoint
 
 
 @pytest.fixture(scope="module")

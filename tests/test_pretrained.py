@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file, save_model
 
 import tiertrain
 from reference import Oracle, global_batches, make_config, make_model, rank_slices, reference_train
-from tiertrain.pretrained import PretrainedMismatchError
+from tiertrain.state.pretrained import PretrainedMismatchError
 from tiertrain.testing import run_distributed
 
 import zoo  # noqa: E402  (tests/zoo.py: its MoE builders)
@@ -392,7 +392,7 @@ def test_a_safetensors_header_that_overruns_its_file_is_refused_naming_the_file(
     safetensors library's own error, naming no file."""
     import struct
 
-    from tiertrain.pretrained import load_pretrained
+    from tiertrain.state.pretrained import load_pretrained
 
     path = tmp_path / "model.safetensors"
     save_file({"weight": torch.ones(4, 4)}, str(path))

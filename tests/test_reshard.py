@@ -1,4 +1,4 @@
-"""Resuming a checkpoint at another layout (tiertrain/reshard.py): data-parallel size, ZeRO
+"""Resuming a checkpoint at another layout (tiertrain/state/reshard.py): data-parallel size, ZeRO
 stage, tensor- and pipeline-parallel sizes, optimizer tier (memory or NVMe), unit sizes.
 
 Each case trains K steps at layout A and saves; a second launch at layout B, from a
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import tiertrain
 from reference import Oracle, global_batches, make_config, make_model, rank_slices, reference_train, tp_gathered
-from tiertrain.checkpoint import CheckpointError
+from tiertrain.state.checkpoint import CheckpointError
 from tiertrain.parallel import apply_tensor_parallel
 from tiertrain.testing import run_distributed
 
@@ -261,7 +261,7 @@ def test_tensor_and_pipeline_parallel_checkpoints_load_and_export_the_saved_mode
     (gathered over tp, merged over stages) bit for bit."""
     from safetensors.torch import load_file
 
-    from tiertrain.consolidate import export_checkpoint
+    from tiertrain.state.consolidate import export_checkpoint
 
     saved, loaded, _ = runs
     whole = saved[name][1]

@@ -14,9 +14,9 @@ from .errors import TiertrainError
 from .wrapping import wrap
 from .topology import Topology
 from .zero.construct import partitioned_init
-from .export import ExportReport
-from .peft_export import PeftExport
-from .pretrained import LoadReport, PretrainedMismatchError, PretrainedMissingWarning, load_pretrained
+from .state.export import ExportReport
+from .state.peft_export import PeftExport
+from .state.pretrained import LoadReport, PretrainedMismatchError, PretrainedMissingWarning, load_pretrained
 from .trainer import EvalConfig, LoopConfig, Trainer
 
 __all__ = ["Config", "ConfigError", "Engine", "EvalConfig", "ExportReport", "LoadReport", "LoopConfig", "MemoryReport",

@@ -7,20 +7,19 @@ fetching (zero/stage3.py), the overlapped parameter gather (zero/param_gather.py
 optimizer step in one of its forms (update/: in memory, from NVMe, overlapped with backward,
 ZeRO-Offload's delayed update; chosen once by update/factory.py), the learning-rate schedule
 (optim.py), loss scaling (precision.py), activation checkpointing and the CPU/NVMe tiers
-(offload/), and checkpoints over stateful parts (checkpoint.py). Stage 0 is plain data
-parallelism, against which the ZeRO stages are checked.
+(offload/), and checkpoints over stateful parts (its checkpoint and export methods call
+the StateIO it is given: tiertrain/state/engine_io.py, which imports the engine, never the
+reverse). Stage 0 is plain data parallelism, against which the ZeRO stages are checked.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 
 import torch
 import torch.nn as nn
 
-from . import checkpoint
-from . import reshard as reshard_module
 from .buffers import ModuleBuffers
 from .comm import Collectives, CommCounter
 from .config import Config, ConfigError
@@ -43,10 +42,38 @@ from .zero.plan import GradientPlan, default_plan
 from .zero.reducer import GradientReducer, unused_parameters
 from .zero.stage3 import ParameterFetcher
 
-if TYPE_CHECKING:
-    from .export import ExportReport
-
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+class Stateful(Protocol):
+    """A checkpoint part: anything with state_dict() and load_state_dict()."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class StateIO(Protocol):
+    """What the engine's checkpoint and export methods call: reading and writing its state
+    lives above the engine (tiertrain/state/engine_io.py, which tiertrain.wrap() passes in),
+    so the engine imports none of it. Each function takes the engine and reads its parts."""
+
+    def fingerprint(self, engine: "Engine") -> dict: ...
+
+    def shard_description(self, engine: "Engine") -> dict: ...
+
+    def rank_state(self, parts: Mapping[str, Stateful]) -> dict: ...
+
+    def restore_rank_state(self, parts: Mapping[str, Stateful], state: dict) -> None: ...
+
+    def save_checkpoint(self, engine: "Engine", directory: str, extra: dict | None, keep_last: int, run_id: str,
+                        background: bool, background_group: Any) -> Any:
+        """The step directory (str), or a pending background save (wait_serialized(), wait())."""
+
+    def load_checkpoint(self, engine: "Engine", directory: str, step: int | None, reshard: bool) -> dict: ...
+
+    def save_pretrained(self, engine: "Engine", directory: str, dtype: Any = None, max_shard_bytes: int | None = None,
+                        peft: Any = None) -> Any: ...
 
 
 @dataclass
@@ -109,7 +136,7 @@ class Engine:
                  loss_fn: LossFn | None = None, unit_modules: list[str] | None = None,
                  plan: GradientPlan | None = None, update_factory: UpdateFactory = build_update,
                  optimizer: OptimizerArg | None = None, param_groups: list[dict] | None = None,
-                 lr_scheduler: SchedulerFactory | None = None):
+                 lr_scheduler: SchedulerFactory | None = None, state_io: StateIO | None = None):
         config.validate()
         check_no_partitioned_init("tiertrain.wrap()")
         client = client_optimizer(model, config, optimizer, param_groups, lr_scheduler)
@@ -138,7 +165,9 @@ class Engine:
         self._on_close: list[Callable[[], None]] = []
         """What close() undoes, last registered first (hooks, tiers, what wrap() applied)."""
         self._closed = False
-        self._pending_save: checkpoint.PendingSave | None = None
+        self.state_io = state_io
+        """Checkpoints and export (StateIO; tiertrain.wrap() gives tiertrain/state/engine_io.py)."""
+        self._pending_save: Any = None
         self._checkpoint_group = None
         """A gloo group of every rank for background saves' checksum exchange (made at the first)."""
         self._own_run_id: str | None = None
@@ -392,7 +421,7 @@ class Engine:
         self.flat.wait_gathers()
 
     def quiesce(self) -> None:
-        """Before reading or replacing the training state from outside (tiertrain.pretrained):
+        """Before reading or replacing the training state from outside (tiertrain.state.pretrained):
         cancel work the optimizer step began ahead of step() (an overlapped NVMe step), and
         complete the parameter all-gathers."""
         self._state_written()
@@ -632,7 +661,7 @@ class Engine:
 
     # -- checkpoints -----------------------------------------------------------------
 
-    def checkpoint_parts(self) -> dict[str, checkpoint.Stateful]:
+    def checkpoint_parts(self) -> dict[str, Stateful]:
         """The stateful parts a checkpoint is made of, in restore order: masters and optimizer
         (the update form), loss scaler, counters, RNG."""
         parts = {"update": self.update, "scaler": self.scaler, "train_state": self.train_state, "rng": RNGState(self.device)}
@@ -649,21 +678,21 @@ class Engine:
 
     def checkpoint_fingerprint(self) -> dict:
         """What a checkpoint of this rank must match to load here."""
-        return checkpoint.layout_fingerprint(self.layout, self.topology, self.stage, self.config.precision.dtype,
-                                             self.update.state_format)
+        return self._state_io().fingerprint(self)
 
     def state_dict(self) -> dict:
         """This rank's training state: fp32 master shards, optimizer, scaler, counters, RNG."""
         self.quiesce()
-        return checkpoint.rank_state(self.checkpoint_parts())
+        return self._state_io().rank_state(self.checkpoint_parts())
 
     def load_state_dict(self, state: dict) -> None:
         self.quiesce()
-        checkpoint.restore_rank_state(self.checkpoint_parts(), state)
+        self._state_io().restore_rank_state(self.checkpoint_parts(), state)
 
     def save_checkpoint(self, directory: str, extra: dict | None = None, keep_last: int = 0,
                         run_id: str | None = None, background: bool = False) -> str:
-        """Collective: atomically save every rank's shard under directory/step_N (see checkpoint.py).
+        """Collective: atomically save every rank's shard under directory/step_N (see
+        tiertrain/state/checkpoint.py; the writing is tiertrain/state/engine_io.py's).
         keep_last: then delete all but the newest keep_last checkpoints of this run, the run
         being run_id (the training loop passes the id of the run it continues); by default this
         engine's own saves. Checkpoints of other runs are never deleted. A CheckpointError on
@@ -677,51 +706,18 @@ class Engine:
         self.wait_for_checkpoint()
         self.quiesce()
         self.update.settle(collective=True)  # an update in flight is saved, not lost
-        # A diverged run's masters are not worth a checkpoint, and one would displace (keep_last)
-        # the good ones a resume needs. Each rank checks the masters of the state it is about to
-        # write (no second read from NVMe); save() tells every rank every rank's problem, so all
-        # refuse together before anything is written.
-        from .precision import first_nonfinite
-
-        def finite_masters(state: dict) -> str | None:
-            culprit = first_nonfinite(self.flat, state["update"]["masters"])
-            if culprit is None:
-                return None
-            return (f"the fp32 master weights hold non-finite values (rank {self.topology.rank}: first in "
-                    f"{culprit}); the run has diverged: resume from an earlier checkpoint with a lower optimizer.lr")
+        state_io = self._state_io()
         if run_id is None:
             import uuid
 
             # rank 0's id is the one written into the commit marker and compared by rotation
             run_id = self._own_run_id = self._own_run_id or uuid.uuid4().hex
-        files = {}
-        if self.topology.size("pp") == 1:
-            # What an offline export (tiertrain/consolidate.py) needs beyond the shards: the
-            # names Hugging Face writes, what the module holds whole, the model's HF config
-            # (without a pipeline, every rank's module has every name; a tensor-parallel slice
-            # held outside the shards is not whole, so it is left out).
-            import json
-
-            from . import export as export_module
-            names, held = export_module.checkpoint_names(self.module, self.flat)
-            held = [(n, t) for n, t in held if export_module.writable_dtype(t.dtype)
-                    and not getattr(t, "tp_sharded", False)]
-            files["export.json"] = json.dumps({"names": names, "held": [n for n, _ in held]},
-                                              indent=1).encode()
-            if held:
-                files["held_tensors.safetensors"] = lambda f: export_module.write_safetensors(f, held)
-            hf = export_module.hf_config_json(self.module)
-            if hf is not None:
-                files["hf_config.json"] = json.dumps(hf, indent=1).encode()
-            files.update({export_module.WITH_MODEL + name: data for name, data in self.files_with_model.items()})
         if self._checkpoint_group is None and self.topology.world_group() is not None:
             # (made at the first save of either kind, so that a background save does not pay for it)
             self._checkpoint_group = torch.distributed.new_group(backend="gloo")
-        saved = checkpoint.save(self.checkpoint_parts(), directory, self.steps, self.topology,
-                                self.checkpoint_fingerprint(), extra, keep_last,
-                                shards=self.shard_description(), files=files, run_id=run_id, validate=finite_masters,
-                                background_group=self._checkpoint_group, background=background)
-        if isinstance(saved, checkpoint.PendingSave):
+        saved = state_io.save_checkpoint(self, directory, extra, keep_last, run_id, background,
+                                         self._checkpoint_group)
+        if not isinstance(saved, str):  # (a background save, committed by its thread)
             self._pending_save = saved
             return saved.step_dir
         return saved
@@ -739,28 +735,19 @@ class Engine:
         return {}
 
     def shard_description(self) -> dict:
-        """This rank's shard layout as a checkpoint records it (tiertrain/reshard.py describe)."""
-        return reshard_module.describe(self.flat, self.update, (self.topology.coord("tp"), self.topology.size("tp")),
-                                       self.tied_copies())
+        """This rank's shard layout as a checkpoint records it (tiertrain/state/reshard.py describe)."""
+        return self._state_io().shard_description(self)
 
     def load_checkpoint(self, directory: str, step: int | None = None, reshard: bool = True) -> dict:
         """Collective: restore the newest intact committed checkpoint (all ranks the same one,
         checkpoint.agree_on_checkpoint), or the given step; returns the extras saved with it.
         A checkpoint saved at another layout (data-, tensor- or pipeline-parallel size, ZeRO
-        stage, optimizer tier, unit sizes) is resharded to this run's (tiertrain/reshard.py);
+        stage, optimizer tier, unit sizes) is resharded to this run's (tiertrain/state/reshard.py);
         reshard=False refuses it instead."""
         self.comm.enter("load_checkpoint()")
         self.wait_for_checkpoint()
         self.quiesce()
-        fingerprint = self.checkpoint_fingerprint()
-        checkpoint.lock_directory(directory, self.topology, writing=False)  # (a second job must not resume the first's run)
-        step_dir, marker = checkpoint.agree_on_checkpoint(directory, step, self.topology)
-        with checkpoint.interpreting(step_dir):
-            if reshard and checkpoint.layout_changed(marker, self.topology, fingerprint):
-                return reshard_module.load_resharded(self.checkpoint_parts(), step_dir, marker, self.topology.rank,
-                                                     fingerprint, self.shard_description(), self.update)
-            return checkpoint.load(self.checkpoint_parts(), step_dir, marker, self.topology, fingerprint,
-                                   self.device)
+        return self._state_io().load_checkpoint(self, directory, step, reshard)
 
     def masters(self) -> list[torch.Tensor]:
         """This rank's fp32 master shard of every unit (read from NVMe when they live there)."""
@@ -801,18 +788,26 @@ class Engine:
         return out
 
     def save_pretrained(self, directory: str, dtype: torch.dtype | str | None = None,
-                        max_shard_bytes: int | None = None, peft=None) -> "ExportReport":
+                        max_shard_bytes: int | None = None, peft=None) -> Any:
         """Collective: write the model as a Hugging Face safetensors checkpoint (config
         included) that ``type(model).from_pretrained`` and tiertrain.load_pretrained load,
         the ranks writing its files in parallel and no rank ever holding the whole model
         (ZeRO-Infinity §6): one unit gathered at a time. Values: the fp32 masters (frozen
         parameters: their compute-dtype values), in dtype (None: fp32). max_shard_bytes:
         tensor bytes per file at most (default 5 GB). A peft.PeftModel needs peft=
-        tiertrain.PeftExport.ADAPTER or .MERGED (tiertrain/peft_export.py). See tiertrain/export.py."""
-        from .export import save_pretrained
-
+        tiertrain.PeftExport.ADAPTER or .MERGED (tiertrain/state/peft_export.py). Returns a
+        tiertrain.ExportReport. See tiertrain/state/export.py."""
+        state_io = self._state_io()
         self.comm.enter("save_pretrained()")
-        return save_pretrained(self, directory, dtype=dtype, max_shard_bytes=max_shard_bytes, peft=peft)
+        return state_io.save_pretrained(self, directory, dtype=dtype, max_shard_bytes=max_shard_bytes, peft=peft)
+
+    def _state_io(self) -> StateIO:
+        """The StateIO this engine was built with (tiertrain.wrap() gives every engine one)."""
+        if self.state_io is None:
+            raise ConfigError("this engine was built without state I/O (Engine(..., state_io=None)), so it cannot "
+                              "save, load or export state: build it with tiertrain.wrap(), which passes "
+                              "tiertrain.state.engine_io")
+        return self.state_io
 
     def undo_on_close(self, undo: Callable[[], None]) -> None:
         """Have close() call undo (after what was registered later): wrap() hands over what

@@ -570,7 +570,7 @@ def _run_workers(ctx, fn, nproc: int, host: str, timeout: float, deadline: float
 def _unpickle_result(payload: bytes) -> Any:
     """A worker's return value, as its torch.save wrote it (_worker), with the full unpickler.
 
-    Unpickling is acceptable here, unlike for checkpoint files (tiertrain/checkpoint.py):
+    Unpickling is acceptable here, unlike for checkpoint files (tiertrain/state/checkpoint.py):
     the bytes come from our own child processes (started by launch_local, running the
     function this process handed them) over a multiprocessing queue, and are never read
     from a file. The results are arbitrary Python objects (dataclasses, memory reports,

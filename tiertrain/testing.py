@@ -29,7 +29,7 @@ def another_job_holding(directory: str) -> Iterator[int]:
     """A separate process holding the checkpoint lock of directory (as another job's rank 0
     does) until the block ends; yields its pid."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, tiertrain.checkpoint as c; c.claim_directory(sys.argv[1]); "
+        [sys.executable, "-c", "import sys, tiertrain.state.checkpoint as c; c.claim_directory(sys.argv[1]); "
                                "print('locked', flush=True); sys.stdin.read()", str(directory)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

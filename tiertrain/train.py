@@ -181,7 +181,7 @@ def keep_global_batch(cfg: TrainConfig, world_size: int) -> list[str]:
     in cfg so that micro × accum × dp equals it, and the change is returned to be said; a
     ConfigError names the numbers when micro × dp does not divide it. batch.global_batch_size
     set to another value is a choice to change it (kept). Returns the lines to print."""
-    from .checkpoint import CheckpointError, find_committed, peek_extra
+    from .state.checkpoint import CheckpointError, find_committed, peek_extra
 
     ckpt = cfg.checkpoint
     if not (ckpt.dir and ckpt.resume and os.path.isdir(ckpt.dir)):
@@ -297,7 +297,7 @@ def check_paths(cfg: TrainConfig) -> None:
     data.cache_dir) is usable, and the checkpoint directory holds no other run's checkpoints
     unless told what to do with them: a ConfigError naming the field before the first step
     (a checkpoint.dir that is a file used to fail at the first save, after the training)."""
-    from .checkpoint import marked_steps
+    from .state.checkpoint import marked_steps
 
     ckpt = cfg.checkpoint
     if ckpt.dir:
@@ -476,7 +476,7 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
                       partitioned_construction=partitioned, **options)
     if cfg.model.hf:
         from .models.hf import has_weights, tokenizer_files
-        from .pretrained import load_pretrained
+        from .state.pretrained import load_pretrained
 
         if has_weights(cfg.model.hf):
             report = load_pretrained(trainer.engine, cfg.model.hf)

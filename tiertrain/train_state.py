@@ -1,4 +1,4 @@
-"""The engine's counters and the RNG state: checkpoint parts (tiertrain/checkpoint.py) besides
+"""The engine's counters and the RNG state: checkpoint parts (tiertrain/state/checkpoint.py) besides
 the optimizer-step form and the loss scaler."""
 from __future__ import annotations
 

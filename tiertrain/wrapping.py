@@ -13,6 +13,7 @@ from .engine import Engine, LossFn
 from .offload.activations import apply_activation_checkpointing, checkpointing_of
 from .optim import OptimizerArg, SchedulerFactory
 from .pipeline.engine import PipelineEngine, pipeline_stages
+from .state import engine_io
 from .topology import Topology
 from .update.factory import UpdateFactory, build_update
 
@@ -72,11 +73,11 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
         if topology.size("pp") > 1:
             stages = pipeline_stages(model, topology, config.parallel.virtual_stages)
             engine = PipelineEngine(stages, config, topology, activation_shape=activation_shape,
-                                    update_factory=update_factory)
+                                    update_factory=update_factory, state_io=engine_io)
         else:
             engine = Engine(model, config, topology, loss_fn=loss_fn, unit_modules=unit_modules,
                             update_factory=update_factory, optimizer=optimizer, param_groups=param_groups,
-                            lr_scheduler=lr_scheduler)
+                            lr_scheduler=lr_scheduler, state_io=engine_io)
     except BaseException:
         if checkpointing is not None:  # a failed wrap leaves the model as it found it
             checkpointing.remove()

@@ -8,7 +8,7 @@ from .common import print_error
 
 
 def cmd_clean(argv: list[str]) -> int:
-    from ..checkpoint import CheckpointError
+    from ..state.checkpoint import CheckpointError
     from ..cleanup import clean_directory, remove_abandoned_launches
 
     p = argparse.ArgumentParser(

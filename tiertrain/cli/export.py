@@ -29,8 +29,8 @@ def _peak_rss() -> int:
 
 
 def cmd_export(argv: list[str]) -> int:
-    from ..checkpoint import CheckpointError
-    from ..consolidate import FORMATS, export_checkpoint
+    from ..state.checkpoint import CheckpointError
+    from ..state.consolidate import FORMATS, export_checkpoint
 
     p = argparse.ArgumentParser(
         prog="tiertrain export", allow_abbrev=False,

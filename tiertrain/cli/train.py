@@ -83,7 +83,7 @@ def cmd_train(argv: list[str]) -> int:
 
 def _check_resumable(directory: str) -> None:
     """--resume DIR needs a committed checkpoint in DIR (a ConfigError naming DIR otherwise)."""
-    from ..checkpoint import CheckpointError, find_committed
+    from ..state.checkpoint import CheckpointError, find_committed
 
     if not os.path.isdir(directory):
         raise ConfigError(f"--resume={directory!r} is invalid: no such directory (expected the checkpoint.dir "

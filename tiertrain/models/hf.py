@@ -4,7 +4,7 @@ DIR is a directory ``save_pretrained`` wrote (or any local copy of a Hugging Fac
 repository): its ``config.json`` says the architecture, built with
 ``AutoModelForCausalLM.from_config`` (no download: only local files are read); its
 safetensors weights, when present, are loaded after wrapping with the streaming loader
-(tiertrain.pretrained: each rank reads only what it keeps), which makes the run a
+(tiertrain.state.pretrained: each rank reads only what it keeps), which makes the run a
 fine-tune; without weights the model trains from its initialisation. A ``tokenizer.json``
 there tokenises text data (``data.tokenizer`` unless set).
 
@@ -121,7 +121,7 @@ def has_weights(directory: str) -> bool:
     that is there but cannot be read (a dangling symlink, as a Hugging Face cache snapshot with
     a missing blob leaves; not a regular file; no read permission) is a ConfigError naming it:
     training from the initialisation instead would be silent."""
-    from ..pretrained import unreadable_file
+    from ..state.pretrained import unreadable_file
 
     found = False
     for name in WEIGHT_FILES:

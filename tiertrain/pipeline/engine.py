@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from ..config import Config, ConfigError
-from ..engine import Engine
+from ..engine import Engine, StateIO
 from ..models.gpt import GPT
 from ..topology import Topology
 from ..update.factory import UpdateFactory, build_update
@@ -146,7 +146,8 @@ class PipelineEngine(Engine):
 
     def __init__(self, stages: Sequence[nn.Module], config: Config, topology: Topology,
                  activation_shape: tuple[int, ...] | Callable[[dict], tuple[int, ...]] | None = None,
-                 timeout: float | None = None, update_factory: UpdateFactory = build_update):
+                 timeout: float | None = None, update_factory: UpdateFactory = build_update,
+                 state_io: StateIO | None = None):
         self.stages = list(stages)
         self._tied_stages = [s for s in self.stages if getattr(s, "tied", False)]
         chunk_modules = None
@@ -156,7 +157,8 @@ class PipelineEngine(Engine):
                 self.stages, config, topology.size("dp"), counts_in_norm=lambda name: name not in copies)
         else:
             plan, self._units_of_chunk = pipeline_plan(self.stages, config, topology.size("dp"))
-        super().__init__(nn.ModuleList(self.stages), config, topology, plan=plan, update_factory=update_factory)
+        super().__init__(nn.ModuleList(self.stages), config, topology, plan=plan, update_factory=update_factory,
+                         state_io=state_io)
         self.pipeline_fetcher: PipelineFetcher | None = None
         """Stage 3: gathers and releases each chunk's units inside the schedule (.zero3)."""
         if chunk_modules is not None:

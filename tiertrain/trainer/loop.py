@@ -167,7 +167,7 @@ class Trainer:
         del shape_model
 
         if config.checkpoint.dir:  # one job per directory, named before its swap files or model are built
-            from .. import checkpoint
+            from ..state import checkpoint
 
             checkpoint.lock_directory(config.checkpoint.dir, self.topology)
         if factory is not None:
@@ -318,7 +318,7 @@ class Trainer:
         gradients that stayed non-finite, or was saved in a loss or gradient-norm spike): it is
         marked, so a resume does not take it by default (the previous one is the state to
         resume, with a lower optimizer.lr). Collective."""
-        from .. import checkpoint
+        from ..state import checkpoint
 
         directory = self.config.checkpoint.dir
         if not directory:
@@ -498,7 +498,7 @@ class Trainer:
         and one exists): engine state, data position, run id. Returns the step to continue
         after (0 for a fresh start). With resume off and checkpoint.overwrite, rank 0 first
         deletes the checkpoints there, so that none can later shadow this run."""
-        from .. import checkpoint
+        from ..state import checkpoint
 
         ckpt = self.config.checkpoint
         if not ckpt.dir:

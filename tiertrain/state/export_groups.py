@@ -1,7 +1,7 @@
 """The tensors of an export as the checkpoint holds them, when that is not one tensor per model
 tensor under its own name: groups of model tensors written as other tensors (transformers'
-checkpoint conversion, tiertrain/hf_conversion.py; a PEFT merge, tiertrain/peft_export.py),
-for the streaming writers of tiertrain/export.py and tiertrain/consolidate.py.
+checkpoint conversion, tiertrain/state/hf_conversion.py; a PEFT merge, tiertrain/state/peft_export.py),
+for the streaming writers of tiertrain/state/export.py and tiertrain/state/consolidate.py.
 
 An item of a converted group waits for the last unit its members are in; its value is made
 when it is written, from its members' values, one group at a time (ConvertedValues), the
@@ -18,7 +18,7 @@ import torch.nn as nn
 from .hf_conversion import SaveGroup, saving_groups
 
 Item = Any
-"""tiertrain.export's _Item (a frozen dataclass: name, shape, dtype, position, unit, slot,
+"""tiertrain.state.export's _Item (a frozen dataclass: name, shape, dtype, position, unit, slot,
 value, group, members); typed loosely here, as export imports this module."""
 
 

@@ -3,11 +3,11 @@
 One process, no model code, no torch.distributed: the committed step's rank files (every
 checksum verified first) are opened memory-mapped with ``torch.load(weights_only=True,
 mmap=True)`` and each parameter, in the layout's order, is assembled from its pieces across the
-rank files (tiertrain/reshard.py finds them from the shard layouts in COMMITTED.json, and joins
+rank files (tiertrain/state/reshard.py finds them from the shard layouts in COMMITTED.json, and joins
 the slices of a tensor-parallel one and the stages of a pipeline): trained parameters from the
 fp32 masters, frozen ones from their compute-dtype shards. It is cast to
 the dtype asked for, written into the safetensors file streaming at that moment (the writer of
-tiertrain/export.py: same file names, headers, order and index as ``engine.save_pretrained``),
+tiertrain/state/export.py: same file names, headers, order and index as ``engine.save_pretrained``),
 and dropped before the next; the pages of the rank files it was read from are released too
 (Linux), so the memory held is about one parameter whatever the model's size.
 

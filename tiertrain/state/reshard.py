@@ -45,12 +45,12 @@ import torch
 
 from .checkpoint import (CheckpointError, Stateful, load_rank_file, rank_file_name, restore_rank_state,
                          verified_file)
-from .update.protocol import SLOT_NAME
-from .zero.layout import Slot, Unit
+from ..update.protocol import SLOT_NAME
+from ..zero.layout import Slot, Unit
 
 if TYPE_CHECKING:
-    from .update.protocol import OptimizerUpdate
-    from .zero.flat import FlatParameters
+    from ..update.protocol import OptimizerUpdate
+    from ..zero.flat import FlatParameters
 
 MEMORY_FORMS = ("InMemoryUpdate", "DelayedUpdate")
 """Update forms whose state is a torch optimizer's over per-parameter views (update/in_memory.py,
@@ -484,7 +484,7 @@ def _compare_params(kind: str, saved: dict[str, tuple], mine: dict[str, tuple], 
                                   f"shape {mine[name]}")
 
 
-# -- the saved run's parameters, whole (the offline export, tiertrain/consolidate.py) ----------
+# -- the saved run's parameters, whole (the offline export, tiertrain/state/consolidate.py) ----------
 
 def open_saved(step_dir: str, marker: dict, verified: bool = False) -> _SavedRun:
     """A committed checkpoint's values, read as needed (verified: every rank file's checksum

@@ -44,15 +44,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .io.fileio import atomic_write, temporary_beside
+from ..io.fileio import atomic_write, temporary_beside
 from .export_groups import ConvertedValues, GroupMembers, converted_items
 from .hf_conversion import SaveGroup
 from .peft_export import PeftExport, peft_items, peft_model, write_adapter_config
-from .zero.layout import Slot
+from ..zero.layout import Slot
 
 if TYPE_CHECKING:
-    from .engine import Engine
-    from .zero.flat import UnitBuffers
+    from ..engine import Engine
+    from ..zero.flat import UnitBuffers
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -587,7 +587,7 @@ def save_pretrained(engine: "Engine", directory: str | os.PathLike, dtype: torch
     return report
 
 
-# -- reusable pieces (the offline export, tiertrain/consolidate.py) --------------------------------
+# -- reusable pieces (the offline export, tiertrain/state/consolidate.py) --------------------------------
 
 TensorItem = _Item
 """One tensor of a checkpoint to write: name, shape, dtype as written, position in the model's

@@ -148,7 +148,7 @@ def peft_items(module: nn.Module, items: list, peft: PeftExport | None, world: i
     base = base_model(module)
     if saving_groups(base, {i.name: i.shape for i in merged}) is not None:
         raise NotImplementedError(f"save_pretrained(peft=PeftExport.MERGED): {type(base).__name__}'s checkpoints "
-                                  f"are converted (tiertrain/hf_conversion.py) after the merge, which is not "
+                                  f"are converted (tiertrain/state/hf_conversion.py) after the merge, which is not "
                                   f"supported; write PeftExport.ADAPTER")
     return merged, base, world, single
 

@@ -106,7 +106,7 @@ class _Group:
 
 
 class ConvertedCheckpoint:
-    """A checkpoint (tiertrain.pretrained's reader) under the model's in-memory names."""
+    """A checkpoint (tiertrain.state.pretrained's reader) under the model's in-memory names."""
 
     def __init__(self, raw, module: nn.Module, transforms: list):
         from transformers.core_model_loading import dot_natural_key, rename_source_key
@@ -212,7 +212,7 @@ class SaveGroup:
     patterns: list[tuple[str, str]] = field(default_factory=list, repr=False)
     """(member, the reversed converter's pattern it matched)."""
     merge: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
-    """Another writer's conversion of the members' values (tiertrain/peft_export.py's merge)."""
+    """Another writer's conversion of the members' values (tiertrain/state/peft_export.py's merge)."""
 
     @property
     def renames_only(self) -> bool:

@@ -24,7 +24,7 @@ Face matches them: a parameter shared under several names (tied embeddings) is f
 any of them, a checkpoint of the base model loads into a model with a head (or the
 reverse) through ``base_model_prefix``, and a family whose checkpoints transformers converts
 (experts stored one tensor each, stacked in memory; renamed layers) is read through
-transformers' own conversion (tiertrain/hf_conversion.py): a converted tensor is read whole
+transformers' own conversion (tiertrain/state/hf_conversion.py): a converted tensor is read whole
 by each rank that keeps part of it, one conversion group at a time.
 """
 from __future__ import annotations
@@ -42,12 +42,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .engine import Engine
-from .errors import TiertrainError
+from ..engine import Engine
+from ..errors import TiertrainError
 from .hf_conversion import ConvertedCheckpoint, checkpoint_view
-from .topology import Topology
-from .zero.construct import full_shape, is_partitioned
-from .zero.flat import UnitBuffers
+from ..topology import Topology
+from ..zero.construct import full_shape, is_partitioned
+from ..zero.flat import UnitBuffers
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -349,7 +349,7 @@ def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict:
     model declares ignorable); otherwise keep such model tensors unchanged and report them.
     A tensor of another shape always raises; another dtype is cast.
     """
-    from .pipeline.engine import PipelineEngine
+    from ..pipeline.engine import PipelineEngine
 
     if isinstance(target, PipelineEngine):
         raise TypeError("load_pretrained: a PipelineEngine's stages have their own parameter names; load the "

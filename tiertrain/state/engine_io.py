@@ -1,0 +1,100 @@
+"""The engine's checkpoint and export operations, working through its parts.
+
+``Engine.save_checkpoint``, ``load_checkpoint``, ``save_pretrained``, ``state_dict`` and
+``load_state_dict`` keep their place in the engine's API, but the engine imports nothing of
+tiertrain.state: ``tiertrain.wrap()`` hands it this module as its ``state_io`` (the
+``StateIO`` protocol of tiertrain/engine.py), and the methods call the functions here with the
+engine after doing what is the engine's own part of the contract (entering the collective,
+finishing what is in flight, keeping the background save). What they read of the engine is
+narrow: its stateful parts (``checkpoint_parts``), its layout, topology, stage, dtype and
+update form (the fingerprint and shard description), its flat parameters (the non-finite
+check, the names an offline export needs) and its module (the Hugging Face config).
+"""
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+
+from ..precision import first_nonfinite
+from . import checkpoint
+from . import export as export_module
+from . import reshard as reshard_module
+from .checkpoint import PendingSave, rank_state, restore_rank_state
+from .export import ExportReport, save_pretrained
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+__all__ = ["ExportReport", "PendingSave", "fingerprint", "load_checkpoint", "rank_state", "restore_rank_state",
+           "save_checkpoint", "save_pretrained", "shard_description"]
+
+
+def fingerprint(engine: "Engine") -> dict:
+    """What a checkpoint of this rank must match to load here (checkpoint.layout_fingerprint)."""
+    return checkpoint.layout_fingerprint(engine.layout, engine.topology, engine.stage,
+                                         engine.config.precision.dtype, engine.update.state_format)
+
+
+def shard_description(engine: "Engine") -> dict:
+    """This rank's shard layout as a checkpoint records it (tiertrain/state/reshard.py describe)."""
+    topology = engine.topology
+    return reshard_module.describe(engine.flat, engine.update, (topology.coord("tp"), topology.size("tp")),
+                                   engine.tied_copies())
+
+
+def _files_for_export(engine: "Engine") -> dict[str, Any]:
+    """What an offline export (tiertrain/state/consolidate.py) needs beyond the shards: the
+    names Hugging Face writes, what the module holds whole, the model's HF config (without a
+    pipeline, every rank's module has every name; a tensor-parallel slice held outside the
+    shards is not whole, so it is left out), and the files kept with the model."""
+    files: dict[str, Any] = {}
+    names, held = export_module.checkpoint_names(engine.module, engine.flat)
+    held = [(n, t) for n, t in held if export_module.writable_dtype(t.dtype) and not getattr(t, "tp_sharded", False)]
+    files["export.json"] = json.dumps({"names": names, "held": [n for n, _ in held]}, indent=1).encode()
+    if held:
+        files["held_tensors.safetensors"] = lambda f: export_module.write_safetensors(f, held)
+    hf = export_module.hf_config_json(engine.module)
+    if hf is not None:
+        files["hf_config.json"] = json.dumps(hf, indent=1).encode()
+    files.update({export_module.WITH_MODEL + name: data for name, data in engine.files_with_model.items()})
+    return files
+
+
+def save_checkpoint(engine: "Engine", directory: str, extra: dict | None, keep_last: int, run_id: str,
+                    background: bool, background_group: Any) -> "str | PendingSave":
+    """Save the engine's parts under directory/step_N (checkpoint.save), once the engine has
+    settled what is in flight; returns the step directory, or the PendingSave of a background
+    save. A CheckpointError on every rank, before anything is written, when the fp32 masters
+    hold inf or NaN."""
+    # A diverged run's masters are not worth a checkpoint, and one would displace (keep_last)
+    # the good ones a resume needs. Each rank checks the masters of the state it is about to
+    # write (no second read from NVMe); save() tells every rank every rank's problem, so all
+    # refuse together before anything is written.
+    def finite_masters(state: dict) -> str | None:
+        culprit = first_nonfinite(engine.flat, state["update"]["masters"])
+        if culprit is None:
+            return None
+        return (f"the fp32 master weights hold non-finite values (rank {engine.topology.rank}: first in "
+                f"{culprit}); the run has diverged: resume from an earlier checkpoint with a lower optimizer.lr")
+    files = _files_for_export(engine) if engine.topology.size("pp") == 1 else {}
+    return checkpoint.save(engine.checkpoint_parts(), directory, engine.steps, engine.topology,
+                           engine.checkpoint_fingerprint(), extra, keep_last,
+                           shards=engine.shard_description(), files=files, run_id=run_id, validate=finite_masters,
+                           background_group=background_group, background=background)
+
+
+def load_checkpoint(engine: "Engine", directory: str, step: int | None, reshard: bool) -> dict:
+    """Restore the newest intact committed checkpoint (all ranks the same one,
+    checkpoint.agree_on_checkpoint), or the given step, into the engine's parts; returns the
+    extras saved with it. A checkpoint of another layout is resharded (tiertrain/state/
+    reshard.py) unless reshard is False."""
+    fingerprint = engine.checkpoint_fingerprint()
+    topology = engine.topology
+    checkpoint.lock_directory(directory, topology, writing=False)  # (a second job must not resume the first's run)
+    step_dir, marker = checkpoint.agree_on_checkpoint(directory, step, topology)
+    with checkpoint.interpreting(step_dir):
+        if reshard and checkpoint.layout_changed(marker, topology, fingerprint):
+            return reshard_module.load_resharded(engine.checkpoint_parts(), step_dir, marker, topology.rank,
+                                                 fingerprint, engine.shard_description(), engine.update)
+        return checkpoint.load(engine.checkpoint_parts(), step_dir, marker, topology, fingerprint, engine.device)
