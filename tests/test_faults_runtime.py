@@ -310,8 +310,10 @@ def test_no_swap_or_temporary_file_survives_the_end_of_a_run(tmp_path, token_cac
     command = ([sys.executable, "-c", _FAIL_ON_RANK_1] if ending.startswith("exception")
                else [sys.executable, "-m", "tiertrain.cli"]) + args
     env = dict(os.environ, TMPDIR=str(tmp))  # the launcher's own temporary files go there
+    # (SIGINT at its default, as in a terminal: a shell running this suite in the background
+    # hands its children SIGINT ignored, and Python then installs no KeyboardInterrupt handler)
     p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
+                         start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         if "SIG" in ending:
             deadline = time.monotonic() + 40
