@@ -133,11 +133,6 @@ class ActivationBytes:
         """Bytes block ``i`` keeps besides its input when checkpointed selectively."""
         return self.kept[min(i, len(self.kept) - 1)] if self.kept else 0
 
-    def held_by_checkpointed(self, i: int, selective: bool) -> int:
-        """Bytes block ``i`` holds between forward and backward when checkpointed: its input,
-        plus its kept outputs when ``selective``."""
-        return self.checkpoint + (self.kept_at(i) if selective else 0)
-
     def recompute_working(self, i: int, selective: bool) -> int:
         """Bytes the recomputation of block ``i`` adds while its backward runs: every tensor
         the block saves, less the kept outputs it takes from the cache (already held)."""
