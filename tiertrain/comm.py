@@ -654,6 +654,29 @@ class Collectives:
             work.wait()
         return work
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int], label: str, async_op: bool = False) -> Work:
+        """Send input's chunk i (input_splits[i] rows, in rank order) to rank i; output's chunk
+        i (output_splits[i] rows) receives rank i's chunk for this rank. label: what is
+        exchanged, the same words on every rank (the splits differ; a rank that waits long
+        compares its collective with its peers' by these words). Counted as the bytes this
+        rank sends to the others."""
+        row = input[0].numel() * input.element_size() if input.dim() > 1 else input.element_size()
+        self.counter.add("all_to_all", sum(n for r, n in enumerate(input_splits) if r != self.rank) * row)
+        if self.size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return Work(None)
+        self._usable()
+        what = f"all_to_all of {label} ({input.dtype})"
+        number = self._issue(what)
+        handle = dist.all_to_all_single(output, input, output_split_sizes=list(output_splits),
+                                        input_split_sizes=list(input_splits), group=self.group, async_op=True)
+        work = self._work(handle, what, number)
+        if not async_op:
+            work.wait()
+        return work
+
     def broadcast(self, tensor: torch.Tensor, src_local_rank: int) -> None:
         if self.size == 1:
             return

@@ -19,12 +19,16 @@ weight_decay_on, impl) and ``config.schedule`` describe the *default* optimizer,
 ``optimizer.grad_clip`` applies in every case. Schedulers step once per update applied (an
 fp16 step skipped on overflow steps nothing), as DeepSpeed does.
 
-The optimizer is stepped over *pieces* of parameters (each rank's slice of a flat shard), so
-it must be elementwise (SGD, Adam, AdamW, RMSprop, Adagrad, ...): an optimizer that reads a
-whole tensor at once (LBFGS, SparseAdam, Adafactor, Muon) is refused. Every ZeRO stage and
-the CPU optimizer tier run any such optimizer; the NVMe tier streams AdamW, Adam and SGD
+An elementwise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...) is stepped over *pieces*
+of parameters (each rank's slice of a flat shard). One that reads a whole tensor at once
+(Muon, Adafactor, a user's own) is found by what it does (tiertrain/optim_probe.py), and its
+groups take the whole-parameter path (tiertrain/update/whole.py): each parameter updated whole
+by one rank. Several optimizers over disjoint parameters (``optimizer=[Muon(hidden),
+AdamW(rest)]``) step as one (tiertrain/optimizer_list.py). One that needs more than gradients
+(LBFGS's closure, SparseAdam's sparse gradients) is refused. Every ZeRO stage and the CPU tier
+run any of these; the NVMe tier streams AdamW, Adam and SGD over the flat shards
 (tiertrain/elementwise.py: one lr and one set of rule hyper-parameters for every group,
-per-group weight decay), refusing others with the tiers that run them.
+per-group weight decay) and any optimizer with whole-parameter groups per parameter.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ import torch.nn as nn
 
 from .config import Config, ConfigError, OptimizerConfig, ScheduleConfig
 from .elementwise import streamed_update
+from .optimizer_list import build_parts
 from .tiers import Tier
 from .zero.construct import full_shape
 
@@ -47,16 +52,16 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LR
 """Builds the learning-rate scheduler of the optimizer it is given (the engine's own)."""
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 """Builds an optimizer over torch-style param groups."""
-OptimizerArg = Union[torch.optim.Optimizer, type, OptimizerFactory]
-"""wrap(optimizer=...): an Optimizer subclass, a factory of param groups, or an instance."""
+OptimizerArg = Union[torch.optim.Optimizer, type, OptimizerFactory, list]
+"""wrap(optimizer=...): an Optimizer subclass, a factory of param groups, an instance, or a
+list over disjoint parameters (stepped as one: tiertrain/optimizer_list.py) of instances or
+(class or factory, param_groups) pairs."""
 
 KNOWN_WHOLE_TENSOR = {
     "LBFGS": "it minimises over all parameters at once with a closure",
     "SparseAdam": "it needs sparse gradients",
-    "Adafactor": "it factors the second moment over each whole matrix",
-    "Muon": "it orthogonalises each whole matrix",
 }
-"""Why some torch optimizers need whole tensors, added to the message when the probe
+"""Why some torch optimizers need more than gradients, added to the message when the probe
 (tiertrain/optim_probe.py, which decides for every optimizer by what it does) refuses them."""
 
 _NOT_OPTIONS = ("params", "initial_lr", "param_names")
@@ -163,6 +168,9 @@ class ParamGroup:
     names: tuple[str, ...]
     options: dict[str, Any]
     """Every key of the group but "params" (lr, weight_decay, betas, momentum, ...)."""
+    whole: bool = False
+    """Its optimizer needs whole tensors (tiertrain/optim_probe.py): each of its parameters is
+    updated whole by one owning rank (tiertrain/update/whole.py)."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +187,13 @@ class ClientOptimizer:
     """Applied to the optimizer the engine builds; None: each group keeps its rate."""
     name: str
     """The optimizer's class name, for messages."""
+    why_whole: str | None = None
+    """Why some groups need whole tensors (the probe's finding), or None: all are elementwise."""
+
+    @property
+    def whole_groups(self) -> tuple[int, ...]:
+        """Indices of the groups stepped whole (ParamGroup.whole)."""
+        return tuple(i for i, g in enumerate(self.groups) if g.whole)
 
     def group_index(self) -> dict[str, int]:
         """Parameter name → index of its group."""
@@ -191,8 +206,9 @@ class ClientOptimizer:
     def stand_in(self) -> torch.optim.Optimizer:
         """The optimizer built over one zero-size tensor per group: its class and every group's
         hyper-parameters with the defaults filled in, never stepped on data. Forms whose
-        update runs elsewhere (a worker thread, the NVMe stream) schedule this one."""
-        return self.build([{"params": [torch.empty(0)], **g.options} for g in self.groups])
+        update runs elsewhere (a worker thread, the NVMe stream) schedule this one. (A 0×0
+        matrix: optimizers of matrices only, such as Muon, take it too.)"""
+        return self.build([{"params": [torch.empty(0, 0)], **g.options} for g in self.groups])
 
 
 def client_optimizer(model: nn.Module, config: Config, optimizer: OptimizerArg | None = None,
@@ -218,7 +234,23 @@ def client_optimizer(model: nn.Module, config: Config, optimizer: OptimizerArg |
     canonical = {id(p): n for n, p in named}  # (a tied parameter: its first name)
     aliases = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
     instance_groups = None
-    if isinstance(optimizer, torch.optim.Optimizer):
+    parts: list[int] | None = None  # (a list of instances: the instance of each group)
+    if isinstance(optimizer, list) and len(optimizer) == 1 and isinstance(optimizer[0], torch.optim.Optimizer):
+        optimizer = optimizer[0]
+    if isinstance(optimizer, list):
+        if param_groups is not None or not optimizer or not all(_is_part(o) for o in optimizer):
+            raise ConfigError(f"optimizer={_short(optimizer)}: a list of optimizers over disjoint parameters of the "
+                              f"model holds torch.optim.Optimizer instances (e.g. [torch.optim.Muon(hidden "
+                              f"matrices), torch.optim.AdamW(the rest)]) or (class or factory, param_groups) pairs "
+                              f"(groups by parameter name: under partitioned_init a parameter holds only its shard, "
+                              f"which Muon's constructor refuses); param_groups= does not apply")
+        pairs = [(_rebuild(type(o), o.defaults), o.param_groups) if isinstance(o, torch.optim.Optimizer) else o
+                 for o in optimizer]
+        builds = [b for b, _ in pairs]
+        parts = [k for k, (_, groups) in enumerate(pairs) for _ in groups]
+        build = partial(build_parts, builds=tuple(builds), parts=tuple(parts))
+        instance_groups = [g for _, groups in pairs for g in groups]
+    elif isinstance(optimizer, torch.optim.Optimizer):
         if param_groups is not None:
             raise ConfigError(f"param_groups= was given with a {type(optimizer).__name__} instance, whose own "
                               f"param_groups define the groups: give one or the other")
@@ -238,7 +270,7 @@ def client_optimizer(model: nn.Module, config: Config, optimizer: OptimizerArg |
                         f"callable(param_groups) -> Optimizer, or an Optimizer instance")
     if instance_groups is not None:
         groups = _resolve_groups(named, aliases, instance_groups,
-                                 f"the {type(optimizer).__name__} instance's param_groups")
+                                 f"the {_optimizer_name(optimizer)} instance's param_groups")
     elif param_groups is not None:
         groups = _resolve_groups(named, aliases, param_groups, "param_groups")
     elif optimizer is None:
@@ -247,38 +279,57 @@ def client_optimizer(model: nn.Module, config: Config, optimizer: OptimizerArg |
         groups = (ParamGroup(tuple(n for n, p in named if p.requires_grad), {}),)
     if optimizer is None and lr_scheduler is None:
         lr_scheduler = partial(build_schedule, schedule=config.schedule)
+    why_whole = None
     if optimizer is not None:  # (the default AdamW is elementwise)
-        _check_elementwise(build, groups, _optimizer_name(optimizer))
+        part_builds = builds if parts is not None else [build]
+        groups, why_whole = _classify(part_builds, parts or [0] * len(groups), groups, _optimizer_name(optimizer))
     stand_in = ClientOptimizer(build, groups, lr_scheduler, "").stand_in()
     if not isinstance(stand_in, torch.optim.Optimizer):
         raise TypeError(f"optimizer={optimizer!r} built a {type(stand_in).__name__}, not a torch.optim.Optimizer")
-    name = type(stand_in).__name__
-    if config.zero.offload_optimizer == Tier.NVME:
+    name = _optimizer_name(optimizer) if parts is not None else type(stand_in).__name__
+    if config.zero.offload_optimizer == Tier.NVME and why_whole is None:
         streamed_update(stand_in)  # refused before the engine makes swap files
-    return ClientOptimizer(build, groups, lr_scheduler, name)
+    return ClientOptimizer(build, groups, lr_scheduler, name, why_whole)
+
+
+def _is_part(o: Any) -> bool:
+    """An element of wrap(optimizer=[...]): an instance, or a (class or factory, groups) pair."""
+    return isinstance(o, torch.optim.Optimizer) or (
+        isinstance(o, tuple) and len(o) == 2 and callable(o[0]) and isinstance(o[1], list)
+        and all(isinstance(g, dict) for g in o[1]))
 
 
 def _optimizer_name(optimizer: OptimizerArg) -> str:
+    if isinstance(optimizer, list):
+        return "+".join(_optimizer_name(o if isinstance(o, torch.optim.Optimizer) else o[0]) for o in optimizer)
     if isinstance(optimizer, torch.optim.Optimizer):
         return type(optimizer).__name__
     target = optimizer.func if isinstance(optimizer, partial) else optimizer
     return getattr(target, "__name__", repr(target))
 
 
-def _check_elementwise(build: OptimizerFactory, groups: Sequence[ParamGroup], name: str) -> None:
-    """ConfigError unless the optimizer steps parameters piece by piece as it steps them whole,
-    with every group's hyper-parameters (tiertrain/optim_probe.py): one that needs whole tensors
-    would train silently wrong on the flat shards."""
-    from .optim_probe import elementwise_problem
+def _classify(builds: Sequence[OptimizerFactory], parts: Sequence[int], groups: Sequence[ParamGroup],
+              name: str) -> tuple[tuple[ParamGroup, ...], str | None]:
+    """The groups, each marked whole where its optimizer does not step flat pieces as it steps
+    whole tensors (tiertrain/optim_probe.py, with the group's hyper-parameters), and the first
+    such finding; a ConfigError for an optimizer that cannot step whole tensors from their
+    gradients either (LBFGS's closure, SparseAdam's sparse gradients)."""
+    from .optim_probe import probe
 
-    for group in groups:
-        problem = elementwise_problem(build, dict(group.options), name)
-        if problem is not None:
-            known = f" ({KNOWN_WHOLE_TENSOR[name]})" if name in KNOWN_WHOLE_TENSOR else ""
-            raise ConfigError(f"optimizer {name}{known} cannot train under tiertrain yet: {problem}. Each rank "
-                              f"updates only its pieces of the parameters (ZeRO's partitioned optimizer state), so "
-                              f"an optimizer that needs whole tensors would train wrong; use an elementwise "
-                              f"optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...)")
+    out, why = [], None
+    for group, part in zip(groups, parts):
+        build = builds[part]
+        found = probe(build, dict(group.options), name)
+        if not found.steps_whole:
+            part_name = _optimizer_name(build) if len(builds) > 1 else name
+            known = f" ({KNOWN_WHOLE_TENSOR[part_name]})" if part_name in KNOWN_WHOLE_TENSOR else ""
+            raise ConfigError(f"optimizer {part_name}{known} cannot train under tiertrain: {found.problem}. "
+                              f"The engine hands an optimizer parameters and their gradients and calls step(): "
+                              f"give one that needs nothing more (no closure, dense gradients)")
+        if not found.elementwise:
+            why = why or found.problem
+        out.append(ParamGroup(group.names, group.options, whole=not found.elementwise))
+    return tuple(out), why
 
 
 def _rebuild(cls: type, defaults: dict) -> OptimizerFactory:

@@ -13,11 +13,15 @@ The probe: a copy of the optimizer, with each group's hyper-parameters, steps a 
 and a vector a few times with the same gradients twice, whole and cut into flat pieces at
 uneven points (a piece across the two tensors' boundary included, as a shard would be), and
 the two results are compared. Elementwise arithmetic agrees to rounding (fused kernels round
-a vectorised body and a scalar tail differently); anything else is refused, naming the
-difference, before the engine builds anything.
+a vectorised body and a scalar tail differently). An optimizer that steps whole tensors but
+not pieces takes the whole-parameter path (tiertrain/update/whole.py: each parameter updated
+whole by one owning rank); one that cannot even step whole tensors without more than a
+gradient (a closure, sparse gradients) is refused, naming why, before the engine builds
+anything.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -54,9 +58,23 @@ def _pieces(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [flat[a:b].clone() for a, b in zip(bounds, bounds[1:])]
 
 
-def elementwise_problem(build: Callable, options: dict, name: str) -> str | None:
-    """Why the optimizer ``build`` (a factory of param groups) with a group's ``options``
-    cannot step parameters in pieces, or None when it can (see the module docstring)."""
+@dataclass(frozen=True)
+class Probe:
+    """What the probe found for one param group of an optimizer."""
+
+    steps_whole: bool
+    """Stepping whole parameters, given only their gradients, works."""
+    problem: str | None
+    """Why it cannot step flat pieces as it steps whole tensors; None: it is elementwise."""
+
+    @property
+    def elementwise(self) -> bool:
+        return self.problem is None
+
+
+def probe(build: Callable, options: dict, name: str) -> Probe:
+    """Whether the optimizer ``build`` (a factory of param groups) with a group's ``options``
+    steps whole tensors, and steps flat pieces the same way (see the module docstring)."""
     failed = None
     for shapes in (SHAPES, SHAPES[:1]):
         start = [torch.randn(shape, generator=torch.Generator().manual_seed(7)) for shape in shapes]
@@ -67,22 +85,23 @@ def elementwise_problem(build: Callable, options: dict, name: str) -> str | None
         except Exception as e:  # (a closure or sparse gradients needed; or matrices only: try one)
             failed = failed or e
     else:
-        return (f"stepping it on a {SHAPES[0]} matrix and a {SHAPES[1]} vector raised {type(failed).__name__}: "
-                f"{' '.join(str(failed).split())[:200]}")
+        return Probe(False, f"stepping it on a {SHAPES[0]} matrix and a {SHAPES[1]} vector raised "
+                            f"{type(failed).__name__}: {' '.join(str(failed).split())[:200]}")
     try:
         cut = _run(build, options, [p.requires_grad_(True) for p in _pieces(start)],
                    lambda step: _pieces(_gradients(step, shapes)))
     except Exception as e:
-        return (f"stepping it on flat pieces of parameters (as each rank steps its slice of the flat shards) "
-                f"raised {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+        return Probe(True, f"stepping it on flat pieces of parameters (as each rank steps its slice of the flat "
+                           f"shards) raised {type(e).__name__}: {' '.join(str(e).split())[:200]}")
     moved = float((whole - torch.cat([t.reshape(-1) for t in start])).abs().max())
     difference = float((whole - cut).abs().max())
     allowed = TOLERANCE * moved + 1e-6 * float(whole.abs().max())
     if not torch.isfinite(whole).all() or difference > allowed:
-        return (f"stepped on {' and '.join(str(s) for s in shapes)} tensors whole and cut into flat pieces (as each "
-                f"rank steps its slice of the flat shards), {name} gives other values: largest difference "
-                f"{difference:.2e}, for changes up to {moved:.2e}; it does not update each element on its own")
-    return None
+        return Probe(True, f"stepped on {' and '.join(str(s) for s in shapes)} tensors whole and cut into flat "
+                           f"pieces (as each rank steps its slice of the flat shards), {name} gives other values: "
+                           f"largest difference {difference:.2e}, for changes up to {moved:.2e}; it does not "
+                           f"update each element on its own")
+    return Probe(True, None)
 
 
-__all__ = ["elementwise_problem"]
+__all__ = ["Probe", "probe"]

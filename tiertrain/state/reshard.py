@@ -46,16 +46,18 @@ import torch
 from .checkpoint import (CheckpointError, Stateful, load_rank_file, rank_file_name, restore_rank_state,
                          verified_file)
 from ..update.protocol import SLOT_NAME
+from ..update.whole import WHOLE
 from ..zero.layout import Slot, Unit
 
 if TYPE_CHECKING:
     from ..update.protocol import OptimizerUpdate
     from ..zero.flat import FlatParameters
 
-MEMORY_FORMS = ("InMemoryUpdate", "DelayedUpdate")
+MEMORY_FORMS = ("InMemoryUpdate", "DelayedUpdate", "WholeParameterUpdate")
 """Update forms whose state is a torch optimizer's over per-parameter views (update/in_memory.py,
 offload/delayed.py; the delayed form may also hold "published" compute-dtype shards, the
-parameters one update behind the masters)."""
+parameters one update behind the masters) and whole parameters stepped by their owning rank
+(update/whole.py)."""
 NVME_FORMS = ("NVMeUpdate", "OverlappedNVMeUpdate")
 """Update forms whose state is the NVMe stream's per-shard moments (offload/nvme_update.py)."""
 
@@ -81,9 +83,10 @@ def _unit_of(entry: list, index: int) -> Unit:
 def piece_order(flat: "FlatParameters", optimizer: torch.optim.Optimizer) -> list[list] | None:
     """[unit position, parameter name, start, end, group] for each tensor of the optimizer, in
     the order torch's state_dict numbers them (group by group): start/end are offsets in this
-    rank's master shard of that unit. Found from the views' storage, not recomputed, so a
-    client's param groups in any order are described as they are. None when some tensor is
-    not such a view (the checkpoint then loads only at its own layout)."""
+    rank's master shard of that unit, or, for a parameter this rank steps whole (its owner:
+    update/whole.py), start None and end its number of elements. Found from the views'
+    storage, not recomputed, so a client's param groups in any order are described as they
+    are. None when some tensor is neither (the checkpoint then loads only at its own layout)."""
     spans = []
     for k, u in enumerate(flat.units):
         m = u.master
@@ -91,6 +94,10 @@ def piece_order(flat: "FlatParameters", optimizer: torch.optim.Optimizer) -> lis
     out = []
     for g, group in enumerate(optimizer.param_groups):
         for view in group["params"]:
+            whole = getattr(view, WHOLE, None)
+            if whole is not None:
+                out.append([whole[0], getattr(view, SLOT_NAME), None, whole[1], g])
+                continue
             if view.numel() == 0:  # (the placeholder of an otherwise empty optimizer)
                 out.append([0, None, 0, 0, g])
                 continue
@@ -157,6 +164,9 @@ def _trained_pieces(rank: int, shards: dict) -> list[_Piece]:
     units = [_unit_of(e, k) for k, e in enumerate(shards["units"])]
     out = []
     for i, (k, name, start, end, group) in enumerate(shards["pieces"]):
+        if name is not None and start is None:  # (a parameter this rank stepped whole)
+            out.append(_Piece(rank, name, 0, end, k, -1, i, group))
+            continue
         if name is None or end <= start:
             continue
         slot = next(s for s in units[k].slots if s.name == name)
@@ -265,16 +275,18 @@ class _SavedRun:
             self.states[rank] = load_rank_file(path, torch.device("cpu"), mmap=True)
         return self.states[rank]
 
-    def pieces(self, kind: str, coord: int) -> dict[str, list[_Piece]]:
+    def pieces(self, kind: str, coord: int, state: bool = False) -> dict[str, list[_Piece]]:
         """The pieces of every parameter held by the ranks at tensor-parallel coordinate coord
-        (their slices), one per element range."""
-        key = (kind, coord)
+        (their slices), one per element range: of their shards, or with ``state`` of their
+        optimizer state (the in-memory forms' optimizer tensors: pieces of the shards, or
+        whole parameters on their owners)."""
+        key = (kind, coord, state)
         if key not in self._pieces:
             found = []
             for r, layout in enumerate(self.layouts):
                 if self.tp(layout)[0] != coord:
                     continue
-                if kind == "units" and layout["form"] in MEMORY_FORMS:
+                if kind == "units" and state and layout["form"] in MEMORY_FORMS:
                     found += _trained_pieces(r, layout)
                 else:
                     found += unit_pieces(r, layout, kind)
@@ -375,7 +387,8 @@ class _Value:
 
     def _read(self, coord: int, lo: int, hi: int, key: str):
         """Elements [lo, hi) of the slice held at tensor-parallel coordinate coord."""
-        found = _overlaps(self.name, lo, hi, self.run.pieces(self.kind, coord), self.run.step_dir)
+        found = _overlaps(self.name, lo, hi, self.run.pieces(self.kind, coord, state=key == "state"),
+                          self.run.step_dir)
         if key != "state":
             read = {MASTER: self.run.master, "frozen": self.run.frozen, "published": self.run.published}[key]
             values = [(a, b, read(s)[a - s.lo:b - s.lo]) for s, a, b in found]
@@ -571,7 +584,7 @@ def _memory_update(update: "OptimizerUpdate", run: _SavedRun, rank: int, shards:
         first = next((p for p in mine if p.group == g), None)
         if first is not None:
             value = _value(run, "units", first.name, shards.get("copies", {}))
-            origin = next((s for s in run.pieces("units", 0).get(value.name, []) if s.index >= 0), None)
+            origin = next((s for s in run.pieces("units", 0, state=True).get(value.name, []) if s.index >= 0), None)
             if origin is not None:
                 saved_group = run.file(origin.rank)["update"]["optimizer"]["param_groups"][origin.group]
         elif run.layouts[source]["form"] in MEMORY_FORMS:

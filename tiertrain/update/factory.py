@@ -12,9 +12,11 @@ import torch.distributed as dist
 
 from ..offload.delayed import DelayedUpdate
 from ..offload.nvme_update import NVMeUpdate, OverlappedNVMeUpdate
+from ..config import ConfigError
 from ..tiers import Tier
 from .in_memory import InMemoryUpdate
 from .protocol import LandingNorms, OptimizerUpdate
+from .whole import WholeParameterUpdate
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -62,6 +64,9 @@ UpdateFactory = Callable[[UpdateContext], OptimizerUpdate]
 def build_update(context: UpdateContext) -> OptimizerUpdate:
     """The form for this configuration:
 
+    * a client optimizer with groups that need whole tensors (Muon, Adafactor: found by
+      tiertrain/optim_probe.py) → each of their parameters updated whole by one owning rank,
+      its state in memory or, on the NVMe tier, streamed per tensor (update/whole.py);
     * ``zero.offload_optimizer: nvme`` → the NVMe optimizer; overlapped with backward when
       ``zero.overlap_nvme_step`` is set, reductions launch as gradients arrive and nothing
       global changes the gradients after their reduction;
@@ -73,6 +78,10 @@ def build_update(context: UpdateContext) -> OptimizerUpdate:
     """
     c = context
     zc = c.config.zero
+    if c.optimizer is not None and c.optimizer.whole_groups:
+        _check_whole(c)
+        return WholeParameterUpdate(c.flat, c.config, c.lazy_zero, c.optimizer,
+                                    swapper=c.swapper if zc.offload_optimizer == Tier.NVME else None)
     if zc.offload_optimizer == Tier.NVME:
         if zc.overlap_nvme_step and c.lazy_zero and not c.global_gradient_changes:
             return OverlappedNVMeUpdate(c.flat, c.config, c.lazy_zero, c.swapper, c.topology.rank, c.reducer,
@@ -86,3 +95,17 @@ def build_update(context: UpdateContext) -> OptimizerUpdate:
         return DelayedUpdate(c.flat, c.config, c.lazy_zero, group, c.topology.device, c.optimizer, norms,
                              swap_gradients=not c.gradient_views_held)
     return InMemoryUpdate(c.flat, c.config, c.lazy_zero, c.optimizer, norms)
+
+
+def _check_whole(c: UpdateContext) -> None:
+    """What the whole-parameter form cannot do, refused naming why."""
+    why = (f"optimizer {c.optimizer.name} needs whole tensors ({c.optimizer.why_whole}), so each of its "
+           f"parameters is updated whole by one data-parallel rank")
+    tp = c.topology.size("tp")
+    if tp > 1:
+        raise ConfigError(f"{why}; with parallel.tp={tp} each matrix is split over the tensor-parallel ranks, and "
+                          f"its slices would be stepped as if each were the whole matrix: use parallel.tp=1 with "
+                          f"this optimizer, or an elementwise one (AdamW, SGD, ...)")
+    if c.config.zero.delayed_update:
+        raise ConfigError(f"{why}; zero.delayed_update (ZeRO-Offload's one-step delayed update over the flat "
+                          f"shards) does not run it: set zero.delayed_update: false")
