@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import tiertrain
+import zoo
 from reference import Oracle, global_batches, make_config, make_model, rank_slices, reference_train
 from tiertrain.config import ConfigError
 from tiertrain.optim import client_optimizer
@@ -34,8 +35,13 @@ STEPS, GLOBAL = 4, 12  # (rows: 6 per rank on 2 ranks, 4 on 3; halves of those w
 
 
 def hidden(name: str, p: torch.Tensor) -> bool:
-    """Muon's parameters: the 2-D weights of the blocks (not the embeddings, tied to the head)."""
-    return p.ndim == 2 and name.startswith("blocks.")
+    """Muon's parameters: the 2-D weights of the blocks (tiertrain's GPT: blocks.*, a Hugging
+    Face Llama: model.layers.*), not the embeddings or the head."""
+    return p.ndim == 2 and _in_block(name)
+
+
+def _in_block(name: str) -> bool:
+    return name.startswith("blocks.") or name.startswith("model.layers.")
 
 
 MUON = dict(lr=0.02, weight_decay=0.01)
@@ -53,9 +59,8 @@ def muon_adamw_by_name(model) -> list[tuple]:
     """The same as (class, groups by name) pairs: under partitioned_init a parameter holds only
     its shard, which Muon's constructor refuses (it takes 2-D tensors only)."""
     named = [(n, full_shape(p)) for n, p in model.named_parameters()]
-    return [(torch.optim.Muon, [{"params": [n for n, s in named if len(s) == 2 and n.startswith("blocks.")], **MUON}]),
-            (torch.optim.AdamW, [{"params": [n for n, s in named if not (len(s) == 2 and n.startswith("blocks."))],
-                                  **ADAMW}])]
+    return [(torch.optim.Muon, [{"params": [n for n, s in named if len(s) == 2 and _in_block(n)], **MUON}]),
+            (torch.optim.AdamW, [{"params": [n for n, s in named if not (len(s) == 2 and _in_block(n))], **ADAMW}])]
 
 
 def adafactor(model) -> torch.optim.Optimizer:
@@ -94,10 +99,13 @@ class Case:
     zero: dict = field(default_factory=dict)
     accum: int = 1
     partitioned_init: bool = False
+    model: str = "gpt"
+    """tiertrain's GPT, or a model of tests/zoo.py."""
 
     @property
     def name(self) -> str:
-        extra = "".join(f" {k}={v}" for k, v in self.zero.items())
+        extra = f" {self.model}" if self.model != "gpt" else ""
+        extra += "".join(f" {k}={v}" for k, v in self.zero.items())
         extra += f" accum={self.accum}" if self.accum > 1 else ""
         extra += " partitioned_init" if self.partitioned_init else ""
         return f"{self.optimizer} stage {self.stage}{extra}"
@@ -112,6 +120,7 @@ CASES_2 = [
     Case("muon+adamw", 3, partitioned_init=True),
     *(Case("adafactor", s) for s in (1, 2, 3)), Case("adafactor", 3, CPU), Case("adafactor", 3, NVME),
     *(Case("normalised", s) for s in (1, 2, 3)),
+    Case("muon+adamw", 3, model="llama-gqa"), Case("adafactor", 2, CPU, model="llama-gqa"),
 ]
 CASES_3 = [Case("muon+adamw", s) for s in (1, 2, 3)] + [Case("muon+adamw", 3, NVME), Case("adafactor", 2, CPU)]
 
@@ -144,17 +153,25 @@ def _wrap(case: Case, world: int, nvme_path: str):
     topology = tiertrain.Topology.build(config.parallel)
     if case.partitioned_init:
         with tiertrain.partitioned_init(topology):
-            model = make_model()
+            model = _model(case.model)
     else:
-        model = make_model()
+        model = _model(case.model)
     optimizer = muon_adamw_by_name(model) if case.partitioned_init else OPTIMIZERS[case.optimizer](model)
     return tiertrain.wrap(model, config, topology, optimizer=optimizer), config
 
 
+def _model(name: str):
+    return make_model() if name == "gpt" else zoo.build(name)
+
+
+def _batches(model: str):
+    return global_batches(STEPS, GLOBAL) if model == "gpt" else zoo.batches(model, STEPS, GLOBAL)
+
+
 def _rank(rank, world, cases, nvme_path, checkpoint_dir):
-    batches = global_batches(STEPS, GLOBAL)
     out = {}
     for case in cases:
+        batches = _batches(case.model)
         engine, config = _wrap(case, world, nvme_path)
         losses = _train(engine, batches, config)
         owned = sum(o.numel for o in engine.update.plan.owned)
@@ -191,19 +208,19 @@ def runs(tmp_path_factory):
 
 
 @functools.lru_cache(maxsize=None)
-def _oracle(optimizer: str) -> Oracle:
+def _oracle(optimizer: str, model: str = "gpt") -> Oracle:
     """The float64 oracle. torch's Muon orthogonalises in bfloat16 (its Newton-Schulz iteration
     casts the momentum to bf16), so even its float64 run rounds to 8 bits there, and a change
     of summation order in the gradient (what data parallelism changes) can flip a bf16
     rounding: its rounding noise is the larger distance to float64 of two fp32 runs that
     differ only in that order (the batch's rows reversed)."""
-    batches = global_batches(STEPS, GLOBAL)
-    oracle = Oracle.run(reference_train, make_model(), _config(None, 1), batches,
+    batches = _batches(model)
+    oracle = Oracle.run(reference_train, _model(model), _config(None, 1), batches,
                         build_optimizer=_reference(optimizer), lr_scheduler=None)
     assert oracle.losses64[-1] < oracle.losses64[0], f"{optimizer}: the reference itself must learn"
     if optimizer == "muon+adamw":
         reversed_rows = [{k: v.flip(0) for k, v in batch.items()} for batch in batches]
-        other = Oracle(*reference_train(make_model(), _config(None, 1), reversed_rows,
+        other = Oracle(*reference_train(_model(model), _config(None, 1), reversed_rows,
                                         build_optimizer=_reference(optimizer), lr_scheduler=None),
                        oracle.losses64, oracle.params64)
         oracle = Oracle(max(oracle, other, key=Oracle.loss_noise).losses32,
@@ -219,15 +236,15 @@ def _reference(optimizer: str):
     return lambda model: OptimizerList(muon_adamw(model))
 
 
-RUNS = [(2, c.name) for c in CASES_2] + [(3, c.name) for c in CASES_3]
+RUNS = [(2, c) for c in CASES_2] + [(3, c) for c in CASES_3]
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world,name", RUNS, ids=[f"{w} ranks, {n}" for w, n in RUNS])
-def test_trains_as_the_same_optimizers_in_one_process(runs, world, name):
-    losses, params, _, _ = runs[world][name]
-    oracle = _oracle(name.split()[0])
-    oracle.check(losses, params, f"{name}, {world} ranks")
+@pytest.mark.parametrize("world,case", RUNS, ids=[f"{w} ranks, {c.name}" for w, c in RUNS])
+def test_trains_as_the_same_optimizers_in_one_process(runs, world, case):
+    losses, params, owned, exchanged = runs[world][case.name]
+    assert owned > 0 and (exchanged > 0) == (case.stage > 0), "the whole-parameter path must have run"
+    _oracle(case.optimizer, case.model).check(losses, params, f"{case.name}, {world} ranks")
 
 
 @pytest.mark.timeout(900)
@@ -292,3 +309,30 @@ def test_tensor_parallel_matrices_are_refused_for_a_whole_tensor_optimizer():
             return 2 if axis == "tp" else 1
     with pytest.raises(ConfigError, match=r"needs whole tensors .*parallel.tp=2"):
         _check_whole(UpdateContext(None, config, Topology(), None, None, False, False, optimizer=client))
+
+
+class CountsItsSteps(NormalisedSteps):
+    """A user's optimizer whose step size depends on how often step() ran: stepping tensors
+    one at a time (the NVMe tier's per-tensor streaming) would change what it does."""
+
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, lr)
+        self.calls = 0
+
+    @torch.no_grad()
+    def step(self):
+        self.calls += 1
+        for group in self.param_groups:
+            group["lr"] = 0.01 / self.calls
+        super().step()
+
+
+def test_the_nvme_tier_refuses_an_optimizer_that_cannot_step_one_tensor_at_a_time(tmp_path):
+    model = make_model()
+    nvme = make_config(zero={"stage": 2, "offload_optimizer": "nvme", "nvme_path": str(tmp_path)})
+    with pytest.raises(ConfigError, match=r"offload_optimizer=nvme: CountsItsSteps stepped on two matrices one at "
+                                          r"a time gives other values.*offload_optimizer=cpu"):
+        client_optimizer(model, nvme, optimizer=CountsItsSteps)
+    assert client_optimizer(model, nvme, optimizer=muon_adamw(model)).whole_groups == (0,)
+    assert client_optimizer(model, make_config(zero={"stage": 2, "offload_optimizer": "cpu"}),
+                            optimizer=CountsItsSteps).whole_groups == (0,)

@@ -289,6 +289,8 @@ def client_optimizer(model: nn.Module, config: Config, optimizer: OptimizerArg |
     name = _optimizer_name(optimizer) if parts is not None else type(stand_in).__name__
     if config.zero.offload_optimizer == Tier.NVME and why_whole is None:
         streamed_update(stand_in)  # refused before the engine makes swap files
+    elif config.zero.offload_optimizer == Tier.NVME:
+        _check_one_at_a_time(part_builds, parts or [0] * len(groups), groups, name)
     return ClientOptimizer(build, groups, lr_scheduler, name, why_whole)
 
 
@@ -330,6 +332,21 @@ def _classify(builds: Sequence[OptimizerFactory], parts: Sequence[int], groups: 
             why = why or found.problem
         out.append(ParamGroup(group.names, group.options, whole=not found.elementwise))
     return tuple(out), why
+
+
+def _check_one_at_a_time(builds: Sequence[OptimizerFactory], parts: Sequence[int], groups: Sequence[ParamGroup],
+                         name: str) -> None:
+    """ConfigError unless each group's optimizer steps tensors one at a time as it steps them
+    together: the NVMe tier streams each tensor's state around its own step()."""
+    from .optim_probe import one_at_a_time_problem
+
+    for group, part in zip(groups, parts):
+        problem = one_at_a_time_problem(builds[part], dict(group.options), name)
+        if problem is not None:
+            raise ConfigError(f"zero.offload_optimizer=nvme: {problem}. With groups that need whole tensors, the "
+                              f"NVMe tier reads each tensor's optimizer state, steps that tensor alone and writes "
+                              f"the state back; use offload_optimizer=cpu (the state in CPU memory) for this "
+                              f"optimizer")
 
 
 def _rebuild(cls: type, defaults: dict) -> OptimizerFactory:

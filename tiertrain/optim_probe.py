@@ -104,4 +104,38 @@ def probe(build: Callable, options: dict, name: str) -> Probe:
     return Probe(True, None)
 
 
-__all__ = ["Probe", "probe"]
+ONE_AT_A_TIME_SHAPES = ((6, 5), (4, 5))
+"""Two matrices (optimizers of matrices only take them too)."""
+
+
+def one_at_a_time_problem(build: Callable, options: dict, name: str) -> str | None:
+    """Why stepping tensors one at a time (step() with only that tensor's gradient present)
+    gives other values than one step() over all of them, or None when it gives the same: the
+    NVMe tier streams each tensor's state in and out around its own step()
+    (tiertrain/update/whole.py StreamedStates), which an optimizer counting its steps or
+    reading all its tensors at once in step() would not survive."""
+    start = [torch.randn(shape, generator=torch.Generator().manual_seed(11)) for shape in ONE_AT_A_TIME_SHAPES]
+    together = [t.clone() for t in start]
+    alone = [t.clone() for t in start]
+    a = build([{"params": together, **options}])
+    b = build([{"params": alone, **options}])
+    for step in range(STEPS):
+        grads = _gradients(step, ONE_AT_A_TIME_SHAPES)
+        for p, g in zip(together, grads):
+            p.grad = g
+        a.step()
+        for p, g in zip(alone, grads):
+            p.grad = g
+            b.step()
+            p.grad = None
+    whole = torch.cat([t.reshape(-1) for t in together])
+    each = torch.cat([t.reshape(-1) for t in alone])
+    moved = float((whole - torch.cat([t.reshape(-1) for t in start])).abs().max())
+    difference = float((whole - each).abs().max())
+    if difference > TOLERANCE * moved + 1e-6 * float(whole.abs().max()):
+        return (f"{name} stepped on two matrices one at a time gives other values than one step over both "
+                f"(largest difference {difference:.2e}, for changes up to {moved:.2e})")
+    return None
+
+
+__all__ = ["Probe", "probe", "one_at_a_time_problem"]
