@@ -141,3 +141,8 @@ def test_the_documentation_table_names_every_key_the_translation_knows():
     text = open(os.path.join(os.path.dirname(HERE), "docs", "deepspeed.md")).read()
     absent = [k for keys in documented_keys().values() for k in keys if f"`{k}`" not in text]
     assert not absent, f"docs/deepspeed.md does not list {absent}"
+
+
+def test_a_muon_config_is_refused_with_the_code_that_runs_it():
+    with pytest.raises(ConfigError, match=r"optimizer.type.*'Muon': pass Muon in code.*optimizer=\[torch.optim.Muon"):
+        from_deepspeed({"optimizer": {"type": "Muon", "params": {"lr": 0.02}}})

@@ -212,6 +212,12 @@ def _optimizer(t: Translation, key: str, value: Any) -> None:
     kind = str(value.get("type", "")).lower()
     params = value.get("params") or {}
     adamw = kind == "adamw" or (kind in ("adam", "cpuadam", "fusedadam") and params.get("adam_w_mode", True))
+    if kind == "muon":
+        t.refuse(f"{key}.type", f"{value.get('type')!r}: pass Muon in code, with AdamW for the parameters that are "
+                                f"not hidden matrices (DeepSpeed's use_muon=False groups): tiertrain.wrap(..., "
+                                f"optimizer=[torch.optim.Muon(hidden_matrices, lr=...), torch.optim.AdamW(the_rest, "
+                                f"lr=...)]) (docs/optimizers.md)")
+        return
     if not adamw:
         t.refuse(f"{key}.type", f"{value.get('type')!r}: tiertrain's optimizer from a config is AdamW (DeepSpeed's "
                                 f"Adam with adam_w_mode, AdamW); other optimizers are passed in code (optimizer=)")

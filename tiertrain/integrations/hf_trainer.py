@@ -45,7 +45,7 @@ batch.grad_accum_steps; bf16/fp16 → precision.dtype; lr_scheduler_type, warmup
 lr_scheduler_kwargs, max_steps/num_train_epochs → the Trainer's own scheduler
 (``transformers.get_scheduler``), stepped by the engine once per update applied; optim
 adamw_torch/adamw_torch_fused → torch AdamW; ``optimizer_cls_and_kwargs=(cls, kwargs)`` → that
-optimizer over the same groups (tiertrain/optim.py: elementwise optimizers only). seed,
+optimizer over the same groups (tiertrain/optim.py; docs/optimizers.md). seed,
 logging_steps, eval_strategy/eval_steps, save_strategy/save_steps, save_total_limit,
 output_dir, callbacks, report_to work as in the Trainer. What tiertrain_config may set: zero,
 activations, parallel.dp and precision.loss_scale; a field TrainingArguments also sets must be
@@ -152,7 +152,7 @@ def check_training_arguments(args) -> None:
     optim = _value(args.optim)
     if optim not in SUPPORTED_OPTIMS:
         _refuse("optim", optim, f"valid: {', '.join(repr(o) for o in SUPPORTED_OPTIMS)} (torch AdamW), or pass "
-                f"optimizer_cls_and_kwargs=(cls, kwargs) with an elementwise torch optimizer")
+                f"optimizer_cls_and_kwargs=(cls, kwargs) with a torch optimizer (torch.optim.Adafactor, ...)")
     if args.optim_args:
         _refuse("optim_args", args.optim_args, "set optim_args=None (torch AdamW takes its settings from "
                 "learning_rate, adam_beta1, adam_beta2, adam_epsilon and weight_decay)")
