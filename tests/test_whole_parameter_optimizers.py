@@ -182,6 +182,14 @@ def _rank(rank, world, cases, nvme_path, checkpoint_dir):
             engine, config = _wrap(case, world, nvme_path)
             _train(engine, batches[:2], config)
             engine.save_checkpoint(checkpoint_dir)
+            engine.close()
+            engine, config = _wrap(case, world, nvme_path)
+            engine.load_checkpoint(checkpoint_dir)
+            resumed_losses = _train(engine, batches[2:], config)
+            resumed = engine.full_state_dict()
+            out["resumed at the same layout"] = (
+                [f"losses {losses[2:]} != {resumed_losses}"] if losses[2:] != resumed_losses else []) + [
+                n for n, v in out[case.name][1].items() if not torch.equal(v, resumed[n])]
         engine.close()
     return out if rank == 0 else None
 
@@ -248,6 +256,11 @@ def test_trains_as_the_same_optimizers_in_one_process(runs, world, case):
 
 
 @pytest.mark.timeout(900)
+def test_a_checkpoint_resumes_the_same_trajectory_bit_for_bit(runs):
+    assert runs[2]["resumed at the same layout"] == []
+
+
+@pytest.mark.timeout(900)
 def test_a_checkpoint_of_2_ranks_resumes_on_3_with_the_optimizer_state_resharded(runs):
     losses, params = runs["resumed"]
     assert len(losses) == 2
@@ -259,18 +272,21 @@ def test_a_checkpoint_of_2_ranks_resumes_on_3_with_the_optimizer_state_resharded
 
 def test_each_parameter_has_one_owner_and_owners_share_the_elements_evenly():
     model = make_model()
-    layout = bucket_layout(model.named_parameters(), 3, bucket_numel=5000)
+    layout_of = functools.partial(bucket_layout, list(model.named_parameters()), bucket_numel=5000)
+    layout = layout_of(3)
     names = {n for n, p in model.named_parameters() if hidden(n, p)}
     owner_of = owners(layout.units, names, 3)
     assert set(owner_of) == names
     sizes = dict((n, p.numel()) for n, p in model.named_parameters())
     loads = [sum(sizes[n] for n, r in owner_of.items() if r == k) for k in range(3)]
     assert max(loads) - min(loads) <= max(sizes[n] for n in names)
-    plans = [exchange(layout.units, names, 3, r) for r in range(3)]
-    for sender in range(3):
-        for receiver in range(3):
-            assert plans[sender].send_splits[receiver] == plans[receiver].receive_splits[sender]
-    assert sum(p.owned_numel for p in plans) == sum(sizes[n] for n in names)
+    for world in (3, 12):  # (12 ranks: more than the 8 matrices, so some own nothing)
+        plans = [exchange(layout_of(world).units, names, world, r) for r in range(world)]
+        for sender in range(world):
+            for receiver in range(world):
+                assert plans[sender].send_splits[receiver] == plans[receiver].receive_splits[sender]
+        assert sum(p.owned_numel for p in plans) == sum(sizes[n] for n in names)
+        assert sorted(o.name for p in plans for o in p.owned) == sorted(names)
 
 
 def test_muon_and_adafactor_take_the_whole_parameter_path_and_adamw_does_not():
