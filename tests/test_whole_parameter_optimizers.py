@@ -313,7 +313,7 @@ def test_a_list_of_optimizers_must_cover_every_parameter_once():
         client_optimizer(model, make_config(), optimizer=[muon, torch.optim.AdamW(model.parameters())])
 
 
-def test_tensor_parallel_matrices_are_refused_for_a_whole_tensor_optimizer():
+def test_what_the_whole_parameter_path_cannot_do_is_refused_by_name():
     from tiertrain.update.factory import UpdateContext, _check_whole
 
     model = make_model()
@@ -325,6 +325,16 @@ def test_tensor_parallel_matrices_are_refused_for_a_whole_tensor_optimizer():
             return 2 if axis == "tp" else 1
     with pytest.raises(ConfigError, match=r"needs whole tensors .*parallel.tp=2"):
         _check_whole(UpdateContext(None, config, Topology(), None, None, False, False, optimizer=client))
+
+    class OneRank(Topology):
+        def size(self, axis):
+            return 1
+    for section, match in (({"zero": {"stage": 2, "offload_optimizer": "cpu", "delayed_update": True}},
+                            r"delayed_update: false"),
+                           ({"optimizer": {"impl": "compiled"}}, r"impl=compiled is the default AdamW's kernel")):
+        with pytest.raises(ConfigError, match=r"needs whole tensors .*" + match):
+            _check_whole(UpdateContext(None, make_config(**section), OneRank(), None, None, False, False,
+                                       optimizer=client))
 
 
 class CountsItsSteps(NormalisedSteps):

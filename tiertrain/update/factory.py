@@ -106,6 +106,9 @@ def _check_whole(c: UpdateContext) -> None:
         raise ConfigError(f"{why}; with parallel.tp={tp} each matrix is split over the tensor-parallel ranks, and "
                           f"its slices would be stepped as if each were the whole matrix: use parallel.tp=1 with "
                           f"this optimizer, or an elementwise one (AdamW, SGD, ...)")
+    if c.config.optimizer.impl == "compiled":
+        raise ConfigError(f"{why}; optimizer.impl=compiled is the default AdamW's kernel: leave optimizer.impl "
+                          f"at auto")
     if c.config.zero.delayed_update:
         raise ConfigError(f"{why}; zero.delayed_update (ZeRO-Offload's one-step delayed update over the flat "
                           f"shards) does not run it: set zero.delayed_update: false")
