@@ -121,7 +121,7 @@ def has_weights(directory: str) -> bool:
     that is there but cannot be read (a dangling symlink, as a Hugging Face cache snapshot with
     a missing blob leaves; not a regular file; no read permission) is a ConfigError naming it:
     training from the initialisation instead would be silent."""
-    from ..state.pretrained import unreadable_file
+    from ..io.fileio import unreadable_file
 
     found = False
     for name in WEIGHT_FILES:

@@ -82,7 +82,7 @@ from ..compiling import compile_checkpointed_block, unwrap_compiled
 from ..config import ACTIVATION_TIERS, ActivationConfig, ConfigError, parse_tier
 from ..device import Copy, DeviceStreams, host_empty, pins_host, pins_host_by_default
 from ..tiers import Tier
-from ..zero.recompute import recomputation
+from .recompute import recomputation
 
 __all__ = ["ActivationCheckpointing", "CheckpointMemory", "HostCheckpointPool", "SELECTIVE_SAVED_OPS",
            "apply_activation_checkpointing", "checkpoint_memory", "checkpointing_of"]

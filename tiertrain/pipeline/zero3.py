@@ -40,7 +40,7 @@ from ..config import Config
 from ..zero.flat import FlatParameters
 from ..zero.layout import FlatLayout, Unit, module_layout
 from ..zero.plan import GradientPlan, default_unit_modules, parameter_aliases
-from ..zero.recompute import recomputing
+from ..offload.recompute import recomputing
 from ..zero.stage3 import tensors_in
 from .executor import PipelineExecutor
 

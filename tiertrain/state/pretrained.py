@@ -44,6 +44,7 @@ import torch.nn as nn
 
 from ..engine import Engine
 from ..errors import TiertrainError
+from ..io.fileio import unreadable_file
 from .hf_conversion import ConvertedCheckpoint, checkpoint_view
 from ..topology import Topology
 from ..zero.construct import full_shape, is_partitioned
@@ -96,21 +97,6 @@ class LoadReport:
 
 
 # -- the checkpoint --------------------------------------------------------------------------------
-
-
-def unreadable_file(path: str) -> str | None:
-    """Why an entry that is there cannot be read as a weight file (a dangling symlink, as a
-    Hugging Face cache snapshot with a missing blob leaves; a directory, FIFO or device; no
-    read permission), or None when it is a readable regular file. Links are followed: a cache
-    snapshot is a directory of links into the cache's blobs."""
-    if os.path.islink(path) and not os.path.exists(path):
-        return (f"a symlink to {os.readlink(path)!r}, which does not exist (a cache snapshot whose blob is "
-                f"missing?)")
-    if not os.path.isfile(path):
-        return "not a regular file" + (f" (a link to {os.path.realpath(path)!r})" if os.path.islink(path) else "")
-    if not os.access(path, os.R_OK):
-        return "not readable (permissions)"
-    return None
 
 
 def _weight_file(path: str) -> bool:

@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from ..comm import Collectives
 from .agreement import CHECKS, CollectiveAgreement, Event
 from .flat import COPY_AHEAD, NVME_READ_AHEAD, FlatParameters
-from .recompute import recomputing
+from ..offload.recompute import recomputing
 
 
 def tensors_in(obj: Any):

@@ -1,6 +1,7 @@
 """Marks backward's recomputation of checkpointed blocks, for the stage-3 fetcher
 (tiertrain/zero/stage3.py) and activation checkpointing (tiertrain/offload/activations.py):
-a leaf module, so the two need not import each other."""
+a leaf module, so the two need not import each other. It lives beside the activations (the
+tier package, below zero/), which set it; the fetchers above read it."""
 from __future__ import annotations
 
 import contextlib
