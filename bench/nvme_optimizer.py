@@ -1,4 +1,4 @@
-"""Optimizer step from NVMe (tiertrain.offload.NVMeAdamW, docs/concepts.md#optimizer-step-with-nvme) against
+"""Optimizer step from NVMe (tiertrain.update.nvme.NVMeAdamW, docs/concepts.md#optimizer-step-with-nvme) against
 the same AdamW in RAM and against the IO lower bound, all measured in one run on one disk.
 
 Rows, for ``--params`` fp32 parameters split into ``--shards`` shards (ZeRO units):
@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from _common import machine_lines  # noqa: E402
 from tiertrain.config import OptimizerConfig  # noqa: E402
 from tiertrain.io import AlignedBufferPool, AsyncIO  # noqa: E402
-from tiertrain.offload import NVMeAdamW  # noqa: E402
+from tiertrain.update.nvme import NVMeAdamW  # noqa: E402
 
 MiB = 1 << 20
 

@@ -473,7 +473,7 @@ def render(rows, args, machine, cmd, bws, loads, load_after, wall_s, tt_opt_note
               "thread spent in `flat.shards.read` (NVMe -> RAM parameter reads at gather time, fwd + bwd); "
               "nvme_opt_* = tiertrain's `engine.update.nvme.last_stats` (seconds, io_wait_seconds, compute_seconds, "
               "ready_wait_seconds). Without clipping tiertrain's step runs during backward "
-              "(`zero.overlap_nvme_step`, tiertrain/offload/overlapped_step.py): its pass then starts with the "
+              "(`zero.overlap_nvme_step`, tiertrain/update/nvme/overlapped_step.py): its pass then starts with the "
               "boundary backward, so nvme_opt_s spans backward and step, and ready_wait is the time its worker "
               "waited for gradients; chunks_in_bwd = fraction of the optimizer's chunks updated before "
               "`engine.step()` was called (`engine.last_overlapped_step`).", "",

@@ -1,5 +1,5 @@
 """ZeRO-Offload's one-step delayed parameter update (``zero.delayed_update``,
-tiertrain/offload/delayed.py) against a plain PyTorch form of the same schedule.
+tiertrain/update/delayed.py) against a plain PyTorch form of the same schedule.
 
 The reference (:func:`reference_delayed`): one process, the whole global batch per step,
 torch AdamW. Steps t < warmup are ordinary; from step `warmup` on, the gradients of step t
@@ -231,7 +231,7 @@ def test_resume_with_delayed_update_is_bit_identical(tmp_path, stage):
 # -- a failing update -------------------------------------------------------------------------
 
 def _fault(rank, world, fail_rank, fail_update):
-    from tiertrain.offload.delayed import DelayedUpdateError
+    from tiertrain.update.delayed import DelayedUpdateError
 
     cfg = _config(2, 1, 0.05, warmup=1)
     engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))

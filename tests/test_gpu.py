@@ -235,7 +235,7 @@ def test_the_engine_trains_on_the_gpu_like_the_reference(tier, tmp_path):
 
 def test_the_nvme_optimizer_steps_during_backward_on_the_gpu(tmp_path):
     """grad_clip 0: each unit is updated from NVMe as soon as its gradient is reduced
-    (tiertrain/offload/overlapped_step.py), on its own thread while backward goes on."""
+    (tiertrain/update/nvme/overlapped_step.py), on its own thread while backward goes on."""
     from reference import Oracle, global_batches, make_model, reference_train
 
     cfg = _config(TIERS["optimizer-nvme"], tmp_path, optimizer={"grad_clip": 0.0})

@@ -16,8 +16,8 @@ from tiertrain.config import OptimizerConfig
 from tiertrain.io import (AlignedBufferPool, AsyncIO, SwapCorruptionError, SwapDirError, SwapSpaceError,
                           TensorSwapper)
 from tiertrain.io import aio as aio_mod
-from tiertrain.offload import NVMeAdamW, pieces_from_param_groups
-from tiertrain.offload import nvme_optimizer as nvme_mod
+from tiertrain.update.nvme import NVMeAdamW, pieces_from_param_groups
+from tiertrain.update.nvme import optimizer as nvme_mod
 
 T = 20  # seconds: every wait in these tests is bounded
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
@@ -381,7 +381,7 @@ def test_in_place_mode_refuses_steps_after_a_failure_until_reloaded(swapper):
 CHILD = r"""
 import json, resource, signal, sys, torch
 from tiertrain.config import OptimizerConfig
-from tiertrain.offload import NVMeAdamW
+from tiertrain.update.nvme import NVMeAdamW
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)            # else the kernel kills us on EFBIG
 torch.manual_seed(0)
 shard, grad = torch.randn(100_000), torch.randn(100_000)

@@ -18,7 +18,7 @@ CASES = [  # (stage, offload_optimizer, offload_params, dtype, activation checkp
     (3, "none", "nvme", "fp32", "none", 0.05), (3, "cpu", "nvme", "fp32", "none", 0.05),
     (3, "cpu", "nvme", "bf16", "none", 0.05), (3, "cpu", "nvme", "fp32", "cpu", 0.05),
     # The NVMe optimizer with clipping steps after backward; without, it updates each unit
-    # during backward as soon as its gradient is reduced (tiertrain/offload/overlapped_step.py).
+    # during backward as soon as its gradient is reduced (tiertrain/update/nvme/overlapped_step.py).
     (2, "nvme", "none", "fp32", "none", 0.05), (2, "nvme", "none", "fp32", "none", 0.0),
     (2, "nvme", "none", "bf16", "cpu", 0.0), (3, "nvme", "cpu", "fp32", "none", 0.05),
     (3, "nvme", "cpu", "fp32", "none", 0.0), (3, "nvme", "nvme", "fp32", "none", 0.05),

@@ -1,4 +1,4 @@
-"""The NVMe optimizer step overlapped with backward (tiertrain/offload/overlapped_step.py): each
+"""The NVMe optimizer step overlapped with backward (tiertrain/update/nvme/overlapped_step.py): each
 shard's chunks are updated once its gradient is declared final, on a worker thread, and the
 result is the synchronous step bit for bit; a cancelled or failed step commits nothing and
 gives the destinations their pre-step values back."""
@@ -15,7 +15,7 @@ from reference import make_config, make_model, global_batches, rank_slices
 from test_nvme_optimizer import (CFG, CHUNK, LRS, PIECES, SIZES, T, Reference, _assert_same, _grads, _shards,
                                  swapper)  # noqa: F401 - the fixture
 from tiertrain.io import SwapCorruptionError
-from tiertrain.offload import NVMeAdamW
+from tiertrain.update.nvme import NVMeAdamW
 from tiertrain.testing import run_distributed
 from tiertrain.zero.flat import ShardWriter
 

@@ -2,7 +2,7 @@
 gives it. Each test fails when that behaviour changes, naming the code that depends on it:
 
 * the fused CPU AdamW kernel's split of a tensor into whole SIMD vectors from its start and a
-  scalar tail (rounded differently) — ``tiertrain/offload/nvme_optimizer.py`` cuts chunks only
+  scalar tail (rounded differently) — ``tiertrain/update/nvme/optimizer.py`` cuts chunks only
   at multiples of ``ALIGN_ELEMS`` from a parameter piece's start so that updating the pieces
   of a chunk is bit for bit the update of the whole piece (``chunk_update.ChunkUpdate``);
 * ``Tensor._base`` telling views from tensors that own their storage —
@@ -30,7 +30,7 @@ import pytest
 import torch
 from torch.optim.adamw import adamw
 
-from tiertrain.offload.nvme_optimizer import ALIGN_ELEMS, _plan
+from tiertrain.update.nvme.optimizer import ALIGN_ELEMS, _plan
 from tiertrain.pipeline import backward_from, release_output
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Optimizer updates a chunk stream can apply: those whose new value of each element depends
 only on that element's value, gradient and at most two state values. ZeRO-Infinity's NVMe
-optimizer step (offload/nvme_optimizer.py) keeps exactly that per element on disk (the fp32
+optimizer step (update/nvme/optimizer.py) keeps exactly that per element on disk (the fp32
 master and two state slots) and streams it through a few buffers, so any such rule runs from
 NVMe; an optimizer that looks across elements (LBFGS, Adafactor's factored moments, Muon's
 orthogonalisation) cannot.
@@ -47,7 +47,7 @@ class ElementwiseRule(ABC):
 class AdamWRule(ElementwiseRule):
     """torch's fused CPU AdamW (decoupled weight decay): exp_avg and exp_avg_sq in the slots.
     Pieces cut inside a parameter must be cut at multiples of the kernel's vector width from
-    the parameter's start to round as the whole would (offload/nvme_optimizer.py ALIGN_ELEMS)."""
+    the parameter's start to round as the whole would (update/nvme/optimizer.py ALIGN_ELEMS)."""
 
     betas: tuple[float, float]
     eps: float

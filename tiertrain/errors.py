@@ -4,10 +4,14 @@ Every exception class tiertrain defines derives from :class:`TiertrainError` as 
 the builtin it always had (``ValueError``, ``RuntimeError``, ``OSError``), so ``except
 ValueError`` in a caller's code still catches a ``ConfigError``. The command reads the class
 attributes below, never a class name: a new subclass is reported as its base says.
+
+:class:`CheckpointError` lives here too, not with the checkpoint files
+(tiertrain/state/files.py re-exports it): the optimizer-step forms below the state package
+raise it when a checkpoint's optimizer state does not fit.
 """
 from __future__ import annotations
 
-__all__ = ["TiertrainError"]
+__all__ = ["CheckpointError", "TiertrainError"]
 
 
 class TiertrainError(Exception):
@@ -25,3 +29,9 @@ class TiertrainError(Exception):
     """The message is a rank's diagnosis of a distributed failure (which rank hung, died or
     issued another collective): reported as the one line ``error: rank R failed: <class>:
     <message>``, exit status 1, the traceback adding nothing to it."""
+
+
+class CheckpointError(TiertrainError, RuntimeError):
+    """A checkpoint is missing, corrupt or was saved with another layout."""
+
+    exit_code = 1

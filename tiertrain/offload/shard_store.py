@@ -340,7 +340,7 @@ class OptimizerMasterShards(NVMeShards):
     values, so keeping both in swap files (as ZeRO-Infinity's parameter and optimizer tiers
     do when they are separate) stores and moves 4 bytes per parameter twice: each step wrote
     the master with the moments (12 B) and then the parameter shard again (4 B). Here the
-    optimizer's master records (tiertrain/offload/nvme_optimizer.py, "Chunk records") are the
+    optimizer's master records (tiertrain/update/nvme/optimizer.py, "Chunk records") are the
     shard: a gather reads them (:meth:`NVMeAdamW.read_master`), a step's update of a chunk is
     the shard's write, and :meth:`write` (a checkpoint load, edited parameters) replaces them.
     Units the optimizer does not hold (frozen ones) keep their own files.
@@ -350,7 +350,7 @@ class OptimizerMasterShards(NVMeShards):
     a transactional step's new generation becomes visible only when it commits.
 
     **The step takes the masters backward just gathered.** The step running during backward
-    (tiertrain/offload/overlapped_step.py) updates a unit once its gradient is final, and
+    (tiertrain/update/nvme/overlapped_step.py) updates a unit once its gradient is final, and
     backward gathered that unit just before computing the gradient: the staging tensor the
     gather read holds the unit's pre-step master shard, exactly the bytes the step would read
     back from the master records. :meth:`keep_for_step`, called as the unit's gradient becomes

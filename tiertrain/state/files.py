@@ -22,7 +22,7 @@ import stat
 
 import torch
 
-from ..errors import TiertrainError
+from ..errors import CheckpointError
 from ..io.fileio import atomic_write, stream_sha256
 
 MARKER = "COMMITTED.json"
@@ -32,12 +32,6 @@ NEXT, OLD = ".next", ".old"
 once committed (atomically where the system can exchange two directories; else step_N is renamed
 to step_N.old first): the committed checkpoint is never uncommitted, and is removed only after."""
 _SIDE_DIR = re.compile(r"^step_(\d{8})(\.next|\.old)$")
-
-
-class CheckpointError(TiertrainError, RuntimeError):
-    """A checkpoint is missing, corrupt or was saved with another layout."""
-
-    exit_code = 1
 
 
 class interpreting:

@@ -3,7 +3,7 @@ pipeline-parallel sizes, optimizer tier.
 
 A rank file holds this rank's shard of every flat unit (fp32 masters) and the optimizer state
 of those shards: a torch optimizer's state keyed by *piece* (one view per parameter per shard)
-in memory, or the NVMe stream's per-shard moments (offload/nvme_optimizer.py). Under another
+in memory, or the NVMe stream's per-shard moments (update/nvme/optimizer.py). Under another
 layout the units are cut differently, so neither the shards nor the piece indices line up.
 What does line up is each parameter's own coordinates: element k of ``blocks.0.w`` is element
 k whatever the layout. So every rank records, at save, where each of its pieces lies in its
@@ -55,11 +55,11 @@ if TYPE_CHECKING:
 
 MEMORY_FORMS = ("InMemoryUpdate", "DelayedUpdate", "WholeParameterUpdate")
 """Update forms whose state is a torch optimizer's over per-parameter views (update/in_memory.py,
-offload/delayed.py; the delayed form may also hold "published" compute-dtype shards, the
+update/delayed.py; the delayed form may also hold "published" compute-dtype shards, the
 parameters one update behind the masters) and whole parameters stepped by their owning rank
 (update/whole.py)."""
 NVME_FORMS = ("NVMeUpdate", "OverlappedNVMeUpdate")
-"""Update forms whose state is the NVMe stream's per-shard moments (offload/nvme_update.py)."""
+"""Update forms whose state is the NVMe stream's per-shard moments (update/nvme/form.py)."""
 
 REPLICATED_PARTS = ("scaler", "train_state", "rng")
 """Parts every rank holds a copy of; taken from this rank's saved file, or rank 0's."""

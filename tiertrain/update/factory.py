@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch.distributed as dist
 
-from ..offload.delayed import DelayedUpdate
-from ..offload.nvme_update import NVMeUpdate, OverlappedNVMeUpdate
 from ..config import ConfigError
 from ..tiers import Tier
+from .delayed import DelayedUpdate
 from .in_memory import InMemoryUpdate
+from .nvme.form import NVMeUpdate, OverlappedNVMeUpdate
 from .protocol import LandingNorms, OptimizerUpdate
 from .whole import WholeParameterUpdate
 
@@ -74,7 +74,7 @@ def build_update(context: UpdateContext) -> OptimizerUpdate:
     * otherwise torch AdamW in memory (device or CPU tier).
 
     Each form builds the client's optimizer (context.optimizer) instead of the default AdamW
-    when there is one; the NVMe form streams only Adam/AdamW (offload/nvme_update.py).
+    when there is one; the NVMe form streams only Adam/AdamW (update/nvme/form.py).
     """
     c = context
     zc = c.config.zero

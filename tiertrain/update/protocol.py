@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from ..state.files import CheckpointError
+from ..errors import CheckpointError
 from ..optim import build_adamw, decays, squared_norm
 from ..spans import span
 

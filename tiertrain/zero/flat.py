@@ -129,7 +129,7 @@ class UnitBuffers:
 
     def release_grad(self) -> None:
         """Give the gradient shard's memory back: the NVMe optimizer, updating in place during
-        backward, has consumed it (tiertrain/offload/nvme_update.py). So a rank holds only the
+        backward, has consumed it (tiertrain/update/nvme/form.py). So a rank holds only the
         gradients reduced and not yet consumed, not every unit's."""
         if self.grad_full is None and self.grad.numel():
             free_storage(self.grad)

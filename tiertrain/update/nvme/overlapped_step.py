@@ -41,15 +41,15 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
-from ..errors import TiertrainError
-from ..spans import span
+from ...errors import TiertrainError
+from ...spans import span
 from .chunk_update import ChunkUpdate, StepStats
 
 
 class SteppedOptimizer(Protocol):
     """What an OverlappedStep needs of the optimizer whose step it runs: NVMeAdamW, whose
     methods of the same names document them. Declared here so that this module needs nothing
-    from nvme_optimizer.py, which imports it to build OverlappedSteps."""
+    from optimizer.py, which imports it to build OverlappedSteps."""
 
     name: str
     transactional: bool

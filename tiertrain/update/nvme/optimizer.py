@@ -75,7 +75,7 @@ row against the "auto" rows, on 2 cores).
 
 **Overlapped step.** :meth:`begin_step` runs the same step on a worker thread that updates each
 shard's chunks as soon as the caller declares that shard's gradient final, so that the disk
-works during backward (tiertrain/offload/overlapped_step.py; the engine uses it when no global
+works during backward (tiertrain/update/nvme/overlapped_step.py; the engine uses it when no global
 norm gates the step).
 
 **Other passes.** :meth:`prefetch` starts the first reads of the next step early (e.g. during
@@ -98,13 +98,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..elementwise import AdamWRule, ElementwiseRule
-from ..io.aio import DEFAULT_CHECKSUM, AsyncIO, SwapSpaceError
-from ..io.buffers import AlignedBufferPool, Buffer, round_up, tensor_range_buffer
+from ...elementwise import AdamWRule, ElementwiseRule
+from ...io.aio import DEFAULT_CHECKSUM, AsyncIO, SwapSpaceError
+from ...io.buffers import AlignedBufferPool, Buffer, round_up, tensor_range_buffer
 from .chunk_update import BYTES_PER_ELEM, MASTER_BYTES, MOMENT_BYTES, Chunk, ChunkUpdate, StepStats, publish_chunk
 from .overlapped_step import OverlappedStep
-from ..comm import run_timeout
-from ..io.swap import DEFAULT_WAIT_TIMEOUT, SwapHandle, TensorSwapper
+from ...comm import run_timeout
+from ...io.swap import DEFAULT_WAIT_TIMEOUT, SwapHandle, TensorSwapper
 
 __all__ = ["ALIGN_ELEMS", "NVMeAdamW", "StepStats", "pieces_from_param_groups"]
 
@@ -471,7 +471,7 @@ class NVMeAdamW:
         in ``shard_order`` (default: shard order; give the order in which they become final).
         Until :meth:`OverlappedStep.finish` (commits) or :meth:`OverlappedStep.cancel` (restores
         the destinations) every other call on this optimizer raises. See
-        tiertrain/offload/overlapped_step.py. ``masters_in_ram(shard)``: a tensor (fp32, the
+        tiertrain/update/nvme/overlapped_step.py. ``masters_in_ram(shard)``: a tensor (fp32, the
         shard's size) holding the shard's committed master values when they are in RAM already
         (e.g. the staging of a stage-3 gather), or None; asked (on the worker) as each chunk's
         read is issued, and the chunks of a shard it gives read only their moments record. A

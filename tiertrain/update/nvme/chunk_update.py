@@ -1,15 +1,15 @@
 """One NVMe optimizer step, chunk by chunk: the chunk records of the optimizer state, the AdamW
 update applied to each chunk, and the statistics of a streamed pass.
 
-:class:`~tiertrain.offload.nvme_optimizer.NVMeAdamW` plans the chunks and streams them through
+:class:`~tiertrain.update.nvme.optimizer.NVMeAdamW` plans the chunks and streams them through
 its buffers; the update it runs on each chunk is a :class:`ChunkUpdate`, the same object
 whether the step runs synchronously (NVMeAdamW.step) or on a worker thread during backward
-(:class:`~tiertrain.offload.overlapped_step.OverlappedStep`, which gates each chunk on its
+(:class:`~tiertrain.update.nvme.overlapped_step.OverlappedStep`, which gates each chunk on its
 shard's gradient). Both modules build on this one, so neither needs the other's internals.
 
 The update is an elementwise rule (tiertrain/elementwise.py): by default torch's fused CPU
 AdamW through the public functional API ``torch.optim.adamw.adamw(..., fused=True)``, bit for
-bit what ``torch.optim.AdamW(fused=True)`` computes on the same pieces (see the nvme_optimizer
+bit what ``torch.optim.AdamW(fused=True)`` computes on the same pieces (see the optimizer
 module docstring for the chunk cuts that keep it so); SGD with momentum likewise. Calling the kernel on pieces of a chunk rather than on whole parameter pieces
 relies on a private property of that kernel (its split into whole SIMD vectors from each
 tensor's start and a scalar tail), for which torch has no public guarantee or API;
@@ -24,7 +24,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from ..elementwise import ElementwiseRule
+from ...elementwise import ElementwiseRule
 
 __all__ = ["BYTES_PER_ELEM", "MASTER_BYTES", "MOMENT_BYTES", "Chunk", "ChunkUpdate", "StepStats", "publish_chunk"]
 
@@ -36,7 +36,7 @@ BYTES_PER_ELEM = MASTER_BYTES + MOMENT_BYTES
 @dataclass(frozen=True)
 class Chunk:
     """A contiguous element range of one shard, updated, read and written as two swap records
-    (master, moments) of ``BYTES_PER_ELEM`` bytes per element in all (nvme_optimizer._plan cuts
+    (master, moments) of ``BYTES_PER_ELEM`` bytes per element in all (optimizer._plan cuts
     the shards)."""
 
     shard: int
@@ -62,7 +62,7 @@ class StepStats:
     ``io_wait_seconds``: time the calling thread was blocked on IO; ``busy_seconds`` =
     seconds - io_wait - ready_wait: time it worked (AdamW: ``compute_seconds``, copies to the
     destinations: ``publish_seconds``, and the bookkeeping of the pipeline); ``ready_wait_seconds``:
-    time an overlapped step's worker waited for gradients (tiertrain/offload/overlapped_step.py).
+    time an overlapped step's worker waited for gradients (tiertrain/update/nvme/overlapped_step.py).
     ``overlap`` is the fraction of the shorter of IO and work that ran concurrently with the
     other, (io - io_wait) / min(io, busy): 1 when the pass took only as long as the longer of
     the two, as the paper's overlapped NVMe step aims for; 0 when they ran one after the other. ``io_hidden`` = 1 -

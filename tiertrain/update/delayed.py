@@ -68,7 +68,7 @@ import torch.distributed as dist
 from ..comm import Collectives
 from ..errors import TiertrainError
 from ..spans import span
-from ..update.protocol import (PIECE, GroupSchedule, LandingNorms, OptimizerUpdate, UpdateMemory, gradients_hidden,
+from .protocol import (PIECE, GroupSchedule, LandingNorms, OptimizerUpdate, UpdateMemory, gradients_hidden,
                                optimizer_state_bytes, restore_masters, shard_optimizer)
 
 

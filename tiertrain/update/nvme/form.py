@@ -1,12 +1,12 @@
 """ZeRO-Infinity's optimizer step from NVMe as an update form (tiertrain/update/protocol.py):
 the fp32 masters and Adam moments live in swap files and stream through a few chunk buffers
-at each step (:class:`~.nvme_optimizer.NVMeAdamW`); updated values go straight into the
+at each step (:class:`~.optimizer.NVMeAdamW`); updated values go straight into the
 compute shards through the flat parameters' ShardWriter.
 
 :class:`NVMeUpdate` runs the step when step() is called, after reading the first chunks
 during the step's last backward (ZeRO-Infinity §6: the read does not depend on the
 gradients). :class:`OverlappedNVMeUpdate` goes further: each unit's chunks are updated as
-soon as its gradient reduction lands (tiertrain/offload/overlapped_step.py), which the
+soon as its gradient reduction lands (tiertrain/update/nvme/overlapped_step.py), which the
 factory chooses only when nothing global (clipping, an fp16 unscale, a tensor-parallel sum of
 partial gradients) changes the gradients between their reduction and the update.
 """
@@ -17,12 +17,12 @@ import time
 
 import torch
 
-from ..comm import run_timeout
-from ..config import ConfigError
-from ..elementwise import AdamWRule, ElementwiseRule, streamed_update
-from ..optim import squared_norm
-from ..update.protocol import GroupSchedule, OptimizerUpdate, UpdateMemory, scale_gradients, shard_param_groups
-from .nvme_optimizer import NVMeAdamW, pieces_from_param_groups
+from ...comm import run_timeout
+from ...config import ConfigError
+from ...elementwise import AdamWRule, ElementwiseRule, streamed_update
+from ...optim import squared_norm
+from ..protocol import GroupSchedule, OptimizerUpdate, UpdateMemory, scale_gradients, shard_param_groups
+from .optimizer import NVMeAdamW, pieces_from_param_groups
 
 class NVMeUpdate(OptimizerUpdate):
     """The NVMe optimizer stepped synchronously in step(). A client AdamW, Adam or SGD (see
