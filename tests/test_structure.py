@@ -1,4 +1,5 @@
-"""Structure of the tiertrain package: no import cycles between its modules.
+"""Structure of the tiertrain package: no import cycles between its modules, and packages
+that import only the packages declared below them.
 
 The check reads the source with ``ast`` and imports nothing, so it also works while a module
 is broken. Each file under ``tiertrain/`` is a module (a package's ``__init__.py`` is the
@@ -232,6 +233,43 @@ def test_the_io_package_imports_nothing_above_it():
              for dependency in sorted(graph.get(module, set()) - allowed)]
     assert not above, ("the file IO stack reaches above itself (pass the thing in, or move it down into "
                        "tiertrain.io or a leaf):\n  " + "\n  ".join(above))
+
+
+PACKAGE_LAYERS = ("io", "data", "offload", "zero", "update", "models", "parallel", "pipeline", "state", "estimate",
+                  "observe", "trainer", "integrations", "cli")
+"""tiertrain's packages from the bottom up: the file IO stack; the data pipeline; the tiers
+(parameter stores, activations); the ZeRO core (flat layout, gradient reduction, stage-3
+fetching); the optimizer-step forms; models; tensor parallelism; pipeline parallelism;
+checkpoints, resharding and exports; the estimator and planner; observability; the trainer;
+integrations; the command line. A package imports only packages before it (and top-level
+modules, whose own cycles test_no_import_cycles finds)."""
+
+
+def _package_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and (PACKAGE_ROOT / parts[1]).is_dir() else None
+
+
+def test_every_package_has_a_layer():
+    packages = sorted(p.name for p in PACKAGE_ROOT.iterdir() if p.is_dir() and any(p.glob("*.py")))
+    assert sorted(PACKAGE_LAYERS) == packages, "declare each package's place in PACKAGE_LAYERS"
+
+
+def test_packages_import_only_the_packages_below_them():
+    """Folders are layers: an import from a package to one declared above it (or a cycle of
+    packages, which such an import always closes) fails, lazy imports inside functions
+    included."""
+    graph = import_graph(PACKAGE_ROOT)
+    rank = {name: k for k, name in enumerate(PACKAGE_LAYERS)}
+    upward = []
+    for module, dependencies in sorted(graph.items()):
+        source = _package_of(module)
+        for dependency in sorted(dependencies):
+            target = _package_of(dependency)
+            if source is not None and target is not None and rank[target] > rank[source]:
+                upward.append(f"{module} ({source}) imports {dependency} ({target})")
+    assert not upward, (f"{len(upward)} import(s) against the layers {' < '.join(PACKAGE_LAYERS)} (move the thing "
+                        f"down, or pass it in from above):\n  " + "\n  ".join(upward))
 
 
 def test_no_import_cycles():
