@@ -250,8 +250,8 @@ RUNS = [(2, c) for c in CASES_2] + [(3, c) for c in CASES_3]
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("world,case", RUNS, ids=[f"{w} ranks, {c.name}" for w, c in RUNS])
 def test_trains_as_the_same_optimizers_in_one_process(runs, world, case):
-    losses, params, owned, exchanged = runs[world][case.name]
-    assert owned > 0 and (exchanged > 0) == (case.stage > 0), "the whole-parameter path must have run"
+    losses, params, owned, _ = runs[world][case.name]
+    assert owned > 0, "the whole-parameter path must have run, with parameters owned by every rank"
     _oracle(case.optimizer, case.model).check(losses, params, f"{case.name}, {world} ranks")
 
 
@@ -279,7 +279,8 @@ def test_each_parameter_has_one_owner_and_owners_share_the_elements_evenly():
     assert set(owner_of) == names
     sizes = dict((n, p.numel()) for n, p in model.named_parameters())
     loads = [sum(sizes[n] for n, r in owner_of.items() if r == k) for k in range(3)]
-    assert max(loads) - min(loads) <= max(sizes[n] for n in names)
+    even, largest = sum(loads) / 3, max(sizes[n] for n in names)
+    assert all(abs(load - even) <= largest for load in loads), loads
     for world in (3, 12):  # (12 ranks: more than the 8 matrices, so some own nothing)
         plans = [exchange(layout_of(world).units, names, world, r) for r in range(world)]
         for sender in range(world):
@@ -287,6 +288,22 @@ def test_each_parameter_has_one_owner_and_owners_share_the_elements_evenly():
                 assert plans[sender].send_splits[receiver] == plans[receiver].receive_splits[sender]
         assert sum(p.owned_numel for p in plans) == sum(sizes[n] for n in names)
         assert sorted(o.name for p in plans for o in p.owned) == sorted(names)
+
+
+def test_a_parameter_one_rank_holds_whole_is_owned_there_and_never_moves():
+    """Stages 1-2 cut the model into large buckets: most matrices lie inside one rank's shard,
+    and their owner is that rank (bench/results/muon.md: a quarter of the bytes of owners
+    chosen by size alone)."""
+    model = make_model()
+    layout = bucket_layout(list(model.named_parameters()), 2, bucket_numel=10**6)
+    names = {n for n, p in model.named_parameters() if hidden(n, p)}
+    plans = [exchange(layout.units, names, 2, r) for r in range(2)]
+    moved = sum(p.send_splits[1 - r] for r, p in enumerate(plans))
+    whole_here = [n for n in names for u in layout.units for s in u.slots if s.name == n
+                  and any(u.shard_range(r)[0] <= s.offset and s.end <= u.shard_range(r)[1] for r in range(2))]
+    assert len(whole_here) >= len(names) - 2
+    assert moved <= max(p.numel() for n, p in model.named_parameters() if n in names) * 2
+    assert moved < sum(p.numel() for n, p in model.named_parameters() if n in names) / 4
 
 
 def test_muon_and_adafactor_take_the_whole_parameter_path_and_adamw_does_not():

@@ -3,8 +3,9 @@
 ZeRO partitions the flat buffers into equal shards, so a parameter may lie across several
 ranks' shards. An optimizer that needs the whole tensor (Muon orthogonalises each matrix,
 Adafactor factors its second moment) instead gets one *owner* per parameter: parameters are
-dealt out largest first to the least-loaded rank, so every rank steps about 1/N of the
-elements (DeepSpeed's Muon and torchtitan's distributed Muon balance the same way). Each rank
+dealt out largest first, each to the rank that already holds most of it among those it keeps
+near an even share, so every rank steps about 1/N of the elements and as few as possible
+move (bench/results/muon.md). Each rank
 sends the pieces of its shards to their owners (one all_to_all: masters and gradients), the
 owners step their parameters whole, and send the new values back the same way (a second
 all_to_all into the master shards). This module is the plan: pure arithmetic on the layout,
@@ -45,17 +46,33 @@ class Run:
 
 
 def owners(units: Iterable[Unit], names: set[str], world: int) -> dict[str, int]:
-    """Parameter name → owning rank, for the named parameters: largest first, each to the
-    rank with the fewest elements so far (the lowest such rank on a tie); deterministic, so
-    every rank computes the same."""
-    slots = [s for u in units for s in u.slots if s.name in names]
+    """Parameter name → owning rank, for the named parameters. Largest first, each goes to the
+    rank whose shards already hold most of it (fewest elements to move), among the ranks it
+    keeps within ``(n−1)/n`` of the largest parameter above an even share; ties to the least
+    loaded, then the lowest rank. The least-loaded rank always qualifies, so every rank ends
+    within one largest parameter of an even share. Deterministic: every rank computes the same."""
+    slots = [(u, s) for u in units for s in u.slots if s.name in names]
+    if not slots:
+        return {}
+    largest = max(s.numel for _, s in slots)
+    cap = sum(s.numel for _, s in slots) / world + largest * (world - 1) / world
     loads = [0] * world
     out = {}
-    for slot in sorted(slots, key=lambda s: -s.numel):  # (stable: layout order among equals)
-        rank = min(range(world), key=lambda r: (loads[r], r))
+    for unit, slot in sorted(slots, key=lambda us: -us[1].numel):  # (stable: layout order among equals)
+        held = [_held(unit, slot, r) for r in range(world)]
+        eligible = [r for r in range(world) if loads[r] + slot.numel <= cap] or [min(range(world), key=loads.__getitem__)]
+        rank = min(eligible, key=lambda r: (-held[r], loads[r], r))
         out[slot.name] = rank
         loads[rank] += slot.numel
     return out
+
+
+def _held(unit: Unit, slot, rank: int) -> int:
+    """Elements of the slot in rank's shard of the unit (all of them with one shard)."""
+    if unit.num_shards == 1:
+        return slot.numel
+    lo, hi = unit.shard_range(rank)
+    return max(0, min(hi, slot.end) - max(lo, slot.offset))
 
 
 @dataclass(frozen=True)
