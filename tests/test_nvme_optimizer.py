@@ -18,6 +18,7 @@ from tiertrain.io import (AlignedBufferPool, AsyncIO, SwapCorruptionError, SwapD
 from tiertrain.io import aio as aio_mod
 from tiertrain.update.nvme import NVMeAdamW, pieces_from_param_groups
 from tiertrain.update.nvme import optimizer as nvme_mod
+from tiertrain.update.nvme import plan as plan_mod
 
 T = 20  # seconds: every wait in these tests is bounded
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
@@ -177,13 +178,13 @@ def test_chunks_cut_pieces_only_at_aligned_offsets():
     fused kernel's scalar tail would round elements next to the cut differently."""
     for cap in (64, 128, 640):
         for s, (n, ps) in enumerate(zip(SIZES, PIECES)):
-            chunks = nvme_mod._plan(s, n, ps, cap)
+            chunks = plan_mod._plan(s, n, ps, cap)
             assert (chunks[0].lo if chunks else 0) == 0 and (chunks[-1].hi if chunks else 0) == n
             for c, d in zip(chunks, chunks[1:]):
                 assert c.hi == d.lo and c.numel <= cap
                 for a, b, _ in ps:
                     if a < c.hi < b:
-                        assert (c.hi - a) % nvme_mod.ALIGN_ELEMS == 0
+                        assert (c.hi - a) % plan_mod.ALIGN_ELEMS == 0
 
 
 # ------------------------------------------------------------------------------ memory

@@ -2,7 +2,7 @@
 gives it. Each test fails when that behaviour changes, naming the code that depends on it:
 
 * the fused CPU AdamW kernel's split of a tensor into whole SIMD vectors from its start and a
-  scalar tail (rounded differently) — ``tiertrain/update/nvme/optimizer.py`` cuts chunks only
+  scalar tail (rounded differently) — ``tiertrain/update/nvme/plan.py`` cuts chunks only
   at multiples of ``ALIGN_ELEMS`` from a parameter piece's start so that updating the pieces
   of a chunk is bit for bit the update of the whole piece (``chunk_update.ChunkUpdate``);
 * ``Tensor._base`` telling views from tensors that own their storage —
@@ -30,7 +30,7 @@ import pytest
 import torch
 from torch.optim.adamw import adamw
 
-from tiertrain.update.nvme.optimizer import ALIGN_ELEMS, _plan
+from tiertrain.update.nvme.plan import ALIGN_ELEMS, _plan
 from tiertrain.pipeline import backward_from, release_output
 
 # ---------------------------------------------------------------------------------------------
@@ -96,13 +96,13 @@ def test_fused_adamw_is_bit_exact_on_pieces_cut_at_align_elems(threads):
             f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}, {threads} "
             f"thread(s)): fused AdamW on a tensor cut at multiples of ALIGN_ELEMS={ALIGN_ELEMS} no "
             f"longer equals the uncut update (step={step}, lr={lr}, weight_decay={wd}). The kernel's "
-            "vector/scalar split changed: NVMeAdamW's chunk cuts (nvme_optimizer._plan) no longer "
+            "vector/scalar split changed: NVMeAdamW's chunk cuts (plan._plan) no longer "
             "keep its step bit-exact; find the kernel's new unit and raise ALIGN_ELEMS to a "
             "multiple of it.")
 
 
 def test_fused_adamw_is_bit_exact_on_the_chunks_nvme_adamw_plans(threads):
-    """The same through the library's own cutting: nvme_optimizer._plan cuts a shard of
+    """The same through the library's own cutting: plan._plan cuts a shard of
     several pieces into small chunks, and each chunk's pieces are updated as ChunkUpdate does
     (one fused call per weight-decay group); the result equals one fused call per whole piece,
     as torch.optim.AdamW(fused=True) makes it in memory."""
@@ -131,7 +131,7 @@ def test_fused_adamw_rounds_its_scalar_tail_differently():
     """Why the cuts must be aligned, and proof that the inputs above reach the scalar tail:
     cuts every 37 elements (off the vector grid) change some elements' bits. If this fails, the
     kernel's tail now rounds like its vector body: nothing breaks, but ALIGN_ELEMS is then no
-    longer needed, and nvme_optimizer's docstring should say so."""
+    longer needed, and update/nvme/plan.py's docstring should say so."""
     cuts = list(range(37, N, 37))
     changed = sum(_differing(_updated(_state(step), [], step, lr, wd),
                              _updated(_state(step), cuts, step, lr, wd))

@@ -47,7 +47,7 @@ class ElementwiseRule(ABC):
 class AdamWRule(ElementwiseRule):
     """torch's fused CPU AdamW (decoupled weight decay): exp_avg and exp_avg_sq in the slots.
     Pieces cut inside a parameter must be cut at multiples of the kernel's vector width from
-    the parameter's start to round as the whole would (update/nvme/optimizer.py ALIGN_ELEMS)."""
+    the parameter's start to round as the whole would (update/nvme/plan.py ALIGN_ELEMS)."""
 
     betas: tuple[float, float]
     eps: float

@@ -340,7 +340,7 @@ class OptimizerMasterShards(NVMeShards):
     values, so keeping both in swap files (as ZeRO-Infinity's parameter and optimizer tiers
     do when they are separate) stores and moves 4 bytes per parameter twice: each step wrote
     the master with the moments (12 B) and then the parameter shard again (4 B). Here the
-    optimizer's master records (tiertrain/update/nvme/optimizer.py, "Chunk records") are the
+    optimizer's master records (tiertrain/update/nvme/records.py, "Chunk records") are the
     shard: a gather reads them (:meth:`NVMeAdamW.read_master`), a step's update of a chunk is
     the shard's write, and :meth:`write` (a checkpoint load, edited parameters) replaces them.
     Units the optimizer does not hold (frozen ones) keep their own files.

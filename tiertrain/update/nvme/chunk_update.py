@@ -9,7 +9,7 @@ shard's gradient). Both modules build on this one, so neither needs the other's 
 
 The update is an elementwise rule (tiertrain/elementwise.py): by default torch's fused CPU
 AdamW through the public functional API ``torch.optim.adamw.adamw(..., fused=True)``, bit for
-bit what ``torch.optim.AdamW(fused=True)`` computes on the same pieces (see the optimizer
+bit what ``torch.optim.AdamW(fused=True)`` computes on the same pieces (see the plan.py
 module docstring for the chunk cuts that keep it so); SGD with momentum likewise. Calling the kernel on pieces of a chunk rather than on whole parameter pieces
 relies on a private property of that kernel (its split into whole SIMD vectors from each
 tensor's start and a scalar tail), for which torch has no public guarantee or API;
@@ -36,7 +36,7 @@ BYTES_PER_ELEM = MASTER_BYTES + MOMENT_BYTES
 @dataclass(frozen=True)
 class Chunk:
     """A contiguous element range of one shard, updated, read and written as two swap records
-    (master, moments) of ``BYTES_PER_ELEM`` bytes per element in all (optimizer._plan cuts
+    (master, moments) of ``BYTES_PER_ELEM`` bytes per element in all (plan._plan cuts
     the shards)."""
 
     shard: int
