@@ -42,7 +42,7 @@ if ROOT not in sys.path:
 
 from _common import machine_lines  # noqa: E402
 from tiertrain.estimate.measure import RunSpec, calibrate_overhead, measure, predict  # noqa: E402
-from tiertrain.estimate.peak import HostOverhead  # noqa: E402
+from tiertrain.estimate.overhead import HostOverhead  # noqa: E402
 
 BENCH = dict(preset="bench")  # 8 × 640, 10 heads, seq 256: 39.7M parameters
 SMALL = dict(preset="small")  # 6 × 256, 8 heads, seq 128: 4.8M parameters

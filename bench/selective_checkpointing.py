@@ -6,7 +6,7 @@ and reports: the median wall time and its ratio to no checkpointing (measured in
 run), backward's FLOPs (torch's FlopCounterMode) as a ratio to no checkpointing's, and the
 bytes the blocks hold between forward and backward, measured (saved-tensor hooks outside the
 blocks for none; the checkpointing's own count otherwise) and as the estimator predicts them
-(tiertrain.estimate.peak.gpt_activation_bytes).
+(tiertrain.estimate.activations.gpt_activation_bytes).
 
     python bench/selective_checkpointing.py --out bench/results/selective_checkpointing.md
 """
@@ -28,7 +28,7 @@ from _common import machine_lines, print_and_write
 from tiertrain.config import ActivationConfig
 from tiertrain.engine import default_loss
 from tiertrain.estimate.memory import ModelDims
-from tiertrain.estimate.peak import gpt_activation_bytes
+from tiertrain.estimate.activations import gpt_activation_bytes
 from tiertrain.models.gpt import GPT, GPTConfig
 from tiertrain.offload.activations import apply_activation_checkpointing, checkpoint_memory
 

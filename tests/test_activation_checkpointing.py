@@ -260,7 +260,7 @@ def _kept_per_block(micro_batch: int) -> int:
     """The estimator's bytes of the outputs a selectively checkpointed block of make_model()
     keeps (fp32)."""
     from tiertrain.estimate.memory import ModelDims
-    from tiertrain.estimate.peak import gpt_activation_bytes
+    from tiertrain.estimate.activations import gpt_activation_bytes
 
     return gpt_activation_bytes(ModelDims.from_gpt_config(make_model().config), micro_batch, 4).kept_at(0)
 

@@ -367,7 +367,7 @@ def test_estimate_with_dims_has_activation_and_working_memory_lines():
 def test_tiling_divides_the_gathered_block_working_set():
     """Stage 3 gathers the root plus one block at a time; tiling qkv/fc1/fc2 into t tiles
     (each its own unit) leaves the block unit with LNs + proj and gathers one tile at a time."""
-    from tiertrain.estimate.peak import gpt_meta_model, stage3_gathered_bytes
+    from tiertrain.estimate.units import gpt_meta_model, stage3_gathered_bytes
 
     d = ModelDims(n_layers=4, hidden=128, n_heads=4, vocab=256, seq_len=128)
     h, root = 128, (256 + 128) * 128 + 2 * 128
@@ -490,7 +490,8 @@ def test_tiers_are_the_tier_members_and_any_spelling_becomes_one():
 
 
 def _reduction_bytes(stage, dp=2, backend="gloo", optimizer_tier="device", precision_bytes=4):
-    from tiertrain.estimate.peak import engine_units, gpt_meta_model, simulate_peak
+    from tiertrain.estimate.peak import simulate_peak
+    from tiertrain.estimate.units import engine_units, gpt_meta_model
 
     model = gpt_meta_model(ModelDims(n_layers=2, hidden=64, n_heads=4, vocab=100, seq_len=32))
     pk = simulate_peak(model, dp=dp, stage=stage, precision_bytes=precision_bytes, bucket_mb=0.01, backend=backend,
@@ -536,7 +537,7 @@ def test_activation_bytes_are_what_autograd_saves(dtype, D):
     L blocks + the head equal gpt_activation_bytes to within the 4-byte loss scalar."""
     import torch
 
-    from tiertrain.estimate.peak import gpt_activation_bytes
+    from tiertrain.estimate.activations import gpt_activation_bytes
     from tiertrain.models.gpt import GPT, GPTConfig
 
     g = GPTConfig(n_layers=2, hidden=64, n_heads=4, seq_len=32, vocab_size=96)
@@ -559,7 +560,7 @@ def test_activation_bytes_are_what_autograd_saves(dtype, D):
 
 def test_engine_estimate_predicts_the_peak_with_its_formula_lines():
     d = ModelDims(n_layers=8, hidden=640, n_heads=10, vocab=256, seq_len=256)
-    from tiertrain.estimate.peak import HostOverhead
+    from tiertrain.estimate.overhead import HostOverhead
 
     est = estimate(d, ZeroLayout(dp=2, stage=0, precision="fp32", micro_batch=2), HostOverhead.none())
     # measured on the reference machine: the live-tensor peak of this run is 779.4 MiB
@@ -580,7 +581,7 @@ def test_measure_a_real_run_and_predict_it():
     import sys
 
     from tiertrain.estimate.measure import RunSpec, measure, predict
-    from tiertrain.estimate.peak import HostOverhead
+    from tiertrain.estimate.overhead import HostOverhead
 
     if not sys.platform.startswith("linux"):
         pytest.skip("needs /proc")

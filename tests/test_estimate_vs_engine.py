@@ -18,7 +18,7 @@ parameters on the CPU tier, and on NVMe — and then:
   bytes, in the same tiers;
 * stage 3: the most parameter bytes the engine held gathered at once
   (``FlatParameters.peak_gathered_bytes``) equal the estimator's model-state working memory
-  (:func:`~tiertrain.estimate.peak.stage3_gathered_bytes`), and nothing stays gathered
+  (:func:`~tiertrain.estimate.units.stage3_gathered_bytes`), and nothing stays gathered
   between steps;
 * activation checkpoints: the engine's peak of saved block inputs (and its CPU-tier share),
   plus the outputs selective recomputation keeps, equals the estimator's checkpoint bytes.
@@ -131,7 +131,8 @@ def _dims() -> ModelDims:
 
 def _predicted(name: str, rank: int):
     """(layout, simulate_peak's breakdown for this rank) of a case, from its Config."""
-    from tiertrain.estimate.peak import gpt_meta_model, simulate_peak
+    from tiertrain.estimate.peak import simulate_peak
+    from tiertrain.estimate.units import gpt_meta_model
     from tiertrain.estimate.lines import PRECISION_BYTES
 
     lay = ZeroLayout.from_config(_config(name, "/unused"), 2)
@@ -185,7 +186,7 @@ def test_the_estimates_model_state_lines_are_the_largest_ranks(reports, name):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith("stage3")])
 def test_stage3_gathered_parameters_are_the_model_state_working_memory(reports, name):
-    from tiertrain.estimate.peak import gpt_meta_model, stage3_gathered_bytes
+    from tiertrain.estimate.units import gpt_meta_model, stage3_gathered_bytes
     from tiertrain.estimate.lines import PRECISION_BYTES
 
     lay = ZeroLayout.from_config(_config(name, "/unused"), 2)
@@ -200,7 +201,7 @@ def test_stage3_gathered_parameters_are_the_model_state_working_memory(reports, 
 @pytest.mark.parametrize("name", [n for n in CASES if "checkpoints" in n])
 def test_activation_checkpoints_equal_the_engines(reports, name):
     from tiertrain.estimate.lines import PRECISION_BYTES
-    from tiertrain.estimate.peak import gpt_activation_bytes
+    from tiertrain.estimate.activations import gpt_activation_bytes
 
     lay = ZeroLayout.from_config(_config(name, "/unused"), 2)
     dims = _dims()

@@ -27,7 +27,7 @@ from tiertrain.config import ActivationConfig, Config, ConfigError, load
 from tiertrain.engine import default_loss
 from tiertrain.estimate import ZeroLayout, estimate
 from tiertrain.estimate.memory import ModelDims
-from tiertrain.estimate.peak import gpt_activation_bytes
+from tiertrain.estimate.activations import gpt_activation_bytes
 from tiertrain.offload.activations import apply_activation_checkpointing, checkpoint_memory, checkpointing_of
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -373,7 +373,7 @@ def build_model(cfg: TrainConfig, topology=None, partitioned: bool = True) -> GP
 
         apply_tensor_parallel(model, topology)
     if cfg.tile_factor > 1:
-        from .estimate.peak import tile_plan
+        from .estimate.units import tile_plan
         from .tiling import apply_tiling
 
         apply_tiling(model, tile_plan(cfg.tile_factor))

@@ -102,7 +102,7 @@ def cmd_estimate(argv: list[str]) -> int:
                   accounting=a.accounting, bucket_mb=a.bucket_mb, prefetch_mb=a.prefetch_mb,
                   checkpoint_tier=_tier(a.offload_checkpoints), recompute=a.recompute,
                   backend="nccl" if a.device == "cuda" else None)
-    from ..estimate.peak import HostOverhead
+    from ..estimate.overhead import HostOverhead
 
     if a.no_overhead:
         overhead = HostOverhead.none()

@@ -7,8 +7,11 @@
   (``probe.probe()``, re-exported here as :func:`probe_hardware` so that
   ``tiertrain.estimate.probe`` remains the module).
 * :mod:`~tiertrain.estimate.peak` — tiertrain's engine buffer by buffer: model states from
-  its own layout, activations of its GPT, and a simulated step giving the per-rank peak
-  (what :func:`estimate` reports with engine accounting), plus the process overhead.
+  its own layout and a simulated step giving the per-rank peak (what :func:`estimate`
+  reports with engine accounting), on the engine's units (:mod:`~tiertrain.estimate.units`),
+  the activations of its GPT (:mod:`~tiertrain.estimate.activations`) and the process
+  overhead (:mod:`~tiertrain.estimate.overhead`); the peak of building the model and
+  wrapping it is :mod:`~tiertrain.estimate.build_peak`'s.
 * :mod:`~tiertrain.estimate.modules` — any Hugging Face model (or module) described for the
   estimator and the planner: exact parameter counts, activations per block by family.
 * :mod:`~tiertrain.estimate.plan` — the placement planner (``tiertrain plan``,
@@ -57,7 +60,7 @@ from tiertrain.estimate.memory import (
     zero_model_state_bytes,
 )
 from tiertrain.estimate.modules import HFModelDims, dims_of_hf_config, dims_of_module
-from tiertrain.estimate.peak import HostOverhead
+from tiertrain.estimate.overhead import HostOverhead
 from tiertrain.estimate.plan import Hardware, Plan, PlanError, plan, plan_to_json, render_plan
 from tiertrain.estimate.probe import HardwareProbe, load_probe
 from tiertrain.estimate.probe import probe as probe_hardware  # the name ``probe`` stays the module

@@ -19,7 +19,7 @@ the caller is inherited), and reports per rank:
   meaningless in that mode).
 
 Linux only (/proc). :func:`calibrate_overhead` derives the two overhead figures of
-:class:`~tiertrain.estimate.peak.HostOverhead` from two such runs.
+:class:`~tiertrain.estimate.overhead.HostOverhead` from two such runs.
 """
 from __future__ import annotations
 
@@ -249,7 +249,7 @@ def calibrate_overhead(ranks: int = 2) -> dict[str, Any]:
     = peak-RSS increase of a run whose tensors are negligible, less them; ``retention`` =
     (peak-RSS increase − predicted tensor bytes − framework_bytes) / transient bytes at the
     peak, on a mid-sized GPT at stage 2 (the largest rank of each run). ~30 s on 2 cores."""
-    from tiertrain.estimate.peak import HostOverhead
+    from tiertrain.estimate.overhead import HostOverhead
 
     none = HostOverhead.none()
     out: dict[str, Any] = {}

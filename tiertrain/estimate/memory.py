@@ -31,7 +31,10 @@ import torch
 import torch.nn as nn
 
 from .lines import PRECISION_BYTES, TIERS, EstimateLine, Tier, masters_are_param_shards, second_generation_lines
-from .peak import engine_build_peak, engine_estimate_lines, engine_grad_tier, gpt_activation_bytes
+from .activations import gpt_activation_bytes
+from .build_peak import engine_build_peak
+from .peak import engine_estimate_lines
+from .units import engine_grad_tier
 
 __all__ = [
     "PRECISION_BYTES",
@@ -532,7 +535,7 @@ class Estimate:
     (the transient lines are what is live there); empty for the papers' accounting."""
     build: Any = None
     """Engine accounting: the per-rank peak of building the model and wrapping it, as
-    ``tiertrain train`` does (:class:`~tiertrain.estimate.peak.BuildPeak`: whole in fp32 on
+    ``tiertrain train`` does (:class:`~tiertrain.estimate.build_peak.BuildPeak`: whole in fp32 on
     every rank, or under partitioned_init at stage 3 untiled); None otherwise."""
 
     def build_by_tier(self) -> dict[Tier, int] | None:
@@ -724,7 +727,7 @@ def estimate(model: ModelSpec, layout: ZeroLayout | None = None, overhead: Any =
     lines are tiertrain's engine buffer by buffer (:mod:`tiertrain.estimate.peak`): model
     states from the engine's own layout (padding, buckets, stage-3 units), and the
     activations and transient buffers live at the simulated per-rank peak (``peak_at``),
-    plus the process overhead ``overhead`` (:class:`~tiertrain.estimate.peak.HostOverhead`;
+    plus the process overhead ``overhead`` (:class:`~tiertrain.estimate.overhead.HostOverhead`;
     None: the defaults measured on the reference machine; ``HostOverhead.none()``: 0).
     Then ``total()`` is the predicted peak per rank, and ``build`` the peak of building the
     model and wrapping it as ``tiertrain train`` does (``accelerator``: the flat buffers

@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import TiertrainError
-from .peak import ActivationBytes
+from .activations import ActivationBytes
 
 __all__ = ["HFModelDims", "dims_of_hf_config", "dims_of_module", "load_hf_config", "SUPPORTED_FAMILIES",
            "build_meta_model"]
@@ -310,7 +310,7 @@ class HFModelDims:
         return out
 
     def activation_bytes(self, micro_batch: int, precision_bytes: int) -> ActivationBytes:
-        """:class:`~tiertrain.estimate.peak.ActivationBytes` of one micro-batch (per rank),
+        """:class:`~tiertrain.estimate.activations.ActivationBytes` of one micro-batch (per rank),
         with ``blocks`` listing each block's bytes."""
         b, D = micro_batch, precision_bytes
         s, sd, h, V, f = self.seq_len, self.decoder_seq_len, self.hidden, self.vocab, self.intermediate

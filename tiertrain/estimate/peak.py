@@ -1,11 +1,12 @@
 """Per-rank peak memory of tiertrain's engine, buffer by buffer (what the engine allocates,
 not the papers' round numbers).
 
-The model states come from the engine's own layout functions (``tiertrain.zero.layout``)
-applied to the model's parameter shapes (a GPT built on the meta device, or any module):
-flat units padded to a multiple of ``num_shards·64`` elements, stage-0–2 units cut into
-``zero.bucket_mb`` buckets, stage-3 units one per transformer block plus the root. Per unit
-and rank, exactly as ``tiertrain.zero.flat.FlatParameters`` stores it:
+The model states come from the engine's own layout functions (``tiertrain.zero.layout``,
+through :func:`tiertrain.estimate.units.engine_units`) applied to the model's parameter
+shapes (a GPT built on the meta device, or any module): flat units padded to a multiple of
+``num_shards·64`` elements, stage-0–2 units cut into ``zero.bucket_mb`` buckets, stage-3
+units one per transformer block plus the root. Per unit and rank, exactly as
+``tiertrain.zero.flat.FlatParameters`` stores it:
 
 * params: the whole unit in the compute dtype (resident units) or this rank's shard (stage 3);
 * grads: fp32, the whole unit at stages 0–1 (``grad_full``), the shard at stages 2–3;
@@ -34,188 +35,34 @@ is the largest total at any point:
   squared-gradient temporary of the global norm and, on gloo with more than 2 ranks, the
   replicated send buffers of the post-step all-gather (stages 1–2).
 
-Activation sizes are those of ``tiertrain.models.gpt.GPT`` (pre-LN blocks, fused SDPA that
-keeps its output and log-sum-exp instead of the s×s scores, GELU, tied head), counted with
-``torch.autograd.graph.saved_tensors_hooks`` on this code: per block (8 + 2·ffn_mult)·s·b·h
-elements of the compute dtype (x, ln1 out, qkv (3), attention out, x + attn, ln2 out, fc1
-out (f), GELU out (f)), LayerNorm mean/rstd (4·b·s) and the fp32 log-sum-exp (b·a·s).
-Activation checkpointing (``tiertrain.offload.activations``) keeps only the input of every
-k-th block (blocks 0, k, 2k, …) and recomputes that block in backward.
+Activation sizes come from :mod:`tiertrain.estimate.activations` (tiertrain's GPT) or, for
+any other model described by :class:`tiertrain.estimate.modules.HFModelDims` (a Hugging Face
+transformer), from its own :class:`~tiertrain.estimate.activations.ActivationBytes` and its
+own module for the layout; its blocks are the top-level stage-3 units (children of
+ModuleLists not nested in another: ``model.layers.i``, ``encoder.block.i``, …), taken in
+registration order.
 
-Any other model described by :class:`tiertrain.estimate.modules.HFModelDims` (a Hugging Face
-transformer) brings its own :class:`ActivationBytes` (per block, from the transformers
-modeling code) and its own module for the layout; its blocks are the top-level stage-3
-units (children of ModuleLists not nested in another: ``model.layers.i``,
-``encoder.block.i``, …), taken in registration order.
+Beside this module: the layout (:mod:`tiertrain.estimate.units`), the peak of building the
+model (:mod:`tiertrain.estimate.build_peak`) and the process overhead
+(:mod:`tiertrain.estimate.overhead`). :func:`engine_estimate_lines`, which
+:func:`tiertrain.estimate.memory.estimate` calls, turns the simulated peak into its lines.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.nn as nn
 
-from ..zero.plan import default_unit_modules, parameter_aliases
+from ..zero.plan import default_unit_modules
 from ..zero.flat import NVME_READ_AHEAD, swap_pool_bytes
+from .activations import ActivationBytes, gpt_activation_bytes
 from .lines import PRECISION_BYTES, EstimateLine, Tier, masters_are_param_shards, second_generation_lines
+from .overhead import HostOverhead
+from .units import engine_grad_tier, engine_units, gpt_meta_model
 
-__all__ = ["ActivationBytes", "PeakBreakdown", "HostOverhead", "gpt_activation_bytes", "gpt_meta_model",
-           "engine_units", "simulate_peak", "stage3_gathered_bytes", "tile_plan", "engine_estimate_lines",
-           "DEFAULT_OVERHEAD_BYTES", "DEFAULT_RETENTION", "BuildPeak", "simulate_build_peak",
-           "builds_partitioned", "MMAP_THRESHOLD_MAX", "engine_build_peak", "engine_grad_tier"]
-
-DEFAULT_OVERHEAD_BYTES = 18 * 2**20
-"""Process memory a training rank holds besides tensors (allocator metadata, gloo and
-oneDNN/BLAS buffers, the autograd engine, Python objects), when nothing better is known. It
-does not grow with the model, so it is calibrated on the smallest run that trains (a 1-block,
-32-wide GPT on 2 gloo ranks: peak-RSS increase less its tensors); the default is that
-calibration on the reference CPU machine, recorded in bench/results/estimate_accuracy.md
-("Process overhead", "Calibration runs"). ``tiertrain probe`` measures it on the machine at
-hand (``framework_overhead_bytes``, tiertrain.estimate.measure.calibrate_overhead)."""
-
-DEFAULT_RETENTION = 0.5
-"""Share of a rank's transient bytes (activations, buckets, gathered units) that glibc's
-heap keeps resident on top of them, when nothing better is known. Freed holes in the heap stay
-resident (with ``zero.retain_host_memory`` on, the default: mmap threshold 32 MiB, trim
-threshold 256 MiB from wrap() on), and where they fall varies from run to run, so a single round
-figure near the calibration is used: a 6 × 512 GPT at stage 2, micro-batch 4, on the reference
-CPU machine; bench/results/estimate_accuracy.md records that calibration, its spread over runs
-and the share each of its runs implies ("What the retention is, measured").
-``tiertrain probe`` measures it (``allocator_retention``)."""
-
-
-# --------------------------------------------------------------------------- activations
-
-
-@dataclass(frozen=True)
-class ActivationBytes:
-    """Bytes of one micro-batch's activations in tiertrain's GPT (per rank)."""
-
-    block: int
-    """Saved for backward by one block that is not checkpointed."""
-    checkpoint: int
-    """Saved by one checkpointed block: its input only."""
-    head: int
-    """Saved outside the blocks: final-LN input, head input, LN stats, fp32 log-softmax
-    output, position ids, plus the micro-batch's input ids and labels (int64)."""
-    logits_in_flight: int
-    """Forward end: the logits (compute dtype) and, with 16-bit compute, their fp32 copy."""
-    head_backward: int
-    """Start of backward: gradient of the log-softmax output and of its input (fp32), and the
-    16-bit cast of it when the compute dtype is not fp32."""
-    block_backward: int
-    """Inside one block's backward: gradient of the MLP inner activation (f·s·b·h), the
-    residual-stream gradient (s·b·h) and the largest weight gradient (f·h², compute dtype)."""
-    tied_head_grad: int
-    """The head's weight gradient (V·h, compute dtype) held from the head's backward until
-    the embedding's gradient arrives, when the weights are tied (0 otherwise)."""
-    blocks: tuple[int, ...] = ()
-    """Per block, in registration order, when blocks differ (an encoder-decoder's decoder
-    blocks also keep cross-attention); empty: every block keeps ``block``."""
-    kept: tuple[int, ...] = ()
-    """Per block (one entry: every block), the outputs a selectively checkpointed block keeps
-    besides its input (``activations.recompute = "selective"``): its matrix multiplications
-    and fused attention (tiertrain.offload.activations.SELECTIVE_SAVED_OPS)."""
-    kept_unused: int = 0
-    """Of a block's ``kept`` bytes, those its backward never reads (the outputs of the
-    projections back to the residual stream, and of Q/K before rotary): the recomputed block
-    shares the rest with the cache, so these are what recomputation holds on top of ``block``'s
-    other tensors."""
-
-    def block_at(self, i: int) -> int:
-        """Bytes saved by block ``i`` (not checkpointed)."""
-        return self.blocks[i] if i < len(self.blocks) else self.block
-
-    def kept_at(self, i: int) -> int:
-        """Bytes block ``i`` keeps besides its input when checkpointed selectively."""
-        return self.kept[min(i, len(self.kept) - 1)] if self.kept else 0
-
-    def recompute_working(self, i: int, selective: bool) -> int:
-        """Bytes the recomputation of block ``i`` adds while its backward runs: every tensor
-        the block saves, less the kept outputs it takes from the cache (already held)."""
-        if not selective:
-            return self.block_at(i)
-        return self.block_at(i) - (self.kept_at(i) - self.kept_unused)
-
-
-def gpt_activation_bytes(dims: Any, micro_batch: int, precision_bytes: int) -> ActivationBytes:
-    """:class:`ActivationBytes` of ``tiertrain.models.gpt.GPT`` with ``dims``
-    (:class:`~tiertrain.estimate.memory.ModelDims`) at ``micro_batch`` sequences."""
-    D = precision_bytes
-    s, b, h, a, V, f = dims.seq_len, micro_batch, dims.hidden, dims.n_heads, dims.vocab, dims.ffn_mult
-    sbh = s * b * h
-    drop = 1 if dims.dropout else 0
-    # x, ln1 out, qkv (3), attention out, x + attn, ln2 out, fc1 out (f), gelu out (f);
-    # LN mean/rstd (2 per LN, compute dtype), SDPA log-sum-exp (fp32); dropout masks (bool)
-    block = (8 + 2 * f) * sbh * D + 4 * b * s * D + 4 * b * a * s + 2 * drop * sbh
-    head = 2 * sbh * D + 2 * b * s * D + 4 * s * b * V + 8 * s + 2 * 8 * b * s + drop * sbh
-    logits = s * b * V * D + (4 * s * b * V if D != 4 else 0)
-    head_bwd = 2 * 4 * s * b * V + (s * b * V * D if D != 4 else 0)
-    block_bwd = (f + 1) * sbh * D + f * h * h * D
-    tied = V * h * D if dims.tie_embeddings else 0
-    # selective: qkv (3), proj, fc1 (f), fc2 outputs, and the fused SDPA's output and lse
-    # (with attention dropout SDPA takes the math path: nothing of it is kept)
-    kept = (5 + f) * sbh * D + (0 if drop else sbh * D + 4 * b * a * s)
-    return ActivationBytes(block=block, checkpoint=sbh * D, head=head, logits_in_flight=logits,
-                           head_backward=head_bwd, block_backward=block_bwd, tied_head_grad=tied,
-                           kept=(kept,), kept_unused=2 * sbh * D)
-
-
-# --------------------------------------------------------------------------- the layout
-
-
-def gpt_meta_model(dims: Any, tile_factor: int = 1) -> nn.Module:
-    """tiertrain's GPT with ``dims`` on the meta device (nothing allocated); with
-    ``tile_factor`` > 1 each block's qkv, fc1 and fc2 become TiledLinear (tiertrain.tiling)."""
-    from tiertrain.models.gpt import GPT, GPTConfig
-
-    config = GPTConfig(vocab_size=dims.vocab, seq_len=dims.seq_len, n_layers=dims.n_layers,
-                       hidden=dims.hidden, n_heads=dims.n_heads, ffn_mult=dims.ffn_mult,
-                       tie_embeddings=dims.tie_embeddings, dropout=0.1 if dims.dropout else 0.0,
-                       bias=getattr(dims, "bias", True))
-    with torch.device("meta"):
-        model = GPT(config)
-        if tile_factor > 1:
-            from tiertrain.tiling import apply_tiling
-
-            apply_tiling(model, tile_plan(tile_factor))
-    model._tiertrain_tile_factor = tile_factor
-    return model
-
-
-def tile_plan(tile_factor: int) -> dict[str, int]:
-    """The linears tiertrain tiles for a tile factor: each block's qkv, fc1 and fc2 (the
-    (h→3h), (h→4h), (4h→h) operators, ZeRO-Infinity §5.1.3)."""
-    return {"blocks.*.attn.qkv": tile_factor, "blocks.*.mlp.fc1": tile_factor,
-            "blocks.*.mlp.fc2": tile_factor}
-
-
-_LAYOUTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
-
-
-def engine_units(model: nn.Module, stage: int, dp: int, bucket_mb: float = 25.0,
-                 persistence_threshold: int = 0):
-    """The engine's FlatLayout for ``model`` (any device, meta included): exactly what
-    ``tiertrain.zero.plan.default_plan`` lays out for the engine (cached per module; the module
-    must not change)."""
-    from tiertrain.zero.layout import bucket_layout, module_layout
-
-    key = (stage, dp if stage else 1, float(bucket_mb) if stage < 3 else 0.0,
-           persistence_threshold if stage == 3 else 0)
-    cache = _LAYOUTS.setdefault(model, {})
-    if key not in cache:
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if stage == 3:
-            frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-            cache[key] = module_layout(named, default_unit_modules(model), dp, persistence_threshold,
-                                       frozen_params=frozen, aliases=parameter_aliases(model))
-        else:
-            bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
-            cache[key] = bucket_layout(named, 1 if stage == 0 else dp, bucket_numel)
-    return cache[key]
+__all__ = ["PeakBreakdown", "simulate_peak", "engine_estimate_lines"]
 
 
 # --------------------------------------------------------------------------- simulation
@@ -256,16 +103,6 @@ class PeakBreakdown:
     @property
     def total(self) -> int:
         return self.model_states + self.transient
-
-
-def engine_grad_tier(stage: int, optimizer_tier: Tier) -> Tier:
-    """Where the engine keeps the fp32 gradients: whole units on the device at stages 0–1;
-    from stage 2 the gradient shards live with the optimizer (``zero.flat.Placement``), in
-    RAM when the optimizer is on NVMe (its swap files hold masters and moments only)."""
-    optimizer_tier = Tier(optimizer_tier)
-    if stage < 2:
-        return Tier.DEVICE
-    return Tier.CPU if optimizer_tier is Tier.NVME else optimizer_tier
 
 
 def _block_index(name: str, blocks: dict[str, int]) -> int | None:
@@ -510,235 +347,6 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
     return out
 
 
-# --------------------------------------------------------------------------- building the model
-
-MMAP_THRESHOLD_MAX = 32 * 2**20
-"""glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit Linux: a block larger than this is always
-mmapped and goes back to the OS when freed; smaller ones may come from the heap, whose freed
-holes stay resident (before wrap() glibc's dynamic threshold rises to the largest block
-freed; from wrap() on ``zero.retain_host_memory`` fixes it at this value, so every block up
-to it comes from the heap)."""
-
-
-def builds_partitioned(stage: int, tile_factor: int = 1, tp: int = 1) -> bool:
-    """Whether ``tiertrain train`` builds the model under ``tiertrain.zero.partitioned_init``
-    (tiertrain.train.build_model): at ZeRO stage 3, untiled, without tensor parallelism.
-    Otherwise every rank builds the whole model in fp32 before wrap() flattens it."""
-    return stage == 3 and tile_factor == 1 and tp == 1
-
-
-@dataclass
-class BuildPeak:
-    """What one rank holds at the peak of building the model and wrapping it (before step 1)."""
-
-    partitioned: bool
-    """Built under partitioned_init (each rank materialises one module at a time)."""
-    host: int
-    """Bytes of host RAM at the build's peak (the whole rank on a machine without an
-    accelerator), including the framework bytes of the process."""
-    device: int
-    """Most bytes on the accelerator during the build (0 without one: they are in ``host``)."""
-    where: str
-    """The phase of the build where host RAM peaks."""
-    items: dict[str, int] = field(default_factory=dict)
-    """What is live at the peak, by item (bytes)."""
-
-    @property
-    def total(self) -> int:
-        return self.host + self.device
-
-
-def simulate_build_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int,
-                        param_tier: Tier = Tier.DEVICE, optimizer_tier: Tier = Tier.DEVICE, bucket_mb: float = 25.0,
-                        persistence_threshold: int = 0, partitioned: bool | None = None,
-                        accelerator: bool = False, framework_bytes: int = 0,
-                        nvme_chunk_bytes: int = 24 << 20, nvme_buffers: int = 4,
-                        grads_released: bool = False) -> BuildPeak:
-    """Per-rank peak of building ``model`` (meta is fine) the way ``tiertrain train`` does
-    and wrapping it with the engine, before the first step:
-
-    1. **construction** in fp32 on the host: the whole model on every rank
-       (``partitioned=False``), or under ``partitioned_init``: the fp32 shards
-       (⌈n/dp⌉ per parameter) plus the module being initialised, whole;
-    2. **wrap** (``tiertrain.zero.flat.FlatParameters``), unit by unit in layout order: the
-       unit's full flat buffer (compute dtype), a gathered parameter (partitioned builds),
-       its shard on the parameter tier, its fp32 master (where separate) and its fp32
-       gradient (zeroed at once, except with the optimizer on NVMe, whose gradient pages
-       are first written after the masters leave); then the unit's original fp32 tensors
-       are freed;
-    3. the NVMe optimizer's setup: its ring of ``nvme_buffers`` chunk buffers; the masters
-       are dropped and the gradient shards zeroed (``grads_released``: left without memory
-       until their first reduction, as the in-place step running in backward does).
-
-    Freed blocks: a block of at most :data:`MMAP_THRESHOLD_MAX` (32 MiB) may sit in glibc's
-    heap, whose holes stay resident, so such freed originals and masters are counted as
-    still held until the end of the build (an upper bound: later allocations can reuse
-    some of them); larger blocks are mmapped and return to the OS when freed. Buffer pools
-    (NVMe staging) are counted whole. The accelerator's bytes go to ``device`` when
-    ``accelerator``; otherwise every byte is host RAM."""
-    if partitioned is None:
-        partitioned = builds_partitioned(stage, getattr(model, "_tiertrain_tile_factor", 1))
-    param_tier, optimizer_tier = Tier(param_tier), Tier(optimizer_tier)
-    D = precision_bytes
-    layout = engine_units(model, stage, dp, bucket_mb, persistence_threshold)
-    units = layout.units
-    numel = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
-    HOLES = "freed heap blocks still resident (glibc, < 32 MiB)"
-    host: dict[str, int] = {}
-    dev: dict[str, int] = {}
-
-    def alloc(tier: Tier, name: str, nbytes: int, touched: bool = True) -> int:
-        """Allocate (host blocks ≤ 32 MiB reuse freed heap holes first); returns the bytes
-        that became resident later when the block is touched (0 if touched now)."""
-        nbytes = int(nbytes)
-        if accelerator and tier is Tier.DEVICE:
-            dev[name] = dev.get(name, 0) + nbytes
-            return 0
-        reused = min(host.get(HOLES, 0), nbytes) if nbytes <= MMAP_THRESHOLD_MAX else 0
-        host[HOLES] = host.get(HOLES, 0) - reused
-        host[name] = host.get(name, 0) + (nbytes if touched else reused)
-        return 0 if touched else nbytes - reused
-
-    def free(tier: Tier, name: str, nbytes: int) -> None:
-        nbytes = int(nbytes)
-        if accelerator and tier is Tier.DEVICE:
-            dev[name] -= nbytes
-            return
-        host[name] -= nbytes
-        if nbytes <= MMAP_THRESHOLD_MAX:
-            host[HOLES] = host.get(HOLES, 0) + nbytes
-
-    best: tuple[int, str, dict[str, int]] = (-1, "", {})  # host RAM's peak
-    best_dev: tuple[int, dict[str, int]] = (0, {})  # the accelerator's (its own moment)
-
-    def point(where: str, extra_host: dict[str, int] | None = None, extra_dev: dict[str, int] | None = None):
-        nonlocal best, best_dev
-        h = {k: v for k, v in host.items() if v}
-        d = {k: v for k, v in dev.items() if v}
-        for k, v in (extra_host or {}).items():
-            h[k] = h.get(k, 0) + v
-        for k, v in (extra_dev or {}).items():
-            d[k] = d.get(k, 0) + v
-        if sum(h.values()) > best[0]:
-            best = (sum(h.values()), where, h)
-        if sum(d.values()) > best_dev[0]:
-            best_dev = (sum(d.values()), d)
-
-    if framework_bytes:
-        alloc(Tier.CPU, "framework overhead", framework_bytes)
-    # ---- 1. construction (fp32, host)
-    ORIG = "model parameters as built (fp32)" if not partitioned else "fp32 parameter shards (partitioned_init)"
-    if partitioned:
-        original = {n: 4 * -(-k // dp) for n, k in numel.items()}
-        leaves: dict[str, int] = {}
-        for n, k in numel.items():
-            leaf = n.rsplit(".", 1)[0] if "." in n else ""
-            leaves[leaf] = leaves.get(leaf, 0) + 4 * k
-        for n in original:
-            alloc(Tier.CPU, ORIG, original[n])
-        point("construction (partitioned_init)", {"module being initialised (fp32, whole)": max(leaves.values())})
-    else:
-        original = {n: 4 * k for n, k in numel.items()}
-        for n in original:
-            alloc(Tier.CPU, ORIG, original[n])
-        point("construction (whole model, fp32)")
-    # ---- 2. wrap: the engine's swap pool, then FlatParameters unit by unit
-    opt_tier = Tier.DEVICE if optimizer_tier is Tier.DEVICE else Tier.CPU
-    if stage == 3 and param_tier is Tier.NVME:  # the parameter swapper's pool, used by the shard writes
-        pool_bytes = swap_pool_bytes(max(u.shard_numel for u in units) * D)
-        written = sum(D * u.shard_numel for u in units if not u.resident)
-        alloc(Tier.CPU, "NVMe staging buffers", min(pool_bytes, written))
-    masters: list[int] = []
-    untouched_grads = 0
-    for u in units:
-        shard_tier = Tier.DEVICE if u.resident else param_tier
-        th: dict[str, int] = {}
-        td: dict[str, int] = {}
-        if u.resident:
-            alloc(Tier.DEVICE, "flat parameters", D * u.padded_numel)
-        else:
-            (td if accelerator else th)["unit being flattened (compute dtype)"] = D * u.padded_numel
-            if shard_tier is Tier.NVME:
-                th["shard being written to NVMe"] = D * u.shard_numel
-            else:
-                alloc(shard_tier, "flat parameters", D * u.shard_numel)
-        if partitioned:
-            th["parameter gathered from its shards (fp32)"] = max(4 * numel[s.name] for s in u.slots)
-        if not (D == 4 and optimizer_tier == shard_tier):
-            alloc(opt_tier, "master weights (fp32)", 4 * u.shard_numel)
-            masters.append(4 * u.shard_numel)
-        if stage <= 1:
-            alloc(Tier.DEVICE, "gradients (fp32)", 4 * u.padded_numel)
-        else:
-            untouched_grads += alloc(opt_tier, "gradients (fp32)", 4 * u.shard_numel,
-                                     touched=optimizer_tier is not Tier.NVME)
-        point(f"wrap: flattening unit {u.label}", th, td)
-        for s_ in u.slots:  # the unit's original tensors are freed
-            free(Tier.CPU, ORIG, original.pop(s_.name, 0))
-    point("wrap: units flattened")
-    # ---- 3. the NVMe optimizer: its ring; the masters leave, the gradient shards are zeroed
-    if optimizer_tier is Tier.NVME:
-        from tiertrain.offload.nvme_optimizer import BYTES_PER_ELEM
-
-        chunk = min(max(1024, nvme_chunk_bytes // BYTES_PER_ELEM), max(u.shard_numel for u in units))
-        alloc(Tier.CPU, "NVMe optimizer chunk buffers", nvme_buffers * BYTES_PER_ELEM * chunk)
-        # fp32 shards on NVMe are their own masters: the optimizer's first records are read
-        # from their files, one unit's shard at a time, instead of from masters in RAM
-        read_back = max((4 * u.shard_numel for u in units if not u.resident), default=0) \
-            if D == 4 and param_tier is Tier.NVME and stage == 3 else 0
-        point("wrap: NVMe optimizer set up (the masters in RAM, if any, still there)",
-              {"shard read back for the optimizer's records": read_back} if read_back else None)
-        for m in masters:
-            free(opt_tier, "master weights (fp32)", m)
-        if not grads_released:
-            host["gradients (fp32)"] = host.get("gradients (fp32)", 0) + untouched_grads
-        point("wrap: masters dropped, gradient shards " + ("released" if grads_released else "zeroed"))
-    _, where, h = best
-    items = dict(h)
-    for k, v in best_dev[1].items():
-        items[f"{k} (device, at its own peak)"] = v
-    return BuildPeak(partitioned=partitioned, host=sum(h.values()), device=best_dev[0], where=where,
-                     items=items)
-
-
-# --------------------------------------------------------------------------- process overhead
-
-
-@dataclass(frozen=True)
-class HostOverhead:
-    """Process memory besides tensors, added to the estimate of a rank's peak.
-
-    ``framework_bytes`` is a constant per process (gloo, BLAS/oneDNN workspaces, the
-    autograd engine, allocator metadata, Python objects). ``retention`` is the fraction of
-    the transient bytes at the peak that the host allocator keeps resident on top of them:
-    activations, buckets and gathered units of up to 32 MiB come from glibc's heap (with
-    ``zero.retain_host_memory``, the default, from wrap() on; otherwise once the dynamic mmap
-    threshold has risen), whose freed holes stay resident and fragment: it is there from
-    the first step, grows over the next ones, and varies from run to run (the spread is
-    measured in bench/results/estimate_accuracy.md). 0 on CUDA devices,
-    whose caching allocator is not modelled here."""
-
-    framework_bytes: int = DEFAULT_OVERHEAD_BYTES
-    """Constant bytes per rank process."""
-    retention: float = DEFAULT_RETENTION
-    """Fraction of the peak's transient bytes (activations and engine buffers) the host
-    allocator holds on top of them."""
-    source: str = "defaults measured on the reference machine (bench/results/estimate_accuracy.md)"
-    """Where the figures come from."""
-
-    @classmethod
-    def none(cls) -> "HostOverhead":
-        """No overhead: tensor bytes only."""
-        return cls(0, 0.0, "none (tensor bytes only)")
-
-    @classmethod
-    def for_device(cls, device: str) -> "HostOverhead":
-        """The defaults for a compute device: "cpu" (host allocator retention applies to the
-        transient bytes) or "cuda" (they live in the caching allocator: not modelled, 0)."""
-        return cls() if device == "cpu" else cls(DEFAULT_OVERHEAD_BYTES, 0.0, "default framework bytes; CUDA "
-                                                 "caching allocator not modelled")
-
-
 # --------------------------------------------------------------------------- estimate lines
 
 _ITEM_LINES = {
@@ -929,45 +537,3 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
     notes.append(f"engine accounting: tiertrain's own buffers (zero/layout.py, flat.py, reducer.py, stage3.py) "
                  f"at the simulated per-rank peak ({pk.where}); transient lines are what is live there")
     return lines, notes, pk.where
-
-
-def engine_build_peak(module: nn.Module | None, dims: Any, lay: Any, overhead: HostOverhead | None = None,
-                      accelerator: bool = False) -> BuildPeak:
-    """:func:`simulate_build_peak` of a layout (:class:`~tiertrain.estimate.memory.ZeroLayout`),
-    built as ``tiertrain train`` builds it (partitioned at stage 3 untiled with tp = 1)."""
-    if module is None:
-        module = dims.meta_model() if hasattr(dims, "meta_model") else gpt_meta_model(dims, lay.tile_factor)
-    ov = overhead if overhead is not None else HostOverhead()
-    return simulate_build_peak(
-        module, dp=lay.dp, stage=lay.stage, precision_bytes=PRECISION_BYTES[lay.precision],
-        param_tier=lay.param_tier if lay.stage == 3 else Tier.DEVICE, optimizer_tier=lay.optimizer_tier,
-        bucket_mb=lay.bucket_mb, persistence_threshold=lay.persistence_threshold,
-        # a Hugging Face model is built by its owner (from_config / from_pretrained): whole
-        partitioned=builds_partitioned(lay.stage, getattr(module, "_tiertrain_tile_factor", lay.tile_factor), lay.tp)
-        and not hasattr(dims, "activation_bytes"),
-        accelerator=accelerator, framework_bytes=int(ov.framework_bytes),
-        # (the in-place NVMe step running in backward frees each gradient shard it consumed,
-        # so the engine gives them memory only at their first reduction)
-        grads_released=Tier(lay.optimizer_tier) is Tier.NVME and lay.nvme_in_place and lay.stage >= 2)
-
-
-def stage3_gathered_bytes(module: nn.Module, precision_bytes: int, dp: int = 2,
-                          persistence_threshold: int = 0) -> int:
-    """Most stage-3 parameter bytes gathered at once in a step (compute dtype): the root unit
-    (gathered from the start of forward to the end of backward) plus the largest block-level
-    unit plus its largest nested unit (a tile). ZeRO-Infinity's MSWM for tiertrain's units;
-    memory-centric tiling lowers it (tiertrain.tiling)."""
-    layout = engine_units(module, 3, dp, persistence_threshold=persistence_threshold)
-    root = sum(u.padded_numel for u in layout.units if not u.resident and u.label == "<root>")
-    blocks: dict[str, int] = {}
-    nested: dict[str, int] = {}
-    for u in layout.units:
-        if u.resident or u.label == "<root>":
-            continue
-        top = ".".join(u.label.split(".")[:2])
-        if u.label.count(".") == 1:
-            blocks[top] = blocks.get(top, 0) + u.padded_numel
-        else:
-            nested[top] = max(nested.get(top, 0), u.padded_numel)
-    block = max((blocks.get(k, 0) + nested.get(k, 0) for k in set(blocks) | set(nested)), default=0)
-    return precision_bytes * (root + block)

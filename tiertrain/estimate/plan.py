@@ -48,7 +48,8 @@ from tiertrain.estimate.bandwidth import (
     ait_params_grads,
 )
 from tiertrain.estimate.memory import Estimate, ModelDims, ZeroLayout, estimate
-from tiertrain.estimate.peak import HostOverhead, engine_grad_tier, gpt_meta_model
+from tiertrain.estimate.overhead import HostOverhead
+from tiertrain.estimate.units import engine_grad_tier, gpt_meta_model
 from tiertrain.tiers import Tier
 
 if False:  # typing only
