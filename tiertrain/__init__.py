@@ -9,8 +9,9 @@ Megatron-style tensor/pipeline/data parallelism, behind one engine contract::
 """
 from .compiling import compile_blocks
 from .config import Config, ConfigError
-from .engine import Engine, MemoryReport
+from .engine import Engine
 from .errors import TiertrainError
+from .memory_report import MemoryReport
 from .wrapping import wrap
 from .topology import Topology
 from .zero.construct import partitioned_init

@@ -10,37 +10,35 @@ ZeRO-Offload's delayed update; chosen once by update/factory.py), the learning-r
 (offload/), and checkpoints over stateful parts (its checkpoint and export methods call
 the StateIO it is given: tiertrain/state/engine_io.py, which imports the engine, never the
 reverse). Stage 0 is plain data parallelism, against which the ZeRO stages are checked.
+The parts are built by tiertrain/engine_build.py; memory_report() and gathered_parameters()
+are tiertrain/memory_report.py's and tiertrain/gathered.py's.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 
 import torch
 import torch.nn as nn
 
-from .buffers import ModuleBuffers
 from .comm import Collectives, CommCounter
 from .config import Config, ConfigError
-from .device import acts_as_accelerator, pins_host
+from .engine_build import build_parts, stage3_unit_modules
+from .gathered import gathered_parameters_of
 from .host_memory import retain_freed_host_memory
-from .offload.activations import checkpoint_memory
+from .memory_report import MemoryReport, memory_report_of
 from .optim import OptimizerArg, SchedulerFactory, client_optimizer, clip_coefficient, scheduled_lr, squared_norm
-from .precision import DynamicLossScaler, compute_dtype
+from .precision import compute_dtype
 from .spans import span
-from .tiers import Tier
 from .topology import Topology
 from .train_state import RNGState, TrainState
-from .update.factory import UpdateContext, UpdateFactory, build_update
+from .update.factory import UpdateFactory, build_update
 from .zero.agreement import Event
-from .zero.construct import check_no_partitioned_init, forget_partition, gather_partitioned, is_partitioned
-from .zero.flat import SWAP_BLOCK_BYTES, FlatParameters, FrozenShards, Placement, swap_pool_bytes
-from .zero.layout import ROOT
+from .zero.construct import check_no_partitioned_init
+from .zero.flat import FrozenShards
 from .zero.param_gather import WaitForParameters
 from .zero.plan import GradientPlan, default_plan
-from .zero.reducer import GradientReducer, unused_parameters
-from .zero.stage3 import ParameterFetcher
+from .zero.reducer import unused_parameters
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -74,34 +72,6 @@ class StateIO(Protocol):
 
     def save_pretrained(self, engine: "Engine", directory: str, dtype: Any = None, max_shard_bytes: int | None = None,
                         peft: Any = None) -> Any: ...
-
-
-@dataclass
-class MemoryReport:
-    """Bytes of model state held by this rank, by kind."""
-
-    params: int
-    gathered_params: int
-    grads: int
-    optimizer: int
-    cpu_tier: int = 0
-    """How many of the bytes above live in the CPU tier (offloaded)."""
-    nvme_tier: int = 0
-    """How many of the bytes above live in the NVMe tier (swap files)."""
-    activation_checkpoints: int = 0
-    """Peak bytes of activation checkpoints (saved block inputs) between a forward and its backward; not model state."""
-    activation_checkpoints_cpu: int = 0
-    """Of activation_checkpoints, the bytes held in the CPU tier (activations.offload=cpu)."""
-    frozen_params: int = 0
-    """Of params, the bytes of frozen parameters (requires_grad=False): their shards at stage 3."""
-    units: int = 0
-    """Stage 3: the partitioned units the parameters are gathered by (0 at stages 0-2)."""
-    largest_unit_share: float = 0.0
-    """Stage 3: the fraction of the model's parameters in the largest unit, gathered whole at once."""
-
-    @property
-    def total(self) -> int:
-        return self.params + self.gathered_params + self.grads + self.optimizer
 
 
 def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -151,7 +121,7 @@ class Engine:
         self.loss_fn = loss_fn or default_loss
         self.dtype = compute_dtype(config.precision.dtype)
         self.device = topology.device
-        self.stage = stage = config.zero.stage
+        self.stage = config.zero.stage
         self.counter = CommCounter()
         self.comm = Collectives(topology.group("dp"), self.counter)
         # Tensor parallelism (tiertrain.parallel.apply_tensor_parallel before wrap): each tp
@@ -176,68 +146,8 @@ class Engine:
         save_pretrained: a --model.hf run's tokenizer (models.hf.tokenizer_files), name → content."""
         """The run id of this engine's saves when the caller gives none (made at the first)."""
         plan = plan or default_plan(model, config, self.dp, unit_modules)
-        named, self.layout, self.launch_when_ready = plan.named, plan.layout, plan.launch_when_ready
-        self._cast_buffers_and_frozen(model, {n for n, _ in plan.frozen})
-        self.buffers = ModuleBuffers(self.named_modules_of_state())
-        """The model's persistent buffers: checkpointed, in full_state_dict, broadcast (zero.broadcast_buffers)."""
-        self.placement = Placement(self.device, optimizer_tier=config.zero.offload_optimizer,
-                                   param_tier=config.zero.offload_params)
-        self.swapper = self._build_swapper() if Tier.NVME in (config.zero.offload_optimizer,
-                                                              config.zero.offload_params) else None
-        self.flat = FlatParameters(
-            self.layout, dict(named + plan.frozen), self.comm, self.dtype, keep_full_grads=stage <= 1,
-            rebuild_param=lambda p: gather_partitioned(p, self.comm) if is_partitioned(p) else p.detach(),
-            placement=self.placement, swapper=self.swapper, nvme_kept_units=config.zero.nvme_kept_units)
-        self._waits_per_operation = False
-        if config.zero.overlap_param_gather:
-            # Parameter gathers left running by a step are completed before model.state_dict()
-            # hands out the parameters' storage, and before a forward called on the model
-            # directly, not through the engine (which waits per operation).
-            self._on_close += [
-                model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self.flat.wait_gathers()).remove,
-                model.register_forward_pre_hook(torch.compiler.disable(
-                    lambda module, args: None if self._waits_per_operation else self.flat.wait_gathers())).remove]
-        for _, p in named + plan.frozen:
-            forget_partition(p)  # the flat buffers own the shard now
-
-        self.fetcher = None
-        if stage == 3:
-            modules, frozen_of = self._unit_modules(model)
-            self.fetcher = ParameterFetcher(
-                self.flat, self.comm, modules, prefetch_bytes=int(self._prefetch_mb() * 2**20),
-                max_live_bytes=int(config.zero.max_live_mb * 2**20), check=config.zero.stage3_check,
-                frozen_of=frozen_of)
-            self.fetcher.before_outside = self._before_outside_forward
-            # Backward completes blocks last-first, then the root (embeddings are used first
-            # in forward, so their gradients come last), then the persistent small parameters.
-            partitioned = [u.index for u in self.layout.units if not u.resident]
-            resident = [u.index for u in self.layout.units if u.resident]
-            launch_order = partitioned[1:][::-1] + partitioned[:1] + resident
-        else:
-            launch_order = list(range(len(self.layout.units)))
-        self.reducer = GradientReducer(
-            self.flat, self.comm, stage, launch_order,
-            on_unit_done=self.fetcher.on_unit_grads_done if self.fetcher else None,
-            before_collective=(lambda i: self.fetcher.agree(Event.REDUCE, i)) if self.fetcher else None,
-            launch_when_ready=self.launch_when_ready)
-        self._on_close.append(self.reducer.remove)
-        if self.fetcher is not None:
-            self._on_close.append(self.fetcher.remove)
-        if self.swapper is not None:
-            self._on_close.append(self.swapper.close)  # (removes this rank's swap directory)
-
-        self._norm_grads, self._partial_grads = self._gradient_views(plan.counts_in_norm)
-        self.scaler = DynamicLossScaler(config.precision.loss_scale, enabled=config.precision.dtype == "fp16")
-        tp_partial_sums = self.tp_comm.size > 1 and bool(self._partial_grads)
-        self.update = update_factory(UpdateContext(
-            self.flat, config, topology, self.reducer, self.swapper, lazy_zero=self.launch_when_ready,
-            global_gradient_changes=config.optimizer.grad_clip > 0 or self.scaler.enabled or tp_partial_sums,
-            gradients_final_at_landing=(not self.scaler.enabled and self._norm_grads is None
-                                        and not tp_partial_sums),
-            gradient_views_held=self._norm_grads is not None or bool(self._partial_grads),
-            optimizer=client))
-        """The optimizer step, in the form the configuration asks for (tiertrain/update/)."""
-        self._on_close.append(self.update.close)  # (first undone: its thread, its swap files)
+        # layout, buffers, placement, swapper, flat, fetcher, reducer, scaler, update
+        build_parts(self, model, plan, update_factory, client)
         self.train_state = TrainState()
         self._slot_position: dict[tuple[int, int], int] | None = None  # (unit, slot) → flag index
         self._stepped_at = -1
@@ -246,73 +156,9 @@ class Engine:
     # -- construction ----------------------------------------------------------------
 
     def _unit_modules(self, model: nn.Module) -> tuple[dict[int, nn.Module], dict[int, list[int]]]:
-        """Stage 3: the module whose hooks gather each partitioned unit (by the unit's index;
-        a module with trained parameters is keyed by its trained unit), and the frozen units
-        gathered with each."""
-        def module(label: str) -> nn.Module:
-            return model if label == ROOT else model.get_submodule(label)
-
-        keys = {u.label: u.index for u in self.layout.units if not u.resident}
-        frozen_of: dict[int, list[int]] = {}
-        for u in self.layout.frozen:
-            key = keys.setdefault(u.label, u.index)
-            frozen_of.setdefault(key, []).append(u.index)
-        return {index: module(label) for label, index in keys.items()}, frozen_of
-
-    def _cast_buffers_and_frozen(self, model: nn.Module, in_layout: set[str]) -> None:
-        """Buffers and frozen parameters the flat units do not hold, in the compute dtype on
-        the device (a small frozen parameter built under partitioned_init gathered whole)."""
-        for module in model.modules():
-            for name, buf in list(module.named_buffers(recurse=False)):
-                dtype = self.dtype if buf.is_floating_point() else buf.dtype
-                setattr(module, name, buf.to(device=self.device, dtype=dtype))
-        for name, p in model.named_parameters():
-            if not p.requires_grad and name not in in_layout:
-                value = gather_partitioned(p, self.comm) if is_partitioned(p) else p.data
-                forget_partition(p)
-                p.data = value.to(device=self.device, dtype=self.dtype)
-
-    def _build_swapper(self):
-        """This rank's swap directory under zero.nvme_path, with a buffer pool large enough
-        for the prefetch depth of ZeRO-Infinity (reads of 3 units ahead, in the half of the
-        pool prefetches may hold) and as much again for writes."""
-        from .io import AlignedBufferPool, AsyncIO, TensorSwapper
-
-        block = SWAP_BLOCK_BYTES
-        largest = max(u.shard_numel for u in self.layout.all_units) * torch.finfo(self.dtype).bits // 8
-        pin = pins_host(self.device)
-        aio = AsyncIO(num_threads=4, block_bytes=block)
-        self._on_close.append(aio.close)  # the swapper does not own its IO threads
-        return TensorSwapper(self.config.zero.nvme_path, aio,
-                             AlignedBufferPool(swap_pool_bytes(largest), block, pin=pin), rank=self.topology.rank,
-                             create=True)
-
-    def _prefetch_mb(self) -> float:
-        """zero.prefetch_mb, or its default for this device. On CPU, gloo's collectives run on
-        the same cores as the compute they would overlap: asynchronous prefetch measured 10%
-        slower than none at stage 3 (bench/results/zero_interleaved.md); on an accelerator the
-        copy and communication engines run beside the compute, and prefetch hides them."""
-        if self.config.zero.prefetch_mb is not None:
-            return self.config.zero.prefetch_mb
-        return 64.0 if acts_as_accelerator(self.device) else 0.0
-
-    def _gradient_views(self, counts_in_norm: Callable[[str], bool]):
-        """(gradient pieces counted in the global norm, None meaning all of every unit's
-        shard; sequence-parallel partial gradients, summed over tp at each step)."""
-        partial, counted, all_counted = [], [], True
-        tp_rank0 = self.topology.coord("tp") == 0
-        for u in self.flat.units:
-            for slot, a, b in u.unit.shard_pieces(self.flat.shard_rank):
-                grad = u.grad[a:b]
-                param = self.flat.params[slot.name]
-                # Replicated parameters count once across tp (on tp rank 0), as in Megatron.
-                if counts_in_norm(slot.name) and (tp_rank0 or getattr(param, "tp_sharded", False)):
-                    counted.append(grad)
-                else:
-                    all_counted = False
-                if getattr(param, "tp_partial_grad", False):
-                    partial.append(grad)
-        return (None if all_counted else counted), partial
+        """Stage 3: the module whose hooks gather each partitioned unit, and the frozen units
+        gathered with each (engine_build.stage3_unit_modules; a pipeline engine gives none)."""
+        return stage3_unit_modules(model, self.layout)
 
     # -- counters ----------------------------------------------------------------------
 
@@ -606,58 +452,13 @@ class Engine:
 
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients and optimizer state (fp32 master + Adam moments) on this rank."""
-        flat = self.flat.memory()
-        extra = self.update.memory()
-        ckpt = checkpoint_memory(self.module)
-        # Frozen parameters outside the flat units (stages 0-2, and small ones at stage 3) are
-        # whole on every rank.
-        whole_frozen = sum(p.numel() * p.element_size() for p in self.module.parameters()
-                           if not p.requires_grad and p not in self.flat.unit_of)
-        frozen_shards = sum(u.unit.shard_numel * u.full.element_size() for u in self.flat.frozen_units)
-        return MemoryReport(flat["params"] + whole_frozen, flat["gathered_params"], flat["grads"] + extra.extra_grads,
-                            flat["master"] + extra.optimizer, cpu_tier=flat["cpu_tier"] + extra.cpu_tier,
-                            nvme_tier=flat["nvme_tier"] + extra.nvme_tier,
-                            activation_checkpoints=ckpt.peak_bytes, activation_checkpoints_cpu=ckpt.host_peak_bytes,
-                            frozen_params=whole_frozen + frozen_shards, **self._unit_summary())
+        return memory_report_of(self)
 
-    def _unit_summary(self) -> dict:
-        """Stage 3's units and the share of the model in the largest (a model cut badly gathers
-        most of itself at once, and stage 3 then saves little)."""
-        units = [u.unit for u in self.flat.all_units if not u.unit.resident]
-        if self.stage != 3 or not units:
-            return {}
-        total = sum(u.unit.numel for u in self.flat.all_units)
-        return {"units": len(units), "largest_unit_share": max(u.numel for u in units) / max(total, 1)}
-
-    @contextlib.contextmanager
     def gathered_parameters(self, params: Iterable[nn.Parameter] | None = None, modifier_rank: int | None = None):
         """Full parameters readable outside forward (every rank must enter). With
         modifier_rank set, that data-parallel rank's edits are broadcast and written back
-        into every shard and master copy on exit."""
-        if self.fetcher is None:  # (at stage 3 the gathers' agreement names the units as well)
-            self.comm.enter("gathered_parameters()")
-        self.quiesce()
-        self.update.flush()  # what is read or edited is the newest parameters
-        wanted = None if params is None else {self.flat.unit_index(p) for p in params}
-        units = [u for u in self.flat.all_units if wanted is None or u.unit.index in wanted]
-        for u in units:
-            if self.fetcher is not None and not u.gathered:
-                self.fetcher.fetch(u.unit.index)
-            self.flat.gather(u.unit.index)
-        try:
-            yield
-            if modifier_rank is not None:
-                edited = [None] * len(self.flat.units)
-                for u in units:
-                    self.comm.broadcast(u.full, modifier_rank)
-                    lo, hi = u.unit.shard_range(self.flat.shard_rank)
-                    self.flat.write_shard(u.unit.index, u.full[lo:hi])
-                    if u.trainable and not self.flat.shards.holds_masters(u.unit.index):  # (else written just now)
-                        edited[u.unit.index] = u.full[lo:hi]
-                self.update.write_masters(edited)
-        finally:
-            for u in units:
-                self.flat.release(u.unit.index)
+        into every shard and master copy on exit (a context manager: tiertrain/gathered.py)."""
+        return gathered_parameters_of(self, params, modifier_rank)
 
     # -- checkpoints -----------------------------------------------------------------
 

@@ -1,0 +1,173 @@
+"""Building an engine's parts (tiertrain/engine.py): from the gradient plan, the flat layout's
+buffers (zero/flat.py) on the tiers the config places them (and the NVMe swapper when a tier
+is NVMe), stage 3's parameter fetcher (zero/stage3.py), the gradient reducer
+(zero/reducer.py), the loss scaler and the optimizer-step form (update/factory.py), each
+with what close() undoes registered on the engine. The engine then only trains with them.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.nn as nn
+
+from .buffers import ModuleBuffers
+from .config import Config
+from .device import acts_as_accelerator, pins_host
+from .precision import DynamicLossScaler
+from .tiers import Tier
+from .update.factory import UpdateContext, UpdateFactory
+from .zero.agreement import Event
+from .zero.construct import forget_partition, gather_partitioned, is_partitioned
+from .zero.flat import SWAP_BLOCK_BYTES, FlatParameters, Placement, swap_pool_bytes
+from .zero.layout import ROOT, FlatLayout
+from .zero.plan import GradientPlan
+from .zero.reducer import GradientReducer
+from .zero.stage3 import ParameterFetcher
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def build_parts(engine: "Engine", model: nn.Module, plan: GradientPlan, update_factory: UpdateFactory,
+                client: Any) -> None:
+    """Set engine's parts, in this order: layout and launch_when_ready (from plan), buffers,
+    placement, swapper, flat, fetcher (stage 3; None otherwise), reducer, the gradient views
+    of the norm and of tp's partial sums, scaler and update."""
+    config, topology, stage = engine.config, engine.topology, engine.stage
+    named, engine.layout, engine.launch_when_ready = plan.named, plan.layout, plan.launch_when_ready
+    cast_buffers_and_frozen(engine, model, {n for n, _ in plan.frozen})
+    engine.buffers = ModuleBuffers(engine.named_modules_of_state())
+    """The model's persistent buffers: checkpointed, in full_state_dict, broadcast (zero.broadcast_buffers)."""
+    engine.placement = Placement(engine.device, optimizer_tier=config.zero.offload_optimizer,
+                                 param_tier=config.zero.offload_params)
+    engine.swapper = build_swapper(engine) if Tier.NVME in (config.zero.offload_optimizer,
+                                                            config.zero.offload_params) else None
+    engine.flat = FlatParameters(
+        engine.layout, dict(named + plan.frozen), engine.comm, engine.dtype, keep_full_grads=stage <= 1,
+        rebuild_param=lambda p: gather_partitioned(p, engine.comm) if is_partitioned(p) else p.detach(),
+        placement=engine.placement, swapper=engine.swapper, nvme_kept_units=config.zero.nvme_kept_units)
+    engine._waits_per_operation = False
+    if config.zero.overlap_param_gather:
+        # Parameter gathers left running by a step are completed before model.state_dict()
+        # hands out the parameters' storage, and before a forward called on the model
+        # directly, not through the engine (which waits per operation).
+        engine._on_close += [
+            model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: engine.flat.wait_gathers()).remove,
+            model.register_forward_pre_hook(torch.compiler.disable(
+                lambda module, args: None if engine._waits_per_operation else engine.flat.wait_gathers())).remove]
+    for _, p in named + plan.frozen:
+        forget_partition(p)  # the flat buffers own the shard now
+
+    engine.fetcher = None
+    if stage == 3:
+        modules, frozen_of = engine._unit_modules(model)
+        engine.fetcher = ParameterFetcher(
+            engine.flat, engine.comm, modules, prefetch_bytes=int(prefetch_mb(config, engine.device) * 2**20),
+            max_live_bytes=int(config.zero.max_live_mb * 2**20), check=config.zero.stage3_check,
+            frozen_of=frozen_of)
+        engine.fetcher.before_outside = engine._before_outside_forward
+        # Backward completes blocks last-first, then the root (embeddings are used first
+        # in forward, so their gradients come last), then the persistent small parameters.
+        partitioned = [u.index for u in engine.layout.units if not u.resident]
+        resident = [u.index for u in engine.layout.units if u.resident]
+        launch_order = partitioned[1:][::-1] + partitioned[:1] + resident
+    else:
+        launch_order = list(range(len(engine.layout.units)))
+    engine.reducer = GradientReducer(
+        engine.flat, engine.comm, stage, launch_order,
+        on_unit_done=engine.fetcher.on_unit_grads_done if engine.fetcher else None,
+        before_collective=(lambda i: engine.fetcher.agree(Event.REDUCE, i)) if engine.fetcher else None,
+        launch_when_ready=engine.launch_when_ready)
+    engine._on_close.append(engine.reducer.remove)
+    if engine.fetcher is not None:
+        engine._on_close.append(engine.fetcher.remove)
+    if engine.swapper is not None:
+        engine._on_close.append(engine.swapper.close)  # (removes this rank's swap directory)
+
+    engine._norm_grads, engine._partial_grads = gradient_views(engine, plan.counts_in_norm)
+    engine.scaler = DynamicLossScaler(config.precision.loss_scale, enabled=config.precision.dtype == "fp16")
+    tp_partial_sums = engine.tp_comm.size > 1 and bool(engine._partial_grads)
+    engine.update = update_factory(UpdateContext(
+        engine.flat, config, topology, engine.reducer, engine.swapper, lazy_zero=engine.launch_when_ready,
+        global_gradient_changes=config.optimizer.grad_clip > 0 or engine.scaler.enabled or tp_partial_sums,
+        gradients_final_at_landing=(not engine.scaler.enabled and engine._norm_grads is None
+                                    and not tp_partial_sums),
+        gradient_views_held=engine._norm_grads is not None or bool(engine._partial_grads),
+        optimizer=client))
+    """The optimizer step, in the form the configuration asks for (tiertrain/update/)."""
+    engine._on_close.append(engine.update.close)  # (first undone: its thread, its swap files)
+
+
+def stage3_unit_modules(model: nn.Module, layout: FlatLayout) -> tuple[dict[int, nn.Module], dict[int, list[int]]]:
+    """Stage 3: the module whose hooks gather each partitioned unit (by the unit's index;
+    a module with trained parameters is keyed by its trained unit), and the frozen units
+    gathered with each."""
+    def module(label: str) -> nn.Module:
+        return model if label == ROOT else model.get_submodule(label)
+
+    keys = {u.label: u.index for u in layout.units if not u.resident}
+    frozen_of: dict[int, list[int]] = {}
+    for u in layout.frozen:
+        key = keys.setdefault(u.label, u.index)
+        frozen_of.setdefault(key, []).append(u.index)
+    return {index: module(label) for label, index in keys.items()}, frozen_of
+
+
+def cast_buffers_and_frozen(engine: "Engine", model: nn.Module, in_layout: set[str]) -> None:
+    """Buffers and frozen parameters the flat units do not hold, in the compute dtype on
+    the device (a small frozen parameter built under partitioned_init gathered whole)."""
+    for module in model.modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            dtype = engine.dtype if buf.is_floating_point() else buf.dtype
+            setattr(module, name, buf.to(device=engine.device, dtype=dtype))
+    for name, p in model.named_parameters():
+        if not p.requires_grad and name not in in_layout:
+            value = gather_partitioned(p, engine.comm) if is_partitioned(p) else p.data
+            forget_partition(p)
+            p.data = value.to(device=engine.device, dtype=engine.dtype)
+
+
+def build_swapper(engine: "Engine"):
+    """This rank's swap directory under zero.nvme_path, with a buffer pool large enough
+    for the prefetch depth of ZeRO-Infinity (reads of 3 units ahead, in the half of the
+    pool prefetches may hold) and as much again for writes."""
+    from .io import AlignedBufferPool, AsyncIO, TensorSwapper
+
+    block = SWAP_BLOCK_BYTES
+    largest = max(u.shard_numel for u in engine.layout.all_units) * torch.finfo(engine.dtype).bits // 8
+    pin = pins_host(engine.device)
+    aio = AsyncIO(num_threads=4, block_bytes=block)
+    engine._on_close.append(aio.close)  # the swapper does not own its IO threads
+    return TensorSwapper(engine.config.zero.nvme_path, aio,
+                         AlignedBufferPool(swap_pool_bytes(largest), block, pin=pin), rank=engine.topology.rank,
+                         create=True)
+
+
+def prefetch_mb(config: Config, device: torch.device) -> float:
+    """zero.prefetch_mb, or its default for this device. On CPU, gloo's collectives run on
+    the same cores as the compute they would overlap: asynchronous prefetch measured 10%
+    slower than none at stage 3 (bench/results/zero_interleaved.md); on an accelerator the
+    copy and communication engines run beside the compute, and prefetch hides them."""
+    if config.zero.prefetch_mb is not None:
+        return config.zero.prefetch_mb
+    return 64.0 if acts_as_accelerator(device) else 0.0
+
+
+def gradient_views(engine: "Engine", counts_in_norm: Callable[[str], bool]):
+    """(gradient pieces counted in the global norm, None meaning all of every unit's
+    shard; sequence-parallel partial gradients, summed over tp at each step)."""
+    partial, counted, all_counted = [], [], True
+    tp_rank0 = engine.topology.coord("tp") == 0
+    for u in engine.flat.units:
+        for slot, a, b in u.unit.shard_pieces(engine.flat.shard_rank):
+            grad = u.grad[a:b]
+            param = engine.flat.params[slot.name]
+            # Replicated parameters count once across tp (on tp rank 0), as in Megatron.
+            if counts_in_norm(slot.name) and (tp_rank0 or getattr(param, "tp_sharded", False)):
+                counted.append(grad)
+            else:
+                all_counted = False
+            if getattr(param, "tp_partial_grad", False):
+                partial.append(grad)
+    return (None if all_counted else counted), partial

@@ -1,0 +1,45 @@
+"""Full parameters readable outside forward (``engine.gathered_parameters()``), at every
+stage: the newest values (work the update began ahead of step() settled first), each unit
+gathered from its shards (at stage 3 through the parameter fetcher, so the ranks agree on
+it), and with a modifier rank that rank's edits broadcast and written back into every shard
+(zero/flat.py) and master copy (the update form) on exit.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Iterable
+
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+@contextlib.contextmanager
+def gathered_parameters_of(engine: "Engine", params: Iterable[nn.Parameter] | None = None,
+                           modifier_rank: int | None = None):
+    """engine.gathered_parameters(params, modifier_rank): see the module docstring."""
+    if engine.fetcher is None:  # (at stage 3 the gathers' agreement names the units as well)
+        engine.comm.enter("gathered_parameters()")
+    engine.quiesce()
+    engine.update.flush()  # what is read or edited is the newest parameters
+    wanted = None if params is None else {engine.flat.unit_index(p) for p in params}
+    units = [u for u in engine.flat.all_units if wanted is None or u.unit.index in wanted]
+    for u in units:
+        if engine.fetcher is not None and not u.gathered:
+            engine.fetcher.fetch(u.unit.index)
+        engine.flat.gather(u.unit.index)
+    try:
+        yield
+        if modifier_rank is not None:
+            edited = [None] * len(engine.flat.units)
+            for u in units:
+                engine.comm.broadcast(u.full, modifier_rank)
+                lo, hi = u.unit.shard_range(engine.flat.shard_rank)
+                engine.flat.write_shard(u.unit.index, u.full[lo:hi])
+                if u.trainable and not engine.flat.shards.holds_masters(u.unit.index):  # (else written just now)
+                    edited[u.unit.index] = u.full[lo:hi]
+            engine.update.write_masters(edited)
+    finally:
+        for u in units:
+            engine.flat.release(u.unit.index)
