@@ -2,7 +2,7 @@
 
 :mod:`tiertrain.estimate.peak` re-derives by hand what tiertrain's engine allocates
 (``zero/flat.py``'s flat buffers, ``zero/reducer.py``, the update forms of ``update/`` and
-``offload/nvme_optimizer.py``). This file specifies that the two agree, to the byte, wherever
+``update/nvme/optimizer.py``). This file specifies that the two agree, to the byte, wherever
 both count the same thing. A tiny GPT (sizes that need padding) trains two real steps on 2
 gloo ranks under each configuration of :data:`CASES` — every ZeRO stage 0–3, the stage-1/2
 post-step parameter all-gather with and without ``zero.overlap_param_gather``, optimizer and

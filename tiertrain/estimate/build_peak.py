@@ -185,7 +185,7 @@ def simulate_build_peak(model: nn.Module, *, dp: int, stage: int, precision_byte
     point("wrap: units flattened")
     # ---- 3. the NVMe optimizer: its ring; the masters leave, the gradient shards are zeroed
     if optimizer_tier is Tier.NVME:
-        from tiertrain.offload.nvme_optimizer import BYTES_PER_ELEM
+        from tiertrain.update.nvme.chunk_update import BYTES_PER_ELEM
 
         chunk = min(max(1024, nvme_chunk_bytes // BYTES_PER_ELEM), max(u.shard_numel for u in units))
         alloc(Tier.CPU, "NVMe optimizer chunk buffers", nvme_buffers * BYTES_PER_ELEM * chunk)

@@ -399,7 +399,7 @@ class ZeroLayout:
     """zero.bucket_mb: stage 0–2 gradient buckets (units) in MiB of fp32 (engine accounting)."""
     nvme_in_place: bool = False
     """zero.nvme_in_place: the NVMe optimizer keeps one generation of its state on disk (else two:
-    each step writes the other generation and commits it, tiertrain/offload/nvme_optimizer.py)."""
+    each step writes the other generation and commits it, tiertrain/update/nvme/optimizer.py)."""
     nvme_grads_in_ram_mb: float = 0.0
     """zero.nvme_grads_in_ram_mb: with nvme_in_place, the reduced gradient shards held for the
     step running in backward are capped at this many MiB plus one unit's (0: every shard)."""

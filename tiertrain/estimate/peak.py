@@ -13,7 +13,7 @@ units one per transformer block plus the root. Per unit and rank, exactly as
 * master: fp32 shard, absent when the shard already is fp32 in the same memory;
 * Adam moments: 2 × fp32 per *real* element of the shard (padding has no optimizer state),
   except on NVMe, whose swap files hold master and moments for the whole shard
-  (``tiertrain.offload.nvme_optimizer.NVMeAdamW.state_bytes``).
+  (``tiertrain.update.nvme.optimizer.NVMeAdamW.state_bytes``).
 
 Transient memory is simulated over one step in the order the engine runs it, and the peak
 is the largest total at any point:
@@ -457,7 +457,7 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
     ]
     if optimizer_tier is Tier.NVME:
         notes.append("optimizer on NVMe: master weights and Adam moments live in swap files; RAM holds "
-                     "the gradient shards and the streaming buffers of tiertrain.offload.NVMeAdamW")
+                     "the gradient shards and the streaming buffers of tiertrain.update.nvme.NVMeAdamW")
     shared_masters = (sum(D * u.shard_numel for u in layout.units if not u.resident)
                       if masters_are_param_shards(lay) else 0)  # (on NVMe as parameters, in both generations)
     lines += second_generation_lines(lay, pk.master + pk.moments + shared_masters)
@@ -510,10 +510,7 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
             f"gather staging: {formula}, of the largest shard (tiertrain/offload/shard_store.py "
             "NVMeShards, OptimizerMasterShards)")
     if optimizer_tier is Tier.NVME:
-        try:
-            from tiertrain.offload.nvme_optimizer import DEFAULT_CHUNK_BYTES
-        except Exception:  # pragma: no cover - the module is optional here
-            DEFAULT_CHUNK_BYTES = 24 << 20
+        from tiertrain.update.nvme.plan import DEFAULT_CHUNK_BYTES
         add("NVMe staging buffers", 4 * DEFAULT_CHUNK_BYTES, Tier.CPU,
             "NVMeAdamW ring: 4 buffers × chunk_bytes (master + m + v of one chunk)")
         if param_tier is Tier.NVME and D != 4:  # (fp32: the step's writes are the shards' own)
