@@ -333,13 +333,13 @@ def cpu_per_byte(mib: int = 32, repeat: int = 10) -> dict[str, float]:
 def predicted_step_s(n_params: int, bw: dict[str, float], masters_shared: bool = True,
                      masters_from_gathers: bool = True) -> float:
     """The estimator's IO lower bound of a step at this layout: the bytes its memory model puts on
-    NVMe (parameters, fp32 masters and Adam moments, tiertrain/estimate/memory.py), each moved as
+    NVMe (parameters, fp32 masters and Adam moments, tiertrain/estimate/layout.py), each moved as
     ZeRO-Infinity moves them per step, over the measured bandwidth. ``masters_shared``: the fp32
     parameter shards are the optimizer's masters (from 6bc2922 on; before, a second copy was
     kept and written). ``masters_from_gathers``: the step takes the masters from backward's
     gathers and reads only the moments (after c60e567). The backward gathers served from the
     kept staging tensors (at most 2 units) are not subtracted."""
-    from tiertrain.estimate.memory import engine_model_state_bytes
+    from tiertrain.estimate.layout import engine_model_state_bytes
 
     ms = engine_model_state_bytes(n_params, 2, 3, "fp32", separate_master=not masters_shared)
     master = ms.params if masters_shared else ms.master

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _common import machine_lines, print_and_write
 from tiertrain.config import ActivationConfig
 from tiertrain.engine import default_loss
-from tiertrain.estimate.memory import ModelDims
+from tiertrain.estimate.dims import ModelDims
 from tiertrain.estimate.activations import gpt_activation_bytes
 from tiertrain.models.gpt import GPT, GPTConfig
 from tiertrain.offload.activations import apply_activation_checkpointing, checkpoint_memory

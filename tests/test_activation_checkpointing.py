@@ -29,7 +29,7 @@ from reference import (Oracle, engine_train, global_batches, make_config, make_m
 from tiertrain.config import ActivationConfig, ConfigError
 from tiertrain.blocks import model_blocks
 from tiertrain.engine import default_loss
-from tiertrain.estimate.memory import infinity_activation_checkpoint_bytes
+from tiertrain.estimate.formulas import infinity_activation_checkpoint_bytes
 from tiertrain.offload.activations import apply_activation_checkpointing, checkpoint_memory, checkpointing_of
 from tiertrain.testing import run_distributed
 from tiertrain.tiling import apply_tiling
@@ -259,7 +259,7 @@ def test_engine_with_checkpointing_matches_reference(tiled):
 def _kept_per_block(micro_batch: int) -> int:
     """The estimator's bytes of the outputs a selectively checkpointed block of make_model()
     keeps (fp32)."""
-    from tiertrain.estimate.memory import ModelDims
+    from tiertrain.estimate.dims import ModelDims
     from tiertrain.estimate.activations import gpt_activation_bytes
 
     return gpt_activation_bytes(ModelDims.from_gpt_config(make_model().config), micro_batch, 4).kept_at(0)

@@ -11,7 +11,8 @@ transformers = pytest.importorskip("transformers")
 
 from tiertrain.estimate import ZeroLayout, estimate  # noqa: E402
 from tiertrain.estimate.modules import build_meta_model, dims_of_hf_config, dims_of_module  # noqa: E402
-from tiertrain.estimate.plan import Hardware, plan  # noqa: E402
+from tiertrain.estimate.hardware import Hardware  # noqa: E402
+from tiertrain.estimate.plan import plan  # noqa: E402
 
 V = 96
 

@@ -17,7 +17,8 @@ import pytest
 from tiertrain import cli, launch
 from tiertrain.config import load
 from tiertrain.estimate import ModelDims, estimate
-from tiertrain.estimate.plan import Hardware, PlanError, plan, render_plan
+from tiertrain.estimate.hardware import Hardware
+from tiertrain.estimate.plan import PlanError, plan, render_plan
 from tiertrain.tiers import Tier
 from tiertrain.train import TrainConfig, apply_plan
 
@@ -169,7 +170,7 @@ def test_checkpointing_is_selective_where_that_fits_and_whole_blocks_only_where_
     import dataclasses
 
     from tiertrain.estimate import ZeroLayout
-    from tiertrain.estimate.plan import evaluate
+    from tiertrain.estimate.candidates import evaluate
 
     base = ZeroLayout(dp=2, stage=3, micro_batch=8, precision="bf16", ranks_per_node=2, backend="nccl")
 

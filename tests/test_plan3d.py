@@ -27,10 +27,11 @@ import pytest
 from tiertrain import cli
 from tiertrain.config import load
 from tiertrain.estimate import ModelDims
-from tiertrain.estimate.layout3d import (BUBBLE, DIVISIBILITY, DOES_NOT_FIT, TP_ACROSS_NODES, Policy3D,
-                                         held_micro_batches, plan3d, rank_memory, render_plan3d)
-from tiertrain.estimate.memory import activation_bytes_per_layer
-from tiertrain.estimate.plan import Hardware, PlanError
+from tiertrain.estimate.cost3d import Policy3D, held_micro_batches, rank_memory
+from tiertrain.estimate.layout3d import BUBBLE, DIVISIBILITY, DOES_NOT_FIT, TP_ACROSS_NODES, plan3d, render_plan3d
+from tiertrain.estimate.formulas import activation_bytes_per_layer
+from tiertrain.estimate.hardware import Hardware
+from tiertrain.estimate.plan import PlanError
 from tiertrain.pipeline.schedule import interleaved_one_f_one_b, max_in_flight, one_f_one_b
 from tiertrain.train import TrainConfig
 

@@ -26,7 +26,7 @@ from reference import global_batches, make_model
 from tiertrain.config import ActivationConfig, Config, ConfigError, load
 from tiertrain.engine import default_loss
 from tiertrain.estimate import ZeroLayout, estimate
-from tiertrain.estimate.memory import ModelDims
+from tiertrain.estimate.dims import ModelDims
 from tiertrain.estimate.activations import gpt_activation_bytes
 from tiertrain.offload.activations import apply_activation_checkpointing, checkpoint_memory, checkpointing_of
 

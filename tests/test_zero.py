@@ -12,7 +12,7 @@ import torch.nn as nn
 import tiertrain
 from reference import (Oracle, engine_train, global_batches, make_config, make_model, max_rel_diff, rank_slices,
                        reference_train)
-from tiertrain.estimate.memory import zero_model_state_bytes
+from tiertrain.estimate.formulas import zero_model_state_bytes
 from tiertrain.host_memory import M_MMAP_THRESHOLD
 from tiertrain.testing import RankFailure, run_distributed
 

@@ -100,7 +100,7 @@ def _plan_parser() -> argparse.ArgumentParser:
 def hardware_from_args(a: argparse.Namespace):
     """Hardware for the planner: the probe file (if any), overridden by stated figures."""
     from .. import launch
-    from ..estimate.plan import Hardware
+    from ..estimate.hardware import Hardware
     from ..estimate.probe import HardwareProbe, read_meminfo
 
     ranks = a.nproc if a.nproc is not None else launch.default_nproc()
@@ -173,7 +173,8 @@ def _cmd_plan_3d(a: argparse.Namespace, model: Any, hw: Any, micro: int | None, 
                  config_global_batch: int, ladder: dict[str, Any]) -> int:
     """`tiertrain plan` with the 3D search (tiertrain.estimate.layout3d): the chosen (t, p, d, m,
     v), the rejected alternatives, and the config; exit status 1 when nothing fits."""
-    from ..estimate.layout3d import Interconnect, Policy3D, plan3d, plan3d_to_json, render_plan3d
+    from ..estimate.cost3d import Interconnect, Policy3D
+    from ..estimate.layout3d import plan3d, plan3d_to_json, render_plan3d
 
     if hw.device_memory is None:
         raise ValueError("--layout 3d needs an accelerator's memory: give --gpu-memory SIZE (e.g. 80GiB) for a "

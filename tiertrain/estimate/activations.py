@@ -76,7 +76,7 @@ class ActivationBytes:
 
 def gpt_activation_bytes(dims: Any, micro_batch: int, precision_bytes: int) -> ActivationBytes:
     """:class:`ActivationBytes` of ``tiertrain.models.gpt.GPT`` with ``dims``
-    (:class:`~tiertrain.estimate.memory.ModelDims`) at ``micro_batch`` sequences."""
+    (:class:`~tiertrain.estimate.dims.ModelDims`) at ``micro_batch`` sequences."""
     D = precision_bytes
     s, b, h, a, V, f = dims.seq_len, micro_batch, dims.hidden, dims.n_heads, dims.vocab, dims.ffn_mult
     sbh = s * b * h

@@ -210,7 +210,7 @@ def simulate_build_peak(model: nn.Module, *, dp: int, stage: int, precision_byte
 
 def engine_build_peak(module: nn.Module | None, dims: Any, lay: Any, overhead: HostOverhead | None = None,
                       accelerator: bool = False) -> BuildPeak:
-    """:func:`simulate_build_peak` of a layout (:class:`~tiertrain.estimate.memory.ZeroLayout`),
+    """:func:`simulate_build_peak` of a layout (:class:`~tiertrain.estimate.layout.ZeroLayout`),
     built as ``tiertrain train`` builds it (partitioned at stage 3 untiled with tp = 1)."""
     if module is None:
         module = dims.meta_model() if hasattr(dims, "meta_model") else gpt_meta_model(dims, lay.tile_factor)

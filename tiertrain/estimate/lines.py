@@ -1,7 +1,7 @@
 """What both memory accountings of tiertrain.estimate are written in: the element size of each
 compute precision, the memory tiers and one labelled line of an estimate.
 
-The papers' formulas (:mod:`tiertrain.estimate.memory`) and the engine's buffer-by-buffer
+The papers' formulas (:mod:`tiertrain.estimate.formulas`) and the engine's buffer-by-buffer
 accounting (:mod:`tiertrain.estimate.peak`) both produce :class:`EstimateLine` items; memory.py
 also calls into peak.py for engine accounting, so these shared pieces live here, below both,
 and each of the two imports them from this module (memory.py re-exports them, their public

@@ -219,7 +219,9 @@ def _override_dict(overrides: list[str]) -> dict[str, str]:
 
 def predict(spec: RunSpec, overhead: Any = None):
     """The estimate (:func:`tiertrain.estimate.estimate`, engine accounting) of ``spec``'s run."""
-    from tiertrain.estimate.memory import ModelDims, ZeroLayout, estimate
+    from tiertrain.estimate.dims import ModelDims
+    from tiertrain.estimate.layout import ZeroLayout
+    from tiertrain.estimate.memory import estimate
 
     if spec.hf_config is not None:
         from tiertrain.estimate.modules import dims_of_hf_config

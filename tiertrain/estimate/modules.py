@@ -1,6 +1,6 @@
 """Describe any Hugging Face model (or any nn.Module) for the estimator and the planner.
 
-:class:`HFModelDims` is the sibling of :class:`~tiertrain.estimate.memory.ModelDims` for
+:class:`HFModelDims` is the sibling of :class:`~tiertrain.estimate.dims.ModelDims` for
 models tiertrain did not write: :func:`~tiertrain.estimate.memory.estimate`, the peak
 simulation (:mod:`tiertrain.estimate.peak`) and :func:`~tiertrain.estimate.plan.plan`
 accept either. Its parameter count is exact (the model is built on the meta device from
@@ -73,7 +73,7 @@ or its output; ``gelu_new`` = 0.5·x·(1 + tanh(√(2/π)(x + 0.044715x³))) sav
 @dataclass
 class HFModelDims:
     """Shape, parameter count and activation model of a Hugging Face transformer (or of a
-    given module), accepted wherever :class:`~tiertrain.estimate.memory.ModelDims` is."""
+    given module), accepted wherever :class:`~tiertrain.estimate.dims.ModelDims` is."""
 
     model_type: str
     """The config's ``model_type`` (llama, mistral, qwen2, gpt2, bert, roberta, t5, bart)."""

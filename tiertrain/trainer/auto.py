@@ -46,7 +46,8 @@ def plan_for(cfg: Config, dims: Any, world_size: int, device: torch.device | Non
     and the bandwidths, compute peak and process overhead of a probe file when one exists
     (``probe_path``, default $TIERTRAIN_PROBE or runs/hardware_probe.json). Only layouts
     cfg's type accepts are chosen."""
-    from ..estimate.plan import Hardware, Plan, plan
+    from ..estimate.hardware import Hardware
+    from ..estimate.plan import Plan, plan
     from ..estimate.probe import HardwareProbe, ram_available
 
     local = local_ranks(world_size)
@@ -96,7 +97,8 @@ def check_fits(cfg: Config, dims: Any, world_size: int, accelerator: bool = Fals
     names the short tier, the model's size and its largest tensor (a vocabulary of 1e9 would
     otherwise be a 256 GB allocation that fails, or swaps, minutes later)."""
     from ..estimate import ZeroLayout
-    from ..estimate.plan import Hardware, evaluate
+    from ..estimate.candidates import evaluate
+    from ..estimate.hardware import Hardware
     from ..estimate.probe import ram_available
     from ..estimate.report import human_bytes
 
