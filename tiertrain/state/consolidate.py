@@ -30,11 +30,11 @@ import torch
 
 from . import checkpoint
 from .checkpoint import MARKER, CheckpointError, rank_file_name, verified_file
-from .export import (DEFAULT_MAX_SHARD_BYTES, WITH_MODEL, StreamedFile, TensorItem, plan_files, remove_stale,
-                     resolve_dtype, write_files_with_model, write_hf_config, write_index)
+from .export_files import WITH_MODEL, StreamedFile, remove_stale, write_files_with_model, write_hf_config, write_index
 from .export_groups import ConvertedValues, converted_items
+from .export_plan import DEFAULT_MAX_SHARD_BYTES, TensorItem, plan_files, resolve_dtype
 from .hf_conversion import meta_model
-from .reshard import global_value, open_saved, opened_files, saved_parameters
+from .saved_run import global_value, open_saved, opened_files, saved_parameters
 
 EXPORT_INFO = "export.json"
 HELD_TENSORS = "held_tensors.safetensors"
@@ -205,7 +205,7 @@ def _export(step_dir: str, marker: dict, out_dir: str, target: torch.dtype, max_
                             "written under their own names, without buffers or config")
 
     # What to write, in the model's order: the layout's parameters (trained, then frozen
-    # units; at any tensor- or pipeline-parallel layout, whole: reshard.global_value), then
+    # units; at any tensor- or pipeline-parallel layout, whole: saved_run.global_value), then
     # what the module held whole.
     items: list[TensorItem] = []
     sources: dict[str, tuple] = {}

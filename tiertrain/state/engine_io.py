@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..precision import first_nonfinite
 from . import checkpoint
-from . import export as export_module
+from . import export_files, export_plan
 from . import reshard as reshard_module
+from . import shard_layout
 from .checkpoint import PendingSave, rank_state, restore_rank_state
 from .export import ExportReport, save_pretrained
 
@@ -37,10 +38,10 @@ def fingerprint(engine: "Engine") -> dict:
 
 
 def shard_description(engine: "Engine") -> dict:
-    """This rank's shard layout as a checkpoint records it (tiertrain/state/reshard.py describe)."""
+    """This rank's shard layout as a checkpoint records it (tiertrain/state/shard_layout.py describe)."""
     topology = engine.topology
-    return reshard_module.describe(engine.flat, engine.update, (topology.coord("tp"), topology.size("tp")),
-                                   engine.tied_copies())
+    return shard_layout.describe(engine.flat, engine.update, (topology.coord("tp"), topology.size("tp")),
+                                 engine.tied_copies())
 
 
 def _files_for_export(engine: "Engine") -> dict[str, Any]:
@@ -49,15 +50,15 @@ def _files_for_export(engine: "Engine") -> dict[str, Any]:
     pipeline, every rank's module has every name; a tensor-parallel slice held outside the
     shards is not whole, so it is left out), and the files kept with the model."""
     files: dict[str, Any] = {}
-    names, held = export_module.checkpoint_names(engine.module, engine.flat)
-    held = [(n, t) for n, t in held if export_module.writable_dtype(t.dtype) and not getattr(t, "tp_sharded", False)]
+    names, held = export_plan.checkpoint_names(engine.module, engine.flat)
+    held = [(n, t) for n, t in held if export_plan.writable_dtype(t.dtype) and not getattr(t, "tp_sharded", False)]
     files["export.json"] = json.dumps({"names": names, "held": [n for n, _ in held]}, indent=1).encode()
     if held:
-        files["held_tensors.safetensors"] = lambda f: export_module.write_safetensors(f, held)
-    hf = export_module.hf_config_json(engine.module)
+        files["held_tensors.safetensors"] = lambda f: export_files.write_safetensors(f, held)
+    hf = export_files.hf_config_json(engine.module)
     if hf is not None:
         files["hf_config.json"] = json.dumps(hf, indent=1).encode()
-    files.update({export_module.WITH_MODEL + name: data for name, data in engine.files_with_model.items()})
+    files.update({export_files.WITH_MODEL + name: data for name, data in engine.files_with_model.items()})
     return files
 
 

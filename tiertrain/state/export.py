@@ -25,58 +25,30 @@ Hugging Face keeps: not one its ``_tied_weights_keys`` declare as a tied copy), 
 buffers included, plus ``config.json`` (and ``generation_config.json``) when the model has a
 Hugging Face config. ``type(model).from_pretrained(directory)`` and
 :func:`tiertrain.load_pretrained` both load it. The directory must be one every rank can write
-(a shared file system when the ranks run on several machines).
+(a shared file system when the ranks run on several machines). The plan is
+tiertrain/state/export_plan.py's; the files are written by tiertrain/state/export_files.py.
 """
 from __future__ import annotations
 
-import copy
-import hashlib
 import json
-import math
 import os
-import re
-import struct
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, BinaryIO, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
-from ..io.fileio import atomic_write, temporary_beside
-from .export_groups import ConvertedValues, GroupMembers, converted_items
-from .hf_conversion import SaveGroup
+from ..io.fileio import atomic_write
+from .export_files import _fsync_directory, _remove_stale, _StreamedFile, _write_config, write_files_with_model
+from .export_groups import ConvertedValues, GroupMembers
+from .export_plan import (DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, _File, _Item, _model_tensors, _plan, _Plan,
+                          resolve_dtype)
 from .peft_export import PeftExport, peft_items, peft_model, write_adapter_config
-from ..zero.layout import Slot
 
 if TYPE_CHECKING:
     from ..engine import Engine
     from ..zero.flat import UnitBuffers
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-SHARD_NAME = "model-{k:05d}-of-{n:05d}.safetensors"
-_SHARD_PATTERN = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-_TEMP_SUFFIX = ".export.tmp"
-
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-"""Tensor bytes per file at most (Hugging Face's long-standing "5GB"; a tensor larger than
-this gets a file of its own). Every rank writes at least one file when it has tensors to
-write, so files are smaller than this whenever the model is."""
-
-DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16,
-}
-"""The dtypes a checkpoint can be written in (by torch dtype or by name)."""
-
-_SAFETENSORS_DTYPE = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 
 
 @dataclass
@@ -107,226 +79,7 @@ class ExportReport:
     """Tensor bytes of the whole checkpoint."""
 
 
-def resolve_dtype(dtype: torch.dtype | str | None, what: str = "save_pretrained") -> torch.dtype:
-    """The dtype to write floating-point tensors in: fp32 (the masters' own) by default; what
-    names the caller in the error."""
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, str) and dtype.lower() in DTYPES:
-        return DTYPES[dtype.lower()]
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    raise ValueError(f"{what}: unknown dtype {dtype!r}; use None (fp32, the masters' values), "
-                     f"torch.float32, torch.bfloat16 or torch.float16 (or one of {sorted(DTYPES)})")
-
-
-# -- the plan: what each rank writes, decided on every rank from the layout alone ------------------
-
-
-@dataclass(frozen=True, eq=False)
-class _Item:
-    """One tensor of the checkpoint."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    """As written."""
-    position: int
-    """Its place in the model's order: the layout's units first, then what the module holds."""
-    unit: int | None
-    """The index of the unit holding it; None for a tensor the module holds whole on every rank
-    (a buffer, a frozen parameter outside the layout)."""
-    slot: Slot | None = None
-    value: torch.Tensor | None = None
-    """The module's own tensor (unit is None)."""
-    group: SaveGroup | None = None
-    """A checkpoint tensor made by the model's checkpoint conversion (hf_conversion): the group
-    of model tensors it is converted from; unit is then the last unit holding a member."""
-    members: tuple["_Item", ...] = ()
-    """That group's model tensors, as items (their own unit, slot or value); for a tensor only
-    renamed by the conversion, the one model tensor it is."""
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class _File:
-    name: str
-    rank: int
-    items: tuple[_Item, ...]
-    """In offset order: descending element size (so each tensor starts aligned to its own
-    element size), then the model's order, in which the units are gathered."""
-
-
-@dataclass(frozen=True)
-class _Plan:
-    files: tuple[_File, ...]
-    units: tuple[int, ...]
-    """The units that hold an exported tensor, in index order: the gathers, on every rank."""
-
-    @property
-    def weight_map(self) -> dict[str, str]:
-        return {item.name: f.name for f in self.files for item in f.items}
-
-    @property
-    def total_size(self) -> int:
-        return sum(item.nbytes for f in self.files for item in f.items)
-
-    @property
-    def digest(self) -> int:
-        """A hash of the plan (0 <= digest < 2**62), the same on ranks that planned alike."""
-        text = json.dumps([[f.name, f.rank, [[i.name, list(i.shape), str(i.dtype), i.unit] for i in f.items]]
-                           for f in self.files] + [list(self.units)])
-        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
-
-
-def _tied_copy_patterns(module: nn.Module) -> list[re.Pattern]:
-    """Names Hugging Face models declare as tied copies (``_tied_weights_keys`` of every
-    submodule, prefixed by its path; a dict target → source in transformers 5, a list before):
-    save_pretrained drops these and keeps the source."""
-    patterns = []
-    for prefix, sub in module.named_modules():
-        declared = getattr(sub, "_tied_weights_keys", None) or ()
-        for key in (declared.keys() if isinstance(declared, dict) else declared):
-            if isinstance(key, str):
-                patterns.append(re.compile(f"{re.escape(prefix)}\\.{key}" if prefix else key))
-    return patterns
-
-
-def _ignored_on_save(module: nn.Module) -> set[str]:
-    """Names the model class asks save_pretrained to leave out (``_keys_to_ignore_on_save``)."""
-    return {k for k in (getattr(module, "_keys_to_ignore_on_save", None) or ()) if isinstance(k, str)}
-
-
-def _kept_name(names: list[str], tied: list[re.Pattern]) -> str:
-    """The one name a tensor shared under several is written under: the first that is not a
-    declared tied copy; if all are, the last in sorted order, as Hugging Face keeps."""
-    for name in names:
-        if not any(p.search(name) for p in tied):
-            return name
-    return sorted(names)[-1]
-
-
-def _model_tensors(engine: "Engine", dtype: torch.dtype) -> list[_Item]:
-    """The checkpoint's tensors in the model's order: each tensor of ``state_dict()`` once
-    (grouped by identity: a tied parameter is one object under several names), the layout's
-    parameters by unit and slot, then what the module holds whole."""
-    flat = engine.flat
-    names, held = checkpoint_names(engine.module, flat)
-    trained_outside = [name for name, t in held if isinstance(t, nn.Parameter) and t.requires_grad]
-    if trained_outside:
-        raise RuntimeError(f"save_pretrained: trained parameter {trained_outside[0]!r} is not in the engine's layout")
-    items: list[_Item] = []
-    for u in flat.all_units:
-        for slot in u.unit.slots:
-            name = names.get(slot.name)
-            if name is not None:
-                items.append(_Item(name, slot.shape, dtype, len(items), u.unit.index, slot=slot))
-    for name, t in held:
-        if t.dtype not in _SAFETENSORS_DTYPE:
-            raise TypeError(f"save_pretrained: {name!r} is {t.dtype}, which this export does not write "
-                            f"(supported: {sorted(str(d) for d in _SAFETENSORS_DTYPE)})")
-        items.append(_Item(name, tuple(t.shape), dtype if t.is_floating_point() else t.dtype, len(items), None,
-                           value=t))
-    return converted_items(engine.module, items)
-
-
-def _plan(items: list[_Item], world: int, max_shard_bytes: int, single: str = SINGLE_FILE) -> _Plan:
-    """Assign each tensor to a rank, largest first, to the rank with the fewest bytes so far
-    (ties to the lower rank), then cut each rank's tensors, in the model's order, into files
-    of at most max_shard_bytes. Deterministic: every rank computes the same plan."""
-    load = [0] * world
-    owner: dict[int, int] = {}
-    for item in sorted(items, key=lambda i: (-i.nbytes, i.position)):
-        rank = min(range(world), key=lambda r: (load[r], r))
-        owner[item.position] = rank
-        load[rank] += item.nbytes
-    chunks: list[tuple[int, list[_Item]]] = []
-    for rank in range(world):
-        current: list[_Item] = []
-        size = 0
-        for item in (i for i in items if owner[i.position] == rank):
-            if current and size + item.nbytes > max_shard_bytes:
-                chunks.append((rank, current))
-                current, size = [], 0
-            current.append(item)
-            size += item.nbytes
-        if current:
-            chunks.append((rank, current))
-    n = len(chunks)
-    files = tuple(
-        _File(single if n == 1 else SHARD_NAME.format(k=k + 1, n=n), rank,
-              tuple(sorted(chunk, key=lambda i: (-i.dtype.itemsize, i.position))))
-        for k, (rank, chunk) in enumerate(chunks))
-    units = tuple(sorted({m.unit for i in items for m in (i.members or (i,)) if m.unit is not None}))
-    return _Plan(files, units)
-
-
-# -- writing: one safetensors file streamed tensor by tensor ----------------------------------------
-
-
-def _header(items: tuple[_Item, ...]) -> bytes:
-    """The safetensors header of a file holding items in this order: an 8-byte little-endian
-    length, then JSON padded with spaces to a multiple of 8 bytes (so the data, and each tensor
-    in descending element size, starts aligned)."""
-    entries: dict[str, dict] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for item in items:
-        entries[item.name] = {"dtype": _SAFETENSORS_DTYPE[item.dtype], "shape": list(item.shape),
-                              "data_offsets": [offset, offset + item.nbytes]}
-        offset += item.nbytes
-    text = json.dumps(entries, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 8)
-    return struct.pack("<Q", len(text)) + text
-
-
-class _StreamedFile:
-    """One safetensors file written as its tensors become available: the header at once, then
-    each tensor in offset order. Complete or absent (fileio.atomic_write's protocol: a
-    temporary file beside the target, fsynced, renamed over it; removed on failure), but kept
-    open across the units' gathers, which atomic_write's single callback cannot be."""
-
-    def __init__(self, directory: str, spec: _File):
-        self.spec = spec
-        self.path = os.path.join(directory, spec.name)
-        fd, self.tmp = temporary_beside(directory, f".{spec.name}.", _TEMP_SUFFIX)
-        self.f: BinaryIO = os.fdopen(fd, "wb")
-        self.next = 0
-        """The index in spec.items of the next tensor to write."""
-        try:
-            self.f.write(_header(spec.items))
-        except BaseException:
-            self.abort()
-            raise
-
-    @property
-    def pending(self) -> _Item | None:
-        return self.spec.items[self.next] if self.next < len(self.spec.items) else None
-
-    def write(self, item: _Item, value: torch.Tensor) -> int:
-        """Append item's value (in item.dtype, on the CPU); returns the bytes written."""
-        if item is not self.pending:
-            raise RuntimeError(f"save_pretrained: internal error: {item.name} written out of order in {self.spec.name}")
-        if tuple(value.shape) != item.shape or value.dtype != item.dtype:
-            raise RuntimeError(f"save_pretrained: internal error: {item.name} is {tuple(value.shape)} {value.dtype}, "
-                               f"planned {item.shape} {item.dtype}")
-        data = value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        self.f.write(memoryview(data.numpy()))
-        self.next += 1
-        return item.nbytes
-
-    def commit(self) -> None:
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        os.replace(self.tmp, self.path)
-
-    def abort(self) -> None:
-        self.f.close()
-        if os.path.exists(self.tmp):
-            os.unlink(self.tmp)
+# -- writing: this rank's files, streamed as the units are gathered --------------------------------
 
 
 class _RankWriter:
@@ -448,50 +201,6 @@ def _agree(engine: "Engine", failed: list[BaseException], what: str, plan: _Plan
                            "shapes or layouts differ); nothing was written")
 
 
-def _write_config(module: nn.Module, directory: str, dtype: torch.dtype) -> None:
-    """config.json (and generation_config.json for a model that generates) as Hugging Face's
-    save_pretrained writes them: the dtype and architecture recorded on a copy, so the user's
-    config is left as it was."""
-    config = getattr(module, "config", None)
-    if config is None or not callable(getattr(config, "save_pretrained", None)):
-        return
-    config = copy.deepcopy(config)
-    config.dtype = str(dtype).removeprefix("torch.")
-    config.architectures = [type(module).__name__]
-    config.save_pretrained(directory)
-    generation = getattr(module, "generation_config", None)
-    can_generate = getattr(module, "can_generate", None)
-    if generation is not None and callable(can_generate) and can_generate():
-        generation.save_pretrained(directory)
-
-
-def _remove_stale(directory: str, plan: _Plan) -> None:
-    """Rank 0, before anyone writes: the index of an earlier export (so the directory reads as
-    incomplete until the new one is written), its files that this export does not replace,
-    and temporary files an interrupted export left."""
-    planned = {f.name for f in plan.files}
-    for name in os.listdir(directory):
-        shard = name == SINGLE_FILE or _SHARD_PATTERN.fullmatch(name) is not None
-        temporary = name.startswith(".model") and name.endswith(_TEMP_SUFFIX)
-        stale = name == INDEX_FILE or (shard and name not in planned) or temporary
-        if stale and os.path.isfile(os.path.join(directory, name)):
-            os.unlink(os.path.join(directory, name))
-
-
-def _fsync_directory(directory: str) -> None:
-    """Make the renames durable (where the platform can open a directory)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save_pretrained(engine: "Engine", directory: str | os.PathLike, dtype: torch.dtype | str | None = None,
                     max_shard_bytes: int | None = None, peft: PeftExport | None = None) -> ExportReport:
     """Collective (every rank of the engine calls it): write the engine's current model as a
@@ -587,127 +296,4 @@ def save_pretrained(engine: "Engine", directory: str | os.PathLike, dtype: torch
     return report
 
 
-# -- reusable pieces (the offline export, tiertrain/state/consolidate.py) --------------------------------
-
-TensorItem = _Item
-"""One tensor of a checkpoint to write: name, shape, dtype as written, position in the model's
-order; for an offline writer, unit=None and value=None (the value is handed to write())."""
-StreamedFile = _StreamedFile
-"""A safetensors file written tensor by tensor, complete (renamed into place) or absent."""
-
-
-def checkpoint_names(module: nn.Module, flat) -> tuple[dict[str, str], list[tuple[str, torch.Tensor]]]:
-    """What a Hugging Face checkpoint of module holds, as save_pretrained (above) writes it:
-    ({layout parameter name: the name it is written under} for every parameter of the engine's
-    layout that state_dict() holds (a tied parameter once, under the name Hugging Face keeps),
-    [(name, tensor)] for what the module holds whole (persistent buffers, frozen parameters
-    outside the layout), in state_dict order)."""
-    groups: dict[int, tuple[list[str], torch.Tensor]] = {}
-    for name, t in module.state_dict(keep_vars=True).items():
-        if isinstance(t, torch.Tensor):
-            groups.setdefault(id(t), ([], t))[0].append(name)
-    tied, ignored = _tied_copy_patterns(module), _ignored_on_save(module)
-    slot_names = {(u.unit.index, k): slot.name for u in flat.all_units for k, slot in enumerate(u.unit.slots)}
-    in_units: dict[str, str] = {}
-    held: list[tuple[str, torch.Tensor]] = []
-    for names, t in groups.values():
-        names = [n for n in names if n not in ignored]
-        if not names:
-            continue
-        name = _kept_name(names, tied)
-        place = flat.unit_of.get(t) if isinstance(t, nn.Parameter) else None
-        if place is not None:
-            in_units[slot_names[place]] = name
-        else:
-            held.append((name, t))
-    return in_units, held
-
-
-def write_safetensors(f: BinaryIO, tensors: list[tuple[str, torch.Tensor]]) -> None:
-    """A whole safetensors file of these tensors (in their own dtypes) into the binary file f."""
-    items = sorted((_Item(name, tuple(t.shape), t.dtype, k, None, value=t) for k, (name, t) in enumerate(tensors)),
-                   key=lambda i: (-i.dtype.itemsize, i.position))
-    f.write(_header(tuple(items)))
-    for item in items:
-        data = item.value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        f.write(memoryview(data.numpy()))
-
-
-def writable_dtype(dtype: torch.dtype) -> bool:
-    """Whether a safetensors file written here can hold this dtype."""
-    return dtype in _SAFETENSORS_DTYPE
-
-
-def plan_files(items: list[_Item], max_shard_bytes: int) -> _Plan:
-    """The files one writer writes items into (the same naming and order as save_pretrained)."""
-    return _plan(items, 1, max_shard_bytes)
-
-
-def write_index(directory: str, plan: _Plan) -> None:
-    """model.safetensors.index.json of a plan of several files (none for a single file)."""
-    if len(plan.files) > 1:
-        index = {"metadata": {"total_size": plan.total_size}, "weight_map": dict(sorted(plan.weight_map.items()))}
-        text = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
-        atomic_write(os.path.join(directory, INDEX_FILE), lambda f: f.write(text))
-    _fsync_directory(directory)
-
-
-def remove_stale(directory: str, plan: _Plan) -> None:
-    """An earlier export's index, its files this plan does not replace, and leftover temporaries."""
-    _remove_stale(directory, plan)
-
-
-WITH_MODEL = "with_model--"
-"""The prefix, in a checkpoint, of the files kept with the model (Engine.files_with_model)."""
-
-
-def write_files_with_model(directory: str, files: dict[str, bytes]) -> list[str]:
-    """The files kept with the model (its tokenizer), each written whole, beside the weights."""
-    for name, data in files.items():
-        atomic_write(os.path.join(directory, name), lambda f, data=data: f.write(data))
-    return sorted(files)
-
-
-def hf_config_json(module: nn.Module) -> dict | None:
-    """{"config": ..., "generation_config": ...} of a Hugging Face model, as plain JSON (the
-    config's architectures set to the model's class), so that it can be written as config.json
-    without the model's code; None for a model without a Hugging Face config."""
-    config = getattr(module, "config", None)
-    if config is None or not callable(getattr(config, "to_dict", None)) or peft_model(module):
-        return None  # (a PeftModel's names load into no class: it is exported live, peft_export.py)
-    to_json = getattr(config, "to_json_string", None)
-    try:
-        data = json.loads(to_json(use_diff=False)) if callable(to_json) else json.loads(json.dumps(config.to_dict(),
-                                                                                                    default=str))
-    except (TypeError, ValueError):  # (a config that does not serialize: the checkpoint is saved without it)
-        return None
-    data["architectures"] = [type(module).__name__]
-    out = {"config": data, "generation_config": None}
-    generation = getattr(module, "generation_config", None)
-    can_generate = getattr(module, "can_generate", None)
-    if generation is not None and callable(can_generate) and can_generate():
-        gen_json = getattr(generation, "to_json_string", None)
-        if callable(gen_json):
-            out["generation_config"] = json.loads(gen_json(use_diff=True))
-    return out
-
-
-def write_hf_config(directory: str, saved: dict, dtype: torch.dtype) -> list[str]:
-    """config.json (and generation_config.json) from hf_config_json's output, with the dtype
-    written; returns the files written."""
-    config = dict(saved["config"])
-    config["dtype"] = str(dtype).removeprefix("torch.")
-    config.pop("torch_dtype", None)
-    written = []
-    for name, data in (("config.json", config), ("generation_config.json", saved.get("generation_config"))):
-        if data is None:
-            continue
-        text = (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
-        atomic_write(os.path.join(directory, name), lambda f, text=text: f.write(text))
-        written.append(name)
-    return written
-
-
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportReport", "StreamedFile", "TensorItem", "checkpoint_names",
-           "hf_config_json", "plan_files", "remove_stale", "resolve_dtype", "save_pretrained", "write_hf_config",
-           "write_index", "write_safetensors", "writable_dtype"]
+__all__ = ["ExportReport", "save_pretrained"]
