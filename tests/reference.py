@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import tiertrain
 from tiertrain.config import Config, from_dict
-from tiertrain.engine import default_loss
+from tiertrain.engine_contract import default_loss
 from tiertrain.models.gpt import GPT, GPTConfig
 from tiertrain.optim import build_adamw, build_schedule, param_groups
 

@@ -109,7 +109,7 @@ def test_an_abandoned_launch_directory_is_removed_with_what_its_ranks_registered
     """Ranks killed before they could unwind leave their swap files and a half-written step;
     their launch directory lists both. A launch directory whose launcher lives is left alone."""
     from tiertrain.state.checkpoint import CLEANUP_PREFIX
-    from tiertrain.io.swap import CLEANUP_ENV  # noqa: F401 (the registrations' home)
+    from tiertrain.io.swap_dir import CLEANUP_ENV  # noqa: F401 (the registrations' home)
 
     tmp = tmp_path / "tmp"
     abandoned, live = tmp / f"{LAUNCH_PREFIX}{_dead_pid()}-abcd", tmp / f"{LAUNCH_PREFIX}{os.getppid()}-efgh"

@@ -30,7 +30,7 @@ from reference import (
 
 import tiertrain
 from tiertrain.config import ConfigError, from_dict
-from tiertrain.engine import default_loss
+from tiertrain.engine_contract import default_loss
 from tiertrain.optim import build_adamw, build_schedule, param_groups
 from tiertrain.testing import run_distributed
 

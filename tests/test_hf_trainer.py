@@ -25,7 +25,8 @@ pytest.importorskip("accelerate")
 
 from reference import Oracle, engine_train, make_config, reference_train  # noqa: E402
 from tiertrain.config import Config, ConfigError, from_dict  # noqa: E402
-from tiertrain.integrations.hf_trainer import TiertrainTrainer, config_from_training_arguments  # noqa: E402
+from tiertrain.integrations.hf_arguments import config_from_training_arguments  # noqa: E402
+from tiertrain.integrations.hf_trainer import TiertrainTrainer  # noqa: E402
 from tiertrain.testing import run_distributed  # noqa: E402
 
 WORLD, SEQ, VOCAB = 2, 16, 128
@@ -358,7 +359,7 @@ def test_a_deepspeed_config_sets_zero_and_the_schedule_its_auto_values_the_train
     the CPU, "auto" values from the arguments, and its WarmupLR (a log warmup, then flat)."""
     import json
 
-    from tiertrain.integrations.hf_trainer import deepspeed_schedule
+    from tiertrain.integrations.hf_arguments import deepspeed_schedule
     from tiertrain.optim import lr_factor
 
     path = os.path.join(DS_CONFIGS, "transformers_zero2.json")

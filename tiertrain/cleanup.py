@@ -44,7 +44,7 @@ def remove_launch_dir(launch_dir: str) -> list[str]:
     thread has not closed its files yet) keeps its registration and the launch directory, so
     the next launch or ``tiertrain clean`` removes it."""
     from .state.checkpoint import remove_left_behind as remove_crashed_checkpoint_files
-    from .io.swap import remove_left_behind as remove_swap_dirs
+    from .io.swap_dir import remove_left_behind as remove_swap_dirs
 
     lines = [f"swap directory {d}" for d in remove_swap_dirs(launch_dir)]
     removed = remove_crashed_checkpoint_files(launch_dir)
@@ -87,7 +87,7 @@ def clean_directory(path: str) -> list[str]:
     returns a line for each thing removed. A checkpoint directory a live job holds is refused
     (CheckpointError naming the job)."""
     from .state.checkpoint import claim_directory, is_checkpoint_directory, release_directory, remove_crashed_saves
-    from .io.swap import locked_by_another
+    from .io.swap_dir import locked_by_another
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path!r} is not a directory")

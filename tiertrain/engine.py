@@ -11,12 +11,13 @@ ZeRO-Offload's delayed update; chosen once by update/factory.py), the learning-r
 the StateIO it is given: tiertrain/state/engine_io.py, which imports the engine, never the
 reverse). Stage 0 is plain data parallelism, against which the ZeRO stages are checked.
 The parts are built by tiertrain/engine_build.py; memory_report() and gathered_parameters()
-are tiertrain/memory_report.py's and tiertrain/gathered.py's.
+are tiertrain/memory_report.py's and tiertrain/gathered.py's; the loss function and the StateIO
+it is given are typed in tiertrain/engine_contract.py.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -24,6 +25,7 @@ import torch.nn as nn
 from .comm import Collectives, CommCounter
 from .config import Config, ConfigError
 from .engine_build import build_parts, stage3_unit_modules
+from .engine_contract import LossFn, StateIO, Stateful, default_loss
 from .gathered import gathered_parameters_of
 from .host_memory import retain_freed_host_memory
 from .memory_report import MemoryReport, memory_report_of
@@ -39,60 +41,6 @@ from .zero.flat import FrozenShards
 from .zero.param_gather import WaitForParameters
 from .zero.plan import GradientPlan, default_plan
 from .zero.reducer import unused_parameters
-
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
-
-
-class Stateful(Protocol):
-    """A checkpoint part: anything with state_dict() and load_state_dict()."""
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
-
-
-class StateIO(Protocol):
-    """What the engine's checkpoint and export methods call: reading and writing its state
-    lives above the engine (tiertrain/state/engine_io.py, which tiertrain.wrap() passes in),
-    so the engine imports none of it. Each function takes the engine and reads its parts."""
-
-    def fingerprint(self, engine: "Engine") -> dict: ...
-
-    def shard_description(self, engine: "Engine") -> dict: ...
-
-    def rank_state(self, parts: Mapping[str, Stateful]) -> dict: ...
-
-    def restore_rank_state(self, parts: Mapping[str, Stateful], state: dict) -> None: ...
-
-    def save_checkpoint(self, engine: "Engine", directory: str, extra: dict | None, keep_last: int, run_id: str,
-                        background: bool, background_group: Any) -> Any:
-        """The step directory (str), or a pending background save (wait_serialized(), wait())."""
-
-    def load_checkpoint(self, engine: "Engine", directory: str, step: int | None, reshard: bool) -> dict: ...
-
-    def save_pretrained(self, engine: "Engine", directory: str, dtype: Any = None, max_shard_bytes: int | None = None,
-                        peft: Any = None) -> Any: ...
-
-
-def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """Call the model on the batch (dict → keywords, tuple → positional) and find the loss."""
-    if isinstance(batch, dict):
-        out = model(**batch)
-    elif isinstance(batch, (tuple, list)):
-        out = model(*batch)
-    else:
-        out = model(batch)
-    if isinstance(out, torch.Tensor):
-        loss = out
-    elif isinstance(out, dict) and "loss" in out:
-        loss = out["loss"]
-    elif getattr(out, "loss", None) is not None:
-        loss = out.loss
-    else:
-        raise TypeError(f"the model returned {type(out).__name__} with no loss; pass loss_fn=... to wrap()")
-    if loss.dim() != 0:
-        raise TypeError(f"the loss must be a scalar, got shape {tuple(loss.shape)}; pass loss_fn=... to wrap()")
-    return loss
 
 
 class Engine:

@@ -29,7 +29,7 @@ waited; a rank whose function returned records it (tiertrain.comm.finish_collect
 that a peer still issuing collectives (it had more batches) fails at once naming it. Clean
 exit: SIGTERM raises :class:`Terminated` (a KeyboardInterrupt) in the launcher and in the
 ranks, so that they unwind; the ranks' swap directories are registered with the launcher
-(tiertrain.io.swap.CLEANUP_ENV) and removed once every rank is gone, however it ended
+(tiertrain.io.swap_dir.CLEANUP_ENV) and removed once every rank is gone, however it ended
 (a multiprocessing worker never runs atexit handlers, and a killed one runs nothing).
 
 torch's own elastic launcher (``torch.distributed.launcher.api.elastic_launch``) was tried
@@ -264,13 +264,13 @@ def _die_with_parent() -> None:
 
 
 def _remove_own_swap(cleanup_dir: str | None) -> None:
-    """Remove the swap directories this process registered (tiertrain.io.swap): a
+    """Remove the swap directories this process registered (tiertrain.io.swap_dir): a
     worker leaves through os._exit, which runs no exit handler, so the swapper's own
     at-exit removal never happens here. The launcher removes them too once the worker is
     gone (for a worker killed before it gets here)."""
     if cleanup_dir:
         try:
-            from .io.swap import remove_left_behind
+            from .io.swap_dir import remove_left_behind
 
             remove_left_behind(cleanup_dir, owner_pid=os.getpid())
         except BaseException:  # noqa: BLE001 - exiting anyway; the launcher removes what is left
@@ -337,7 +337,7 @@ def _worker(fn, rank: int, world_size: int, host: str, port_conn, timeout: float
                           LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
                           MASTER_ADDR=host, MASTER_PORT=str(port), **{TIMEOUT_ENV: repr(float(timeout))})
         if cleanup_dir:
-            from .io.swap import CLEANUP_ENV
+            from .io.swap_dir import CLEANUP_ENV
 
             os.environ[CLEANUP_ENV] = cleanup_dir
         torch.set_num_threads(_threads_per_rank(world_size))
@@ -474,7 +474,7 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args, timeout: float = DEF
         ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "tiertrain"])
     host = "127.0.0.1"
     # Where the ranks' swappers register the directories they create
-    # (tiertrain.io.swap.CLEANUP_ENV): removed below once every rank is gone, however
+    # (tiertrain.io.swap_dir.CLEANUP_ENV): removed below once every rank is gone, however
     # each ended (returned, raised, or was killed before it could clean up itself).
     from .cleanup import new_launch_dir, remove_abandoned_launches
 

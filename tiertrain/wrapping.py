@@ -9,7 +9,8 @@ import torch.nn as nn
 
 from .compiling import unwrap_compiled
 from .config import Config, ConfigError
-from .engine import Engine, LossFn
+from .engine import Engine
+from .engine_contract import LossFn
 from .offload.activations import apply_activation_checkpointing, checkpointing_of
 from .optim import OptimizerArg, SchedulerFactory
 from .pipeline.engine import PipelineEngine, pipeline_stages

@@ -13,7 +13,9 @@ tiertrain.waits). tests/test_structure.py holds it to that.
 from .aio import (AsyncIO, Checksum, Handle, SwapCorruptionError, SwapDirError, SwapError,
                   SwapSpaceError)
 from .buffers import AlignedBufferPool, Buffer, PoolExhaustedError
-from .swap import SwapHandle, TensorSwapper, check_swap_dir
+from .swap import TensorSwapper
+from .swap_dir import check_swap_dir
+from .swap_handle import SwapHandle
 
 __all__ = ["AlignedBufferPool", "AsyncIO", "Buffer", "Checksum", "Handle", "PoolExhaustedError",
            "SwapCorruptionError", "SwapDirError", "SwapError", "SwapHandle", "SwapSpaceError",

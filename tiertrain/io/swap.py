@@ -23,19 +23,15 @@ same key waits for (or chains after) that write, a ``swap_out`` over a key waits
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno as _errno
-import fcntl
 import os
 import re
-import shutil
-import stat
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -43,101 +39,16 @@ from .aio import (AsyncIO, Checksum, Handle, SwapCorruptionError, SwapDirError, 
                   errno_name)
 from .buffers import AlignedBufferPool, Buffer, round_up
 from .fileio import LockHeld, lock_file
+from .swap_dir import _cleanup, _register_for_launcher, check_swap_dir
+from .swap_handle import SwapHandle
 from ..waits import WaitClock, run_timeout
 
-__all__ = ["SwapHandle", "TensorSwapper", "remove_left_behind"]
+__all__ = ["TensorSwapper"]
 
 DEFAULT_WAIT_TIMEOUT = None
 """Waits default to the run's one timeout (tiertrain.waits.run_timeout(): ``--timeout``, as the
 launcher hands it to every rank), read when the swapper is built: a constant here used to cut
 IO waits at 300 s whatever the run's timeout was."""
-
-
-class SwapHandle:
-    """Completion of a swap_out / swap_in (one or more file requests plus the copies that
-    follow them). ``wait(timeout)`` returns the destination tensor for swap_in, None for
-    swap_out, and re-raises the first error."""
-
-    def __init__(self, op: str, key: Any, path: str, result=None, clock: Optional[WaitClock] = None):
-        self.op = op
-        self._clock = clock
-        self.key = key
-        self.path = path
-        self._result = result
-        self._lock = threading.Lock()
-        self._count = 1                  # sealed with _seal() once every part is attached
-        self._finished = False
-        self._error: Optional[BaseException] = None
-        self._event = threading.Event()
-        self._callbacks: List[Callable[["SwapHandle"], None]] = []
-
-    def _attach(self, h: Handle, finish: Callable[[Handle], None]) -> None:
-        with self._lock:
-            self._count += 1
-
-        def done(h: Handle) -> None:
-            err = h._error
-            if err is not None:
-                h.claim_error()              # reported through this SwapHandle
-            try:
-                finish(h)
-            except BaseException as e:  # noqa: BLE001
-                err = err or e
-            self._part_done(err)
-
-        h.add_done_callback(done)
-
-    def _seal(self, error: Optional[BaseException] = None) -> None:
-        self._part_done(error)
-
-    def _part_done(self, err: Optional[BaseException]) -> None:
-        with self._lock:
-            if err is not None and self._error is None:
-                self._error = err
-            self._count -= 1
-            if self._count:
-                return
-            self._finished = True
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:               # before waiters wake: e.g. a prefetch chained on this
-            try:                           # write has started once wait()/flush() return
-                fn(self)
-            except BaseException:  # noqa: BLE001
-                pass
-        self._event.set()
-
-    def add_done_callback(self, fn: Callable[["SwapHandle"], None]) -> None:
-        """Run ``fn(handle)`` on completion, in the completing thread before ``wait`` returns
-        (``fn`` must not wait on this handle), or now if it is already complete."""
-        with self._lock:
-            if not self._finished:
-                self._callbacks.append(fn)
-                return
-        fn(self)
-
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
-        self._wait_event(timeout)
-        return self._error
-
-    def _wait_event(self, timeout: Optional[float]) -> None:
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"{self.op} of key {self.key!r} ({self.path}) not finished after "
-                               f"{timeout} s")
-
-    def wait(self, timeout: Optional[float] = None):
-        """None: the run's timeout (tiertrain.waits.run_timeout())."""
-        with self._clock.timing() if self._clock is not None else contextlib.nullcontext():
-            self._wait_event(run_timeout() if timeout is None else timeout)
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def __repr__(self) -> str:
-        state = "pending" if not self.done() else ("failed" if self._error else "done")
-        return f"SwapHandle({self.op} {self.key!r} -> {self.path}, {state})"
 
 
 @dataclass
@@ -188,133 +99,6 @@ def _default_rank() -> int:
     except Exception:  # noqa: BLE001
         pass
     return int(os.environ.get("RANK", "0"))
-
-
-def _cleanup(rank_dir: str, lock_fd_box: list, remove_parent: Optional[str],
-             registration: Optional[str] = None) -> None:
-    shutil.rmtree(rank_dir, ignore_errors=True)
-    if registration:
-        try:
-            os.unlink(registration)
-        except OSError:
-            pass
-    if lock_fd_box and lock_fd_box[0] is not None:
-        try:
-            os.close(lock_fd_box[0])
-        except OSError:
-            pass
-        lock_fd_box[0] = None
-    if remove_parent:
-        try:
-            os.rmdir(remove_parent)
-        except OSError:
-            pass
-
-
-CLEANUP_ENV = "TIERTRAIN_CLEANUP_DIR"
-"""Set by tiertrain.launch.launch_local in every worker: a directory where each swapper
-registers the directories it created, so that the launcher can remove them after the
-worker is gone however it ended. A worker started by multiprocessing never runs atexit
-handlers (it leaves through os._exit), and one killed by a signal runs nothing at all."""
-
-
-def _register_for_launcher(rank_dir: str, parent: Optional[str]) -> Optional[str]:
-    """Record rank_dir (and parent, when this swapper created it) in $TIERTRAIN_CLEANUP_DIR;
-    returns the registration file (removed again on a normal close), or None."""
-    where = os.environ.get(CLEANUP_ENV)
-    if not where or not os.path.isdir(where):
-        return None
-    path = os.path.join(where, f"swap-{os.getpid()}-{abs(hash(rank_dir))}")
-    try:
-        with open(path, "w") as f:
-            f.write(rank_dir + "\n" + (parent or "") + "\n")
-    except OSError:
-        return None
-    return path
-
-
-def remove_left_behind(cleanup_dir: str, owner_pid: Optional[int] = None) -> list:
-    """Remove the swap directories registered in cleanup_dir by swappers whose process is
-    gone (their flock is free), or by ``owner_pid`` (this process, about to exit); returns
-    the directories removed. A directory another live process still locks is left alone."""
-    removed, parents = [], []
-    try:
-        names = sorted(os.listdir(cleanup_dir))
-    except OSError:
-        return removed
-    for name in names:
-        if not name.startswith("swap-"):
-            continue
-        if owner_pid is not None and not name.startswith(f"swap-{owner_pid}-"):
-            continue
-        reg = os.path.join(cleanup_dir, name)
-        try:
-            with open(reg) as f:
-                rank_dir, parent = (f.read().split("\n") + ["", ""])[:2]
-        except OSError:
-            continue
-        if rank_dir and os.path.isdir(rank_dir):
-            if owner_pid is None and locked_by_another(os.path.join(rank_dir, ".lock")):
-                continue
-            shutil.rmtree(rank_dir, ignore_errors=True)
-            removed.append(rank_dir)
-        if parent:
-            parents.append(parent)
-        try:
-            os.unlink(reg)
-        except OSError:
-            pass
-    for parent in parents:  # after every rank's directory: the rank that made it may come first
-        try:
-            os.rmdir(parent)  # only when empty: a live rank's directory may still be in it
-        except OSError:
-            pass
-    return removed
-
-
-def locked_by_another(lock_path: str) -> bool:
-    """Whether a live process holds the swap directory's flock."""
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except OSError:
-        return True
-    finally:
-        os.close(fd)  # releases the probe's lock too
-
-
-def check_swap_dir(swap_dir: str, create: bool = False) -> str:
-    """Raise SwapDirError (naming the path) unless ``swap_dir`` is an existing directory
-    (created first with ``create``). Returns the absolute path."""
-    swap_dir = os.path.abspath(os.fspath(swap_dir))
-    try:
-        st = os.stat(swap_dir)
-    except FileNotFoundError:
-        if not create:
-            raise SwapDirError(f"swap directory {swap_dir} does not exist (create it, or point "
-                               f"the swap path at a mounted NVMe directory)", swap_dir,
-                               _errno.ENOENT) from None
-        try:
-            os.makedirs(swap_dir, exist_ok=True)
-        except OSError as e:
-            raise SwapDirError(f"cannot create swap directory {swap_dir}: {e.strerror} "
-                               f"({errno_name(e.errno)})", swap_dir, e.errno) from e
-        st = os.stat(swap_dir)
-    except NotADirectoryError:
-        raise SwapDirError(f"swap directory {swap_dir} is not usable: a component of the path "
-                           f"is a regular file, not a directory (ENOTDIR)", swap_dir,
-                           _errno.ENOTDIR) from None
-    except OSError as e:
-        raise SwapDirError(f"swap directory {swap_dir} is not usable: {e.strerror} "
-                           f"({errno_name(e.errno)})", swap_dir, e.errno) from e
-    if not stat.S_ISDIR(st.st_mode):
-        raise SwapDirError(f"swap directory {swap_dir} is not a directory", swap_dir,
-                           _errno.ENOTDIR)
-    return swap_dir
 
 
 class TensorSwapper:

@@ -42,7 +42,8 @@ import torch
 import torch.nn as nn
 
 from ..config import Config, ConfigError
-from ..engine import Engine, StateIO
+from ..engine import Engine
+from ..engine_contract import StateIO
 from ..models.gpt import GPT
 from ..topology import Topology
 from ..update.factory import UpdateFactory, build_update

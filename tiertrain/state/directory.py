@@ -168,7 +168,7 @@ def register_for_cleanup(directory: str) -> None:
     """Tell the local launcher (when there is one) that this process writes checkpoints into
     directory, so that what a rank killed mid-save leaves there is removed once every rank is
     gone (remove_left_behind): the rank itself cannot."""
-    from ..io.swap import CLEANUP_ENV
+    from ..io.swap_dir import CLEANUP_ENV
 
     where = os.environ.get(CLEANUP_ENV)
     if not where or not os.path.isdir(where):

@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ...io.buffers import Buffer, tensor_range_buffer
-from ...io.swap import SwapHandle
+from ...io.swap_handle import SwapHandle
 from .chunk_update import MASTER_BYTES, MOMENT_BYTES, Chunk
 
 __all__ = ["ChunkRecords"]

@@ -1,0 +1,179 @@
+"""TrainingArguments → tiertrain Config for :class:`~tiertrain.integrations.hf_trainer.TiertrainTrainer`:
+the settings the engine refuses (``check_training_arguments``), the fields TrainingArguments
+decide (``config_from_training_arguments``) and a DeepSpeed config's values and schedule beside
+them (``deepspeed_schedule``). Reads the arguments' fields only: no transformers import here.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from ..config import Config, ConfigError
+
+__all__ = ["SUPPORTED_OPTIMS", "check_training_arguments", "config_from_training_arguments",
+           "deepspeed_schedule"]
+
+SUPPORTED_OPTIMS = {"adamw_torch": "auto", "adamw_torch_fused": "fused"}
+"""TrainingArguments.optim values the engine builds (torch AdamW), with the kernel each maps to."""
+
+_NEEDS_METRICS = ("reduce_lr_on_plateau", "greedy")
+
+
+def _value(x: Any) -> Any:
+    return getattr(x, "value", x)  # ExplicitEnum / str enums → their string
+
+
+def _refuse(argument: str, value: Any, valid: str) -> None:
+    raise ConfigError(f"TrainingArguments({argument}={value!r}) is not supported by TiertrainTrainer: {valid}")
+
+
+def check_training_arguments(args) -> None:
+    """Raise ConfigError for a TrainingArguments setting the engine would not honour (it would
+    silently train differently); see the module docstring's Limits. Reads fields only (does
+    not set up devices)."""
+    if args.fsdp:
+        _refuse("fsdp", args.fsdp, "tiertrain's engine replaces FSDP; set fsdp=None (or '') and use "
+                "tiertrain_config.zero.stage=3 for fully sharded parameters")
+    if getattr(args, "parallelism_config", None) is not None:
+        _refuse("parallelism_config", args.parallelism_config, "set it to None; the engine's data parallelism "
+                "spans every rank (tiertrain_config.parallel)")
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        if getattr(args, name, False):
+            _refuse(name, True, f"set {name}=False and use tiertrain_config.activations.checkpoint_every=1 "
+                    f"(the engine's activation checkpointing, which gathers stage-3 parameters again)")
+    optim = _value(args.optim)
+    if optim not in SUPPORTED_OPTIMS:
+        _refuse("optim", optim, f"valid: {', '.join(repr(o) for o in SUPPORTED_OPTIMS)} (torch AdamW), or pass "
+                f"optimizer_cls_and_kwargs=(cls, kwargs) with a torch optimizer (torch.optim.Adafactor, ...)")
+    if args.optim_args:
+        _refuse("optim_args", args.optim_args, "set optim_args=None (torch AdamW takes its settings from "
+                "learning_rate, adam_beta1, adam_beta2, adam_epsilon and weight_decay)")
+    if _value(args.lr_scheduler_type) in _NEEDS_METRICS:
+        _refuse("lr_scheduler_type", _value(args.lr_scheduler_type), "the engine steps its scheduler at each update, "
+                "without metrics; valid: linear, cosine, cosine_with_restarts, polynomial, constant, "
+                "constant_with_warmup, inverse_sqrt, cosine_with_min_lr, cosine_warmup_with_min_lr, "
+                "warmup_stable_decay")
+    if args.auto_find_batch_size:
+        _refuse("auto_find_batch_size", True, "set it to False and choose per_device_train_batch_size yourself")
+    if args.use_liger_kernel:
+        _refuse("use_liger_kernel", True, "set it to False (Liger patches the model's modules in place)")
+    for name in ("bf16_full_eval", "fp16_full_eval"):
+        if getattr(args, name):
+            _refuse(name, True, "set it to False: evaluation runs in the engine's precision.dtype (bf16=True or "
+                    "fp16=True sets it for training and evaluation)")
+    if args.load_best_model_at_end or _value(args.save_strategy) == "best":
+        _refuse("load_best_model_at_end" if args.load_best_model_at_end else "save_strategy",
+                True if args.load_best_model_at_end else "best",
+                "not supported yet: set load_best_model_at_end=False and save_strategy='steps', and load the best "
+                "checkpoint-N yourself (AutoModel*.from_pretrained)")
+
+
+def _field(config: Any, path: str) -> Any:
+    for part in path.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def _set_field(config: Any, path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    for part in parents:
+        config = getattr(config, part)
+    setattr(config, last, value)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def config_from_training_arguments(args, base: Config | None = None, deepspeed=None) -> Config:
+    """The engine's Config: ``base`` (zero, activations, parallel, loss scaling; default
+    Config()) with the fields TrainingArguments decides set from it. A field both set to
+    different values raises ConfigError naming both (neither silently wins); so does a
+    base with a schedule or checkpoint section of its own (the Trainer's scheduler and
+    save_steps apply), or with parallel.tp/pp > 1. deepspeed: a DeepSpeed config (a dict or
+    a JSON file; default: args.deepspeed), translated as tiertrain/deepspeed_config.py does,
+    its "auto" values TrainingArguments', its explicit ones checked against them as
+    transformers checks them. Validated."""
+    check_training_arguments(args)
+    deepspeed = deepspeed if deepspeed is not None else (args.deepspeed or None)
+    config = copy.deepcopy(base) if base is not None else Config()
+    defaults = Config()
+    dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    derived = [
+        ("optimizer.lr", float(args.learning_rate), "learning_rate"),
+        ("optimizer.betas", (float(args.adam_beta1), float(args.adam_beta2)), "adam_beta1, adam_beta2"),
+        ("optimizer.eps", float(args.adam_epsilon), "adam_epsilon"),
+        ("optimizer.weight_decay", float(args.weight_decay), "weight_decay"),
+        ("optimizer.grad_clip", float(args.max_grad_norm), "max_grad_norm"),
+        ("optimizer.impl", SUPPORTED_OPTIMS[_value(args.optim)], "optim"),
+        ("batch.micro_batch_size", int(args.per_device_train_batch_size), "per_device_train_batch_size"),
+        ("batch.grad_accum_steps", int(args.gradient_accumulation_steps), "gradient_accumulation_steps"),
+        ("precision.dtype", dtype, "bf16, fp16"),
+    ]
+    for path, value, argument in derived:
+        given, default = _field(config, path), _field(defaults, path)
+        if not _same(given, default) and not _same(given, value):
+            raise ConfigError(f"tiertrain_config {path}={given!r} disagrees with TrainingArguments({argument}) "
+                              f"which sets it to {value!r}: with TiertrainTrainer the TrainingArguments decide it; "
+                              f"leave {path} at its default ({default!r}) or change {argument}")
+        _set_field(config, path, value)
+    if deepspeed is not None:
+        _apply_deepspeed(config, defaults, deepspeed, {path: (value, arg) for path, value, arg in derived}, dtype)
+    for section, instead in (("schedule", "lr_scheduler_type, warmup_steps and max_steps"),
+                             ("checkpoint", "output_dir, save_steps and save_total_limit")):
+        if getattr(config, section) != getattr(defaults, section):
+            raise ConfigError(f"tiertrain_config.{section}={getattr(config, section)!r} is not used by "
+                              f"TiertrainTrainer: TrainingArguments' {instead} apply; leave {section} at its defaults")
+    if config.parallel.tp != 1 or config.parallel.pp != 1:
+        raise ConfigError(f"tiertrain_config.parallel tp={config.parallel.tp}, pp={config.parallel.pp} is not "
+                          f"supported by TiertrainTrainer: the Trainer's data loaders give every rank its own "
+                          f"batch; valid: tp=1, pp=1 (ZeRO data parallelism over every rank)")
+    config.batch.global_batch_size = 0 if config.batch.global_batch_size == defaults.batch.global_batch_size \
+        else config.batch.global_batch_size
+    return config.validate()
+
+
+def _apply_deepspeed(config: Config, defaults: Config, deepspeed, decided: dict, dtype: str) -> None:
+    """The DeepSpeed config's values into config: those TrainingArguments decide must agree
+    with them (DeepSpeed's "auto" takes them; a key left out takes DeepSpeed's default, as the
+    DeepSpeed engine would: no gradient clipping); the schedule is deepspeed_schedule's; the
+    rest (zero, loss scaling, monitors) set, unless tiertrain_config set them otherwise."""
+    from ..deepspeed_config import from_deepspeed
+
+    for path, value, key in from_deepspeed(deepspeed, dtype=dtype).assignments:
+        if path.startswith("schedule.") or key.startswith("scheduler") or path == "optimizer.weight_decay_on":
+            continue  # (the schedule: deepspeed_schedule; the decay split: the Trainer's, as it hands it over)
+        if path in decided and not key.endswith("(absent)"):
+            want, argument = decided[path]
+            if not _same(value, want):
+                raise ConfigError(f"DeepSpeed {key}={value!r} disagrees with TrainingArguments({argument})={want!r}: "
+                                  f"set it to \"auto\" or to the same value (transformers refuses the same mismatch)")
+            continue
+        given, default = _field(config, path), _field(defaults, path)
+        if path not in decided and not _same(given, default) and not _same(given, value):
+            raise ConfigError(f"tiertrain_config {path}={given!r} disagrees with DeepSpeed {key}={value!r}: "
+                              f"set one of them")
+        _set_field(config, path, value)
+
+
+def deepspeed_schedule(deepspeed, args, max_steps: int):
+    """The learning-rate schedule of a DeepSpeed config's scheduler block (a ScheduleConfig),
+    its "auto" values resolved as transformers resolves them (warmup_num_steps: the
+    TrainingArguments' warmup; warmup_min_lr: 0; total_num_steps: the run's steps); None
+    without a scheduler block (the Trainer's lr_scheduler_type applies, as with DeepSpeed)."""
+    from ..config import ScheduleConfig
+    from ..deepspeed_config import from_deepspeed, read_deepspeed
+
+    if deepspeed is None or "scheduler" not in read_deepspeed(deepspeed):
+        return None
+    translation = from_deepspeed(deepspeed)
+    schedule = ScheduleConfig(warmup_steps=args.get_warmup_steps(max_steps), min_lr_ratio=0.0)
+    for path, value, key in translation.assignments:
+        if path.startswith("schedule."):
+            setattr(schedule, path.removeprefix("schedule."), value)
+    if translation.decay_over_run:
+        schedule.decay_steps = max(0, max_steps - schedule.warmup_steps)
+    schedule.validate()
+    return schedule
