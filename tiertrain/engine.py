@@ -484,7 +484,7 @@ class Engine:
         return {}
 
     def shard_description(self) -> dict:
-        """This rank's shard layout as a checkpoint records it (tiertrain/state/reshard.py describe)."""
+        """This rank's shard layout as a checkpoint records it (tiertrain/state/shard_layout.py describe)."""
         return self._state_io().shard_description(self)
 
     def load_checkpoint(self, directory: str, step: int | None = None, reshard: bool = True) -> dict:

@@ -3,7 +3,8 @@
 * asynchronous parallel file IO with ``O_DIRECT`` and per-chunk checksums (:mod:`.aio`);
 * an aligned, pinned-when-CUDA buffer pool reused for all of that traffic (:mod:`.buffers`);
 * a tensor swapper on top: one locked directory per rank, one file per key, removed when the
-  run ends however it ends (:mod:`.swap`);
+  run ends however it ends (:mod:`.swap`, its handles :mod:`.swap_handle`, the directories and
+  the launcher's cleanup registry :mod:`.swap_dir`);
 * durable file writes: complete or absent, with locks and checksums (:mod:`.fileio`).
 
 The tiers (tiertrain.offload), the ZeRO stages, checkpoints and exports use it; it imports

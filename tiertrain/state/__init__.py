@@ -1,9 +1,10 @@
 """Reading and writing model and optimizer state: checkpoints, resharding, export, pretrained loading.
 
 Sharded checkpoint files and their commit protocol (checkpoint.py, files.py, directory.py,
-plain.py), resharding a checkpoint to another layout (reshard.py), live and offline export to
-Hugging Face safetensors with its naming and conversions (export.py, export_groups.py,
-hf_conversion.py, peft_export.py, consolidate.py), loading pretrained weights into an engine's
+plain.py), resharding a checkpoint to another layout (reshard.py, with the shard layouts
+of shard_layout.py and the saved run's values of saved_run.py), live and offline export to
+Hugging Face safetensors with its naming and conversions (export.py, export_plan.py,
+export_files.py, export_groups.py, hf_conversion.py, peft_export.py, consolidate.py), loading pretrained weights into an engine's
 shards (pretrained.py), and the engine's checkpoint and export operations (engine_io.py, which
 tiertrain.wrap() hands the engine). The package sits above the engine: it works through the
 engine's parts (its stateful parts, flat layout, update form and collectives) and never

@@ -137,7 +137,7 @@ def save(parts: Mapping[str, Stateful], directory: str, step: int, topology, fin
          validate: Callable[[dict], str | None] | None = None) -> "str | PendingSave":
     """Save this rank's parts under directory/step_NNNNNNNN (collective: every rank calls it);
     fingerprint: this rank's layout_fingerprint, checked at load; extra: JSON-like values
-    returned by load; shards: this rank's shard layout (reshard.describe, JSON-like), kept in
+    returned by load; shards: this rank's shard layout (shard_layout.describe, JSON-like), kept in
     COMMITTED.json so a run at another dp size or stage can find each value; files: {name:
     bytes, or a callable writing to a binary file} written by rank 0 into the step directory
     (atomically, before the commit marker, which lists each with its sha256 under "files").

@@ -3,7 +3,7 @@
 ``Engine.save_checkpoint``, ``load_checkpoint``, ``save_pretrained``, ``state_dict`` and
 ``load_state_dict`` keep their place in the engine's API, but the engine imports nothing of
 tiertrain.state: ``tiertrain.wrap()`` hands it this module as its ``state_io`` (the
-``StateIO`` protocol of tiertrain/engine.py), and the methods call the functions here with the
+``StateIO`` protocol of tiertrain/engine_contract.py), and the methods call the functions here with the
 engine after doing what is the engine's own part of the contract (entering the collective,
 finishing what is in flight, keeping the background save). What they read of the engine is
 narrow: its stateful parts (``checkpoint_parts``), its layout, topology, stage, dtype and

@@ -180,7 +180,7 @@ def checkpoint_view(raw, module: nn.Module):
 
 def meta_model(saved: dict) -> nn.Module | None:
     """The run's Hugging Face model rebuilt on the meta device (no memory, no values) from the
-    config a checkpoint recorded (export.hf_config_json's {"config": ...}), for an offline export
+    config a checkpoint recorded (export_files.hf_config_json's {"config": ...}), for an offline export
     to convert as the model saves; None when transformers or the class is not available (its
     names are then written as they are)."""
     config = (saved or {}).get("config") or {}

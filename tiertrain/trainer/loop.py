@@ -577,6 +577,6 @@ class Trainer:
     def __exit__(self, exc_type, exc, traceback) -> None:
         # After an error the other ranks may be anywhere (waiting in a collective for this
         # one): a collective close would hang both. The launcher ends the job and removes
-        # the swap files (tiertrain.launch, io.swap's cleanup registry).
+        # the swap files (tiertrain.launch, io.swap_dir's cleanup registry).
         if exc_type is None:
             self.close()
