@@ -71,9 +71,6 @@ class WholeParameterUpdate(OptimizerUpdate):
         self.schedule = GroupSchedule(self.optimizer, client.lr_scheduler)
         self.states = None if swapper is None else StreamedStates(swapper, self.optimizer)
         """On the NVMe tier: where the optimizer state lives between uses; else None (in memory)."""
-        # (On the NVMe tier the flat buffers leave the gradient shards unwritten for the NVMe
-        # stream to zero once it took the masters; this form keeps the masters where they are.)
-        flat.zero_grads()
 
     # -- masters, wherever the flat buffers keep them --
 

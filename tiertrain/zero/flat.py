@@ -239,9 +239,11 @@ class FlatParameters:
                 if placement.optimizer_tier != Tier.NVME:
                     # (With the NVMe optimizer, drop_masters() zeroes it once the masters have
                     # left for NVMe: pages never written take no memory, so a rank never holds
-                    # both fp32 copies, twice its shard of the model, at once.)
+                    # both fp32 copies, twice its shard of the model, at once. Until then it is
+                    # stale, logically zero: whatever form steps, nothing adds into it unwritten.)
                     grad.zero_()
-        buffers = UnitBuffers(unit, full, shard, master, grad, grad_full, trainable=trainable)
+        unwritten = trainable and grad_full is None and placement.optimizer_tier == Tier.NVME
+        buffers = UnitBuffers(unit, full, shard, master, grad, grad_full, trainable=trainable, stale_grad=unwritten)
         for slot in unit.slots:
             params[slot.name].data = full[slot.offset:slot.end].view(slot.shape)
         self._all.append(buffers)  # units are built in index order
