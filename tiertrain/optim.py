@@ -280,9 +280,9 @@ def client_optimizer(model: nn.Module, config: Config, optimizer: OptimizerArg |
     if optimizer is None and lr_scheduler is None:
         lr_scheduler = partial(build_schedule, schedule=config.schedule)
     why_whole = None
+    part_builds, group_parts = (builds, parts) if parts is not None else ([build], [0] * len(groups))
     if optimizer is not None:  # (the default AdamW is elementwise)
-        part_builds = builds if parts is not None else [build]
-        groups, why_whole = _classify(part_builds, parts or [0] * len(groups), groups, _optimizer_name(optimizer))
+        groups, why_whole = _classify(part_builds, group_parts, groups, _optimizer_name(optimizer))
     stand_in = ClientOptimizer(build, groups, lr_scheduler, "").stand_in()
     if not isinstance(stand_in, torch.optim.Optimizer):
         raise TypeError(f"optimizer={optimizer!r} built a {type(stand_in).__name__}, not a torch.optim.Optimizer")
@@ -290,7 +290,7 @@ def client_optimizer(model: nn.Module, config: Config, optimizer: OptimizerArg |
     if config.zero.offload_optimizer == Tier.NVME and why_whole is None:
         streamed_update(stand_in)  # refused before the engine makes swap files
     elif config.zero.offload_optimizer == Tier.NVME:
-        _check_one_at_a_time(part_builds, parts or [0] * len(groups), groups, name)
+        _check_one_at_a_time(part_builds, group_parts, groups, name)
     return ClientOptimizer(build, groups, lr_scheduler, name, why_whole)
 
 

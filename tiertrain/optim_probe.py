@@ -58,6 +58,14 @@ def _pieces(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [flat[a:b].clone() for a, b in zip(bounds, bounds[1:])]
 
 
+def _compared(reference: torch.Tensor, other: torch.Tensor, start: list[torch.Tensor]) -> tuple[float, float, bool]:
+    """(largest difference of other from reference, largest change the steps made from start,
+    whether the difference is beyond TOLERANCE of that change plus a few roundings)."""
+    moved = float((reference - torch.cat([t.reshape(-1) for t in start])).abs().max())
+    difference = float((reference - other).abs().max())
+    return difference, moved, difference > TOLERANCE * moved + 1e-6 * float(reference.abs().max())
+
+
 @dataclass(frozen=True)
 class Probe:
     """What the probe found for one param group of an optimizer."""
@@ -93,10 +101,8 @@ def probe(build: Callable, options: dict, name: str) -> Probe:
     except Exception as e:
         return Probe(True, f"stepping it on flat pieces of parameters (as each rank steps its slice of the flat "
                            f"shards) raised {type(e).__name__}: {' '.join(str(e).split())[:200]}")
-    moved = float((whole - torch.cat([t.reshape(-1) for t in start])).abs().max())
-    difference = float((whole - cut).abs().max())
-    allowed = TOLERANCE * moved + 1e-6 * float(whole.abs().max())
-    if not torch.isfinite(whole).all() or difference > allowed:
+    difference, moved, beyond = _compared(whole, cut, start)
+    if not torch.isfinite(whole).all() or beyond:
         return Probe(True, f"stepped on {' and '.join(str(s) for s in shapes)} tensors whole and cut into flat "
                            f"pieces (as each rank steps its slice of the flat shards), {name} gives other values: "
                            f"largest difference {difference:.2e}, for changes up to {moved:.2e}; it does not "
@@ -130,9 +136,8 @@ def one_at_a_time_problem(build: Callable, options: dict, name: str) -> str | No
             p.grad = None
     whole = torch.cat([t.reshape(-1) for t in together])
     each = torch.cat([t.reshape(-1) for t in alone])
-    moved = float((whole - torch.cat([t.reshape(-1) for t in start])).abs().max())
-    difference = float((whole - each).abs().max())
-    if difference > TOLERANCE * moved + 1e-6 * float(whole.abs().max()):
+    difference, moved, beyond = _compared(whole, each, start)
+    if beyond:
         return (f"{name} stepped on two matrices one at a time gives other values than one step over both "
                 f"(largest difference {difference:.2e}, for changes up to {moved:.2e})")
     return None
