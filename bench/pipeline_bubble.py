@@ -261,7 +261,7 @@ def write_report(args, rows, load_before, load_after) -> None:
             "",
             f"- A real model cut by the automatic splitter: measured − formula ranges from {min(excess):+.4f} to "
             f"{max(excess):+.4f}. GPipe and 1F1B measure the same bubble, (p−1)/m, and interleaving halves the "
-            "schedule's share of it, as in Megatron-LM §2.2. Beyond the formula: the stages are balanced by block "
+            "schedule's share of it, as in Megatron §2.2. Beyond the formula: the stages are balanced by block "
             "count, so the first (embedding) and the last (final norm, head, cross-entropy over the vocabulary) "
             "take longer than the middle (\"worst rank\" is the rank that waits for them), and each transfer's "
             "gloo latency sits on the critical path, v× as many of them when interleaved.",

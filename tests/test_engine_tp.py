@@ -1,6 +1,6 @@
 """Tensor parallelism composed with the engine: a dp × tp run trains like one process.
 
-The model is converted with tiertrain.parallel.apply_tensor_parallel (Megatron §3) before
+The model is converted with tiertrain.parallel.apply_tensor_parallel (Megatron §2.3) before
 wrap(); ZeRO then shards each tp rank's slice over its dp peers. Losses and the gathered
 parameters must equal the single-process tp=1 reference (fp32, within the float64 oracle's
 bound as in test_engine: same AdamW eps=1e-3 and the reasons given there)."""

@@ -144,7 +144,7 @@ def test_module_structure_names():
 
 
 def test_attention_runs_on_a_head_shard():
-    # Megatron §3: a column shard of qkv (whole heads) and row shard of proj compute
+    # Megatron §2.3: a column shard of qkv (whole heads) and row shard of proj compute
     # a partial output; summing the shards' outputs gives the full attention output.
     model = build(dropout=0.0)
     attn = model.blocks[0].attn

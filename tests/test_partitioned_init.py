@@ -1,4 +1,4 @@
-"""partitioned_init builds exactly the model an ordinary construction builds (ZeRO-Infinity §6
+"""partitioned_init builds exactly the model an ordinary construction builds (ZeRO-Infinity §5.3
 "ease of use"), also for models that initialise their weights from the top after
 construction (Hugging Face's post_init), with about one module whole at a time, and says so
 clearly where it cannot be exact (from_pretrained, a Parameter made from a shard's data)."""

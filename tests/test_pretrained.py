@@ -1,6 +1,6 @@
 """tiertrain.load_pretrained: a Hugging Face safetensors checkpoint streamed into an engine at any
 ZeRO stage and tier, into a model built under partitioned_init, or into a plain module, each
-rank reading only what it keeps (ZeRO-Infinity §6, ease of use), bit for bit."""
+rank reading only what it keeps (ZeRO-Infinity §5.3, ease of use), bit for bit."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""ZeRO stages: memory and communication agree with ZeRO §1, stage 3 builds models too large
+"""ZeRO stages: memory and communication agree with ZeRO §5 (memory) and §7 (communication), stage 3 builds models too large
 for one rank, diverging ranks fail together instead of hanging, and any nn.Module works."""
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _one_step_accounting(rank, world, stages, dtype):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_model_state_bytes_follow_zero_table(world, dtype):
-    """ZeRO §1 with our dtypes: params in the compute dtype, fp32 gradients, K = 8 (Adam
+    """ZeRO §5 with our dtypes: params in the compute dtype, fp32 gradients, K = 8 (Adam
     moments) + 4 (fp32 master, only when compute is 16-bit)."""
     k = 8 + (4 if dtype != "fp32" else 0)
     results = run_distributed(_one_step_accounting, world, (0, 1, 2, 3), dtype, timeout=80)[0]
@@ -54,7 +54,7 @@ def test_model_state_bytes_follow_zero_table(world, dtype):
 
 @pytest.mark.timeout(90)
 def test_bytes_communicated_per_step():
-    """Stages 0-2 move 2Ψ per step, stage 3 moves 3Ψ (ZeRO §1), in fp32 elements."""
+    """Stages 0-2 move 2Ψ per step, stage 3 moves 3Ψ (ZeRO §7), in fp32 elements."""
     results = run_distributed(_one_step_accounting, 2, (0, 1, 2, 3), "fp32", timeout=80)[0]
     for (stage, factor), (_, comm, psi, padded) in zip(((0, 2), (1, 2), (2, 2), (3, 3)), results):
         moved = sum(comm.values())

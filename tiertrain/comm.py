@@ -1,7 +1,7 @@
 """Collectives used by the ZeRO engine, each taking its process group explicitly, with a
-byte counter so tests and benchmarks can check communication volume against ZeRO §1.
+byte counter so tests and benchmarks can check communication volume against ZeRO §7.
 
-Volume convention (ZeRO §1, "communication analysis"): an all-reduce of Ψ elements counts
+Volume convention (ZeRO §7, "communication analysis"): an all-reduce of Ψ elements counts
 as 2Ψ (a reduce-scatter plus an all-gather), a reduce-scatter counts its full input Ψ, an
 all-gather its full output Ψ. Plain data parallelism then moves 2Ψ per step, stages 1 and 2
 move 2Ψ (reduce-scatter of gradients + all-gather of parameters), stage 3 moves 3Ψ.

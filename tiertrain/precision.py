@@ -1,6 +1,6 @@
 """Mixed precision: compute dtypes and the dynamic loss scaler for fp16.
 
-Master weights and Adam state are always fp32 (ZeRO §1's K = 12 bytes per parameter);
+Master weights and Adam state are always fp32 (ZeRO §3.1's K = 12 bytes per parameter);
 gradients are accumulated and reduced in fp32 (as Megatron does for bf16), so only the
 forward/backward arithmetic runs in the compute dtype.
 """

@@ -42,7 +42,7 @@ configurations"); :func:`plan3d` applies them in this order:
    the last one (``Engine.backward``: ``reduce_now=boundary``; the pipeline engine per
    chunk), so stage 2 lowers no peak; stage 3 is refused by the pipeline engine (pp > 1)
    and moves 3Ψ (1.5× the traffic).
-8. *Offload only when no 3D layout fits the devices* (ZeRO-Infinity §3 policy, "offload
+8. *Offload only when no 3D layout fits the devices* (ZeRO-Infinity's placement policy, docs/concepts.md#placement-policy, "offload
    only when aggregate GPU memory is not enough"): then the ZeRO-Infinity placement ladder
    of :func:`tiertrain.estimate.plan.plan` (stages 0-3, CPU/NVMe tiers, checkpointing,
    tiling) runs for t = p = 1, d = N, where the engine supports every tier; when it does

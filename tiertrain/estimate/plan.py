@@ -311,7 +311,7 @@ def plan(dims: "ModelDims | HFModelDims", hardware: Hardware, *, micro_batch: in
                 chosen = max(options, key=lambda c: (c.efficiency or {}).get("combined", 0.0))
                 if len(options) > 1:
                     notes.append("both moving parameters and moving activation checkpoints fit; chose the one with "
-                                 "the higher predicted efficiency (ZeRO-Infinity §3 policy)")
+                                 "the higher predicted efficiency (ZeRO-Infinity's placement policy, docs/concepts.md#placement-policy)")
                 break
     # 4. both: checkpoints to CPU, parameters to the fastest tier with room
     if chosen is None and 3 in stages and ks and not hw.shared:

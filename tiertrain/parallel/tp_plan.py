@@ -109,7 +109,7 @@ GPT_PLAN: dict[str, str] = {
     "norm": "sequence",
     "head": "colwise",
 }
-"""Megatron §3 for :class:`tiertrain.models.gpt.GPT`: qkv/fc1 column-, proj/fc2 row-parallel,
+"""Megatron §2.3 for :class:`tiertrain.models.gpt.GPT`: qkv/fc1 column-, proj/fc2 row-parallel,
 embedding (and the tied head) split along the vocabulary, norms/positions replicated."""
 
 

@@ -1,7 +1,7 @@
 """Pretrained weights from a Hugging Face safetensors checkpoint into any form of model, with
 bounded memory: ``tiertrain.load_pretrained(target, path)``.
 
-ZeRO-Infinity §6 ("ease of use") asks that a model too large for one rank can be built
+ZeRO-Infinity §5.3 ("ease of use") asks that a model too large for one rank can be built
 partitioned (:func:`tiertrain.partitioned_init`) and trained without code changes; a model
 that large must also be *loadable* without ever existing whole on a rank. So every rank reads
 from the checkpoint only the part it keeps:

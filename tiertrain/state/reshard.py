@@ -9,7 +9,7 @@ What does line up is each parameter's own coordinates: element k of ``blocks.0.w
 k whatever the layout. So every rank records, at save, where each of its pieces lies in its
 parameter (:func:`describe`, JSON kept in COMMITTED.json beside the checksums, so it is read
 without unpickling anything), and which of its parameters are tensor-parallel slices (the
-dimension, Megatron §3: a column-parallel weight is a dim-0 slice, a row-parallel one a dim-1
+dimension, Megatron §2.3: a column-parallel weight is a dim-0 slice, a row-parallel one a dim-1
 slice, a vocab-parallel embedding a dim-0 slice) or copies of another (the last pipeline
 stage's copy of a tied embedding, Megatron's way of tying across stages).
 

@@ -1,4 +1,4 @@
-"""Building a model directly in partitioned form (ZeRO-Infinity §6 "ease of use": parameters
+"""Building a model directly in partitioned form (ZeRO-Infinity §5.3 "ease of use": parameters
 are partitioned as modules are constructed, so a model that would not fit in one rank's
 memory whole can still be built). DeepSpeed's ``zero.Init`` is the analogue.
 

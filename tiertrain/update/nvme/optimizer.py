@@ -1,5 +1,5 @@
 """AdamW whose fp32 master weights and moments live on NVMe: ZeRO-Infinity's optimizer step
-from NVMe (docs/concepts.md#optimizer-step-with-nvme; ZeRO-Offload §2 is the CPU-memory case).
+from NVMe (docs/concepts.md#optimizer-step-with-nvme; ZeRO-Offload §4 is the CPU-memory case).
 
 Between steps this rank's optimizer state — for every ZeRO unit, the fp32 master shard and
 AdamW's ``exp_avg`` and ``exp_avg_sq`` — is held only in swap files (one
