@@ -209,9 +209,9 @@ def _resumed_on_3(rank, world, checkpoint_dir, nvme_path):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("whole")
-    two = run_distributed(_rank, 2, CASES_2, str(root / "nvme"), str(root / "ckpt"), timeout=400)[0]
-    three = run_distributed(_rank, 3, CASES_3, str(root / "nvme3"), str(root / "unused"), timeout=400)[0]
-    resumed = run_distributed(_resumed_on_3, 3, str(root / "ckpt"), str(root / "nvme4"), timeout=200)[0]
+    two = run_distributed(_rank, 2, CASES_2, str(root / "nvme"), str(root / "ckpt"), timeout=150)[0]
+    three = run_distributed(_rank, 3, CASES_3, str(root / "nvme3"), str(root / "unused"), timeout=150)[0]
+    resumed = run_distributed(_resumed_on_3, 3, str(root / "ckpt"), str(root / "nvme4"), timeout=120)[0]
     return {2: two, 3: three, "resumed": resumed}
 
 
@@ -247,7 +247,7 @@ def _reference(optimizer: str):
 RUNS = [(2, c) for c in CASES_2] + [(3, c) for c in CASES_3]
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(450)
 @pytest.mark.parametrize("world,case", RUNS, ids=[f"{w} ranks, {c.name}" for w, c in RUNS])
 def test_trains_as_the_same_optimizers_in_one_process(runs, world, case):
     losses, params, owned, _ = runs[world][case.name]
@@ -255,12 +255,12 @@ def test_trains_as_the_same_optimizers_in_one_process(runs, world, case):
     _oracle(case.optimizer, case.model).check(losses, params, f"{case.name}, {world} ranks")
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(450)
 def test_a_checkpoint_resumes_the_same_trajectory_bit_for_bit(runs):
     assert runs[2]["resumed at the same layout"] == []
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(450)
 def test_a_checkpoint_of_2_ranks_resumes_on_3_with_the_optimizer_state_resharded(runs):
     losses, params = runs["resumed"]
     assert len(losses) == 2

@@ -1,0 +1,154 @@
+"""Context-parallel attention (tiertrain/parallel/context.py) equals one process's attention over
+the whole sequence: outputs and the gradients of q, k and v, for Ulysses and ring attention, at
+cp = 2 and 4 on gloo, causal and not, with as many key/value heads as query heads and with
+fewer (grouped-query attention).
+
+The bound is the float64 oracle's: the context-parallel run in fp32 is within twice the fp32
+single-process attention's distance to the float64 one (plus 4 ulps), tensor by tensor; the
+same run in float64 agrees with the float64 reference to 1e-12.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference import EPS32, rel_distances
+from tiertrain.parallel.context import (ContextParallelError, ring_attention, ulysses_attention, zigzag_positions,
+                                        zigzag_split, zigzag_unsplit)
+from tiertrain.testing import run_distributed
+
+BATCH, TOKENS, HEAD_DIM = 2, 16, 8
+CASES = [  # (algorithm, causal, query heads, key/value heads)
+    ("ulysses", True, 8, 8), ("ulysses", True, 8, 2), ("ulysses", False, 4, 4),
+    ("ring", True, 8, 8), ("ring", True, 8, 2), ("ring", False, 4, 2),
+]
+ATTENTION = {"ulysses": ulysses_attention, "ring": ring_attention}
+
+
+def _inputs(heads: int, kv_heads: int, dtype: torch.dtype):
+    """The whole sequence's q, k, v and the gradient of the output, the same on every rank."""
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    shape = lambda h: (BATCH, h, TOKENS, HEAD_DIM)
+    q, k, v, grad = (torch.randn(shape(h), generator=g, dtype=torch.float64)
+                     for h in (heads, kv_heads, kv_heads, heads))
+    return [t.to(dtype) for t in (q, k, v, grad)]
+
+
+def _reference(q, k, v, grad, causal: bool, fused: bool = False) -> dict[str, torch.Tensor]:
+    """Attention over the whole sequence in q's dtype, its output and gradients: written out
+    (scores, softmax, weighted sum), or torch's fused kernel (blockwise, online softmax)."""
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    if fused:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
+                                                               v.repeat_interleave(rep, 1), is_causal=causal)
+    else:
+        scores = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) / HEAD_DIM ** 0.5
+        if causal:
+            scores = scores.masked_fill(torch.ones(TOKENS, TOKENS, dtype=torch.bool).triu(1), float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ v.repeat_interleave(rep, 1)
+    out.backward(grad)
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _split(x: torch.Tensor, rank: int, c: int, zigzag: bool) -> torch.Tensor:
+    return zigzag_split(x, 2, rank, c) if zigzag else x.chunk(c, dim=2)[rank]
+
+
+def _unsplit(pieces: list[torch.Tensor], zigzag: bool) -> torch.Tensor:
+    return zigzag_unsplit(pieces, 2) if zigzag else torch.cat(pieces, dim=2)
+
+
+def _run(rank, world, algorithm, causal, heads, kv_heads, dtype, zigzag):
+    group = torch.distributed.group.WORLD
+    q, k, v, grad = (_split(t, rank, world, zigzag).requires_grad_() for t in _inputs(heads, kv_heads, dtype))
+    out = ATTENTION[algorithm](q, k, v, group, causal=causal)
+    out.backward(grad)
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _rank_main(rank, world):
+    results = {}
+    for algorithm, causal, heads, kv_heads in CASES:
+        zigzag = algorithm == "ring" and causal
+        for dtype in (torch.float32, torch.float64):
+            results[algorithm, causal, heads, kv_heads, dtype] = _run(rank, world, algorithm, causal, heads,
+                                                                      kv_heads, dtype, zigzag)
+    # The mutation: causal ring attention given contiguous tokens instead of its zig-zag pair.
+    results["contiguous"] = _run(rank, world, "ring", True, 8, 8, torch.float32, zigzag=False)
+    try:
+        ulysses_attention(*(torch.zeros(1, 6, 4, 2) for _ in range(3)), torch.distributed.group.WORLD)
+        results["heads"] = None
+    except ContextParallelError as e:
+        results["heads"] = str(e)
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda c: f"cp={c}")
+def runs(request):
+    world = request.param
+    return world, run_distributed(_rank_main, world, timeout=120)
+
+
+def _gathered(per_rank: list[dict], zigzag: bool) -> dict[str, torch.Tensor]:
+    return {name: _unsplit([r[name] for r in per_rank], zigzag) for name in per_rank[0]}
+
+
+def _noise(heads: int, kv_heads: int, causal: bool, ref64: dict) -> dict[str, float]:
+    """Per tensor, the larger distance to float64 of torch's two fp32 attentions (written out
+    and fused): both are correct, and their rounding differs as blockwise attention's does."""
+    inputs = _inputs(heads, kv_heads, torch.float32)
+    written, fused = (rel_distances(_reference(*inputs, causal, fused=f), ref64) for f in (False, True))
+    return {name: max(written[name], fused[name]) for name in written}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("algorithm,causal,heads,kv_heads", CASES,
+                         ids=[f"{a}, {'causal' if c else 'full'}, {h}q/{kv}kv heads" for a, c, h, kv in CASES])
+def test_attention_over_the_split_sequence_equals_one_process(runs, algorithm, causal, heads, kv_heads):
+    world, results = runs
+    zigzag = algorithm == "ring" and causal
+    ref64 = _reference(*_inputs(heads, kv_heads, torch.float64), causal)
+    noise = _noise(heads, kv_heads, causal, ref64)
+    got32 = _gathered([r[algorithm, causal, heads, kv_heads, torch.float32] for r in results], zigzag)
+    got64 = _gathered([r[algorithm, causal, heads, kv_heads, torch.float64] for r in results], zigzag)
+    for name, distance in rel_distances(got32, ref64).items():
+        assert distance <= 2 * noise[name] + 4 * EPS32, (f"{algorithm} at cp={world}: {name} is {distance:.3g} from "
+                                                         f"float64, the fp32 reference {noise[name]:.3g}")
+    for name, distance in rel_distances(got64, ref64).items():
+        assert distance <= 1e-12, f"{algorithm} at cp={world} in float64: {name} is {distance:.3g} from the reference"
+
+
+@pytest.mark.timeout(180)
+def test_causal_ring_attention_needs_the_zigzag_split(runs):
+    """The check above rejects causal ring attention handed each rank's contiguous tokens."""
+    world, results = runs
+    got = _gathered([r["contiguous"] for r in results], zigzag=False)
+    ref64 = _reference(*_inputs(8, 8, torch.float64), causal=True)
+    assert max(rel_distances(got, ref64).values()) > 0.01
+
+
+@pytest.mark.timeout(180)
+def test_ulysses_refuses_heads_the_group_does_not_divide(runs):
+    world, results = runs
+    message = results[0]["heads"]
+    if world == 2:
+        assert message is None  # 6 heads split over 2 ranks
+    else:
+        assert message is not None and "6 query heads" in message and "parallel.cp=4" in message
+
+
+def test_zigzag_split_balances_causal_work_and_unsplits():
+    c, n = 4, 32
+    positions = [zigzag_positions(n, r, c) for r in range(c)]
+    assert torch.equal(zigzag_unsplit(positions, 0), torch.arange(n))
+    assert positions[0].tolist() == [0, 1, 2, 3, 28, 29, 30, 31]
+    visible_pairs = [int((p + 1).sum()) for p in positions]  # query at position i sees i + 1 keys
+    assert len(set(visible_pairs)) == 1, visible_pairs
+
+
+def test_zigzag_split_refuses_a_sequence_it_cannot_cut_evenly():
+    with pytest.raises(ContextParallelError, match="not divisible by 8"):
+        zigzag_split(torch.zeros(1, 12), 1, 0, 4)
+    with pytest.raises(ContextParallelError, match="outside the context-parallel group"):
+        zigzag_split(torch.zeros(1, 16), 1, 4, 4)
