@@ -137,9 +137,9 @@ def engine_train(rank, world, model, config: Config, batches, prepare=None, wrap
         loss = engine.train_batch(rank_slices(batch, topology.coord("dp"), dp,
                                               config.batch.micro_batch_size, config.batch.grad_accum_steps))
         t = torch.tensor([loss], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(t, group=topology.group("dp"))
-        losses.append(float(t) / dp)
+        if dist.is_initialized():  # (dp × cp: each context-parallel rank returns its share of the loss)
+            dist.all_reduce(t, group=topology.group("dp_cp"))
+        losses.append(float(t) / topology.size("dp_cp"))
     return losses, engine.full_state_dict(), engine
 
 

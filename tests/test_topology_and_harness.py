@@ -24,11 +24,33 @@ def _grid(rank, world, tp, pp):
 def test_axes_follow_megatron_order_tp_fastest():
     results = run_distributed(_grid, 4, 2, 1, timeout=50)
     for rank, (sizes, coords, dp_ranks, tp_ranks, tp_sum) in enumerate(results):
-        assert sizes == {"pp": 1, "dp": 2, "tp": 2}
-        assert coords == {"pp": 0, "dp": rank // 2, "tp": rank % 2}
+        assert sizes == {"pp": 1, "dp": 2, "cp": 1, "tp": 2}
+        assert coords == {"pp": 0, "dp": rank // 2, "cp": 0, "tp": rank % 2}
         assert tp_ranks == [rank - rank % 2, rank - rank % 2 + 1]
         assert dp_ranks == [rank % 2, rank % 2 + 2]
         assert tp_sum == sum(tp_ranks), "the tp group reduces over exactly the tp peers"
+
+
+def _context_grid(rank, world):
+    topo = Topology.build(ParallelConfig(cp=2))
+    sums = {}
+    for axis in ("cp", "dp", "dp_cp"):
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=topo.group(axis))
+        sums[axis] = float(t)
+    return topo.coords, topo.ranks("cp"), topo.ranks("dp"), topo.coord("dp_cp"), topo.size("dp_cp"), sums
+
+
+@pytest.mark.timeout(60)
+def test_context_parallel_ranks_are_adjacent_and_replicas_span_dp_and_cp():
+    """cp varies faster than dp (Megatron-Core's order); the dp_cp group, over which ZeRO
+    partitions, holds every rank of both axes, in the order dp · cp + cp coordinate."""
+    for rank, (coords, cp_ranks, dp_ranks, replica, replicas, sums) in enumerate(run_distributed(_context_grid, 4, timeout=50)):
+        assert coords == {"pp": 0, "dp": rank // 2, "cp": rank % 2, "tp": 0}
+        assert cp_ranks == [rank - rank % 2, rank - rank % 2 + 1]
+        assert dp_ranks == [rank % 2, rank % 2 + 2]
+        assert (replica, replicas) == (rank, 4)
+        assert sums == {"cp": sum(cp_ranks), "dp": sum(dp_ranks), "dp_cp": 6.0}
 
 
 def _bad_grid(rank, world):
@@ -43,7 +65,7 @@ def test_layout_not_matching_world_size_is_an_error():
 
 def test_single_process_topology_needs_no_process_group():
     topo = Topology.build()
-    assert topo.sizes == {"pp": 1, "dp": 1, "tp": 1} and topo.group("dp") is None
+    assert topo.sizes == {"pp": 1, "dp": 1, "cp": 1, "tp": 1} and topo.group("dp") is None and topo.group("dp_cp") is None
     with pytest.raises(ConfigError, match="axis 'ep' is unknown"):
         topo.size("ep")
 

@@ -75,6 +75,7 @@ def _check_positive(path: str, value: int | float, allow_zero: bool = False) -> 
 
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
+ContextAlgorithm = Literal["ring", "ulysses"]
 Dtype = Literal["fp32", "bf16", "fp16"]
 
 
@@ -204,9 +205,13 @@ class BatchConfig:
 @dataclass
 class ParallelConfig:
     dp: int = 0
-    """Data-parallel size; 0 means world_size / (tp × pp)."""
+    """Data-parallel size; 0 means world_size / (tp × pp × cp)."""
     tp: int = 1
     """Tensor-parallel size."""
+    cp: int = 1
+    """Context-parallel size: each sequence's tokens split over this many ranks, which are also data-parallel for the model states (ZeRO over dp × cp)."""
+    cp_algorithm: ContextAlgorithm = "ring"
+    """Context-parallel attention (cp > 1): ring (key/value blocks passed around, zig-zag split of causal sequences) or ulysses (all-to-all to head-split; cp must divide the heads)."""
     pp: int = 1
     """Pipeline-parallel size."""
     schedule: PipelineSchedule = "1f1b"
@@ -218,24 +223,29 @@ class ParallelConfig:
         _check_positive(f"{path}.dp", self.dp, allow_zero=True)
         _check_positive(f"{path}.tp", self.tp)
         _check_positive(f"{path}.pp", self.pp)
+        _check_positive(f"{path}.cp", self.cp)
         _check_positive(f"{path}.virtual_stages", self.virtual_stages)
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             _fail(f"{path}.virtual_stages", self.virtual_stages,
                   f"1 with schedule={self.schedule!r} (more chunks per rank need schedule='interleaved')")
 
     def resolve(self, world_size: int, path: str = "parallel") -> tuple[int, int, int]:
-        """(pp, dp, tp) for this world size, or ConfigError when they do not multiply to it."""
+        """(pp, dp, tp) for this world size (cp is as set), or ConfigError when the sizes do
+        not multiply to it."""
+        model = self.tp * self.pp * self.cp
+        named = "tp × pp" + (" × cp" if self.cp > 1 else "")
+        sizes = f"{self.tp} × {self.pp}" + (f" × {self.cp}" if self.cp > 1 else "")
         if self.dp == 0:
-            if world_size % (self.tp * self.pp):
+            if world_size % model:
                 raise ConfigError(
-                    f"{path}: world size {world_size} is not divisible by tp × pp = "
-                    f"{self.tp} × {self.pp}; choose tp, pp whose product divides {world_size}"
+                    f"{path}: world size {world_size} is not divisible by {named} = "
+                    f"{sizes}; choose sizes whose product divides {world_size}"
                 )
-            return self.pp, world_size // (self.tp * self.pp), self.tp
-        if self.dp * self.tp * self.pp != world_size:
+            return self.pp, world_size // model, self.tp
+        if self.dp * model != world_size:
             raise ConfigError(
-                f"{path}: dp × tp × pp = {self.dp} × {self.tp} × {self.pp} = "
-                f"{self.dp * self.tp * self.pp} but the world size is {world_size}; "
+                f"{path}: dp × {named} = {self.dp} × {sizes} = "
+                f"{self.dp * model} but the world size is {world_size}; "
                 f"valid layouts multiply to {world_size} (or set dp=0 to derive it)"
             )
         return self.pp, self.dp, self.tp

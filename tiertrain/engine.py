@@ -71,14 +71,17 @@ class Engine:
         self.device = topology.device
         self.stage = config.zero.stage
         self.counter = CommCounter()
-        self.comm = Collectives(topology.group("dp"), self.counter)
+        # The ranks holding the same parameters: dp × cp (context-parallel ranks see other tokens
+        # of the same samples, so for gradients and states they are data-parallel too).
+        self.comm = Collectives(topology.group("dp_cp"), self.counter)
         # Tensor parallelism (tiertrain.parallel.apply_tensor_parallel before wrap): each tp
-        # rank trains its own slice; ZeRO shards that slice over dp.
+        # rank trains its own slice; ZeRO shards that slice over dp × cp.
         self.tp_comm = Collectives(topology.group("tp"))
         self.pp_comm = Collectives(topology.group("pp"))
         self.dp = self.comm.size
+        """Ranks over which gradients are averaged and ZeRO partitions: dp × cp."""
         self.accum = config.batch.grad_accum_steps
-        self.global_batch_size = config.batch.resolve(self.dp)
+        self.global_batch_size = config.batch.resolve(topology.size("dp"))  # (samples: cp ranks share theirs)
 
         self._on_close: list[Callable[[], None]] = []
         """What close() undoes, last registered first (hooks, tiers, what wrap() applied)."""

@@ -372,6 +372,10 @@ def build_model(cfg: TrainConfig, topology=None, partitioned: bool = True) -> GP
         from .parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, topology)
+    if topology is not None and topology.size("cp") > 1:  # each rank embeds and attends with its tokens
+        from .parallel.cp_plan import apply_context_parallel
+
+        apply_context_parallel(model, topology, cfg.parallel.cp_algorithm)
     if cfg.tile_factor > 1:
         from .estimate.units import tile_plan
         from .tiling import apply_tiling

@@ -61,6 +61,7 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
         raise ConfigError(f"parallel.pp={topology.size('pp')}: optimizer, param_groups and lr_scheduler are not "
                           f"supported with pipeline parallelism yet (configure AdamW and schedule in config); "
                           f"they work with parallel.pp=1")
+    _check_context_parallel(model, config, topology)
     if topology.size("pp") == 1 and activation_shape is not None:
         raise ConfigError("activation_shape is for pipeline parallelism; parallel.pp is 1")
     if isinstance(model, nn.Module):
@@ -86,3 +87,22 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
     if checkpointing is not None:
         engine.undo_on_close(checkpointing.remove)  # close() hands the model back unchanged
     return engine
+
+
+def _check_context_parallel(model, config: Config, topology: Topology) -> None:
+    """A cp > 1 topology trains a model converted for it (each rank then holds its tokens'
+    activations only); otherwise every rank would silently compute the whole sequence."""
+    cp = topology.size("cp")
+    if cp == 1:
+        return
+    if topology.size("pp") > 1 or topology.size("tp") > 1:
+        raise ConfigError(f"parallel.cp={cp} with parallel.tp={topology.size('tp')}, parallel.pp={topology.size('pp')}: "
+                          f"context parallelism composes with data parallelism and ZeRO so far; use tp=1, pp=1")
+    converted = getattr(model, "cp_size", 1)
+    if converted != cp:
+        raise ConfigError(f"parallel.cp={cp}, but the model {'was converted for cp=' + str(converted) if converted > 1 else 'is not context-parallel'}: "
+                          f"convert it with tiertrain.parallel.apply_context_parallel(model, topology, "
+                          f"algorithm=config.parallel.cp_algorithm) before wrap()")
+    if getattr(model, "cp_algorithm", config.parallel.cp_algorithm) != config.parallel.cp_algorithm:
+        raise ConfigError(f"parallel.cp_algorithm={config.parallel.cp_algorithm!r}, but the model was converted "
+                          f"with {model.cp_algorithm!r}")

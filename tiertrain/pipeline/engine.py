@@ -155,9 +155,9 @@ class PipelineEngine(Engine):
         if config.zero.stage == 3:  # per-block units inside each chunk, gathered by zero3.PipelineFetcher
             copies = {tied_names(s)[1] for s in self._tied_stages if s.is_last and not s.is_first}
             plan, self._units_of_chunk, chunk_modules = stage3_plan(
-                self.stages, config, topology.size("dp"), counts_in_norm=lambda name: name not in copies)
+                self.stages, config, topology.size("dp_cp"), counts_in_norm=lambda name: name not in copies)
         else:
-            plan, self._units_of_chunk = pipeline_plan(self.stages, config, topology.size("dp"))
+            plan, self._units_of_chunk = pipeline_plan(self.stages, config, topology.size("dp_cp"))
         super().__init__(nn.ModuleList(self.stages), config, topology, plan=plan, update_factory=update_factory,
                          state_io=state_io)
         self.pipeline_fetcher: PipelineFetcher | None = None

@@ -103,7 +103,7 @@ def layout_fingerprint(layout, topology, stage: int, dtype: str, state_format: s
     return {
         **frozen,
         "stage": stage,
-        "dp": topology.size("dp"),
+        "dp": topology.size("dp_cp"),
         "tp": topology.size("tp"),
         "pp": topology.size("pp"),
         "dtype": dtype,

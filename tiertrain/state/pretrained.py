@@ -384,7 +384,7 @@ def _into_module(matched: list[_Target], ckpt: _Checkpoint, topology: Topology |
 
 def _dp_rank_and_size(topology: Topology | None) -> tuple[int, int]:
     if topology is not None:
-        group = topology.group("dp")
+        group = topology.group("dp_cp")
         return dist.get_rank(group), dist.get_world_size(group)
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()

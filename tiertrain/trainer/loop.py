@@ -178,6 +178,9 @@ class Trainer:
         self.train_batches = batch_stream(train_data, dp_rank, dp, config.batch.micro_batch_size,
                                           seed=config.seed, collate=collate_fn)
         self.dp_group = self.topology.group("dp")
+        self.replica_group = self.topology.group("dp_cp")
+        """The ranks whose losses average to the step's loss: dp × cp (each context-parallel rank
+        returns its share of its samples' loss, tiertrain/parallel/cp_plan.py)."""
         self.step = 0
         self.run_id = uuid.uuid4().hex
         self.records: list[dict[str, Any]] = []
@@ -337,10 +340,10 @@ class Trainer:
         watch = self.divergence
         if not watch.enabled:
             return
-        if self.topology.size("dp") > 1 and dist.is_initialized():
+        if self.topology.size("dp_cp") > 1 and dist.is_initialized():
             total = torch.tensor([loss], dtype=torch.float64)
-            dist.all_reduce(total, group=self.dp_group)
-            loss = float(total) / self.topology.size("dp")
+            dist.all_reduce(total, group=self.replica_group)
+            loss = float(total) / self.topology.size("dp_cp")
         was_spiking = watch.spike is not None
         spike = watch.observe(step, loss, self.engine.last_grad_norm)
         if spike is not None and not was_spiking and self.is_main:
@@ -394,14 +397,15 @@ class Trainer:
             tokens += n
             count += 1
         totals = torch.tensor([loss_sum, tokens, count], dtype=torch.float64)
-        if dp > 1 and dist.is_initialized():
-            dist.all_reduce(totals, group=self.dp_group)
+        if self.topology.size("dp_cp") > 1 and dist.is_initialized():  # (cp ranks count their samples' tokens each)
+            dist.all_reduce(totals, group=self.replica_group)
         loss_sum, tokens, count = totals.tolist()
         if count == 0:
             raise ConfigError(f"eval_data gave no batch on some data-parallel rank: it needs at least {dp} samples "
                               f"(one per rank), or {dp} batches")
         loss = loss_sum / tokens if tokens else float("nan")
-        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": int(tokens)}
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)),
+                "eval_tokens": int(tokens) // self.topology.size("cp")}
 
     def _every_rank_has(self, has: bool) -> bool:
         flag = torch.tensor([1 if has else 0], dtype=torch.int32)
@@ -418,7 +422,7 @@ class Trainer:
         times = window.times()
         local = [window.loss_sum, window.steps, window.tokens, report.total, peak_rss_bytes(),
                  report.total - cpu - nvme, cpu, nvme, *times.values()]
-        stats = gather_over_dp(local, self.topology, self.dp_group)
+        stats = gather_over_dp(local, self.topology, self.replica_group)
         n_time = len(times)
         mean_loss = float(stats[:, 0].sum() / stats[:, 1].sum())
         maxima = stats[:, 3:8].max(dim=0).values.tolist()
@@ -426,7 +430,7 @@ class Trainer:
         elapsed = window.elapsed()
         # Every data-parallel rank's tokens; the pipeline and tensor ranks of a dp coordinate
         # process the same ones.
-        tokens_per_s = float(stats[:, 2].sum()) / max(elapsed, 1e-9)
+        tokens_per_s = float(stats[:, 2].sum()) / self.topology.size("cp") / max(elapsed, 1e-9)
         flops_per_rank = self.flops_per_token * tokens_per_s / self.topology.world_size
         record: dict[str, Any] = {
             "step": step,

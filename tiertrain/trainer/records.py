@@ -83,13 +83,14 @@ class Window:
 
 
 def gather_over_dp(values: list[float], topology, group) -> torch.Tensor:
-    """[dp, len(values)] tensor of every data-parallel rank's values (one collective)."""
+    """[ranks, len(values)] tensor of every rank of group's values (one collective): the
+    data-parallel ranks, or with context parallelism the dp × cp replicas."""
     local = torch.tensor(values, dtype=torch.float64)
-    if group is None or not dist.is_initialized() or topology.size("dp") == 1:
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return local.unsqueeze(0)
     if topology.device.type != "cpu":
         local = local.to(topology.device)
-    parts = [torch.empty_like(local) for _ in range(topology.size("dp"))]
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local, group=group)
     return torch.stack(parts).cpu()
 

@@ -145,7 +145,7 @@ class partitioned_init:
     """
 
     def __init__(self, topology: Topology):
-        self.comm = Collectives(topology.group("dp"))
+        self.comm = Collectives(topology.group("dp_cp"))
         self.peak_whole_numel = 0
         self.materialisations = 0
         self._created: list[nn.Parameter] = []

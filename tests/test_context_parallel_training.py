@@ -1,0 +1,150 @@
+"""Context parallelism composed with data parallelism and ZeRO (issue 38, item 2): a GPT whose
+sequences are split over cp ranks (tiertrain.parallel.apply_context_parallel) trains as one
+process trains it on the whole batch, within the float64 oracle, at every ZeRO stage, on the
+CPU tier, with gradient accumulation, with ring and Ulysses attention, at (dp, cp) = (1, 2),
+(1, 4) and (2, 2); and the loss stays the exact token mean when -100 labels fall unevenly on
+the cp ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+import tiertrain
+from reference import Oracle, engine_train, global_batches, make_config, make_model, reference_train
+from tiertrain.parallel.context import ContextParallelError
+from tiertrain.parallel.cp_plan import apply_context_parallel
+from tiertrain.testing import run_distributed
+
+STEPS, MICRO = 3, 2
+
+
+def _config(case: dict, cp: int):
+    zero = dict(case.get("zero", {}))
+    if "nvme" in zero.values():
+        zero["nvme_path"] = case.get("nvme_path", "unused (the reference keeps everything in memory)")
+    return make_config(zero=zero, parallel={"cp": cp, "cp_algorithm": case["algorithm"]},
+                       batch={"micro_batch_size": MICRO, "grad_accum_steps": case.get("accum", 1)},
+                       optimizer={"eps": 1e-3})
+
+
+def _batches(case: dict, dp: int):
+    batches = global_batches(STEPS, MICRO * dp * case.get("accum", 1))
+    if case.get("ignored"):  # -100 on a different, uneven share of each row's tokens
+        for b in batches:
+            labels = b["labels"]
+            for row in range(labels.shape[0]):
+                labels[row, : 3 + 5 * row] = -100
+    return batches
+
+
+CASES = {
+    "ring, stage 0": {"algorithm": "ring", "zero": {"stage": 0}},
+    "ring, stage 1": {"algorithm": "ring", "zero": {"stage": 1}},
+    "ring, stage 2, accumulation 2": {"algorithm": "ring", "zero": {"stage": 2}, "accum": 2},
+    "ring, stage 3": {"algorithm": "ring", "zero": {"stage": 3}},
+    "ring, stage 3, parameters and optimizer on CPU": {
+        "algorithm": "ring", "zero": {"stage": 3, "offload_params": "cpu", "offload_optimizer": "cpu"}},
+    "ring, stage 3 on NVMe": {"algorithm": "ring", "zero": {"stage": 3, "offload_params": "nvme",
+                                                             "offload_optimizer": "nvme"}},
+    "ulysses, stage 2": {"algorithm": "ulysses", "zero": {"stage": 2}},
+    "ulysses, stage 3, optimizer on CPU": {"algorithm": "ulysses", "zero": {"stage": 3, "offload_optimizer": "cpu"}},
+    "ring, stage 2, -100 labels": {"algorithm": "ring", "zero": {"stage": 2}, "ignored": True},
+    "ulysses, stage 1, -100 labels": {"algorithm": "ulysses", "zero": {"stage": 1}, "ignored": True},
+}
+LAYOUTS = {  # (dp, cp) -> the cases run there (-100 labels only at dp = 1, where the reference's
+    # token mean over the whole batch is what the engine computes: over dp it is a mean of means)
+    (1, 2): list(CASES),
+    (1, 4): ["ring, stage 3", "ulysses, stage 2", "ring, stage 2, -100 labels"],
+    (2, 2): ["ring, stage 2, accumulation 2", "ring, stage 3, parameters and optimizer on CPU",
+             "ulysses, stage 3, optimizer on CPU"],
+}
+
+
+MUTATION = "mutation: each rank's plain token mean, -100 labels"
+"""The loss a naive split computes: each cp rank's mean over its own labelled tokens. With -100
+labels falling unevenly on the ranks the mean of those means is not the batch's token mean,
+and the check must fail."""
+
+
+def _rank(rank, world, cp, names, root):
+    from tiertrain.parallel import cp_plan
+
+    out = {}
+    for name in names:
+        case = dict(CASES[name.replace(MUTATION, "ring, stage 2, -100 labels")], nvme_path=os.path.join(root, f"nvme{rank}"))
+        exact = cp_plan.exact_token_mean
+        if name == MUTATION:
+            cp_plan.exact_token_mean = lambda summed, labelled, group: summed / labelled
+        try:
+            prepare = lambda m, t: apply_context_parallel(m, t, case["algorithm"])
+            losses, params, engine = engine_train(rank, world, make_model(), _config(case, cp),
+                                                  _batches(case, world // cp), prepare)
+            engine.close()
+        finally:
+            cp_plan.exact_token_mean = exact
+        out[name] = (losses, params)
+    return out
+
+
+_RESULTS: dict = {}
+
+
+def _results(layout: tuple[int, int], root) -> dict:
+    """Every case of the layout, run in one launch the first time one of them is asked for."""
+    if layout not in _RESULTS:
+        dp, cp = layout
+        names = LAYOUTS[layout] + ([MUTATION] if layout == (1, 2) else [])
+        _RESULTS[layout] = run_distributed(_rank, dp * cp, cp, names, str(root), timeout=120)[0]
+    return _RESULTS[layout]
+
+
+RUNS = [(layout, name) for layout, names in LAYOUTS.items() for name in names]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout,name", RUNS, ids=[f"dp={l[0]}, cp={l[1]}, {n}" for l, n in RUNS])
+def test_trains_as_one_process_on_the_whole_batch(layout, name, tmp_path):
+    dp, cp = layout
+    losses, params = _results(layout, tmp_path)[name]
+    case = CASES[name]
+    oracle = Oracle.run(reference_train, make_model(), _config(case, 1), _batches(case, dp))
+    oracle.check(losses, params, f"{name} at dp={dp}, cp={cp}")
+
+
+@pytest.mark.timeout(240)
+def test_the_check_fails_a_loss_that_is_each_ranks_own_token_mean(tmp_path):
+    losses, params = _results((1, 2), tmp_path)[MUTATION]
+    case = CASES["ring, stage 2, -100 labels"]
+    oracle = Oracle.run(reference_train, make_model(), _config(case, 1), _batches(case, 1))
+    with pytest.raises(AssertionError, match="from the float64 reference"):
+        oracle.check(losses, params, MUTATION)
+
+
+def _grid(cp: int) -> tiertrain.Topology:
+    """A one-process topology that reports cp context-parallel ranks (for the checks made
+    before any collective)."""
+    topology = tiertrain.Topology.build()
+    return dataclasses.replace(topology, sizes={**topology.sizes, "cp": cp})
+
+
+def test_wrap_refuses_a_model_not_converted_for_the_cp_size():
+    config = make_config(parallel={"cp": 2})
+    with pytest.raises(tiertrain.ConfigError, match="is not context-parallel.*apply_context_parallel"):
+        tiertrain.wrap(make_model(), config, _grid(2))
+    with pytest.raises(tiertrain.ConfigError, match="parallel.cp=2 with parallel.tp=2"):
+        tiertrain.wrap(make_model(), config, dataclasses.replace(_grid(2), sizes={"pp": 1, "dp": 1, "cp": 2, "tp": 2}))
+
+
+def test_conversion_refuses_what_it_cannot_split():
+    with pytest.raises(ContextParallelError, match="n_heads=3 is not divisible by parallel.cp=2"):
+        apply_context_parallel(make_model(n_heads=3, hidden=24), _grid(2), "ulysses")
+    with pytest.raises(ContextParallelError, match="seq_len=12 cannot be split over parallel.cp=4"):
+        apply_context_parallel(make_model(seq_len=12), _grid(4), "ring")
+    with pytest.raises(ContextParallelError, match="'zigzag' is unknown"):
+        apply_context_parallel(make_model(), _grid(2), "zigzag")
+    with pytest.raises(ContextParallelError, match="dropout=0.1"):
+        apply_context_parallel(make_model(dropout=0.1), _grid(2), "ring")

@@ -1,0 +1,153 @@
+"""Context parallelism applied to a model: every rank of a cp group is given the same samples,
+embeds, attends with and scores only its share of each sequence's tokens (issue 38).
+
+:func:`apply_context_parallel` converts tiertrain's GPT in place (its class swapped, as
+:func:`~tiertrain.parallel.tp_plan.apply_tensor_parallel` does). The converted model takes the
+whole ``input_ids`` and ``labels`` ``[B, T]`` as before and keeps its rank's tokens: the zig-zag
+pair of chunks for ring attention (causal load balance), a contiguous T/cp for Ulysses. Each
+rank's positions are those tokens' places in the whole sequence.
+
+The loss is exact over the cp group: each rank returns ``cp · (its tokens' summed loss) /
+(the labelled tokens of the whole batch)``, the count summed over the group, so the engine's
+mean over the dp × cp ranks (tiertrain/engine.py: every replica's loss scaled by 1/(dp·cp))
+is the mean over every labelled token of the batch: no token counted twice or lost, however
+the -100 labels fall between the ranks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..models.gpt import GPT, CausalSelfAttention
+from .context import ContextParallelError, ring_attention, ulysses_attention, zigzag_split, zigzag_unsplit
+
+__all__ = ["ContextParallelGPT", "apply_context_parallel", "context_split", "exact_token_mean"]
+
+ALGORITHMS = {"ring": ring_attention, "ulysses": ulysses_attention}
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def context_split(x: torch.Tensor, dim: int, group, algorithm: str) -> torch.Tensor:
+    """This rank's tokens of x along dim: its zig-zag pair (ring) or its contiguous 1/cp (ulysses)."""
+    c, r = _size(group), _rank(group)
+    if algorithm == "ring":
+        return zigzag_split(x, dim, r, c)
+    if x.shape[dim] % c:
+        raise ContextParallelError(f"Ulysses gives each of the parallel.cp={c} ranks an equal share of the "
+                                   f"sequence: {x.shape[dim]} tokens are not divisible by {c}")
+    return x.chunk(c, dim=dim)[r]
+
+
+def exact_token_mean(summed: torch.Tensor, labelled: torch.Tensor, group) -> torch.Tensor:
+    """cp · summed / (labelled tokens over the group): the share of the batch's token mean that
+    this rank's summed loss makes, scaled so that the mean over the group's ranks is that mean."""
+    total = labelled.detach().to(torch.float64).reshape(1)
+    if _size(group) > 1:
+        dist.all_reduce(total, group=group, async_op=True).wait()
+    return summed * (_size(group) / total.to(summed.dtype).squeeze(0))
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Every rank's tokens, in sequence order; each rank's own slice takes cp times the gradient
+    (every rank computes the same function of the whole, and the engine averages the ranks)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, algorithm: str) -> torch.Tensor:
+        ctx.group, ctx.algorithm = group, algorithm
+        pieces = [torch.empty_like(x) for _ in range(_size(group))]
+        dist.all_gather(pieces, x.contiguous(), group=group, async_op=True).wait()
+        return zigzag_unsplit(pieces, 1) if algorithm == "ring" else torch.cat(pieces, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return context_split(grad, 1, ctx.group, ctx.algorithm) * _size(ctx.group), None, None
+
+
+class ContextParallelAttention(CausalSelfAttention):
+    """:class:`CausalSelfAttention` over this rank's tokens, attending to the whole sequence by
+    the group's context-parallel algorithm."""
+
+    cp_group = None
+    cp_algorithm = "ring"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv = self.qkv(x)
+        n_heads = qkv.shape[-1] // (3 * self.head_dim)
+        q, k, v = qkv.view(b, t, n_heads, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        y = ALGORITHMS[self.cp_algorithm](q, k, v, self.cp_group, causal=True)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, n_heads * self.head_dim)))
+
+
+class ContextParallelGPT(GPT):
+    """A :class:`GPT` after :func:`apply_context_parallel`. Attributes: ``cp_group``,
+    ``cp_algorithm``, ``cp_size``."""
+
+    cp_group = None
+    cp_algorithm = "ring"
+    cp_size = 1
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("ContextParallelGPT is not constructed directly: build a GPT and call "
+                        "apply_context_parallel(model, topology)")
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole batch's ``input_ids`` (and ``labels``) [B, T] in; this rank's share of the
+        exact token-mean loss out (see the module docstring), or without labels the logits of
+        the whole sequence [B, T, V]."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        t = input_ids.shape[1]
+        if t > self.config.seq_len:
+            raise ValueError(f"input_ids sequence length {t} exceeds GPTConfig.seq_len={self.config.seq_len}")
+        split = lambda x: context_split(x, 1, self.cp_group, self.cp_algorithm)
+        positions = split(torch.arange(t, device=input_ids.device).unsqueeze(0)).squeeze(0)
+        x = self.drop(self.embed(split(input_ids)) + self.pos_embed(positions))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        if labels is None:
+            return _GatherSequence.apply(logits, self.cp_group, self.cp_algorithm)
+        mine = split(labels)
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), mine.reshape(-1), reduction="sum")
+        return exact_token_mean(summed, (mine != -100).sum(), self.cp_group)
+
+
+def apply_context_parallel(model: GPT, topology, algorithm: str = "ring") -> GPT:
+    """Convert tiertrain's GPT in place to context parallelism over ``topology``'s cp axis
+    (``topology`` may also be a process group or None) with ``algorithm`` ("ring" or
+    "ulysses"); returns the same object, now a :class:`ContextParallelGPT`."""
+    if algorithm not in ALGORITHMS:
+        raise ContextParallelError(f"parallel.cp_algorithm={algorithm!r} is unknown: valid are "
+                                   f"{', '.join(ALGORITHMS)}")
+    if type(model) is not GPT:
+        raise TypeError(f"apply_context_parallel converts a tiertrain GPT (tensor parallelism with context "
+                        f"parallelism is not supported yet), got {type(model).__name__}")
+    is_grid = hasattr(topology, "group") and callable(topology.group)
+    group = topology.group("cp") if is_grid else topology
+    c = topology.size("cp") if is_grid else _size(group)
+    cfg = model.config
+    if cfg.dropout:
+        raise ContextParallelError(f"GPTConfig.dropout={cfg.dropout}: context-parallel attention has no dropout; "
+                                   f"set dropout=0")
+    if cfg.seq_len % (2 * c if algorithm == "ring" else c):
+        raise ContextParallelError(f"GPTConfig.seq_len={cfg.seq_len} cannot be split over parallel.cp={c} with "
+                                   f"{algorithm}: it needs a multiple of {2 * c if algorithm == 'ring' else c}")
+    if algorithm == "ulysses" and cfg.n_heads % c:
+        raise ContextParallelError(f"GPTConfig.n_heads={cfg.n_heads} is not divisible by parallel.cp={c}: Ulysses "
+                                   f"splits the heads over the context-parallel ranks; use ring attention")
+    for block in model.blocks:
+        block.attn.__class__ = ContextParallelAttention
+        block.attn.cp_group, block.attn.cp_algorithm = group, algorithm
+    model.__class__ = ContextParallelGPT
+    model.cp_group, model.cp_algorithm, model.cp_size = group, algorithm, c
+    return model
