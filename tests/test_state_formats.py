@@ -42,7 +42,7 @@ OLD_LAYOUT_KEYS = {"stage", "dp", "tp", "pp", "dtype", "optimizer_tier", "units"
 OLD_SHARD_KEYS = {"form", "shard_rank", "units", "frozen", "pieces", "tp", "split", "copies"}
 """A shard layout (COMMITTED.json "shards"[r]) as tiertrain wrote it at 661023e."""
 OLD_NVME_KEYS = {"step", "rule", "skipped", "pieces", "shards"}
-"""The NVMe stream's state in a rank file ("update"]["optimizer"]) as tiertrain wrote it at 661023e."""
+"""The NVMe stream's state in a rank file (["update"]["optimizer"]) as tiertrain wrote it at 661023e."""
 OLD_TIER = {"torch_optimizer": "memory", "nvme_stream": "nvme"}
 
 SAVED: dict[str, Layout] = {

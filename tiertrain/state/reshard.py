@@ -61,7 +61,7 @@ REPLICATED_PARTS = ("scaler", "train_state", "rng")
 
 # -- at load: checks --------------------------------------------------------------------
 
-def check_reshardable(step_dir: str, marker: dict, fingerprint: dict, shards: dict | None,
+def check_reshardable(step_dir: str, marker: dict, fingerprint: dict, shards: dict,
                       prefer: int = 0) -> _SavedRun:
     """The same model (every parameter's global shape, trained or frozen) and compute dtype,
     in state formats this module reads and writes (tiertrain/update/state_format.py: a torch
