@@ -4,6 +4,8 @@ name of the form that saved it:
 
 - renaming a form (a subclass under another name) changes nothing a checkpoint records;
 - a tag this version does not know is refused by name, with the tags it knows;
+- a form written outside the library keeps its own state (FormOwnState): it loads at the layout
+  it was saved at, and resharding it is refused by the format's name;
 - a checkpoint written before the formats were types (its form recorded by class name, the
   fingerprint's "optimizer_tier", the NVMe rule's repr in the rank file) still loads, at the
   layout it was saved at and resharded, exactly as the same checkpoint in today's shape does.
@@ -23,6 +25,8 @@ import shutil
 
 import pytest
 import torch
+
+import tiertrain
 
 from test_reshard import GLOBAL, K, Layout, _step, _wrap
 from reference import global_batches
@@ -53,6 +57,9 @@ SAVED: dict[str, Layout] = {
 }
 """Each case's layout at save: the in-memory form, the delayed form (its checkpoint also holds
 the parameters one update behind the masters), the NVMe stream under AdamW and under SGD."""
+OUTSIDE = "form outside the library"
+"""A case saved at Layout(2, 2) by tests/test_update_protocol.py's SGDUpdate, a form written
+outside the library that declares no format (FormOwnState)."""
 LOADED: dict[str, tuple[str, Layout]] = {
     "memory, same layout": ("memory", Layout(2, 2)),
     "memory, dp 2->1 stage 2->3": ("memory", Layout(1, 3)),
@@ -107,18 +114,33 @@ def _ckpt(root: str, name: str, which: str = "ckpt") -> str:
     return os.path.join(root, name.replace(" ", "_"), which)
 
 
+def _wrap_form(layout: Layout, directory: str, outside: bool, seed: int = 0):
+    """test_reshard's engine; outside: with SGDUpdate as its update form."""
+    if not outside:
+        return _wrap(layout, directory, seed=seed)
+    from test_update_protocol import SGDUpdate
+
+    original = tiertrain.wrap
+    tiertrain.wrap = lambda *a, **k: original(*a, update_factory=SGDUpdate, **k)
+    try:
+        return _wrap(layout, directory, seed=seed)
+    finally:
+        tiertrain.wrap = original
+
+
 def _save_all(rank, world, root):
     """Each case: K steps, a checkpoint; then the same engine saved again as a renamed form (a
     subclass under another name). Returns the saving form's class name and NVMe rule repr."""
     batches = global_batches(K + 1, GLOBAL)
     saved = {}
-    for name, layout in SAVED.items():
-        engine, cfg = _wrap(layout, _ckpt(root, name, "run"), seed=0)
+    for name, layout in {**SAVED, OUTSIDE: Layout(2, 2)}.items():
+        engine, cfg = _wrap_form(layout, _ckpt(root, name, "run"), outside=name == OUTSIDE)
         for i in range(K):
             _step(engine, cfg, batches[i])
         engine.save_checkpoint(_ckpt(root, name))
         form = type(engine.update)
-        saved[name] = (form.__name__, repr(engine.update.nvme.rule) if hasattr(engine.update, "nvme") else None)
+        saved[name] = (form.__name__, repr(engine.update.nvme.rule) if hasattr(engine.update, "nvme") else None,
+                       engine.update.state_format.TAG)
         engine.update.__class__ = type("RenamedForm", (form,), {})
         engine.save_checkpoint(_ckpt(root, name, "renamed"))
         engine.update.__class__ = form
@@ -138,8 +160,8 @@ def _as_written_before_types(directory: str, form: str, rule: str | None) -> Non
     with open(path) as f:
         marker = json.load(f)
     before = json.dumps(marker, sort_keys=True)
-    for layout in marker["layouts"]:
-        layout["optimizer_tier"] = OLD_TIER[layout.pop("state_format")]
+    for layout in marker["layouts"]:  # (a form outside the library wrote "memory", as the in-memory forms)
+        layout["optimizer_tier"] = OLD_TIER.get(layout.pop("state_format"), "memory")
     for shards in marker["shards"]:
         del shards["state_format"]
         shards["form"] = form
@@ -149,7 +171,7 @@ def _as_written_before_types(directory: str, form: str, rule: str | None) -> Non
         optimizer = state["update"]["optimizer"]
         if rule is None:
             assert "state_names" not in optimizer and "rule" not in optimizer
-            continue
+            continue  # (a torch optimizer's state: the same then as now)
         del optimizer["state_names"]
         optimizer["rule"] = rule
         assert set(optimizer) == OLD_NVME_KEYS
@@ -182,11 +204,12 @@ def _load_all(rank, world, root, names):
     return out if rank == 0 else None
 
 
-def _load_tagged(rank, world, directory, layout, root):
-    engine, _ = _wrap(layout, os.path.join(root, f"tagged{world}"), seed=5)
+def _load_tagged(rank, world, directory, layout, root, outside=False):
+    """Load the checkpoint in directory: "loaded" (and the step it resumes at), or the error."""
+    engine, _ = _wrap_form(layout, os.path.join(root, f"tagged{world}"), outside, seed=5)
     try:
         engine.load_checkpoint(directory)
-        return "loaded"
+        return f"loaded at step {engine.steps}"
     except CheckpointError as e:
         return str(e)
     finally:
@@ -197,7 +220,7 @@ def _load_tagged(rank, world, directory, layout, root):
 def saves(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("formats"))
     forms = run_distributed(_save_all, 2, root, timeout=90)[0]
-    for name, (form, rule) in forms.items():
+    for name, (form, rule, _) in forms.items():
         shutil.copytree(_ckpt(root, name), _ckpt(root, name, "old"))
         _as_written_before_types(_ckpt(root, name, "old"), form, rule)
     return root, forms
@@ -219,12 +242,14 @@ def _marker(directory: str) -> dict:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("name", list(SAVED))
+@pytest.mark.parametrize("name", list(SAVED) + [OUTSIDE])
 def test_renaming_a_form_changes_nothing_a_checkpoint_records(saves, name):
     root, forms = saves
     original, renamed = _marker(_ckpt(root, name)), _marker(_ckpt(root, name, "renamed"))
     assert original["layouts"] == renamed["layouts"] and original["shards"] == renamed["shards"]
-    expected = TorchOptimizerState.TAG if forms[name][1] is None else NVMeStreamState.TAG
+    expected = forms[name][2]
+    assert expected == (FormOwnState.TAG if name == OUTSIDE else
+                        TorchOptimizerState.TAG if forms[name][1] is None else NVMeStreamState.TAG)
     assert {s["state_format"]["tag"] for s in original["shards"]} == {expected}
     assert {layout["state_format"] for layout in original["layouts"]} == {expected}
     for directory in (_ckpt(root, name), _ckpt(root, name, "renamed")):
@@ -269,5 +294,21 @@ def test_an_unknown_format_tag_is_refused_by_name(saves, where):
     directory = _retagged(root, "memory", "quantum_state", fingerprint=same)
     layout = SAVED["memory"] if same else Layout(1, 2)
     message = run_distributed(_load_tagged, layout.world, directory, layout, root, timeout=90)[0]
-    assert message != "loaded", f"{where}: a checkpoint in an unknown format loaded"
+    assert not message.startswith("loaded"), f"{where}: a checkpoint in an unknown format loaded"
     assert re.search(r"'quantum_state'.*'torch_optimizer'.*'nvme_stream'.*'form_own'", message), message
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("which", ["ckpt", "old"])
+def test_a_form_outside_the_library_loads_at_its_layout_and_is_not_resharded(saves, which):
+    """Its state is its own (FormOwnState): loaded whole at the layout it was saved at, from
+    today's checkpoint and from one written before the formats were types (where it was
+    "memory", like the in-memory forms, and named by its class); resharding it is refused by
+    the format's name, as it was before."""
+    root, forms = saves
+    assert forms[OUTSIDE][2] == FormOwnState.TAG
+    directory = _ckpt(root, OUTSIDE, which)
+    same = run_distributed(_load_tagged, 2, directory, Layout(2, 2), root, True, timeout=90)[0]
+    assert same == f"loaded at step {K}", same
+    other = run_distributed(_load_tagged, 1, directory, Layout(1, 2), root, True, timeout=90)[0]
+    assert re.search(r"resharding optimizer state in the 'form_own' format is not supported", other), other
