@@ -39,8 +39,9 @@ class ElementwiseRule(ABC):
 
     @property
     @abstractmethod
-    def state_names(self) -> tuple[str, str]:
-        """What the two state slots hold, by torch's names (for checkpoints and errors)."""
+    def state_names(self) -> tuple[str, ...]:
+        """What the state slots it uses hold, in slot order, by torch's optimizer's names: a
+        checkpoint records them (update/state_format.py NVMeStreamState)."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class AdamWRule(ElementwiseRule):
     eps: float
 
     @property
-    def state_names(self) -> tuple[str, str]:
+    def state_names(self) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")
 
     def apply(self, params, grads, first, second, steps, lr, weight_decay):
@@ -74,8 +75,8 @@ class SGDRule(ElementwiseRule):
     nesterov: bool
 
     @property
-    def state_names(self) -> tuple[str, str]:
-        return ("momentum_buffer", "unused")
+    def state_names(self) -> tuple[str, ...]:
+        return ("momentum_buffer",)  # (the second slot is unused)
 
     def apply(self, params, grads, first, second, steps, lr, weight_decay):
         buffers = [slot if step > 1 else None for slot, step in zip(first, steps)]

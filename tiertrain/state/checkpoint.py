@@ -60,7 +60,7 @@ import os
 import re
 import shutil
 import threading
-from typing import Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,10 @@ from .files import (_STEP_DIR, DIVERGED, MARKER, MAX_MARKER_BYTES, NEXT, OLD, Ch
                     mark_diverged, marked_steps, open_checkpoint_file, peek_extra, rank_file_name, read_marker, run_of,
                     saves_newest_first, verified_file)
 from .plain import json_like_extra, plain_state
+from .recorded_formats import fingerprint_tag
+
+if TYPE_CHECKING:
+    from ..update.state_format import StateFormat
 
 __all__ = ["CLEANUP_PREFIX", "DIVERGED", "LOCK", "MARKER", "MAX_MARKER_BYTES", "NEXT", "OLD", "CheckpointError",
            "PendingSave", "Stateful", "agree_on_checkpoint", "claim_directory", "committed_steps",
@@ -95,9 +99,10 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-def layout_fingerprint(layout, topology, stage: int, dtype: str, state_format: str) -> dict:
+def layout_fingerprint(layout, topology, stage: int, dtype: str, state_format: "StateFormat") -> dict:
     """What a rank's checkpoint must match to load: parallel sizes, ZeRO stage, compute dtype,
-    the optimizer state's format and the flat units (names and sizes)."""
+    the update form's state format (its tag: tiertrain/update/state_format.py) and the flat
+    units (names and sizes)."""
     frozen = {"frozen_units": [[u.label, u.padded_numel, [s.name for s in u.slots]] for u in layout.frozen]} \
         if layout.frozen else {}
     return {
@@ -107,7 +112,7 @@ def layout_fingerprint(layout, topology, stage: int, dtype: str, state_format: s
         "tp": topology.size("tp"),
         "pp": topology.size("pp"),
         "dtype": dtype,
-        "optimizer_tier": state_format,
+        "state_format": state_format.TAG,
         "units": [[u.label, u.padded_numel, [s.name for s in u.slots]] for u in layout.units],
     }
 
@@ -317,14 +322,21 @@ def _free_space(path: str) -> str:
 
 def layout_changed(marker: dict, topology, fingerprint: dict) -> bool:
     """The checkpoint was saved at another layout than this rank's: world size, parallel
-    sizes, ZeRO stage, optimizer tier or units (what resharding bridges; a difference it
+    sizes, ZeRO stage, state format or units (what resharding bridges; a difference it
     cannot bridge, such as another model or dtype, it refuses by name)."""
     rank = topology.rank
     if marker["world_size"] != topology.world_size or rank >= len(marker["layouts"]):
         return True
     saved = marker["layouts"][rank]
-    return any(saved.get(key) != fingerprint.get(key)
-               for key in ("dp", "tp", "pp", "stage", "optimizer_tier", "units", "frozen_units"))
+    return (any(saved.get(key) != fingerprint.get(key) for key in ("dp", "tp", "pp", "stage", "units", "frozen_units"))
+            or _saved_format_tag(marker, rank) != fingerprint["state_format"])
+
+
+def _saved_format_tag(marker: dict, rank: int) -> str:
+    """The state format's tag rank's layout records (through its shard layout, in a checkpoint
+    written before the formats were types)."""
+    shards = marker.get("shards")
+    return fingerprint_tag(marker["layouts"][rank], None if shards is None else shards[rank])
 
 
 def agree_on_checkpoint(directory: str, step: int | None, topology) -> tuple[str, dict]:
@@ -385,7 +397,8 @@ def load(parts: Mapping[str, Stateful], step_dir: str, marker: dict, topology, f
         raise CheckpointError(f"{step_dir!r} was saved by {marker['world_size']} ranks, "
                               f"this run has {topology.world_size} (Engine.load_checkpoint reshards it unless reshard=False)")
     expected, saved = fingerprint, marker["layouts"][rank]
-    for key in ("stage", "dp", "tp", "pp", "dtype", "optimizer_tier"):
+    saved = {**saved, "state_format": _saved_format_tag(marker, rank)}
+    for key in ("stage", "dp", "tp", "pp", "dtype", "state_format"):
         if saved[key] != expected[key]:
             raise CheckpointError(f"{step_dir!r} was saved with {key}={saved[key]!r}, "
                                   f"this run has {key}={expected[key]!r}")

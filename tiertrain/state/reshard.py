@@ -1,5 +1,5 @@
 """Resuming a checkpoint at another layout: data-parallel size, ZeRO stage, tensor- and
-pipeline-parallel sizes, optimizer tier.
+pipeline-parallel sizes, optimizer tier (and so the optimizer state's format).
 
 A rank file holds this rank's shard of every flat unit (fp32 masters) and the optimizer state
 of those shards: a torch optimizer's state keyed by *piece* (one view per parameter per shard)
@@ -29,9 +29,11 @@ range this rank needs. The rank files needed are read memory-mapped, each checks
 ``load_state_dict`` (masters published, gradients zeroed), so a resumed step is the step an
 uninterrupted run at the new layout takes from the same state.
 
-Supported forms, in any combination: the in-memory torch optimizer (zero.offload_optimizer
-none or cpu), the delayed update (zero.delayed_update, whose checkpoint may also hold the
-parameters one update behind the masters: cut like the masters) and the NVMe stream (nvme).
+Supported state formats (tiertrain/update/state_format.py, as each update form declares it), in
+any combination: a torch optimizer's state (TorchOptimizerState: the in-memory forms,
+zero.offload_optimizer none or cpu, and the delayed update, zero.delayed_update, whose
+checkpoint may also hold the parameters one update behind the masters: cut like the masters)
+and the NVMe stream's (NVMeStreamState: nvme).
 The same model and compute dtype are required; a difference is an error naming it.
 
 The shard layouts and their pieces are tiertrain/state/shard_layout.py's, the saved run's values
@@ -45,7 +47,9 @@ import torch
 
 from .checkpoint import CheckpointError, Stateful, restore_rank_state
 from .saved_run import MASTER, _joined, _SavedRun, _Value
-from .shard_layout import MEMORY_FORMS, NVME_FORMS, _Piece, _trained_pieces, _unit_of, parameter_slots, unit_pieces
+from .recorded_formats import fingerprint_tag, recorded_type
+from .shard_layout import _Piece, _trained_pieces, _unit_of, parameter_slots, unit_pieces
+from ..update.state_format import NVMeStreamState, TorchOptimizerState
 from ..zero.layout import Unit
 
 if TYPE_CHECKING:
@@ -57,28 +61,30 @@ REPLICATED_PARTS = ("scaler", "train_state", "rng")
 
 # -- at load: checks --------------------------------------------------------------------
 
-def check_reshardable(step_dir: str, marker: dict, fingerprint: dict, shards: dict | None,
+def check_reshardable(step_dir: str, marker: dict, fingerprint: dict, shards: dict,
                       prefer: int = 0) -> _SavedRun:
     """The same model (every parameter's global shape, trained or frozen) and compute dtype,
-    in update forms whose state this module reads and writes; otherwise an error naming what
-    differs. Returns the saved run, read preferring rank prefer's file where ranks hold the
+    in state formats this module reads and writes (tiertrain/update/state_format.py: a torch
+    optimizer's state whose pieces are recorded, the NVMe stream's); otherwise an error naming
+    what differs. Returns the saved run, read preferring rank prefer's file where ranks hold the
     same values."""
     saved_layouts, saved_shards = marker["layouts"], marker.get("shards")
     first = saved_layouts[0]
-    where = (f"{step_dir!r} (saved at " + _layout_words(saved_layouts) + "; this run "
-             + _layout_words([fingerprint]) + ")")
+    where = (f"{step_dir!r} (saved at " + _layout_words(saved_layouts, saved_shards) + "; this run "
+             + _layout_words([fingerprint], None) + ")")
     if first["dtype"] != fingerprint["dtype"]:
         raise CheckpointError(f"{where}: saved with dtype={first['dtype']!r}, this run has "
                               f"dtype={fingerprint['dtype']!r}")
     if saved_shards is None:
         raise CheckpointError(f"{where}: the checkpoint records no shard layout (saved before resharding "
                               f"existed); it loads only at the layout it was saved at")
-    for description in saved_shards + [shards or {"form": None, "pieces": None}]:
-        form = description["form"]
-        if not (form in NVME_FORMS or (form in MEMORY_FORMS and description["pieces"] is not None)):
-            raise CheckpointError(f"{where}: resharding the state of the {form} update form is not supported; "
-                                  f"the forms that reshard are {list(MEMORY_FORMS + NVME_FORMS)}, with optimizer "
-                                  f"state held as views of the fp32 masters")
+    for description in saved_shards + [shards]:
+        kind = recorded_type(description)
+        if not (issubclass(kind, NVMeStreamState)
+                or (issubclass(kind, TorchOptimizerState) and description["pieces"] is not None)):
+            raise CheckpointError(f"{where}: resharding optimizer state in the {kind.TAG!r} format is not "
+                                  f"supported; the formats that reshard are {[TorchOptimizerState.TAG]} with "
+                                  f"optimizer state held as views of the fp32 masters, and {[NVMeStreamState.TAG]}")
     if any("tp" not in s for s in saved_shards) and any(f["tp"] > 1 or f["pp"] > 1 for f in saved_layouts):
         raise CheckpointError(f"{where}: the checkpoint records no tensor-parallel slices (saved by an older "
                               f"version); it loads only at the layout it was saved at")
@@ -92,10 +98,10 @@ def check_reshardable(step_dir: str, marker: dict, fingerprint: dict, shards: di
     return run
 
 
-def _layout_words(layouts: list[dict]) -> str:
+def _layout_words(layouts: list[dict], shards: list[dict] | None) -> str:
     f = layouts[0]
-    tiers = sorted({x["optimizer_tier"] for x in layouts})
-    return f"dp={f['dp']}, tp={f['tp']}, pp={f['pp']}, stage={f['stage']}, optimizer {'/'.join(tiers)}"
+    formats = sorted({fingerprint_tag(x, None if shards is None else shards[r]) for r, x in enumerate(layouts)})
+    return f"dp={f['dp']}, tp={f['tp']}, pp={f['pp']}, stage={f['stage']}, optimizer state {'/'.join(formats)}"
 
 
 def _compare_params(kind: str, saved: dict[str, tuple], mine: dict[str, tuple], saved_copies: dict[str, str],
@@ -173,14 +179,14 @@ def _memory_update(update: "OptimizerUpdate", run: _SavedRun, rank: int, shards:
             origin = next((s for s in run.pieces("units", 0, state=True).get(value.name, []) if s.index >= 0), None)
             if origin is not None:
                 saved_group = run.file(origin.rank)["update"]["optimizer"]["param_groups"][origin.group]
-        elif run.layouts[source]["form"] in MEMORY_FORMS:
+        elif run.torch_state(source):
             saved_groups = run.file(source)["update"]["optimizer"]["param_groups"]
             saved_group = saved_groups[g] if g < len(saved_groups) else None
         options = saved_group if saved_group is not None else group
         groups.append({**{k: v for k, v in options.items() if k != "params"}, "params": group["params"]})
     state = {"masters": masters, "optimizer": {"state": by_index, "param_groups": groups},
              "schedule": run.file(source)["update"].get("schedule")}
-    if shards["form"] == "DelayedUpdate":
+    if update.state_format.published:
         # The parameters the next forward reads, one update behind the masters; a form without
         # such an update in flight publishes the masters themselves.
         state["published"] = None
@@ -197,7 +203,7 @@ def _nvme_update(update: "OptimizerUpdate", run: _SavedRun, rank: int, shards: d
     and, per piece of the stream, the steps it was left out of (the saved piece's own count
     of updates, torch's per-parameter step)."""
     nvme = update.nvme
-    names = nvme.rule.state_names
+    names = update.state_format.state_names
     run_steps = int(run.file(source)["train_state"]["steps"])
     mine = unit_pieces(rank, shards, "units")
     states = _states(mine, run, shards)
@@ -220,7 +226,7 @@ def _nvme_update(update: "OptimizerUpdate", run: _SavedRun, rank: int, shards: d
     for s, pieces in enumerate(nvme.pieces):
         skipped.append([count - steps.get((s, a), count) for a, _, _ in pieces])
     return {"masters": masters,
-            "optimizer": {"step": count, "rule": repr(nvme.rule), "skipped": skipped,
+            "optimizer": {"step": count, "state_names": list(names), "skipped": skipped,
                           "pieces": [list(p) for p in nvme.pieces], "shards": slots},
             "schedule": run.file(source)["update"].get("schedule")}
 
@@ -248,9 +254,9 @@ def load_resharded(parts: Mapping[str, Stateful], step_dir: str, marker: dict, r
     source = rank if rank < marker["world_size"] else 0  # of the replicated parts
     units = [_unit_of(e, k) for k, e in enumerate(shards["units"])]
     masters = _fill(unit_pieces(rank, shards, "units"), units, run, "units", MASTER, shards, torch.float32)
-    if shards["form"] in MEMORY_FORMS:
+    if isinstance(update.state_format, TorchOptimizerState):
         state = {"update": _memory_update(update, run, rank, shards, units, masters, source)}
-    else:
+    else:  # (check_reshardable let through no other format)
         state = {"update": _nvme_update(update, run, rank, shards, units, masters, source)}
     for name in REPLICATED_PARTS:
         if name in parts:

@@ -13,22 +13,15 @@ from typing import Any
 import torch
 
 from .checkpoint import CheckpointError, load_rank_file, rank_file_name, verified_file
-from .shard_layout import (MEMORY_FORMS, _overlaps, _Piece, _trained_pieces, parameter_slots, pieces_by_name,
-                           unit_pieces)
+from .recorded_formats import recorded_format, recorded_type
+from .shard_layout import _overlaps, _Piece, _trained_pieces, parameter_slots, pieces_by_name, unit_pieces
+from ..update.state_format import NVMeStreamState, StateFormat, TorchOptimizerState
 
 MASTER = "master"
 """The key of a parameter's fp32 master value (beside its optimizer-state keys)."""
 
 
 # -- the saved run ---------------------------------------------------------------------------
-
-def _state_names(rule: str) -> tuple[str, ...]:
-    """The torch names of the NVMe stream's two state slots (saved under AdamW's names, see
-    NVMeAdamW.state_dict), from the rule's words; "unused" slots dropped."""
-    if rule.startswith("SGDRule"):
-        return ("momentum_buffer",)
-    return ("exp_avg", "exp_avg_sq")
-
 
 class _SavedRun:
     """A checkpoint's ranks: their shard layouts, pieces and values, each rank file read at
@@ -40,6 +33,7 @@ class _SavedRun:
         """The rank files' checksums were checked already (not again at first read)."""
         self.layouts: list[dict] = marker["shards"]
         self.states: dict[int, dict] = {}
+        self._formats: dict[int, StateFormat] = {}
         self.prefer = prefer
         self._pieces: dict[tuple[str, int], dict[str, list[_Piece]]] = {}
         self.split: dict[str, int] = {}
@@ -63,6 +57,16 @@ class _SavedRun:
         coord, size = layout.get("tp", (0, 1))
         return int(coord), int(size)
 
+    def format(self, rank: int) -> StateFormat:
+        """The format of rank's saved optimizer state (its shard layout's record)."""
+        if rank not in self._formats:
+            self._formats[rank] = recorded_format(self.layouts[rank], lambda: self.file(rank)["update"]["optimizer"])
+        return self._formats[rank]
+
+    def torch_state(self, rank: int) -> bool:
+        """Rank saved a torch optimizer's state (TorchOptimizerState), keyed by piece."""
+        return issubclass(recorded_type(self.layouts[rank]), TorchOptimizerState)
+
     def file(self, rank: int) -> dict:
         if rank not in self.states:
             path = os.path.join(self.step_dir, rank_file_name(rank)) if self.verified else \
@@ -73,15 +77,15 @@ class _SavedRun:
     def pieces(self, kind: str, coord: int, state: bool = False) -> dict[str, list[_Piece]]:
         """The pieces of every parameter held by the ranks at tensor-parallel coordinate coord
         (their slices), one per element range: of their shards, or with ``state`` of their
-        optimizer state (the in-memory forms' optimizer tensors: pieces of the shards, or
-        whole parameters on their owners)."""
+        optimizer state (a torch optimizer's tensors: pieces of the shards, or whole
+        parameters on their owners)."""
         key = (kind, coord, state)
         if key not in self._pieces:
             found = []
             for r, layout in enumerate(self.layouts):
                 if self.tp(layout)[0] != coord:
                     continue
-                if kind == "units" and state and layout["form"] in MEMORY_FORMS:
+                if kind == "units" and state and self.torch_state(r):
                     found += _trained_pieces(r, layout)
                 else:
                     found += unit_pieces(r, layout, kind)
@@ -100,15 +104,23 @@ class _SavedRun:
         return self.file(piece.rank)["update"]["published"][piece.unit][piece.start:piece.start + piece.hi - piece.lo]
 
     def holds_published(self) -> bool:
-        """Saved by the delayed form with an update not yet published (every rank alike)."""
-        return self.layouts[0]["form"] == "DelayedUpdate" and self.file(0)["update"].get("published") is not None
+        """Saved in a format that may hold the parameters one update behind the masters (the
+        delayed update's), with an update not yet published (every rank alike)."""
+        if not self.torch_state(0):
+            return False
+        saved = self.format(0)
+        return isinstance(saved, TorchOptimizerState) and saved.published and \
+            self.file(0)["update"].get("published") is not None
 
     def state(self, piece: _Piece) -> dict | None:
         """The piece's optimizer state as torch's optimizer keeps it ({"step", "exp_avg", ...},
         per-element tensors over the piece), or None when it was never stepped."""
-        layout, update = self.layouts[piece.rank], self.file(piece.rank)["update"]
-        if layout["form"] in MEMORY_FORMS:
+        saved, update = self.format(piece.rank), self.file(piece.rank)["update"]
+        if isinstance(saved, TorchOptimizerState):
             return update["optimizer"]["state"].get(piece.index) or None
+        if not isinstance(saved, NVMeStreamState):
+            raise CheckpointError(f"{self.step_dir!r}: rank {piece.rank} saved its optimizer state in the "
+                                  f"{saved.TAG!r} format, which is read only at the layout it was saved at")
         optimizer = update["optimizer"]
         starts = [p[0] for p in optimizer["pieces"][piece.unit]]
         # (an NVMe piece is one parameter's view of the shard: its start is this piece's)
@@ -121,7 +133,7 @@ class _SavedRun:
             return None
         shard = optimizer["shards"][piece.unit]
         n = piece.hi - piece.lo
-        names = _state_names(optimizer["rule"])
+        names = saved.state_names
         out: dict[str, Any] = {key: shard[slot][piece.start:piece.start + n]
                                for key, slot in zip(names, ("exp_avg", "exp_avg_sq"))}
         if "exp_avg_sq" in names:

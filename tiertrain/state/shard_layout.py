@@ -1,5 +1,5 @@
 """A rank's shard layout as a checkpoint records it (:func:`describe`, kept in COMMITTED.json):
-its units, the update form, the optimizer's piece order, its tensor-parallel slices and copies;
+its units, the update form's state format, the optimizer's piece order, its tensor-parallel slices and copies;
 and the *pieces* found from it, the runs of each parameter's elements a rank's shard holds, in
 the parameter's own coordinates (what tiertrain/state/reshard.py lines up across layouts).
 """
@@ -12,20 +12,13 @@ import torch
 
 from .checkpoint import CheckpointError
 from ..update.protocol import SLOT_NAME
+from ..update.state_format import TorchOptimizerState
 from ..update.whole import WHOLE
 from ..zero.layout import Slot, Unit
 
 if TYPE_CHECKING:
     from ..update.protocol import OptimizerUpdate
     from ..zero.flat import FlatParameters
-
-MEMORY_FORMS = ("InMemoryUpdate", "DelayedUpdate", "WholeParameterUpdate")
-"""Update forms whose state is a torch optimizer's over per-parameter views (update/in_memory.py,
-update/delayed.py; the delayed form may also hold "published" compute-dtype shards, the
-parameters one update behind the masters) and whole parameters stepped by their owning rank
-(update/whole.py)."""
-NVME_FORMS = ("NVMeUpdate", "OverlappedNVMeUpdate")
-"""Update forms whose state is the NVMe stream's per-shard moments (update/nvme/form.py)."""
 
 
 # -- at save: what each rank holds --------------------------------------------------------
@@ -74,20 +67,20 @@ def piece_order(flat: "FlatParameters", optimizer: torch.optim.Optimizer) -> lis
 def describe(flat: "FlatParameters", update: "OptimizerUpdate", tp: tuple[int, int] = (0, 1),
              copies: Mapping[str, str] | None = None) -> dict:
     """This rank's shard layout, JSON-like: the trained and frozen units (slots, padded size,
-    shard count), the shard this rank holds, the update form, (in-memory form) the optimizer's
-    piece order, this rank's tensor-parallel (coordinate, size) and the dimension of each of
+    shard count), the shard this rank holds, the update form's state format (its record:
+    update/state_format.py), (a torch optimizer's state) the optimizer's piece order, this rank's tensor-parallel (coordinate, size) and the dimension of each of
     its parameters that is a tensor-parallel slice, and ``copies``: {parameter: the parameter
     it is kept equal to} (a tied weight's copy on another pipeline stage). Recorded at save so
     another layout can find these values."""
-    form = type(update).__name__
-    optimizer = getattr(update, "optimizer", None) if form in MEMORY_FORMS else None
+    state_format = update.state_format
+    optimizer = getattr(update, "optimizer", None) if isinstance(state_format, TorchOptimizerState) else None
     names = [s.name for u in flat.units + flat.frozen_units for s in u.unit.slots]
     split = {}
     for name in names:
         param = flat.params.get(name)
         if getattr(param, "tp_sharded", False):
             split[name] = int(param.tp_shard_dim)
-    return {"form": form, "shard_rank": flat.shard_rank,
+    return {"state_format": state_format.record(), "shard_rank": flat.shard_rank,
             "units": [_unit_json(u.unit) for u in flat.units],
             "frozen": [_unit_json(u.unit) for u in flat.frozen_units],
             "pieces": None if optimizer is None else piece_order(flat, optimizer),
@@ -111,7 +104,7 @@ class _Piece:
     start: int
     """Offset in the rank's shard of that unit."""
     index: int = -1
-    """Optimizer state index (trained pieces of the in-memory form), else -1."""
+    """Optimizer state index (trained pieces of a torch optimizer's state), else -1."""
     group: int = -1
 
 
@@ -120,7 +113,8 @@ def _param_start(unit: Unit, shard_rank: int, slot_offset: int, start: int) -> i
 
 
 def _trained_pieces(rank: int, shards: dict) -> list[_Piece]:
-    """The pieces of the in-memory form's optimizer, with their state index and group."""
+    """The pieces of a torch optimizer's state (TorchOptimizerState), with their state index
+    and group."""
     units = [_unit_of(e, k) for k, e in enumerate(shards["units"])]
     out = []
     for i, (k, name, start, end, group) in enumerate(shards["pieces"]):
@@ -185,4 +179,4 @@ def _overlaps(name: str, lo: int, hi: int, saved: dict[str, list[_Piece]],
     return found
 
 
-__all__ = ["MEMORY_FORMS", "NVME_FORMS", "describe", "parameter_slots", "piece_order", "pieces_by_name", "unit_pieces"]
+__all__ = ["describe", "parameter_slots", "piece_order", "pieces_by_name", "unit_pieces"]

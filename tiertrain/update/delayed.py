@@ -70,6 +70,7 @@ from ..errors import TiertrainError
 from ..spans import span
 from .protocol import (PIECE, GroupSchedule, LandingNorms, OptimizerUpdate, UpdateMemory, gradients_hidden,
                                optimizer_state_bytes, restore_masters, shard_optimizer)
+from .state_format import TorchOptimizerState
 
 
 class DelayedUpdateError(TiertrainError, RuntimeError):
@@ -82,6 +83,10 @@ class DelayedUpdate(OptimizerUpdate):
     one process)."""
 
     publishes_in_step = False
+
+    state_format = TorchOptimizerState(published=True)
+    """torch's state_dict, and with an update not yet published the shards the next forward
+    reads (state_dict's "published")."""
 
     def __init__(self, flat, config, lazy_zero: bool, group, device: torch.device, client=None,
                  landing_norms: LandingNorms | None = None, swap_gradients: bool = False):

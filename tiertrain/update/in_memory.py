@@ -6,6 +6,7 @@ from __future__ import annotations
 from .host_adamw import CompileUnavailable, HostAdamW, warn_unavailable
 from .protocol import (PIECE, SLOT_NAME, GroupSchedule, LandingNorms, OptimizerUpdate, UpdateMemory, gradients_hidden,
                        optimizer_state_bytes, restore_masters, scale_gradients, shard_optimizer)
+from .state_format import TorchOptimizerState
 
 AUTO_COMPILED_ELEMENTS = 1 << 26
 """optimizer.impl=auto takes the compiled pass (update/host_adamw.py) for an optimizer on the
@@ -17,6 +18,8 @@ disk) is repaid within the first hundreds of steps."""
 class InMemoryUpdate(OptimizerUpdate):
     """AdamW (torch, fused kernel by default), or the client's optimizer and lr_scheduler,
     stepping the flat masters in place."""
+
+    state_format = TorchOptimizerState()
 
     def __init__(self, flat, config, lazy_zero: bool, client=None, landing_norms: LandingNorms | None = None):
         super().__init__(flat, config, lazy_zero)

@@ -32,6 +32,7 @@ import torch
 from ..errors import CheckpointError
 from ..optim import build_adamw, decays, squared_norm
 from ..spans import span
+from .state_format import FormOwnState, StateFormat
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -287,8 +288,10 @@ class GroupSchedule:
 class OptimizerUpdate(ABC):
     """One form of the optimizer step over this rank's flat shards; see the module docstring."""
 
-    state_format: str = "memory"
-    """Recorded in checkpoint fingerprints: a checkpoint loads into a form of the same format."""
+    state_format: StateFormat = FormOwnState()
+    """The format of this form's state_dict in a checkpoint (update/state_format.py), which
+    tiertrain/state/ reads and reshards by; a checkpoint loads as it is into a form of the
+    same format. The default, the form's own state, loads only at the layout it was saved at."""
 
     publishes_in_step: bool = True
     """Whether the updated parameters are in the compute shards when step() returns (the

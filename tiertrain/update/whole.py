@@ -29,6 +29,7 @@ from ..spans import span
 from .ownership import Exchange, exchange
 from .protocol import (SLOT_NAME, GroupSchedule, OptimizerUpdate, UpdateMemory, gradients_hidden,
                        gradients_hidden_where, optimizer_state_bytes, scale_gradients, shard_param_groups)
+from .state_format import TorchOptimizerState
 
 if TYPE_CHECKING:
     from ..optim import ClientOptimizer
@@ -40,6 +41,10 @@ tiertrain/state/reshard.py to describe where its state belongs."""
 
 class WholeParameterUpdate(OptimizerUpdate):
     """The client's optimizer with some groups stepped whole by owning ranks (module docstring)."""
+
+    state_format = TorchOptimizerState()
+    """torch's state_dict either way: a piece's state over its elements, a whole parameter's
+    whole on its owner (on the NVMe tier, read in from its swap files for the checkpoint)."""
 
     def __init__(self, flat, config, lazy_zero: bool, client: "ClientOptimizer", swapper=None):
         super().__init__(flat, config, lazy_zero)

@@ -22,6 +22,7 @@ from ...config import ConfigError
 from ...elementwise import AdamWRule, ElementwiseRule, streamed_update
 from ...optim import squared_norm
 from ..protocol import GroupSchedule, OptimizerUpdate, UpdateMemory, scale_gradients, shard_param_groups
+from ..state_format import NVMeStreamState
 from .optimizer import NVMeAdamW, pieces_from_param_groups
 
 class NVMeUpdate(OptimizerUpdate):
@@ -30,7 +31,10 @@ class NVMeUpdate(OptimizerUpdate):
     lr_scheduler runs on a stand-in whose rate and rule hyper-parameters (betas, momentum)
     each step reads."""
 
-    state_format = "nvme"
+    @property
+    def state_format(self) -> NVMeStreamState:  # type: ignore[override]
+        """The stream's records, its state slots named by its rule."""
+        return NVMeStreamState.of_rule(self.nvme.rule)
 
     def __init__(self, flat, config, lazy_zero: bool, swapper, rank: int, client=None):
         super().__init__(flat, config, lazy_zero)

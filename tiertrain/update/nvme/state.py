@@ -18,9 +18,10 @@ class OptimizerState:
     it, working on its attributes and pipeline)."""
 
     def state_dict(self) -> dict:
-        """The whole state gathered from NVMe into new CPU tensors: ``step``, ``rule`` (its
-        words), ``pieces`` and per shard ``{"master", "exp_avg", "exp_avg_sq"}`` (fp32,
-        shard-sized; the rule's two state slots under AdamW's names, see rule.state_names)."""
+        """The whole state gathered from NVMe into new CPU tensors: ``step``, ``state_names``
+        (what the slots hold, by the torch optimizer's names: the rule's state_names),
+        ``skipped``, ``pieces`` and per shard ``{"master", "exp_avg", "exp_avg_sq"}`` (fp32,
+        shard-sized; the rule's state slots under AdamW's names)."""
         self._check_usable()
         shards = [{k: torch.empty(n, dtype=torch.float32) for k in ("master", "exp_avg", "exp_avg_sq")}
                   for n in self._shard_numels]
@@ -31,7 +32,7 @@ class OptimizerState:
             d["exp_avg"][ch.lo:ch.hi].copy_(m)
             d["exp_avg_sq"][ch.lo:ch.hi].copy_(v)
         self._stream("state_dict", work, read=True, write=False)
-        return {"step": self.step_count, "rule": repr(self.rule), "skipped": [list(c) for c in self.skipped],
+        return {"step": self.step_count, "state_names": list(self.rule.state_names), "skipped": [list(c) for c in self.skipped],
                 "pieces": [list(p) for p in self.pieces], "shards": shards}
 
     def load_state_dict(self, state: dict) -> None:
