@@ -1,7 +1,7 @@
 """Context-parallel attention (tiertrain/parallel/context.py) equals one process's attention over
 the whole sequence: outputs and the gradients of q, k and v, for Ulysses and ring attention, at
 cp = 2 and 4 on gloo, causal and not, with as many key/value heads as query heads and with
-fewer (grouped-query attention).
+fewer (grouped-query attention), and with a sliding window narrower than the sequence.
 
 The bound is the float64 oracle's: the context-parallel run in fp32 is within twice the fp32
 single-process attention's distance to the float64 one (plus 4 ulps), tensor by tensor; the
@@ -18,9 +18,10 @@ from tiertrain.parallel.context import (ContextParallelError, ring_attention, ul
 from tiertrain.testing import run_distributed
 
 BATCH, TOKENS, HEAD_DIM = 2, 16, 8
-CASES = [  # (algorithm, causal, query heads, key/value heads)
-    ("ulysses", True, 8, 8), ("ulysses", True, 8, 2), ("ulysses", False, 4, 4),
-    ("ring", True, 8, 8), ("ring", True, 8, 2), ("ring", False, 4, 2),
+CASES = [  # (algorithm, causal, query heads, key/value heads, sliding window)
+    ("ulysses", True, 8, 8, None), ("ulysses", True, 8, 2, None), ("ulysses", False, 4, 4, None),
+    ("ulysses", True, 8, 2, 5),
+    ("ring", True, 8, 8, None), ("ring", True, 8, 2, None), ("ring", False, 4, 2, None), ("ring", True, 8, 2, 5),
 ]
 ATTENTION = {"ulysses": ulysses_attention, "ring": ring_attention}
 
@@ -34,19 +35,21 @@ def _inputs(heads: int, kv_heads: int, dtype: torch.dtype):
     return [t.to(dtype) for t in (q, k, v, grad)]
 
 
-def _reference(q, k, v, grad, causal: bool, fused: bool = False) -> dict[str, torch.Tensor]:
+def _reference(q, k, v, grad, causal: bool, window: int | None = None, fused: bool = False) -> dict[str, torch.Tensor]:
     """Attention over the whole sequence in q's dtype, its output and gradients: written out
     (scores, softmax, weighted sum), or torch's fused kernel (blockwise, online softmax)."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     rep = q.shape[1] // k.shape[1]
+    position = torch.arange(TOKENS)
+    hidden = (position.unsqueeze(0) > position.unsqueeze(1)) if causal else torch.zeros(TOKENS, TOKENS, dtype=torch.bool)
+    if window is not None:
+        hidden |= position.unsqueeze(1) - position.unsqueeze(0) >= window
     if fused:
         out = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
-                                                               v.repeat_interleave(rep, 1), is_causal=causal)
+                                                               v.repeat_interleave(rep, 1), attn_mask=~hidden)
     else:
         scores = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) / HEAD_DIM ** 0.5
-        if causal:
-            scores = scores.masked_fill(torch.ones(TOKENS, TOKENS, dtype=torch.bool).triu(1), float("-inf"))
-        out = torch.softmax(scores, dim=-1) @ v.repeat_interleave(rep, 1)
+        out = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) @ v.repeat_interleave(rep, 1)
     out.backward(grad)
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
@@ -59,21 +62,21 @@ def _unsplit(pieces: list[torch.Tensor], zigzag: bool) -> torch.Tensor:
     return zigzag_unsplit(pieces, 2) if zigzag else torch.cat(pieces, dim=2)
 
 
-def _run(rank, world, algorithm, causal, heads, kv_heads, dtype, zigzag):
+def _run(rank, world, algorithm, causal, heads, kv_heads, dtype, zigzag, window=None):
     group = torch.distributed.group.WORLD
     q, k, v, grad = (_split(t, rank, world, zigzag).requires_grad_() for t in _inputs(heads, kv_heads, dtype))
-    out = ATTENTION[algorithm](q, k, v, group, causal=causal)
+    out = ATTENTION[algorithm](q, k, v, group, causal=causal, window=window)
     out.backward(grad)
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
 def _rank_main(rank, world):
     results = {}
-    for algorithm, causal, heads, kv_heads in CASES:
+    for algorithm, causal, heads, kv_heads, window in CASES:
         zigzag = algorithm == "ring" and causal
         for dtype in (torch.float32, torch.float64):
-            results[algorithm, causal, heads, kv_heads, dtype] = _run(rank, world, algorithm, causal, heads,
-                                                                      kv_heads, dtype, zigzag)
+            results[algorithm, causal, heads, kv_heads, window, dtype] = _run(rank, world, algorithm, causal, heads,
+                                                                              kv_heads, dtype, zigzag, window)
     # The mutation: causal ring attention given contiguous tokens instead of its zig-zag pair.
     results["contiguous"] = _run(rank, world, "ring", True, 8, 8, torch.float32, zigzag=False)
     try:
@@ -94,24 +97,25 @@ def _gathered(per_rank: list[dict], zigzag: bool) -> dict[str, torch.Tensor]:
     return {name: _unsplit([r[name] for r in per_rank], zigzag) for name in per_rank[0]}
 
 
-def _noise(heads: int, kv_heads: int, causal: bool, ref64: dict) -> dict[str, float]:
+def _noise(heads: int, kv_heads: int, causal: bool, window: int | None, ref64: dict) -> dict[str, float]:
     """Per tensor, the larger distance to float64 of torch's two fp32 attentions (written out
     and fused): both are correct, and their rounding differs as blockwise attention's does."""
     inputs = _inputs(heads, kv_heads, torch.float32)
-    written, fused = (rel_distances(_reference(*inputs, causal, fused=f), ref64) for f in (False, True))
+    written, fused = (rel_distances(_reference(*inputs, causal, window, fused=f), ref64) for f in (False, True))
     return {name: max(written[name], fused[name]) for name in written}
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("algorithm,causal,heads,kv_heads", CASES,
-                         ids=[f"{a}, {'causal' if c else 'full'}, {h}q/{kv}kv heads" for a, c, h, kv in CASES])
-def test_attention_over_the_split_sequence_equals_one_process(runs, algorithm, causal, heads, kv_heads):
+@pytest.mark.parametrize("algorithm,causal,heads,kv_heads,window", CASES,
+                         ids=[f"{a}, {'causal' if c else 'full'}, {h}q/{kv}kv heads" + (f", window {w}" if w else "")
+                              for a, c, h, kv, w in CASES])
+def test_attention_over_the_split_sequence_equals_one_process(runs, algorithm, causal, heads, kv_heads, window):
     world, results = runs
     zigzag = algorithm == "ring" and causal
-    ref64 = _reference(*_inputs(heads, kv_heads, torch.float64), causal)
-    noise = _noise(heads, kv_heads, causal, ref64)
-    got32 = _gathered([r[algorithm, causal, heads, kv_heads, torch.float32] for r in results], zigzag)
-    got64 = _gathered([r[algorithm, causal, heads, kv_heads, torch.float64] for r in results], zigzag)
+    ref64 = _reference(*_inputs(heads, kv_heads, torch.float64), causal, window)
+    noise = _noise(heads, kv_heads, causal, window, ref64)
+    got32 = _gathered([r[algorithm, causal, heads, kv_heads, window, torch.float32] for r in results], zigzag)
+    got64 = _gathered([r[algorithm, causal, heads, kv_heads, window, torch.float64] for r in results], zigzag)
     for name, distance in rel_distances(got32, ref64).items():
         assert distance <= 2 * noise[name] + 4 * EPS32, (f"{algorithm} at cp={world}: {name} is {distance:.3g} from "
                                                          f"float64, the fp32 reference {noise[name]:.3g}")

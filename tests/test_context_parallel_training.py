@@ -1,9 +1,11 @@
-"""Context parallelism composed with data parallelism and ZeRO (issue 38, item 2): a GPT whose
+"""Context parallelism composed with data parallelism and ZeRO (issue 38, item 2): a model whose
 sequences are split over cp ranks (tiertrain.parallel.apply_context_parallel) trains as one
 process trains it on the whole batch, within the float64 oracle, at every ZeRO stage, on the
-CPU tier, with gradient accumulation, with ring and Ulysses attention, at (dp, cp) = (1, 2),
-(1, 4) and (2, 2); and the loss stays the exact token mean when -100 labels fall unevenly on
-the cp ranks.
+CPU and NVMe tiers, with gradient accumulation, with ring and Ulysses attention, at (dp, cp) =
+(1, 2), (1, 4) and (2, 2); and the loss stays the exact token mean when -100 labels fall
+unevenly on the cp ranks. The models: tiertrain's GPT, and Hugging Face Llama (grouped-query
+attention) and Mistral (a sliding window narrower than the sequence) through transformers'
+attention interface, with labels as transformers takes them and with right padding.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 import tiertrain
+import zoo
 from reference import Oracle, engine_train, global_batches, make_config, make_model, reference_train
 from tiertrain.parallel.context import ContextParallelError
 from tiertrain.parallel.cp_plan import apply_context_parallel
@@ -31,7 +34,21 @@ def _config(case: dict, cp: int):
                        optimizer={"eps": 1e-3})
 
 
+def _model(case: dict):
+    return zoo.build(case["hf"]) if "hf" in case else make_model()
+
+
 def _batches(case: dict, dp: int):
+    if "hf" in case:
+        batches = zoo.batches(case["hf"], STEPS, MICRO * dp * case.get("accum", 1))
+        if case.get("padded"):  # right padding: row r keeps 16 - 3r real tokens
+            for b in batches:
+                mask = torch.ones_like(b["input_ids"])
+                for row in range(mask.shape[0]):
+                    mask[row, mask.shape[1] - 3 * row:] = 0
+                b["attention_mask"] = mask
+                b["labels"] = b["labels"].masked_fill(mask == 0, -100)
+        return batches
     batches = global_batches(STEPS, MICRO * dp * case.get("accum", 1))
     if case.get("ignored"):  # -100 on a different, uneven share of each row's tokens
         for b in batches:
@@ -54,13 +71,25 @@ CASES = {
     "ulysses, stage 3, optimizer on CPU": {"algorithm": "ulysses", "zero": {"stage": 3, "offload_optimizer": "cpu"}},
     "ring, stage 2, -100 labels": {"algorithm": "ring", "zero": {"stage": 2}, "ignored": True},
     "ulysses, stage 1, -100 labels": {"algorithm": "ulysses", "zero": {"stage": 1}, "ignored": True},
+    "ring, stage 2, the loss from the whole sequence's logits": {"algorithm": "ring", "zero": {"stage": 2},
+                                                                "loss_from_logits": True},
+    "llama, ring, stage 3": {"hf": "llama-gqa", "algorithm": "ring", "zero": {"stage": 3}},
+    "llama, ulysses, stage 2, optimizer on CPU": {"hf": "llama-gqa", "algorithm": "ulysses",
+                                                  "zero": {"stage": 2, "offload_optimizer": "cpu"}},
+    "llama, ring, stage 2, right padding": {"hf": "llama-gqa", "algorithm": "ring", "zero": {"stage": 2},
+                                            "padded": True},
+    "mistral sliding window, ring, stage 1": {"hf": "mistral-sliding-window", "algorithm": "ring",
+                                              "zero": {"stage": 1}},
+    "mistral sliding window, ulysses, stage 3": {"hf": "mistral-sliding-window", "algorithm": "ulysses",
+                                                 "zero": {"stage": 3}},
 }
 LAYOUTS = {  # (dp, cp) -> the cases run there (-100 labels only at dp = 1, where the reference's
     # token mean over the whole batch is what the engine computes: over dp it is a mean of means)
     (1, 2): list(CASES),
-    (1, 4): ["ring, stage 3", "ulysses, stage 2", "ring, stage 2, -100 labels"],
+    (1, 4): ["ring, stage 3", "ulysses, stage 2", "ring, stage 2, the loss from the whole sequence's logits", "ring, stage 2, -100 labels", "llama, ring, stage 3",
+             "mistral sliding window, ring, stage 1"],
     (2, 2): ["ring, stage 2, accumulation 2", "ring, stage 3, parameters and optimizer on CPU",
-             "ulysses, stage 3, optimizer on CPU"],
+             "ulysses, stage 3, optimizer on CPU", "llama, ring, stage 3"],
 }
 
 
@@ -81,13 +110,21 @@ def _rank(rank, world, cp, names, root):
             cp_plan.exact_token_mean = lambda summed, labelled, group: summed / labelled
         try:
             prepare = lambda m, t: apply_context_parallel(m, t, case["algorithm"])
-            losses, params, engine = engine_train(rank, world, make_model(), _config(case, cp),
-                                                  _batches(case, world // cp), prepare)
+            wrap_kwargs = {"loss_fn": _loss_from_logits} if case.get("loss_from_logits") else None
+            losses, params, engine = engine_train(rank, world, _model(case), _config(case, cp),
+                                                  _batches(case, world // cp), prepare, wrap_kwargs)
             engine.close()
         finally:
             cp_plan.exact_token_mean = exact
         out[name] = (losses, params)
     return out
+
+
+def _loss_from_logits(model, batch):
+    """A loss of the user's own from the logits (the model called without labels): under
+    context parallelism every rank gets the whole sequence's logits."""
+    logits = model(batch["input_ids"])
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
 
 
 _RESULTS: dict = {}
@@ -111,7 +148,7 @@ def test_trains_as_one_process_on_the_whole_batch(layout, name, tmp_path):
     dp, cp = layout
     losses, params = _results(layout, tmp_path)[name]
     case = CASES[name]
-    oracle = Oracle.run(reference_train, make_model(), _config(case, 1), _batches(case, dp))
+    oracle = Oracle.run(reference_train, _model(case), _config(case, 1), _batches(case, dp))
     oracle.check(losses, params, f"{name} at dp={dp}, cp={cp}")
 
 
@@ -148,3 +185,22 @@ def test_conversion_refuses_what_it_cannot_split():
         apply_context_parallel(make_model(), _grid(2), "zigzag")
     with pytest.raises(ContextParallelError, match="dropout=0.1"):
         apply_context_parallel(make_model(dropout=0.1), _grid(2), "ring")
+
+
+def test_hugging_face_conversion_refuses_what_it_cannot_run_exactly():
+    with pytest.raises(TypeError, match=r"Hugging Face decoders \['llama', 'mistral', 'qwen2', 'qwen3'\]; got a GPT2"):
+        apply_context_parallel(zoo.build("gpt2-tied"), _grid(2), "ring")
+    dropped = zoo.build("llama-gqa")
+    dropped.config.attention_dropout = 0.1
+    with pytest.raises(ContextParallelError, match="attention_dropout=0.1"):
+        apply_context_parallel(dropped, _grid(2), "ring")
+    llama = apply_context_parallel(zoo.build("llama-gqa"), tiertrain.Topology.build(), "ring")
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    left = torch.ones(2, 16, dtype=torch.long)
+    left[1, :3] = 0
+    with pytest.raises(ContextParallelError, match="pads on the left"):
+        llama(input_ids=ids, labels=ids, attention_mask=left)
+    with pytest.raises(ContextParallelError, match="position_ids= is not supported"):
+        llama(input_ids=ids, labels=ids, position_ids=torch.arange(16).expand(2, 16))
+    with pytest.raises(ContextParallelError, match="not both"):
+        llama(input_ids=ids, labels=ids, shift_labels=ids)

@@ -26,7 +26,13 @@ import torch.nn.functional as F
 
 from ..config import ConfigError
 
-__all__ = ["hf_config", "build_causal_lm", "causal_lm_loss", "has_weights", "tokenizer_file"]
+__all__ = ["ROTARY_DECODERS", "hf_config", "build_causal_lm", "causal_lm_loss", "has_weights", "tokenizer_file"]
+
+ROTARY_DECODERS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""``config.model_type`` values whose base model runs embed_tokens → layers (each given the rotary
+cos/sin, position ids and a causal or sliding-window mask) → norm, nothing else (no embedding
+scale, no soft-capping): the families the pipeline's rotary-decoder stages reproduce exactly
+(tiertrain/pipeline/hf_families.py) and context parallelism converts (tiertrain/parallel/cp_hf.py)."""
 
 
 @functools.lru_cache(maxsize=8)
@@ -89,7 +95,10 @@ def build_causal_lm(directory: str) -> nn.Module:
 
 
 def causal_lm_loss(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-    """Mean next-token cross-entropy of the model's logits against batch["labels"]."""
+    """Mean next-token cross-entropy of the model's logits against batch["labels"] (a
+    context-parallel model computes it from its own tokens: tiertrain/parallel/cp_hf.py)."""
+    if getattr(model, "cp_size", 1) > 1:
+        return model(input_ids=batch["input_ids"], shift_labels=batch["labels"]).loss
     logits = model(input_ids=batch["input_ids"]).logits
     return F.cross_entropy(logits.float().flatten(0, -2), batch["labels"].flatten())
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ..errors import TiertrainError
 from ..waits import run_timeout
 
-__all__ = ["ContextParallelError", "ring_attention", "ulysses_attention", "zigzag_positions", "zigzag_split",
+__all__ = ["ContextParallelError", "GatherSequence", "context_split", "exact_token_mean", "ring_attention", "ulysses_attention", "zigzag_positions", "zigzag_split",
            "zigzag_unsplit"]
 
 
@@ -131,28 +131,37 @@ def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                                    f"query heads must be a multiple of the key/value heads")
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,
+            window: int | None) -> torch.Tensor:
+    """torch's attention over whole sequences (key/value heads repeated for the query heads)."""
+    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    if window is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    mask = _visible(0, 0, q.shape[2], k.shape[2], window, q.device)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, causal: bool = True,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """Attention of this rank's tokens (a contiguous 1/c of the sequence, in rank order) over
     the whole sequence, by two all-to-alls over ``group`` (DeepSpeed-Ulysses). q, k, v:
     ``[b, heads, s/c, d]``; key/value heads fewer than the query heads (grouped-query
-    attention) are repeated first when c does not divide them. Returns ``[b, heads, s/c, d]``."""
+    attention) are repeated first when c does not divide them; ``window`` (causal only): each
+    query sees the keys less than ``window`` positions back. Returns ``[b, heads, s/c, d]``."""
     _check_heads(q, k, v)
     c = _size(group)
     if q.shape[1] % c:
         raise ContextParallelError(f"Ulysses splits the heads over the context-parallel ranks: {q.shape[1]} query "
                                    f"heads are not divisible by parallel.cp={c}; use a cp size that divides "
                                    f"them, or ring attention")
+    if window is not None and not causal:
+        raise ContextParallelError(f"a sliding window ({window}) applies to causal attention only")
     if c == 1:
-        return torch.nn.functional.scaled_dot_product_attention(q, _repeat_kv(k, q.shape[1]),
-                                                                _repeat_kv(v, q.shape[1]), is_causal=causal,
-                                                                scale=scale)
+        return _attend(q, k, v, causal, scale, window)
     if k.shape[1] % c:
         k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     qh, kh, vh = (SequenceToHeads.apply(t, group) for t in (q, k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(qh, _repeat_kv(kh, qh.shape[1]),
-                                                           _repeat_kv(vh, qh.shape[1]), is_causal=causal, scale=scale)
-    return HeadsToSequence.apply(out, group)
+    return HeadsToSequence.apply(_attend(qh, kh, vh, causal, scale, window), group)
 
 
 # -- ring attention ----------------------------------------------------------------------------
@@ -186,15 +195,47 @@ class RingPass(torch.autograd.Function):
         return _ring_exchange(grad, ctx.group, False, "a ring attention hop of key and value gradients"), None
 
 
-def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool):
+MASKED = -1e30
+"""The score of a masked (query, key) pair: finite, so that a query row a block masks whole
+gets a finite log-sum-exp (its weight in the combination is then exp(-1e30) = 0, and its
+gradient is 0, where -inf would give nan)."""
+
+
+def _visible(q_start: int, k_start: int, n_q: int, n_k: int, window: int | None, device) -> torch.Tensor | None:
+    """The causal (and sliding-window) mask of a block whose queries sit at positions
+    q_start... and keys at k_start...: True where the key is visible; None when all are."""
+    last_k, first_q = k_start + n_k - 1, q_start
+    if last_k <= first_q and (window is None or q_start + n_q - 1 - k_start < window):
+        return None
+    q_pos = torch.arange(q_start, q_start + n_q, device=device).unsqueeze(1)
+    k_pos = torch.arange(k_start, k_start + n_k, device=device).unsqueeze(0)
+    seen = k_pos <= q_pos
+    return seen if window is None else seen & (q_pos - k_pos < window)
+
+
+class _AfterTheRing(torch.autograd.Function):
+    """Returns the output unchanged, with the last hop's block as an input of no influence
+    (zero gradient), so that every rank's backward runs every hop's exchange: a rank whose
+    queries see none of the last blocks (a sliding window) would otherwise skip those hops'
+    backward while its neighbours wait for it."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, last_block: torch.Tensor) -> torch.Tensor:
+        ctx.block_shape, ctx.block_dtype = last_block.shape, last_block.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad.new_zeros(ctx.block_shape, dtype=ctx.block_dtype)
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, visible: torch.Tensor | None):
     """Attention of q over one key/value block: (output normalised within the block, its
-    log-sum-exp per query), computed in at least fp32. diagonal: the block holds the same
-    tokens as q, so each query sees the keys up to its own position only."""
+    log-sum-exp per query), computed in at least fp32, keys outside ``visible`` masked."""
     dtype = torch.promote_types(q.dtype, torch.float32)
     scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale
-    if diagonal:
-        n = scores.shape[-1]
-        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if visible is not None:
+        scores = scores.masked_fill(~visible, MASKED)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(dtype))
     return out, lse
@@ -213,12 +254,13 @@ def _chunk_indices(rank: int, c: int, causal: bool) -> list[int]:
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, causal: bool = True,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """Attention of this rank's tokens over the whole sequence, the key/value blocks passed
     around the ring of ``group``. q, k, v: ``[b, heads, tokens, d]`` (grouped-query k, v
     allowed). With ``causal`` this rank's tokens must be its zig-zag pair of chunks
-    (:func:`zigzag_split`), otherwise its contiguous 1/c of the sequence in rank order.
-    Returns ``[b, heads, tokens, d]`` in q's dtype."""
+    (:func:`zigzag_split`), otherwise its contiguous 1/c of the sequence in rank order;
+    ``window`` (causal only): each query sees the keys less than ``window`` positions back
+    (Mistral's sliding window). Returns ``[b, heads, tokens, d]`` in q's dtype."""
     _check_heads(q, k, v)
     c, r = _size(group), _rank(group)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -226,6 +268,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, cau
     if q.shape[2] % parts:
         raise ContextParallelError(f"causal ring attention takes each rank's two zig-zag chunks of equal length; "
                                    f"this rank holds {q.shape[2]} tokens, an odd number")
+    if window is not None and not causal:
+        raise ContextParallelError(f"a sliding window ({window}) applies to causal attention only")
+    n = q.shape[2] // parts
     k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     mine = _chunk_indices(r, c, causal)
     queries = q.chunk(parts, dim=2)
@@ -238,10 +283,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, cau
         keys, values = kv[0].chunk(parts, dim=2), kv[1].chunk(parts, dim=2)
         for i, a in enumerate(mine):
             for j, b in enumerate(theirs):
-                if causal and b > a:
-                    continue  # (every key of a later chunk is masked for every query of this one)
-                partial[i].append(_block(queries[i], keys[j], values[j], scale, diagonal=causal and a == b))
-    return torch.cat([_combine(blocks) for blocks in partial], dim=2).to(q.dtype)
+                if causal and (b > a or (window is not None and (a - b - 1) * n + 1 >= window)):
+                    continue  # (no key of that chunk is visible to any query of this one)
+                visible = _visible(a * n, b * n, n, n, window, q.device) if causal else None
+                partial[i].append(_block(queries[i], keys[j], values[j], scale, visible))
+    out = torch.cat([_combine(blocks) for blocks in partial], dim=2).to(q.dtype)
+    return _AfterTheRing.apply(out, kv) if c > 1 else out
 
 
 # -- the zig-zag split -------------------------------------------------------------------------
@@ -273,3 +320,41 @@ def zigzag_unsplit(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
     c = len(pieces)
     firsts, seconds = zip(*(p.chunk(2, dim=dim) for p in pieces))
     return torch.cat(list(firsts) + list(reversed(seconds)), dim=dim)
+
+
+# -- a model's tokens and loss under context parallelism ----------------------------------
+
+def context_split(x: torch.Tensor, dim: int, group, algorithm: str) -> torch.Tensor:
+    """This rank's tokens of x along dim: its zig-zag pair (ring) or its contiguous 1/cp (ulysses)."""
+    c, r = _size(group), _rank(group)
+    if algorithm == "ring":
+        return zigzag_split(x, dim, r, c)
+    if x.shape[dim] % c:
+        raise ContextParallelError(f"Ulysses gives each of the parallel.cp={c} ranks an equal share of the "
+                                   f"sequence: {x.shape[dim]} tokens are not divisible by {c}")
+    return x.chunk(c, dim=dim)[r]
+
+
+def exact_token_mean(summed: torch.Tensor, labelled: torch.Tensor, group) -> torch.Tensor:
+    """cp · summed / (labelled tokens over the group): the share of the batch's token mean that
+    this rank's summed loss makes, scaled so that the mean over the group's ranks is that mean."""
+    total = labelled.detach().to(torch.float64).reshape(1)
+    if _size(group) > 1:
+        _wait(dist.all_reduce(total, group=group, async_op=True), "the sum of the labelled tokens over the cp group")
+    return summed * (_size(group) / total.to(summed.dtype).squeeze(0))
+
+
+class GatherSequence(torch.autograd.Function):
+    """Every rank's tokens, in sequence order; each rank's own slice takes cp times the gradient
+    (every rank computes the same function of the whole, and the engine averages the ranks)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, algorithm: str) -> torch.Tensor:
+        ctx.group, ctx.algorithm = group, algorithm
+        pieces = [torch.empty_like(x) for _ in range(_size(group))]
+        _wait(dist.all_gather(pieces, x.contiguous(), group=group, async_op=True), "the gather of the sequence's logits")
+        return zigzag_unsplit(pieces, 1) if algorithm == "ring" else torch.cat(pieces, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return context_split(grad, 1, ctx.group, ctx.algorithm) * _size(ctx.group), None, None

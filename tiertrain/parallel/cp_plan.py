@@ -20,55 +20,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..models.gpt import GPT, CausalSelfAttention
-from .context import ContextParallelError, ring_attention, ulysses_attention, zigzag_split, zigzag_unsplit
+from .context import (ContextParallelError, GatherSequence, context_split, exact_token_mean, ring_attention,
+                      ulysses_attention)
 
-__all__ = ["ContextParallelGPT", "apply_context_parallel", "context_split", "exact_token_mean"]
+__all__ = ["ContextParallelGPT", "apply_context_parallel"]
 
 ALGORITHMS = {"ring": ring_attention, "ulysses": ulysses_attention}
 
 
 def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
-
-
-def _rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
-
-
-def context_split(x: torch.Tensor, dim: int, group, algorithm: str) -> torch.Tensor:
-    """This rank's tokens of x along dim: its zig-zag pair (ring) or its contiguous 1/cp (ulysses)."""
-    c, r = _size(group), _rank(group)
-    if algorithm == "ring":
-        return zigzag_split(x, dim, r, c)
-    if x.shape[dim] % c:
-        raise ContextParallelError(f"Ulysses gives each of the parallel.cp={c} ranks an equal share of the "
-                                   f"sequence: {x.shape[dim]} tokens are not divisible by {c}")
-    return x.chunk(c, dim=dim)[r]
-
-
-def exact_token_mean(summed: torch.Tensor, labelled: torch.Tensor, group) -> torch.Tensor:
-    """cp · summed / (labelled tokens over the group): the share of the batch's token mean that
-    this rank's summed loss makes, scaled so that the mean over the group's ranks is that mean."""
-    total = labelled.detach().to(torch.float64).reshape(1)
-    if _size(group) > 1:
-        dist.all_reduce(total, group=group, async_op=True).wait()
-    return summed * (_size(group) / total.to(summed.dtype).squeeze(0))
-
-
-class _GatherSequence(torch.autograd.Function):
-    """Every rank's tokens, in sequence order; each rank's own slice takes cp times the gradient
-    (every rank computes the same function of the whole, and the engine averages the ranks)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, algorithm: str) -> torch.Tensor:
-        ctx.group, ctx.algorithm = group, algorithm
-        pieces = [torch.empty_like(x) for _ in range(_size(group))]
-        dist.all_gather(pieces, x.contiguous(), group=group, async_op=True).wait()
-        return zigzag_unsplit(pieces, 1) if algorithm == "ring" else torch.cat(pieces, dim=1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return context_split(grad, 1, ctx.group, ctx.algorithm) * _size(ctx.group), None, None
 
 
 class ContextParallelAttention(CausalSelfAttention):
@@ -115,26 +76,32 @@ class ContextParallelGPT(GPT):
             x = block(x)
         logits = self.head(self.norm(x))
         if labels is None:
-            return _GatherSequence.apply(logits, self.cp_group, self.cp_algorithm)
+            return GatherSequence.apply(logits, self.cp_group, self.cp_algorithm)
         mine = split(labels)
         dtype = torch.promote_types(logits.dtype, torch.float32)
         summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), mine.reshape(-1), reduction="sum")
         return exact_token_mean(summed, (mine != -100).sum(), self.cp_group)
 
 
-def apply_context_parallel(model: GPT, topology, algorithm: str = "ring") -> GPT:
-    """Convert tiertrain's GPT in place to context parallelism over ``topology``'s cp axis
+def apply_context_parallel(model, topology, algorithm: str = "ring"):
+    """Convert a model in place to context parallelism over ``topology``'s cp axis
     (``topology`` may also be a process group or None) with ``algorithm`` ("ring" or
-    "ulysses"); returns the same object, now a :class:`ContextParallelGPT`."""
+    "ulysses"); returns the same object: tiertrain's GPT becomes a :class:`ContextParallelGPT`,
+    a Hugging Face Llama, Mistral, Qwen2 or Qwen3 causal LM its context-parallel subclass
+    (tiertrain/parallel/cp_hf.py)."""
     if algorithm not in ALGORITHMS:
         raise ContextParallelError(f"parallel.cp_algorithm={algorithm!r} is unknown: valid are "
                                    f"{', '.join(ALGORITHMS)}")
-    if type(model) is not GPT:
-        raise TypeError(f"apply_context_parallel converts a tiertrain GPT (tensor parallelism with context "
-                        f"parallelism is not supported yet), got {type(model).__name__}")
     is_grid = hasattr(topology, "group") and callable(topology.group)
     group = topology.group("cp") if is_grid else topology
     c = topology.size("cp") if is_grid else _size(group)
+    if type(model) is not GPT:
+        if isinstance(model, GPT):
+            raise TypeError(f"apply_context_parallel converts tiertrain's GPT, not a {type(model).__name__} "
+                            f"(tensor parallelism with context parallelism is not supported yet)")
+        from .cp_hf import convert_hf_decoder
+
+        return convert_hf_decoder(model, group, c, algorithm)
     cfg = model.config
     if cfg.dropout:
         raise ContextParallelError(f"GPTConfig.dropout={cfg.dropout}: context-parallel attention has no dropout; "

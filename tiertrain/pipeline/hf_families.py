@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from ..models.hf import ROTARY_DECODERS
+
 __all__ = ["ENCODERS", "ENCODER_DECODERS", "ROTARY_DECODERS", "Family", "recognise"]
 
 ENCODER_DECODERS = frozenset({"t5"})
@@ -18,10 +20,6 @@ ENCODERS = frozenset({"bert", "roberta"})
 """``config.model_type`` values split as bidirectional encoders with a masked-LM head
 (``BertForMaskedLM``, ``RobertaForMaskedLM``): embeddings → encoder.layer → MLM head."""
 
-ROTARY_DECODERS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-"""``config.model_type`` values whose base model runs embed_tokens → layers (each given the rotary
-cos/sin, position ids and a causal or sliding-window mask) → norm, nothing else (no embedding
-scale, no soft-capping): the families the rotary-decoder stages reproduce exactly."""
 
 
 @dataclass
