@@ -156,3 +156,14 @@ def test_zigzag_split_refuses_a_sequence_it_cannot_cut_evenly():
         zigzag_split(torch.zeros(1, 12), 1, 0, 4)
     with pytest.raises(ContextParallelError, match="outside the context-parallel group"):
         zigzag_split(torch.zeros(1, 16), 1, 4, 4)
+
+
+def test_ring_attention_keeps_for_backward_only_its_inputs_output_and_log_sum_exp():
+    """No block's s × s scores are saved: backward recomputes them from the log-sum-exp, so
+    the memory ring attention holds for backward grows with this rank's tokens, not their square."""
+    q, k, v, _ = (t.requires_grad_() for t in _inputs(8, 2, torch.float32))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        out = ring_attention(q, k, v, None, causal=True)
+    lse = q.shape[0] * q.shape[1] * q.shape[2]
+    assert sorted(saved) == sorted([q.numel(), k.numel(), v.numel(), out.numel(), lse])

@@ -18,9 +18,9 @@ transformers' attention interface), and of the group, passed in:
 
 The communication is in small autograd functions that take their group, as the tensor-parallel
 f and g operators do (tiertrain/parallel/tensor.py); every handle is waited on with the run's
-timeout. The blocks' attention is differentiated by autograd: each hop's keys and values are
-kept for backward (a custom backward that passes them around the ring again would keep one
-block at a time; not yet).
+timeout. Ring attention has its own backward (:class:`RingAttention`): it keeps only this
+rank's q, k, v, output and log-sum-exp, and passes the key/value blocks around the ring once
+more to recompute each block's probabilities, so no block's scores outlive their use.
 """
 from __future__ import annotations
 
@@ -166,46 +166,28 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, 
 
 # -- ring attention ----------------------------------------------------------------------------
 
-def _ring_exchange(x: torch.Tensor, group, forward: bool, what: str) -> torch.Tensor:
-    """x to the next rank of the ring (forward) or the previous one; returns what the other
-    neighbour sent. One isend and one irecv each, both waited on (no batch_isend_irecv: it
-    has hung on gloo)."""
+def _ring_exchange(x: torch.Tensor, group, what: str, tag: int = 0) -> torch.Tensor:
+    """x to the next rank of the ring; returns what the previous rank sent. One isend and one
+    irecv, both waited on (no batch_isend_irecv: it has hung on gloo)."""
     c, r = _size(group), _rank(group)
-    to, frm = ((r + 1) % c, (r - 1) % c) if forward else ((r - 1) % c, (r + 1) % c)
     x = x.contiguous()
     received = torch.empty_like(x)
-    handles = [dist.isend(x, dist.get_global_rank(group, to), group=group),
-               dist.irecv(received, dist.get_global_rank(group, frm), group=group)]
+    handles = [dist.isend(x, dist.get_global_rank(group, (r + 1) % c), group=group, tag=tag),
+               dist.irecv(received, dist.get_global_rank(group, (r - 1) % c), group=group, tag=tag)]
     for h in handles:
         _wait(h, what)
     return received
 
 
-class RingPass(torch.autograd.Function):
-    """One hop of the ring: the block goes to the next rank, the previous rank's arrives; the
-    gradient goes the other way."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _ring_exchange(x, group, True, "a ring attention hop of keys and values")
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _ring_exchange(grad, ctx.group, False, "a ring attention hop of key and value gradients"), None
-
-
 MASKED = -1e30
 """The score of a masked (query, key) pair: finite, so that a query row a block masks whole
-gets a finite log-sum-exp (its weight in the combination is then exp(-1e30) = 0, and its
-gradient is 0, where -inf would give nan)."""
+gets a finite log-sum-exp, whose weight in the combination is then exp(-1e30) = 0."""
 
 
 def _visible(q_start: int, k_start: int, n_q: int, n_k: int, window: int | None, device) -> torch.Tensor | None:
     """The causal (and sliding-window) mask of a block whose queries sit at positions
     q_start... and keys at k_start...: True where the key is visible; None when all are."""
-    last_k, first_q = k_start + n_k - 1, q_start
-    if last_k <= first_q and (window is None or q_start + n_q - 1 - k_start < window):
+    if k_start + n_k - 1 <= q_start and (window is None or q_start + n_q - 1 - k_start < window):
         return None
     q_pos = torch.arange(q_start, q_start + n_q, device=device).unsqueeze(1)
     k_pos = torch.arange(k_start, k_start + n_k, device=device).unsqueeze(0)
@@ -213,82 +195,121 @@ def _visible(q_start: int, k_start: int, n_q: int, n_k: int, window: int | None,
     return seen if window is None else seen & (q_pos - k_pos < window)
 
 
-class _AfterTheRing(torch.autograd.Function):
-    """Returns the output unchanged, with the last hop's block as an input of no influence
-    (zero gradient), so that every rank's backward runs every hop's exchange: a rank whose
-    queries see none of the last blocks (a sliding window) would otherwise skip those hops'
-    backward while its neighbours wait for it."""
+class _Ring:
+    """Which (query chunk, key chunk) blocks a rank computes at each hop, and their masks."""
+
+    def __init__(self, group, tokens: int, causal: bool, window: int | None):
+        self.group, self.c, self.r = group, _size(group), _rank(group)
+        self.causal, self.window = causal, window
+        self.parts = 2 if causal else 1
+        if tokens % self.parts:
+            raise ContextParallelError(f"causal ring attention takes each rank's two zig-zag chunks of equal length; "
+                                       f"this rank holds {tokens} tokens, an odd number")
+        if window is not None and not causal:
+            raise ContextParallelError(f"a sliding window ({window}) applies to causal attention only")
+        self.n = tokens // self.parts
+
+    def chunks(self, rank: int) -> list[int]:
+        """The global chunk indices a rank's tokens hold: its zig-zag pair (chunks of s/2c)
+        when causal, else its one contiguous chunk of s/c."""
+        return [rank, 2 * self.c - 1 - rank] if self.causal else [rank]
+
+    def blocks(self, hop: int):
+        """(i, j, mask or None): query chunk i of this rank sees key chunk j of the block that
+        arrives at this hop (the block of rank r - hop)."""
+        n, window = self.n, self.window
+        for i, a in enumerate(self.chunks(self.r)):
+            for j, b in enumerate(self.chunks((self.r - hop) % self.c)):
+                if not self.causal:
+                    yield i, j, None
+                elif b <= a and (window is None or (a - b - 1) * n + 1 < window):
+                    yield i, j, _visible(a * n, b * n, n, n, window, None)
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention with its own backward, keeping for backward only this rank's q, k, v,
+    output and log-sum-exp (no block's scores): forward passes the key/value blocks around
+    the ring and folds each block's attention into a running output by log-sum-exp
+    (blockwise attention's online softmax); backward passes them around again, recomputes
+    each block's probabilities from the saved log-sum-exp, and sends each block's key/value
+    gradient along with it, one more hop bringing it home."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, last_block: torch.Tensor) -> torch.Tensor:
-        ctx.block_shape, ctx.block_dtype = last_block.shape, last_block.dtype
-        return out.view_as(out)
+    def forward(ctx, q, k, v, group, causal: bool, scale: float, window: int | None):
+        ring = _Ring(group, q.shape[2], causal, window)
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        rep = q.shape[1] // k.shape[1]
+        queries = [x.to(dtype) for x in q.chunk(ring.parts, dim=2)]
+        out = [torch.zeros_like(x) for x in queries]
+        lse = [torch.full(x.shape[:-1], float("-inf"), dtype=dtype, device=q.device) for x in queries]
+        kv = torch.stack([k, v])
+        for hop in range(ring.c):
+            if hop:
+                kv = _ring_exchange(kv, group, "a ring attention hop of keys and values")
+            keys, values = (t.repeat_interleave(rep, 1).to(dtype).chunk(ring.parts, dim=2) for t in kv)
+            for i, j, mask in ring.blocks(hop):
+                scores = torch.matmul(queries[i], keys[j].transpose(-1, -2)) * scale
+                if mask is not None:
+                    scores = scores.masked_fill(~mask.to(q.device), MASKED)
+                block_lse = torch.logsumexp(scores, dim=-1)
+                merged = torch.logaddexp(lse[i], block_lse)
+                out[i] = out[i] * torch.exp(lse[i] - merged).unsqueeze(-1) \
+                    + torch.matmul(torch.exp(scores - merged.unsqueeze(-1)), values[j])
+                lse[i] = merged
+        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.scale, ctx.window = group, causal, scale, window
+        return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, grad.new_zeros(ctx.block_shape, dtype=ctx.block_dtype)
-
-
-def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, visible: torch.Tensor | None):
-    """Attention of q over one key/value block: (output normalised within the block, its
-    log-sum-exp per query), computed in at least fp32, keys outside ``visible`` masked."""
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale
-    if visible is not None:
-        scores = scores.masked_fill(~visible, MASKED)
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(dtype))
-    return out, lse
-
-
-def _combine(blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """The attention over the union of the blocks, from each block's (output, log-sum-exp)."""
-    lse = torch.logsumexp(torch.stack([b[1] for b in blocks]), dim=0)
-    return sum(torch.exp(b[1] - lse).unsqueeze(-1) * b[0] for b in blocks)
-
-
-def _chunk_indices(rank: int, c: int, causal: bool) -> list[int]:
-    """The global chunk indices this rank's tokens hold, in order: the zig-zag pair (chunks of
-    s/2c) when causal, else its one contiguous chunk of s/c."""
-    return [rank, 2 * c - 1 - rank] if causal else [rank]
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        ring = _Ring(group, q.shape[2], ctx.causal, ctx.window)
+        dtype = out.dtype
+        rep = q.shape[1] // k.shape[1]
+        grad_out = grad_out.to(dtype)
+        queries = [x.to(dtype) for x in q.chunk(ring.parts, dim=2)]
+        douts = grad_out.chunk(ring.parts, dim=2)
+        lses = lse.chunk(ring.parts, dim=2)
+        deltas = (grad_out * out).sum(-1).chunk(ring.parts, dim=2)  # rowsum(dO ∘ O)
+        dq = [torch.zeros_like(x) for x in queries]
+        kv = torch.stack([k, v])
+        dkv = torch.zeros((2, *k.shape[:2], rep, *k.shape[2:]), dtype=dtype, device=k.device)
+        for hop in range(ring.c):
+            if hop:
+                kv = _ring_exchange(kv, group, "a ring attention hop of keys and values in backward")
+                dkv = _ring_exchange(dkv, group, "a ring attention hop of key and value gradients", tag=1)
+            keys, values = (t.repeat_interleave(rep, 1).to(dtype).chunk(ring.parts, dim=2) for t in kv)
+            # dkv[0|1] as [b, kv heads, rep, tokens, d] = the repeated heads' gradients, chunked like the keys
+            dk = dkv[0].flatten(1, 2).chunk(ring.parts, dim=2)
+            dv = dkv[1].flatten(1, 2).chunk(ring.parts, dim=2)
+            for i, j, mask in ring.blocks(hop):
+                scores = torch.matmul(queries[i], keys[j].transpose(-1, -2)) * scale
+                if mask is not None:
+                    scores = scores.masked_fill(~mask.to(q.device), MASKED)
+                p = torch.exp(scores - lses[i].unsqueeze(-1))
+                dv[j].add_(torch.matmul(p.transpose(-1, -2), douts[i]))
+                ds = p * (torch.matmul(douts[i], values[j].transpose(-1, -2)) - deltas[i].unsqueeze(-1))
+                dq[i].add_(torch.matmul(ds, keys[j]) * scale)
+                dk[j].add_(torch.matmul(ds.transpose(-1, -2), queries[i]) * scale)
+        if ring.c > 1:  # the block processed last is the next rank's: its gradient goes home
+            dkv = _ring_exchange(dkv, group, "the key and value gradients' hop home", tag=1)
+        dk, dv = (g.sum(2) for g in dkv)  # the repeated heads' gradients, summed per key/value head
+        return (torch.cat(dq, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, causal: bool = True,
                    scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """Attention of this rank's tokens over the whole sequence, the key/value blocks passed
-    around the ring of ``group``. q, k, v: ``[b, heads, tokens, d]`` (grouped-query k, v
-    allowed). With ``causal`` this rank's tokens must be its zig-zag pair of chunks
-    (:func:`zigzag_split`), otherwise its contiguous 1/c of the sequence in rank order;
-    ``window`` (causal only): each query sees the keys less than ``window`` positions back
-    (Mistral's sliding window). Returns ``[b, heads, tokens, d]`` in q's dtype."""
+    around the ring of ``group`` (:class:`RingAttention`). q, k, v: ``[b, heads, tokens, d]``
+    (grouped-query k, v allowed). With ``causal`` this rank's tokens must be its zig-zag pair
+    of chunks (:func:`zigzag_split`), otherwise its contiguous 1/c of the sequence in rank
+    order; ``window`` (causal only): each query sees the keys less than ``window`` positions
+    back (Mistral's sliding window). Returns ``[b, heads, tokens, d]`` in q's dtype."""
     _check_heads(q, k, v)
-    c, r = _size(group), _rank(group)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    parts = 2 if causal else 1
-    if q.shape[2] % parts:
-        raise ContextParallelError(f"causal ring attention takes each rank's two zig-zag chunks of equal length; "
-                                   f"this rank holds {q.shape[2]} tokens, an odd number")
-    if window is not None and not causal:
-        raise ContextParallelError(f"a sliding window ({window}) applies to causal attention only")
-    n = q.shape[2] // parts
-    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
-    mine = _chunk_indices(r, c, causal)
-    queries = q.chunk(parts, dim=2)
-    partial: list[list] = [[] for _ in mine]
-    kv = torch.stack([k, v])
-    for hop in range(c):
-        if hop:
-            kv = RingPass.apply(kv, group)
-        theirs = _chunk_indices((r - hop) % c, c, causal)
-        keys, values = kv[0].chunk(parts, dim=2), kv[1].chunk(parts, dim=2)
-        for i, a in enumerate(mine):
-            for j, b in enumerate(theirs):
-                if causal and (b > a or (window is not None and (a - b - 1) * n + 1 >= window)):
-                    continue  # (no key of that chunk is visible to any query of this one)
-                visible = _visible(a * n, b * n, n, n, window, q.device) if causal else None
-                partial[i].append(_block(queries[i], keys[j], values[j], scale, visible))
-    out = torch.cat([_combine(blocks) for blocks in partial], dim=2).to(q.dtype)
-    return _AfterTheRing.apply(out, kv) if c > 1 else out
+    return RingAttention.apply(q, k, v, group, causal, scale, window)
 
 
 # -- the zig-zag split -------------------------------------------------------------------------
