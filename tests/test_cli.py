@@ -58,6 +58,20 @@ def test_train_end_to_end(tmp_path, stage):
     assert "loss " in proc.stdout and "->" in proc.stdout
 
 
+@pytest.mark.parametrize("algorithm", ["ring", "ulysses"])
+def test_train_with_each_sequence_split_over_two_ranks(tmp_path, algorithm):
+    """--parallel.cp 2: both ranks train on the same samples, each on half of every sequence."""
+    metrics = tmp_path / "m.jsonl"
+    proc = _tiertrain(["train", "--nproc", "2", *TINY, "--zero.stage", "3", "--parallel.cp", "2",
+                       "--parallel.cp_algorithm", algorithm, "--logging.metrics_file", str(metrics),
+                       "--data.cache_dir", str(tmp_path), "--logging.log_interval", "5"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = _records(metrics)
+    assert [r["step"] for r in records] == [1, 5, 6]
+    assert all(math.isfinite(r["loss"]) and 4.0 < r["loss"] < 7.0 for r in records)
+    assert "world size   2 (dp=1, cp=2)" in proc.stdout
+
+
 def test_bad_override_exits_2_naming_the_field(tmp_path):
     proc = _tiertrain(["train", "--zero.stage", "7"], cwd=tmp_path, timeout=60)
     assert proc.returncode == 2

@@ -237,7 +237,8 @@ class Trainer:
         bar = self._progress_bar(start)
         if self.is_main:
             print(f"tiertrain: {self.num_parameters:,} parameters | zero.stage={cfg.zero.stage} | "
-                  f"{cfg.precision.dtype} | world_size={self.topology.world_size} (dp={self.topology.size('dp')}) "
+                  f"{cfg.precision.dtype} | world_size={self.topology.world_size} (dp={self.topology.size('dp')}"
+                  f"{', cp=' + str(self.topology.size('cp')) if self.topology.size('cp') > 1 else ''}) "
                   f"| global batch {self.engine.global_batch_size} samples | {cfg.steps - start} steps"
                   + self._units_line() + self._tiers_line(), flush=True)
         peak_flops, self.peak_source = peak_flops_per_rank(
@@ -487,6 +488,7 @@ class Trainer:
             "precision": self.config.precision.dtype,
             "world_size": self.topology.world_size,
             "dp": self.topology.size("dp"),
+            "cp": self.topology.size("cp"),
             "parameters": self.num_parameters,
             "global_batch_size": self.engine.global_batch_size,
         }

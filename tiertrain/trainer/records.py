@@ -145,6 +145,6 @@ def format_summary(s: dict[str, Any]) -> str:
         f"{human_bytes(s['peak_rss_bytes_per_rank'])} peak RSS"
         + (f", {human_bytes(s['cuda_peak_bytes'])} peak CUDA" if "cuda_peak_bytes" in s else ""),
         f"  zero.stage   {s['zero_stage']} ({s['precision']})",
-        f"  world size   {s['world_size']} (dp={s['dp']})",
+        f"  world size   {s['world_size']} (dp={s['dp']}" + (f", cp={s['cp']}" if s.get("cp", 1) > 1 else "") + ")",
     ]
     return "\n".join(lines)
