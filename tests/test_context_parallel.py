@@ -77,6 +77,15 @@ def _rank_main(rank, world):
         for dtype in (torch.float32, torch.float64):
             results[algorithm, causal, heads, kv_heads, window, dtype] = _run(rank, world, algorithm, causal, heads,
                                                                               kv_heads, dtype, zigzag, window)
+    # Ring attention in tiles of 3 tokens (the chunks hold 4 or 2): uneven tiles, some skipped whole.
+    from tiertrain.parallel import context
+
+    tile, context.RING_TILE = context.RING_TILE, 3
+    try:
+        for causal, window in TILED:
+            results["tiled", causal, window] = _run(rank, world, "ring", causal, 8, 2, torch.float32, causal, window)
+    finally:
+        context.RING_TILE = tile
     # The mutation: causal ring attention given contiguous tokens instead of its zig-zag pair.
     results["contiguous"] = _run(rank, world, "ring", True, 8, 8, torch.float32, zigzag=False)
     try:
@@ -121,6 +130,21 @@ def test_attention_over_the_split_sequence_equals_one_process(runs, algorithm, c
                                                          f"float64, the fp32 reference {noise[name]:.3g}")
     for name, distance in rel_distances(got64, ref64).items():
         assert distance <= 1e-12, f"{algorithm} at cp={world} in float64: {name} is {distance:.3g} from the reference"
+
+
+TILED = [(True, None), (True, 5), (False, None)]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("causal,window", TILED, ids=["causal", "window 5", "full"])
+def test_ring_attention_in_tiles_equals_one_process(runs, causal, window):
+    """Tiles of 3 tokens, smaller than the chunks: each tile's scores are all that exists at once."""
+    world, results = runs
+    ref64 = _reference(*_inputs(8, 2, torch.float64), causal, window)
+    noise = _noise(8, 2, causal, window, ref64)
+    got = _gathered([r["tiled", causal, window] for r in results], zigzag=causal)
+    for name, distance in rel_distances(got, ref64).items():
+        assert distance <= 2 * noise[name] + 4 * EPS32, f"tiled at cp={world}: {name} is {distance:.3g} from float64"
 
 
 @pytest.mark.timeout(180)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ActivationBytes", "gpt_activation_bytes"]
+__all__ = ["ActivationBytes", "context_parallel_activation_bytes", "gpt_activation_bytes"]
 
 
 @dataclass(frozen=True)
@@ -95,3 +95,50 @@ def gpt_activation_bytes(dims: Any, micro_batch: int, precision_bytes: int) -> A
     return ActivationBytes(block=block, checkpoint=sbh * D, head=head, logits_in_flight=logits,
                            head_backward=head_bwd, block_backward=block_bwd, tied_head_grad=tied,
                            kept=(kept,), kept_unused=2 * sbh * D)
+
+
+def context_parallel_activation_bytes(dims: Any, micro_batch: int, precision_bytes: int, cp: int,
+                                      algorithm: str) -> ActivationBytes:
+    """:class:`ActivationBytes` of one rank of a context-parallel group of ``cp`` ranks: the
+    model's activations at seq/cp tokens (``dims.activation_bytes`` of a Hugging Face model, else
+    tiertrain's GPT), with what the context-parallel attention (tiertrain/parallel/context.py)
+    adds per block:
+
+    * ring: its output is kept for backward in fp32 ((4 - D)·s·b·q_width more than attention's
+      own output), and backward holds, besides this rank's q, k, v, the key/value block passing
+      through and the next one (2·2·s·b·kv_width·D), their gradients in fp32 with the repeated
+      heads (2·2·4·s·b·q_width), the query gradient (4·s·b·q_width) and one tile's scores,
+      probabilities and their gradient (3·4·b·a·T², T = min(s/2, RING_TILE)), s being this
+      rank's tokens, while the
+      residual stream's gradient (s·b·h·D) and the attention's weight gradients are held;
+    * Ulysses: the head-split q, k, v and output kept beside the sequence-split ones
+      ((2·q_width + 2·kv_width)·s·b·D).
+    """
+    import dataclasses
+
+    s = dims.seq_len // cp
+    changes = {"seq_len": s}
+    if hasattr(dims, "decoder_seq_len"):
+        changes.update(decoder_seq_len=dims.decoder_seq_len // cp, attention="flash")
+    local = dataclasses.replace(dims, **changes)
+    acts = (local.activation_bytes(micro_batch, precision_bytes) if hasattr(local, "activation_bytes")
+            else gpt_activation_bytes(local, micro_batch, precision_bytes))
+    if cp == 1:
+        return acts
+    D, b, a = precision_bytes, micro_batch, dims.n_heads
+    head_dim = getattr(dims, "head_dim", dims.hidden // a)
+    q_width, kv_width = a * head_dim, getattr(dims, "kv_heads", a) * head_dim
+    if algorithm == "ring":
+        saved = (4 - D) * s * b * q_width
+        from ..parallel.context import RING_TILE
+
+        tile = min(s // 2, RING_TILE)
+        backward = 4 * s * b * kv_width * D + 16 * s * b * q_width + 4 * s * b * q_width + 12 * b * a * tile * tile
+    else:
+        saved = (2 * q_width + 2 * kv_width) * s * b * D
+        backward = 0
+    h = dims.hidden
+    attention_backward = s * b * h * D + h * (2 * q_width + 2 * kv_width) * D + backward
+    blocks = tuple(x + saved for x in acts.blocks)
+    return dataclasses.replace(acts, block=acts.block + saved, blocks=blocks,
+                               block_backward=max(acts.block_backward, attention_backward))

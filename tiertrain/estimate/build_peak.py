@@ -216,7 +216,7 @@ def engine_build_peak(module: nn.Module | None, dims: Any, lay: Any, overhead: H
         module = dims.meta_model() if hasattr(dims, "meta_model") else gpt_meta_model(dims, lay.tile_factor)
     ov = overhead if overhead is not None else HostOverhead()
     return simulate_build_peak(
-        module, dp=lay.dp, stage=lay.stage, precision_bytes=PRECISION_BYTES[lay.precision],
+        module, dp=lay.zero_ranks, stage=lay.stage, precision_bytes=PRECISION_BYTES[lay.precision],
         param_tier=lay.param_tier if lay.stage == 3 else Tier.DEVICE, optimizer_tier=lay.optimizer_tier,
         bucket_mb=lay.bucket_mb, persistence_threshold=lay.persistence_threshold,
         # a Hugging Face model is built by its owner (from_config / from_pretrained): whole

@@ -113,7 +113,7 @@ def predicted_efficiency(lay: ZeroLayout, dims: ModelDims, hw: Hardware) -> dict
             bw = None if hw.shared else hw.host_device_bw
         else:
             bw = per_rank_nvme
-        return None if bw is None else bw * (lay.dp if partitioned else 1)
+        return None if bw is None else bw * (lay.zero_ranks if partitioned else 1)
 
     for name, tier, ait, f, part in (
         ("optimizer states", Tier(lay.optimizer_tier), ait_optimizer_states(s, b), "seq·bsz/4", False),
@@ -131,7 +131,7 @@ def predicted_efficiency(lay: ZeroLayout, dims: ModelDims, hw: Hardware) -> dict
             continue
         eff = ait * bw / (ait * bw + hw.peak_flops)
         states.append({"state": name, "tier": tier, "ait": ait, "bandwidth": bw, "efficiency": eff,
-                       "formula": f"AIT = {f} (ZeRO-Infinity §4.1)" + (f", ×dp={lay.dp} (bandwidth-centric)" if part else "")})
+                       "formula": f"AIT = {f} (ZeRO-Infinity §4.1)" + (f", ×{lay.zero_ranks} ranks (bandwidth-centric)" if part else "")})
     recompute = 3 / (3 + recomputed_blocks(lay, dims.n_layers) / dims.n_layers)
     transfer = 1.0 / (1.0 + sum(hw.peak_flops / (x["ait"] * x["bandwidth"]) for x in states if x["bandwidth"]))
     return {"peak_flops": hw.peak_flops, "states": states, "recompute_factor": recompute,

@@ -96,7 +96,12 @@ class ZeroLayout:
     """How a model is laid out over ranks and memory tiers (the estimator's input)."""
 
     dp: int = 1
-    """Data-parallel degree N_d (ZeRO partitions across these ranks)."""
+    """Data-parallel degree: ranks that train different samples (ZeRO partitions over dp × cp)."""
+    cp: int = 1
+    """Context-parallel degree: ranks that split each sequence (tiertrain.parallel.context); each
+    holds the activations of seq/cp tokens, and ZeRO partitions the model states over dp × cp."""
+    cp_algorithm: str = "ring"
+    """Context-parallel attention, cp > 1: "ring" or "ulysses" (their transients differ)."""
     tp: int = 1
     """Tensor-parallel degree t (Megatron §2.3); divides params and the split activations."""
     pp: int = 1
@@ -163,8 +168,10 @@ class ZeroLayout:
     def validate(self) -> "ZeroLayout":
         """Raise ValueError naming the first invalid field; return self when valid."""
         self.__post_init__()  # (tier fields assigned after construction)
-        for name in ("dp", "tp", "pp", "micro_batch", "tile_factor", "alignment"):
+        for name in ("dp", "cp", "tp", "pp", "micro_batch", "tile_factor", "alignment"):
             _positive_int("ZeroLayout", name, getattr(self, name))
+        if self.cp_algorithm not in ("ring", "ulysses"):
+            raise ValueError(f"ZeroLayout.cp_algorithm={self.cp_algorithm!r} is invalid: must be 'ring' or 'ulysses'")
         for name in ("checkpoint_interval", "ranks_per_node"):
             _positive_int("ZeroLayout", name, getattr(self, name), minimum=0)
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -224,7 +231,8 @@ class ZeroLayout:
         z, acts = config.zero, config.activations
         pp, dp, tp = config.parallel.resolve(world_size)
         optimizer_tier = Tier(z.offload_optimizer)
-        return cls(dp=dp, tp=tp, pp=pp, stage=z.stage, precision=config.precision.dtype,
+        return cls(dp=dp, cp=config.parallel.cp, cp_algorithm=config.parallel.cp_algorithm, tp=tp, pp=pp,
+                   stage=z.stage, precision=config.precision.dtype,
                    optimizer_tier=optimizer_tier,
                    param_tier=Tier(z.offload_params) if z.stage == 3 else Tier.DEVICE,
                    grad_tier=engine_grad_tier(z.stage, optimizer_tier),
@@ -237,8 +245,14 @@ class ZeroLayout:
 
     @property
     def world_size(self) -> int:
-        """dp·tp·pp ranks."""
-        return self.dp * self.tp * self.pp
+        """dp·cp·tp·pp ranks."""
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def zero_ranks(self) -> int:
+        """The ranks ZeRO partitions the model states over: dp × cp (context-parallel ranks
+        hold the same parameters)."""
+        return self.dp * self.cp
 
     @property
     def node_ranks(self) -> int:

@@ -159,7 +159,7 @@ def _resolve_model(model: ModelSpec) -> tuple[int, list[int], ModelDims | None, 
 def _model_state_lines(psi: int, sizes: list[int], lay: ZeroLayout) -> list[EstimateLine]:
     """Params / grads / master / optimizer lines for ``lay.accounting``."""
     mp = lay.tp * lay.pp
-    nd = lay.dp
+    nd = lay.zero_ranks
     if lay.accounting == "paper":
         p = psi / mp
         return [
@@ -206,7 +206,7 @@ def _activation_lines(d: ModelDims, lay: ZeroLayout) -> list[EstimateLine]:
     dt = 2 if paper else PRECISION_BYTES[lay.precision]
     drop = True if paper else d.dropout
     scores = True if paper else d.stores_attention_scores
-    s, b, h, a, nl, ci = d.seq_len, lay.micro_batch, d.hidden, d.n_heads, d.n_layers, lay.checkpoint_interval
+    s, b, h, a, nl, ci = d.seq_len // lay.cp, lay.micro_batch, d.hidden, d.n_heads, d.n_layers, lay.checkpoint_interval
     layer = activation_bytes_per_layer(s, b, h, a, dt, lay.tp, drop, scores)
     m = 1 if drop else 0
     dense_c = f"{4 * dt + 2 * m + 12 * dt / lay.tp:g}"

@@ -57,7 +57,7 @@ import torch.nn as nn
 
 from ..zero.plan import default_unit_modules
 from ..zero.flat import NVME_READ_AHEAD, swap_pool_bytes
-from .activations import ActivationBytes, gpt_activation_bytes
+from .activations import ActivationBytes, context_parallel_activation_bytes, gpt_activation_bytes
 from .lines import PRECISION_BYTES, EstimateLine, Tier, masters_are_param_shards, second_generation_lines
 from .overhead import HostOverhead
 from .units import engine_grad_tier, engine_units, gpt_meta_model
@@ -409,6 +409,14 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
         notes.append("tile_factor ignored for a given module: tile it with tiertrain.tiling before estimating")
     if dims is None:
         acts = None
+    elif lay.cp > 1:
+        if dims.seq_len % (2 * lay.cp if lay.cp_algorithm == "ring" else lay.cp):
+            raise ValueError(f"seq_len={dims.seq_len} cannot be split over cp={lay.cp} ({lay.cp_algorithm} needs a "
+                             f"multiple of {2 * lay.cp if lay.cp_algorithm == 'ring' else lay.cp})")
+        acts = context_parallel_activation_bytes(dims, lay.micro_batch, D, lay.cp, lay.cp_algorithm)
+        notes.append(f"context parallelism: each rank holds the activations of {dims.seq_len // lay.cp} of the "
+                     f"{dims.seq_len} tokens of every sequence, and {lay.cp_algorithm} attention's own "
+                     f"(tiertrain.estimate.activations.context_parallel_activation_bytes)")
     elif hasattr(dims, "activation_bytes"):  # tiertrain.estimate.modules.HFModelDims
         acts = dims.activation_bytes(lay.micro_batch, D)
         notes.append(f"activations: {dims.model_type} ({dims.kind}, {dims.attention} attention) modelled per block "
@@ -424,12 +432,12 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
                          f"{dims.n_layers} blocks; expected 0 (off) or 1..{dims.n_layers}")
     param_tier = Tier(lay.param_tier) if lay.stage == 3 else Tier.DEVICE
     optimizer_tier = Tier(lay.optimizer_tier)
-    pk = simulate_peak(module, dp=lay.dp, stage=lay.stage, precision_bytes=D, param_tier=param_tier,
+    pk = simulate_peak(module, dp=lay.zero_ranks, stage=lay.stage, precision_bytes=D, param_tier=param_tier,
                        optimizer_tier=optimizer_tier, bucket_mb=lay.bucket_mb, prefetch_mb=lay.prefetch_mb,
                        persistence_threshold=lay.persistence_threshold, backend=lay.backend, acts=acts,
                        checkpoint_every=lay.checkpoint_interval, checkpoint_tier=lay.checkpoint_tier,
                        recompute=lay.recompute)
-    layout = engine_units(module, lay.stage, lay.dp, lay.bucket_mb, lay.persistence_threshold)
+    layout = engine_units(module, lay.stage, lay.zero_ranks, lay.bucket_mb, lay.persistence_threshold)
     n_units = len(layout.units)
     kind = ("one unit per block + root" if lay.stage == 3 else
             f"{n_units} bucket(s) of ≤{lay.bucket_mb:g} MiB fp32")

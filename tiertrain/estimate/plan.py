@@ -106,8 +106,10 @@ class Plan:
             "model": {"n_layers": d.n_layers, "hidden": d.hidden, "n_heads": d.n_heads, "vocab_size": d.vocab,
                       "seq_len": d.seq_len, "ffn_mult": d.ffn_mult, "tie_embeddings": d.tie_embeddings,
                       "bias": d.bias}}
+        parallel = {"parallel": {"cp": lay.cp, "cp_algorithm": lay.cp_algorithm}} if lay.cp > 1 else {}
         return {
             **model,
+            **parallel,
             "precision": {"dtype": lay.precision},
             "batch": {"micro_batch_size": lay.micro_batch},
             "zero": zero,
@@ -138,7 +140,7 @@ class Plan:
             "fits": self.fits,
             "rung": self.rung,
             "parameters": self.dims.num_parameters(),
-            "plan": {"stage": lay.stage, "dp": lay.dp, "precision": lay.precision, "micro_batch": lay.micro_batch,
+            "plan": {"stage": lay.stage, "dp": lay.dp, "cp": lay.cp, "precision": lay.precision, "micro_batch": lay.micro_batch,
                      "optimizer_tier": lay.optimizer_tier, "grad_tier": lay.grad_tier, "param_tier": lay.param_tier,
                      "checkpoint_every": lay.checkpoint_interval, "checkpoint_tier": lay.checkpoint_tier,
                      "recompute": lay.recompute, "tile_factor": lay.tile_factor},
@@ -232,7 +234,7 @@ def plan(dims: "ModelDims | HFModelDims", hardware: Hardware, *, micro_batch: in
          stages: Iterable[int] = (0, 1, 2, 3), tiers: Iterable[Tier | str] = (Tier.CPU, Tier.NVME),
          checkpointing: bool = True, tile_factors: Iterable[int] = (1, 2, 4, 8, 16),
          bucket_mb: float = 25.0, backend: str | None = None, raise_if_short: bool = False,
-         allowed=None) -> Plan:
+         allowed=None, context_parallel: bool = True) -> Plan:
     """Choose stage, tiers, checkpoint interval and tile factor for training ``dims`` on
     ``hardware`` (see the module docstring for the policy). ``tiers``: offload tiers the
     engine may use (Tier.CPU, Tier.NVME or their spellings; NVMe also needs ``hardware.nvme_bytes``). Returns the
@@ -241,7 +243,8 @@ def plan(dims: "ModelDims | HFModelDims", hardware: Hardware, *, micro_batch: in
     when the engine can run the layout, else the reason (such layouts are skipped).
     ``dims``: tiertrain's GPT (:class:`ModelDims`) or any Hugging Face model of a supported
     family (:class:`~tiertrain.estimate.modules.HFModelDims`, from ``dims_of_hf_config`` or
-    ``dims_of_module``; planned untiled)."""
+    ``dims_of_module``; planned untiled). ``context_parallel``: the sequence may be split over
+    ranks (parallel.cp) when activations are what does not fit."""
     dims = dims.validate()
     hw = hardware.validate()
     stages = sorted(set(stages))
@@ -279,6 +282,10 @@ def plan(dims: "ModelDims | HFModelDims", hardware: Hardware, *, micro_batch: in
                 if c is not None]
         if fits:
             chosen = max(fits, key=lambda c: (_score(c), -c.layout.stage))
+    # 1b. context parallelism: the sequence split over cp ranks when the activations are what
+    #     does not fit; the model states stay partitioned over all ranks (ZeRO over dp × cp)
+    if chosen is None and context_parallel:
+        chosen = _context_parallel_fit(evaluate, tried, stages, with_none, tiles, dims, hw.ranks, notes)
     # 2. optimizer states + gradients to the fastest tier with room
     if chosen is None:
         for tier in fast_tiers:
@@ -356,6 +363,35 @@ def plan(dims: "ModelDims | HFModelDims", hardware: Hardware, *, micro_batch: in
                 chosen.rung, [], tried, notes, chosen.build_usage)
 
 
+def _context_parallel_sizes(dims, ranks: int) -> list[int]:
+    """cp sizes the engine can run for this model on ``ranks`` ranks, smallest first: dividing
+    the ranks and (ring attention's zig-zag split) half the sequence, for tiertrain's GPT and
+    the Hugging Face decoders tiertrain.parallel.apply_context_parallel converts."""
+    from tiertrain.models.hf import ROTARY_DECODERS
+
+    if hasattr(dims, "model_type") and dims.model_type not in ROTARY_DECODERS:
+        return []
+    return [c for c in range(2, ranks + 1) if ranks % c == 0 and dims.seq_len % (2 * c) == 0]
+
+
+def _context_parallel_fit(evaluate, tried: list, stages: list[int], ks: list[int], tiles: list[int], dims,
+                          ranks: int, notes: list[str]) -> Candidate | None:
+    """The smallest cp with which a layout fits without offload (the lowest stage, the least
+    checkpointing), and a note saying why it was needed."""
+    for c in _context_parallel_sizes(dims, ranks):
+        for stage in stages:
+            found = _first_fit(evaluate, f"context parallelism cp={c}", tried, ks, tiles, stage=stage,
+                               dp=ranks // c, cp=c)
+            if found is not None:
+                notes.append(f"parallel.cp={c}: at seq_len {dims.seq_len} no layout fits without offload while each "
+                             f"rank holds whole sequences; split over {c} ranks (ring attention), each holds the "
+                             f"activations of {dims.seq_len // c} tokens, and the model states stay partitioned "
+                             f"over all {ranks} ranks (ZeRO over dp × cp): cheaper than offloading, which frees no "
+                             f"activation memory")
+                return found
+    return None
+
+
 def short_message(p: Plan) -> str:
     """One line: nothing fits, and what is short by how much."""
     lay = p.layout
@@ -394,6 +430,8 @@ def render_plan(p: Plan) -> str:
             ["activations.recompute", lay.recompute],
             ["activations.offload", _checkpoint_offload(lay).config_name],
             ["tile_factor", str(lay.tile_factor)]]
+    if lay.cp > 1:
+        rows[1:1] = [["parallel.cp", str(lay.cp)], ["parallel.cp_algorithm", lay.cp_algorithm]]
     out += _table(rows, right=set()) + [""]
     mem = [["tier", "predicted per rank", "build peak per rank", "budget per rank", "use"]]
     build = p.build_usage or {}

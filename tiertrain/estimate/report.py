@@ -38,7 +38,7 @@ def render_table(est: Estimate) -> str:
     """Plain-text report: one row per line (item, bytes, tier, formula), then totals per
     tier per rank and per node, then the notes."""
     lay = est.layout
-    head = (f"model: {est.parameters:,} parameters | dp={lay.dp} tp={lay.tp} pp={lay.pp} "
+    head = (f"model: {est.parameters:,} parameters | dp={lay.dp}{' cp=' + str(lay.cp) if lay.cp > 1 else ''} tp={lay.tp} pp={lay.pp} "
             f"stage={lay.stage} precision={lay.precision} bsz={lay.micro_batch} "
             f"ci={lay.checkpoint_interval} tile={lay.tile_factor} accounting={lay.accounting}")
     rows = [["item", "bytes", "tier", "formula"]]

@@ -179,6 +179,10 @@ def _ring_exchange(x: torch.Tensor, group, what: str, tag: int = 0) -> torch.Ten
     return received
 
 
+RING_TILE = 1024
+"""Most query (and key) tokens of one tile of ring attention: a tile's scores, probabilities
+and their gradient are the attention memory that exists at once (3 fp32 tiles per head)."""
+
 MASKED = -1e30
 """The score of a masked (query, key) pair: finite, so that a query row a block masks whole
 gets a finite log-sum-exp, whose weight in the combination is then exp(-1e30) = 0."""
@@ -215,23 +219,33 @@ class _Ring:
         return [rank, 2 * self.c - 1 - rank] if self.causal else [rank]
 
     def blocks(self, hop: int):
-        """(i, j, mask or None): query chunk i of this rank sees key chunk j of the block that
-        arrives at this hop (the block of rank r - hop)."""
+        """(i, j, q tile, k tile, mask or None): tile ``q tile`` (a slice) of this rank's query
+        chunk i sees tile ``k tile`` of key chunk j of the block arriving at this hop (the block
+        of rank r - hop). Tiles are at most RING_TILE tokens a side, so that no more than one
+        tile's scores exist at a time however long the chunks are."""
         n, window = self.n, self.window
+        tiles = [slice(t, min(t + RING_TILE, n)) for t in range(0, n, RING_TILE)]
         for i, a in enumerate(self.chunks(self.r)):
             for j, b in enumerate(self.chunks((self.r - hop) % self.c)):
-                if not self.causal:
-                    yield i, j, None
-                elif b <= a and (window is None or (a - b - 1) * n + 1 < window):
-                    yield i, j, _visible(a * n, b * n, n, n, window, None)
+                for qt in tiles:
+                    for kt in tiles:
+                        if not self.causal:
+                            yield i, j, qt, kt, None
+                            continue
+                        q_first, q_last = a * n + qt.start, a * n + qt.stop - 1
+                        k_first, k_last = b * n + kt.start, b * n + kt.stop - 1
+                        if k_first > q_last or (window is not None and q_first - k_last >= window):
+                            continue  # (no key of the tile is visible to any query of this one)
+                        yield i, j, qt, kt, _visible(q_first, k_first, qt.stop - qt.start, kt.stop - kt.start,
+                                                     window, None)
 
 
 class RingAttention(torch.autograd.Function):
     """Ring attention with its own backward, keeping for backward only this rank's q, k, v,
     output and log-sum-exp (no block's scores): forward passes the key/value blocks around
-    the ring and folds each block's attention into a running output by log-sum-exp
+    the ring and folds each tile's attention into a running output by log-sum-exp
     (blockwise attention's online softmax); backward passes them around again, recomputes
-    each block's probabilities from the saved log-sum-exp, and sends each block's key/value
+    each tile's probabilities from the saved log-sum-exp, and sends each block's key/value
     gradient along with it, one more hop bringing it home."""
 
     @staticmethod
@@ -247,15 +261,15 @@ class RingAttention(torch.autograd.Function):
             if hop:
                 kv = _ring_exchange(kv, group, "a ring attention hop of keys and values")
             keys, values = (t.repeat_interleave(rep, 1).to(dtype).chunk(ring.parts, dim=2) for t in kv)
-            for i, j, mask in ring.blocks(hop):
-                scores = torch.matmul(queries[i], keys[j].transpose(-1, -2)) * scale
+            for i, j, qt, kt, mask in ring.blocks(hop):
+                scores = torch.matmul(queries[i][:, :, qt], keys[j][:, :, kt].transpose(-1, -2)) * scale
                 if mask is not None:
                     scores = scores.masked_fill(~mask.to(q.device), MASKED)
-                block_lse = torch.logsumexp(scores, dim=-1)
-                merged = torch.logaddexp(lse[i], block_lse)
-                out[i] = out[i] * torch.exp(lse[i] - merged).unsqueeze(-1) \
-                    + torch.matmul(torch.exp(scores - merged.unsqueeze(-1)), values[j])
-                lse[i] = merged
+                running = lse[i][:, :, qt]
+                merged = torch.logaddexp(running, torch.logsumexp(scores, dim=-1))
+                out[i][:, :, qt] = out[i][:, :, qt] * torch.exp(running - merged).unsqueeze(-1) \
+                    + torch.matmul(torch.exp(scores - merged.unsqueeze(-1)), values[j][:, :, kt])
+                lse[i][:, :, qt] = merged
         out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.scale, ctx.window = group, causal, scale, window
@@ -284,15 +298,16 @@ class RingAttention(torch.autograd.Function):
             # dkv[0|1] as [b, kv heads, rep, tokens, d] = the repeated heads' gradients, chunked like the keys
             dk = dkv[0].flatten(1, 2).chunk(ring.parts, dim=2)
             dv = dkv[1].flatten(1, 2).chunk(ring.parts, dim=2)
-            for i, j, mask in ring.blocks(hop):
-                scores = torch.matmul(queries[i], keys[j].transpose(-1, -2)) * scale
+            for i, j, qt, kt, mask in ring.blocks(hop):
+                qi, key, value, dout = queries[i][:, :, qt], keys[j][:, :, kt], values[j][:, :, kt], douts[i][:, :, qt]
+                scores = torch.matmul(qi, key.transpose(-1, -2)) * scale
                 if mask is not None:
                     scores = scores.masked_fill(~mask.to(q.device), MASKED)
-                p = torch.exp(scores - lses[i].unsqueeze(-1))
-                dv[j].add_(torch.matmul(p.transpose(-1, -2), douts[i]))
-                ds = p * (torch.matmul(douts[i], values[j].transpose(-1, -2)) - deltas[i].unsqueeze(-1))
-                dq[i].add_(torch.matmul(ds, keys[j]) * scale)
-                dk[j].add_(torch.matmul(ds.transpose(-1, -2), queries[i]) * scale)
+                p = torch.exp(scores - lses[i][:, :, qt].unsqueeze(-1))
+                dv[j][:, :, kt] += torch.matmul(p.transpose(-1, -2), dout)
+                ds = p * (torch.matmul(dout, value.transpose(-1, -2)) - deltas[i][:, :, qt].unsqueeze(-1))
+                dq[i][:, :, qt] += torch.matmul(ds, key) * scale
+                dk[j][:, :, kt] += torch.matmul(ds.transpose(-1, -2), qi) * scale
         if ring.c > 1:  # the block processed last is the next rank's: its gradient goes home
             dkv = _ring_exchange(dkv, group, "the key and value gradients' hop home", tag=1)
         dk, dv = (g.sum(2) for g in dkv)  # the repeated heads' gradients, summed per key/value head
