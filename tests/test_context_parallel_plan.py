@@ -67,3 +67,12 @@ def test_tiertrain_plan_picks_a_cp_size_for_a_long_sequence():
     assert proc.returncode == 0, proc.stderr
     assert "rung: context parallelism cp=" in proc.stdout
     assert "parallel.cp " in proc.stdout and "at seq_len 131072" in proc.stdout
+
+
+def test_a_loss_in_tiles_keeps_one_tiles_logits_in_the_estimate():
+    whole = _lines(LONG, dp=2, cp=4, stage=3, checkpoint_interval=1)
+    tiled = _lines(LONG, dp=2, cp=4, stage=3, checkpoint_interval=1, loss_tile_tokens=1024)
+    head = "activations (embedding, head, logits)"
+    saved_log_softmax = 4 * (131072 // 4) * 32000  # fp32, every token of the rank
+    assert whole[head] - tiled[head] >= saved_log_softmax
+    assert tiled["backward buffers"] < whole["backward buffers"]

@@ -30,6 +30,7 @@ def _config(case: dict, cp: int):
     if "nvme" in zero.values():
         zero["nvme_path"] = case.get("nvme_path", "unused (the reference keeps everything in memory)")
     return make_config(zero=zero, parallel={"cp": cp, "cp_algorithm": case["algorithm"]},
+                       activations={"loss_tile_tokens": case.get("loss_tile", 0) if cp > 1 else 0},
                        batch={"micro_batch_size": MICRO, "grad_accum_steps": case.get("accum", 1)},
                        optimizer={"eps": 1e-3})
 
@@ -73,6 +74,10 @@ CASES = {
     "ulysses, stage 1, -100 labels": {"algorithm": "ulysses", "zero": {"stage": 1}, "ignored": True},
     "ring, stage 2, the loss from the whole sequence's logits": {"algorithm": "ring", "zero": {"stage": 2},
                                                                 "loss_from_logits": True},
+    "ring, stage 3, the loss in tiles of 3 tokens": {"algorithm": "ring", "zero": {"stage": 3}, "loss_tile": 3,
+                                                     "ignored": True},
+    "llama, ulysses, stage 3, the loss in tiles of 5 tokens": {"hf": "llama-gqa", "algorithm": "ulysses",
+                                                               "zero": {"stage": 3}, "loss_tile": 5},
     "llama, ring, stage 3": {"hf": "llama-gqa", "algorithm": "ring", "zero": {"stage": 3}},
     "llama, ulysses, stage 2, optimizer on CPU": {"hf": "llama-gqa", "algorithm": "ulysses",
                                                   "zero": {"stage": 2, "offload_optimizer": "cpu"}},
@@ -109,7 +114,7 @@ def _rank(rank, world, cp, names, root):
         if name == MUTATION:
             cp_plan.exact_token_mean = lambda summed, labelled, group: summed / labelled
         try:
-            prepare = lambda m, t: apply_context_parallel(m, t, case["algorithm"])
+            prepare = lambda m, t: apply_context_parallel(m, t, case["algorithm"], case.get("loss_tile", 0))
             wrap_kwargs = {"loss_fn": _loss_from_logits} if case.get("loss_from_logits") else None
             losses, params, engine = engine_train(rank, world, _model(case), _config(case, cp),
                                                   _batches(case, world // cp), prepare, wrap_kwargs)
@@ -204,3 +209,30 @@ def test_hugging_face_conversion_refuses_what_it_cannot_run_exactly():
         llama(input_ids=ids, labels=ids, position_ids=torch.arange(16).expand(2, 16))
     with pytest.raises(ContextParallelError, match="not both"):
         llama(input_ids=ids, labels=ids, shift_labels=ids)
+
+
+def test_the_loss_in_tiles_is_the_loss_whole_and_keeps_one_tiles_logits():
+    """tiertrain.tiling.cross_entropy_in_tiles: the same sum and gradients (float64, exact up to
+    the order of the sum), and backward recomputes each tile's logits instead of keeping them."""
+    from tiertrain.tiling import cross_entropy_in_tiles
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, dtype=torch.float64)
+    hidden = torch.randn(2, 13, 8, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 13))
+    labels[0, :4] = -100
+    whole = torch.nn.functional.cross_entropy(head(hidden).reshape(-1, 50), labels.reshape(-1), reduction="sum")
+    grads_whole = torch.autograd.grad(whole, [hidden, head.weight])
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        tiled = cross_entropy_in_tiles(hidden, head, labels, tile_tokens=4)  # tiles of 4, 4, 4, 4, 4, 4 and 2
+    grads_tiled = torch.autograd.grad(tiled, [hidden, head.weight])
+    assert torch.allclose(tiled, whole, rtol=1e-12)
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-14) for a, b in zip(grads_tiled, grads_whole))
+    logits = {4 * 50, 2 * 50, 26 * 50}  # a tile's, the last tile's, all of them
+    assert saved and not logits & set(saved), f"logits kept for backward: {sorted(saved)}"
+
+
+def test_a_tiled_loss_needs_context_parallelism():
+    with pytest.raises(tiertrain.ConfigError, match="loss_tile_tokens=4 applies to context-parallel models"):
+        tiertrain.wrap(make_model(), make_config(activations={"loss_tile_tokens": 4}), tiertrain.Topology.build())

@@ -356,6 +356,8 @@ class ActivationConfig:
     """Tier holding the checkpointed block inputs between forward and backward: none (the device) or cpu."""
     recompute: Literal["block", "selective"] = "block"
     """What a checkpointed block recomputes in backward: block (all of it) or selective (keep the outputs of its matrix multiplications and attention kernels, recompute the rest; docs/concepts.md#selective-activation-checkpointing)."""
+    loss_tile_tokens: int = 0
+    """A context-parallel model's loss over tiles of this many tokens, each tile's logits recomputed in backward, so one tile's logits exist at a time (ALST's tiled loss); 0: all of a rank's tokens at once."""
 
     def __post_init__(self) -> None:
         # Any tier parses here; activation checkpointing names the ones it supports (device, cpu).
@@ -364,6 +366,7 @@ class ActivationConfig:
     def validate(self, path: str = "activations") -> None:
         self.__post_init__()
         _check_positive(f"{path}.checkpoint_every", self.checkpoint_every, allow_zero=True)
+        _check_positive(f"{path}.loss_tile_tokens", self.loss_tile_tokens, allow_zero=True)
         if self.offload not in ACTIVATION_TIERS:
             parse_tier(f"{path}.offload", self.offload, ACTIVATION_TIERS)
         if self.offload.offloaded and self.checkpoint_every == 0:

@@ -1,4 +1,4 @@
-"""Memory-centric tiling (ZeRO-Infinity §5.1.3).
+"""Memory-centric tiling (ZeRO-Infinity §5.1.3), and the loss computed in tiles of tokens.
 
 A large linear runs as a mathematically equal sequence of smaller linears over tiles of its
 output features. Each tile is a child of an ``nn.ModuleList``, which is exactly what
@@ -11,9 +11,12 @@ train in pieces.
 from __future__ import annotations
 
 import fnmatch
+from typing import Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 class TiledLinear(nn.Module):
@@ -66,3 +69,28 @@ def apply_tiling(model: nn.Module, plan: dict[str, int]) -> nn.Module:
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, TiledLinear.from_linear(linear, tiles))
     return model
+
+
+def _tile_loss(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+               labels: torch.Tensor) -> torch.Tensor:
+    logits = logits_of(hidden)
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    return F.cross_entropy(logits.to(dtype), labels, ignore_index=-100, reduction="sum")
+
+
+def cross_entropy_in_tiles(hidden: torch.Tensor, logits_of: Callable[[torch.Tensor], torch.Tensor],
+                           labels: torch.Tensor, tile_tokens: int) -> torch.Tensor:
+    """The summed cross-entropy of ``logits_of(hidden)`` against ``labels`` (-100 ignored),
+    computed over tiles of ``tile_tokens`` tokens whose logits are recomputed in backward
+    (torch.utils.checkpoint), so that the logits of one tile exist at a time instead of all of
+    them (ALST's tiled loss: a long sequence's logits, tokens × vocabulary in fp32, are often
+    the largest activation). hidden: [..., tokens, h]; labels: [..., tokens]."""
+    if tile_tokens <= 0:
+        raise ValueError(f"tile_tokens={tile_tokens} is invalid: expected a positive number of tokens")
+    flat, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    total = None
+    for start in range(0, flat.shape[0], tile_tokens):
+        part = checkpoint(_tile_loss, logits_of, flat[start:start + tile_tokens], targets[start:start + tile_tokens],
+                          use_reentrant=False)
+        total = part if total is None else total + part
+    return total

@@ -375,7 +375,7 @@ def build_model(cfg: TrainConfig, topology=None, partitioned: bool = True) -> GP
     if topology is not None and topology.size("cp") > 1:  # each rank embeds and attends with its tokens
         from .parallel.cp_plan import apply_context_parallel
 
-        apply_context_parallel(model, topology, cfg.parallel.cp_algorithm)
+        apply_context_parallel(model, topology, cfg.parallel.cp_algorithm, cfg.activations.loss_tile_tokens)
     if cfg.tile_factor > 1:
         from .estimate.units import tile_plan
         from .tiling import apply_tiling

@@ -93,7 +93,11 @@ def _check_context_parallel(model, config: Config, topology: Topology) -> None:
     """A cp > 1 topology trains a model converted for it (each rank then holds its tokens'
     activations only); otherwise every rank would silently compute the whole sequence."""
     cp = topology.size("cp")
+    tile = config.activations.loss_tile_tokens
     if cp == 1:
+        if tile:
+            raise ConfigError(f"activations.loss_tile_tokens={tile} applies to context-parallel models "
+                              f"(parallel.cp > 1); with parallel.cp=1 set it to 0")
         return
     if topology.size("pp") > 1 or topology.size("tp") > 1:
         raise ConfigError(f"parallel.cp={cp} with parallel.tp={topology.size('tp')}, parallel.pp={topology.size('pp')}: "
@@ -103,6 +107,9 @@ def _check_context_parallel(model, config: Config, topology: Topology) -> None:
         raise ConfigError(f"parallel.cp={cp}, but the model {'was converted for cp=' + str(converted) if converted > 1 else 'is not context-parallel'}: "
                           f"convert it with tiertrain.parallel.apply_context_parallel(model, topology, "
                           f"algorithm=config.parallel.cp_algorithm) before wrap()")
+    if getattr(model, "cp_loss_tile", 0) != tile:
+        raise ConfigError(f"activations.loss_tile_tokens={tile}, but the model was converted with "
+                          f"loss_tile_tokens={model.cp_loss_tile}: pass the same to apply_context_parallel")
     if getattr(model, "cp_algorithm", config.parallel.cp_algorithm) != config.parallel.cp_algorithm:
         raise ConfigError(f"parallel.cp_algorithm={config.parallel.cp_algorithm!r}, but the model was converted "
                           f"with {model.cp_algorithm!r}")

@@ -17,6 +17,7 @@ modeling code, :mod:`tiertrain.estimate.modules`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,7 +99,7 @@ def gpt_activation_bytes(dims: Any, micro_batch: int, precision_bytes: int) -> A
 
 
 def context_parallel_activation_bytes(dims: Any, micro_batch: int, precision_bytes: int, cp: int,
-                                      algorithm: str) -> ActivationBytes:
+                                      algorithm: str, loss_tile_tokens: int = 0) -> ActivationBytes:
     """:class:`ActivationBytes` of one rank of a context-parallel group of ``cp`` ranks: the
     model's activations at seq/cp tokens (``dims.activation_bytes`` of a Hugging Face model, else
     tiertrain's GPT), with what the context-parallel attention (tiertrain/parallel/context.py)
@@ -112,7 +113,10 @@ def context_parallel_activation_bytes(dims: Any, micro_batch: int, precision_byt
       rank's tokens, while the
       residual stream's gradient (s·b·h·D) and the attention's weight gradients are held;
     * Ulysses: the head-split q, k, v and output kept beside the sequence-split ones
-      ((2·q_width + 2·kv_width)·s·b·D).
+      ((2·q_width + 2·kv_width)·s·b·D);
+    * with ``loss_tile_tokens`` = T (tiertrain.tiling.cross_entropy_in_tiles), no fp32
+      log-softmax of all s tokens is kept (4·s·b·V), and the logits in flight at the end of
+      forward and the start of backward are one tile's: T tokens instead of s.
     """
     import dataclasses
 
@@ -140,5 +144,11 @@ def context_parallel_activation_bytes(dims: Any, micro_batch: int, precision_byt
     h = dims.hidden
     attention_backward = s * b * h * D + h * (2 * q_width + 2 * kv_width) * D + backward
     blocks = tuple(x + saved for x in acts.blocks)
-    return dataclasses.replace(acts, block=acts.block + saved, blocks=blocks,
+    acts = dataclasses.replace(acts, block=acts.block + saved, blocks=blocks,
                                block_backward=max(acts.block_backward, attention_backward))
+    if loss_tile_tokens and loss_tile_tokens < s:
+        V, ratio = dims.vocab, loss_tile_tokens / s
+        acts = dataclasses.replace(acts, head=acts.head - 4 * s * b * V,
+                                   logits_in_flight=math.ceil(acts.logits_in_flight * ratio),
+                                   head_backward=math.ceil(acts.head_backward * ratio))
+    return acts

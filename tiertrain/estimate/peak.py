@@ -413,7 +413,8 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
         if dims.seq_len % (2 * lay.cp if lay.cp_algorithm == "ring" else lay.cp):
             raise ValueError(f"seq_len={dims.seq_len} cannot be split over cp={lay.cp} ({lay.cp_algorithm} needs a "
                              f"multiple of {2 * lay.cp if lay.cp_algorithm == 'ring' else lay.cp})")
-        acts = context_parallel_activation_bytes(dims, lay.micro_batch, D, lay.cp, lay.cp_algorithm)
+        acts = context_parallel_activation_bytes(dims, lay.micro_batch, D, lay.cp, lay.cp_algorithm,
+                                                 lay.loss_tile_tokens)
         notes.append(f"context parallelism: each rank holds the activations of {dims.seq_len // lay.cp} of the "
                      f"{dims.seq_len} tokens of every sequence, and {lay.cp_algorithm} attention's own "
                      f"(tiertrain.estimate.activations.context_parallel_activation_bytes)")

@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import transformers
 
 from ..models.hf import ROTARY_DECODERS
+from ..tiling import cross_entropy_in_tiles
 from .context import ContextParallelError, GatherSequence, context_split, exact_token_mean, ring_attention, ulysses_attention
 
 __all__ = ["ATTENTION_NAME", "convert_hf_decoder"]
@@ -91,15 +93,21 @@ def _forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
             shift_labels = shift_labels.masked_fill(attention_mask == 0, -100)
     positions = split(torch.arange(t, device=input_ids.device).expand(b, t))
     kwargs["use_cache"] = False
-    out = self.cp_base.forward(self, input_ids=split(input_ids), position_ids=positions, **kwargs)
-    logits = out.logits
     if shift_labels is None:
-        out.logits = GatherSequence.apply(logits, group, algorithm)
+        out = self.cp_base.forward(self, input_ids=split(input_ids), position_ids=positions, **kwargs)
+        out.logits = GatherSequence.apply(out.logits, group, algorithm)
         return out
     mine = split(shift_labels)
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), mine.reshape(-1).to(logits.device),
-                             ignore_index=-100, reduction="sum")
+    if self.cp_loss_tile:  # the decoder's hidden states, then the head and loss one tile at a time
+        hidden = self.get_decoder()(input_ids=split(input_ids), position_ids=positions, **kwargs).last_hidden_state
+        summed = cross_entropy_in_tiles(hidden, self.get_output_embeddings(), mine.to(hidden.device), self.cp_loss_tile)
+        out = transformers.modeling_outputs.CausalLMOutputWithPast(logits=None)
+    else:
+        out = self.cp_base.forward(self, input_ids=split(input_ids), position_ids=positions, **kwargs)
+        logits = out.logits
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), mine.reshape(-1).to(logits.device),
+                                 ignore_index=-100, reduction="sum")
     out.loss = exact_token_mean(summed, (mine != -100).sum(), group)
     return out
 
@@ -115,9 +123,8 @@ def _converted_class(base: type) -> type:
     return _CLASSES[base]
 
 
-def convert_hf_decoder(model, group, size: int, algorithm: str):
+def convert_hf_decoder(model, group, size: int, algorithm: str, loss_tile_tokens: int = 0):
     """Convert a transformers causal LM of a recognised decoder family in place; returns it."""
-    import transformers
 
     config = model.config
     model_type = getattr(config, "model_type", None)
@@ -137,4 +144,5 @@ def convert_hf_decoder(model, group, size: int, algorithm: str):
         if hasattr(module, "config"):
             module.cp_group, module.cp_algorithm, module.cp_size = group, algorithm, size
     model.__class__ = _converted_class(type(model))
+    model.cp_loss_tile = loss_tile_tokens
     return model

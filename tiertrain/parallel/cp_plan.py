@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..models.gpt import GPT, CausalSelfAttention
+from ..tiling import cross_entropy_in_tiles
 from .context import (ContextParallelError, GatherSequence, context_split, exact_token_mean, ring_attention,
                       ulysses_attention)
 
@@ -55,6 +56,7 @@ class ContextParallelGPT(GPT):
     cp_group = None
     cp_algorithm = "ring"
     cp_size = 1
+    cp_loss_tile = 0
 
     def __init__(self, *args, **kwargs):
         raise TypeError("ContextParallelGPT is not constructed directly: build a GPT and call "
@@ -74,21 +76,28 @@ class ContextParallelGPT(GPT):
         x = self.drop(self.embed(split(input_ids)) + self.pos_embed(positions))
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.norm(x))
         if labels is None:
-            return GatherSequence.apply(logits, self.cp_group, self.cp_algorithm)
+            return GatherSequence.apply(self.head(self.norm(x)), self.cp_group, self.cp_algorithm)
         mine = split(labels)
-        dtype = torch.promote_types(logits.dtype, torch.float32)
-        summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), mine.reshape(-1), reduction="sum")
+        if self.cp_loss_tile:
+            summed = cross_entropy_in_tiles(x, lambda h: self.head(self.norm(h)), mine, self.cp_loss_tile)
+        else:
+            logits = self.head(self.norm(x))
+            dtype = torch.promote_types(logits.dtype, torch.float32)
+            summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), mine.reshape(-1), reduction="sum")
         return exact_token_mean(summed, (mine != -100).sum(), self.cp_group)
 
 
-def apply_context_parallel(model, topology, algorithm: str = "ring"):
+def apply_context_parallel(model, topology, algorithm: str = "ring", loss_tile_tokens: int = 0):
     """Convert a model in place to context parallelism over ``topology``'s cp axis
     (``topology`` may also be a process group or None) with ``algorithm`` ("ring" or
     "ulysses"); returns the same object: tiertrain's GPT becomes a :class:`ContextParallelGPT`,
     a Hugging Face Llama, Mistral, Qwen2 or Qwen3 causal LM its context-parallel subclass
-    (tiertrain/parallel/cp_hf.py)."""
+    (tiertrain/parallel/cp_hf.py). ``loss_tile_tokens`` (activations.loss_tile_tokens): the
+    loss over tiles of that many tokens (tiertrain.tiling.cross_entropy_in_tiles)."""
+    if isinstance(loss_tile_tokens, bool) or not isinstance(loss_tile_tokens, int) or loss_tile_tokens < 0:
+        raise ContextParallelError(f"activations.loss_tile_tokens={loss_tile_tokens!r} is invalid: expected a "
+                                   f"number of tokens >= 0 (0: no tiles)")
     if algorithm not in ALGORITHMS:
         raise ContextParallelError(f"parallel.cp_algorithm={algorithm!r} is unknown: valid are "
                                    f"{', '.join(ALGORITHMS)}")
@@ -101,7 +110,7 @@ def apply_context_parallel(model, topology, algorithm: str = "ring"):
                             f"(tensor parallelism with context parallelism is not supported yet)")
         from .cp_hf import convert_hf_decoder
 
-        return convert_hf_decoder(model, group, c, algorithm)
+        return convert_hf_decoder(model, group, c, algorithm, loss_tile_tokens)
     cfg = model.config
     if cfg.dropout:
         raise ContextParallelError(f"GPTConfig.dropout={cfg.dropout}: context-parallel attention has no dropout; "
@@ -116,5 +125,5 @@ def apply_context_parallel(model, topology, algorithm: str = "ring"):
         block.attn.__class__ = ContextParallelAttention
         block.attn.cp_group, block.attn.cp_algorithm = group, algorithm
     model.__class__ = ContextParallelGPT
-    model.cp_group, model.cp_algorithm, model.cp_size = group, algorithm, c
+    model.cp_group, model.cp_algorithm, model.cp_size, model.cp_loss_tile = group, algorithm, c, loss_tile_tokens
     return model
