@@ -108,8 +108,8 @@ def context_parallel_activation_bytes(dims: Any, micro_batch: int, precision_byt
     * ring: its output is kept for backward in fp32 ((4 - D)·s·b·q_width more than attention's
       own output), and backward holds, besides this rank's q, k, v, the key/value block passing
       through and the next one (2·2·s·b·kv_width·D), their gradients in fp32 with the repeated
-      heads (2·2·4·s·b·q_width), the query gradient (4·s·b·q_width) and one tile's scores,
-      probabilities and their gradient (3·4·b·a·T², T = min(s/2, RING_TILE)), s being this
+      heads (2·2·4·s·b·q_width), the query gradient (4·s·b·q_width) and one tile's
+      probabilities and their gradient (2·4·b·a·T², T = min(s/2, RING_TILE)), s being this
       rank's tokens, while the
       residual stream's gradient (s·b·h·D) and the attention's weight gradients are held;
     * Ulysses: the head-split q, k, v and output kept beside the sequence-split ones
@@ -137,7 +137,7 @@ def context_parallel_activation_bytes(dims: Any, micro_batch: int, precision_byt
         from ..parallel.context import RING_TILE
 
         tile = min(s // 2, RING_TILE)
-        backward = 4 * s * b * kv_width * D + 16 * s * b * q_width + 4 * s * b * q_width + 12 * b * a * tile * tile
+        backward = 4 * s * b * kv_width * D + 16 * s * b * q_width + 4 * s * b * q_width + 8 * b * a * tile * tile
     else:
         saved = (2 * q_width + 2 * kv_width) * s * b * D
         backward = 0

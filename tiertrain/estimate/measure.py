@@ -111,7 +111,7 @@ def _rank(spec_json: str) -> dict[str, Any]:
     cfg = spec.config()
     g = spec.gpt_config()
     topo = Topology.build(cfg.parallel)
-    gen = torch.Generator().manual_seed(topo.rank)
+    gen = torch.Generator().manual_seed(topo.coord("dp"))  # (the ranks of a cp group share their samples)
     mb = spec.micro_batch
     batches = [{"input_ids": torch.randint(0, g.vocab_size, (mb, g.seq_len), generator=gen),
                 "labels": torch.randint(0, g.vocab_size, (mb, g.seq_len), generator=gen)}
@@ -146,6 +146,10 @@ def _rank(spec_json: str) -> dict[str, Any]:
             model = GPT(g)
     else:
         model = GPT(g)
+    if cfg.parallel.cp > 1:
+        from tiertrain.parallel.cp_plan import apply_context_parallel
+
+        apply_context_parallel(model, topo, cfg.parallel.cp_algorithm, cfg.activations.loss_tile_tokens)
     construct_peak = _status("VmHWM") - baseline
     handle = None
     if cfg.activations.checkpoint_every:

@@ -179,9 +179,12 @@ def _ring_exchange(x: torch.Tensor, group, what: str, tag: int = 0) -> torch.Ten
     return received
 
 
-RING_TILE = 1024
-"""Most query (and key) tokens of one tile of ring attention: a tile's scores, probabilities
-and their gradient are the attention memory that exists at once (3 fp32 tiles per head)."""
+RING_TILE = 256
+"""Most query (and key) tokens of one tile of ring attention: a tile's scores (then, in place,
+probabilities) and their gradient are the attention memory that exists at once (two fp32
+tiles per head, 256 KiB each). Smaller tiles cost more Python-level steps per block; at 1024
+the tiles outweighed the tokens' own activations at 2048 tokens a rank
+(bench/results/cp_memory.md)."""
 
 MASKED = -1e30
 """The score of a masked (query, key) pair: finite, so that a query row a block masks whole
@@ -262,13 +265,15 @@ class RingAttention(torch.autograd.Function):
                 kv = _ring_exchange(kv, group, "a ring attention hop of keys and values")
             keys, values = (t.repeat_interleave(rep, 1).to(dtype).chunk(ring.parts, dim=2) for t in kv)
             for i, j, qt, kt, mask in ring.blocks(hop):
-                scores = torch.matmul(queries[i][:, :, qt], keys[j][:, :, kt].transpose(-1, -2)) * scale
+                # (in place wherever possible: a tile's scores are the largest transient)
+                scores = torch.matmul(queries[i][:, :, qt], keys[j][:, :, kt].transpose(-1, -2)).mul_(scale)
                 if mask is not None:
-                    scores = scores.masked_fill(~mask.to(q.device), MASKED)
+                    scores.masked_fill_(~mask.to(q.device), MASKED)
                 running = lse[i][:, :, qt]
                 merged = torch.logaddexp(running, torch.logsumexp(scores, dim=-1))
+                probabilities = scores.sub_(merged.unsqueeze(-1)).exp_()
                 out[i][:, :, qt] = out[i][:, :, qt] * torch.exp(running - merged).unsqueeze(-1) \
-                    + torch.matmul(torch.exp(scores - merged.unsqueeze(-1)), values[j][:, :, kt])
+                    + torch.matmul(probabilities, values[j][:, :, kt])
                 lse[i][:, :, qt] = merged
         out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -300,14 +305,15 @@ class RingAttention(torch.autograd.Function):
             dv = dkv[1].flatten(1, 2).chunk(ring.parts, dim=2)
             for i, j, qt, kt, mask in ring.blocks(hop):
                 qi, key, value, dout = queries[i][:, :, qt], keys[j][:, :, kt], values[j][:, :, kt], douts[i][:, :, qt]
-                scores = torch.matmul(qi, key.transpose(-1, -2)) * scale
+                scores = torch.matmul(qi, key.transpose(-1, -2)).mul_(scale)
                 if mask is not None:
-                    scores = scores.masked_fill(~mask.to(q.device), MASKED)
-                p = torch.exp(scores - lses[i][:, :, qt].unsqueeze(-1))
+                    scores.masked_fill_(~mask.to(q.device), MASKED)
+                p = scores.sub_(lses[i][:, :, qt].unsqueeze(-1)).exp_()
                 dv[j][:, :, kt] += torch.matmul(p.transpose(-1, -2), dout)
-                ds = p * (torch.matmul(dout, value.transpose(-1, -2)) - deltas[i][:, :, qt].unsqueeze(-1))
-                dq[i][:, :, qt] += torch.matmul(ds, key) * scale
-                dk[j][:, :, kt] += torch.matmul(ds.transpose(-1, -2), qi) * scale
+                ds = torch.matmul(dout, value.transpose(-1, -2)).sub_(deltas[i][:, :, qt].unsqueeze(-1)).mul_(p)
+                del p, scores
+                dq[i][:, :, qt] += torch.matmul(ds, key).mul_(scale)
+                dk[j][:, :, kt] += torch.matmul(ds.transpose(-1, -2), qi).mul_(scale)
         if ring.c > 1:  # the block processed last is the next rank's: its gradient goes home
             dkv = _ring_exchange(dkv, group, "the key and value gradients' hop home", tag=1)
         dk, dv = (g.sum(2) for g in dkv)  # the repeated heads' gradients, summed per key/value head
