@@ -236,3 +236,50 @@ def test_the_loss_in_tiles_is_the_loss_whole_and_keeps_one_tiles_logits():
 def test_a_tiled_loss_needs_context_parallelism():
     with pytest.raises(tiertrain.ConfigError, match="loss_tile_tokens=4 applies to context-parallel models"):
         tiertrain.wrap(make_model(), make_config(activations={"loss_tile_tokens": 4}), tiertrain.Topology.build())
+
+
+def _resume(rank, world, cp, root):
+    """3 steps at once, then 2 steps, a checkpoint, and the last step from it in a new engine;
+    the same at cp and, from the cp checkpoint, at dp = world (no context parallelism)."""
+    from reference import rank_slices
+
+    case = CASES["ring, stage 3"]
+    batches = _batches(case, world // cp)
+
+    def train(engine, topology, steps):
+        for batch in steps:
+            engine.train_batch(rank_slices(batch, topology.coord("dp"), topology.size("dp"), MICRO, 1))
+
+    def engine_at(cp_size):
+        config = _config(case, cp_size)
+        topology = tiertrain.Topology.build(config.parallel)
+        model = make_model()
+        if cp_size > 1:
+            model = apply_context_parallel(model, topology, "ring")
+        return tiertrain.wrap(model, config, topology), topology
+
+    straight, topology = engine_at(cp)
+    train(straight, topology, batches)
+    expected = straight.full_state_dict()
+    straight.close()
+    first, topology = engine_at(cp)
+    train(first, topology, batches[:2])
+    first.save_checkpoint(root)
+    first.close()
+    resumed, topology = engine_at(cp)
+    resumed.load_checkpoint(root)
+    train(resumed, topology, batches[2:])
+    again = resumed.full_state_dict()
+    resumed.close()
+    whole, topology = engine_at(1)  # every rank a data-parallel one, each with whole sequences
+    whole.load_checkpoint(root)
+    steps = whole.steps
+    whole.close()
+    return [n for n in expected if not torch.equal(expected[n], again[n])], steps
+
+
+@pytest.mark.timeout(180)
+def test_a_context_parallel_checkpoint_resumes_bit_for_bit_and_loads_without_cp(tmp_path):
+    for differ, steps in run_distributed(_resume, 2, 2, str(tmp_path / "ckpt"), timeout=120):
+        assert differ == [], f"resumed at cp=2, these parameters differ from the uninterrupted run: {differ}"
+        assert steps == 2, "the cp=2 checkpoint loads on the same ranks without context parallelism"
