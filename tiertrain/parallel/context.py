@@ -90,30 +90,18 @@ def _heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return got.permute(1, 0, 2, 3, 4).reshape(b, c * hc, s // c, d)
 
 
-class SequenceToHeads(torch.autograd.Function):
-    """Ulysses' first all-to-all; its gradient goes back by the inverse all-to-all."""
+class UlyssesAllToAll(torch.autograd.Function):
+    """Ulysses' all-to-all, from sequence-split to head-split (``to_heads``) or back; its
+    gradient goes back by the inverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _sequence_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _heads_to_sequence(grad, ctx.group), None
-
-
-class HeadsToSequence(torch.autograd.Function):
-    """Ulysses' second all-to-all; its gradient goes back by the inverse all-to-all."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _heads_to_sequence(x, group)
+    def forward(ctx, x: torch.Tensor, group, to_heads: bool) -> torch.Tensor:
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_sequence_to_heads if to_heads else _heads_to_sequence)(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _sequence_to_heads(grad, ctx.group), None
+        return (_heads_to_sequence if ctx.to_heads else _sequence_to_heads)(grad, ctx.group), None, None
 
 
 def _repeat_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
@@ -160,8 +148,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, 
         return _attend(q, k, v, causal, scale, window)
     if k.shape[1] % c:
         k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
-    qh, kh, vh = (SequenceToHeads.apply(t, group) for t in (q, k, v))
-    return HeadsToSequence.apply(_attend(qh, kh, vh, causal, scale, window), group)
+    qh, kh, vh = (UlyssesAllToAll.apply(t, group, True) for t in (q, k, v))
+    return UlyssesAllToAll.apply(_attend(qh, kh, vh, causal, scale, window), group, False)
 
 
 # -- ring attention ----------------------------------------------------------------------------
