@@ -33,8 +33,8 @@ import torch.distributed as dist
 from ..errors import TiertrainError
 from ..waits import run_timeout
 
-__all__ = ["ContextParallelError", "GatherSequence", "context_split", "exact_token_mean", "ring_attention", "ulysses_attention", "zigzag_positions", "zigzag_split",
-           "zigzag_unsplit"]
+__all__ = ["ContextParallelError", "ContextParallelTimeout", "GatherSequence", "context_split", "exact_token_mean",
+           "ring_attention", "ulysses_attention", "zigzag_positions", "zigzag_split", "zigzag_unsplit"]
 
 
 class ContextParallelError(TiertrainError, ValueError):
@@ -42,6 +42,10 @@ class ContextParallelError(TiertrainError, ValueError):
     value and what would be valid)."""
 
     exit_code = 2
+
+
+class ContextParallelTimeout(TiertrainError, TimeoutError):
+    """An exchange of the cp group did not complete in time (a failed or stalled peer)."""
 
 
 def _size(group) -> int:
@@ -57,7 +61,7 @@ def _wait(work, what: str) -> None:
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
-        raise TimeoutError(f"context parallelism: {what} did not complete within {timeout:g} s "
+        raise ContextParallelTimeout(f"context parallelism: {what} did not complete within {timeout:g} s "
                            f"(a failed or stalled peer): {e}") from e
 
 
@@ -347,7 +351,6 @@ def zigzag_positions(length: int, rank: int, c: int, device=None) -> torch.Tenso
 
 def zigzag_unsplit(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
     """The whole sequence from every rank's zig-zag tokens, given in rank order."""
-    c = len(pieces)
     firsts, seconds = zip(*(p.chunk(2, dim=dim) for p in pieces))
     return torch.cat(list(firsts) + list(reversed(seconds)), dim=dim)
 
@@ -381,6 +384,8 @@ class GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group, algorithm: str) -> torch.Tensor:
         ctx.group, ctx.algorithm = group, algorithm
+        if _size(group) == 1:
+            return x.view_as(x)
         pieces = [torch.empty_like(x) for _ in range(_size(group))]
         _wait(dist.all_gather(pieces, x.contiguous(), group=group, async_op=True), "the gather of the sequence's logits")
         return zigzag_unsplit(pieces, 1) if algorithm == "ring" else torch.cat(pieces, dim=1)
