@@ -18,6 +18,7 @@ under a causal mask no real token attends to the padding, and padded positions a
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -112,15 +113,11 @@ def _forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
     return out
 
 
-_CLASSES: dict[type, type] = {}
-
-
+@functools.cache
 def _converted_class(base: type) -> type:
-    """The subclass of ``base`` with the context-parallel forward (one per base class)."""
-    if base not in _CLASSES:
-        _CLASSES[base] = type(f"ContextParallel{base.__name__}", (base,),
-                              {"forward": _forward, "cp_base": base, "__module__": __name__})
-    return _CLASSES[base]
+    """The subclass of ``base`` with the context-parallel forward (one per base class, so that
+    models of one class share it, as FSDP2's ``fully_shard`` classes are shared)."""
+    return type(f"ContextParallel{base.__name__}", (base,), {"forward": _forward, "cp_base": base, "__module__": __name__})
 
 
 def convert_hf_decoder(model, group, size: int, algorithm: str, loss_tile_tokens: int = 0):
