@@ -17,19 +17,30 @@ import torch
 
 import tiertrain
 import zoo
-from reference import Oracle, engine_train, global_batches, make_config, make_model, reference_train
+from reference import Oracle, engine_train, global_batches, make_config, make_model, reference_train, tp_gathered
 from tiertrain.parallel.context import ContextParallelError
+from tiertrain.parallel import apply_tensor_parallel
 from tiertrain.parallel.cp_plan import apply_context_parallel
 from tiertrain.testing import run_distributed
 
 STEPS, MICRO = 3, 2
 
 
+def _prepare(case: dict):
+    """Tensor parallelism first (when the case has tp), then context parallelism."""
+    def prepare(model, topology):
+        if case.get("tp"):
+            model = apply_tensor_parallel(model, topology)
+        return apply_context_parallel(model, topology, case["algorithm"], case.get("loss_tile", 0))
+    return prepare
+
+
 def _config(case: dict, cp: int):
     zero = dict(case.get("zero", {}))
     if "nvme" in zero.values():
         zero["nvme_path"] = case.get("nvme_path", "unused (the reference keeps everything in memory)")
-    return make_config(zero=zero, parallel={"cp": cp, "cp_algorithm": case["algorithm"]},
+    return make_config(zero=zero, parallel={"cp": cp, "cp_algorithm": case["algorithm"],
+                                            "tp": case.get("tp", 1) if cp > 1 else 1},
                        activations={"loss_tile_tokens": case.get("loss_tile", 0) if cp > 1 else 0},
                        batch={"micro_batch_size": MICRO, "grad_accum_steps": case.get("accum", 1)},
                        optimizer={"eps": 1e-3})
@@ -78,6 +89,9 @@ CASES = {
                                                      "ignored": True},
     "llama, ulysses, stage 3, the loss in tiles of 5 tokens": {"hf": "llama-gqa", "algorithm": "ulysses",
                                                                "zero": {"stage": 3}, "loss_tile": 5},
+    "tp 2, ring, stage 2": {"algorithm": "ring", "zero": {"stage": 2}, "tp": 2, "ignored": True},
+    "tp 2, ulysses, stage 3, the loss from the whole sequence's logits": {
+        "algorithm": "ulysses", "zero": {"stage": 3}, "tp": 2, "loss_from_logits": True},
     "llama, ring, stage 3": {"hf": "llama-gqa", "algorithm": "ring", "zero": {"stage": 3}},
     "llama, ulysses, stage 2, optimizer on CPU": {"hf": "llama-gqa", "algorithm": "ulysses",
                                                   "zero": {"stage": 2, "offload_optimizer": "cpu"}},
@@ -88,13 +102,14 @@ CASES = {
     "mistral sliding window, ulysses, stage 3": {"hf": "mistral-sliding-window", "algorithm": "ulysses",
                                                  "zero": {"stage": 3}},
 }
-LAYOUTS = {  # (dp, cp) -> the cases run there (-100 labels only at dp = 1, where the reference's
+LAYOUTS = {  # (dp, cp, tp) -> the cases run there (-100 labels only at dp = 1, where the reference's
     # token mean over the whole batch is what the engine computes: over dp it is a mean of means)
-    (1, 2): list(CASES),
-    (1, 4): ["ring, stage 3", "ulysses, stage 2", "ring, stage 2, the loss from the whole sequence's logits", "ring, stage 2, -100 labels", "llama, ring, stage 3",
-             "mistral sliding window, ring, stage 1"],
-    (2, 2): ["ring, stage 2, accumulation 2", "ring, stage 3, parameters and optimizer on CPU",
-             "ulysses, stage 3, optimizer on CPU", "llama, ring, stage 3"],
+    (1, 2, 1): [name for name, case in CASES.items() if "tp" not in case],
+    (1, 4, 1): ["ring, stage 3", "ulysses, stage 2", "ring, stage 2, the loss from the whole sequence's logits",
+                "ring, stage 2, -100 labels", "llama, ring, stage 3", "mistral sliding window, ring, stage 1"],
+    (2, 2, 1): ["ring, stage 2, accumulation 2", "ring, stage 3, parameters and optimizer on CPU",
+                "ulysses, stage 3, optimizer on CPU", "llama, ring, stage 3"],
+    (1, 2, 2): [name for name, case in CASES.items() if "tp" in case],
 }
 
 
@@ -114,10 +129,12 @@ def _rank(rank, world, cp, names, root):
         if name == MUTATION:
             cp_plan.exact_token_mean = lambda summed, labelled, group: summed / labelled
         try:
-            prepare = lambda m, t: apply_context_parallel(m, t, case["algorithm"], case.get("loss_tile", 0))
             wrap_kwargs = {"loss_fn": _loss_from_logits} if case.get("loss_from_logits") else None
+            tp = case.get("tp", 1)
             losses, params, engine = engine_train(rank, world, _model(case), _config(case, cp),
-                                                  _batches(case, world // cp), prepare, wrap_kwargs)
+                                                  _batches(case, world // (cp * tp)), _prepare(case), wrap_kwargs)
+            if tp > 1:
+                params = tp_gathered(engine, params)
             engine.close()
         finally:
             cp_plan.exact_token_mean = exact
@@ -135,12 +152,12 @@ def _loss_from_logits(model, batch):
 _RESULTS: dict = {}
 
 
-def _results(layout: tuple[int, int], root) -> dict:
+def _results(layout: tuple[int, int, int], root) -> dict:
     """Every case of the layout, run in one launch the first time one of them is asked for."""
     if layout not in _RESULTS:
-        dp, cp = layout
-        names = LAYOUTS[layout] + ([MUTATION] if layout == (1, 2) else [])
-        _RESULTS[layout] = run_distributed(_rank, dp * cp, cp, names, str(root), timeout=120)[0]
+        dp, cp, tp = layout
+        names = LAYOUTS[layout] + ([MUTATION] if layout == (1, 2, 1) else [])
+        _RESULTS[layout] = run_distributed(_rank, dp * cp * tp, cp, names, str(root), timeout=120)[0]
     return _RESULTS[layout]
 
 
@@ -148,18 +165,18 @@ RUNS = [(layout, name) for layout, names in LAYOUTS.items() for name in names]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout,name", RUNS, ids=[f"dp={l[0]}, cp={l[1]}, {n}" for l, n in RUNS])
+@pytest.mark.parametrize("layout,name", RUNS, ids=[f"dp={l[0]}, cp={l[1]}, tp={l[2]}, {n}" for l, n in RUNS])
 def test_trains_as_one_process_on_the_whole_batch(layout, name, tmp_path):
-    dp, cp = layout
+    dp, cp, tp = layout
     losses, params = _results(layout, tmp_path)[name]
     case = CASES[name]
     oracle = Oracle.run(reference_train, _model(case), _config(case, 1), _batches(case, dp))
-    oracle.check(losses, params, f"{name} at dp={dp}, cp={cp}")
+    oracle.check(losses, params, f"{name} at dp={dp}, cp={cp}, tp={tp}")
 
 
 @pytest.mark.timeout(240)
 def test_the_check_fails_a_loss_that_is_each_ranks_own_token_mean(tmp_path):
-    losses, params = _results((1, 2), tmp_path)[MUTATION]
+    losses, params = _results((1, 2, 1), tmp_path)[MUTATION]
     case = CASES["ring, stage 2, -100 labels"]
     oracle = Oracle.run(reference_train, make_model(), _config(case, 1), _batches(case, 1))
     with pytest.raises(AssertionError, match="from the float64 reference"):
@@ -177,8 +194,8 @@ def test_wrap_refuses_a_model_not_converted_for_the_cp_size():
     config = make_config(parallel={"cp": 2})
     with pytest.raises(tiertrain.ConfigError, match="is not context-parallel.*apply_context_parallel"):
         tiertrain.wrap(make_model(), config, _grid(2))
-    with pytest.raises(tiertrain.ConfigError, match="parallel.cp=2 with parallel.tp=2"):
-        tiertrain.wrap(make_model(), config, dataclasses.replace(_grid(2), sizes={"pp": 1, "dp": 1, "cp": 2, "tp": 2}))
+    with pytest.raises(tiertrain.ConfigError, match="parallel.cp=2 with parallel.pp=2"):
+        tiertrain.wrap(make_model(), config, dataclasses.replace(_grid(2), sizes={"pp": 2, "dp": 1, "cp": 2, "tp": 1}))
 
 
 def test_conversion_refuses_what_it_cannot_split():
@@ -190,6 +207,8 @@ def test_conversion_refuses_what_it_cannot_split():
         apply_context_parallel(make_model(), _grid(2), "zigzag")
     with pytest.raises(ContextParallelError, match="dropout=0.1"):
         apply_context_parallel(make_model(dropout=0.1), _grid(2), "ring")
+    with pytest.raises(ContextParallelError, match="sequence parallelism already splits each sequence"):
+        apply_context_parallel(apply_tensor_parallel(make_model(), None, sequence_parallel=True), _grid(2), "ring")
 
 
 def test_hugging_face_conversion_refuses_what_it_cannot_run_exactly():

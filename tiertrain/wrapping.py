@@ -99,9 +99,9 @@ def _check_context_parallel(model, config: Config, topology: Topology) -> None:
             raise ConfigError(f"activations.loss_tile_tokens={tile} applies to context-parallel models "
                               f"(parallel.cp > 1); with parallel.cp=1 set it to 0")
         return
-    if topology.size("pp") > 1 or topology.size("tp") > 1:
-        raise ConfigError(f"parallel.cp={cp} with parallel.tp={topology.size('tp')}, parallel.pp={topology.size('pp')}: "
-                          f"context parallelism composes with data parallelism and ZeRO so far; use tp=1, pp=1")
+    if topology.size("pp") > 1:
+        raise ConfigError(f"parallel.cp={cp} with parallel.pp={topology.size('pp')}: context parallelism composes "
+                          f"with data and tensor parallelism and ZeRO so far; use pp=1")
     converted = getattr(model, "cp_size", 1)
     if converted != cp:
         raise ConfigError(f"parallel.cp={cp}, but the model {'was converted for cp=' + str(converted) if converted > 1 else 'is not context-parallel'}: "

@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..models.gpt import GPT, CausalSelfAttention
+from .tensor import GatherFromTensorParallel, vocab_parallel_cross_entropy
+from .tp_plan import TensorParallelGPT
 from ..tiling import cross_entropy_in_tiles
 from .context import (ContextParallelError, GatherSequence, context_split, exact_token_mean, ring_attention,
                       ulysses_attention)
@@ -77,15 +79,36 @@ class ContextParallelGPT(GPT):
         for block in self.blocks:
             x = block(x)
         if labels is None:
-            return GatherSequence.apply(self.head(self.norm(x)), self.cp_group, self.cp_algorithm)
+            return GatherSequence.apply(self._logits(x), self.cp_group, self.cp_algorithm)
         mine = split(labels)
+        return exact_token_mean(self._summed_loss(x, mine), (mine != -100).sum(), self.cp_group)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x))
+
+    def _summed_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The cross-entropy summed over this rank's labelled tokens (in tiles, when set)."""
         if self.cp_loss_tile:
-            summed = cross_entropy_in_tiles(x, lambda h: self.head(self.norm(h)), mine, self.cp_loss_tile)
-        else:
-            logits = self.head(self.norm(x))
-            dtype = torch.promote_types(logits.dtype, torch.float32)
-            summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), mine.reshape(-1), reduction="sum")
-        return exact_token_mean(summed, (mine != -100).sum(), self.cp_group)
+            return cross_entropy_in_tiles(x, self._logits, labels, self.cp_loss_tile)
+        logits = self._logits(x)
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), labels.reshape(-1), reduction="sum")
+
+
+class ContextParallelTensorParallelGPT(ContextParallelGPT, TensorParallelGPT):
+    """A :class:`~tiertrain.parallel.tp_plan.TensorParallelGPT` (without sequence parallelism)
+    after :func:`apply_context_parallel`: the cp ranks split each sequence, the tp ranks of each
+    split the heads, MLP and vocabulary (Megatron §2.3); the loss from the vocab-sharded logits."""
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return GatherFromTensorParallel.apply(self.head(self.norm(x)), self.tp_group)
+
+    def _summed_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.norm(x))  # [B, T/cp, V/tp]
+        labelled = (labels != -100).sum()
+        mean = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), self.tp_group)
+        # (a rank none of whose tokens is labelled: 0, as the summed loss is, not the mean's 0/0)
+        return torch.where(labelled > 0, mean * labelled, logits.sum() * 0)
 
 
 def apply_context_parallel(model, topology, algorithm: str = "ring", loss_tile_tokens: int = 0):
@@ -104,13 +127,21 @@ def apply_context_parallel(model, topology, algorithm: str = "ring", loss_tile_t
     is_grid = hasattr(topology, "group") and callable(topology.group)
     group = topology.group("cp") if is_grid else topology
     c = topology.size("cp") if is_grid else _size(group)
-    if type(model) is not GPT:
+    converted = {GPT: ContextParallelGPT, TensorParallelGPT: ContextParallelTensorParallelGPT}.get(type(model))
+    if converted is None:
         if isinstance(model, GPT):
-            raise TypeError(f"apply_context_parallel converts tiertrain's GPT, not a {type(model).__name__} "
-                            f"(tensor parallelism with context parallelism is not supported yet)")
+            raise TypeError(f"apply_context_parallel converts tiertrain's GPT, or one tensor-parallel, not a "
+                            f"{type(model).__name__}")
         from .cp_hf import convert_hf_decoder
 
         return convert_hf_decoder(model, group, c, algorithm, loss_tile_tokens)
+    if getattr(model, "sequence_parallel", False):
+        raise ContextParallelError("a tensor-parallel GPT with sequence parallelism already splits each sequence "
+                                   "over its tp ranks: convert it with apply_tensor_parallel(..., "
+                                   "sequence_parallel=False) before context parallelism")
+    if converted is ContextParallelTensorParallelGPT and loss_tile_tokens:
+        raise ContextParallelError(f"activations.loss_tile_tokens={loss_tile_tokens} with tensor parallelism: the "
+                                   f"loss in tiles is not supported with vocab-sharded logits yet; set it to 0")
     cfg = model.config
     if cfg.dropout:
         raise ContextParallelError(f"GPTConfig.dropout={cfg.dropout}: context-parallel attention has no dropout; "
@@ -118,12 +149,14 @@ def apply_context_parallel(model, topology, algorithm: str = "ring", loss_tile_t
     if cfg.seq_len % (2 * c if algorithm == "ring" else c):
         raise ContextParallelError(f"GPTConfig.seq_len={cfg.seq_len} cannot be split over parallel.cp={c} with "
                                    f"{algorithm}: it needs a multiple of {2 * c if algorithm == 'ring' else c}")
-    if algorithm == "ulysses" and cfg.n_heads % c:
-        raise ContextParallelError(f"GPTConfig.n_heads={cfg.n_heads} is not divisible by parallel.cp={c}: Ulysses "
-                                   f"splits the heads over the context-parallel ranks; use ring attention")
+    tp = _size(getattr(model, "tp_group", None))
+    if algorithm == "ulysses" and (cfg.n_heads // tp) % c:
+        raise ContextParallelError(f"GPTConfig.n_heads={cfg.n_heads}" + (f" over tp={tp} ranks" if tp > 1 else "")
+                                   + f" is not divisible by parallel.cp={c}: Ulysses splits each rank's heads over "
+                                   f"the context-parallel ranks; use ring attention")
     for block in model.blocks:
         block.attn.__class__ = ContextParallelAttention
         block.attn.cp_group, block.attn.cp_algorithm = group, algorithm
-    model.__class__ = ContextParallelGPT
+    model.__class__ = converted
     model.cp_group, model.cp_algorithm, model.cp_size, model.cp_loss_tile = group, algorithm, c, loss_tile_tokens
     return model
