@@ -41,7 +41,8 @@ def _config(case: dict, cp: int):
         zero["nvme_path"] = case.get("nvme_path", "unused (the reference keeps everything in memory)")
     return make_config(zero=zero, parallel={"cp": cp, "cp_algorithm": case["algorithm"],
                                             "tp": case.get("tp", 1) if cp > 1 else 1},
-                       activations={"loss_tile_tokens": case.get("loss_tile", 0) if cp > 1 else 0},
+                       activations={"loss_tile_tokens": case.get("loss_tile", 0) if cp > 1 else 0,
+                                    **case.get("activations", {})},
                        batch={"micro_batch_size": MICRO, "grad_accum_steps": case.get("accum", 1)},
                        optimizer={"eps": 1e-3})
 
@@ -80,6 +81,8 @@ CASES = {
     "ring, stage 3 on NVMe": {"algorithm": "ring", "zero": {"stage": 3, "offload_params": "nvme",
                                                              "offload_optimizer": "nvme"}},
     "ulysses, stage 2": {"algorithm": "ulysses", "zero": {"stage": 2}},
+    "ring, stage 3, every block checkpointed to CPU": {"algorithm": "ring", "zero": {"stage": 3},
+                                                       "activations": {"checkpoint_every": 1, "offload": "cpu"}},
     "ulysses, stage 3, optimizer on CPU": {"algorithm": "ulysses", "zero": {"stage": 3, "offload_optimizer": "cpu"}},
     "ring, stage 2, -100 labels": {"algorithm": "ring", "zero": {"stage": 2}, "ignored": True},
     "ulysses, stage 1, -100 labels": {"algorithm": "ulysses", "zero": {"stage": 1}, "ignored": True},
