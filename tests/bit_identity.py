@@ -18,13 +18,16 @@ if len(sys.argv) != 4 or sys.argv[1] not in ("run", "compare"):
     sys.exit(__doc__)
 mode, first, second = sys.argv[1:]
 if mode == "run":
+    first, second = os.path.abspath(first), os.path.abspath(second)
     sys.path.insert(0, first)
     sys.path.insert(0, os.path.join(first, "tests"))
     # The ranks start from a forkserver, which imports tiertrain before it forks them and does
     # not read this sys.path (only the environment): without this, an editable install's tree
-    # is the one run, whatever TREE says.
+    # is the one run, whatever TREE says. Its sys.path starts with the working directory, so
+    # that is TREE too (run from another checkout, the ranks imported that checkout's tiertrain).
     os.environ["PYTHONPATH"] = os.pathsep.join([first, os.path.join(first, "tests")] +
                                                [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    os.chdir(first)
 import torch
 
 if mode == "run":
