@@ -76,9 +76,12 @@ def build_parts(engine: "Engine", model: nn.Module, plan: GradientPlan, update_f
         launch_order = list(range(len(engine.layout.units)))
     engine.reducer = GradientReducer(
         engine.flat, engine.comm, stage, launch_order,
-        on_unit_done=engine.fetcher.on_unit_grads_done if engine.fetcher else None,
-        before_collective=(lambda i: engine.fetcher.agree(Event.REDUCE, i)) if engine.fetcher else None,
         launch_when_ready=engine.launch_when_ready)
+    engine.fetcher_subscription = None
+    if engine.fetcher is not None:  # (subscribed first: it runs before any update form's hooks)
+        fetcher = engine.fetcher
+        engine.fetcher_subscription = engine.reducer.subscribe(
+            unit_done=fetcher.on_unit_grads_done, before_collective=lambda i: fetcher.agree(Event.REDUCE, i))
     engine._on_close.append(engine.reducer.remove)
     if engine.fetcher is not None:
         engine._on_close.append(engine.fetcher.remove)

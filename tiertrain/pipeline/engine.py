@@ -168,8 +168,8 @@ class PipelineEngine(Engine):
             # pipeline's own fetcher replaces it, and the reducer reports to neither.
             self.fetcher.remove()
             self.fetcher = None
-            self.reducer.on_unit_done = None
-            self.reducer.before_collective = None
+            self.fetcher_subscription.remove()
+            self.fetcher_subscription = None
             self.pipeline_fetcher = PipelineFetcher(self.flat, self.stages, chunk_modules)
             self._on_close.append(self.pipeline_fetcher.remove)
         if activation_shape is None and all(hasattr(s, "arch") for s in self.stages):

@@ -159,7 +159,7 @@ class OverlappedNVMeUpdate(NVMeUpdate):
         self.reducer = reducer
         self._in_flight = None
         """(OverlappedStep, ShardWriter) of the step running during this boundary's backward."""
-        self._unit_done_hook = None  # the reducer's on_unit_done before the step chained onto it
+        self._subscription = None  # the in-flight step's hooks on the reducer
         self.release_grads = self.releases_grads(config)
         """In place (zero.nvme_in_place), each unit's gradient shard gives its memory back once
         the step running during backward has updated the unit, so that the gradients held at
@@ -197,21 +197,20 @@ class OverlappedNVMeUpdate(NVMeUpdate):
             # masters that gather read instead of reading them again (OptimizerMasterShards).
             # The units whose gradients complete last are the next forward's first: the step
             # leaves their updated masters in RAM for it.
-            engine_hook = self._unit_done_hook = self.reducer.on_unit_done
+            # (The engine's fetcher subscribed when the engine was built, so its hook runs
+            # first: it releases the gather, whose staging then is a spare.)
             carried = frozenset(self.reducer.launch_order[len(self.reducer.launch_order) - store.kept_units:])
 
             def unit_done(index: int) -> None:
-                if engine_hook is not None:
-                    engine_hook(index)  # (it releases the gather, whose staging then is a spare)
                 store.keep_for_step(index, carry_over=index in carried)
-            self.reducer.on_unit_done = unit_done
             step.on_shard_updated = self._consumed
             if self.release_grads:
                 self._held = {}
                 step.on_progress = self._notify
-                self.reducer.on_reduced = lambda index: self._reduced(step, index)
+                reduced = lambda index: self._reduced(step, index)  # noqa: E731
             else:
-                self.reducer.on_reduced = step.shard_ready
+                reduced = step.shard_ready
+            self._subscription = self.reducer.subscribe(unit_done=unit_done, reduced=reduced)
 
     def _reduced(self, step, index: int) -> None:
         """Unit index's gradient shard is final: its squared norm is kept, then the step may
@@ -282,8 +281,8 @@ class OverlappedNVMeUpdate(NVMeUpdate):
     def _end(self, commit: bool) -> None:
         step, writer = self._in_flight
         self._in_flight = None
-        self.reducer.on_reduced = None
-        self.reducer.on_unit_done = self._unit_done_hook
+        self._subscription.remove()
+        self._subscription = None
         committed = False
         try:
             with writer:  # writes the last unit's shard to NVMe, after a cancel's restore too
