@@ -19,8 +19,9 @@ runs there ("g offload", "p update", "p swap"); with parameters offloaded (stage
 ``shard`` lives in CPU memory and is copied to the device before each all-gather. On a
 machine without an accelerator both tiers are host memory, and the same copies run.
 
-Partitioned units' shards live in the store of the parameter tier
-(tiertrain/offload/shard_store.py): on the device, in CPU memory, or in one swap file per
+Partitioned units' shards live in the store of the parameter tier, a :class:`ShardStore`
+(tiertrain/zero/shard_store_protocol.py) that the engine builder picks from the tier package
+(tiertrain/offload/shard_store.py) and passes in: on the device, in CPU memory, or in one swap file per
 unit, where the ``shard`` tensor has no storage and each gather reads the file
 (:meth:`FlatParameters.prefetch_shards` starts those reads ahead of use, so the read of unit
 i+3 overlaps the compute of unit i); after each optimizer step the updated shard is written
@@ -37,10 +38,11 @@ import torch.nn as nn
 
 from ..comm import Collectives, Work
 from ..device import DeviceStreams, free_storage, host_empty, pins_host, renew_storage
-from ..offload.shard_store import NVMeShards, OptimizerMasterShards, shard_store
+from ..offload.shard_store import NVMeShards, OptimizerMasterShards
 from ..spans import span
 from ..tiers import Tier
 from .layout import FlatLayout, Unit
+from .shard_store_protocol import ShardStore
 
 
 NVME_READ_AHEAD = 3
@@ -152,13 +154,12 @@ class FlatParameters:
     """
 
     def __init__(self, layout: FlatLayout, params: dict[str, nn.Parameter], comm: Collectives,
-                 dtype: torch.dtype, keep_full_grads: bool, rebuild_param=None,
-                 placement: Placement = Placement(), swapper=None, nvme_kept_units: int = 4):
-        self.streams = DeviceStreams(placement.compute)
+                 dtype: torch.dtype, keep_full_grads: bool, shards: ShardStore, rebuild_param=None,
+                 placement: Placement = Placement()):
+        self.streams: DeviceStreams = shards.streams
         """The compute device's streams and tier transfers (tiertrain/device.py)."""
-        self.shards = shard_store(placement, dtype, self.streams, swapper, kept_units=nvme_kept_units,
-                                  read_ahead=NVME_READ_AHEAD + 1)  # (+ the unit being gathered)
-        """Where partitioned units' shards live (the parameter tier)."""
+        self.shards: ShardStore = shards
+        """Where partitioned units' shards live (the parameter tier's store, of placement.param_tier)."""
         self.layout = layout
         self.placement = placement
         self._publishing: set[int] = set()  # resident units whose post-step all-gather is in flight
