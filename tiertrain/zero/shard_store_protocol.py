@@ -51,6 +51,10 @@ class ShardStore(Protocol):
     def done_with_input(self, tensor: torch.Tensor) -> None:
         """The all-gather that read gather_input's tensor has completed."""
 
+    def holds_masters(self, index: int) -> bool:
+        """Whether unit index's stored shard is an update form's fp32 master itself (fp32
+        parameters with the optimizer on NVMe: nothing to publish into it after a step)."""
+
     def forget_values(self) -> None:
         """The stored shards may have changed outside write(): copies kept for reuse are stale."""
 

@@ -28,10 +28,11 @@ def optimizer_holds_masters(flat: "FlatParameters", optimizer) -> None:
     units = [u.unit.index for u in flat.units if flat.on_nvme(u.unit.index) and u.master is u.shard]
     if not units:
         return
-    flat.wait_writes()
-    flat.use_store(OptimizerMasterShards(flat.shards, optimizer, units))
+    flat.wait_writes()  # (the wrapper takes the files' state over: nothing may be in flight)
+    store = OptimizerMasterShards(flat.shards, optimizer, units)
+    flat.use_store(store)
     for index in units:
-        flat.shards.swapper.release(NVMeShards.key(index))
+        store.swapper.release(NVMeShards.key(index))
 
 
 def master_shards(flat: "FlatParameters") -> OptimizerMasterShards | None:
@@ -84,8 +85,9 @@ class ShardWriter:
         if not flat.on_nvme(index):
             flat.units[index].shard[start:end].copy_(values)
             return
-        if flat.shards.holds_masters(index):  # (the optimizer's write of the chunk was the shard's)
-            flat.shards.updated(index, start, end, values)
+        masters = master_shards(flat)
+        if masters is not None and masters.holds_masters(index):  # (the optimizer's write of the chunk was the shard's)
+            masters.updated(index, start, end, values)
             return
         for other in [i for i in self._staged if i != index]:
             self._write(other)
