@@ -20,6 +20,11 @@ mode, first, second = sys.argv[1:]
 if mode == "run":
     sys.path.insert(0, first)
     sys.path.insert(0, os.path.join(first, "tests"))
+    # The ranks start from a forkserver, which imports tiertrain before it forks them and does
+    # not read this sys.path (only the environment): without this, an editable install's tree
+    # is the one run, whatever TREE says.
+    os.environ["PYTHONPATH"] = os.pathsep.join([first, os.path.join(first, "tests")] +
+                                               [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 import torch
 
 if mode == "run":
@@ -62,6 +67,10 @@ def run_zoo(rank, world, tmp):
 
 
 def run(rank, world, names, tmp):
+    import tiertrain
+    tree = os.path.realpath(first)
+    assert os.path.realpath(tiertrain.__file__).startswith(tree + os.sep), (
+        f"the ranks run {tiertrain.__file__}, not the tree {tree}")
     res = run_zoo(rank, world, tmp)
     for n in names:
         sec = {k: dict(v) for k, v in CASES[n].items()}

@@ -222,6 +222,54 @@ def test_bad_use_is_a_clear_error(what, message):
         run_distributed(_bad, 2, what, timeout=40)
 
 
+def _composition(rank, world):
+    """Build a stage-3 pipeline engine, counting the one-model parameter fetchers built on
+    the way (engine_build's ParameterFetcher: it would hook modules, agree collectives and
+    be told of each reduction, all for a forward-then-backward a schedule never runs)."""
+    from tiertrain import engine_build
+    from tiertrain.training_core import TrainingCore
+
+    built, original = [], engine_build.ParameterFetcher
+
+    def counting(*args, **kwargs):
+        built.append(args[2])
+        return original(*args, **kwargs)
+
+    cfg = _config(3, 1, 1, 2)
+    engine_build.ParameterFetcher = counting
+    try:
+        engine = tiertrain.wrap(make_model(n_layers=LAYERS), cfg, tiertrain.Topology.build(cfg.parallel))
+    finally:
+        engine_build.ParameterFetcher = original
+    refused = {}
+    for name, call in (("call", lambda: engine(None)), ("forward", lambda: engine.forward(None)),
+                       ("backward", lambda: engine.backward(None)), ("evaluate", lambda: engine.evaluate(None))):
+        try:
+            call()
+        except TypeError as e:
+            refused[name] = str(e)
+    loss = engine.train_batch(iter(rank_slices(global_batches(1, MICRO * ACCUM)[0], 0, 1, MICRO, ACCUM)))
+    return dict(built=len(built), fetcher=engine.fetcher, pipeline_fetcher=engine.pipeline_fetcher is not None,
+                core=isinstance(engine, TrainingCore), one_model=isinstance(engine, tiertrain.Engine),
+                refused=refused,
+                steps=engine.steps, loss=loss)
+
+
+@pytest.mark.timeout(60)
+def test_the_pipeline_engine_is_the_core_plus_its_schedule():
+    """Issue 33: the pipeline engine is built on the training core, not on the one-model
+    engine: at stage 3 no one-model parameter fetcher is ever built (none built and then
+    removed, so the reducer reports to none), and the one-model contract's calls are refused
+    naming train_batch (evaluate: no forward-only schedule), while train_batch steps."""
+    for out in run_distributed(_composition, 2, timeout=45):
+        assert out["built"] == 0 and out["fetcher"] is None and out["pipeline_fetcher"]
+        assert out["core"] and not out["one_model"]
+        assert set(out["refused"]) == {"call", "forward", "backward", "evaluate"}
+        assert all("use engine.train_batch" in out["refused"][k] for k in ("call", "forward", "backward"))
+        assert "no forward-only schedule" in out["refused"]["evaluate"]
+        assert out["steps"] == 1 and out["loss"] == out["loss"]
+
+
 def test_virtual_stages_need_the_interleaved_schedule():
     with pytest.raises(ConfigError, match=r"parallel.virtual_stages=2 is invalid.*schedule='interleaved'"):
         _config(1, 1, 1, 2, schedule="1f1b", v=2)

@@ -28,13 +28,16 @@ from .zero.stage3 import ParameterFetcher
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .training_core import TrainingCore
 
 
-def build_parts(engine: "Engine", model: nn.Module, plan: GradientPlan, update_factory: UpdateFactory,
-                client: Any) -> None:
+def build_parts(engine: "TrainingCore", model: nn.Module, plan: GradientPlan, update_factory: UpdateFactory,
+                client: Any, one_model_fetcher: bool) -> None:
     """Set engine's parts, in this order: layout and launch_when_ready (from plan), buffers,
-    placement, swapper, flat, fetcher (stage 3; None otherwise), reducer, the gradient views
-    of the norm and of tp's partial sums, scaler and update."""
+    placement, swapper, flat, fetcher, reducer, the gradient views of the norm and of tp's
+    partial sums, scaler and update. The fetcher is stage 3's one-model ParameterFetcher,
+    built only when one_model_fetcher (tiertrain.Engine) and None otherwise: a pipeline engine
+    gathers inside its schedule with its own (pipeline/zero3.py)."""
     config, topology, stage = engine.config, engine.topology, engine.stage
     named, engine.layout, engine.launch_when_ready = plan.named, plan.layout, plan.launch_when_ready
     cast_buffers_and_frozen(engine, model, {n for n, _ in plan.frozen})
@@ -64,13 +67,14 @@ def build_parts(engine: "Engine", model: nn.Module, plan: GradientPlan, update_f
         forget_partition(p)  # the flat buffers own the shard now
 
     engine.fetcher = None
-    if stage == 3:
-        modules, frozen_of = engine._unit_modules(model)
+    if stage == 3 and one_model_fetcher:
+        modules, frozen_of = stage3_unit_modules(model, engine.layout)
         engine.fetcher = ParameterFetcher(
             engine.flat, engine.comm, modules, prefetch_bytes=int(prefetch_mb(config, engine.device) * 2**20),
             max_live_bytes=int(config.zero.max_live_mb * 2**20), check=config.zero.stage3_check,
             frozen_of=frozen_of)
         engine.fetcher.before_outside = engine._before_outside_forward
+    if stage == 3:
         # Backward completes blocks last-first, then the root (embeddings are used first
         # in forward, so their gradients come last), then the persistent small parameters.
         partitioned = [u.index for u in engine.layout.units if not u.resident]

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .training_core import TrainingCore
 
 __all__ = ["LossFn", "StateIO", "Stateful", "default_loss"]
 
@@ -31,21 +31,21 @@ class StateIO(Protocol):
     lives above the engine (tiertrain/state/engine_io.py, which tiertrain.wrap() passes in),
     so the engine imports none of it. Each function takes the engine and reads its parts."""
 
-    def fingerprint(self, engine: "Engine") -> dict: ...
+    def fingerprint(self, engine: "TrainingCore") -> dict: ...
 
-    def shard_description(self, engine: "Engine") -> dict: ...
+    def shard_description(self, engine: "TrainingCore") -> dict: ...
 
     def rank_state(self, parts: Mapping[str, Stateful]) -> dict: ...
 
     def restore_rank_state(self, parts: Mapping[str, Stateful], state: dict) -> None: ...
 
-    def save_checkpoint(self, engine: "Engine", directory: str, extra: dict | None, keep_last: int, run_id: str,
+    def save_checkpoint(self, engine: "TrainingCore", directory: str, extra: dict | None, keep_last: int, run_id: str,
                         background: bool, background_group: Any) -> Any:
         """The step directory (str), or a pending background save (wait_serialized(), wait())."""
 
-    def load_checkpoint(self, engine: "Engine", directory: str, step: int | None, reshard: bool) -> dict: ...
+    def load_checkpoint(self, engine: "TrainingCore", directory: str, step: int | None, reshard: bool) -> dict: ...
 
-    def save_pretrained(self, engine: "Engine", directory: str, dtype: Any = None, max_shard_bytes: int | None = None,
+    def save_pretrained(self, engine: "TrainingCore", directory: str, dtype: Any = None, max_shard_bytes: int | None = None,
                         peft: Any = None) -> Any: ...
 
 

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Iterable
 import torch.nn as nn
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .training_core import TrainingCore
 
 
 @contextlib.contextmanager
-def gathered_parameters_of(engine: "Engine", params: Iterable[nn.Parameter] | None = None,
+def gathered_parameters_of(engine: "TrainingCore", params: Iterable[nn.Parameter] | None = None,
                            modifier_rank: int | None = None):
     """engine.gathered_parameters(params, modifier_rank): see the module docstring."""
     if engine.fetcher is None:  # (at stage 3 the gathers' agreement names the units as well)

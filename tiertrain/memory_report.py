@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from .offload.activations import checkpoint_memory
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .training_core import TrainingCore
 
 
 @dataclass
@@ -42,7 +42,7 @@ class MemoryReport:
         return self.params + self.gathered_params + self.grads + self.optimizer
 
 
-def memory_report_of(engine: "Engine") -> MemoryReport:
+def memory_report_of(engine: "TrainingCore") -> MemoryReport:
     """Bytes of parameters, gradients and optimizer state (fp32 master + Adam moments) on engine's rank."""
     flat = engine.flat.memory()
     extra = engine.update.memory()
@@ -59,7 +59,7 @@ def memory_report_of(engine: "Engine") -> MemoryReport:
                         frozen_params=whole_frozen + frozen_shards, **unit_summary(engine))
 
 
-def unit_summary(engine: "Engine") -> dict:
+def unit_summary(engine: "TrainingCore") -> dict:
     """Stage 3's units and the share of the model in the largest (a model cut badly gathers
     most of itself at once, and stage 3 then saves little)."""
     units = [u.unit for u in engine.flat.all_units if not u.unit.resident]

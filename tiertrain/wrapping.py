@@ -23,7 +23,7 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
          unit_modules: list[str] | None = None,
          activation_shape: tuple[int, ...] | Callable[[Any], tuple[int, ...]] | None = None,
          update_factory: UpdateFactory = build_update, optimizer: OptimizerArg | None = None,
-         param_groups: list[dict] | None = None, lr_scheduler: SchedulerFactory | None = None) -> Engine:
+         param_groups: list[dict] | None = None, lr_scheduler: SchedulerFactory | None = None) -> Engine | PipelineEngine:
     """Wrap any nn.Module for training under config on topology (no model changes needed).
 
     loss_fn(model, batch) → scalar loss; by default the model is called on the batch and

@@ -4,7 +4,8 @@ parallelism) with ZeRO stages 0-3 over each stage's data-parallel replicas.
 ``tiertrain.wrap`` returns a :class:`PipelineEngine` when ``parallel.pp > 1``. It trains the
 pipeline stages this rank holds (``v = parallel.virtual_stages`` chunks, global stages
 ``r, r+p, …``) with the schedule ``parallel.schedule`` over ``grad_accum_steps``
-micro-batches per step, and everything else is the ordinary engine:
+micro-batches per step, on the training core the one-model engine is built on
+(tiertrain/training_core.py):
 
 * **Gradients** of every micro-batch are added, in fp32, into the flat buffers of the
   chunk's ZeRO units (reducer hooks, ``launch_when_ready=False``). When a chunk's last
@@ -42,10 +43,10 @@ import torch
 import torch.nn as nn
 
 from ..config import Config, ConfigError
-from ..engine import Engine
 from ..engine_contract import StateIO
 from ..models.gpt import GPT
 from ..topology import Topology
+from ..training_core import TrainingCore
 from ..update.factory import UpdateFactory, build_update
 from ..zero.layout import bucket_layout, concatenate
 from ..zero.plan import GradientPlan
@@ -140,10 +141,12 @@ def pipeline_plan(stages: Sequence[nn.Module], config: Config, dp: int) -> tuple
     return plan, units_of_chunk
 
 
-class PipelineEngine(Engine):
+class PipelineEngine(TrainingCore):
     """Trains this rank's pipeline stages; see the module docstring. Use :meth:`train_batch`
     (a schedule interleaves the forward and backward of several micro-batches, so there is
-    no separate forward/backward call)."""
+    no separate forward/backward call). Built on the training core (tiertrain/training_core.py)
+    as tiertrain.Engine is, with the schedule's executor in place of the one-model contract:
+    the core builds no one-model parameter fetcher here, and the reducer reports to none."""
 
     def __init__(self, stages: Sequence[nn.Module], config: Config, topology: Topology,
                  activation_shape: tuple[int, ...] | Callable[[dict], tuple[int, ...]] | None = None,
@@ -158,18 +161,11 @@ class PipelineEngine(Engine):
                 self.stages, config, topology.size("dp_cp"), counts_in_norm=lambda name: name not in copies)
         else:
             plan, self._units_of_chunk = pipeline_plan(self.stages, config, topology.size("dp_cp"))
-        super().__init__(nn.ModuleList(self.stages), config, topology, plan=plan, update_factory=update_factory,
-                         state_io=state_io)
+        super().__init__(nn.ModuleList(self.stages), config, topology, lambda dp: plan, update_factory,
+                         one_model_fetcher=False, state_io=state_io)
         self.pipeline_fetcher: PipelineFetcher | None = None
         """Stage 3: gathers and releases each chunk's units inside the schedule (.zero3)."""
         if chunk_modules is not None:
-            # The one-model fetcher (built on no modules, see _unit_modules) assumes one forward
-            # then one backward per micro-batch, which a pipeline schedule interleaves: the
-            # pipeline's own fetcher replaces it, and the reducer reports to neither.
-            self.fetcher.remove()
-            self.fetcher = None
-            self.fetcher_subscription.remove()
-            self.fetcher_subscription = None
             self.pipeline_fetcher = PipelineFetcher(self.flat, self.stages, chunk_modules)
             self._on_close.append(self.pipeline_fetcher.remove)
         if activation_shape is None and all(hasattr(s, "arch") for s in self.stages):
@@ -182,10 +178,6 @@ class PipelineEngine(Engine):
             tied=False, timeout=timeout, grads_ready=self._chunk_gradients_final)
         if self.pipeline_fetcher is not None:
             self.executor.fetcher = self.pipeline_fetcher
-
-    def _unit_modules(self, model: nn.Module) -> tuple[dict, dict]:
-        """(Stage 3: the base engine's fetcher gets no modules; see __init__.)"""
-        return {}, {}
 
     def named_modules_of_state(self) -> list[nn.Module]:
         return list(self.stages)
@@ -211,15 +203,21 @@ class PipelineEngine(Engine):
 
     # -- training ------------------------------------------------------------------------
 
+    # The one-model contract is not this engine's: these say what to call instead (a user
+    # porting a pp=1 loop calls them), and nothing behind them runs.
+
     def __call__(self, batch: Any) -> torch.Tensor:
+        """Refused: a pipeline runs micro-batches through :meth:`train_batch`."""
         raise TypeError(_USE_TRAIN_BATCH)
 
     forward = __call__
 
     def backward(self, loss: torch.Tensor) -> None:
+        """Refused: a pipeline runs micro-batches through :meth:`train_batch`."""
         raise TypeError(_USE_TRAIN_BATCH)
 
     def evaluate(self, batch: Any) -> torch.Tensor:
+        """Refused: the pipeline has no forward-only schedule yet."""
         raise TypeError(f"evaluate() is not supported with parallel.pp={self.topology.size('pp')} yet: the "
                         f"pipeline has no forward-only schedule; evaluate with parallel.pp=1")
 

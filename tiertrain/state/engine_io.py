@@ -25,26 +25,26 @@ from .checkpoint import PendingSave, rank_state, restore_rank_state
 from .export import ExportReport, save_pretrained
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..training_core import TrainingCore
 
 __all__ = ["ExportReport", "PendingSave", "fingerprint", "load_checkpoint", "rank_state", "restore_rank_state",
            "save_checkpoint", "save_pretrained", "shard_description"]
 
 
-def fingerprint(engine: "Engine") -> dict:
+def fingerprint(engine: "TrainingCore") -> dict:
     """What a checkpoint of this rank must match to load here (checkpoint.layout_fingerprint)."""
     return checkpoint.layout_fingerprint(engine.layout, engine.topology, engine.stage,
                                          engine.config.precision.dtype, engine.update.state_format)
 
 
-def shard_description(engine: "Engine") -> dict:
+def shard_description(engine: "TrainingCore") -> dict:
     """This rank's shard layout as a checkpoint records it (tiertrain/state/shard_layout.py describe)."""
     topology = engine.topology
     return shard_layout.describe(engine.flat, engine.update, (topology.coord("tp"), topology.size("tp")),
                                  engine.tied_copies())
 
 
-def _files_for_export(engine: "Engine") -> dict[str, Any]:
+def _files_for_export(engine: "TrainingCore") -> dict[str, Any]:
     """What an offline export (tiertrain/state/consolidate.py) needs beyond the shards: the
     names Hugging Face writes, what the module holds whole, the model's HF config (without a
     pipeline, every rank's module has every name; a tensor-parallel slice held outside the
@@ -62,7 +62,7 @@ def _files_for_export(engine: "Engine") -> dict[str, Any]:
     return files
 
 
-def save_checkpoint(engine: "Engine", directory: str, extra: dict | None, keep_last: int, run_id: str,
+def save_checkpoint(engine: "TrainingCore", directory: str, extra: dict | None, keep_last: int, run_id: str,
                     background: bool, background_group: Any) -> "str | PendingSave":
     """Save the engine's parts under directory/step_N (checkpoint.save), once the engine has
     settled what is in flight; returns the step directory, or the PendingSave of a background
@@ -85,7 +85,7 @@ def save_checkpoint(engine: "Engine", directory: str, extra: dict | None, keep_l
                            background_group=background_group, background=background)
 
 
-def load_checkpoint(engine: "Engine", directory: str, step: int | None, reshard: bool) -> dict:
+def load_checkpoint(engine: "TrainingCore", directory: str, step: int | None, reshard: bool) -> dict:
     """Restore the newest intact committed checkpoint (all ranks the same one,
     checkpoint.agree_on_checkpoint), or the given step, into the engine's parts; returns the
     extras saved with it. A checkpoint of another layout is resharded (tiertrain/state/
