@@ -17,7 +17,7 @@ from test_nvme_optimizer import (CFG, CHUNK, LRS, PIECES, SIZES, T, Reference, _
 from tiertrain.io import SwapCorruptionError
 from tiertrain.update.nvme import NVMeAdamW
 from tiertrain.testing import run_distributed
-from tiertrain.zero.flat import ShardWriter
+from tiertrain.update.nvme.masters import ShardWriter
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 ORDER = [4, 0, 5, 3, 1, 2]  # the order gradients become final (a backward visits units last-first)
@@ -169,7 +169,6 @@ class _FakeFlat:
                       for _ in range(2)]
         self.written: dict[int, torch.Tensor] = {}
         self.shards = self
-        self.write_staging = None
 
     def on_nvme(self, index):
         return True

@@ -13,13 +13,14 @@ import torch.nn as nn
 
 from .buffers import ModuleBuffers
 from .config import Config
-from .device import acts_as_accelerator, pins_host
+from .device import DeviceStreams, acts_as_accelerator, pins_host
+from .offload.shard_store import shard_store
 from .precision import DynamicLossScaler
 from .tiers import Tier
 from .update.factory import UpdateContext, UpdateFactory
 from .zero.agreement import Event
 from .zero.construct import forget_partition, gather_partitioned, is_partitioned
-from .zero.flat import SWAP_BLOCK_BYTES, FlatParameters, Placement, swap_pool_bytes
+from .zero.flat import NVME_READ_AHEAD, SWAP_BLOCK_BYTES, FlatParameters, Placement, swap_pool_bytes
 from .zero.layout import ROOT, FlatLayout
 from .zero.plan import GradientPlan
 from .zero.reducer import GradientReducer
@@ -46,10 +47,13 @@ def build_parts(engine: "TrainingCore", model: nn.Module, plan: GradientPlan, up
                                  param_tier=config.zero.offload_params)
     engine.swapper = build_swapper(engine) if Tier.NVME in (config.zero.offload_optimizer,
                                                             config.zero.offload_params) else None
+    shards = shard_store(engine.placement, engine.dtype, DeviceStreams(engine.placement.compute), engine.swapper,
+                         kept_units=config.zero.nvme_kept_units,
+                         read_ahead=NVME_READ_AHEAD + 1)  # (+ the unit being gathered)
     engine.flat = FlatParameters(
         engine.layout, dict(named + plan.frozen), engine.comm, engine.dtype, keep_full_grads=stage <= 1,
-        rebuild_param=lambda p: gather_partitioned(p, engine.comm) if is_partitioned(p) else p.detach(),
-        placement=engine.placement, swapper=engine.swapper, nvme_kept_units=config.zero.nvme_kept_units)
+        shards=shards, rebuild_param=lambda p: gather_partitioned(p, engine.comm) if is_partitioned(p) else p.detach(),
+        placement=engine.placement)
     engine._waits_per_operation = False
     if config.zero.overlap_param_gather:
         # Parameter gathers left running by a step are completed before model.state_dict()
@@ -80,9 +84,12 @@ def build_parts(engine: "TrainingCore", model: nn.Module, plan: GradientPlan, up
         launch_order = list(range(len(engine.layout.units)))
     engine.reducer = GradientReducer(
         engine.flat, engine.comm, stage, launch_order,
-        on_unit_done=engine.fetcher.on_unit_grads_done if engine.fetcher else None,
-        before_collective=(lambda i: engine.fetcher.agree(Event.REDUCE, i)) if engine.fetcher else None,
         launch_when_ready=engine.launch_when_ready)
+    engine.fetcher_subscription = None
+    if engine.fetcher is not None:  # (subscribed first: it runs before any update form's hooks)
+        fetcher = engine.fetcher
+        engine.fetcher_subscription = engine.reducer.subscribe(
+            unit_done=fetcher.on_unit_grads_done, before_collective=lambda i: fetcher.agree(Event.REDUCE, i))
     engine._on_close.append(engine.reducer.remove)
     if engine.fetcher is not None:
         engine._on_close.append(engine.fetcher.remove)

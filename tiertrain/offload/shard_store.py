@@ -89,28 +89,6 @@ class DeviceShards:
         """The stored shards may have changed outside write() (an optimizer step wrote them):
         copies of their values kept for reuse are stale."""
 
-    def keep_for_step(self, index: int, carry_over: bool = False) -> bool:
-        """Unit index's gradient is complete in the backward whose optimizer step is running:
-        hand the RAM copy of its values, if one is kept, to that step (see
-        OptimizerMasterShards); ``carry_over``: the step's updated values are to be kept in it
-        for the next forward. Returns whether it did."""
-        return False
-
-    def master_in_ram(self, index: int) -> torch.Tensor | None:
-        """The values keep_for_step handed over for unit index, or None (any thread)."""
-        return None
-
-    def updated(self, index: int, start: int, end: int, values: torch.Tensor) -> None:
-        """The step updated elements [start, end) of unit index's masters to values (fp32), which
-        it wrote itself (any thread)."""
-
-    def step_done_with(self, index: int) -> None:
-        """The step no longer reads what keep_for_step handed over for unit index (any thread)."""
-
-    def step_done(self, committed: bool) -> None:
-        """The step ended (committed, or not): everything still handed to it comes back, holding
-        the committed values where it carried them over."""
-
     def wait_writes(self) -> None:
         """Complete the writes in flight."""
 

@@ -432,7 +432,7 @@ def _into_unit(engine: Engine, u: UnitBuffers, slots: dict[str, _Target], ckpt: 
     index, rank = u.unit.index, flat.shard_rank
     lo, hi = u.unit.shard_range(rank)
     pieces = u.unit.shard_pieces(rank)
-    masters_elsewhere = u.trainable and flat.masters_dropped  # the NVMe optimizer keeps them
+    masters_elsewhere = u.trainable and flat.masters_elsewhere  # the NVMe optimizer keeps them
     master = None
     if masters_elsewhere:
         complete = all(slot.name in slots for slot, _, _ in pieces)

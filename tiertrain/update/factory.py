@@ -37,7 +37,7 @@ class UpdateContext:
     topology: "Topology"
     """This rank's place in the process grid."""
     reducer: "GradientReducer"
-    """Gradient reduction: reports each unit whose reduction landed (on_reduced)."""
+    """Gradient reduction: update forms subscribe to it (GradientReducer.subscribe) for units whose reduction landed."""
     swapper: Any
     """The NVMe swapper (TensorSwapper) when a tier is on NVMe, else None."""
     lazy_zero: bool

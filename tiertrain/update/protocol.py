@@ -138,7 +138,7 @@ def gradients_hidden_where(optimizer: torch.optim.Optimizer, hide: Callable[[tor
 
 class LandingNorms:
     """Each unit's squared gradient norm, taken as its reduction lands at the accumulation
-    boundary (the reducer's on_reduced, during backward), instead of in the step: on the CPU
+    boundary (a ``reduced`` subscription to the reducer, during backward), instead of in the step: on the CPU
     tier the host would otherwise read every gradient once more inside the step. Valid only
     where nothing changes a gradient shard after it landed (UpdateContext.gradients_final_at_landing)."""
 
@@ -146,12 +146,19 @@ class LandingNorms:
         self.flat = flat
         self.reducer = reducer
         self._squares: dict[int, torch.Tensor] = {}
+        self._subscription = None
 
     def begin(self, boundary: bool) -> None:
         """A micro-batch's backward starts: at the boundary, take the squares as units land."""
         if boundary:
             self._squares = {}
-            self.reducer.on_reduced = self._landed
+            self._unsubscribe()
+            self._subscription = self.reducer.subscribe(reduced=self._landed)
+
+    def _unsubscribe(self) -> None:
+        if self._subscription is not None:
+            self._subscription.remove()
+            self._subscription = None
 
     def _landed(self, index: int) -> None:
         with span("grad_norm_at_landing"):
@@ -167,7 +174,7 @@ class LandingNorms:
 
     def stop(self) -> None:
         """The step consumed them (or was cancelled): none is taken until the next boundary."""
-        self.reducer.on_reduced = None
+        self._unsubscribe()
         self._squares = {}
 
 

@@ -19,8 +19,9 @@ runs there ("g offload", "p update", "p swap"); with parameters offloaded (stage
 ``shard`` lives in CPU memory and is copied to the device before each all-gather. On a
 machine without an accelerator both tiers are host memory, and the same copies run.
 
-Partitioned units' shards live in the store of the parameter tier
-(tiertrain/offload/shard_store.py): on the device, in CPU memory, or in one swap file per
+Partitioned units' shards live in the store of the parameter tier, a :class:`ShardStore`
+(tiertrain/zero/shard_store_protocol.py) that the engine builder picks from the tier package
+(tiertrain/offload/shard_store.py) and passes in: on the device, in CPU memory, or in one swap file per
 unit, where the ``shard`` tensor has no storage and each gather reads the file
 (:meth:`FlatParameters.prefetch_shards` starts those reads ahead of use, so the read of unit
 i+3 overlaps the compute of unit i); after each optimizer step the updated shard is written
@@ -37,10 +38,10 @@ import torch.nn as nn
 
 from ..comm import Collectives, Work
 from ..device import DeviceStreams, free_storage, host_empty, pins_host, renew_storage
-from ..offload.shard_store import NVMeShards, OptimizerMasterShards, shard_store
 from ..spans import span
 from ..tiers import Tier
 from .layout import FlatLayout, Unit
+from .shard_store_protocol import ShardStore
 
 
 NVME_READ_AHEAD = 3
@@ -152,19 +153,18 @@ class FlatParameters:
     """
 
     def __init__(self, layout: FlatLayout, params: dict[str, nn.Parameter], comm: Collectives,
-                 dtype: torch.dtype, keep_full_grads: bool, rebuild_param=None,
-                 placement: Placement = Placement(), swapper=None, nvme_kept_units: int = 4):
-        self.streams = DeviceStreams(placement.compute)
+                 dtype: torch.dtype, keep_full_grads: bool, shards: ShardStore, rebuild_param=None,
+                 placement: Placement = Placement()):
+        self.streams: DeviceStreams = shards.streams
         """The compute device's streams and tier transfers (tiertrain/device.py)."""
-        self.shards = shard_store(placement, dtype, self.streams, swapper, kept_units=nvme_kept_units,
-                                  read_ahead=NVME_READ_AHEAD + 1)  # (+ the unit being gathered)
-        """Where partitioned units' shards live (the parameter tier)."""
+        self.shards: ShardStore = shards
+        """Where partitioned units' shards live (the parameter tier's store, of placement.param_tier)."""
         self.layout = layout
         self.placement = placement
         self._publishing: set[int] = set()  # resident units whose post-step all-gather is in flight
-        self.masters_dropped = False
-        self.write_staging: torch.Tensor | None = None
-        """ShardWriter's staging tensor for NVMe shards, kept across steps."""
+        self.masters_elsewhere = False
+        """An update form holds the fp32 masters itself (hold_masters_elsewhere) and writes
+        the updated shards itself: publish_masters casts none."""
         self.device = device = placement.compute
         self.params = params
         self.comm = comm
@@ -195,7 +195,7 @@ class FlatParameters:
         placement, dtype, device, rank = self.placement, self.dtype, self.device, self.shard_rank
         lo, hi = unit.shard_range(rank)
         # The master is the shard itself when both are fp32 on the same tier (on NVMe, the
-        # optimizer then takes the shard's file over: use_optimizer_masters).
+        # optimizer then takes the shard's file over: update/nvme/masters.py).
         shard_tier = Tier.DEVICE if unit.resident else placement.param_tier
         # With the NVMe optimizer no device copy touches the master or gradient in RAM: the
         # masters leave for its files at its build, and its step may free the gradient in
@@ -237,7 +237,7 @@ class FlatParameters:
                 grad = placement.empty(unit.shard_numel, torch.float32, placement.optimizer_tier,
                                        device_copies=not host_only)
                 if placement.optimizer_tier != Tier.NVME:
-                    # (With the NVMe optimizer, drop_masters() zeroes it once the masters have
+                    # (With the NVMe optimizer, hold_masters_elsewhere() zeroes it once the masters have
                     # left for NVMe: pages never written take no memory, so a rank never holds
                     # both fp32 copies, twice its shard of the model, at once. Until then it is
                     # stale, logically zero: whatever form steps, nothing adds into it unwritten.)
@@ -333,27 +333,23 @@ class FlatParameters:
         else:
             self.shards.write(index, u.shard, values)
             self.shards.wait_writes()
-        if u.trainable and u.master is not u.shard and not self.masters_dropped:
+        if u.trainable and u.master is not u.shard and not self.masters_elsewhere:
             u.master.copy_(values)
 
-    def use_optimizer_masters(self, optimizer) -> None:
-        """The NVMe optimizer now holds the fp32 master of every trained unit whose shard is
-        its own master on NVMe (see _build_unit): those shards are read from and written to
-        its master records, and their own swap files go (OptimizerMasterShards)."""
-        units = [u.unit.index for u in self.units if self.on_nvme(u.unit.index) and u.master is u.shard]
-        if not units:
-            return
+    def use_store(self, store: ShardStore) -> None:
+        """Keep partitioned shards in ``store`` from now on: one that wraps the current store
+        (an update form whose own records are some shards, e.g. the NVMe optimizer's masters,
+        tiertrain/update/nvme/masters.py); the writes in flight complete first."""
         self.wait_writes()
-        self.shards = OptimizerMasterShards(self.shards, optimizer, units)
-        for index in units:
-            self.shards.swapper.release(NVMeShards.key(index))
+        self.shards = store
 
-    def drop_masters(self, release_grads: bool = False) -> None:
-        """Free the fp32 masters: an optimizer that keeps its own (on NVMe) writes updated
-        values through :meth:`shard_writer` instead. The gradient shards are zeroed, or with
-        ``release_grads`` (an optimizer that releases each shard once consumed) left without
-        memory until their first reduction writes them (stale), so that the build never holds
-        every unit's gradient (4Ψ/N_d bytes) at once."""
+    def hold_masters_elsewhere(self, release_grads: bool = False) -> None:
+        """Free the fp32 masters: the update form keeps its own (the NVMe optimizer, in its
+        chunk records, ZeRO-Infinity §6) and writes updated values into the shards itself, so
+        publish_masters casts none. The gradient shards are zeroed, or with ``release_grads``
+        (a form that releases each shard once consumed) left without memory until their first
+        reduction writes them (stale), so that the build never holds every unit's gradient
+        (4Ψ/N_d bytes) at once."""
         for u in self.units:
             if u.master is not u.shard:
                 u.master = u.master.new_empty(0)
@@ -363,12 +359,7 @@ class FlatParameters:
                     u.stale_grad = True
                 else:
                     u.grad.zero_()
-        self.masters_dropped = True
-
-    def shard_writer(self) -> "ShardWriter":
-        """Where an optimizer holding the masters elsewhere sends updated fp32 values."""
-        self.shards.drop_staged()  # (copies of the shards before the update)
-        return ShardWriter(self)
+        self.masters_elsewhere = True
 
     def gathered_bytes(self) -> int:
         return sum(u.full.numel() * u.full.element_size() for u in self._all
@@ -382,7 +373,7 @@ class FlatParameters:
         write in its own pass (tiertrain/update/host_adamw.py); None when the master is the
         shard, or the shard lives on an accelerator or in swap files."""
         u = self._all[index]
-        if u.master is u.shard or u.shard.device.type != "cpu" or self.masters_dropped:
+        if u.master is u.shard or u.shard.device.type != "cpu" or self.masters_elsewhere:
             return None
         if not u.unit.resident and self.shards.tier is Tier.NVME:
             return None
@@ -410,7 +401,7 @@ class FlatParameters:
         for u in self._all:
             if not u.unit.resident:
                 self.release(u.unit.index)
-        if not self.masters_dropped:  # (otherwise the optimizer wrote the shards: ShardWriter)
+        if not self.masters_elsewhere:  # (otherwise the update form wrote the shards)
             for u in self.units:
                 source = sources.get(u.unit.index, u.master)
                 if u.master is u.shard or source is None:
@@ -478,64 +469,6 @@ class FlatParameters:
             host += grad.numel() * 4 if p.offload_optimizer else 0
         return {"params": params, "gathered_params": self.gathered_bytes(), "grads": grads,
                 "master": master, "cpu_tier": host, "nvme_tier": nvme}
-
-
-class ShardWriter:
-    """Receives updated fp32 master values chunk by chunk, ``writer(unit, start, end,
-    values)``, units in order: copies them into the compute-dtype shards; a unit whose shard
-    lives on NVMe is assembled in a staging tensor and written once the optimizer has moved
-    on to the next unit (so one unit's shard is staged at a time). Use as a context manager:
-    leaving it writes the last unit and waits for the writes.
-
-    Only a completely assembled unit is written: a step that failed or was cancelled part-way
-    through a unit leaves that unit's swap file as it was, i.e. holding the pre-step shard
-    (the optimizer restores, through this writer, only what was published, and the part of
-    the unit that was never published must not be written as anything)."""
-
-    def __init__(self, flat: FlatParameters):
-        self.flat = flat
-        self._staged: dict[int, tuple[torch.Tensor, set[tuple[int, int]]]] = {}  # unit -> (shard, chunk ranges)
-
-    def __call__(self, index: int, start: int, end: int, values: torch.Tensor) -> None:
-        flat = self.flat
-        if not flat.on_nvme(index):
-            flat.units[index].shard[start:end].copy_(values)
-            return
-        if flat.shards.holds_masters(index):  # (the optimizer's write of the chunk was the shard's)
-            flat.shards.updated(index, start, end, values)
-            return
-        for other in [i for i in self._staged if i != index]:
-            self._write(other)
-        if index not in self._staged:
-            self._staged[index] = (self._staging(flat.units[index].unit.shard_numel), set())
-        staged, covered = self._staged[index]
-        staged[start:end].copy_(values)
-        covered.add((start, end))  # (a restore republishes the same ranges)
-
-    def _staging(self, numel: int) -> torch.Tensor:
-        """Where a unit's shard is assembled: one tensor, reused for every unit (the swap-out
-        copies it before returning). Kept by the FlatParameters across steps: a new one per unit
-        would fault in its pages again at every step (see NVMeShards)."""
-        flat = self.flat
-        buf = flat.write_staging
-        if buf is None or buf.numel() < numel:
-            flat.write_staging = buf = torch.empty(max(numel, max(u.unit.shard_numel for u in flat.units)),
-                                                   dtype=flat.dtype)
-        return buf[:numel]
-
-    def _write(self, index: int) -> None:
-        staged, covered = self._staged.pop(index)
-        if sum(end - start for start, end in covered) == staged.numel():  # chunks tile the shard
-            self.flat.shards.write(index, self.flat.units[index].shard, staged)
-
-    def __enter__(self) -> "ShardWriter":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for index in list(self._staged):
-            self._write(index)
-        self.flat.shards.forget_values()  # (the optimizer wrote the shards it holds itself)
-        self.flat.wait_writes()
 
 
 class FrozenShards:

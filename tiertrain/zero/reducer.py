@@ -26,6 +26,7 @@ so between steps only the gradient shard persists.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
@@ -36,21 +37,56 @@ from ..device import Copy
 from .flat import FlatParameters
 
 
+UnitHook = Callable[[int], None]
+
+
+@dataclass(eq=False)
+class _Subscriber:
+    unit_done: UnitHook | None
+    before_collective: UnitHook | None
+    reduced: UnitHook | None
+
+
+class Subscription:
+    """One subscriber's hooks on a :class:`GradientReducer`; :meth:`remove` (or leaving the
+    ``with`` block) unsubscribes them. Removing twice is harmless."""
+
+    def __init__(self, subscribers: list[_Subscriber], subscriber: _Subscriber):
+        self._subscribers = subscribers
+        self._subscriber = subscriber
+
+    def remove(self) -> None:
+        if self._subscriber in self._subscribers:
+            self._subscribers.remove(self._subscriber)
+
+    @property
+    def active(self) -> bool:
+        return self._subscriber in self._subscribers
+
+    def __enter__(self) -> "Subscription":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
 class GradientReducer:
+    """Reduces each unit's gradient as backward completes it (ZeRO §5.2), and tells its
+    subscribers (:meth:`subscribe`) when a unit's gradient is complete, just before its
+    collective, and once its reduction has landed: the stage-3 fetcher releases a gathered unit
+    on the first, the collective-order checker runs on the second, and an optimizer step
+    overlapped with backward (ZeRO-Infinity §6) or norms taken at landing start on the third.
+    The reducer knows none of them: each adds and removes its own hooks."""
+
     def __init__(self, flat: FlatParameters, comm: Collectives, stage: int, launch_order: list[int],
-                 max_in_flight: int = 2, on_unit_done: Callable[[int], None] | None = None,
-                 before_collective: Callable[[int], None] | None = None, launch_when_ready: bool = True):
+                 max_in_flight: int = 2, launch_when_ready: bool = True):
         self.flat = flat
         self.comm = comm
         self.stage = stage
         self.launch_order = launch_order
         self.max_in_flight = max_in_flight
-        self.on_unit_done = on_unit_done
-        self.before_collective = before_collective
         self.launch_when_ready = launch_when_ready
-        self.on_reduced: Callable[[int], None] | None = None
-        """Called with a unit's index once its reduction has landed in the gradient shard (when
-        the collective is waited on, in this thread): an overlapped optimizer step starts on it."""
+        self._subscribers: list[_Subscriber] = []
         self.reduce_now = False
         self.used: set[tuple[int, int]] = set()
         """(unit, slot) of the parameters that received a gradient since the last take_used()."""
@@ -123,10 +159,31 @@ class GradientReducer:
         self._arrived[index].add(k)
         self._missing[index] -= 1
         if self._missing[index] == 0:
-            if self.on_unit_done is not None:
-                self.on_unit_done(index)
+            self._unit_done(index)
             if self.reduce_now:
                 self._launch_ready()
+
+    def subscribe(self, unit_done: UnitHook | None = None, before_collective: UnitHook | None = None,
+                  reduced: UnitHook | None = None) -> Subscription:
+        """Add hooks, each called with a unit's index: ``unit_done`` once every parameter of
+        the unit has reported its gradient this backward (or backward ended without some);
+        ``before_collective`` just before the unit's collective is issued; ``reduced`` once
+        its reduction has landed in the gradient shard (when the collective is waited on, in
+        this thread; only subscribers present when the collective was launched are called).
+        Subscribers are called in the order they subscribed."""
+        subscriber = _Subscriber(unit_done, before_collective, reduced)
+        self._subscribers.append(subscriber)
+        return Subscription(self._subscribers, subscriber)
+
+    @property
+    def subscriber_count(self) -> int:
+        """How many subscriptions are active (a leftover one is a leak: tests check it)."""
+        return len(self._subscribers)
+
+    def _unit_done(self, index: int) -> None:
+        for s in list(self._subscribers):
+            if s.unit_done is not None:
+                s.unit_done(index)
 
     def _launch_ready(self, flush: bool = False) -> None:
         while self._next < len(self.launch_order):
@@ -158,8 +215,9 @@ class GradientReducer:
         u.ensure_grad()  # (released after the last step's in-place NVMe update consumed it)
         bucket = self._bucket(index)
         self._zero_missing(index)
-        if self.before_collective is not None:
-            self.before_collective(index)
+        for s in list(self._subscribers):
+            if s.before_collective is not None:
+                s.before_collective(index)
         if self.stage == 0:
             work = self.comm.all_reduce(bucket, async_op=True)
         elif self.stage == 1:  # the shard is this rank's chunk of the full gradient: reduced in place
@@ -182,9 +240,8 @@ class GradientReducer:
         if self.stage >= 2:
             self._buckets.pop(index, None)
             work.then(lambda: bucket)  # keeps the bucket alive until its collective has completed
-        if self.on_reduced is not None:
-            notify = self.on_reduced
-            work.then(lambda: notify(index))
+        for notify in [s.reduced for s in self._subscribers if s.reduced is not None]:
+            work.then(lambda notify=notify: notify(index))
         self._in_flight.append(work)
         # (Pipeline buckets all exist already: capping them would only stall the pipeline.)
         while len(self._in_flight) > self.max_in_flight and self.stage >= 2 and self.launch_when_ready:
@@ -194,8 +251,8 @@ class GradientReducer:
         """Launch every unit not yet launched (flushing unused parameters as zeros)."""
         if self.reduce_now:
             for index, missing in self._missing.items():
-                if missing and self.on_unit_done is not None:
-                    self.on_unit_done(index)
+                if missing:
+                    self._unit_done(index)
             self._launch_ready(flush=True)
         for index in list(self._fresh):  # units not reduced in this backward (accumulation)
             self._zero_missing(index)

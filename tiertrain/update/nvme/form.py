@@ -23,6 +23,7 @@ from ...elementwise import AdamWRule, ElementwiseRule, streamed_update
 from ...optim import squared_norm
 from ..protocol import GroupSchedule, OptimizerUpdate, UpdateMemory, scale_gradients, shard_param_groups
 from ..state_format import NVMeStreamState
+from .masters import ShardWriter, WriteStaging, master_shards, optimizer_holds_masters
 from .optimizer import NVMeAdamW, pieces_from_param_groups
 
 class NVMeUpdate(OptimizerUpdate):
@@ -69,9 +70,11 @@ class NVMeUpdate(OptimizerUpdate):
                               transactional=not zc.nvme_in_place, initial=initial)
         del masters
         # fp32 shards on NVMe: the optimizer's master records are the shards from now on.
-        flat.use_optimizer_masters(self.nvme)
+        optimizer_holds_masters(flat, self.nvme)
         # The RAM copies of the masters go before the gradient shards are first touched.
-        flat.drop_masters(release_grads=self.releases_grads(config))
+        flat.hold_masters_elsewhere(release_grads=self.releases_grads(config))
+        self.write_staging = WriteStaging()
+        """Where ShardWriter assembles a unit's shard for NVMe, kept across steps."""
 
     @staticmethod
     def releases_grads(config) -> bool:
@@ -112,7 +115,7 @@ class NVMeUpdate(OptimizerUpdate):
         scale_gradients(grads, clip)
         lr, rule = self._rate(lr)
         skip, self.unchanged = self._pieces_of(self.unchanged), frozenset()
-        with self.flat.shard_writer() as updated_shards:
+        with ShardWriter.open(self.flat, self.write_staging) as updated_shards:
             self.nvme.step(grads, lr, out=updated_shards, rule=rule, skip=skip)
         self.schedule.advance()
         self.publish_and_reset()
@@ -144,7 +147,7 @@ class NVMeUpdate(OptimizerUpdate):
             shard["master"] = master.cpu()
         self.nvme.load_state_dict(optimizer)
         self.schedule.load_state_dict(state.get("schedule"))
-        with self.flat.shard_writer() as write:
+        with ShardWriter.open(self.flat, self.write_staging) as write:
             for index, master in enumerate(state["masters"]):
                 write(index, 0, master.numel(), master)
         self.flat.publish_masters()
@@ -159,7 +162,7 @@ class OverlappedNVMeUpdate(NVMeUpdate):
         self.reducer = reducer
         self._in_flight = None
         """(OverlappedStep, ShardWriter) of the step running during this boundary's backward."""
-        self._unit_done_hook = None  # the reducer's on_unit_done before the step chained onto it
+        self._subscription = None  # the in-flight step's hooks on the reducer
         self.release_grads = self.releases_grads(config)
         """In place (zero.nvme_in_place), each unit's gradient shard gives its memory back once
         the step running during backward has updated the unit, so that the gradients held at
@@ -186,32 +189,38 @@ class OverlappedNVMeUpdate(NVMeUpdate):
     def before_backward(self, boundary, lr):
         if boundary and self._in_flight is None:
             lr, rule = self._rate(lr)
-            writer = self.flat.shard_writer()
-            store = self.flat.shards
+            writer = ShardWriter.open(self.flat, self.write_staging)
+            store = master_shards(self.flat)
             step = self.nvme.begin_step([u.grad for u in self.flat.units], lr, out=writer,
                                         shard_order=self.reducer.launch_order, rule=rule,
-                                        masters_in_ram=store.master_in_ram)
+                                        masters_in_ram=None if store is None else store.master_in_ram)
             self._in_flight = (step, writer)
             self._squares = {}
             # A unit's gradient is complete just after backward gathered it: the step takes the
             # masters that gather read instead of reading them again (OptimizerMasterShards).
             # The units whose gradients complete last are the next forward's first: the step
             # leaves their updated masters in RAM for it.
-            engine_hook = self._unit_done_hook = self.reducer.on_unit_done
-            carried = frozenset(self.reducer.launch_order[len(self.reducer.launch_order) - store.kept_units:])
-
-            def unit_done(index: int) -> None:
-                if engine_hook is not None:
-                    engine_hook(index)  # (it releases the gather, whose staging then is a spare)
-                store.keep_for_step(index, carry_over=index in carried)
-            self.reducer.on_unit_done = unit_done
+            # (The engine's fetcher subscribed when the engine was built, so its hook runs
+            # first: it releases the gather, whose staging then is a spare.)
+            unit_done = None if store is None else self._keeper(store)  # (masters are the shards)
             step.on_shard_updated = self._consumed
             if self.release_grads:
                 self._held = {}
                 step.on_progress = self._notify
-                self.reducer.on_reduced = lambda index: self._reduced(step, index)
+                reduced = lambda index: self._reduced(step, index)  # noqa: E731
             else:
-                self.reducer.on_reduced = step.shard_ready
+                reduced = step.shard_ready
+            self._subscription = self.reducer.subscribe(unit_done=unit_done, reduced=reduced)
+
+    def _keeper(self, store):
+        """The hook handing each unit's gathered masters to the step as its gradient completes
+        (OptimizerMasterShards.keep_for_step), the last kept_units in RAM for the next forward."""
+        order = self.reducer.launch_order
+        carried = frozenset(order[len(order) - store.kept_units:])
+
+        def unit_done(index: int) -> None:
+            store.keep_for_step(index, carry_over=index in carried)
+        return unit_done
 
     def _reduced(self, step, index: int) -> None:
         """Unit index's gradient shard is final: its squared norm is kept, then the step may
@@ -232,7 +241,9 @@ class OverlappedNVMeUpdate(NVMeUpdate):
     def _consumed(self, index: int) -> None:
         """On the step's worker: unit index is updated; the masters handed to the step and (in
         place) its gradient shard's memory go back."""
-        self.flat.shards.step_done_with(index)
+        store = master_shards(self.flat)
+        if store is not None:
+            store.step_done_with(index)
         if not self.release_grads:
             return
         self.flat.units[index].release_grad()
@@ -282,8 +293,8 @@ class OverlappedNVMeUpdate(NVMeUpdate):
     def _end(self, commit: bool) -> None:
         step, writer = self._in_flight
         self._in_flight = None
-        self.reducer.on_reduced = None
-        self.reducer.on_unit_done = self._unit_done_hook
+        self._subscription.remove()
+        self._subscription = None
         committed = False
         try:
             with writer:  # writes the last unit's shard to NVMe, after a cancel's restore too
@@ -293,4 +304,6 @@ class OverlappedNVMeUpdate(NVMeUpdate):
                 else:
                     step.cancel()
         finally:
-            self.flat.shards.step_done(committed)
+            store = master_shards(self.flat)
+            if store is not None:
+                store.step_done(committed)
