@@ -10,6 +10,7 @@ Megatron-style tensor/pipeline/data parallelism, behind one engine contract::
 from .compiling import compile_blocks
 from .config import Config, ConfigError
 from .engine import Engine
+from .training_core import TrainingCore
 from .errors import TiertrainError
 from .memory_report import MemoryReport
 from .wrapping import wrap
@@ -22,5 +23,5 @@ from .trainer import EvalConfig, LoopConfig, Trainer
 
 __all__ = ["Config", "ConfigError", "Engine", "EvalConfig", "ExportReport", "LoadReport", "LoopConfig", "MemoryReport",
            "PeftExport", "PretrainedMismatchError", "PretrainedMissingWarning", "TiertrainError", "Topology", "Trainer",
-           "compile_blocks", "load_pretrained", "partitioned_init", "wrap"]
+           "TrainingCore", "compile_blocks", "load_pretrained", "partitioned_init", "wrap"]
 __version__ = "0.1.0"
