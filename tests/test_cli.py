@@ -58,7 +58,7 @@ def test_train_end_to_end(tmp_path, stage):
     assert "loss " in proc.stdout and "->" in proc.stdout
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "ulysses"])
+@pytest.mark.parametrize("algorithm", ["ring", pytest.param("ulysses", marks=pytest.mark.slow)])
 def test_train_with_each_sequence_split_over_two_ranks(tmp_path, algorithm):
     """--parallel.cp 2: both ranks train on the same samples, each on half of every sequence."""
     metrics = tmp_path / "m.jsonl"

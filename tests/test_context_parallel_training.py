@@ -164,11 +164,14 @@ def _results(layout: tuple[int, int, int], root) -> dict:
     return _RESULTS[layout]
 
 
-RUNS = [(layout, name) for layout, names in LAYOUTS.items() for name in names]
+RUNS = [pytest.param(layout, name, id=f"dp={layout[0]}, cp={layout[1]}, tp={layout[2]}, {name}",
+                     marks=[pytest.mark.slow] if layout[0] * layout[1] * layout[2] > 2 else [])
+        for layout, names in LAYOUTS.items() for name in names]
+"""The 2-rank layout runs in the suite; the 4-rank ones with CI's slow tests (pyproject's marker)."""
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout,name", RUNS, ids=[f"dp={l[0]}, cp={l[1]}, tp={l[2]}, {n}" for l, n in RUNS])
+@pytest.mark.parametrize("layout,name", RUNS)
 def test_trains_as_one_process_on_the_whole_batch(layout, name, tmp_path):
     dp, cp, tp = layout
     losses, params = _results(layout, tmp_path)[name]
