@@ -17,6 +17,7 @@ modeling code, :mod:`tiertrain.estimate.modules`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -118,8 +119,6 @@ def context_parallel_activation_bytes(dims: Any, micro_batch: int, precision_byt
       log-softmax of all s tokens is kept (4·s·b·V), and the logits in flight at the end of
       forward and the start of backward are one tile's: T tokens instead of s.
     """
-    import dataclasses
-
     s = dims.seq_len // cp
     changes = {"seq_len": s}
     if hasattr(dims, "decoder_seq_len"):

@@ -57,6 +57,7 @@ import torch.nn as nn
 
 from ..zero.plan import default_unit_modules
 from ..zero.flat import NVME_READ_AHEAD, swap_pool_bytes
+from ..parallel.context import tokens_multiple
 from .activations import ActivationBytes, context_parallel_activation_bytes, gpt_activation_bytes
 from .lines import PRECISION_BYTES, EstimateLine, Tier, masters_are_param_shards, second_generation_lines
 from .overhead import HostOverhead
@@ -410,9 +411,10 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
     if dims is None:
         acts = None
     elif lay.cp > 1:
-        if dims.seq_len % (2 * lay.cp if lay.cp_algorithm == "ring" else lay.cp):
+        multiple = tokens_multiple(lay.cp, lay.cp_algorithm)
+        if dims.seq_len % multiple:
             raise ValueError(f"seq_len={dims.seq_len} cannot be split over cp={lay.cp} ({lay.cp_algorithm} needs a "
-                             f"multiple of {2 * lay.cp if lay.cp_algorithm == 'ring' else lay.cp})")
+                             f"multiple of {multiple})")
         acts = context_parallel_activation_bytes(dims, lay.micro_batch, D, lay.cp, lay.cp_algorithm,
                                                  lay.loss_tile_tokens)
         notes.append(f"context parallelism: each rank holds the activations of {dims.seq_len // lay.cp} of the "

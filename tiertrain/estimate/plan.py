@@ -368,10 +368,11 @@ def _context_parallel_sizes(dims, ranks: int) -> list[int]:
     the ranks and (ring attention's zig-zag split) half the sequence, for tiertrain's GPT and
     the Hugging Face decoders tiertrain.parallel.apply_context_parallel converts."""
     from tiertrain.models.hf import ROTARY_DECODERS
+    from tiertrain.parallel.context import tokens_multiple
 
     if hasattr(dims, "model_type") and dims.model_type not in ROTARY_DECODERS:
         return []
-    return [c for c in range(2, ranks + 1) if ranks % c == 0 and dims.seq_len % (2 * c) == 0]
+    return [c for c in range(2, ranks + 1) if ranks % c == 0 and dims.seq_len % tokens_multiple(c, "ring") == 0]
 
 
 def _context_parallel_fit(evaluate, tried: list, stages: list[int], ks: list[int], tiles: list[int], dims,

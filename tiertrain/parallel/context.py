@@ -34,7 +34,7 @@ from ..errors import TiertrainError
 from ..waits import run_timeout
 
 __all__ = ["ContextParallelError", "ContextParallelTimeout", "GatherSequence", "context_split", "exact_token_mean",
-           "ring_attention", "ulysses_attention", "zigzag_positions", "zigzag_split", "zigzag_unsplit"]
+           "ring_attention", "tokens_multiple", "ulysses_attention", "zigzag_positions", "zigzag_split", "zigzag_unsplit"]
 
 
 class ContextParallelError(TiertrainError, ValueError):
@@ -356,6 +356,12 @@ def zigzag_unsplit(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 
 # -- a model's tokens and loss under context parallelism ----------------------------------
+
+def tokens_multiple(cp: int, algorithm: str) -> int:
+    """What a sequence length split over ``cp`` ranks must be a multiple of: 2·cp for ring
+    attention (the zig-zag split's chunks), cp for Ulysses."""
+    return 2 * cp if algorithm == "ring" else cp
+
 
 def context_split(x: torch.Tensor, dim: int, group, algorithm: str) -> torch.Tensor:
     """This rank's tokens of x along dim: its zig-zag pair (ring) or its contiguous 1/cp (ulysses)."""

@@ -16,23 +16,18 @@ the -100 labels fall between the ranks.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..models.gpt import GPT, CausalSelfAttention
-from .tensor import GatherFromTensorParallel, vocab_parallel_cross_entropy
+from .tensor import GatherFromTensorParallel, tp_world_size, vocab_parallel_cross_entropy
 from .tp_plan import TensorParallelGPT
 from ..tiling import cross_entropy_in_tiles
-from .context import (ContextParallelError, GatherSequence, context_split, exact_token_mean, ring_attention,
-                      ulysses_attention)
+from .context import (ContextParallelError, GatherSequence, _size, context_split, exact_token_mean, ring_attention,
+                      tokens_multiple, ulysses_attention)
 
 __all__ = ["ContextParallelGPT", "apply_context_parallel"]
 
 ALGORITHMS = {"ring": ring_attention, "ulysses": ulysses_attention}
-
-
-def _size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 class ContextParallelAttention(CausalSelfAttention):
@@ -146,10 +141,10 @@ def apply_context_parallel(model, topology, algorithm: str = "ring", loss_tile_t
     if cfg.dropout:
         raise ContextParallelError(f"GPTConfig.dropout={cfg.dropout}: context-parallel attention has no dropout; "
                                    f"set dropout=0")
-    if cfg.seq_len % (2 * c if algorithm == "ring" else c):
+    if cfg.seq_len % tokens_multiple(c, algorithm):
         raise ContextParallelError(f"GPTConfig.seq_len={cfg.seq_len} cannot be split over parallel.cp={c} with "
-                                   f"{algorithm}: it needs a multiple of {2 * c if algorithm == 'ring' else c}")
-    tp = _size(getattr(model, "tp_group", None))
+                                   f"{algorithm}: it needs a multiple of {tokens_multiple(c, algorithm)}")
+    tp = tp_world_size(getattr(model, "tp_group", None))
     if algorithm == "ulysses" and (cfg.n_heads // tp) % c:
         raise ContextParallelError(f"GPTConfig.n_heads={cfg.n_heads}" + (f" over tp={tp} ranks" if tp > 1 else "")
                                    + f" is not divisible by parallel.cp={c}: Ulysses splits each rank's heads over "
