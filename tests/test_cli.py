@@ -37,7 +37,7 @@ def _records(path) -> list[dict]:
 # --------------------------------------------------------------------------- train, end to end
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 3])
 def test_train_end_to_end(tmp_path, stage):
     metrics = tmp_path / "logs" / "m.jsonl"
     proc = _tiertrain(["train", "--nproc", "2", *TINY, "--zero.stage", str(stage),

@@ -142,6 +142,7 @@ def _every_case(rank, world):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_form_runs_one_graph_per_block_call_compiles_once_and_trains_as_eager():
     for by_case in run_distributed(_every_case, 2, timeout=290):

@@ -548,6 +548,7 @@ def test_a_model_that_cannot_fit_the_machine_is_one_line_before_any_allocation(t
     assert "model.embed_tokens.weight [1000000000, 64]" in line and "tiertrain plan" in line
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_small_corpus_trains_with_evaluation_on_what_it_holds_out(tmp_path):
     """Issue 35, item 7: data.eval_fraction of a small corpus held out fewer samples than one

@@ -172,7 +172,7 @@ _TRAINING_COLLECTIVE = r"\((all_reduce|reduce_scatter|all_gather|broadcast)[^)]*
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("after", ["full_state_dict", "save_checkpoint", "train_batch"])
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 1, pytest.param(2, marks=pytest.mark.slow)])
 def test_unequal_batch_counts_at_stages_0_to_2_fail_within_seconds_naming_both_ranks(tmp_path, stage, after):
     """Issue 34, item 6 at stages 0-2, where nothing caught it: gloo paired rank 1's
     full_state_dict gathers with rank 0's gradient reductions and completed both with each
@@ -293,9 +293,12 @@ def _swap_files_exist(nvme, ranks):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("ending", ["success", "exception in rank 1", "SIGTERM to the launcher",
-                                    "SIGINT to the launcher", "Ctrl-C (SIGINT to the process group)",
-                                    "SIGTERM with --nproc 1 (the run in the launcher's process)"])
+@pytest.mark.parametrize("ending", [pytest.param("success", marks=pytest.mark.slow), "exception in rank 1",
+                                    pytest.param("SIGTERM to the launcher", marks=pytest.mark.slow),
+                                    pytest.param("SIGINT to the launcher", marks=pytest.mark.slow),
+                                    "Ctrl-C (SIGINT to the process group)",
+                                    pytest.param("SIGTERM with --nproc 1 (the run in the launcher's process)",
+                                                 marks=pytest.mark.slow)])
 def test_no_swap_or_temporary_file_survives_the_end_of_a_run(tmp_path, token_cache, ending):
     """Every way a run under the local launcher ends leaves zero.nvme_path as it found it
     (empty) and the launcher's temporary directory removed: ranks end through os._exit (no

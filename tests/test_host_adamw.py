@@ -42,7 +42,7 @@ def _train(rank, world, zero, dtype, impl, accum):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
-@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("accum", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_compiled_step_matches_single_process_reference(placement, accum):
     zero = PLACEMENTS[placement]
     losses, params, pass_used, shards_match = run_distributed(_train, 2, zero, "fp32", "compiled", accum,

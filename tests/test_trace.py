@@ -65,6 +65,7 @@ def test_trace_steps_must_be_a_whole_number():
         make_config(logging={"trace_steps": -1})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_train_writes_a_trace_per_rank_and_plot_draws_it(tmp_path):
     metrics = tmp_path / "run" / "metrics.jsonl"

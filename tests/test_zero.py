@@ -214,7 +214,7 @@ def _hf_run(rank, world, stage):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow), 3])
 def test_hugging_face_llama_wrapped_without_changes(stage):
     losses, params = run_distributed(_hf_run, 2, stage, timeout=100)[0]
     cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2}, optimizer={"eps": 1e-3})
@@ -259,7 +259,7 @@ def _t5_run(rank, world, stage):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_hugging_face_t5_encoder_decoder_trains_exactly(stage):
     losses, params, left_gathered = run_distributed(_t5_run, 2, stage, timeout=100)[0]
     assert not left_gathered, f"units still gathered after backward: {sorted(left_gathered)}"
