@@ -1,17 +1,19 @@
 """Context parallelism composed with pipeline parallelism (issue 38, cp × pp): a model converted
 by apply_context_parallel and cut into pipeline stages by wrap() trains as one process trains
 it on the whole batch, within the float64 oracle, at pp = 2 × cp = 2 (4 ranks, dp = 1), with
-ring and Ulysses attention, the 1F1B, GPipe and interleaved schedules, and ZeRO stages 0, 1
-and 3. The models: tiertrain's GPT, and Hugging Face Llama (grouped-query attention) and
-Mistral (a sliding window narrower than the sequence) cut by tiertrain/pipeline/hf_split.py.
+ring and Ulysses attention, the 1F1B, GPipe and interleaved schedules, ZeRO stages 0 to 3 and
+the loss in tiles; and at pp = 2 × cp = 2 × tp = 2 (8 ranks). The models: tiertrain's GPT, and
+Hugging Face Llama (grouped-query attention; with tp, a vocabulary-parallel head) and Mistral
+(a sliding window narrower than the sequence) cut by tiertrain/pipeline/hf_split.py.
 
 Each stage's attention runs the cp algorithm over its cp group; the first stage embeds each
 rank's tokens at their global positions; the activations passed between stages are each rank's
-share of the sequence, sent to the rank of the same cp coordinate on the next stage; the last
-stage's loss is the exact token mean over the cp group (-100 labels falling unevenly on the cp
-ranks check that). The reference GPT ties its embeddings, so the tied-weight exchange between
-the first and last stage runs too (the Hugging Face models' heads are untied), and clipping (grad_clip small enough to be active) checks
-the gradient norm over dp × cp and pp.
+share of the sequence, sent to the rank of the same (cp, tp) coordinates on the next stage; the
+last stage's loss is the exact token mean over the cp group (-100 labels falling unevenly on
+the cp ranks check that, and a mutation whose loss is each rank's own token mean must fail).
+The reference GPT ties its embeddings, so the tied-weight exchange between the first and last
+stage runs too (the Hugging Face models' heads are untied), and clipping (grad_clip small
+enough to be active) checks the gradient norm over dp × cp and pp.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ def _config(case: dict, cp: int = CP, pp: int = PP):
     if cp > 1:
         parallel.update(cp_algorithm=case["algorithm"], tp=case.get("tp", 1))
     return make_config(zero={"stage": case["stage"], "bucket_mb": 0.02}, parallel=parallel,
+                       activations={"loss_tile_tokens": case.get("loss_tile", 0) if cp > 1 else 0},
                        batch={"micro_batch_size": MICRO, "grad_accum_steps": ACCUM},
                        optimizer={"eps": 1e-3, "lr": 1e-2, "grad_clip": 0.05})
 
@@ -72,9 +75,13 @@ CASES = {
                                              "ignored": True},
     "ring, 1f1b, stage 3": {"algorithm": "ring", "stage": 3},
     "ulysses, interleaved, stage 1": {"algorithm": "ulysses", "stage": 1, "schedule": "interleaved", "v": 2},
+    "ring, 1f1b, stage 2, the loss in tiles of 3 tokens, -100 labels": {"algorithm": "ring", "stage": 2,
+                                                                        "loss_tile": 3, "ignored": True},
     "llama, ring, 1f1b, stage 1": {"hf": "llama-gqa", "algorithm": "ring", "stage": 1},
     "llama, ulysses, gpipe, stage 3": {"hf": "llama-gqa", "algorithm": "ulysses", "stage": 3, "schedule": "gpipe"},
     "mistral sliding window, ring, 1f1b, stage 0": {"hf": "mistral-sliding-window", "algorithm": "ring", "stage": 0},
+    "llama, ulysses, 1f1b, stage 2, the loss in tiles of 5 tokens": {"hf": "llama-gqa", "algorithm": "ulysses",
+                                                                     "stage": 2, "loss_tile": 5},
     "tp 2, ring, 1f1b, stage 1, -100 labels": {"algorithm": "ring", "stage": 1, "tp": 2, "ignored": True},
     "tp 2, llama, ulysses, 1f1b, stage 1, vocab-parallel head": {"hf": "llama-gqa", "algorithm": "ulysses",
                                                                   "stage": 1, "tp": 2},
@@ -94,7 +101,7 @@ def _prepare(case: dict):
             parallelize_module(model, topology.group("tp"), LLAMA_TP_PLAN)
         elif case.get("tp"):
             model = apply_tensor_parallel(model, topology)
-        return apply_context_parallel(model, topology, case["algorithm"])
+        return apply_context_parallel(model, topology, case["algorithm"], case.get("loss_tile", 0))
     return prepare
 
 
