@@ -1,14 +1,14 @@
-"""Context parallelism composed with pipeline parallelism (issue 38, cp × pp): a model converted
-by apply_context_parallel and cut into pipeline stages by wrap() trains as one process trains
-it on the whole batch, within the float64 oracle, at pp = 2 × cp = 2 (4 ranks, dp = 1), with
-ring and Ulysses attention, the 1F1B, GPipe and interleaved schedules, ZeRO stages 0 to 3 and
-the loss in tiles; and at pp = 2 × cp = 2 × tp = 2 (8 ranks). The models: tiertrain's GPT, and
-Hugging Face Llama (grouped-query attention; with tp, a vocabulary-parallel head) and Mistral
-(a sliding window narrower than the sequence) cut by tiertrain/pipeline/hf_split.py.
+"""Context parallelism composed with pipeline parallelism (issue 38, cp × pp): a model converted by
+apply_context_parallel and cut into pipeline stages by wrap() trains as one process trains it on
+the whole batch, within the float64 oracle, at pp = 2 × cp = 2 (4 ranks, dp = 1), with ring and
+Ulysses attention, the 1F1B, GPipe and interleaved schedules, ZeRO stages 0 to 3 and the loss in
+tiles; and at pp = 2 × cp = 2 × dp = 2 and × tp = 2 (8 ranks). The models: tiertrain's GPT, and
+Hugging Face Llama (grouped-query attention; with tp, a vocabulary-parallel head) and Mistral (a
+sliding window narrower than the sequence) cut by tiertrain/pipeline/hf_split.py.
 
 Each stage's attention runs the cp algorithm over its cp group; the first stage embeds each
 rank's tokens at their global positions; the activations passed between stages are each rank's
-share of the sequence, sent to the rank of the same (cp, tp) coordinates on the next stage; the
+share of the sequence, sent to the rank of the same (dp, cp, tp) coordinates on the next stage; the
 last stage's loss is the exact token mean over the cp group (-100 labels falling unevenly on
 the cp ranks check that, and a mutation whose loss is each rank's own token mean must fail).
 The reference GPT ties its embeddings, so the tied-weight exchange between the first and last
@@ -36,7 +36,7 @@ PP, CP = 2, 2
 def _config(case: dict, cp: int = CP, pp: int = PP):
     parallel = {"pp": pp, "cp": cp, "schedule": case.get("schedule", "1f1b"), "virtual_stages": case.get("v", 1)}
     if cp > 1:
-        parallel.update(cp_algorithm=case["algorithm"], tp=case.get("tp", 1))
+        parallel.update(cp_algorithm=case["algorithm"], tp=case.get("tp", 1), dp=case.get("dp", 1))
     return make_config(zero={"stage": case["stage"], "bucket_mb": 0.02}, parallel=parallel,
                        activations={"loss_tile_tokens": case.get("loss_tile", 0) if cp > 1 else 0},
                        batch={"micro_batch_size": MICRO, "grad_accum_steps": ACCUM},
@@ -48,9 +48,10 @@ def _model(case: dict):
 
 
 def _batches(case: dict):
+    rows = MICRO * ACCUM * case.get("dp", 1)
     if "hf" in case:  # labels as transformers takes them (the tokens), shifted by the model's loss
-        return zoo.batches(case["hf"], STEPS, MICRO * ACCUM)
-    batches = global_batches(STEPS, MICRO * ACCUM)
+        return zoo.batches(case["hf"], STEPS, rows)
+    batches = global_batches(STEPS, rows)
     if case.get("ignored"):
         # -100 on an uneven share of each row's tokens and of each cp rank's (the zig-zag split
         # gives rank 0 tokens 0-3 and 12-15), but as many in every micro-batch: the engine's
@@ -82,6 +83,7 @@ CASES = {
     "mistral sliding window, ring, 1f1b, stage 0": {"hf": "mistral-sliding-window", "algorithm": "ring", "stage": 0},
     "llama, ulysses, 1f1b, stage 2, the loss in tiles of 5 tokens": {"hf": "llama-gqa", "algorithm": "ulysses",
                                                                      "stage": 2, "loss_tile": 5},
+    "dp 2, ring, 1f1b, stage 3, -100 labels": {"algorithm": "ring", "stage": 3, "dp": 2, "ignored": True},
     "tp 2, ring, 1f1b, stage 1, -100 labels": {"algorithm": "ring", "stage": 1, "tp": 2, "ignored": True},
     "tp 2, llama, ulysses, 1f1b, stage 1, vocab-parallel head": {"hf": "llama-gqa", "algorithm": "ulysses",
                                                                   "stage": 1, "tp": 2},
@@ -105,9 +107,14 @@ def _prepare(case: dict):
     return prepare
 
 
-def _coords(rank: int, tp: int) -> tuple[int, int, int]:
-    """(pp, cp, tp) coordinates of a global rank at dp = 1 (tp fastest, then cp, then pp)."""
-    return rank // (CP * tp), rank // tp % CP, rank % tp
+def _layout(case: dict) -> tuple[int, int]:
+    """(dp, tp) of the case (pp = cp = 2 always)."""
+    return case.get("dp", 1), case.get("tp", 1)
+
+
+def _coords(rank: int, dp: int, tp: int) -> tuple[int, int, int, int]:
+    """(pp, dp, cp, tp) coordinates of a global rank (tp fastest, then cp, then dp, then pp)."""
+    return rank // (dp * CP * tp), rank // (CP * tp) % dp, rank // tp % CP, rank % tp
 
 
 def _rank(rank, world, names):
@@ -126,7 +133,7 @@ def _rank(rank, world, names):
             cp_plan.exact_token_mean = exact
         if case.get("tp"):  # (this rank's stage's parameters, gathered over tp)
             params = tp_gathered(engine, params)
-        peers = [_coords(r, case.get("tp", 1)) for r in engine.topology.ranks("pp")]
+        peers = [_coords(r, *_layout(case)) for r in engine.topology.ranks("pp")]
         out[name] = (losses, params, peers)
         engine.close()
     return out
@@ -134,15 +141,14 @@ def _rank(rank, world, names):
 
 def _check(results: list[dict], name: str) -> None:
     case = CASES[name.replace(MUTATION, "ring, gpipe, stage 0, -100 labels")]
-    tp = case.get("tp", 1)
     oracle = Oracle.run(reference_train, _model(case), _config(case, cp=1, pp=1), _batches(case))
     tied = {} if "hf" in case else {"head.weight": "embed.weight"}  # (the GPT's, the last stage's copy)
     seen = set()
     for rank, by_name in enumerate(results):
         losses, params, peers = by_name[name]
         # Activations go to the next stage's rank with the same (dp, cp, tp) coordinates.
-        _, cp_coord, tp_coord = _coords(rank, tp)
-        assert peers == [(pp, cp_coord, tp_coord) for pp in range(PP)], f"rank {rank}'s pipeline group: {peers}"
+        _, dp_coord, cp_coord, tp_coord = _coords(rank, *_layout(case))
+        assert peers == [(pp, dp_coord, cp_coord, tp_coord) for pp in range(PP)], f"rank {rank}'s pp group: {peers}"
         oracle.check(losses, None, f"{name}, rank {rank}'s losses")
         if tied and set(tied) | set(tied.values()) <= set(params):  # the copy stayed equal to the embedding
             assert torch.equal(params["head.weight"], params["embed.weight"]), name
@@ -151,8 +157,8 @@ def _check(results: list[dict], name: str) -> None:
     assert seen == set(oracle.params64), name
 
 
-def _results(names: list[str], tp: int = 1) -> list[dict]:
-    return run_distributed(_rank, PP * CP * tp, names, timeout=150 * tp)
+def _results(names: list[str], dp: int = 1, tp: int = 1) -> list[dict]:
+    return run_distributed(_rank, PP * CP * dp * tp, names, timeout=150 * dp * tp)
 
 
 @pytest.mark.timeout(120)
@@ -163,27 +169,27 @@ def test_ring_1f1b_stage_1_trains_as_one_process():
 _SLOW: dict = {}
 
 
-def _slow_results(tp: int) -> list[dict]:
-    """Every slow case of the layout, in one launch the first time one is asked for."""
-    if tp not in _SLOW:
-        names = [n for n, c in CASES.items() if n != FAST and c.get("tp", 1) == tp] + ([MUTATION] if tp == 1 else [])
-        _SLOW[tp] = _results(names, tp)
-    return _SLOW[tp]
+def _slow_results(layout: tuple[int, int]) -> list[dict]:
+    """Every slow case of the (dp, tp) layout, in one launch the first time one is asked for."""
+    if layout not in _SLOW:
+        names = [n for n, c in CASES.items() if n != FAST and _layout(c) == layout]
+        _SLOW[layout] = _results(names + ([MUTATION] if layout == (1, 1) else []), *layout)
+    return _SLOW[layout]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", [n for n in CASES if n != FAST])
 def test_trains_as_one_process_on_the_whole_batch(name):
-    """pp = 2 × cp = 2 (4 ranks), and × tp = 2 (8 ranks) for the cases with tp."""
-    _check(_slow_results(CASES[name].get("tp", 1)), name)
+    """pp = 2 × cp = 2 (4 ranks), and × dp = 2 or × tp = 2 (8 ranks) for the cases with those."""
+    _check(_slow_results(_layout(CASES[name])), name)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_the_check_fails_a_loss_that_is_each_ranks_own_token_mean():
     with pytest.raises(AssertionError, match="from the float64 reference"):
-        _check(_slow_results(1), MUTATION)
+        _check(_slow_results((1, 1)), MUTATION)
 
 
 def _grid(pp: int, cp: int) -> tiertrain.Topology:
