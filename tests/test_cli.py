@@ -72,6 +72,23 @@ def test_train_with_each_sequence_split_over_two_ranks(tmp_path, algorithm):
     assert "world size   2 (dp=1, cp=2)" in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_train_with_each_sequence_split_over_two_ranks_in_a_pipeline(tmp_path):
+    """--parallel.pp 2 --parallel.cp 2: each of the 2 pipeline stages splits every sequence over
+    2 ranks (4 ranks; tests/test_context_parallel_pipeline.py checks the maths)."""
+    metrics = tmp_path / "m.jsonl"
+    proc = _tiertrain(["train", "--nproc", "4", *TINY, "--model.n_layers", "2", "--batch.grad_accum_steps", "2",
+                       "--zero.stage", "1", "--parallel.pp", "2", "--parallel.cp", "2",
+                       "--logging.metrics_file", str(metrics), "--data.cache_dir", str(tmp_path),
+                       "--logging.log_interval", "5"], cwd=tmp_path, timeout=140)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = _records(metrics)
+    assert [r["step"] for r in records] == [1, 5, 6]
+    assert all(math.isfinite(r["loss"]) and 4.0 < r["loss"] < 7.0 for r in records)
+    assert "world size   4 (dp=1, cp=2)" in proc.stdout
+
+
 def test_bad_override_exits_2_naming_the_field(tmp_path):
     proc = _tiertrain(["train", "--zero.stage", "7"], cwd=tmp_path, timeout=60)
     assert proc.returncode == 2

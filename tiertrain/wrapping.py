@@ -91,7 +91,9 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
 
 def _check_context_parallel(model, config: Config, topology: Topology) -> None:
     """A cp > 1 topology trains a model converted for it (each rank then holds its tokens'
-    activations only); otherwise every rank would silently compute the whole sequence."""
+    activations only); otherwise every rank would silently compute the whole sequence. With
+    parallel.pp > 1 too, wrap() cuts the converted model into stages, every schedule: each
+    stage's cp ranks run the same schedule, so their ring or all-to-all exchanges pair up in order."""
     cp = topology.size("cp")
     tile = config.activations.loss_tile_tokens
     if cp == 1:
@@ -99,9 +101,10 @@ def _check_context_parallel(model, config: Config, topology: Topology) -> None:
             raise ConfigError(f"activations.loss_tile_tokens={tile} applies to context-parallel models "
                               f"(parallel.cp > 1); with parallel.cp=1 set it to 0")
         return
-    if topology.size("pp") > 1:
-        raise ConfigError(f"parallel.cp={cp} with parallel.pp={topology.size('pp')}: context parallelism composes "
-                          f"with data and tensor parallelism and ZeRO so far; use pp=1")
+    if isinstance(model, (list, tuple, nn.ModuleList)) and len(model):
+        # (pp > 1: this rank's stages, which carry their model's cp attributes as tiertrain's
+        # GPT and Hugging Face stages do: tiertrain/pipeline/stage.py, hf_split.py)
+        model = model[0]
     converted = getattr(model, "cp_size", 1)
     if converted != cp:
         raise ConfigError(f"parallel.cp={cp}, but the model {'was converted for cp=' + str(converted) if converted > 1 else 'is not context-parallel'}: "

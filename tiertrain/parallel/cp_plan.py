@@ -25,7 +25,16 @@ from ..tiling import cross_entropy_in_tiles
 from .context import (ContextParallelError, GatherSequence, _size, context_split, exact_token_mean, ring_attention,
                       tokens_multiple, ulysses_attention)
 
-__all__ = ["ContextParallelGPT", "apply_context_parallel"]
+__all__ = ["CP_ATTRIBUTES", "ContextParallelGPT", "apply_context_parallel", "cp_attributes"]
+
+CP_ATTRIBUTES = {"cp_group": None, "cp_algorithm": "ring", "cp_size": 1, "cp_loss_tile": 0}
+"""What a converted model carries (a pipeline stage of it copies them: tiertrain/pipeline/stage.py,
+hf_split.py), with their values for a model that is not context-parallel."""
+
+
+def cp_attributes(model) -> dict:
+    """The model's context-parallel attributes (:data:`CP_ATTRIBUTES`), or those of no cp."""
+    return {name: getattr(model, name, default) for name, default in CP_ATTRIBUTES.items()}
 
 ALGORITHMS = {"ring": ring_attention, "ulysses": ulysses_attention}
 
@@ -46,9 +55,15 @@ class ContextParallelAttention(CausalSelfAttention):
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, n_heads * self.head_dim)))
 
 
+def _arch(module) -> type:
+    """The converted model's class: the module's own, or for a pipeline stage the class of
+    the model it was cut from (its ``arch``)."""
+    return getattr(module, "arch", type(module))
+
+
 class ContextParallelGPT(GPT):
     """A :class:`GPT` after :func:`apply_context_parallel`. Attributes: ``cp_group``,
-    ``cp_algorithm``, ``cp_size``."""
+    ``cp_algorithm``, ``cp_size``, ``cp_loss_tile`` (:data:`CP_ATTRIBUTES`)."""
 
     cp_group = None
     cp_algorithm = "ring"
@@ -59,33 +74,47 @@ class ContextParallelGPT(GPT):
         raise TypeError("ContextParallelGPT is not constructed directly: build a GPT and call "
                         "apply_context_parallel(model, topology)")
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """The whole batch's ``input_ids`` (and ``labels``) [B, T] in; this rank's share of the
-        exact token-mean loss out (see the module docstring), or without labels the logits of
-        the whole sequence [B, T, V]."""
+    # GPT.forward runs embed_tokens, the blocks and head_output; a pipeline stage of this model
+    # (tiertrain/pipeline/stage.py) runs the same two methods on itself, carrying the model's
+    # cp attributes and naming the model's class as ``arch``: so the maths is written once.
+
+    def position_ids(self, t: int, device: torch.device) -> torch.Tensor:
+        """The places in the whole sequence of this rank's tokens (its zig-zag pair of chunks
+        for ring attention, its contiguous 1/cp for Ulysses)."""
+        whole = torch.arange(t, device=device).unsqueeze(0)
+        return context_split(whole, 1, self.cp_group, self.cp_algorithm).squeeze(0)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The whole batch's ``input_ids`` [B, T] in; this rank's tokens, embedded at their
+        global positions, out: [B, T/cp, hidden]."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         t = input_ids.shape[1]
         if t > self.config.seq_len:
             raise ValueError(f"input_ids sequence length {t} exceeds GPTConfig.seq_len={self.config.seq_len}")
-        split = lambda x: context_split(x, 1, self.cp_group, self.cp_algorithm)
-        positions = split(torch.arange(t, device=input_ids.device).unsqueeze(0)).squeeze(0)
-        x = self.drop(self.embed(split(input_ids)) + self.pos_embed(positions))
-        for block in self.blocks:
-            x = block(x)
+        mine = context_split(input_ids, 1, self.cp_group, self.cp_algorithm)
+        return self.drop(self.embed(mine) + self.pos_embed(self.position_ids(t, input_ids.device)))
+
+    def head_output(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's activations [B, T/cp, hidden] and the whole batch's ``labels`` [B, T]
+        (already shifted: split as the inputs are) in; this rank's share of the exact
+        token-mean loss out (see the module docstring), or without labels the logits of the
+        whole sequence [B, T, V]."""
+        arch = _arch(self)
         if labels is None:
-            return GatherSequence.apply(self._logits(x), self.cp_group, self.cp_algorithm)
-        mine = split(labels)
-        return exact_token_mean(self._summed_loss(x, mine), (mine != -100).sum(), self.cp_group)
+            return GatherSequence.apply(arch._logits(self, x), self.cp_group, self.cp_algorithm)
+        mine = context_split(labels, 1, self.cp_group, self.cp_algorithm)
+        return exact_token_mean(arch._summed_loss(self, x, mine), (mine != -100).sum(), self.cp_group)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(x))
 
     def _summed_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The cross-entropy summed over this rank's labelled tokens (in tiles, when set)."""
+        logits_of = lambda h: _arch(self)._logits(self, h)  # noqa: E731
         if self.cp_loss_tile:
-            return cross_entropy_in_tiles(x, self._logits, labels, self.cp_loss_tile)
-        logits = self._logits(x)
+            return cross_entropy_in_tiles(x, logits_of, labels, self.cp_loss_tile)
+        logits = logits_of(x)
         dtype = torch.promote_types(logits.dtype, torch.float32)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), labels.reshape(-1), reduction="sum")
 

@@ -27,6 +27,13 @@ micro-batches per step, on the training core the one-model engine is built on
   step from the same values; each rank's are checkpointed, and full_state_dict holds every
   stage's.
 * **Checkpoints** are saved per rank; loading checks each rank's own layout.
+* **Context parallelism** (parallel.cp > 1, issue 38): a model converted by
+  ``apply_context_parallel`` is cut as usual; each stage runs its blocks' ring or Ulysses
+  attention over its cp group on this rank's share of every sequence (:mod:`.stage`,
+  :mod:`.hf_context`), and what travels between stages is that share, to the rank of the same
+  (dp, cp, tp) coordinates (the pp group). The last stage's loss is this rank's share of the
+  exact token mean over the cp group; gradients are averaged and ZeRO-partitioned over the
+  dp × cp ranks (``dp_cp``), which hold the same parameters.
 * **ZeRO stage 3** (:mod:`.zero3`): each chunk is laid out as a stage-3 model of its own,
   one partitioned unit per block plus one for the chunk's embeddings/norm/head, so every
   data-parallel rank of a stage holds 1/dp of the stage's parameters between uses, on the
@@ -98,13 +105,15 @@ def tied_names(stage: nn.Module) -> tuple[str, str]:
 
 def gpt_activation_shape(stage: nn.Module) -> Callable[[dict], tuple[int, ...]]:
     """The activation a GPT stage sends for a micro-batch: [batch, seq, hidden], with the
-    sequence split over tp under sequence parallelism."""
+    sequence split over tp under sequence parallelism, over cp under context parallelism
+    (this rank's share of the tokens, sent to the next stage's rank of the same cp coordinate)."""
     hidden = stage.config.hidden
     tp = torch.distributed.get_world_size(stage.tp_group) if stage.sequence_parallel else 1
+    cp = getattr(stage, "cp_size", 1)
 
     def shape(batch: dict) -> tuple[int, ...]:
         b, t = batch["input_ids"].shape
-        return (b, t // tp, hidden)
+        return (b, t // (tp * cp), hidden)
     return shape
 
 

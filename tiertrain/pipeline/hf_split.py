@@ -103,6 +103,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..parallel.cp_plan import cp_attributes
+from .hf_context import check_stage, local_tokens, token_mean_share
 from .hf_cut import _balanced, _check_tensor_parallel, _explicit, _untie
 from .hf_families import ENCODER_DECODERS, ENCODERS, ROTARY_DECODERS, Family, recognise
 
@@ -210,6 +212,10 @@ class HFStage(nn.Module):
         self.activation_shape = None if self.kind == "sequential" else self.hidden_shape
         """What :class:`~.engine.PipelineEngine` sends between stages (sequential stages: unknown,
         give ``activation_shape=`` to ``wrap()``)."""
+        for name, value in cp_attributes(model).items():  # a context-parallel model's (.hf_context)
+            setattr(self, name, value)
+        if self.cp_size > 1:
+            check_stage(self, model)
 
     def hidden_shape(self, batch: dict) -> tuple[int, ...]:
         """The hidden states sent between stages for a micro-batch: [batch, seq, hidden]; for
@@ -217,7 +223,7 @@ class HFStage(nn.Module):
         b, t = batch["input_ids"].shape
         if self.kind == "t5":
             return (sum(math.prod(s) for s in self._t5_sizes(batch)),)
-        return (b, t, self.hf_config.hidden_size)
+        return (b, t // self.cp_size, self.hf_config.hidden_size)
 
     # -- encoder-decoder (T5) -------------------------------------------------------------------
 
@@ -314,9 +320,15 @@ class HFStage(nn.Module):
         t = ids.shape[1]
         pos = torch.arange(t, device=ids.device).unsqueeze(0)
         if self.kind == "rotary":
+            if self.cp_size > 1:
+                ids, pos = local_tokens(self, ids)
             if self.is_first:
                 x = self.model.embed_tokens(ids)
             x = self._rotary_blocks(x, pos)
+            if self.is_last and self.cp_size > 1:
+                # transformers' causal-LM loss (labels: the tokens, shifted before the split), as the
+                # converted model's forward computes it at pp = 1 (tiertrain/parallel/cp_hf.py)
+                return token_mean_share(self, self.model.norm(x), batch["labels"], shift=self.loss_function is not None)
             if self.is_last:
                 return _head_loss(self, self.lm_head(self.model.norm(x)), batch["labels"])
             return x

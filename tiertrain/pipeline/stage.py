@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from ..comm import run_timeout
 from ..models.gpt import GPT
+from ..parallel.cp_plan import cp_attributes
 
 __all__ = ["GPTStage", "split_gpt", "stage_boundaries", "stages_for_rank", "sum_tied_gradients", "tied_weight_grad_sync",
            "pipeline_grad_norm", "norm_parameters", "TIED_FIRST", "TIED_LAST"]
@@ -59,6 +60,10 @@ class GPTStage(nn.Module):
         """The model's class, whose embedding and head a stage runs (GPT, or TensorParallelGPT)."""
         self.tp_group = getattr(model, "tp_group", None)
         self.sequence_parallel = getattr(model, "sequence_parallel", False)
+        # A context-parallel model's (cp_plan): its embed_tokens and head_output split the batch's
+        # tokens and score this rank's share by these.
+        for name, value in cp_attributes(model).items():
+            setattr(self, name, value)
         self.index = index
         self.num_stages = num_stages
         self.layers = list(layers)
@@ -86,7 +91,7 @@ class GPTStage(nn.Module):
             self.head = model.head
 
     # The model class's embed_tokens / position_ids / head_output read only config, embed,
-    # pos_embed, drop, norm, head (and tp_group, sequence_parallel), which a stage carries
+    # pos_embed, drop, norm, head (and tp_group, sequence_parallel, the cp_* attributes), which a stage carries
     # under the same names: reuse them so the maths is identical to the unsplit model's.
     def position_ids(self, t: int, device: torch.device) -> torch.Tensor:
         return self.arch.position_ids(self, t, device)
