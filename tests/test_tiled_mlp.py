@@ -154,3 +154,62 @@ def test_trains_as_one_process_trains_the_untiled_model(name):
     assert tiled == case["tile"], "wrap() tiled the model's MLPs"
     oracle = Oracle.run(reference_train, _model(case["model"]), _config(case, 1, 0), _batches(case, 2 // case["cp"]))
     oracle.check(losses, params, name)
+
+
+# -- the estimate ---------------------------------------------------------------------------
+
+TALL = dict(n_layers=2, hidden=64, n_heads=4, seq_len=1024, bias=False)
+
+
+def _estimate(dims, **layout) -> dict[str, int]:
+    from tiertrain.estimate import estimate
+    from tiertrain.estimate.layout import ZeroLayout
+
+    return {line.name: line.bytes for line in estimate(dims, ZeroLayout(micro_batch=1, **layout)).lines}
+
+
+def _live_peak(tile: int) -> int:
+    """The most tensor bytes alive at once in one forward and backward of a GPT whose MLP
+    intermediates dominate its activations (torch.profiler's allocator events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = apply_tiled_mlp(make_model(**TALL), tile)
+    ids = global_batches(1, 1, seq_len=TALL["seq_len"])[0]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model(**ids).backward()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def test_the_estimate_drops_the_mlp_intermediates_as_the_measured_peak_does():
+    """Tiles of 128 of 1024 tokens: no block keeps fc1's and GELU's outputs (2 blocks × 2 × 4h ×
+    s × 4 bytes); the live-tensor peak falls by that within 5% (it is at the start of backward,
+    where a block's backward holds one recomputed tile's intermediates besides)."""
+    from tiertrain.estimate.dims import ModelDims
+
+    dims = ModelDims(vocab=256, **TALL)
+    whole, tiled = _estimate(dims, precision="fp32"), _estimate(dims, precision="fp32", mlp_tile_tokens=128)
+    blocks = "activations (blocks)"
+    assert whole[blocks] - tiled[blocks] == 2 * 2 * 4 * 64 * 1024 * 4
+    assert _estimate(dims, precision="fp32", mlp_tile_tokens=1024) == whole, "a tile of the whole sequence: untiled"
+    measured = _live_peak(0) - _live_peak(128)
+    assert measured == pytest.approx(whole[blocks] - tiled[blocks], rel=0.05)
+
+
+def test_the_estimate_tiles_a_context_parallel_ranks_tokens_and_hugging_face_mlps():
+    from tiertrain.estimate.dims import ModelDims
+    from tiertrain.estimate.modules import dims_of_hf_config
+
+    dims = ModelDims(vocab=256, **TALL)
+    blocks = "activations (blocks)"
+    split = _estimate(dims, dp=1, cp=4, stage=3, precision="fp32")
+    split_tiled = _estimate(dims, dp=1, cp=4, stage=3, precision="fp32", mlp_tile_tokens=128)
+    assert split[blocks] - split_tiled[blocks] == 2 * 2 * 4 * 64 * (1024 // 4) * 4, "each rank's 256 tokens"
+    assert _estimate(dims, dp=1, cp=4, stage=3, precision="fp32", mlp_tile_tokens=256) == split
+    llama = dims_of_hf_config(zoo.build("llama-gqa").config, seq_len=1024)
+    whole, tiled = _estimate(llama, precision="bf16"), _estimate(llama, precision="bf16", mlp_tile_tokens=64)
+    assert whole[blocks] - tiled[blocks] == llama.n_layers * llama.mlp_saved_bytes(1024, 2)
