@@ -16,6 +16,7 @@ one tile at a time instead of the whole sequence.
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 from typing import Callable
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .config import ConfigError
+from .offload.recompute import recomputation
 
 
 class TiledLinear(nn.Module):
@@ -125,13 +127,20 @@ def mlp_in_tiles(mlp: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tens
         return mlp(hidden)
     outs = []
     for start in range(0, tokens, tile_tokens):
-        out = checkpoint(mlp, hidden[..., start:start + tile_tokens, :], use_reentrant=False)
+        out = checkpoint(mlp, hidden[..., start:start + tile_tokens, :], use_reentrant=False,
+                         context_fn=_recomputation_marked)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"mlp_in_tiles tiles a position-wise MLP returning one tensor; {type(mlp).__name__} "
                             f"returned a {type(out).__name__} (a mixture of experts' router output?): set "
                             f"activations.mlp_tile_tokens=0 for this model")
         outs.append(out)
     return torch.cat(outs, dim=-2)
+
+
+def _recomputation_marked():
+    """Backward's recomputation of a tile is marked as a checkpointed block's is, so that ZeRO-3
+    units inside the MLP (TiledLinear's tiles) gather for it without entering the traced order."""
+    return contextlib.nullcontext(), recomputation()
 
 
 def _tiled_forward(self, hidden: torch.Tensor) -> torch.Tensor:
