@@ -28,11 +28,14 @@ STEPS, MICRO = 3, 2
 def _model(name: str):
     if name == "gpt tiled linears":  # ZeRO-3 units inside the MLP, gathered by each tile's recomputation
         return apply_tiling(make_model(), {"blocks.*.mlp.fc1": 2, "blocks.*.mlp.fc2": 2})
-    return zoo.build("llama-gqa") if name == "llama" else make_model()
+    return make_model() if name == "gpt" else zoo.build(ZOO.get(name, name))
+
+
+ZOO = {"llama": "llama-gqa"}
 
 
 def _batch(name: str, rows: int = 2):
-    return zoo.batches("llama-gqa", 1, rows)[0] if name == "llama" else global_batches(1, rows)[0]
+    return global_batches(1, rows)[0] if name == "gpt" else zoo.batches(ZOO.get(name, name), 1, rows)[0]
 
 
 def _loss_and_grads(model, batch) -> dict:
@@ -42,14 +45,16 @@ def _loss_and_grads(model, batch) -> dict:
     return {"loss": loss.detach().reshape(1), **{n: p.grad.clone() for n, p in model.named_parameters()}}
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama"])
-@pytest.mark.parametrize("tile", [3, 8, 64])  # 3 leaves a last tile of 1 of the 16 tokens; 64 covers them all
+# 3 leaves a last tile of 1 of the 16 tokens; 64 covers them all. GPT-2's MLP views its input
+# (Conv1D), as MoE blocks do: tiles of 2 sequences are made contiguous for it.
+@pytest.mark.parametrize("name,tile", [(name, tile) for name in ("gpt", "llama") for tile in (3, 8, 64)]
+                         + [("gpt2-tied", 3), ("mixtral-moe", 5)])
 def test_tiled_mlp_gives_the_untiled_loss_and_gradients(name, tile):
     model, batch = _model(name), _batch(name)
     ref32 = _loss_and_grads(model, batch)
     ref64 = _loss_and_grads(copy.deepcopy(model).double(), batch)
     tiled = apply_tiled_mlp(copy.deepcopy(model), tile)
-    assert tiled_mlp_tokens(tiled) == tile and len(block_mlps(tiled)) == 2
+    assert tiled_mlp_tokens(tiled) == tile and len(block_mlps(tiled)) == 2  # every model here: 2 blocks
     actual = _loss_and_grads(tiled, batch)
     check_tensors(actual, ref32, ref64, f"{name}, MLP in tiles of {tile} tokens")
     if tile >= 16:  # one tile: the MLP runs as it is

@@ -127,10 +127,12 @@ def mlp_in_tiles(mlp: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tens
         return mlp(hidden)
     outs = []
     for start in range(0, tokens, tile_tokens):
-        out = checkpoint(mlp, hidden[..., start:start + tile_tokens, :], use_reentrant=False,
+        # contiguous: MLPs that view their input (GPT-2's Conv1D, MoE blocks) need it when batch > 1;
+        # the copies replace the whole input, which only the tiles keep
+        out = checkpoint(mlp, hidden[..., start:start + tile_tokens, :].contiguous(), use_reentrant=False,
                          context_fn=_recomputation_marked)
         if not isinstance(out, torch.Tensor):
-            raise TypeError(f"mlp_in_tiles tiles a position-wise MLP returning one tensor; {type(mlp).__name__} "
+            raise ConfigError(f"mlp_in_tiles tiles a position-wise MLP returning one tensor; {type(mlp).__name__} "
                             f"returned a {type(out).__name__} (a mixture of experts' router output?): set "
                             f"activations.mlp_tile_tokens=0 for this model")
         outs.append(out)
