@@ -110,8 +110,9 @@ def test_wrap_tiles_as_configured_refuses_other_tiles_and_close_undoes_it():
 CASES = {
     "gpt, cp 2 ring, stage 3, tiles of 3, every block checkpointed": {
         "model": "gpt", "cp": 2, "algorithm": "ring", "tile": 3, "activations": {"checkpoint_every": 1}},
-    "llama, cp 2 ulysses, stage 3, tiles of 3, the loss in tiles of 5": {
-        "model": "llama", "cp": 2, "algorithm": "ulysses", "tile": 3, "loss_tile": 5},
+    "llama, cp 2 ulysses, stage 3, parameters and optimizer on CPU, tiles of 3, the loss in tiles of 5": {
+        "model": "llama", "cp": 2, "algorithm": "ulysses", "tile": 3, "loss_tile": 5,
+        "zero": {"offload_params": "cpu", "offload_optimizer": "cpu"}},
     "gpt, dp 2, stage 3, tiles of 5, every block checkpointed selectively": {
         "model": "gpt", "cp": 1, "tile": 5, "activations": {"checkpoint_every": 1, "recompute": "selective"}},
     "gpt, dp 2, stage 3, tiles of 5 over TiledLinear units (each linear in 2 gathered tiles)": {
@@ -120,7 +121,7 @@ CASES = {
 
 
 def _config(case: dict, cp: int, tile: int):
-    return make_config(zero={"stage": 3}, parallel={"cp": cp, "cp_algorithm": case.get("algorithm", "ring")},
+    return make_config(zero={"stage": 3, **case.get("zero", {})}, parallel={"cp": cp, "cp_algorithm": case.get("algorithm", "ring")},
                        activations={"mlp_tile_tokens": tile, "loss_tile_tokens": case.get("loss_tile", 0) if cp > 1
                                     else 0, **case.get("activations", {})},
                        batch={"micro_batch_size": MICRO}, optimizer={"eps": 1e-3})
