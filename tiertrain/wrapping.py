@@ -17,7 +17,7 @@ from .optim import OptimizerArg, SchedulerFactory
 from .pipeline.engine import PipelineEngine, pipeline_stages
 from .state import engine_io
 from .topology import Topology
-from .tiling import apply_tiled_mlp, remove_tiled_mlp, tiled_mlp_tokens
+from .tiling import apply_tiled_mlp, block_mlps, remove_tiled_mlp, tiled_mlp_tokens
 from .update.factory import UpdateFactory, build_update
 
 
@@ -104,11 +104,12 @@ def _tile_mlps(model, config: Config) -> list[nn.Module]:
     must be tiled with the configured tokens."""
     tile = config.activations.mlp_tile_tokens
     stages = [model] if isinstance(model, nn.Module) else list(model)
-    found = {tiled_mlp_tokens(stage) for stage in stages}
-    if found == {tile}:
+    with_mlps = [stage for stage in stages if block_mlps(stage)] or stages[:1]  # (a head-only stage has none)
+    found = {tiled_mlp_tokens(stage) for stage in with_mlps}
+    if found <= {tile}:
         return []
     if found == {0}:
-        return [apply_tiled_mlp(stage, tile) for stage in stages]
+        return [apply_tiled_mlp(stage, tile) for stage in with_mlps]
     raise ConfigError(f"activations.mlp_tile_tokens={tile}, but the model's MLPs were tiled with "
                       f"{' and '.join(map(str, sorted(found)))} tokens: apply_tiled_mlp(model, {tile}) "
                       f"before wrap(), or leave the model untiled for wrap() to tile")
