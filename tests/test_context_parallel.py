@@ -191,3 +191,26 @@ def test_ring_attention_keeps_for_backward_only_its_inputs_output_and_log_sum_ex
         out = ring_attention(q, k, v, None, causal=True)
     lse = q.shape[0] * q.shape[1] * q.shape[2]
     assert sorted(saved) == sorted([q.numel(), k.numel(), v.numel(), out.numel(), lse])
+
+
+
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_in_16_bits_computes_in_fp32(causal):
+    """bf16 q, k, v: the ring folds every key block into fp32 running outputs and log-sum-exps,
+    and its backward recomputes and accumulates in fp32 too, rounding to bf16 once at the end:
+    output and gradients are, bit for bit, the fp32 ring's on the same values rounded to bf16
+    (whose accuracy the fp32 tests above bound by the float64 oracle). Accumulators in bf16 fail
+    this (measured: a ring entirely in bf16 differs on most elements)."""
+    torch.manual_seed(0)
+    inputs = [torch.randn(1, 2, 256, 16).to(torch.bfloat16).requires_grad_() for _ in range(3)]
+    as_fp32 = [x.detach().float().requires_grad_() for x in inputs]
+    grad = torch.randn(1, 2, 256, 16).to(torch.bfloat16)
+    out = ring_attention(*inputs, None, causal=causal)
+    out32 = ring_attention(*as_fp32, None, causal=causal)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, out32.to(torch.bfloat16))
+    grads = torch.autograd.grad(out, inputs, grad)
+    grads32 = torch.autograd.grad(out32, as_fp32, grad.float())
+    for name, g, g32 in zip("qkv", grads, grads32):
+        assert g.dtype == torch.bfloat16 and torch.equal(g, g32.to(torch.bfloat16)), f"d{name}"

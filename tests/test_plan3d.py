@@ -200,6 +200,26 @@ def test_offload_ladder_when_no_3d_layout_fits_and_refusal_when_it_does_not_eith
                raise_if_short=True)
 
 
+def test_a_sequence_too_long_for_any_3d_layout_is_split_by_the_ladders_context_parallelism(tmp_path):
+    """8 layers × 1024 at 512K tokens on 8 × 40 GiB: no (t, p, d) holds one sequence's
+    activations (t=8 splits most of them, not the replicated ones nor enough of the logits), so
+    the ZeRO-Infinity ladder at t=p=1 runs, which splits the sequence over cp ranks before it
+    offloads anything (tiertrain.estimate.plan, rung 1b); the written config keeps that cp, with
+    d = N / cp and the accumulation that makes the global batch."""
+    long = ModelDims(n_layers=8, hidden=1024, n_heads=16, vocab=32000, seq_len=524288, bias=False)
+    hw = machine(1, gib=40)
+    p = plan3d(long, hw, global_batch=8)
+    assert p.fits and p.chosen is None and p.fallback.rung == f"context parallelism cp={p.cp}" and p.cp > 1
+    assert p.layout == (1, 1, 8 // p.cp) and p.to_dict()["plan"]["cp"] == p.cp
+    path = tmp_path / "plan.yaml"
+    path.write_text(p.to_yaml())
+    cfg = load(TrainConfig, str(path))
+    assert (cfg.parallel.cp, cfg.parallel.cp_algorithm) == (p.cp, "ring")
+    assert cfg.parallel.resolve(hw.ranks) == (1, 8 // p.cp, 1)
+    assert cfg.batch.resolve(8 // p.cp) == 8
+    assert f"d={8 // p.cp} cp={p.cp} with the ZeRO-Infinity ladder" in render_plan3d(p)
+
+
 def test_bad_inputs_name_the_value():
     with pytest.raises(ValueError, match="device_memory=None"):
         plan3d(LLAMA7B, Hardware(ranks_per_node=8, host_memory=GiB), global_batch=512)

@@ -358,6 +358,8 @@ class ActivationConfig:
     """What a checkpointed block recomputes in backward: block (all of it) or selective (keep the outputs of its matrix multiplications and attention kernels, recompute the rest; docs/concepts.md#selective-activation-checkpointing)."""
     loss_tile_tokens: int = 0
     """A context-parallel model's loss over tiles of this many tokens, each tile's logits recomputed in backward, so one tile's logits exist at a time (ALST's tiled loss); 0: all of a rank's tokens at once."""
+    mlp_tile_tokens: int = 0
+    """Every block's MLP over tiles of this many tokens of each sequence, each tile's intermediate recomputed in backward, so one tile's 4×hidden intermediate exists at a time (ALST's tiled MLP); 0: the whole sequence at once."""
 
     def __post_init__(self) -> None:
         # Any tier parses here; activation checkpointing names the ones it supports (device, cpu).
@@ -367,6 +369,7 @@ class ActivationConfig:
         self.__post_init__()
         _check_positive(f"{path}.checkpoint_every", self.checkpoint_every, allow_zero=True)
         _check_positive(f"{path}.loss_tile_tokens", self.loss_tile_tokens, allow_zero=True)
+        _check_positive(f"{path}.mlp_tile_tokens", self.mlp_tile_tokens, allow_zero=True)
         if self.offload not in ACTIVATION_TIERS:
             parse_tier(f"{path}.offload", self.offload, ACTIVATION_TIERS)
         if self.offload.offloaded and self.checkpoint_every == 0:

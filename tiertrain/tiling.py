@@ -7,16 +7,27 @@ tile's parameters are gathered just before it runs and released right after: the
 memory of the operator (ZeRO-Infinity's MSWM, params + grads of the largest linear) falls
 in proportion to the number of tiles, and hidden sizes that would not fit as one operator
 train in pieces.
+
+Tiles of tokens (DeepSpeed ALST, "Arctic Long Sequence Training", §3): the loss
+(:func:`cross_entropy_in_tiles`) and the MLP (:func:`mlp_in_tiles`, applied to a model's
+blocks by :func:`apply_tiled_mlp`) run over tiles of a long sequence, each tile recomputed in
+backward, so the largest per-token intermediates (the logits, the MLP's 4×hidden) exist for
+one tile at a time instead of the whole sequence.
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import functools
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from .config import ConfigError
+from .offload.recompute import recomputation
 
 
 class TiledLinear(nn.Module):
@@ -94,3 +105,96 @@ def cross_entropy_in_tiles(hidden: torch.Tensor, logits_of: Callable[[torch.Tens
                           use_reentrant=False)
         total = part if total is None else total + part
     return total
+
+
+def _check_tile_tokens(tile_tokens) -> None:
+    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 0:
+        raise ConfigError(f"activations.mlp_tile_tokens={tile_tokens!r} is invalid: expected a number of tokens "
+                          f">= 0 (0: no tiles)")
+
+
+def mlp_in_tiles(mlp: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                 tile_tokens: int) -> torch.Tensor:
+    """``mlp(hidden)`` for a position-wise ``mlp``, computed over tiles of ``tile_tokens``
+    tokens of each sequence (hidden: [..., tokens, h]; the last tile may be shorter), each tile
+    under non-reentrant torch.utils.checkpoint: forward keeps a tile's input only, backward
+    recomputes its intermediate just before its gradient, so one tile's intermediate (4·h per
+    token in a GPT MLP) exists at a time instead of the whole sequence's (ALST's tiled MLP). A
+    tile covering the sequence runs ``mlp`` once, as it is (nothing to save by recomputing)."""
+    _check_tile_tokens(tile_tokens)
+    tokens = hidden.shape[-2]
+    if tile_tokens == 0 or tile_tokens >= tokens:
+        return mlp(hidden)
+    outs = []
+    for start in range(0, tokens, tile_tokens):
+        # contiguous: MLPs that view their input (GPT-2's Conv1D, MoE blocks) need it when batch > 1;
+        # the copies replace the whole input, which only the tiles keep
+        out = checkpoint(mlp, hidden[..., start:start + tile_tokens, :].contiguous(), use_reentrant=False,
+                         context_fn=_recomputation_marked)
+        if not isinstance(out, torch.Tensor):
+            raise ConfigError(f"mlp_in_tiles tiles a position-wise MLP returning one tensor; {type(mlp).__name__} "
+                            f"returned a {type(out).__name__} (a mixture of experts' router output?): set "
+                            f"activations.mlp_tile_tokens=0 for this model")
+        outs.append(out)
+    return torch.cat(outs, dim=-2)
+
+
+def _recomputation_marked():
+    """Backward's recomputation of a tile is marked as a checkpointed block's is, so that ZeRO-3
+    units inside the MLP (TiledLinear's tiles) gather for it without entering the traced order."""
+    return contextlib.nullcontext(), recomputation()
+
+
+def _tiled_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    return mlp_in_tiles(functools.partial(self.mlp_untiled.forward, self), hidden, self.mlp_tile_tokens)
+
+
+@functools.cache
+def _tiled_class(base: type) -> type:
+    """The subclass of an MLP class whose forward runs in tiles (one per class, shared)."""
+    return type(f"Tiled{base.__name__}", (base,), {"forward": _tiled_forward, "mlp_untiled": base,
+                                                   "__module__": __name__})
+
+
+def block_mlps(model: nn.Module) -> list[nn.Module]:
+    """The MLPs of a model's transformer blocks: every submodule registered as ``mlp`` (the
+    name tiertrain's GPT blocks and Hugging Face decoder layers give their feed-forward
+    network)."""
+    return [child for module in model.modules() for name, child in module.named_children() if name == "mlp"]
+
+
+def apply_tiled_mlp(model: nn.Module, tile_tokens: int) -> nn.Module:
+    """Run every block's MLP (:func:`block_mlps`) over tiles of ``tile_tokens`` tokens
+    (:func:`mlp_in_tiles`), in place, by swapping each MLP's class for a subclass whose forward
+    calls the class's own forward per tile (no modeling code copied; parameters, names and
+    state dict unchanged); returns the model. 0 restores the untiled MLPs (also
+    :func:`remove_tiled_mlp`). Under ZeRO-3 a tile's recomputation runs inside its block's
+    backward, when the block's parameters are gathered (tiertrain/zero/stage3.py gathers a
+    unit when the gradient of its output arrives)."""
+    _check_tile_tokens(tile_tokens)
+    mlps = block_mlps(model)
+    if not mlps and tile_tokens:
+        raise ConfigError(f"activations.mlp_tile_tokens={tile_tokens}: {type(model).__name__} has no block MLP (a "
+                          f"submodule named 'mlp') to tile; set it to 0")
+    for mlp in mlps:
+        base = getattr(type(mlp), "mlp_untiled", type(mlp))
+        if tile_tokens:
+            mlp.__class__, mlp.mlp_tile_tokens = _tiled_class(base), tile_tokens
+        else:
+            mlp.__class__ = base
+            mlp.__dict__.pop("mlp_tile_tokens", None)
+    return model
+
+
+def remove_tiled_mlp(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply_tiled_mlp`."""
+    return apply_tiled_mlp(model, 0)
+
+
+def tiled_mlp_tokens(model: nn.Module) -> int:
+    """The tile of a model's tiled MLPs (0: untiled); an error if its MLPs differ."""
+    tiles = {getattr(mlp, "mlp_tile_tokens", 0) for mlp in block_mlps(model)}
+    if len(tiles) > 1:
+        raise ConfigError(f"the model's block MLPs run in different tiles {sorted(tiles)}: apply "
+                          f"tiertrain.tiling.apply_tiled_mlp(model, tile_tokens) to all of them")
+    return tiles.pop() if tiles else 0

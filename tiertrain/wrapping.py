@@ -3,6 +3,7 @@ engines (tiertrain/engine.py for one model, tiertrain/pipeline/engine.py for pip
 stages), so neither imports the other's module for it."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import torch.nn as nn
@@ -16,6 +17,7 @@ from .optim import OptimizerArg, SchedulerFactory
 from .pipeline.engine import PipelineEngine, pipeline_stages
 from .state import engine_io
 from .topology import Topology
+from .tiling import apply_tiled_mlp, block_mlps, remove_tiled_mlp, tiled_mlp_tokens
 from .update.factory import UpdateFactory, build_update
 
 
@@ -37,7 +39,9 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
     between stages for a micro-batch (known for GPT stages), or a function of the batch.
     With activations.checkpoint_every = k > 0, every k-th block (children of ModuleLists)
     recomputes its activations in backward (tiertrain.offload.activations); apply it
-    yourself before wrap() to choose other blocks. update_factory builds the optimizer-step
+    yourself before wrap() to choose other blocks. With activations.mlp_tile_tokens = T > 0,
+    every block's MLP runs over tiles of T tokens (tiertrain.tiling.apply_tiled_mlp), undone
+    by close(). update_factory builds the optimizer-step
     form from an UpdateContext (tiertrain/update/factory.py); by default the configured one.
 
     Your own optimizer and schedule (tiertrain/optim.py says which config settings then apply):
@@ -66,6 +70,7 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
         raise ConfigError("activation_shape is for pipeline parallelism; parallel.pp is 1")
     if isinstance(model, nn.Module):
         model = unwrap_compiled(model)  # the model's own names, its hooks outside compiled code
+    tiled = _tile_mlps(model, config)
     checkpointing = None
     if (config.activations.checkpoint_every > 0 and isinstance(model, nn.Module)
             and checkpointing_of(model) is None):
@@ -83,10 +88,31 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
     except BaseException:
         if checkpointing is not None:  # a failed wrap leaves the model as it found it
             checkpointing.remove()
+        for stage in tiled:
+            remove_tiled_mlp(stage)
         raise
     if checkpointing is not None:
         engine.undo_on_close(checkpointing.remove)  # close() hands the model back unchanged
+    for stage in tiled:
+        engine.undo_on_close(functools.partial(remove_tiled_mlp, stage))
     return engine
+
+
+def _tile_mlps(model, config: Config) -> list[nn.Module]:
+    """activations.mlp_tile_tokens: tile the blocks' MLPs of a model that has none tiled
+    (returns the modules tiled here, which close() hands back untiled); a model already tiled
+    must be tiled with the configured tokens."""
+    tile = config.activations.mlp_tile_tokens
+    stages = [model] if isinstance(model, nn.Module) else list(model)
+    with_mlps = [stage for stage in stages if block_mlps(stage)] or stages[:1]  # (a head-only stage has none)
+    found = {tiled_mlp_tokens(stage) for stage in with_mlps}
+    if found <= {tile}:
+        return []
+    if found == {0}:
+        return [apply_tiled_mlp(stage, tile) for stage in with_mlps]
+    raise ConfigError(f"activations.mlp_tile_tokens={tile}, but the model's MLPs were tiled with "
+                      f"{' and '.join(map(str, sorted(found)))} tokens: apply_tiled_mlp(model, {tile}) "
+                      f"before wrap(), or leave the model untiled for wrap() to tile")
 
 
 def _check_context_parallel(model, config: Config, topology: Topology) -> None:

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ActivationBytes", "context_parallel_activation_bytes", "gpt_activation_bytes"]
+__all__ = ["ActivationBytes", "context_parallel_activation_bytes", "gpt_activation_bytes", "tiled_mlp_activation_bytes"]
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,37 @@ def gpt_activation_bytes(dims: Any, micro_batch: int, precision_bytes: int) -> A
                            kept=(kept,), kept_unused=2 * sbh * D)
 
 
+def tiled_mlp_activation_bytes(acts: ActivationBytes, dims: Any, micro_batch: int, precision_bytes: int,
+                               tile_tokens: int) -> ActivationBytes:
+    """``acts`` (of ``dims``, at ``dims.seq_len`` tokens per sequence: a rank's own under context
+    parallelism) with every block's MLP run in tiles of T = ``tile_tokens`` tokens
+    (tiertrain.tiling.mlp_in_tiles; ALST's tiled MLP): a block no longer keeps the MLP's
+    intermediates for backward (GPT: fc1 and GELU outputs, 2·f·s·b·h·D; a Hugging Face MLP: the
+    gate, up and activation outputs, ``dims.mlp_saved_bytes``), and a block's backward holds one
+    tile's: its recomputed intermediates and their gradient (f·T·b·h·D instead of f·s·b·h·D).
+    A tile of the whole sequence or more changes nothing (the MLP then runs untiled). Kept
+    outputs of selective recomputation are unchanged: its policy caches the tiles' matmul
+    outputs for the whole sequence all the same."""
+    s, b, D = dims.seq_len, micro_batch, precision_bytes
+    if not tile_tokens or tile_tokens >= s:
+        return acts
+    if getattr(dims, "kind", "decoder") == "encoder-decoder":
+        raise ValueError("activations.mlp_tile_tokens: the tiled MLP of an encoder-decoder is not modelled "
+                         "(tiertrain.tiling.apply_tiled_mlp tiles the blocks' 'mlp' submodules)")
+    if hasattr(dims, "mlp_saved_bytes"):  # tiertrain.estimate.modules.HFModelDims
+        saved, inner = dims.mlp_saved_bytes(b * s, D), dims.intermediate
+        tile_saved = dims.mlp_saved_bytes(b * tile_tokens, D)
+    else:  # tiertrain's GPT: fc1 out and GELU out, f·h wide each
+        inner = dims.ffn_mult * dims.hidden
+        saved, tile_saved = 2 * inner * b * s * D, 2 * inner * b * tile_tokens * D
+    tile_backward = tile_saved - inner * b * (s - tile_tokens) * D
+    return dataclasses.replace(acts, block=acts.block - saved, blocks=tuple(x - saved for x in acts.blocks),
+                               block_backward=acts.block_backward + tile_backward)
+
+
 def context_parallel_activation_bytes(dims: Any, micro_batch: int, precision_bytes: int, cp: int,
-                                      algorithm: str, loss_tile_tokens: int = 0) -> ActivationBytes:
+                                      algorithm: str, loss_tile_tokens: int = 0,
+                                      mlp_tile_tokens: int = 0) -> ActivationBytes:
     """:class:`ActivationBytes` of one rank of a context-parallel group of ``cp`` ranks: the
     model's activations at seq/cp tokens (``dims.activation_bytes`` of a Hugging Face model, else
     tiertrain's GPT), with what the context-parallel attention (tiertrain/parallel/context.py)
@@ -117,7 +146,8 @@ def context_parallel_activation_bytes(dims: Any, micro_batch: int, precision_byt
       ((2·q_width + 2·kv_width)·s·b·D);
     * with ``loss_tile_tokens`` = T (tiertrain.tiling.cross_entropy_in_tiles), no fp32
       log-softmax of all s tokens is kept (4·s·b·V), and the logits in flight at the end of
-      forward and the start of backward are one tile's: T tokens instead of s.
+      forward and the start of backward are one tile's: T tokens instead of s;
+    * with ``mlp_tile_tokens``, the MLP in tiles of min(s, T) tokens (:func:`tiled_mlp_activation_bytes`).
     """
     s = dims.seq_len // cp
     changes = {"seq_len": s}
@@ -126,6 +156,7 @@ def context_parallel_activation_bytes(dims: Any, micro_batch: int, precision_byt
     local = dataclasses.replace(dims, **changes)
     acts = (local.activation_bytes(micro_batch, precision_bytes) if hasattr(local, "activation_bytes")
             else gpt_activation_bytes(local, micro_batch, precision_bytes))
+    acts = tiled_mlp_activation_bytes(acts, local, micro_batch, precision_bytes, mlp_tile_tokens)
     if cp == 1:
         return acts
     D, b, a = precision_bytes, micro_batch, dims.n_heads

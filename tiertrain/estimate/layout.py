@@ -104,6 +104,8 @@ class ZeroLayout:
     """Context-parallel attention, cp > 1: "ring" or "ulysses" (their transients differ)."""
     loss_tile_tokens: int = 0
     """activations.loss_tile_tokens, cp > 1: the loss over tiles of this many tokens (0: whole)."""
+    mlp_tile_tokens: int = 0
+    """activations.mlp_tile_tokens: every block's MLP over tiles of this many tokens (0: whole)."""
     tp: int = 1
     """Tensor-parallel degree t (Megatron §2.3); divides params and the split activations."""
     pp: int = 1
@@ -174,7 +176,7 @@ class ZeroLayout:
             _positive_int("ZeroLayout", name, getattr(self, name))
         if self.cp_algorithm not in ("ring", "ulysses"):
             raise ValueError(f"ZeroLayout.cp_algorithm={self.cp_algorithm!r} is invalid: must be 'ring' or 'ulysses'")
-        for name in ("checkpoint_interval", "ranks_per_node", "loss_tile_tokens"):
+        for name in ("checkpoint_interval", "ranks_per_node", "loss_tile_tokens", "mlp_tile_tokens"):
             _positive_int("ZeroLayout", name, getattr(self, name), minimum=0)
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeroLayout.stage={self.stage!r} is invalid: must be 0, 1, 2 or 3")
@@ -234,7 +236,8 @@ class ZeroLayout:
         pp, dp, tp = config.parallel.resolve(world_size)
         optimizer_tier = Tier(z.offload_optimizer)
         return cls(dp=dp, cp=config.parallel.cp, cp_algorithm=config.parallel.cp_algorithm,
-                   loss_tile_tokens=acts.loss_tile_tokens, tp=tp, pp=pp,
+                   loss_tile_tokens=acts.loss_tile_tokens,
+                   mlp_tile_tokens=acts.mlp_tile_tokens, tp=tp, pp=pp,
                    stage=z.stage, precision=config.precision.dtype,
                    optimizer_tier=optimizer_tier,
                    param_tier=Tier(z.offload_params) if z.stage == 3 else Tier.DEVICE,

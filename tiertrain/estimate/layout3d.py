@@ -211,12 +211,18 @@ class Plan3D:
         return min(short, key=lambda c: c.peak) if short else None
 
     @property
+    def cp(self) -> int:
+        """The context-parallel degree: the fallback ladder's (it splits a long sequence over cp
+        ranks when the activations are what does not fit); 1 for a 3D layout."""
+        return self.fallback.layout.cp if self.reference is None and self.fallback is not None else 1
+
+    @property
     def layout(self) -> tuple[int, int, int]:
-        """(t, p, d) of the plan (the fallback's is (1, 1, N))."""
+        """(t, p, d) of the plan (the fallback's is (1, 1, N / cp))."""
         ref = self.reference
         if ref is not None:
             return ref.t, ref.p, ref.d
-        return 1, 1, self.hardware.ranks
+        return 1, 1, self.hardware.ranks // self.cp
 
     def config_dict(self) -> dict[str, Any]:
         """The sections of a ``tiertrain train`` config (TrainConfig) this plan sets."""
@@ -224,8 +230,9 @@ class Plan3D:
         m = self.global_batch // (self.micro_batch * d)
         c = self.reference
         if c is None and self.fallback is not None:
-            out = self.fallback.config_dict()
-            out["parallel"] = {"dp": d, "tp": 1, "pp": 1, "schedule": "1f1b", "virtual_stages": 1}
+            out = self.fallback.config_dict()  # (its parallel section: cp and cp_algorithm, when it splits)
+            out["parallel"] = {**out.get("parallel", {}), "dp": d, "tp": 1, "pp": 1, "schedule": "1f1b",
+                               "virtual_stages": 1}
         elif c is None:
             raise ValueError("Plan3D.config_dict: no (t, p, d) splits this model and batch evenly "
                              f"({sorted({x.kind for x in self.candidates})}): there is no config to write")
@@ -254,7 +261,7 @@ class Plan3D:
         hw, ref = self.hardware, self.reference
         head = [f"# tiertrain plan (3D): {self.dims.num_parameters():,} parameters on {hw.nodes} node(s) × "
                 f"{hw.ranks_per_node} rank(s) ({hw.source})",
-                f"# t={t} p={p} d={d}" + (f" m={ref.m} v={ref.v}, predicted {ref.peak / GiB:.1f} GiB per rank, "
+                f"# t={t} p={p} d={d}" + (f" cp={self.cp}" if self.cp > 1 else "") + (f" m={ref.m} v={ref.v}, predicted {ref.peak / GiB:.1f} GiB per rank, "
                                           f"bubble {ref.bubble:.1%}" if ref else " (ZeRO-Infinity offload ladder)")
                 + ("" if self.fits else " — DOES NOT FIT"),
                 f"# use with: torchrun --nnodes {hw.nodes} --nproc-per-node {hw.ranks_per_node} ... "
@@ -268,7 +275,7 @@ class Plan3D:
         return {
             "fits": self.fits,
             "parameters": self.dims.num_parameters(),
-            "plan": {"tp": t, "pp": p, "dp": d, "micro_batches": self.global_batch // (self.micro_batch * d),
+            "plan": {"tp": t, "pp": p, "dp": d, "cp": self.cp, "micro_batches": self.global_batch // (self.micro_batch * d),
                      "virtual_stages": c.v if c else 1, "schedule": c.schedule if c else "1f1b",
                      "zero_stage": c.stage if c else (self.fallback.layout.stage if self.fallback else None),
                      "checkpoint_every": c.checkpoint_every if c else (
@@ -353,8 +360,9 @@ def plan3d(dims: ModelDims, hardware: Hardware, *, global_batch: int, micro_batc
         result.fallback = fb
         if fb.fits:
             result.fits = True
-            notes.append(f"no 3D layout fits the devices: the ZeRO-Infinity ladder at t=p=1, d={N} chose "
-                         f"stage {fb.layout.stage} ({fb.rung}) (rule 8)")
+            notes.append(f"no 3D layout fits the devices: the ZeRO-Infinity ladder at t=p=1, d={N // fb.layout.cp}"
+                         + (f", cp={fb.layout.cp}" if fb.layout.cp > 1 else "")
+                         + f" chose stage {fb.layout.stage} ({fb.rung}) (rule 8)")
             return result
     if raise_if_short:
         raise PlanError(refusal_message(result), result.fallback)  # type: ignore[arg-type]
@@ -408,8 +416,9 @@ def render_plan3d(p: Plan3D) -> str:
         out += _table([["item (heaviest stage)", "bytes per rank"]]
                       + [[k, human_bytes(v)] for k, v in c.memory.items() if v], right={1})
     elif p.fallback is not None and p.fallback.fits:
-        out.append(f"plan (FITS, offload): no 3D layout fits the devices; t=1 p=1 d={hw.ranks} with the "
-                   f"ZeRO-Infinity ladder:")
+        cp = f" cp={p.cp}" if p.cp > 1 else ""
+        out.append(f"plan (FITS, offload): no 3D layout fits the devices; t=1 p=1 d={hw.ranks // p.cp}{cp} with "
+                   f"the ZeRO-Infinity ladder:")
         out.append(render_plan(p.fallback).rstrip())
     else:
         out.append("plan: DOES NOT FIT")

@@ -236,6 +236,11 @@ class HFModelDims:
             return (s_q * qd + 2 * s_kv * kvd) * b * 4 + s_q * qd * b * D + scores * 4 * (3 if drop else 1)
         return (2 * s_q * qd + 2 * s_kv * kvd) * b * D + scores * (4 + (D if D != 4 else 0) + (2 * D if drop else 0))
 
+    def mlp_saved_bytes(self, tokens: int, D: int) -> int:
+        """Bytes the MLP keeps besides its input: all f wide, none kept when it runs in tiles
+        (tiertrain.estimate.activations.tiled_mlp_activation_bytes)."""
+        return self._mlp(tokens, D)
+
     def _mlp(self, tokens: int, D: int) -> int:
         """Bytes the MLP keeps besides its input (inner width f per token)."""
         act = _ACT_SAVED.get(self.activation, 4)

@@ -58,7 +58,8 @@ import torch.nn as nn
 from ..zero.plan import default_unit_modules
 from ..zero.flat import NVME_READ_AHEAD, swap_pool_bytes
 from ..parallel.context import tokens_multiple
-from .activations import ActivationBytes, context_parallel_activation_bytes, gpt_activation_bytes
+from .activations import (ActivationBytes, context_parallel_activation_bytes, gpt_activation_bytes,
+                          tiled_mlp_activation_bytes)
 from .lines import PRECISION_BYTES, EstimateLine, Tier, masters_are_param_shards, second_generation_lines
 from .overhead import HostOverhead
 from .units import engine_grad_tier, engine_units, gpt_meta_model
@@ -416,7 +417,7 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
             raise ValueError(f"seq_len={dims.seq_len} cannot be split over cp={lay.cp} ({lay.cp_algorithm} needs a "
                              f"multiple of {multiple})")
         acts = context_parallel_activation_bytes(dims, lay.micro_batch, D, lay.cp, lay.cp_algorithm,
-                                                 lay.loss_tile_tokens)
+                                                 lay.loss_tile_tokens, lay.mlp_tile_tokens)
         notes.append(f"context parallelism: each rank holds the activations of {dims.seq_len // lay.cp} of the "
                      f"{dims.seq_len} tokens of every sequence, and {lay.cp_algorithm} attention's own "
                      f"(tiertrain.estimate.activations.context_parallel_activation_bytes)")
@@ -426,6 +427,11 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
                      "from the transformers modeling code (tiertrain.estimate.modules)")
     else:
         acts = gpt_activation_bytes(dims, lay.micro_batch, D)
+    if acts is not None and lay.cp == 1:
+        acts = tiled_mlp_activation_bytes(acts, dims, lay.micro_batch, D, lay.mlp_tile_tokens)
+    if acts is not None and lay.mlp_tile_tokens and lay.mlp_tile_tokens < dims.seq_len // lay.cp:
+        notes.append(f"the MLP in tiles of {lay.mlp_tile_tokens} tokens: no block keeps its intermediates, a "
+                     f"block's backward one tile's (tiertrain.estimate.activations.tiled_mlp_activation_bytes)")
     if acts is None:
         notes.append("activations not modelled (no GPT dims): model states and engine buffers only")
     elif dims.dropout and not hasattr(dims, "activation_bytes"):
