@@ -90,6 +90,24 @@ def test_bad_tiles_are_refused():
         apply_tiled_mlp(torch.nn.Linear(2, 2), 4)
 
 
+def test_a_mixture_of_experts_whose_tiles_would_route_differently_is_refused():
+    """Capacity-limited routing (Switch) drops tokens by what is routed together, and routers'
+    logits collected per call (output_router_logits) would be one entry per tile: both refused,
+    naming why; per-token routing without collected logits (Mixtral above) is tiled."""
+    import transformers
+    switch = transformers.SwitchTransformersForConditionalGeneration(transformers.SwitchTransformersConfig(
+        vocab_size=64, d_model=16, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2, d_kv=8, num_experts=4,
+        expert_capacity=4, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1))
+    with pytest.raises(tiertrain.ConfigError, match=r"mlp_tile_tokens=4: SwitchTransformersSparseMLP routes with an "
+                                                    r"expert capacity .*expert_capacity=4.*set activations"):
+        apply_tiled_mlp(switch, 4)
+    mixtral = zoo.build("mixtral-moe")
+    mixtral.config.output_router_logits = True
+    with pytest.raises(tiertrain.ConfigError, match=r"output_router_logits=True.*one entry per tile"):
+        apply_tiled_mlp(mixtral, 4)
+    assert tiled_mlp_tokens(mixtral) == 0  # refused before anything changed
+
+
 def test_wrap_tiles_as_configured_refuses_other_tiles_and_close_undoes_it():
     topology = tiertrain.Topology.build()
     model = make_model()

@@ -176,6 +176,8 @@ def apply_tiled_mlp(model: nn.Module, tile_tokens: int) -> nn.Module:
     if not mlps and tile_tokens:
         raise ConfigError(f"activations.mlp_tile_tokens={tile_tokens}: {type(model).__name__} has no block MLP (a "
                           f"submodule named 'mlp') to tile; set it to 0")
+    if tile_tokens:
+        _check_routing(model, mlps, tile_tokens)
     for mlp in mlps:
         base = getattr(type(mlp), "mlp_untiled", type(mlp))
         if tile_tokens:
@@ -184,6 +186,27 @@ def apply_tiled_mlp(model: nn.Module, tile_tokens: int) -> nn.Module:
             mlp.__class__ = base
             mlp.__dict__.pop("mlp_tile_tokens", None)
     return model
+
+
+def _check_routing(model: nn.Module, mlps: list[nn.Module], tile_tokens: int) -> None:
+    """A mixture of experts is tiled only where a tile routes its tokens as the whole sequence
+    would: per token (Mixtral, Qwen-MoE), its router's outputs not collected per call."""
+    why = None
+    for mlp in mlps:
+        capacity = next((m for m in mlp.modules() if getattr(m, "expert_capacity", None)), None)
+        if capacity is not None:
+            why = (f"{type(mlp).__name__} routes with an expert capacity ({type(capacity).__name__}.expert_capacity="
+                   f"{capacity.expert_capacity}): which tokens an expert drops depends on the tokens routed "
+                   f"together, so tiles would train a different model")
+            break
+    config = getattr(model, "config", None)
+    if why is None and getattr(config, "output_router_logits", False) and any(
+            "experts" in dict(mlp.named_children()) for mlp in mlps):
+        why = ("the model collects its routers' logits (config.output_router_logits=True) once per MLP call: "
+               "tiles would hand the load-balancing loss one entry per tile instead of one per layer")
+    if why is not None:
+        raise ConfigError(f"activations.mlp_tile_tokens={tile_tokens}: {why}; set activations.mlp_tile_tokens=0 "
+                          f"for this model")
 
 
 def remove_tiled_mlp(model: nn.Module) -> nn.Module:
