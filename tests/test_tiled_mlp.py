@@ -4,7 +4,7 @@ sequence's tokens, each tile's intermediate recomputed in backward (tiertrain.ti
 tiertrain's GPT and Hugging Face Llama, whether the tile divides the sequence or not and when
 it covers it; it keeps no whole-sequence intermediate for backward; it trains as one process
 trains the untiled model at ZeRO-3 with context parallelism, with activation checkpointing, with
-stage-3 units inside the MLP, and without cp; the estimate drops the MLP intermediates as the
+stage-3 units inside the MLP, with tensor (and sequence) parallelism, and without cp; the estimate drops the MLP intermediates as the
 measured peak does; wrap() tiles a model as the config says and refuses one tiled otherwise."""
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ import torch
 
 import tiertrain
 import zoo
-from reference import Oracle, check_tensors, engine_train, global_batches, make_config, make_model, reference_train
+from reference import (Oracle, check_tensors, engine_train, global_batches, make_config, make_model, reference_train,
+                       tp_gathered)
 from tiertrain.engine_contract import default_loss
+from tiertrain.parallel import apply_tensor_parallel
 from tiertrain.parallel.cp_plan import apply_context_parallel
 from tiertrain.testing import run_distributed
 from tiertrain.tiling import apply_tiled_mlp, apply_tiling, block_mlps, mlp_in_tiles, tiled_mlp_tokens
@@ -135,11 +137,15 @@ CASES = {
         "model": "gpt", "cp": 1, "tile": 5, "activations": {"checkpoint_every": 1, "recompute": "selective"}},
     "gpt, dp 2, stage 3, tiles of 5 over TiledLinear units (each linear in 2 gathered tiles)": {
         "model": "gpt tiled linears", "cp": 1, "tile": 5},
+    "gpt, tp 2, stage 3, tiles of 3": {"model": "gpt", "cp": 1, "tp": 2, "tile": 3},
+    "gpt, tp 2 with sequence parallelism, stage 3, tiles of 3": {
+        "model": "gpt", "cp": 1, "tp": 2, "sequence_parallel": True, "tile": 3},
 }
 
 
-def _config(case: dict, cp: int, tile: int):
-    return make_config(zero={"stage": 3, **case.get("zero", {})}, parallel={"cp": cp, "cp_algorithm": case.get("algorithm", "ring")},
+def _config(case: dict, cp: int, tile: int, tp: int = 1):
+    return make_config(zero={"stage": 3, **case.get("zero", {})},
+                       parallel={"cp": cp, "tp": tp, "cp_algorithm": case.get("algorithm", "ring")},
                        activations={"mlp_tile_tokens": tile, "loss_tile_tokens": case.get("loss_tile", 0) if cp > 1
                                     else 0, **case.get("activations", {})},
                        batch={"micro_batch_size": MICRO}, optimizer={"eps": 1e-3})
@@ -154,15 +160,19 @@ def _batches(case: dict, dp: int):
 def _rank(rank, world):
     out = {}
     for name, case in CASES.items():
-        cp = case["cp"]
+        cp, tp = case["cp"], case.get("tp", 1)
 
         def prepare(model, topology, case=case):
+            if topology.size("tp") > 1:
+                return apply_tensor_parallel(model, topology, sequence_parallel=case.get("sequence_parallel", False))
             if topology.size("cp") == 1:
                 return model
             return apply_context_parallel(model, topology, case["algorithm"], case.get("loss_tile", 0))
 
-        losses, params, engine = engine_train(rank, world, _model(case["model"]), _config(case, cp, case["tile"]),
-                                              _batches(case, world // cp), prepare)
+        losses, params, engine = engine_train(rank, world, _model(case["model"]), _config(case, cp, case["tile"], tp),
+                                              _batches(case, world // (cp * tp)), prepare)
+        if tp > 1:
+            params = tp_gathered(engine, params)
         tiled = tiled_mlp_tokens(engine.module if hasattr(engine, "module") else engine.model)
         engine.close()
         out[name] = (losses, params, tiled)
@@ -181,7 +191,8 @@ def test_trains_as_one_process_trains_the_untiled_model(name):
     losses, params, tiled = _RESULTS[name]
     case = CASES[name]
     assert tiled == case["tile"], "wrap() tiled the model's MLPs"
-    oracle = Oracle.run(reference_train, _model(case["model"]), _config(case, 1, 0), _batches(case, 2 // case["cp"]))
+    dp = 2 // (case["cp"] * case.get("tp", 1))
+    oracle = Oracle.run(reference_train, _model(case["model"]), _config(case, 1, 0), _batches(case, dp))
     oracle.check(losses, params, name)
 
 
