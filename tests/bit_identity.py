@@ -1,8 +1,9 @@
-"""Bit-identity across a refactoring: run 15 engine configurations (every ZeRO stage, CPU and
-NVMe tiers, the overlapped and synchronous NVMe steps, the delayed update, fp16, bf16, pp=2,
-tp=2, the overlapped parameter gather) for 4 steps, and every Hugging Face model of the zoo
-(tests/zoo.py: decoder, encoder, encoder-decoder, MoE, adapters) at stage 3 on the device and
-with parameters and optimizer on NVMe for 3 steps, on 2 ranks from the tiertrain tree TREE, and
+"""Bit-identity across a refactoring: run 16 engine configurations (every ZeRO stage, CPU and
+NVMe tiers, the overlapped and synchronous NVMe steps, the delayed update, fp16, bf16, pp=2 at
+stages 1 and 3 (1F1B, the stage-3 one on the CPU tier), tp=2, the overlapped parameter
+gather) for 4 steps, and every Hugging Face model of the zoo (tests/zoo.py: decoder, encoder,
+encoder-decoder, MoE, adapters) at stage 3 on the device and with parameters and optimizer on
+NVMe for 3 steps, on 2 ranks from the tiertrain tree TREE, and
 save every loss and final parameter; then compare two such files bit for bit.
 
     git worktree add /tmp/base <commit>
@@ -48,7 +49,11 @@ CASES = {
   "pp2": dict(zero={"stage": 1}, parallel={"pp": 2}, batch={"grad_accum_steps": 2}),
   "tp2": dict(zero={"stage": 2}, parallel={"tp": 2}),
   "gather": dict(zero={"stage": 2, "overlap_param_gather": True}),
+  "pp2s3cpu": dict(zero={"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+                   parallel={"pp": 2, "schedule": "1f1b"}, batch={"grad_accum_steps": 2}),
 }
+ONE_REPLICA = ("tp2", "pp2", "pp2s3cpu")
+"""The configurations whose 2 ranks are one data-parallel replica (dp=1)."""
 
 ZOO_CASES = {"zoo s3": {"stage": 3},
              "zoo nvme3": {"stage": 3, "offload_params": "nvme", "offload_optimizer": "nvme"}}
@@ -82,7 +87,7 @@ def run(rank, world, names, tmp):
         sec.setdefault("batch", {}); sec["batch"].setdefault("micro_batch_size", 2)
         sec.setdefault("optimizer", {}); sec["optimizer"].setdefault("eps", 1e-3)
         cfg = make_config(**sec)
-        dp = 2 if n not in ("tp2", "pp2") else 1
+        dp = 2 if n not in ONE_REPLICA else 1
         prep = (lambda m, t: apply_tensor_parallel(m, t)) if n == "tp2" else None
         losses, params, eng = engine_train(rank, world, make_model(n_layers=4), cfg, global_batches(4, 2 * dp * cfg.batch.grad_accum_steps), prep)
         eng.close()

@@ -105,7 +105,7 @@ class Engine(TrainingCore):
         # Stage 3 interleaves gathers with reductions, so a unit must complete at the same point
         # of backward on every rank, also where this rank's data leaves a parameter unused (an
         # expert no token was routed to): such parameters are found in the graph now.
-        absent = unused_parameters(loss, self.flat.slot_of) if self.stage == 3 else ()
+        absent = unused_parameters(loss, self.flat.slot_of) if self.plan.stage.partitions_parameters else ()
         self.reducer.begin(reduce_now=boundary, absent=absent)
         try:
             # 1/dp folded in here makes the reduced sum the data-parallel mean: no pass over the

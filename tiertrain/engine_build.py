@@ -6,7 +6,7 @@ with what close() undoes registered on the engine. The engine then only trains w
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -16,13 +16,12 @@ from .config import Config
 from .device import DeviceStreams, acts_as_accelerator, pins_host
 from .offload.shard_store import shard_store
 from .precision import DynamicLossScaler
-from .tiers import Tier
 from .update.factory import UpdateContext, UpdateFactory
 from .zero.agreement import Event
 from .zero.construct import forget_partition, gather_partitioned, is_partitioned
 from .zero.flat import NVME_READ_AHEAD, SWAP_BLOCK_BYTES, FlatParameters, Placement, swap_pool_bytes
 from .zero.layout import ROOT, FlatLayout
-from .zero.plan import GradientPlan
+from .zero.plan import GradientPieces, GradientPlan
 from .zero.reducer import GradientReducer
 from .zero.stage3 import ParameterFetcher
 
@@ -37,21 +36,21 @@ def build_parts(engine: "TrainingCore", model: nn.Module, plan: GradientPlan, up
     placement, swapper, flat, fetcher, reducer, the gradient views of the norm and of tp's
     partial sums, scaler and update. The fetcher is stage 3's one-model ParameterFetcher,
     built only when one_model_fetcher (tiertrain.Engine) and None otherwise: a pipeline engine
-    gathers inside its schedule with its own (pipeline/zero3.py)."""
-    config, topology, stage = engine.config, engine.topology, engine.stage
+    gathers inside its schedule with its own (pipeline/zero3.py). What to build is the run
+    plan's choice (engine.plan: tiertrain/run_plan.py)."""
+    config, topology, run = engine.config, engine.topology, engine.plan
+    stage = run.stage
     named, engine.layout, engine.launch_when_ready = plan.named, plan.layout, plan.launch_when_ready
     cast_buffers_and_frozen(engine, model, {n for n, _ in plan.frozen})
     engine.buffers = ModuleBuffers(engine.named_modules_of_state())
     """The model's persistent buffers: checkpointed, in full_state_dict, broadcast (zero.broadcast_buffers)."""
-    engine.placement = Placement(engine.device, optimizer_tier=config.zero.offload_optimizer,
-                                 param_tier=config.zero.offload_params)
-    engine.swapper = build_swapper(engine) if Tier.NVME in (config.zero.offload_optimizer,
-                                                            config.zero.offload_params) else None
+    engine.placement = Placement(engine.device, optimizer_tier=run.optimizer_tier, param_tier=run.param_tier)
+    engine.swapper = build_swapper(engine) if run.needs_swapper else None
     shards = shard_store(engine.placement, engine.dtype, DeviceStreams(engine.placement.compute), engine.swapper,
                          kept_units=config.zero.nvme_kept_units,
-                         read_ahead=NVME_READ_AHEAD + 1)  # (+ the unit being gathered)
+                         read_ahead=NVME_READ_AHEAD + 1, kind=run.store)  # (+ the unit being gathered)
     engine.flat = FlatParameters(
-        engine.layout, dict(named + plan.frozen), engine.comm, engine.dtype, keep_full_grads=stage <= 1,
+        engine.layout, dict(named + plan.frozen), engine.comm, engine.dtype, keep_full_grads=stage.keeps_full_gradients,
         shards=shards, rebuild_param=lambda p: gather_partitioned(p, engine.comm) if is_partitioned(p) else p.detach(),
         placement=engine.placement)
     engine._waits_per_operation = False
@@ -67,14 +66,14 @@ def build_parts(engine: "TrainingCore", model: nn.Module, plan: GradientPlan, up
         forget_partition(p)  # the flat buffers own the shard now
 
     engine.fetcher = None
-    if stage == 3 and one_model_fetcher:
+    if stage.partitions_parameters and one_model_fetcher:
         modules, frozen_of = stage3_unit_modules(model, engine.layout)
         engine.fetcher = ParameterFetcher(
             engine.flat, engine.comm, modules, prefetch_bytes=int(prefetch_mb(config, engine.device) * 2**20),
             max_live_bytes=int(config.zero.max_live_mb * 2**20), check=config.zero.stage3_check,
             frozen_of=frozen_of)
         engine.fetcher.before_outside = engine._before_outside_forward
-    if stage == 3:
+    if stage.partitions_parameters:
         # Backward completes blocks last-first, then the root (embeddings are used first
         # in forward, so their gradients come last), then the persistent small parameters.
         partitioned = [u.index for u in engine.layout.units if not u.resident]
@@ -96,16 +95,13 @@ def build_parts(engine: "TrainingCore", model: nn.Module, plan: GradientPlan, up
     if engine.swapper is not None:
         engine._on_close.append(engine.swapper.close)  # (removes this rank's swap directory)
 
-    engine._norm_grads, engine._partial_grads = gradient_views(engine, plan.counts_in_norm)
-    engine.scaler = DynamicLossScaler(config.precision.loss_scale, enabled=config.precision.dtype == "fp16")
-    tp_partial_sums = engine.tp_comm.size > 1 and bool(engine._partial_grads)
+    engine._norm_grads, engine._partial_grads = gradient_views(engine.flat, run.gradient_pieces)
+    engine.scaler = DynamicLossScaler(config.precision.loss_scale, enabled=run.scales_loss)
     engine.update = update_factory(UpdateContext(
-        engine.flat, config, topology, engine.reducer, engine.swapper, lazy_zero=engine.launch_when_ready,
-        global_gradient_changes=config.optimizer.grad_clip > 0 or engine.scaler.enabled or tp_partial_sums,
-        gradients_final_at_landing=(not engine.scaler.enabled and engine._norm_grads is None
-                                    and not tp_partial_sums),
-        gradient_views_held=engine._norm_grads is not None or bool(engine._partial_grads),
-        optimizer=client))
+        engine.flat, config, topology, engine.reducer, engine.swapper, lazy_zero=run.lazy_zero,
+        global_gradient_changes=run.global_gradient_changes,
+        gradients_final_at_landing=run.gradients_final_at_landing, gradient_views_held=run.gradient_views_held,
+        optimizer=client, form=run.update))
     """The optimizer step, in the form the configuration asks for (tiertrain/update/)."""
     engine._on_close.append(engine.update.close)  # (first undone: its thread, its swap files)
 
@@ -165,20 +161,10 @@ def prefetch_mb(config: Config, device: torch.device) -> float:
     return 64.0 if acts_as_accelerator(device) else 0.0
 
 
-def gradient_views(engine: "Engine", counts_in_norm: Callable[[str], bool]):
+def gradient_views(flat: FlatParameters, pieces: GradientPieces):
     """(gradient pieces counted in the global norm, None meaning all of every unit's
-    shard; sequence-parallel partial gradients, summed over tp at each step)."""
-    partial, counted, all_counted = [], [], True
-    tp_rank0 = engine.topology.coord("tp") == 0
-    for u in engine.flat.units:
-        for slot, a, b in u.unit.shard_pieces(engine.flat.shard_rank):
-            grad = u.grad[a:b]
-            param = engine.flat.params[slot.name]
-            # Replicated parameters count once across tp (on tp rank 0), as in Megatron.
-            if counts_in_norm(slot.name) and (tp_rank0 or getattr(param, "tp_sharded", False)):
-                counted.append(grad)
-            else:
-                all_counted = False
-            if getattr(param, "tp_partial_grad", False):
-                partial.append(grad)
-    return (None if all_counted else counted), partial
+    shard; sequence-parallel partial gradients, summed over tp at each step): views of the
+    flat gradient shards at the run plan's pieces (zero/plan.py gradient_pieces)."""
+    def views(found):
+        return [flat.units[index].grad[a:b] for index, a, b in found]
+    return (None if pieces.counted is None else views(pieces.counted)), views(pieces.partial)

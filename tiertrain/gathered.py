@@ -2,13 +2,15 @@
 stage: the newest values (work the update began ahead of step() settled first), each unit
 gathered from its shards (at stage 3 through the parameter fetcher, so the ranks agree on
 it), and with a modifier rank that rank's edits broadcast and written back into every shard
-(zero/flat.py) and master copy (the update form) on exit.
+(zero/flat.py) and master copy (the update form) on exit; and the fp32 state dict of a rank's
+model (``engine.full_state_dict()``), gathered from the masters and shards.
 """
 from __future__ import annotations
 
 import contextlib
 from typing import TYPE_CHECKING, Iterable
 
+import torch
 import torch.nn as nn
 
 if TYPE_CHECKING:
@@ -43,3 +45,30 @@ def gathered_parameters_of(engine: "TrainingCore", params: Iterable[nn.Parameter
     finally:
         for u in units:
             engine.flat.release(u.unit.index)
+
+
+def rank_state_dict(engine: "TrainingCore", operation: str = "full_state_dict()") -> dict[str, torch.Tensor]:
+    """full_state_dict of this rank's model (a pipeline rank's: its stages). operation:
+    the collective operation it serves (Collectives.enter: at stage 0 it issues no
+    collective, and a rank still training would not learn that its peer is here)."""
+    engine.comm.enter(operation)
+    out = {}
+    engine.update.settle(collective=True)
+    masters = engine.masters()
+    shards = list(zip(engine.flat.units, masters))
+    shards += [(u, engine.flat.read_shard(u.unit.index).float()) for u in engine.flat.frozen_units]
+    for u, shard in shards:
+        full = torch.empty(u.unit.padded_numel, dtype=torch.float32, device=engine.device)
+        if engine.plan.stage.replicates_states:  # (one shard: the whole unit)
+            full.copy_(shard)
+        else:
+            engine.comm.all_gather(full, shard.to(engine.device))
+        for slot in u.unit.slots:
+            out[slot.name] = full[slot.offset:slot.end].view(slot.shape).clone()
+    for module in engine.named_modules_of_state():
+        for name, p in module.named_parameters():
+            if name not in out and not p.requires_grad:  # frozen and whole on every rank
+                out[name] = p.detach().float().clone()
+    for name, b in engine.buffers.named().items():
+        out[name] = (b.detach().float() if b.is_floating_point() else b.detach()).clone()
+    return out

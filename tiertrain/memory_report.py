@@ -63,7 +63,7 @@ def unit_summary(engine: "TrainingCore") -> dict:
     """Stage 3's units and the share of the model in the largest (a model cut badly gathers
     most of itself at once, and stage 3 then saves little)."""
     units = [u.unit for u in engine.flat.all_units if not u.unit.resident]
-    if engine.stage != 3 or not units:
+    if not engine.plan.stage.partitions_parameters or not units:
         return {}
     total = sum(u.unit.numel for u in engine.flat.all_units)
     return {"units": len(units), "largest_unit_share": max(u.numel for u in units) / max(total, 1)}

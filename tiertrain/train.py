@@ -362,10 +362,12 @@ def build_model(cfg: TrainConfig, topology=None, partitioned: bool = True) -> GP
     import contextlib
 
     from .zero.construct import partitioned_init
+    from .zero.stages import ZeroStage
 
     device = topology.device if topology is not None else None
     tp = topology.size("tp") if topology is not None else 1
-    partitioned = partitioned and topology is not None and cfg.zero.stage == 3 and cfg.tile_factor == 1 and tp == 1
+    partitioned = partitioned and topology is not None and ZeroStage.of(cfg).partitions_parameters \
+        and cfg.tile_factor == 1 and tp == 1
     with partitioned_init(topology) if partitioned else contextlib.nullcontext():
         model = GPT(cfg.model)
     if tp > 1:  # Megatron tensor parallelism; pipeline stages are cut by wrap() (parallel.pp)

@@ -15,8 +15,9 @@ the engines, never the reverse). The parts are built by tiertrain/engine_build.p
 stage 3's one-model parameter fetcher (zero/stage3.py) only when the engine asks for it
 (``one_model_fetcher``): a pipeline schedule interleaves the forwards and backwards of several
 micro-batches, and its own fetcher (pipeline/zero3.py) gathers inside the schedule.
-memory_report() and gathered_parameters() are tiertrain/memory_report.py's and
-tiertrain/gathered.py's; the StateIO is typed in tiertrain/engine_contract.py.
+memory_report() is tiertrain/memory_report.py's, gathered_parameters() and full_state_dict()
+tiertrain/gathered.py's; the StateIO is typed in tiertrain/engine_contract.py. What to build
+and how to train is resolved once into the run plan (``engine.plan``: tiertrain/run_plan.py).
 """
 from __future__ import annotations
 
@@ -29,11 +30,12 @@ from .comm import Collectives, CommCounter
 from .config import Config, ConfigError
 from .engine_build import build_parts
 from .engine_contract import StateIO, Stateful
-from .gathered import gathered_parameters_of
+from .gathered import gathered_parameters_of, rank_state_dict
 from .host_memory import retain_freed_host_memory
 from .memory_report import MemoryReport, memory_report_of
 from .optim import OptimizerArg, SchedulerFactory, client_optimizer, clip_coefficient, scheduled_lr, squared_norm
 from .precision import compute_dtype
+from .run_plan import RunPlan, resolve_run_plan
 from .spans import span
 from .topology import Topology
 from .train_state import RNGState, TrainState
@@ -73,7 +75,7 @@ class TrainingCore:
         self.topology = topology
         self.dtype = compute_dtype(config.precision.dtype)
         self.device = topology.device
-        self.stage = config.zero.stage
+        self.stage = config.zero.stage  # (the user's int, for fingerprints; what it means: self.plan.stage)
         self.counter = CommCounter()
         # The ranks holding the same parameters: dp × cp (context-parallel ranks see other tokens
         # of the same samples, so for gradients and states they are data-parallel too).
@@ -100,12 +102,20 @@ class TrainingCore:
         self.files_with_model: dict[str, bytes] = {}
         """Files written beside the model by every checkpoint (for the offline export) and by
         save_pretrained: a --model.hf run's tokenizer (models.hf.tokenizer_files), name → content."""
+        gradient_plan = plan(self.dp)
+        self._plan = resolve_run_plan(config, client, gradient_plan, dp_rank=self.comm.rank,
+                                      tp_rank=topology.coord("tp"), tp_size=self.tp_comm.size)
         # layout, buffers, placement, swapper, flat, fetcher (if asked for), reducer, scaler, update
-        build_parts(self, module, plan(self.dp), update_factory, client, one_model_fetcher=one_model_fetcher)
+        build_parts(self, module, gradient_plan, update_factory, client, one_model_fetcher=one_model_fetcher)
         self.train_state = TrainState()
         self._slot_position: dict[tuple[int, int], int] | None = None  # (unit, slot) → flag index
         self._stepped_at = -1
         self.last_grad_norm = float("nan")
+
+    @property
+    def plan(self) -> RunPlan:
+        """The ZeRO stage, stores, gradient facts and update form, resolved once (run_plan.py)."""
+        return self._plan
 
     # -- counters ----------------------------------------------------------------------
 
@@ -284,7 +294,8 @@ class TrainingCore:
         # (An in-place NVMe step releases the gradient shards it consumed: their squares were
         # taken when each reduction landed, the same sums in the same order.)
         squares = torch.stack(kept if kept is not None else [squared_norm(g) for g in grads]).sum().to(self.device)
-        for comm in ((self.comm,) if self.stage > 0 else ()) + (self.tp_comm, self.pp_comm):
+        sharded = () if self.plan.stage.replicates_states else (self.comm,)  # (stage 0: whole on each rank)
+        for comm in sharded + (self.tp_comm, self.pp_comm):
             if comm.size > 1:
                 comm.all_reduce(squares, count=False)
         return squares.sqrt()
@@ -420,30 +431,8 @@ class TrainingCore:
         return self._rank_state_dict()
 
     def _rank_state_dict(self, operation: str = "full_state_dict()") -> dict[str, torch.Tensor]:
-        """full_state_dict of this rank's model (a pipeline rank's: its stages). operation:
-        the collective operation it serves (Collectives.enter: at stage 0 it issues no
-        collective, and a rank still training would not learn that its peer is here)."""
-        self.comm.enter(operation)
-        out = {}
-        self.update.settle(collective=True)
-        masters = self.masters()
-        shards = list(zip(self.flat.units, masters))
-        shards += [(u, self.flat.read_shard(u.unit.index).float()) for u in self.flat.frozen_units]
-        for u, shard in shards:
-            full = torch.empty(u.unit.padded_numel, dtype=torch.float32, device=self.device)
-            if self.stage == 0:
-                full.copy_(shard)
-            else:
-                self.comm.all_gather(full, shard.to(self.device))
-            for slot in u.unit.slots:
-                out[slot.name] = full[slot.offset:slot.end].view(slot.shape).clone()
-        for module in self.named_modules_of_state():
-            for name, p in module.named_parameters():
-                if name not in out and not p.requires_grad:  # frozen and whole on every rank
-                    out[name] = p.detach().float().clone()
-        for name, b in self.buffers.named().items():
-            out[name] = (b.detach().float() if b.is_floating_point() else b.detach()).clone()
-        return out
+        """full_state_dict of this rank's model (a pipeline rank's: its stages): gathered.py."""
+        return rank_state_dict(self, operation)
 
     def save_pretrained(self, directory: str, dtype: torch.dtype | str | None = None,
                         max_shard_bytes: int | None = None, peft=None) -> Any:

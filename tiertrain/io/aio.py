@@ -47,6 +47,7 @@ requested), :class:`SwapDirError` for a missing, non-directory or read-only loca
 """
 from __future__ import annotations
 
+import enum
 import errno as _errno
 import os
 import threading
@@ -219,11 +220,18 @@ class Checksum:
 # ---------------------------------------------------------------------------------------------
 # Handles
 # ---------------------------------------------------------------------------------------------
+class Op(enum.StrEnum):
+    """What a request does (a str: messages and reprs read "read"/"write")."""
+
+    READ = "read"
+    WRITE = "write"
+
+
 class Handle:
     """One submitted request. ``wait(timeout)`` returns the logical byte count or raises the IO
     error (a ``TimeoutError`` naming the path if it is not done in time)."""
 
-    def __init__(self, io: "AsyncIO", op: str, path: str, offset: int, nbytes: int):
+    def __init__(self, io: "AsyncIO", op: Op, path: str, offset: int, nbytes: int):
         self._io = io
         self.op = op
         self.path = path
@@ -407,13 +415,13 @@ class AsyncIO:
         """Write the logical bytes of ``buffer`` (a pool Buffer, a CPU tensor or a bytes-like
         object) to ``path`` at ``offset``; the file is created if needed (and truncated first
         with ``truncate``). ``handle.checksum`` holds the checksum record once it is done."""
-        return self._submit("write", os.fspath(path), buffer, offset, nbytes, None, truncate)
+        return self._submit(Op.WRITE, os.fspath(path), buffer, offset, nbytes, None, truncate)
 
     def submit_read(self, path, buffer, offset: int = 0, nbytes: Optional[int] = None,
                     checksum: Optional[Checksum] = None) -> Handle:
         """Read ``nbytes`` (default: the buffer's logical size) from ``path`` at ``offset`` into
         ``buffer``; with a ``checksum`` record from the write, verify the bytes."""
-        return self._submit("read", os.fspath(path), buffer, offset, nbytes, checksum, False)
+        return self._submit(Op.READ, os.fspath(path), buffer, offset, nbytes, checksum, False)
 
     def flush(self, timeout: Optional[float] = None) -> None:
         """Wait for every submitted request; raise the first error no ``wait`` has reported.
@@ -481,9 +489,9 @@ class AsyncIO:
                               f"(st_dev {dev}, {how}); its IO is buffered, with fdatasync after "
                               f"each write and POSIX_FADV_DONTNEED")
 
-    def _open(self, op: str, path: str, direct_wanted: bool, truncate: bool,
+    def _open(self, op: Op, path: str, direct_wanted: bool, truncate: bool,
               nbytes: int, offset: int):
-        flags = (os.O_WRONLY | os.O_CREAT) if op == "write" else os.O_RDONLY
+        flags = (os.O_WRONLY | os.O_CREAT) if op is Op.WRITE else os.O_RDONLY
         if truncate:
             flags |= os.O_TRUNC
         flags |= getattr(os, "O_CLOEXEC", 0)
@@ -505,7 +513,7 @@ class AsyncIO:
                     self._note_refused(dev, path, "EINVAL on open")
             return os.open(path, flags, 0o600), False, flags, dev
         except OSError as e:
-            raise _translate(e, path, "open" if op == "read" else "create", nbytes, offset) from e
+            raise _translate(e, path, "open" if op is Op.READ else "create", nbytes, offset) from e
 
     def _preallocate(self, fd: int, path: str, offset: int, length: int, nbytes: int) -> None:
         """Reserve [offset, offset+length) before the parallel chunk writes when it extends the
@@ -526,19 +534,19 @@ class AsyncIO:
             raise RuntimeError("AsyncIO is closed")
         if offset < 0:
             raise ValueError(f"negative offset {offset}")
-        mv, n, capacity, address, keep = _normalize(buffer, nbytes, writable=(op == "read"))
+        mv, n, capacity, address, keep = _normalize(buffer, nbytes, writable=(op is Op.READ))
         if verify is not None and verify.nbytes != n:
             raise ValueError(f"checksum record covers {verify.nbytes} bytes, read asks for {n}")
         a = self.alignment
         padded = round_up(n, a)
         owns_tail = getattr(buffer, "owns_tail", True)   # (a range of someone's tensor: see Buffer)
-        if not owns_tail and op == "read":
+        if not owns_tail and op is Op.READ:
             capacity = min(capacity, n)
         aligned = (address % a == 0 and address != 0 and offset % a == 0 and padded <= capacity)
         fd, direct, flags, dev = self._open(op, path, self.use_direct and aligned and n > 0,
                                             truncate, n, offset)
         io_len = padded if direct else n
-        if direct and op == "write" and padded > n and owns_tail:
+        if direct and op is Op.WRITE and padded > n and owns_tail:
             mv[n:padded] = bytes(padded - n)        # zero the tail of the last page
         handle = Handle(self, op, path, offset, n)
         handle.direct = direct
@@ -552,7 +560,7 @@ class AsyncIO:
             self.stats[f"{op}_requests"] += 1
             if not direct and n > 0:
                 self.stats["buffered_requests"] += 1
-        if op == "write" and io_len and self.preallocate and _fallocate is not None:
+        if op is Op.WRITE and io_len and self.preallocate and _fallocate is not None:
             try:                         # fallocate runs in a worker, then queues the chunks
                 self._executor.submit(self._preallocate_then_start, req)
             except BaseException as e:  # noqa: BLE001 - executor shut down underneath us
@@ -563,7 +571,7 @@ class AsyncIO:
         return handle
 
     def _start_chunks(self, req: _Request) -> None:
-        work = self._write_chunk if req.handle.op == "write" else self._read_chunk
+        work = self._write_chunk if req.handle.op is Op.WRITE else self._read_chunk
         bb, nchunks, i = self.block_bytes, req.remaining, 0
         try:
             for i in range(nchunks):
@@ -690,13 +698,13 @@ class AsyncIO:
         h = req.handle
         err = req.error
         try:
-            if err is None and h.op == "read" and req.verify is not None and h.nbytes > 0 \
+            if err is None and h.op is Op.READ and req.verify is not None and h.nbytes > 0 \
                     and req.verify.block_bytes != self.block_bytes:
                 ck = req.verify
                 for j, lo in enumerate(range(0, h.nbytes, ck.block_bytes)):
                     self._verify(req, ck, j, lo, min(h.nbytes, lo + ck.block_bytes))
             buffered = (not req.direct) or req.fallback_fd is not None
-            if err is None and h.op == "write" and buffered and self.fsync_buffered and h.nbytes:
+            if err is None and h.op is Op.WRITE and buffered and self.fsync_buffered and h.nbytes:
                 fd = req.fallback_fd if req.fallback_fd is not None else req.fd
                 try:
                     os.fdatasync(fd)
@@ -719,14 +727,14 @@ class AsyncIO:
                     except OSError:
                         pass
         if err is None:
-            if h.op == "write" and self._crc is not None:
+            if h.op is Op.WRITE and self._crc is not None:
                 nck = max(1, -(-h.nbytes // self.block_bytes)) if h.nbytes else 0
                 h.checksum = Checksum(self.checksum, self.block_bytes, h.nbytes,
                                       tuple(req.crcs[:nck]))
-            elif h.op == "read":
+            elif h.op is Op.READ:
                 h.checksum = req.verify
             with self._lock:
-                self.stats["bytes_written" if h.op == "write" else "bytes_read"] += h.nbytes
+                self.stats["bytes_written" if h.op is Op.WRITE else "bytes_read"] += h.nbytes
         req.mv = None
         req.keepalive = None
         with self._lock:

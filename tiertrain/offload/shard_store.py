@@ -455,12 +455,22 @@ class OptimizerMasterShards(NVMeShards):
                 self._give_back(tensor, None, None)
 
 
+def store_for(param_tier: Tier) -> type[DeviceShards]:
+    """The store that keeps parameter shards on ``param_tier``: device memory, pinned host
+    memory (ZeRO-Offload's P_p on the CPU), or swap files (ZeRO-Infinity's NVMe tier)."""
+    tier = Tier(param_tier)
+    if tier == Tier.NVME:
+        return NVMeShards
+    return HostShards if tier == Tier.CPU else DeviceShards
+
+
 def shard_store(placement, dtype: torch.dtype, streams: DeviceStreams, swapper=None,
-                kept_units: int = 4, read_ahead: int = 4) -> DeviceShards:
-    """The store of placement.param_tier (kept_units, read_ahead: NVMeShards')."""
-    if placement.param_tier == Tier.NVME:
+                kept_units: int = 4, read_ahead: int = 4, kind: type[DeviceShards] | None = None) -> DeviceShards:
+    """The store of placement.param_tier, or of ``kind`` (the run plan's: tiertrain/run_plan.py)
+    (kept_units, read_ahead: NVMeShards')."""
+    kind = kind or store_for(placement.param_tier)
+    if issubclass(kind, NVMeShards):
         if swapper is None:
             raise ValueError("parameters on the nvme tier need a TensorSwapper")
-        return NVMeShards(placement, dtype, streams, swapper, kept_units, read_ahead)
-    kind = HostShards if placement.param_tier == Tier.CPU else DeviceShards
+        return kind(placement, dtype, streams, swapper, kept_units, read_ahead)
     return kind(placement, dtype, streams)

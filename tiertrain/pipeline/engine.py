@@ -57,6 +57,7 @@ from ..training_core import TrainingCore
 from ..update.factory import UpdateFactory, build_update
 from ..zero.layout import bucket_layout, concatenate
 from ..zero.plan import GradientPlan
+from ..zero.stages import ZeroStage
 from .executor import PipelineExecutor
 from .schedule import gpipe, interleaved_one_f_one_b, one_f_one_b
 from .zero3 import PipelineFetcher, Stage3Executor, stage3_plan
@@ -136,7 +137,7 @@ def pipeline_plan(stages: Sequence[nn.Module], config: Config, dp: int) -> tuple
     if not named:
         raise ValueError("the model has no trainable parameters")
     bucket_numel = max(1, int(config.zero.bucket_mb * 2**20) // 4)
-    shards = 1 if config.zero.stage == 0 else dp
+    shards = ZeroStage.of(config).shards_over(dp)
     layouts = [bucket_layout([(n, p) for n, p in s.named_parameters() if p.requires_grad], shards, bucket_numel)
                for s in stages]
     units_of_chunk, start = [], 0
@@ -164,7 +165,8 @@ class PipelineEngine(TrainingCore):
         self.stages = list(stages)
         self._tied_stages = [s for s in self.stages if getattr(s, "tied", False)]
         chunk_modules = None
-        if config.zero.stage == 3:  # per-block units inside each chunk, gathered by zero3.PipelineFetcher
+        # Stage 3: per-block units inside each chunk, gathered by zero3.PipelineFetcher.
+        if ZeroStage.of(config).partitions_parameters:
             copies = {tied_names(s)[1] for s in self._tied_stages if s.is_last and not s.is_first}
             plan, self._units_of_chunk, chunk_modules = stage3_plan(
                 self.stages, config, topology.size("dp_cp"), counts_in_norm=lambda name: name not in copies)

@@ -69,7 +69,7 @@ from ..io.fileio import atomic_write, exchange_paths, file_sha256, fsync_directo
 from .directory import (CLEANUP_PREFIX, LOCK, _gather_objects, claim_directory, is_checkpoint_directory,
                         lock_directory, register_for_cleanup, release_directory, remove_checkpoints,
                         remove_crashed_saves, remove_left_behind, rotate)
-from .files import (_STEP_DIR, DIVERGED, MARKER, MAX_MARKER_BYTES, NEXT, OLD, CheckpointError, _next_save_id,
+from .files import (DIVERGED, MARKER, MAX_MARKER_BYTES, NEXT, OLD, CheckpointError, _next_save_id,
                     _step_path, committed_steps, diverged_reason, find_committed, interpreting, load_rank_file,
                     mark_diverged, marked_steps, open_checkpoint_file, peek_extra, rank_file_name, read_marker, run_of,
                     saves_newest_first, verified_file)

@@ -33,6 +33,7 @@ from .checkpoint import MARKER, CheckpointError, rank_file_name, verified_file
 from .export_files import WITH_MODEL, StreamedFile, remove_stale, write_files_with_model, write_hf_config, write_index
 from .export_groups import ConvertedValues, converted_items
 from .export_plan import DEFAULT_MAX_SHARD_BYTES, TensorItem, plan_files, resolve_dtype
+from .files import _STEP_DIR
 from .hf_conversion import meta_model
 from .saved_run import global_value, open_saved, opened_files, saved_parameters
 
@@ -79,7 +80,7 @@ def _step_dir(checkpoint_dir: str, step: int | None) -> tuple[str, dict]:
             raise CheckpointError(f"{checkpoint_dir!r} is the checkpoint of step {marker['step']}, not {step}")
         return checkpoint_dir, marker
     names = os.listdir(checkpoint_dir)
-    if not any(checkpoint._STEP_DIR.match(n) for n in names):
+    if not any(_STEP_DIR.match(n) for n in names):
         raise CheckpointError(f"{checkpoint_dir!r} is not a checkpoint directory: it holds no step_NNNNNNNN "
                               f"directory (Engine.save_checkpoint writes them)")
     return checkpoint.find_committed(checkpoint_dir, step)

@@ -36,7 +36,7 @@ import re
 import warnings
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist

@@ -201,9 +201,10 @@ class Trainer:
         """The model from its factory after the run's seed (the same model on every rank),
         in partitioned form at ZeRO stage 3 without tensor parallelism."""
         from ..zero.construct import partitioned_init
+        from ..zero.stages import ZeroStage
 
         torch.manual_seed(self.config.seed)
-        partitioned = self.partitioned_construction and self.config.zero.stage == 3 \
+        partitioned = self.partitioned_construction and ZeroStage.of(self.config).partitions_parameters \
             and self.topology.size("tp") == 1 and self.topology.size("pp") == 1
         with partitioned_init(self.topology) if partitioned else contextlib.nullcontext():
             return factory()

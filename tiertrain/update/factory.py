@@ -56,45 +56,89 @@ class UpdateContext:
     optimizer: "ClientOptimizer | None" = None
     """The optimizer, param groups and lr_scheduler the user brought (tiertrain/optim.py
     client_optimizer); None: the default AdamW with config.schedule."""
+    form: "type[OptimizerUpdate] | None" = None
+    """The form the run plan chose (tiertrain/run_plan.py, by :func:`choose_form`); None: chosen
+    here from the fields above, the same way."""
 
 
 UpdateFactory = Callable[[UpdateContext], OptimizerUpdate]
 
 
-def build_update(context: UpdateContext) -> OptimizerUpdate:
-    """The form for this configuration:
+def choose_form(config: "Config", *, whole_groups: bool, lazy_zero: bool,
+                global_gradient_changes: bool) -> type[OptimizerUpdate]:
+    """The form for this configuration, decided in this order:
 
     * a client optimizer with groups that need whole tensors (Muon, Adafactor: found by
-      tiertrain/optim_probe.py) → each of their parameters updated whole by one owning rank,
-      its state in memory or, on the NVMe tier, streamed per tensor (update/whole.py);
+      tiertrain/optim_probe.py; ``whole_groups``) → each of their parameters updated whole by
+      one owning rank, its state in memory or, on the NVMe tier, streamed per tensor
+      (update/whole.py);
     * ``zero.offload_optimizer: nvme`` → the NVMe optimizer; overlapped with backward when
-      ``zero.overlap_nvme_step`` is set, reductions launch as gradients arrive and nothing
-      global changes the gradients after their reduction;
+      ``zero.overlap_nvme_step`` is set, reductions launch as gradients arrive (``lazy_zero``)
+      and nothing global changes the gradients after their reduction;
     * ``zero.delayed_update`` → ZeRO-Offload's one-step delayed update;
     * otherwise torch AdamW in memory (device or CPU tier).
 
-    Each form builds the client's optimizer (context.optimizer) instead of the default AdamW
-    when there is one; the NVMe form streams only Adam/AdamW (update/nvme/form.py).
-    """
-    c = context
-    zc = c.config.zero
-    if c.optimizer is not None and c.optimizer.whole_groups:
-        _check_whole(c)
-        return WholeParameterUpdate(c.flat, c.config, c.lazy_zero, c.optimizer,
-                                    swapper=c.swapper if zc.offload_optimizer == Tier.NVME else None)
+    Each form builds the client's optimizer instead of the default AdamW when there is one;
+    the NVMe form streams only Adam/AdamW (update/nvme/form.py)."""
+    zc = config.zero
+    if whole_groups:
+        return WholeParameterUpdate
     if zc.offload_optimizer == Tier.NVME:
-        if zc.overlap_nvme_step and c.lazy_zero and not c.global_gradient_changes:
-            return OverlappedNVMeUpdate(c.flat, c.config, c.lazy_zero, c.swapper, c.topology.rank, c.reducer,
-                                        c.optimizer)
-        return NVMeUpdate(c.flat, c.config, c.lazy_zero, c.swapper, c.topology.rank, c.optimizer)
-    # On the CPU tier each unit's gradient norm is taken as its reduction lands (protocol.LandingNorms).
-    norms = LandingNorms(c.flat, c.reducer) if (c.gradients_final_at_landing and c.lazy_zero
-                                                 and c.flat.placement.offload_optimizer) else None
+        if zc.overlap_nvme_step and lazy_zero and not global_gradient_changes:
+            return OverlappedNVMeUpdate
+        return NVMeUpdate
     if zc.delayed_update:
-        group = c.topology.world_group() if dist.is_initialized() else None
-        return DelayedUpdate(c.flat, c.config, c.lazy_zero, group, c.topology.device, c.optimizer, norms,
-                             swap_gradients=not c.gradient_views_held)
-    return InMemoryUpdate(c.flat, c.config, c.lazy_zero, c.optimizer, norms)
+        return DelayedUpdate
+    return InMemoryUpdate
+
+
+def build_update(context: UpdateContext) -> OptimizerUpdate:
+    """The form the run plan chose (context.form), or :func:`choose_form`'s for this context,
+    built from the context."""
+    c = context
+    form = c.form or choose_form(c.config, whole_groups=c.optimizer is not None and bool(c.optimizer.whole_groups),
+                                 lazy_zero=c.lazy_zero, global_gradient_changes=c.global_gradient_changes)
+    if form not in _BUILDERS:
+        raise ValueError(f"UpdateContext.form={form!r} is not a form build_update builds: one of "
+                         f"{', '.join(f.__name__ for f in _BUILDERS)} (or give update_factory= a factory of your own)")
+    return _BUILDERS[form](c)
+
+
+def _whole(c: UpdateContext) -> OptimizerUpdate:
+    _check_whole(c)
+    return WholeParameterUpdate(c.flat, c.config, c.lazy_zero, c.optimizer,
+                                swapper=c.swapper if c.config.zero.offload_optimizer == Tier.NVME else None)
+
+
+def _overlapped_nvme(c: UpdateContext) -> OptimizerUpdate:
+    return OverlappedNVMeUpdate(c.flat, c.config, c.lazy_zero, c.swapper, c.topology.rank, c.reducer, c.optimizer)
+
+
+def _nvme(c: UpdateContext) -> OptimizerUpdate:
+    return NVMeUpdate(c.flat, c.config, c.lazy_zero, c.swapper, c.topology.rank, c.optimizer)
+
+
+def _landing_norms(c: UpdateContext) -> LandingNorms | None:
+    """On the CPU tier each unit's gradient norm is taken as its reduction lands (protocol.LandingNorms)."""
+    return LandingNorms(c.flat, c.reducer) if (c.gradients_final_at_landing and c.lazy_zero
+                                               and c.flat.placement.offload_optimizer) else None
+
+
+def _delayed(c: UpdateContext) -> OptimizerUpdate:
+    norms = _landing_norms(c)
+    group = c.topology.world_group() if dist.is_initialized() else None
+    return DelayedUpdate(c.flat, c.config, c.lazy_zero, group, c.topology.device, c.optimizer, norms,
+                         swap_gradients=not c.gradient_views_held)
+
+
+def _in_memory(c: UpdateContext) -> OptimizerUpdate:
+    return InMemoryUpdate(c.flat, c.config, c.lazy_zero, c.optimizer, _landing_norms(c))
+
+
+_BUILDERS: dict[type, Callable[[UpdateContext], OptimizerUpdate]] = {
+    WholeParameterUpdate: _whole, OverlappedNVMeUpdate: _overlapped_nvme, NVMeUpdate: _nvme,
+    DelayedUpdate: _delayed, InMemoryUpdate: _in_memory}
+"""How each form chosen by choose_form is built from the context."""
 
 
 def _check_whole(c: UpdateContext) -> None:

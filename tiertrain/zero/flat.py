@@ -165,7 +165,7 @@ class FlatParameters:
         self.masters_elsewhere = False
         """An update form holds the fp32 masters itself (hold_masters_elsewhere) and writes
         the updated shards itself: publish_masters casts none."""
-        self.device = device = placement.compute
+        self.device = placement.compute
         self.params = params
         self.comm = comm
         self.dtype = dtype
@@ -173,7 +173,7 @@ class FlatParameters:
         self.peak_gathered_bytes = 0
         self.slot_of: dict[nn.Parameter, tuple[int, int]] = {}
         # With one shard (stage 0) every rank owns the whole unit.
-        self.shard_rank = rank = comm.rank if layout.num_shards > 1 else 0
+        self.shard_rank = comm.rank if layout.num_shards > 1 else 0
         self._all: list[UnitBuffers] = []
         self.frozen_units: list[UnitBuffers] = []
         """Stage 3's frozen units: shards gathered and released like the others, no gradient

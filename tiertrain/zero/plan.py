@@ -13,6 +13,7 @@ import torch.nn as nn
 from ..config import Config, ConfigError
 from .construct import full_shape, is_partitioned
 from .layout import FlatLayout, bucket_layout, module_layout
+from .stages import ZeroStage
 
 
 def default_unit_modules(model: nn.Module, min_params: int = 0) -> list[str]:
@@ -88,8 +89,8 @@ def default_plan(model: nn.Module, config: Config, dp: int, unit_modules: list[s
     if not named:
         raise ValueError("the model has no trainable parameters")
     frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-    zc, stage = config.zero, config.zero.stage
-    if stage == 3:
+    zc, stage = config.zero, ZeroStage.of(config)
+    if stage.partitions_parameters:
         prefixes = default_unit_modules(model, zc.unit_params) if unit_modules is None else list(unit_modules)
         for prefix in prefixes:
             model.get_submodule(prefix)  # raises AttributeError naming a bad prefix
@@ -98,6 +99,39 @@ def default_plan(model: nn.Module, config: Config, dp: int, unit_modules: list[s
         in_layout = {s.name for u in layout.frozen for s in u.slots}
         return GradientPlan(named, layout, frozen=[(n, p) for n, p in frozen if n in in_layout])
     if any(is_partitioned(p) for _, p in named + frozen):
-        raise ConfigError(f"zero.stage={stage}: a model built under partitioned_init needs zero.stage=3")
+        raise ConfigError(f"zero.stage={zc.stage}: a model built under partitioned_init needs zero.stage=3")
     bucket_numel = max(1, int(zc.bucket_mb * 2**20) // 4)
-    return GradientPlan(named, bucket_layout(named, 1 if stage == 0 else dp, bucket_numel))
+    return GradientPlan(named, bucket_layout(named, stage.shards_over(dp), bucket_numel))
+
+
+Piece = tuple[int, int, int]
+"""(trained unit index, start, end) of a piece of this rank's gradient shard, shard-local."""
+
+
+@dataclass(frozen=True)
+class GradientPieces:
+    """The pieces of this rank's gradient shards the engine keeps views of, found from the
+    plan before any buffer exists (tiertrain/run_plan.py reads what they imply)."""
+
+    counted: tuple[Piece, ...] | None
+    """The pieces counted in the global norm; None: all of every unit's shard."""
+    partial: tuple[Piece, ...]
+    """Sequence-parallel partial gradients, summed over tp at each step."""
+
+
+def gradient_pieces(plan: GradientPlan, shard_rank: int, tp_rank0: bool) -> GradientPieces:
+    """The plan's :class:`GradientPieces` on the rank owning shard ``shard_rank`` of each unit
+    (tp_rank0: it is tensor-parallel rank 0)."""
+    params = dict(plan.named + plan.frozen)
+    partial, counted, all_counted = [], [], True
+    for unit in plan.layout.units:
+        for slot, a, b in unit.shard_pieces(shard_rank):
+            param = params[slot.name]
+            # Replicated parameters count once across tp (on tp rank 0), as in Megatron.
+            if plan.counts_in_norm(slot.name) and (tp_rank0 or getattr(param, "tp_sharded", False)):
+                counted.append((unit.index, a, b))
+            else:
+                all_counted = False
+            if getattr(param, "tp_partial_grad", False):
+                partial.append((unit.index, a, b))
+    return GradientPieces(None if all_counted else tuple(counted), tuple(partial))

@@ -35,6 +35,7 @@ import torch.nn as nn
 from ..comm import Collectives, Work
 from ..device import Copy
 from .flat import FlatParameters
+from .stages import GradientReduction, ZeroStage
 
 
 UnitHook = Callable[[int], None]
@@ -78,11 +79,12 @@ class GradientReducer:
     overlapped with backward (ZeRO-Infinity §6) or norms taken at landing start on the third.
     The reducer knows none of them: each adds and removes its own hooks."""
 
-    def __init__(self, flat: FlatParameters, comm: Collectives, stage: int, launch_order: list[int],
+    def __init__(self, flat: FlatParameters, comm: Collectives, stage: ZeroStage | int, launch_order: list[int],
                  max_in_flight: int = 2, launch_when_ready: bool = True):
         self.flat = flat
         self.comm = comm
-        self.stage = stage
+        self.stage = ZeroStage(stage)
+        """The ZeRO stage (zero/stages.py; an int is the user's zero.stage)."""
         self.launch_order = launch_order
         self.max_in_flight = max_in_flight
         self.launch_when_ready = launch_when_ready
@@ -112,7 +114,7 @@ class GradientReducer:
         backward will give no gradient (not in the loss's graph; see unused_parameters): their
         units complete without them, when their last used parameter's gradient arrives, as on
         a rank that does use them (DDP's find_unused_parameters)."""
-        self.reduce_now = self.launch_when_ready and (reduce_now or self.stage >= 2)
+        self.reduce_now = self.launch_when_ready and (reduce_now or self.stage.partitions_gradients)
         self._reset_counts()
         for p in absent:
             index, k = self.flat.slot_of[p]
@@ -218,9 +220,11 @@ class GradientReducer:
         for s in list(self._subscribers):
             if s.before_collective is not None:
                 s.before_collective(index)
-        if self.stage == 0:
+        reduction = self.stage.gradient_reduction
+        if reduction is GradientReduction.ALL_REDUCE:
             work = self.comm.all_reduce(bucket, async_op=True)
-        elif self.stage == 1:  # the shard is this rank's chunk of the full gradient: reduced in place
+        elif reduction is GradientReduction.SCATTER_IN_PLACE:
+            # The shard is this rank's chunk of the full gradient: reduced in place.
             work = self.comm.reduce_scatter(u.grad, bucket, async_op=True)
         elif u.stale_grad and u.grad.device == bucket.device:
             # The shard's first reduction since the step: reduce-scatter straight into it.
@@ -237,14 +241,14 @@ class GradientReducer:
             streams = self.flat.streams
             to_grad = streams.to_host if u.grad.device.type == "cpu" else streams.to_device
             work.then(lambda: land(to_grad(reduced, Copy.GRAD_TO_HOST).synchronize()))
-        if self.stage >= 2:
+        if self.stage.partitions_gradients:
             self._buckets.pop(index, None)
             work.then(lambda: bucket)  # keeps the bucket alive until its collective has completed
         for notify in [s.reduced for s in self._subscribers if s.reduced is not None]:
             work.then(lambda notify=notify: notify(index))
         self._in_flight.append(work)
         # (Pipeline buckets all exist already: capping them would only stall the pipeline.)
-        while len(self._in_flight) > self.max_in_flight and self.stage >= 2 and self.launch_when_ready:
+        while len(self._in_flight) > self.max_in_flight and self.stage.partitions_gradients and self.launch_when_ready:
             self._in_flight.popleft().wait()
 
     def end_backward(self) -> None:
