@@ -231,7 +231,7 @@ ENGINE_CASES = [  # (stage, prefetch_mb, checkpoint_every, offload, recompute, e
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("tiled", [False, True], ids=["blocks", "nested_units"])
+@pytest.mark.parametrize("tiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["blocks", "nested_units"])
 def test_engine_with_checkpointing_matches_reference(tiled):
     cases = [c[:5] + (tiled, c[5]) for c in ENGINE_CASES if tiled is False or c[0] == 3]
     results = run_distributed(_engine_runs, 2, cases, timeout=80)[0]

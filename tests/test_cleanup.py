@@ -180,6 +180,7 @@ def _agent_running(tmp_path, worker: str):
         agent.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_worker_dies_with_its_torchrun_agent(tmp_path):
     """Under torchrun, tiertrain.launch.run asks for a signal when the parent (the agent) dies."""

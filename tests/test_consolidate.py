@@ -206,6 +206,7 @@ def test_stage3_nvme_optimizer_exports_a_model_with_the_trained_logits(saved, tm
     assert torch.equal(logits, results["llama3_nvme"]["logits"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_memory_stays_near_one_tensor(saved, tmp_path):
     root, results = saved

@@ -296,7 +296,7 @@ def _swap_files_exist(nvme, ranks):
 @pytest.mark.parametrize("ending", [pytest.param("success", marks=pytest.mark.slow), "exception in rank 1",
                                     pytest.param("SIGTERM to the launcher", marks=pytest.mark.slow),
                                     pytest.param("SIGINT to the launcher", marks=pytest.mark.slow),
-                                    "Ctrl-C (SIGINT to the process group)",
+                                    pytest.param("Ctrl-C (SIGINT to the process group)", marks=pytest.mark.slow),
                                     pytest.param("SIGTERM with --nproc 1 (the run in the launcher's process)",
                                                  marks=pytest.mark.slow)])
 def test_no_swap_or_temporary_file_survives_the_end_of_a_run(tmp_path, token_cache, ending):

@@ -298,6 +298,7 @@ def test_a_cap_on_gradients_held_for_the_in_place_step_bounds_them_and_changes_n
     assert free["peak_held_bytes"] <= free["all_grad_shards"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_in_place_step_with_capped_gradients_trains_a_hugging_face_llama_as_the_transactional_step(tmp_path):
     """The same on a transformers Llama (GQA, rotary) built from a small config: in place with

@@ -139,6 +139,7 @@ def _parallel_runs(rank, world):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_tensor_and_pipeline_parallel_runs_are_unchanged():
     """Megatron's tensor parallelism (its collectives inside the block are recomputed, the

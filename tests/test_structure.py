@@ -326,3 +326,22 @@ def test_a_cycle_through_a_temporary_package_is_reported(tmp_path, source):
     package = _write_package(tmp_path, {"__init__.py": "", "b.py": "from .a.c import x\n",
                                         "a/__init__.py": "", "a/c.py": source})
     assert import_cycles(import_graph(package)) == ["pkg.a.c -> pkg.b -> pkg.a.c"]
+
+
+LONGEST_LINES, LONG_LINES, MOST_LONG_FILES = 800, 600, 3
+
+
+def test_files_stay_short_and_the_long_ones_are_named_in_the_readme():
+    """No module of tiertrain/ is over 800 lines; at most three are over 600, and the README's
+    "How it works" section names each of them (the place that says why it reads better whole)."""
+    lengths = {path.relative_to(PACKAGE_ROOT.parent).as_posix(): len(path.read_text().splitlines())
+               for path in PACKAGE_ROOT.rglob("*.py")}
+    too_long = {path: n for path, n in lengths.items() if n > LONGEST_LINES}
+    assert not too_long, f"split these modules (over {LONGEST_LINES} lines): {too_long}"
+    long = {path: n for path, n in lengths.items() if n > LONG_LINES}
+    assert len(long) <= MOST_LONG_FILES, f"more than {MOST_LONG_FILES} modules over {LONG_LINES} lines: {long}"
+    readme = (PACKAGE_ROOT.parent / "README.md").read_text()
+    section = readme[readme.index("## How it works"):]
+    section = section[:section.index("\n## ", 1)]
+    unnamed = [path for path in long if f"`{path.removeprefix('tiertrain/')}`" not in section]
+    assert not unnamed, f"modules over {LONG_LINES} lines the README's How it works does not name: {unnamed}"

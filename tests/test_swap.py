@@ -327,6 +327,7 @@ def test_full_disk_and_read_only_tmpfs(tmp_path):
                               f"{ro}/rank0: Read-only file system"), r
 
 
+@pytest.mark.slow
 def test_full_disk_via_file_size_limit(tmp_path):
     r = _run_child([sys.executable, "-c", CHILD, "rlimit", str(tmp_path)], tmp_path)
     assert r["full"].startswith("SwapSpaceError: out of swap space writing 4194304 bytes to "
