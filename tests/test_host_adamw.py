@@ -209,6 +209,7 @@ def _train_llama(rank, world):
     return losses, params, engine.update.host_pass is not None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_hugging_face_llama_trains_with_the_compiled_step_like_single_process():
     losses, params, pass_used = run_distributed(_train_llama, 2, timeout=110)[0]

@@ -52,7 +52,7 @@ def _masters_equal_the_model(rank, world, family, stage, dtype, tiers, partition
     ("gpt", 3, "bf16", ("none", "none"), True),
     ("gpt", 3, "bf16", ("nvme", "nvme"), False),
     ("llama", 3, "bf16", ("cpu", "cpu"), True),
-    ("llama", 2, "bf16", ("none", "none"), False),
+    pytest.param("llama", 2, "bf16", ("none", "none"), False, marks=pytest.mark.slow),
 ])
 def test_masters_hold_the_models_own_fp32_values(tmp_path, family, stage, dtype, tiers, partitioned):
     results = run_distributed(_masters_equal_the_model, 2, family, stage, dtype, tiers, partitioned,
@@ -74,7 +74,7 @@ def _masters_after_load_pretrained(rank, world, directory, stage):
     return sorted(k for k in saved if not torch.equal(masters[k], saved[k]))
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_masters_loaded_from_a_pretrained_file_hold_its_fp32_values(tmp_path, stage):
     _llama().save_pretrained(tmp_path / "llama")
     for differ in run_distributed(_masters_after_load_pretrained, 2, str(tmp_path / "llama"), stage, timeout=60):

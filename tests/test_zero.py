@@ -36,8 +36,8 @@ def _one_step_accounting(rank, world, stages, dtype):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("world,dtype", [(2, "bf16"), (4, "fp32"), pytest.param(2, "fp32", marks=pytest.mark.slow),
+                                         pytest.param(4, "bf16", marks=pytest.mark.slow)])
 def test_model_state_bytes_follow_zero_table(world, dtype):
     """ZeRO §5 with our dtypes: params in the compute dtype, fp32 gradients, K = 8 (Adam
     moments) + 4 (fp32 master, only when compute is 16-bit)."""
@@ -214,7 +214,7 @@ def _hf_run(rank, world, stage):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
 def test_hugging_face_llama_wrapped_without_changes(stage):
     losses, params = run_distributed(_hf_run, 2, stage, timeout=100)[0]
     cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2}, optimizer={"eps": 1e-3})
@@ -259,7 +259,7 @@ def _t5_run(rank, world, stage):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
 def test_hugging_face_t5_encoder_decoder_trains_exactly(stage):
     losses, params, left_gathered = run_distributed(_t5_run, 2, stage, timeout=100)[0]
     assert not left_gathered, f"units still gathered after backward: {sorted(left_gathered)}"
