@@ -62,7 +62,9 @@ def run(capability: str | None, tests: list[str], log: Path) -> tuple[int, str]:
     env.pop("ATEN_CPU_CAPABILITY", None)
     if capability is not None:
         env["ATEN_CPU_CAPABILITY"] = capability
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *[str(HERE / t) for t in tests]]
+    # (-m: the tests named here run whether or not the suite marks them slow)
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow or not slow",
+            *[str(HERE / t) for t in tests]]
     proc = subprocess.run(args, env=env, capture_output=True, text=True, cwd=HERE.parent)
     summary = [line for line in proc.stdout.splitlines() if " passed" in line or " failed" in line]
     return proc.returncode, (summary[-1] if summary else proc.stdout[-2000:])
