@@ -82,11 +82,18 @@ def apply_tiling(model: nn.Module, plan: dict[str, int]) -> nn.Module:
     return model
 
 
+def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of ``logits`` [..., V] against ``labels`` [...], summed over the
+    labelled tokens (-100 ignored), in fp32 at least: the numerator of a token mean that a
+    context-parallel rank shares with its group (tiertrain/parallel/context.py exact_token_mean)."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), labels.reshape(-1).to(logits.device),
+                           ignore_index=-100, reduction="sum")
+
+
 def _tile_loss(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                labels: torch.Tensor) -> torch.Tensor:
-    logits = logits_of(hidden)
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    return F.cross_entropy(logits.to(dtype), labels, ignore_index=-100, reduction="sum")
+    return summed_cross_entropy(logits_of(hidden), labels)
 
 
 def cross_entropy_in_tiles(hidden: torch.Tensor, logits_of: Callable[[torch.Tensor], torch.Tensor],

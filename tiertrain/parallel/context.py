@@ -29,12 +29,14 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..errors import TiertrainError
 from ..waits import run_timeout
 
 __all__ = ["ContextParallelError", "ContextParallelTimeout", "GatherSequence", "context_split", "exact_token_mean",
-           "ring_attention", "tokens_multiple", "ulysses_attention", "zigzag_positions", "zigzag_split", "zigzag_unsplit"]
+           "next_token_labels", "ring_attention", "tokens_multiple", "ulysses_attention", "zigzag_positions",
+           "zigzag_split", "zigzag_unsplit"]
 
 
 class ContextParallelError(TiertrainError, ValueError):
@@ -128,9 +130,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     """torch's attention over whole sequences (key/value heads repeated for the query heads)."""
     k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     if window is None:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     mask = _visible(0, 0, q.shape[2], k.shape[2], window, q.device)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, causal: bool = True,
@@ -372,6 +374,13 @@ def context_split(x: torch.Tensor, dim: int, group, algorithm: str) -> torch.Ten
         raise ContextParallelError(f"Ulysses gives each of the parallel.cp={c} ranks an equal share of the "
                                    f"sequence: {x.shape[dim]} tokens are not divisible by {c}")
     return x.chunk(c, dim=dim)[r]
+
+
+def next_token_labels(labels: torch.Tensor) -> torch.Tensor:
+    """transformers' causal-LM labels (the token at each position) as the target of each
+    position, the next token's (the last position's: -100, ignored). Context parallelism shifts
+    before the split, so the target of a rank's last token may be another rank's first."""
+    return F.pad(labels, (0, 1), value=-100)[..., 1:]
 
 
 def exact_token_mean(summed: torch.Tensor, labelled: torch.Tensor, group) -> torch.Tensor:

@@ -22,12 +22,12 @@ import functools
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 import transformers
 
 from ..models.hf import ROTARY_DECODERS
-from ..tiling import cross_entropy_in_tiles
-from .context import ContextParallelError, GatherSequence, context_split, exact_token_mean, ring_attention, ulysses_attention
+from ..tiling import cross_entropy_in_tiles, summed_cross_entropy
+from .context import (ContextParallelError, GatherSequence, context_split, exact_token_mean, next_token_labels,
+                      ring_attention, ulysses_attention)
 
 __all__ = ["ATTENTION_NAME", "convert_hf_decoder"]
 
@@ -87,7 +87,7 @@ def _forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
     split = lambda x: context_split(x, 1, group, algorithm)
     b, t = input_ids.shape
     if labels is not None:
-        shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        shift_labels = next_token_labels(labels)
     if attention_mask is not None:
         _right_padding_only(attention_mask)
         if shift_labels is not None:
@@ -105,10 +105,7 @@ def _forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor |
         out = transformers.modeling_outputs.CausalLMOutputWithPast(logits=None)
     else:
         out = self.cp_base.forward(self, input_ids=split(input_ids), position_ids=positions, **kwargs)
-        logits = out.logits
-        dtype = torch.promote_types(logits.dtype, torch.float32)
-        summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), mine.reshape(-1).to(logits.device),
-                                 ignore_index=-100, reduction="sum")
+        summed = summed_cross_entropy(out.logits, mine)
     out.loss = exact_token_mean(summed, (mine != -100).sum(), group)
     return out
 

@@ -16,12 +16,11 @@ the -100 labels fall between the ranks.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..models.gpt import GPT, CausalSelfAttention
 from .tensor import GatherFromTensorParallel, tp_world_size, vocab_parallel_cross_entropy
 from .tp_plan import TensorParallelGPT
-from ..tiling import cross_entropy_in_tiles
+from ..tiling import cross_entropy_in_tiles, summed_cross_entropy
 from .context import (ContextParallelError, GatherSequence, _size, context_split, exact_token_mean, ring_attention,
                       tokens_multiple, ulysses_attention)
 
@@ -114,9 +113,7 @@ class ContextParallelGPT(GPT):
         logits_of = lambda h: _arch(self)._logits(self, h)  # noqa: E731
         if self.cp_loss_tile:
             return cross_entropy_in_tiles(x, logits_of, labels, self.cp_loss_tile)
-        logits = logits_of(x)
-        dtype = torch.promote_types(logits.dtype, torch.float32)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), labels.reshape(-1), reduction="sum")
+        return summed_cross_entropy(logits_of(x), labels)
 
 
 class ContextParallelTensorParallelGPT(ContextParallelGPT, TensorParallelGPT):

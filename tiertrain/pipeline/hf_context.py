@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from ..parallel.context import ContextParallelError, context_split, exact_token_mean
-from ..tiling import cross_entropy_in_tiles
+from ..parallel.context import ContextParallelError, context_split, exact_token_mean, next_token_labels
+from ..tiling import cross_entropy_in_tiles, summed_cross_entropy
 
 __all__ = ["check_stage", "local_tokens", "token_mean_share"]
 
@@ -54,7 +53,7 @@ def token_mean_share(stage: nn.Module, hidden: torch.Tensor, labels: torch.Tenso
     the labels are the tokens themselves (transformers' causal-LM loss), shifted here, before the
     split."""
     if shift:
-        labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        labels = next_token_labels(labels)
     mine = context_split(labels, 1, stage.cp_group, stage.cp_algorithm).to(hidden.device)
     labelled = (mine != -100).sum()
     if stage.cp_loss_tile:
@@ -68,7 +67,5 @@ def token_mean_share(stage: nn.Module, hidden: torch.Tensor, labels: torch.Tenso
         # (a rank none of whose tokens is labelled: 0, as the summed loss is, not the mean's 0/0)
         summed = torch.where(labelled > 0, mean * labelled, logits.sum() * 0)
     else:
-        logits = stage.lm_head(hidden)
-        dtype = torch.promote_types(logits.dtype, torch.float32)
-        summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), mine.reshape(-1), reduction="sum")
+        summed = summed_cross_entropy(stage.lm_head(hidden), mine)
     return exact_token_mean(summed, labelled, stage.cp_group)

@@ -103,6 +103,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..parallel.context import next_token_labels
 from ..parallel.cp_plan import cp_attributes
 from .hf_context import check_stage, local_tokens, token_mean_share
 from .hf_cut import _balanced, _check_tensor_parallel, _explicit, _untie
@@ -159,7 +160,7 @@ def _head_loss(stage: "HFStage", logits: torch.Tensor, labels: torch.Tensor) -> 
                              f"model's loss_function is {getattr(loss_function, '__name__', loss_function)!r}: "
                              f"keep lm_head whole (no 'colwise' plan for it) to use it")
         if loss_function is not None:  # (ForCausalLMLoss: position t predicts labels[t + 1])
-            labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+            labels = next_token_labels(labels)
         return vocab_parallel_cross_entropy(logits, labels, head.group)
     if vocab is not None and logits.shape[-1] != vocab:
         raise ValueError(f"the head gave {logits.shape[-1]} logits per token, not vocab_size={vocab}: a "
