@@ -8,6 +8,8 @@ into the bf16 compute shards and the rest of the step's bookkeeping. Two placeme
 with the optimizer on the CPU, stage 3 with parameters and optimizer on the CPU. Each is run
 with ``optimizer.impl`` compiled (AdamW + clip + cast in one pass: tiertrain/update/host_adamw.py)
 and fused (torch's kernel, then a separate cast), so the table shows what the pass changes.
+Both placements once more with the step overlapped with backward (zero.overlap_cpu_step,
+unclipped): there the step phase holds only what backward left, the last units' updates.
 
 Same threads; at 100 M elements, in one process, the bare step and each engine alternate in
 rounds (load drifts hit all alike); above 300 M only one of them fits in memory at a time, so
@@ -39,7 +41,13 @@ from tiertrain.config import from_dict
 PLACEMENTS = {
     "stage 2, optimizer on CPU": {"stage": 2, "offload_optimizer": "cpu"},
     "stage 3, parameters and optimizer on CPU": {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+    "stage 2, optimizer on CPU, overlapped with backward, unclipped":
+        {"stage": 2, "offload_optimizer": "cpu", "overlap_cpu_step": True},
+    "stage 3, parameters and optimizer on CPU, overlapped with backward, unclipped":
+        {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu", "overlap_cpu_step": True},
 }
+"""The engines timed; those overlapped with backward (zero.overlap_cpu_step) run unclipped (a
+clip by the global norm forbids updating a unit before backward ends), the others clip at 1.0."""
 
 
 class Linears(torch.nn.Module):
@@ -71,7 +79,8 @@ def bare_step(numel: int):
 def engine_step(d: int, layers: int, zero: dict, impl: str):
     cfg = from_dict(tiertrain.Config, {
         "zero": zero, "precision": {"dtype": "bf16"}, "batch": {"micro_batch_size": 1},
-        "optimizer": {"lr": 1e-4, "grad_clip": 1.0, "impl": impl}, "schedule": {"warmup_steps": 0}}).validate()
+        "optimizer": {"lr": 1e-4, "grad_clip": 0.0 if zero.get("overlap_cpu_step") else 1.0, "impl": impl},
+        "schedule": {"warmup_steps": 0}}).validate()
     torch.manual_seed(0)
     engine = tiertrain.wrap(Linears(d, layers), cfg, tiertrain.Topology.build(cfg.parallel))
     x = torch.randn(4, d)
@@ -168,16 +177,18 @@ def measure(elements: float, args) -> list[str]:
 
 
 def write_traces(prefix: str, elements: float, threads: int) -> list[str]:
-    """Two steps (forward, backward, step) of the stage-2 CPU-tier engine, synchronous and with
-    the delayed update, recorded as Chrome traces (prefix-sync.json.gz, prefix-delayed.json.gz)
-    and drawn beside them; returns the files written."""
+    """Two steps (forward, backward, step) of the stage-2 CPU-tier engine, synchronous, with the
+    delayed update and overlapped with backward (unclipped), recorded as Chrome traces
+    (prefix-sync.json.gz, prefix-delayed.json.gz, prefix-overlapped.json.gz) and drawn beside
+    them; returns the files written."""
     from tiertrain.observe.trace import StepTrace, plot_trace
 
     d, layers = shape_for(elements)
     written = []
-    for name, extra in (("sync", {}), ("delayed", {"delayed_update": True, "delayed_update_warmup": 1})):
+    for name, extra in (("sync", {}), ("delayed", {"delayed_update": True, "delayed_update_warmup": 1}),
+                        ("overlapped", {"overlap_cpu_step": True})):
         zero = {**PLACEMENTS["stage 2, optimizer on CPU"], **extra}
-        engine, _, step = engine_step(d, layers, zero, "fused" if extra else "compiled")
+        engine, _, step = engine_step(d, layers, zero, "fused" if "delayed_update" in extra else "compiled")
         for _ in range(2):
             step()
         trace = StepTrace(f"{prefix}-{name}.json", steps=2, first_step=0)
@@ -205,8 +216,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default="")
     ap.add_argument("--trace", default="", metavar="PREFIX",
-                    help="write two-step traces of the stage-2 CPU-tier engine (synchronous and delayed "
-                         "update) as PREFIX-sync.json.gz / PREFIX-delayed.json.gz with their plots, and stop")
+                    help="write two-step traces of the stage-2 CPU-tier engine (synchronous, delayed update, "
+                         "overlapped with backward) as PREFIX-{sync,delayed,overlapped}.json.gz with their plots, "
+                         "and stop")
     ap.add_argument("--trace-elements", type=float, default=25e6)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -223,7 +235,8 @@ def main() -> None:
              f"Command: `python {' '.join(sys.argv)}`", "",
              f"Machine: {'; '.join(machine_lines())}; {args.threads} torch threads; "
              f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}.",
-             "One process; bf16 compute, AdamW (lr 1e-4, weight decay 0.1), clip 1.0; engine step timed from "
+             "One process; bf16 compute, AdamW (lr 1e-4, weight decay 0.1), clip 1.0 (none where overlapped with "
+             "backward); engine step timed from "
              "after backward to the return of engine.step().", ""] + body
     print_and_write("\n".join(lines), args.out)
 

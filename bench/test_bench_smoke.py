@@ -109,8 +109,10 @@ def test_cpu_step_and_overlap_run(tmp_path):
                              "--trace-elements", "4e6"], capture_output=True, text=True, timeout=280)
     assert traced.returncode == 0, traced.stderr[-2000:]
     assert (tmp_path / "t-delayed.json.gz").exists() and (tmp_path / "t-sync.png").exists()
+    assert (tmp_path / "t-overlapped.json.gz").exists()
     overlap = subprocess.run([sys.executable, os.path.join(HERE, "cpu_overlap.py"), "--d", "256", "--layers", "2",
                               "--batch", "8", "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "o.md")],
                              capture_output=True, text=True, timeout=280)
     assert overlap.returncode == 0, overlap.stderr[-2000:]
     assert "| delayed update |" in (tmp_path / "o.md").read_text()
+    assert "| overlapped with backward, unclipped |" in (tmp_path / "o.md").read_text()

@@ -299,6 +299,8 @@ class ZeroConfig:
     """ZeRO-Offload's one-step delayed update (needs offload_optimizer=cpu): step t's CPU update overlaps step t+1's forward/backward, whose gradients are then computed at parameters one update old."""
     delayed_update_warmup: int = 40
     """With delayed_update: the first this-many optimizer steps run synchronously (the paper starts DPU after a few tens)."""
+    overlap_cpu_step: bool = False
+    """offload_optimizer=cpu: update each unit's shard during the boundary backward, once its gradient is reduced, into a second set of buffers (12 more bytes per parameter of the shard, CPU tier) that step() swaps in, or drops when the clip coefficient is below 1 or the step is skipped; the result is the synchronous step's."""
 
     def __post_init__(self) -> None:
         self.offload_optimizer = parse_tier("zero.offload_optimizer", self.offload_optimizer)
@@ -334,6 +336,13 @@ class ZeroConfig:
             raise ConfigError(f"{path}.offload_params='{self.offload_params.config_name}' needs {path}.stage=3 "
                               f"(only stage 3 partitions parameters), got stage={self.stage}")
         _check_positive(f"{path}.delayed_update_warmup", self.delayed_update_warmup, allow_zero=True)
+        if self.overlap_cpu_step and self.offload_optimizer != "cpu":
+            raise ConfigError(f"{path}.overlap_cpu_step=True is invalid with {path}.offload_optimizer="
+                              f"'{self.offload_optimizer.config_name}': it overlaps the CPU tier's step with backward; "
+                              f"expected offload_optimizer='cpu' (the NVMe tier's overlap is {path}.overlap_nvme_step)")
+        if self.overlap_cpu_step and self.delayed_update:
+            raise ConfigError(f"{path}.overlap_cpu_step=True is invalid with {path}.delayed_update=True: the delayed "
+                              f"update already runs the step beside the next forward and backward; choose one")
         if self.delayed_update and self.offload != "manual":
             raise ConfigError(f"{path}.delayed_update=True is invalid with {path}.offload={self.offload!r}: "
                               f"set {path}.offload='manual' and {path}.offload_optimizer='cpu'")
@@ -481,6 +490,15 @@ class Config:
                     "its own chunks)")
             raise ConfigError(f"optimizer.impl='compiled' is not used with {form}: valid with the optimizer in "
                               f"memory and a synchronous step; use optimizer.impl='auto' or 'fused'")
+        if self.zero.overlap_cpu_step and (self.optimizer.impl == "fused" or self.precision.dtype == "fp16"
+                                           or self.parallel.pp > 1):
+            what = ("optimizer.impl='fused' (torch's kernel updates in place; the overlapped step writes its "
+                    "updates beside the state with the compiled pass: use optimizer.impl='auto' or 'compiled')"
+                    if self.optimizer.impl == "fused" else
+                    "precision.dtype='fp16' (the loss scale's unscale changes every gradient after its reduction)"
+                    if self.precision.dtype == "fp16" else
+                    f"parallel.pp={self.parallel.pp} (the pipeline launches its own reductions)")
+            raise ConfigError(f"zero.overlap_cpu_step=True is not supported with {what}")
         if self.zero.overlap_param_gather and self.parallel.pp > 1:
             raise ConfigError(f"zero.overlap_param_gather=True is not supported with parallel.pp={self.parallel.pp}: "
                               f"the pipeline runs its stages' forwards itself; valid with parallel.pp=1")

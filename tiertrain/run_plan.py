@@ -111,5 +111,6 @@ def resolve_run_plan(config: "Config", client: "ClientOptimizer | None", gradien
         scales_loss=config.precision.dtype == "fp16", tp_partial_sums=tp_size > 1 and bool(pieces.partial),
         clips=config.optimizer.grad_clip > 0, gradient_pieces=pieces, update=OptimizerUpdate)
     form = choose_form(config, whole_groups=client is not None and bool(client.whole_groups),
-                       lazy_zero=plan.lazy_zero, global_gradient_changes=plan.global_gradient_changes)
+                       lazy_zero=plan.lazy_zero, global_gradient_changes=plan.global_gradient_changes,
+                       tp_partial_sums=plan.tp_partial_sums)
     return replace(plan, update=form)  # (the form depends on the facts above: chosen from them)

@@ -15,6 +15,7 @@ from ..tiers import Tier
 from .delayed import DelayedUpdate
 from .in_memory import InMemoryUpdate
 from .nvme.form import NVMeUpdate, OverlappedNVMeUpdate
+from .overlapped_host import OverlappedHostUpdate
 from .protocol import LandingNorms, OptimizerUpdate
 from .whole import WholeParameterUpdate
 
@@ -65,7 +66,7 @@ UpdateFactory = Callable[[UpdateContext], OptimizerUpdate]
 
 
 def choose_form(config: "Config", *, whole_groups: bool, lazy_zero: bool,
-                global_gradient_changes: bool) -> type[OptimizerUpdate]:
+                global_gradient_changes: bool, tp_partial_sums: bool | None = None) -> type[OptimizerUpdate]:
     """The form for this configuration, decided in this order:
 
     * a client optimizer with groups that need whole tensors (Muon, Adafactor: found by
@@ -76,6 +77,9 @@ def choose_form(config: "Config", *, whole_groups: bool, lazy_zero: bool,
       ``zero.overlap_nvme_step`` is set, reductions launch as gradients arrive (``lazy_zero``)
       and nothing global changes the gradients after their reduction;
     * ``zero.delayed_update`` → ZeRO-Offload's one-step delayed update;
+    * ``zero.overlap_cpu_step`` → the CPU tier's step during the boundary backward, unit by
+      unit, speculative (update/overlapped_host.py); refused where an fp16 unscale or a
+      tensor-parallel sum changes the gradients after their reduction;
     * otherwise torch AdamW in memory (device or CPU tier).
 
     Each form builds the client's optimizer instead of the default AdamW when there is one;
@@ -89,6 +93,17 @@ def choose_form(config: "Config", *, whole_groups: bool, lazy_zero: bool,
         return NVMeUpdate
     if zc.delayed_update:
         return DelayedUpdate
+    if zc.overlap_cpu_step:
+        if tp_partial_sums is None:  # (not given: whatever global change neither a clip nor fp16 explains)
+            tp_partial_sums = global_gradient_changes and not (config.optimizer.grad_clip > 0
+                                                               or config.precision.dtype == "fp16")
+        if tp_partial_sums or not lazy_zero:
+            why = ("the reductions are launched by a schedule, not as gradients arrive" if not lazy_zero else
+                   "a tensor-parallel sum of partial gradients (sequence parallelism) changes them after their "
+                   "reduction")
+            raise ConfigError(f"zero.overlap_cpu_step=True updates each unit as its gradient reduction lands, but "
+                              f"here {why}: set zero.overlap_cpu_step=false")
+        return OverlappedHostUpdate
     return InMemoryUpdate
 
 
@@ -131,13 +146,23 @@ def _delayed(c: UpdateContext) -> OptimizerUpdate:
                          swap_gradients=not c.gradient_views_held)
 
 
+def _overlapped_host(c: UpdateContext) -> OptimizerUpdate:
+    if c.optimizer is not None:
+        raise ConfigError(f"zero.overlap_cpu_step=True updates with the compiled AdamW pass, writing beside the "
+                          f"state; the optimizer brought to wrap() ({c.optimizer.name}) steps itself, in place: "
+                          f"set zero.overlap_cpu_step=false, or train with the configured AdamW")
+    group = c.topology.world_group() if dist.is_initialized() else None
+    return OverlappedHostUpdate(c.flat, c.config, c.lazy_zero, c.reducer, group, c.topology.device,
+                                _landing_norms(c))
+
+
 def _in_memory(c: UpdateContext) -> OptimizerUpdate:
     return InMemoryUpdate(c.flat, c.config, c.lazy_zero, c.optimizer, _landing_norms(c))
 
 
 _BUILDERS: dict[type, Callable[[UpdateContext], OptimizerUpdate]] = {
     WholeParameterUpdate: _whole, OverlappedNVMeUpdate: _overlapped_nvme, NVMeUpdate: _nvme,
-    DelayedUpdate: _delayed, InMemoryUpdate: _in_memory}
+    DelayedUpdate: _delayed, OverlappedHostUpdate: _overlapped_host, InMemoryUpdate: _in_memory}
 """How each form chosen by choose_form is built from the context."""
 
 
@@ -153,6 +178,9 @@ def _check_whole(c: UpdateContext) -> None:
     if c.config.optimizer.impl == "compiled":
         raise ConfigError(f"{why}; optimizer.impl=compiled is the default AdamW's kernel: leave optimizer.impl "
                           f"at auto")
+    if c.config.zero.overlap_cpu_step:
+        raise ConfigError(f"{why}; zero.overlap_cpu_step (the flat shards stepped unit by unit during backward) "
+                          f"does not run it: set zero.overlap_cpu_step=false")
     if c.config.zero.delayed_update:
         raise ConfigError(f"{why}; zero.delayed_update (ZeRO-Offload's one-step delayed update over the flat "
                           f"shards) does not run it: set zero.delayed_update: false")

@@ -67,21 +67,38 @@ def _adamw_cast(param, grad, exp_avg, exp_avg_sq, out, hyper):
     out.copy_(param)
 
 
+def _adamw_into(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out, exp_avg_sq_out, hyper):
+    """_adamw with the new values written into the *_out tensors, the inputs left as they were
+    (an update that can still be discarded: update/overlapped_host.py). The same operations on
+    the same values as the in-place kernel, so the same bits."""
+    param_out.copy_(param)
+    exp_avg_out.copy_(exp_avg)
+    exp_avg_sq_out.copy_(exp_avg_sq)
+    _adamw(param_out, grad, exp_avg_out, exp_avg_sq_out, hyper)
+
+
+def _adamw_into_cast(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out, exp_avg_sq_out, out, hyper):
+    """_adamw_into, then the new values stored in ``out`` (the compute-dtype shard) in the same loop."""
+    _adamw_into(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out, exp_avg_sq_out, hyper)
+    out.copy_(param_out)
+
+
 class CompileUnavailable(TiertrainError, RuntimeError):
     """torch.compile could not build the kernel on this machine (no C++ compiler, or inductor
     failed): the message says why."""
 
 
 @functools.cache
-def _kernels(cast_dtype: torch.dtype | None):
-    """The compiled kernel (with a cast into cast_dtype, or without), built and warmed once
-    per process."""
+def _kernels(cast_dtype: torch.dtype | None, into: bool = False):
+    """The compiled kernel (with a cast into cast_dtype, or without; in place, or into separate
+    outputs), built and warmed once per process."""
     compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if compiler is None:
         raise CompileUnavailable("no C++ compiler (c++, g++ or clang++) on PATH: torch.compile needs one to "
                                  "build CPU kernels")
-    fn = _adamw if cast_dtype is None else _adamw_cast
-    scratch = [torch.zeros(WARM_ELEMENTS) for _ in range(4)]
+    fn = {(False, False): _adamw, (False, True): _adamw_cast, (True, False): _adamw_into,
+          (True, True): _adamw_into_cast}[into, cast_dtype is not None]
+    scratch = [torch.zeros(WARM_ELEMENTS) for _ in range(7 if into else 4)]
     if cast_dtype is not None:
         scratch.append(torch.zeros(WARM_ELEMENTS, dtype=cast_dtype))
     hyper = hyperparameters(lr=0.0, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1, grad_factor=1.0)
@@ -120,10 +137,10 @@ class HostAdamW:
     new values are also written into its compute-dtype destination, when it has one."""
 
     def __init__(self, optimizer: torch.optim.AdamW,
-                 destination_of: Callable[[torch.Tensor], torch.Tensor | None]):
+                 destination_of: Callable[[torch.Tensor], torch.Tensor | None], who: str = "optimizer.impl=compiled"):
         reason = unsupported_reason(optimizer)
         if reason is not None:
-            raise ValueError(f"optimizer.impl=compiled steps torch's AdamW in host memory; {reason}")
+            raise ValueError(f"{who} steps torch's AdamW in host memory with the compiled pass; {reason}")
         self.optimizer = optimizer
         self.destinations = {id(p): destination_of(p) for g in optimizer.param_groups for p in g["params"]}
         cast_dtypes = {d.dtype for d in self.destinations.values() if d is not None}
@@ -141,28 +158,66 @@ class HostAdamW:
         with span("optimizer_pass"):
             self._step(1.0 if clip is None else float(clip), clip, skip)
 
+    def step_pieces(self, pieces: list[tuple[dict, torch.Tensor]], clip: torch.Tensor | None = None) -> None:
+        """One AdamW update of these (param group, piece) pairs only, each with a gradient,
+        scaled by clip; their destinations then hold their values (no other piece is touched)."""
+        with span("optimizer_pass"):
+            self._update(pieces, 1.0 if clip is None else float(clip), clip)
+
+    @staticmethod
+    def steps_alone(p: torch.Tensor) -> bool:
+        """Whether piece p takes the compiled kernel of its own (else torch's step over all small pieces)."""
+        return p.numel() >= SMALL_PIECE
+
+    def update_into(self, group: dict, p: torch.Tensor, p_out: torch.Tensor, exp_avg_out: torch.Tensor,
+                    exp_avg_sq_out: torch.Tensor) -> None:
+        """The next unclipped AdamW update of piece p (one that :meth:`steps_alone`) written into
+        p_out and the two moment outputs, and into p's destination; p, its state and its step
+        count are left as they were, for the caller to commit (swap the outputs in, count the
+        step) or discard (give the destination p's values back)."""
+        state = self._state(p)
+        beta1, beta2 = group["betas"]
+        hyper = hyperparameters(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                                float(state["step"]) + 1, 1.0)
+        out = self.destinations[id(p)]
+        tensors = (p, p.grad, state["exp_avg"], state["exp_avg_sq"], p_out, exp_avg_out, exp_avg_sq_out)
+        if out is None:
+            _kernels(None, into=True)(*tensors, hyper)
+        else:
+            _kernels(self.cast_dtype, into=True)(*tensors, out, hyper)
+
     def _step(self, factor: float, clip: torch.Tensor | None, skip: Callable[[torch.Tensor], bool]) -> None:
-        small = []
+        chosen = []
         for group in self.optimizer.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None or skip(p):
                     if self.destinations[id(p)] is not None:
                         self.destinations[id(p)].copy_(p)
                     continue
-                if p.numel() < SMALL_PIECE:
-                    small.append(p)
-                    continue
-                state = self._state(p)
-                state["step"] += 1
-                step = float(state["step"])
-                hyper = hyperparameters(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step, factor)
-                out = self.destinations[id(p)]
-                if out is None:
-                    _kernels(None)(p, p.grad, state["exp_avg"], state["exp_avg_sq"], hyper)
-                else:
-                    _kernels(self.cast_dtype)(p, p.grad, state["exp_avg"], state["exp_avg_sq"], out, hyper)
+                chosen.append((group, p))
+        self._update(chosen, factor, clip)
+
+    def _update(self, chosen: list[tuple[dict, torch.Tensor]], factor: float, clip: torch.Tensor | None) -> None:
+        small = []
+        for group, p in chosen:
+            if not self.steps_alone(p):
+                small.append(p)
+                continue
+            beta1, beta2 = group["betas"]
+            state = self._state(p)
+            state["step"] += 1
+            step = float(state["step"])
+            hyper = hyperparameters(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step, factor)
+            out = self.destinations[id(p)]
+            if out is None:
+                _kernels(None)(p, p.grad, state["exp_avg"], state["exp_avg_sq"], hyper)
+            else:
+                _kernels(self.cast_dtype)(p, p.grad, state["exp_avg"], state["exp_avg_sq"], out, hyper)
         self._step_small(small, clip)
+
+    def state_of(self, p: torch.Tensor) -> dict:
+        """Piece p's AdamW state (step, exp_avg, exp_avg_sq), created as torch's fused AdamW creates it."""
+        return self._state(p)
 
     def _state(self, p: torch.Tensor) -> dict:
         """The piece's AdamW state, created as torch's fused AdamW creates it."""

@@ -85,15 +85,20 @@ def _host_pass(flat, config, optimizer, client) -> HostAdamW | None:
     if client is not None:
         raise ValueError("optimizer.impl=compiled is the default AdamW's kernel; a client optimizer "
                          "(wrap(optimizer=...)) steps itself: leave optimizer.impl at auto")
-
-    def destination(piece):
-        index, start, end = getattr(piece, PIECE)
-        shard = flat.host_compute_shard(index)
-        return None if shard is None else shard[start:end]
     try:
-        return HostAdamW(optimizer, destination)
+        return host_pass(flat, optimizer, "optimizer.impl=compiled")
     except CompileUnavailable as e:
         if impl == "compiled":
             raise
         warn_unavailable(e)
         return None
+
+
+def host_pass(flat, optimizer, who: str) -> HostAdamW:
+    """The compiled pass over the optimizer's pieces, each writing its unit's host compute
+    shard where there is one (who: the setting that asks for it, for errors)."""
+    def destination(piece):
+        index, start, end = getattr(piece, PIECE)
+        shard = flat.host_compute_shard(index)
+        return None if shard is None else shard[start:end]
+    return HostAdamW(optimizer, destination, who)

@@ -164,6 +164,10 @@ class LandingNorms:
         with span("grad_norm_at_landing"):
             self._squares[index] = squared_norm(self.flat.units[index].grad)
 
+    def square(self, index: int) -> torch.Tensor | None:
+        """Unit index's squared norm, if its reduction landed at this boundary."""
+        return self._squares.get(index)
+
     def squares(self) -> list[torch.Tensor] | None:
         """Per unit its squared norm (units no reduction reached this step, zeroed since, are
         read now); None when this boundary took none."""

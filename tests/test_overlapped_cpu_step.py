@@ -1,0 +1,220 @@
+"""The CPU tier's step overlapped with backward (zero.overlap_cpu_step, tiertrain/update/overlapped_host.py):
+each unit's shard is updated on a worker thread once its reduction lands at the boundary
+backward, into a second set of buffers; step() swaps them in when the speculation holds (no
+clip, or a clip coefficient of 1) and drops them otherwise. Either way the run is the
+synchronous step's bit for bit, also across cancels (a forward, a save, a skipped step before
+step()) and with a parameter no rank used; what cannot overlap is refused by name."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+from reference import Oracle, engine_train, global_batches, make_config, make_model, reference_train
+
+import tiertrain
+from tiertrain.config import ConfigError
+from tiertrain.testing import run_distributed
+from tiertrain.update.overlapped_host import OverlappedHostUpdate
+
+pytestmark = pytest.mark.timeout(120)
+STEPS, MICRO = 4, 2
+WIDE = {"hidden": 256}
+"""Wide enough that most pieces of a shard take the compiled kernel of their own (the worker
+updates those; pieces under 64 Ki elements wait for step(), as update/host_adamw.py steps them)."""
+
+
+def _config(stage, overlap, dtype="fp32", accum=2, params="none", clip=0.0, **optimizer):
+    return make_config(zero={"stage": stage, "bucket_mb": 0.02, "offload_optimizer": "cpu", "offload_params": params,
+                             "overlap_cpu_step": overlap},
+                       batch={"micro_batch_size": MICRO, "grad_accum_steps": accum}, precision={"dtype": dtype},
+                       optimizer={"lr": 1e-2, "grad_clip": clip, "impl": "compiled", **optimizer})
+
+
+# (stage, dtype, offload_params, clip): 5.0 is above these runs' gradient norm (the speculation
+# is committed), 0.05 below it (dropped, and the step clipped).
+VARIANTS = [(2, "fp32", "none", 0.0), (2, "bf16", "none", 5.0), (3, "fp32", "cpu", 0.05), (3, "bf16", "cpu", 5.0)]
+
+
+def _runs(rank, world, variants):
+    out = []
+    for stage, dtype, params, clip in variants:
+        runs = []
+        for overlap in (True, False):
+            cfg = _config(stage, overlap, dtype, params=params, clip=clip)
+            losses, final, engine = engine_train(rank, world, make_model(**WIDE), cfg, global_batches(STEPS, MICRO * 2 * world))
+            update = engine.update
+            runs.append((losses, final, type(update), update.last_overlapped_step, getattr(update, "speculation", None)))
+            engine.close()
+        out.append(runs)
+    return out
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("variants", [VARIANTS[1:3], pytest.param(VARIANTS[::3], marks=pytest.mark.slow)],
+                         ids=["stage 2 bf16 committed, stage 3 fp32 clipped", "stage 2 unclipped, stage 3 bf16"])
+def test_the_overlapped_step_is_the_synchronous_step_bit_for_bit(variants):
+    world = 2
+    out = run_distributed(_runs, world, variants, timeout=90)[0]
+    for (stage, dtype, params, clip), ((losses, final, form, progress, speculation), (sync_losses, sync_final,
+                                                                                       sync_form, *_)) in zip(variants, out):
+        what = f"stage {stage} {dtype} params={params} clip={clip}"
+        assert form is OverlappedHostUpdate and sync_form is not OverlappedHostUpdate, what
+        # Units were handed to the worker during backward, before step() began.
+        assert 0 < progress["units_ready"] <= progress["units"], (what, progress)
+        if clip == 0.05:  # the norm exceeds the clip: every speculation dropped (or stopped before it began)
+            assert speculation["committed"] == 0, (what, speculation)
+        else:
+            assert speculation == {"committed": STEPS, "discarded": 0}, (what, speculation)
+        assert losses == sync_losses, what
+        assert all(torch.equal(final[k], sync_final[k]) for k in sync_final), what
+        if dtype == "fp32":  # and so equal to plain PyTorch within the float64 oracle's bound
+            cfg = _config(stage, True, dtype, params=params, clip=clip)
+            Oracle.run(reference_train, make_model(**WIDE), cfg, global_batches(STEPS, MICRO * 2 * world)).check(
+                losses, final, what)
+
+
+def _engine(overlap, model=None, **optimizer):
+    cfg = _config(2, overlap, accum=1, **optimizer)
+    return tiertrain.wrap(model or make_model(**WIDE), cfg, tiertrain.Topology.build(cfg.parallel))
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class WithUnused(nn.Module):
+    """The tiny GPT and a matrix no forward uses: torch's AdamW leaves it (no .grad), and so
+    must an update that runs before step() knows which parameters went unused."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = make_model(**WIDE)
+        self.unused = nn.Parameter(torch.randn(300, 300))  # (large enough for a kernel of its own)
+
+    def forward(self, input_ids, labels=None):
+        return self.gpt(input_ids, labels=labels)
+
+
+def test_a_parameter_no_rank_used_is_left_unchanged():
+    torch.manual_seed(0)
+    model = WithUnused()
+    before = model.unused.detach().clone()
+    engine = _engine(True, model, weight_decay=0.1)
+    for batch in global_batches(2, MICRO):
+        engine.train_batch(iter([batch]))
+    after = engine.full_state_dict()
+    assert engine.update.speculation["committed"] == 2
+    assert torch.equal(after["unused"], before)
+    assert not torch.equal(after["gpt.blocks.0.mlp.fc1.weight"], make_model(**WIDE).state_dict()["blocks.0.mlp.fc1.weight"])
+    engine.close()
+
+
+def _wait_for_updated_units(engine) -> None:
+    deadline = time.monotonic() + 30
+    while not engine.update._in_flight.updated:
+        assert time.monotonic() < deadline, "the worker updated no unit during backward"
+        time.sleep(0.005)
+
+
+def _interrupted(overlap: bool, tmp_path) -> tuple[dict, dict, dict]:
+    """A step interrupted by a save and by a forward between the last backward and step(),
+    then stepped: the state saved, the state after that step, after the next one."""
+    engine = _engine(overlap, clip=100.0)  # (clipping, with a coefficient of 1)
+    batches = global_batches(3, MICRO)
+    engine.train_batch(iter([batches[0]]))
+    engine.backward(engine(batches[1]))
+    if overlap:
+        _wait_for_updated_units(engine)
+    engine.save_checkpoint(str(tmp_path / f"saved-{overlap}"))  # cancels what ran ahead: saves the last step
+    saved = engine.full_state_dict()
+    engine.backward(engine(batches[1]))  # a forward before step() (and a second backward adding to the first)
+    assert engine.step()
+    stepped = engine.full_state_dict()
+    engine.train_batch(iter([batches[2]]))
+    after = engine.full_state_dict()
+    if overlap:
+        assert engine.update.speculation == {"committed": 3, "discarded": 1}
+    engine.close()
+    return saved, stepped, after
+
+
+def test_a_save_or_a_forward_before_step_drops_what_ran_ahead(tmp_path):
+    overlapped, synchronous = _interrupted(True, tmp_path), _interrupted(False, tmp_path)
+    for a, b in zip(overlapped, synchronous):
+        assert _same(a, b)
+    resumed = _engine(True)
+    resumed.load_checkpoint(str(tmp_path / "saved-True"))
+    assert _same(resumed.full_state_dict(), overlapped[0])
+    resumed.close()
+
+
+def _poisoned_step(overlap: bool, names) -> tuple[bool, dict, dict, int]:
+    engine = _engine(overlap, clip=5.0)
+    batch = global_batches(1, MICRO)[0]
+    engine.train_batch(iter([batch]))
+    before = engine.full_state_dict()
+    hooks = [p.register_hook(lambda g: g * float("inf")) for n, p in engine.module.named_parameters()
+             if n in names or names == "all"]
+    engine.backward(engine(batch))
+    if overlap and names != "all":
+        _wait_for_updated_units(engine)
+    stepped = engine.step()
+    for h in hooks:
+        h.remove()
+    skipped = engine.full_state_dict()
+    assert _same(before, skipped)
+    engine.train_batch(iter([batch]))  # the run goes on
+    after = engine.full_state_dict()
+    engine.close()
+    return stepped, skipped, after, engine.train_state.skipped_steps
+
+
+@pytest.mark.parametrize("names", ["all", ["embed.weight"]], ids=["first unit", "last unit"])
+def test_a_non_finite_gradient_skips_the_step_as_the_synchronous_step_does(names):
+    # "all": the first unit to land is not finite (the worker stops at once); the embedding's
+    # unit lands last, after the worker updated others.
+    overlapped, synchronous = _poisoned_step(True, names), _poisoned_step(False, names)
+    assert overlapped[0] is synchronous[0] is False
+    assert overlapped[3] == synchronous[3] == 1
+    assert _same(overlapped[2], synchronous[2])
+
+
+def test_memory_report_counts_the_second_buffers():
+    sizes = {}
+    for overlap in (True, False):
+        engine = _engine(overlap)
+        engine.train_batch(iter(global_batches(1, MICRO)))
+        sizes[overlap] = engine.memory_report()
+        engine.close()
+    extra = sizes[True].cpu_tier - sizes[False].cpu_tier
+    shard = sum(p.numel() for p in make_model(**WIDE).parameters())
+    assert 0 < extra <= 12 * shard + 4 * 1024  # (the masters' padding, and pieces torch steps in place)
+    assert sizes[True].optimizer - sizes[False].optimizer == extra
+
+
+@pytest.mark.parametrize("zero, other, message", [
+    ({"overlap_cpu_step": True}, {"optimizer": {"impl": "fused"}}, "impl='fused'"),
+    ({"overlap_cpu_step": True}, {"precision": {"dtype": "fp16"}}, "fp16"),
+    ({"overlap_cpu_step": True, "offload_optimizer": "none"}, {}, "offload_optimizer='none'"),
+    ({"overlap_cpu_step": True, "delayed_update": True}, {}, "delayed_update=True"),
+])
+def test_what_cannot_overlap_is_refused_by_name(zero, other, message):
+    sections = {"zero": {"stage": 2, "offload_optimizer": "cpu", **zero}}
+    for k, v in other.items():
+        sections[k] = {**sections.get(k, {}), **v}
+    with pytest.raises(ConfigError, match=message):
+        make_config(**sections)
+
+
+def test_a_client_optimizer_is_refused_by_name():
+    cfg = _config(2, True, accum=1)
+    model = make_model()
+    with pytest.raises(ConfigError, match="overlap_cpu_step.*optimizer brought to wrap"):
+        tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel),
+                       optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_default_is_off():
+    assert make_config(zero={"stage": 2, "offload_optimizer": "cpu"}).zero.overlap_cpu_step is False
