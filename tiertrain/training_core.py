@@ -104,7 +104,8 @@ class TrainingCore:
         save_pretrained: a --model.hf run's tokenizer (models.hf.tokenizer_files), name → content."""
         gradient_plan = plan(self.dp)
         self._plan = resolve_run_plan(config, client, gradient_plan, dp_rank=self.comm.rank,
-                                      tp_rank=topology.coord("tp"), tp_size=self.tp_comm.size)
+                                      tp_rank=topology.coord("tp"), tp_size=self.tp_comm.size,
+                                      device=topology.device)
         # layout, buffers, placement, swapper, flat, fetcher (if asked for), reducer, scaler, update
         build_parts(self, module, gradient_plan, update_factory, client, one_model_fetcher=one_model_fetcher)
         self.train_state = TrainState()
