@@ -481,6 +481,9 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
     lines += second_generation_lines(lay, pk.master + pk.moments + shared_masters)
     if lay.accumulate_on_device:
         lines.append(accumulator_line(4 * sum(u.padded_numel for u in layout.units), f"; {pad}"))
+        notes.append("zero.accumulate_on_device: every unit's fp32 bucket is kept over the micro-batches (the "
+                     "accumulators line); the buckets and reductions in flight at the peak are counted as without "
+                     "it, which counts the bucket being filled twice")
     # transient lines at the peak (device tier); standard activation lines always listed
     merged: dict[str, list] = {}
     order: list[str] = []
