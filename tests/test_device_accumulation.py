@@ -103,7 +103,7 @@ def test_without_it_every_micro_batch_is_reduced(stage):
     assert "reduced every micro-batch (zero.accumulate_on_device=off)" in line
     _, _, per_step, units, line, between = run_distributed(_train, 2, stage, "cpu", "fp32", "on", 1, timeout=80)[0]
     assert per_step == [units] * STEPS and between == 0
-    assert "one micro-batch per step" in line
+    assert "gradient accumulation: one micro-batch per step, nothing to accumulate" in line
 
 
 # -- the decision ------------------------------------------------------------------------------
@@ -125,12 +125,14 @@ def test_run_plan_records_the_decision_and_its_reason():
     assert plan.accumulation.on and plan.accumulation.device_bytes == expected
     assert "zero.accumulate_on_device=on" in plan.accumulation.reason and plan.accumulation.reason in plan.describe()
     off = _plan(_config(3, "cpu", setting="off")).accumulation
-    assert not off.on and off.reason == "zero.accumulate_on_device=off" and off.device_bytes == 0
+    assert not off.on and off.reason == "zero.accumulate_on_device=off" and off.device_bytes == 0 and off.applies
     # auto keeps today's path on a CPU-only host (also under the emulated GPU host, whose free
     # device memory is unknown)
     auto = _plan(_config(2, "cpu", setting="auto")).accumulation
     assert not auto.on and auto.reason.startswith("auto: ")
-    assert "nothing to accumulate" in _plan(_config(2, "cpu", accum=1)).accumulation.reason
+    single = _plan(_config(2, "cpu", accum=1))
+    assert "nothing to accumulate" in single.accumulation.reason and not single.accumulation.applies
+    assert "gradient accumulation: one micro-batch per step" in single.describe()
     assert "stage 1 keeps whole gradients" in _plan(make_config(
         zero={"stage": 1, "accumulate_on_device": "on"}, batch={"grad_accum_steps": 4})).accumulation.reason
 
@@ -140,14 +142,18 @@ def test_auto_accumulates_on_the_device_when_the_buffers_fit():
 
     def auto(**kw):
         args = dict(stage=2, accum=8, launch_when_ready=True, extra_bytes=4 << 30, accelerator=True,
-                    free_device_bytes=40 << 30)
+                    free_device_bytes=lambda: 40 << 30)
         return decide("auto", **{**args, **kw})
     assert auto().on and auto().device_bytes == 4 << 30 and "fit in 0.5 of the 40960.0 MiB free" in auto().reason
     at_limit = int((4 << 30) / AUTO_SHARE)
-    assert auto(free_device_bytes=at_limit).on and not auto(free_device_bytes=at_limit - 1).on
-    assert "exceed" in auto(free_device_bytes=at_limit - 1).reason
+    assert auto(free_device_bytes=lambda: at_limit).on and not auto(free_device_bytes=lambda: at_limit - 1).on
+    assert "exceed" in auto(free_device_bytes=lambda: at_limit - 1).reason
     assert not auto(accelerator=False).on and "no accelerator" in auto(accelerator=False).reason
-    assert not auto(free_device_bytes=None).on
+    assert not auto(free_device_bytes=lambda: None).on
+    asked = []  # the free memory (a collective across the group) is asked only where auto needs it
+    for kw in (dict(accelerator=False), dict(stage=1), dict(accum=1), dict(launch_when_ready=False)):
+        auto(free_device_bytes=lambda: asked.append(kw) or 0, **kw)
+    assert asked == []
     assert not auto(launch_when_ready=False).on and "pipeline" in auto(launch_when_ready=False).reason
     assert not auto(stage=3, accum=1).on
 
@@ -187,3 +193,28 @@ def test_estimator_counts_the_device_accumulators(stage):
     assert ZeroLayout.from_config(cfg, 2).accumulate_on_device
     assert not ZeroLayout.from_config(_config(stage, "cpu", setting="auto"), 2).accumulate_on_device
     assert not ZeroLayout.from_config(_config(stage, "cpu", accum=1), 2).accumulate_on_device
+
+
+def _auto_with_free_memory(rank, world, free_by_rank):
+    """auto on a pretended accelerator whose free memory differs by rank: the ranks decide from
+    the least (one all-reduce), so they issue the same collectives."""
+    import tiertrain
+    import tiertrain.run_plan as run_plan
+    import tiertrain.zero.accumulation as accumulation
+
+    run_plan.acts_as_accelerator = lambda device: True
+    accumulation.free_memory = lambda device: free_by_rank[rank]
+    cfg = _config(2, "cpu", setting="auto")
+    losses, _, engine = engine_train(rank, world, make_model(), cfg, global_batches(1, MICRO * ACCUM * world))
+    return engine.plan.accumulation.on, engine.plan.accumulation.reason
+
+
+@pytest.mark.timeout(60)
+def test_auto_decides_alike_on_every_rank_from_the_least_free_memory():
+    plenty, little = 1 << 40, 1 << 16  # (the buffers: 0.1 MiB)
+    decisions = run_distributed(_auto_with_free_memory, 2, [plenty, little], timeout=50)
+    assert [on for on, _ in decisions] == [False, False]
+    assert all("exceed 0.5 of the 0.1 MiB free" in reason for _, reason in decisions)
+    decisions = run_distributed(_auto_with_free_memory, 2, [plenty, 2 * plenty], timeout=50)
+    assert [on for on, _ in decisions] == [True, True]
+    assert all(f"of the {plenty / 2**20:.1f} MiB free" in reason for _, reason in decisions)

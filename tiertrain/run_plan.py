@@ -24,11 +24,11 @@ gradient plan (zero/plan.py):
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .device import acts_as_accelerator, free_memory
+from .device import acts_as_accelerator
 from .offload.shard_store import DeviceShards, store_for
 from .tiers import Tier
 from .update.factory import choose_form
@@ -70,7 +70,7 @@ class RunPlan:
     """Which pieces of this rank's gradient shards count in the norm and are tp partial sums."""
     update: type[OptimizerUpdate]
     """The optimizer-step form build_update builds (a custom update_factory may build another)."""
-    accumulation: DeviceAccumulation = DeviceAccumulation(False, "not decided")
+    accumulation: DeviceAccumulation = DeviceAccumulation(False, "not decided", applies=False)
     """Stages 2-3 with accumulation: gradients accumulate on the device and are reduced once per
     step, or are reduced every micro-batch (zero.accumulate_on_device), and why."""
 
@@ -107,10 +107,13 @@ class RunPlan:
 
 def resolve_run_plan(config: "Config", client: "ClientOptimizer | None", gradient_plan: GradientPlan, *,
                      dp_rank: int, tp_rank: int, tp_size: int,
-                     device: torch.device = torch.device("cpu")) -> RunPlan:
+                     device: torch.device = torch.device("cpu"),
+                     free_device_bytes: Callable[[], int | None] = lambda: None) -> RunPlan:
     """The plan of a validated config on one rank: dp_rank, tp_rank, tp_size are the engine's
     collectives' (its data-parallel × context-parallel group and its tensor-parallel group);
-    device: the compute device (whose free memory decides zero.accumulate_on_device=auto).
+    device: the compute device; free_device_bytes: its free memory, asked only where
+    zero.accumulate_on_device=auto needs it (zero/accumulation.py agreed_free_memory: the least
+    over the data-parallel group, a collective every rank of it reaches alike).
     The whole-parameter form's limits are checked when it is built (update/factory.py)."""
     stage = ZeroStage.of(config)
     zc = config.zero
@@ -125,7 +128,7 @@ def resolve_run_plan(config: "Config", client: "ClientOptimizer | None", gradien
         accumulation=decide(zc.accumulate_on_device, stage=stage.value, accum=config.batch.grad_accum_steps,
                             launch_when_ready=gradient_plan.launch_when_ready,
                             extra_bytes=accumulator_bytes(u.padded_numel for u in gradient_plan.layout.units),
-                            accelerator=acts_as_accelerator(device), free_device_bytes=free_memory(device)))
+                            accelerator=acts_as_accelerator(device), free_device_bytes=free_device_bytes))
     form = choose_form(config, whole_groups=client is not None and bool(client.whole_groups),
                        lazy_zero=plan.lazy_zero, global_gradient_changes=plan.global_gradient_changes)
     return replace(plan, update=form)  # (the form depends on the facts above: chosen from them)

@@ -263,7 +263,7 @@ class ZeroLayout:
                    nvme_kept_units=z.nvme_kept_units, backend=backend,
                    accumulate_on_device=decide(z.accumulate_on_device, stage=z.stage,
                                                accum=config.batch.grad_accum_steps, launch_when_ready=pp == 1,
-                                               extra_bytes=0, accelerator=False, free_device_bytes=None).on,
+                                               extra_bytes=0, accelerator=False, free_device_bytes=lambda: None).on,
                    ).validate()
 
     @property

@@ -16,6 +16,12 @@ estimator (tiertrain/estimate/layout.py), and says why.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..device import free_memory
 
 AUTO_SHARE = 0.5
 """``auto`` accumulates on the device when the accumulators take at most this share of the
@@ -35,8 +41,13 @@ class DeviceAccumulation:
     device_bytes: int = 0
     """The device memory the accumulators take when on: 4 bytes per (padded) element of every
     trained unit."""
+    applies: bool = True
+    """The setting has a choice to make (stages 2-3, accumulation, one model); False: the
+    reason says why not."""
 
     def describe(self) -> str:
+        if not self.applies:
+            return f"gradient accumulation: {self.reason}"
         where = "on the device, reduced once per step" if self.on else "in the shard, reduced every micro-batch"
         return f"gradients accumulate {where} ({self.reason})"
 
@@ -50,21 +61,37 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
+def agreed_free_memory(comm, device: torch.device) -> int | None:
+    """The least device memory free on any rank of ``comm`` (a Collectives), None where torch
+    cannot tell: every rank of the group must decide alike, since they issue the same
+    collectives, so they decide from the same number."""
+    free = free_memory(device)
+    if free is None or comm.size == 1:
+        return free
+    t = torch.tensor([free], dtype=torch.int64, device=device)
+    comm.all_reduce(t, op=dist.ReduceOp.MIN, count=False)
+    return int(t.item())
+
+
 def decide(setting: str, *, stage: int, accum: int, launch_when_ready: bool, extra_bytes: int,
-           accelerator: bool, free_device_bytes: int | None) -> DeviceAccumulation:
+           accelerator: bool, free_device_bytes: Callable[[], int | None]) -> DeviceAccumulation:
     """The decision for ``zero.accumulate_on_device=setting`` ("auto", "on" or "off") at ZeRO
     ``stage`` with ``accum`` micro-batches per step. launch_when_ready: reductions launch as
     gradients arrive (False: a pipeline schedule launches them, once per step already).
     extra_bytes: :func:`accumulator_bytes` of the trained units. accelerator: the compute
     device is one (on a CPU-only host the device and the CPU tier are the same memory, and
-    ``auto`` keeps the per-micro-batch reduction). free_device_bytes: the device memory free
-    now (None: unknown)."""
+    ``auto`` keeps the per-micro-batch reduction). free_device_bytes: returns the device memory
+    free now (None: unknown), e.g. :func:`agreed_free_memory`; called only by ``auto`` on an
+    accelerator at stages 2-3 with accumulation, where the choice needs it (every rank of the
+    group gets there alike)."""
     if stage < 2:
-        return DeviceAccumulation(False, f"stage {stage} keeps whole gradients and reduces once per step already")
+        return DeviceAccumulation(False, f"stage {stage} keeps whole gradients and reduces once per step already",
+                                  applies=False)
     if accum <= 1:
-        return DeviceAccumulation(False, "one micro-batch per step: nothing to accumulate")
+        return DeviceAccumulation(False, "one micro-batch per step, nothing to accumulate", applies=False)
     if not launch_when_ready:
-        return DeviceAccumulation(False, "the pipeline schedule accumulates in its buckets and reduces once per step")
+        return DeviceAccumulation(False, "the pipeline schedule accumulates in its buckets and reduces once per step",
+                                  applies=False)
     if setting == "on":
         return DeviceAccumulation(True, f"zero.accumulate_on_device=on, {_mib(extra_bytes)} of fp32 buffers",
                                   extra_bytes)
@@ -72,11 +99,12 @@ def decide(setting: str, *, stage: int, accum: int, launch_when_ready: bool, ext
         return DeviceAccumulation(False, "zero.accumulate_on_device=off")
     if not accelerator:
         return DeviceAccumulation(False, "auto: no accelerator, the device and the CPU tier are the same memory")
-    if free_device_bytes is None:
+    free = free_device_bytes()
+    if free is None:
         return DeviceAccumulation(False, "auto: the device's free memory is unknown")
-    budget = int(AUTO_SHARE * free_device_bytes)
+    budget = int(AUTO_SHARE * free)
     if extra_bytes <= budget:
         return DeviceAccumulation(True, f"auto: {_mib(extra_bytes)} of fp32 buffers fit in {AUTO_SHARE:g} of the "
-                                        f"{_mib(free_device_bytes)} free on the device", extra_bytes)
+                                        f"{_mib(free)} free on the device", extra_bytes)
     return DeviceAccumulation(False, f"auto: {_mib(extra_bytes)} of fp32 buffers exceed {AUTO_SHARE:g} of the "
-                                     f"{_mib(free_device_bytes)} free on the device")
+                                     f"{_mib(free)} free on the device")
