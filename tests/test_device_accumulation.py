@@ -29,8 +29,8 @@ def _config(stage, opt, dtype="fp32", setting="on", accum=ACCUM):
 
 
 def _train(rank, world, stage, opt, dtype, setting, accum=ACCUM):
-    """(losses, parameters, reductions landed per step, the plan's line, device bytes the reducer's
-    buckets hold between two micro-batches of a step)."""
+    """(losses, parameters, reductions landed per step, trained units, the plan's line, bytes the
+    reducer's buckets hold between two micro-batches of a step, the plan's accumulator bytes)."""
     import tiertrain
 
     cfg = _config(stage, opt, dtype, setting, accum)
@@ -46,7 +46,7 @@ def _train(rank, world, stage, opt, dtype, setting, accum=ACCUM):
             engine.backward(loss)
             total += float(loss)
             if j == 0 and between is None:
-                between = sum(b.numel() * 4 for b in engine.reducer._buckets.values())
+                between = engine.reducer.bucket_bytes
         engine.step()
         losses.append(total / accum)
         per_step.append(len(landed))
@@ -58,18 +58,18 @@ def _train(rank, world, stage, opt, dtype, setting, accum=ACCUM):
         losses = (t / world).tolist()
     params = {n: p.detach().float().clone() for n, p in engine.full_state_dict().items()}
     units = len(engine.flat.units)
-    line = engine.plan.describe()
+    line, planned = engine.plan.describe(), engine.plan.accumulation.device_bytes
     engine.close()
-    return losses, params, per_step, units, line, between
+    return losses, params, per_step, units, line, between, planned
 
 
 def _check(stage, opt, world, dtype):
-    losses, params, per_step, units, line, between = run_distributed(
+    losses, params, per_step, units, line, between, planned = run_distributed(
         _train, world, stage, opt, dtype, "on", timeout=80)[0]
     what = f"stage {stage}, optimizer {opt}, {world} rank(s), {dtype}, accumulation {ACCUM} on the device"
     assert "accumulate on the device" in line, line
     assert per_step == [units] * STEPS, f"{what}: reductions per step {per_step}, expected {units} (one per unit)"
-    assert between > 0, f"{what}: no bucket kept between micro-batches"
+    assert between == planned > 0, f"{what}: {between} bytes of buckets kept between micro-batches, planned {planned}"
     batches = global_batches(STEPS, MICRO * ACCUM * world)
     if dtype == "fp32":
         oracle = Oracle.run(reference_train, make_model(), _config(stage, opt), batches)
@@ -98,10 +98,10 @@ def test_device_accumulation_matches_reference_and_reduces_once_per_step(stage, 
 def test_without_it_every_micro_batch_is_reduced(stage):
     """The counter sees the difference: off, every unit lands once per micro-batch; with one
     micro-batch per step, on changes nothing (it is not chosen)."""
-    _, _, per_step, units, line, between = run_distributed(_train, 2, stage, "cpu", "fp32", "off", timeout=80)[0]
+    _, _, per_step, units, line, between, _ = run_distributed(_train, 2, stage, "cpu", "fp32", "off", timeout=80)[0]
     assert per_step == [units * ACCUM] * STEPS and between == 0
     assert "reduced every micro-batch (zero.accumulate_on_device=off)" in line
-    _, _, per_step, units, line, between = run_distributed(_train, 2, stage, "cpu", "fp32", "on", 1, timeout=80)[0]
+    _, _, per_step, units, line, between, _ = run_distributed(_train, 2, stage, "cpu", "fp32", "on", 1, timeout=80)[0]
     assert per_step == [units] * STEPS and between == 0
     assert "gradient accumulation: one micro-batch per step, nothing to accumulate" in line
 

@@ -189,6 +189,12 @@ class GradientReducer:
         return Subscription(self._subscribers, subscriber)
 
     @property
+    def bucket_bytes(self) -> int:
+        """Bytes of the fp32 buckets held now (between micro-batches: the accumulators of
+        ``accumulate``, or a pipeline's; otherwise none once backward's reductions are waited)."""
+        return sum(b.numel() * b.element_size() for b in self._buckets.values())
+
+    @property
     def subscriber_count(self) -> int:
         """How many subscriptions are active (a leftover one is a leak: tests check it)."""
         return len(self._subscribers)
