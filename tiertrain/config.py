@@ -74,6 +74,8 @@ def _check_positive(path: str, value: int | float, allow_zero: bool = False) -> 
         _fail(path, value, "a value >= 0" if allow_zero else "a value > 0")
 
 
+ACCUMULATE_ON_DEVICE = ("auto", "on", "off")
+"""The values of zero.accumulate_on_device (tiertrain/zero/accumulation.py decides auto)."""
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
 ContextAlgorithm = Literal["ring", "ulysses"]
 Dtype = Literal["fp32", "bf16", "fp16"]
@@ -301,10 +303,14 @@ class ZeroConfig:
     """With delayed_update: the first this-many optimizer steps run synchronously (the paper starts DPU after a few tens)."""
     overlap_cpu_step: bool = False
     """offload_optimizer=cpu: update each unit's shard during the boundary backward, once its gradient is reduced, into a second set of buffers (12 more bytes per parameter of the shard, CPU tier) that step() swaps in, or drops when the clip coefficient is below 1 or the step is skipped; the result is the synchronous step's."""
+    accumulate_on_device: Literal["auto", "on", "off"] | bool = "auto"
+    """Stages 2-3 with grad_accum_steps > 1: on: each unit's gradient accumulates over the micro-batches in a full fp32 buffer on the device and is reduce-scattered (and copied to the CPU tier) once per step, at the boundary's backward; off: every micro-batch's gradient is reduced into the shard; auto: on when the buffers fit half the device memory free at start-up, off on a CPU-only host (engine.plan says which and why; true/false mean on/off)."""
 
     def __post_init__(self) -> None:
         self.offload_optimizer = parse_tier("zero.offload_optimizer", self.offload_optimizer)
         self.offload_params = parse_tier("zero.offload_params", self.offload_params)
+        if isinstance(self.accumulate_on_device, bool):  # (YAML 1.1 reads an unquoted on/off as a bool)
+            self.accumulate_on_device = "on" if self.accumulate_on_device else "off"
 
     def validate(self, path: str = "zero") -> None:
         self.__post_init__()  # (fields assigned after construction)
@@ -343,6 +349,9 @@ class ZeroConfig:
         if self.overlap_cpu_step and self.delayed_update:
             raise ConfigError(f"{path}.overlap_cpu_step=True is invalid with {path}.delayed_update=True: the delayed "
                               f"update already runs the step beside the next forward and backward; choose one")
+        if self.accumulate_on_device not in ACCUMULATE_ON_DEVICE:
+            _fail(f"{path}.accumulate_on_device", self.accumulate_on_device,
+                  "one of " + ", ".join(repr(v) for v in ACCUMULATE_ON_DEVICE) + " (or true/false for on/off)")
         if self.delayed_update and self.offload != "manual":
             raise ConfigError(f"{path}.delayed_update=True is invalid with {path}.offload={self.offload!r}: "
                               f"set {path}.offload='manual' and {path}.offload_optimizer='cpu'")

@@ -107,6 +107,8 @@ class Engine(TrainingCore):
         # expert no token was routed to): such parameters are found in the graph now.
         absent = unused_parameters(loss, self.flat.slot_of) if self.plan.stage.partitions_parameters else ()
         self.reducer.begin(reduce_now=boundary, absent=absent)
+        if self.fetcher is not None:
+            self.fetcher.backward_reduces = self.reducer.reduce_now
         try:
             # 1/dp folded in here makes the reduced sum the data-parallel mean: no pass over the
             # reduced gradients divides them (exact for power-of-two dp, as the scale is).

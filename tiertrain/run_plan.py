@@ -14,19 +14,26 @@ gradient plan (zero/plan.py):
   by a pipeline schedule, fp16 loss scaling, tensor-parallel partial sums, which pieces count
   in the norm, and from these whether anything global changes a gradient after its reduction;
 * the optimizer-step form (update/factory.py choose_form: whole-parameter, NVMe, overlapped
-  NVMe, delayed, in memory), chosen from those facts in the factory's order.
+  NVMe, delayed, in memory), chosen from those facts in the factory's order;
+* at stages 2-3 with gradient accumulation, whether gradients accumulate on the device and
+  are reduced once per step, or are reduced into the shard every micro-batch
+  (zero.accumulate_on_device; zero/accumulation.py decides ``auto`` and says why).
 
 ``config.zero.stage`` stays the user's int; the plan is what runtime code reads.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
+import torch
+
+from .device import acts_as_accelerator
 from .offload.shard_store import DeviceShards, store_for
 from .tiers import Tier
 from .update.factory import choose_form
 from .update.protocol import OptimizerUpdate
+from .zero.accumulation import DeviceAccumulation, accumulator_bytes, decide
 from .zero.plan import GradientPieces, GradientPlan, gradient_pieces
 from .zero.stages import ZeroStage
 
@@ -63,6 +70,9 @@ class RunPlan:
     """Which pieces of this rank's gradient shards count in the norm and are tp partial sums."""
     update: type[OptimizerUpdate]
     """The optimizer-step form build_update builds (a custom update_factory may build another)."""
+    accumulation: DeviceAccumulation = DeviceAccumulation(False, "not decided", applies=False)
+    """Stages 2-3 with accumulation: gradients accumulate on the device and are reduced once per
+    step, or are reduced every micro-batch (zero.accumulate_on_device), and why."""
 
     @property
     def global_gradient_changes(self) -> bool:
@@ -90,15 +100,20 @@ class RunPlan:
         after = "changed after reduction" if self.global_gradient_changes else "final once reduced"
         return (f"zero {self.stage}; parameter shards on {self.param_tier.value} ({self.store.__name__}), "
                 f"optimizer on {self.optimizer_tier.value}{swap}; reductions {launch}; gradients {after}; "
-                f"update {self.update.__name__}")
+                f"update {self.update.__name__}; {self.accumulation.describe()}")
 
     __str__ = describe
 
 
 def resolve_run_plan(config: "Config", client: "ClientOptimizer | None", gradient_plan: GradientPlan, *,
-                     dp_rank: int, tp_rank: int, tp_size: int) -> RunPlan:
+                     dp_rank: int, tp_rank: int, tp_size: int,
+                     device: torch.device = torch.device("cpu"),
+                     free_device_bytes: Callable[[], int | None] = lambda: None) -> RunPlan:
     """The plan of a validated config on one rank: dp_rank, tp_rank, tp_size are the engine's
-    collectives' (its data-parallel × context-parallel group and its tensor-parallel group).
+    collectives' (its data-parallel × context-parallel group and its tensor-parallel group);
+    device: the compute device; free_device_bytes: its free memory, asked only where
+    zero.accumulate_on_device=auto needs it (zero/accumulation.py agreed_free_memory: the least
+    over the data-parallel group, a collective every rank of it reaches alike).
     The whole-parameter form's limits are checked when it is built (update/factory.py)."""
     stage = ZeroStage.of(config)
     zc = config.zero
@@ -109,7 +124,11 @@ def resolve_run_plan(config: "Config", client: "ClientOptimizer | None", gradien
         stage=stage, optimizer_tier=optimizer_tier, param_tier=param_tier, store=store_for(param_tier),
         needs_swapper=Tier.NVME in (optimizer_tier, param_tier), lazy_zero=gradient_plan.launch_when_ready,
         scales_loss=config.precision.dtype == "fp16", tp_partial_sums=tp_size > 1 and bool(pieces.partial),
-        clips=config.optimizer.grad_clip > 0, gradient_pieces=pieces, update=OptimizerUpdate)
+        clips=config.optimizer.grad_clip > 0, gradient_pieces=pieces, update=OptimizerUpdate,
+        accumulation=decide(zc.accumulate_on_device, stage=stage.value, accum=config.batch.grad_accum_steps,
+                            launch_when_ready=gradient_plan.launch_when_ready,
+                            extra_bytes=accumulator_bytes(u.padded_numel for u in gradient_plan.layout.units),
+                            accelerator=acts_as_accelerator(device), free_device_bytes=free_device_bytes))
     form = choose_form(config, whole_groups=client is not None and bool(client.whole_groups),
                        lazy_zero=plan.lazy_zero, global_gradient_changes=plan.global_gradient_changes,
                        tp_partial_sums=plan.tp_partial_sums)

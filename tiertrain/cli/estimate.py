@@ -50,6 +50,9 @@ def _estimate_parser() -> argparse.ArgumentParser:
                      help="engine dtypes (default) or the papers' 2+2+K bytes per parameter")
     lay.add_argument("--bucket-mb", type=float, help="zero.bucket_mb (default 25)")
     lay.add_argument("--prefetch-mb", type=float, help="zero.prefetch_mb at stage 3 (default 0, the CPU default)")
+    lay.add_argument("--accumulate-on-device", action="store_true", default=None,
+                     help="stages 2-3: count the fp32 gradient accumulators of zero.accumulate_on_device=on "
+                          "(a whole fp32 gradient per rank on the device, reduced once per step)")
     ov = p.add_argument_group("process overhead (engine accounting)")
     ov.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="compute device: cpu adds the host allocator's retention of transient bytes (default)")
@@ -101,6 +104,7 @@ def cmd_estimate(argv: list[str]) -> int:
                   param_tier=_tier(a.offload_params), ranks_per_node=a.ranks_per_node,
                   accounting=a.accounting, bucket_mb=a.bucket_mb, prefetch_mb=a.prefetch_mb,
                   checkpoint_tier=_tier(a.offload_checkpoints), recompute=a.recompute,
+                  accumulate_on_device=a.accumulate_on_device,
                   backend="nccl" if a.device == "cuda" else None)
     from ..estimate.overhead import HostOverhead
 

@@ -159,6 +159,9 @@ class ZeroLayout:
     recompute: str = "block"
     """activations.recompute: "block" (a checkpointed block keeps its input) or "selective"
     (also its matmul and fused-attention outputs; engine accounting only)."""
+    accumulate_on_device: bool = False
+    """Stages 2-3: gradients accumulate over the micro-batches in a full fp32 device buffer per
+    trained unit (zero.accumulate_on_device, decided on; tiertrain/zero/accumulation.py)."""
 
     def __post_init__(self) -> None:
         # A tier given by any spelling Tier accepts ("cpu", "none", a member) becomes the
@@ -220,6 +223,12 @@ class ZeroLayout:
                 raise ValueError(f"ZeroLayout.{name}={value!r} is invalid: must be a number "
                                  + ("> 0" if name == "bucket_mb" else ">= 0"))
         _positive_int("ZeroLayout", "persistence_threshold", self.persistence_threshold, minimum=0)
+        if not isinstance(self.accumulate_on_device, bool):
+            raise ValueError(f"ZeroLayout.accumulate_on_device={self.accumulate_on_device!r} is invalid: "
+                             f"must be True or False")
+        if self.accumulate_on_device and self.stage < 2:
+            raise ValueError(f"ZeroLayout.accumulate_on_device=True is invalid with stage={self.stage}: stages 0-1 "
+                             f"keep whole gradients already (only stages 2-3 accumulate on the device)")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"ZeroLayout.backend={self.backend!r} is invalid: must be 'gloo' or 'nccl'")
         return self
@@ -231,7 +240,11 @@ class ZeroLayout:
         persistence, activation checkpointing, and the tiers, read with :class:`Tier` (a
         configuration may hold a member or a spelling such as "none"). The gradient tier is
         where the engine keeps gradients for that stage and optimizer tier; parameters leave
-        the device only at stage 3. ``zero.prefetch_mb`` unset is 0 (the CPU default)."""
+        the device only at stage 3. ``zero.prefetch_mb`` unset is 0 (the CPU default).
+        ``zero.accumulate_on_device``: on counts the device accumulators (with stage 2-3,
+        grad_accum_steps > 1 and no pipeline); auto counts as off here, since the engine decides
+        it at start-up from the device's free memory (engine.plan says which)."""
+        from ..zero.accumulation import decide
         z, acts = config.zero, config.activations
         pp, dp, tp = config.parallel.resolve(world_size)
         optimizer_tier = Tier(z.offload_optimizer)
@@ -247,7 +260,11 @@ class ZeroLayout:
                    micro_batch=config.batch.micro_batch_size, bucket_mb=z.bucket_mb,
                    prefetch_mb=z.prefetch_mb or 0.0, persistence_threshold=z.persistence_threshold,
                    nvme_in_place=z.nvme_in_place, nvme_grads_in_ram_mb=z.nvme_grads_in_ram_mb,
-                   nvme_kept_units=z.nvme_kept_units, backend=backend).validate()
+                   nvme_kept_units=z.nvme_kept_units, backend=backend,
+                   accumulate_on_device=decide(z.accumulate_on_device, stage=z.stage,
+                                               accum=config.batch.grad_accum_steps, launch_when_ready=pp == 1,
+                                               extra_bytes=0, accelerator=False, free_device_bytes=lambda: None).on,
+                   ).validate()
 
     @property
     def world_size(self) -> int:

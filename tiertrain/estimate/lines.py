@@ -22,7 +22,8 @@ TIERS: tuple[Tier, ...] = (Tier.DEVICE, Tier.CPU, Tier.NVME)
 """Memory tiers, fastest first (ZeRO-Infinity §5 offload engine): the members of
 :class:`tiertrain.tiers.Tier` (str-valued, so they also compare equal to "device" etc.)."""
 
-__all__ = ["PRECISION_BYTES", "TIERS", "Tier", "EstimateLine", "masters_are_param_shards", "second_generation_lines"]
+__all__ = ["PRECISION_BYTES", "TIERS", "Tier", "EstimateLine", "accumulator_line", "masters_are_param_shards",
+           "second_generation_lines"]
 
 
 @dataclass(frozen=True)
@@ -59,3 +60,16 @@ def second_generation_lines(lay, state_bytes: int) -> list[EstimateLine]:
     return [EstimateLine("optimizer state, second generation", state_bytes, Tier.NVME,
                          "master + moments again: a transactional NVMe step writes the other "
                          "generation (0 with zero.nvme_in_place)")]
+
+
+ACCUMULATOR_LINE = "gradient accumulators (accumulate_on_device)"
+"""The name of the line of :func:`accumulator_line`."""
+
+
+def accumulator_line(nbytes: int, detail: str = "") -> EstimateLine:
+    """The device buffers of zero.accumulate_on_device (stages 2-3): every trained unit's whole
+    gradient in fp32, kept over the micro-batches of a step and reduced once, at its boundary
+    (tiertrain/zero/accumulation.py)."""
+    return EstimateLine(ACCUMULATOR_LINE, nbytes, Tier.DEVICE,
+                        "4·Ψ' (whole fp32 gradient of every trained unit on the device, reduced once per "
+                        "step; zero.accumulate_on_device)" + detail)

@@ -305,6 +305,8 @@ class Trainer:
                 f", parameters on {where[zero.offload_params.config_name]}")
         if "nvme" in (zero.offload_optimizer.config_name, zero.offload_params.config_name):
             line += f" (swap in {zero.nvme_path})"
+        if self.engine.plan.accumulation.applies:  # (zero.accumulate_on_device's decision)
+            line += f" | {self.engine.plan.accumulation.describe()}"
         return line + (f" | checkpoints in {self.config.checkpoint.dir}" if self.config.checkpoint.dir else "")
 
     def _units_line(self) -> str:

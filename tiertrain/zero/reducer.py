@@ -22,6 +22,13 @@ and the caller launches each pipeline chunk's units (:meth:`launch`) once that c
 backward is over. Stage 2 then reduce-scatters each bucket once per step (not once per
 micro-batch, which would multiply its traffic by the number of micro-batches) and frees it,
 so between steps only the gradient shard persists.
+
+Stages 2-3 with ``accumulate=True`` (zero.accumulate_on_device; tiertrain/zero/accumulation.py)
+use the same buckets one model's way: each unit's bucket, zeroed at its first gradient of the
+step, persists over the micro-batches (at stage 3 too, while its parameters are gathered and
+released as usual) and every micro-batch adds into it; nothing is reduced, nor copied to the
+CPU tier, until the accumulation boundary's backward, where each unit is reduce-scattered into
+its shard as it completes, as without accumulation. The bucket is then freed.
 """
 from __future__ import annotations
 
@@ -80,7 +87,7 @@ class GradientReducer:
     The reducer knows none of them: each adds and removes its own hooks."""
 
     def __init__(self, flat: FlatParameters, comm: Collectives, stage: ZeroStage | int, launch_order: list[int],
-                 max_in_flight: int = 2, launch_when_ready: bool = True):
+                 max_in_flight: int = 2, launch_when_ready: bool = True, accumulate: bool = False):
         self.flat = flat
         self.comm = comm
         self.stage = ZeroStage(stage)
@@ -88,6 +95,9 @@ class GradientReducer:
         self.launch_order = launch_order
         self.max_in_flight = max_in_flight
         self.launch_when_ready = launch_when_ready
+        self.accumulate = accumulate and launch_when_ready and self.stage.partitions_gradients
+        """Stages 2-3: micro-batches accumulate in the units' buckets on the device, each reduced
+        once, at the accumulation boundary (see the module docstring)."""
         self._subscribers: list[_Subscriber] = []
         self.reduce_now = False
         self.used: set[tuple[int, int]] = set()
@@ -114,7 +124,8 @@ class GradientReducer:
         backward will give no gradient (not in the loss's graph; see unused_parameters): their
         units complete without them, when their last used parameter's gradient arrives, as on
         a rank that does use them (DDP's find_unused_parameters)."""
-        self.reduce_now = self.launch_when_ready and (reduce_now or self.stage.partitions_gradients)
+        self.reduce_now = self.launch_when_ready and (
+            reduce_now or (self.stage.partitions_gradients and not self.accumulate))
         self._reset_counts()
         for p in absent:
             index, k = self.flat.slot_of[p]
@@ -132,7 +143,7 @@ class GradientReducer:
         if u.grad_full is not None:
             return u.grad_full
         bucket = self._buckets.get(index)
-        if bucket is None and not self.launch_when_ready:  # accumulates over micro-batches
+        if bucket is None and (self.accumulate or not self.launch_when_ready):  # accumulates over micro-batches
             bucket = self._buckets[index] = torch.zeros(u.unit.padded_numel, dtype=torch.float32,
                                                          device=self.flat.device)
         elif bucket is None:
@@ -153,7 +164,7 @@ class GradientReducer:
         unit = self.flat.units[index]
         target = self._bucket(index)[unit.unit.slots[k].offset:unit.unit.slots[k].end]
         grad = p.grad.reshape(-1)
-        if (unit.grad_full is not None and index not in self._fresh) or not self.launch_when_ready:
+        if (unit.grad_full is not None and index not in self._fresh) or not self.launch_when_ready or self.accumulate:
             target.add_(grad)  # micro-batches accumulate in the persistent buffer (stages 0-1) or bucket
         else:
             target.copy_(grad)
@@ -176,6 +187,12 @@ class GradientReducer:
         subscriber = _Subscriber(unit_done, before_collective, reduced)
         self._subscribers.append(subscriber)
         return Subscription(self._subscribers, subscriber)
+
+    @property
+    def bucket_bytes(self) -> int:
+        """Bytes of the fp32 buckets held now (between micro-batches: the accumulators of
+        ``accumulate``, or a pipeline's; otherwise none once backward's reductions are waited)."""
+        return sum(b.numel() * b.element_size() for b in self._buckets.values())
 
     @property
     def subscriber_count(self) -> int:
@@ -202,7 +219,7 @@ class GradientReducer:
         fresh = index in self._fresh
         self._fresh.discard(index)
         complete = len(self._arrived[index]) == len(u.unit.slots)
-        if complete or not (fresh or (u.grad_full is None and self.launch_when_ready)):
+        if complete or not (fresh or (u.grad_full is None and self.launch_when_ready and not self.accumulate)):
             return
         bucket = self._bucket(index)
         for k, slot in enumerate(u.unit.slots):
@@ -253,10 +270,11 @@ class GradientReducer:
 
     def end_backward(self) -> None:
         """Launch every unit not yet launched (flushing unused parameters as zeros)."""
-        if self.reduce_now:
+        if self.reduce_now or self.accumulate:
             for index, missing in self._missing.items():
-                if missing:
+                if missing:  # (between boundaries too: stage 3 releases the unit's parameters)
                     self._unit_done(index)
+        if self.reduce_now:
             self._launch_ready(flush=True)
         for index in list(self._fresh):  # units not reduced in this backward (accumulation)
             self._zero_missing(index)
@@ -284,7 +302,8 @@ class GradientReducer:
         """Block until every launched collective has completed and landed in the shards."""
         while self._in_flight:
             self._in_flight.popleft().wait()
-        self._buckets.clear()
+        if not self.accumulate:  # (accumulating buckets not yet reduced are this step's gradients)
+            self._buckets.clear()
 
     def remove(self) -> None:
         for h in self._handles:

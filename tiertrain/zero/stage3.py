@@ -125,6 +125,10 @@ class ParameterFetcher:
         self.traced = False
         self._position = -1
         self._in_backward = False
+        self.backward_reduces = True
+        """Whether the next backward reduces gradients (set by the engine each micro-batch): with
+        gradients accumulated on the device (zero.accumulate_on_device) only the boundary's
+        does, so the two kinds of backward are traced apart."""
         self._depth = 0  # unit forwards in progress
         self._backward_begun: set[int] = set()  # units whose backward began, grads not yet done
         self._engine_forward = False  # inside the engine's own forward (begin_forward .. end_forward)
@@ -184,7 +188,7 @@ class ParameterFetcher:
         if not self._in_backward:
             self._in_backward = True
             self._position = -1
-            self.agreement.open(Event.BACKWARD)
+            self.agreement.open(Event.BACKWARD, key=None if self.backward_reduces else (Event.BACKWARD, False))
 
     # -- fetching ----------------------------------------------------------------------
 
