@@ -75,6 +75,26 @@ def test_the_overlapped_step_is_the_synchronous_step_bit_for_bit(variants):
                 losses, final, what)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_with_gradients_accumulated_on_the_device(stage):
+    """zero.accumulate_on_device reduces each unit once, at the boundary's backward: the step
+    overlaps that backward, as without it."""
+    finals = []
+    for overlap in (True, False):
+        cfg = make_config(zero={"stage": stage, "offload_optimizer": "cpu", "overlap_cpu_step": overlap,
+                                "accumulate_on_device": "on"}, batch={"micro_batch_size": MICRO, "grad_accum_steps": 3},
+                          optimizer={"lr": 1e-2, "grad_clip": 100.0, "impl": "compiled"})
+        engine = tiertrain.wrap(make_model(**WIDE), cfg, tiertrain.Topology.build(cfg.parallel))
+        assert engine.plan.accumulation.on
+        for batch in global_batches(2, 3 * MICRO):
+            engine.train_batch(iter([{k: v[i * MICRO:(i + 1) * MICRO] for k, v in batch.items()} for i in range(3)]))
+        if overlap:
+            assert engine.update.speculation == {"committed": 2, "discarded": 0}
+        finals.append(engine.full_state_dict())
+        engine.close()
+    assert _same(*finals)
+
+
 def _engine(overlap, model=None, **optimizer):
     cfg = _config(2, overlap, accum=1, **optimizer)
     return tiertrain.wrap(model or make_model(**WIDE), cfg, tiertrain.Topology.build(cfg.parallel))
@@ -192,6 +212,29 @@ def test_memory_report_counts_the_second_buffers():
     shard = sum(p.numel() for p in make_model(**WIDE).parameters())
     assert 0 < extra <= 12 * shard + 4 * 1024  # (the masters' padding, and pieces torch steps in place)
     assert sizes[True].optimizer - sizes[False].optimizer == extra
+
+
+def test_the_estimator_counts_the_second_set_the_engine_holds():
+    """Masters + moments again on the CPU tier; the engine's second buffers (which leave out the
+    pieces torch steps in place) are within that, and most of it."""
+    from tiertrain.estimate import estimate
+    from tiertrain.estimate.layout import ZeroLayout
+
+    cfg = _config(2, True, accum=1)
+    name = "optimizer state, second set (overlap_cpu_step)"
+    on = estimate(make_model(**WIDE), ZeroLayout.from_config(cfg, 1))
+    off = estimate(make_model(**WIDE), ZeroLayout.from_config(_config(2, False, accum=1), 1))
+    line = on.line(name)
+    assert line.tier == "cpu" and name not in [x.name for x in off.lines]
+    assert line.bytes == on.line("master weights").bytes + on.line("optimizer states").bytes
+    assert on.total("cpu") == off.total("cpu") + line.bytes
+    engines = {}
+    for overlap in (True, False):
+        engine = _engine(overlap)
+        engine.train_batch(iter(global_batches(1, MICRO)))
+        engines[overlap] = engine.memory_report().cpu_tier
+        engine.close()
+    assert 0.9 * line.bytes <= engines[True] - engines[False] <= line.bytes
 
 
 @pytest.mark.parametrize("zero, other, message", [

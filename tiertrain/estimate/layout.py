@@ -162,6 +162,9 @@ class ZeroLayout:
     accumulate_on_device: bool = False
     """Stages 2-3: gradients accumulate over the micro-batches in a full fp32 device buffer per
     trained unit (zero.accumulate_on_device, decided on; tiertrain/zero/accumulation.py)."""
+    overlap_cpu_step: bool = False
+    """zero.overlap_cpu_step: the CPU-tier step runs during backward into a second set of
+    masters and moments (tiertrain/update/overlapped_host.py)."""
 
     def __post_init__(self) -> None:
         # A tier given by any spelling Tier accepts ("cpu", "none", a member) becomes the
@@ -229,6 +232,11 @@ class ZeroLayout:
         if self.accumulate_on_device and self.stage < 2:
             raise ValueError(f"ZeroLayout.accumulate_on_device=True is invalid with stage={self.stage}: stages 0-1 "
                              f"keep whole gradients already (only stages 2-3 accumulate on the device)")
+        if not isinstance(self.overlap_cpu_step, bool):
+            raise ValueError(f"ZeroLayout.overlap_cpu_step={self.overlap_cpu_step!r} is invalid: must be True or False")
+        if self.overlap_cpu_step and self.optimizer_tier is not Tier.CPU:
+            raise ValueError(f"ZeroLayout.overlap_cpu_step=True is invalid with optimizer_tier="
+                             f"{self.optimizer_tier.value!r}: it overlaps the CPU tier's step (optimizer_tier='cpu')")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"ZeroLayout.backend={self.backend!r} is invalid: must be 'gloo' or 'nccl'")
         return self
@@ -264,7 +272,7 @@ class ZeroLayout:
                    accumulate_on_device=decide(z.accumulate_on_device, stage=z.stage,
                                                accum=config.batch.grad_accum_steps, launch_when_ready=pp == 1,
                                                extra_bytes=0, accelerator=False, free_device_bytes=lambda: None).on,
-                   ).validate()
+                   overlap_cpu_step=z.overlap_cpu_step).validate()
 
     @property
     def world_size(self) -> int:

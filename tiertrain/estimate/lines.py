@@ -62,6 +62,20 @@ def second_generation_lines(lay, state_bytes: int) -> list[EstimateLine]:
                          "generation (0 with zero.nvme_in_place)")]
 
 
+def overlap_second_set_lines(lay, masters: int, moments: int, shard_elements: int) -> list[EstimateLine]:
+    """The second set of masters and moments the CPU-tier step overlapped with backward writes
+    into (zero.overlap_cpu_step, tiertrain/update/overlapped_host.py), under ``lay`` (a
+    ZeroLayout): masters + moments again; where the fp32 shards are their own masters
+    (masters == 0), the step gives them masters of their own, and a second set of those."""
+    if not lay.overlap_cpu_step:
+        return []
+    second_masters = masters if masters else 8 * shard_elements
+    return [EstimateLine("optimizer state, second set (overlap_cpu_step)", second_masters + moments, Tier.CPU,
+                         "master + moments again, written by the step running in backward and swapped in by "
+                         "step() (zero.overlap_cpu_step)" + ("" if masters else "; with masters of their own for "
+                                                             "the fp32 shards: 8·shard"))]
+
+
 ACCUMULATOR_LINE = "gradient accumulators (accumulate_on_device)"
 """The name of the line of :func:`accumulator_line`."""
 

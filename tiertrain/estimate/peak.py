@@ -61,7 +61,7 @@ from ..parallel.context import tokens_multiple
 from .activations import (ActivationBytes, context_parallel_activation_bytes, gpt_activation_bytes,
                           tiled_mlp_activation_bytes)
 from .lines import (PRECISION_BYTES, EstimateLine, Tier, accumulator_line, masters_are_param_shards,
-                    second_generation_lines)
+                    overlap_second_set_lines, second_generation_lines)
 from .overhead import HostOverhead
 from .units import engine_grad_tier, engine_units, gpt_meta_model
 
@@ -479,6 +479,7 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
     shared_masters = (sum(D * u.shard_numel for u in layout.units if not u.resident)
                       if masters_are_param_shards(lay) else 0)  # (on NVMe as parameters, in both generations)
     lines += second_generation_lines(lay, pk.master + pk.moments + shared_masters)
+    lines += overlap_second_set_lines(lay, pk.master, pk.moments, sum(u.shard_numel for u in layout.units))
     if lay.accumulate_on_device:
         lines.append(accumulator_line(4 * sum(u.padded_numel for u in layout.units), f"; {pad}"))
         notes.append("zero.accumulate_on_device: every unit's fp32 bucket is kept over the micro-batches (the "
