@@ -67,6 +67,17 @@ ROWS = {
     "tt-z2-optcpu": Row("tiertrain stage 2, optimizer on CPU", "tt", {"stage": 2, "offload_optimizer": "cpu"}),
     "tt-z3-bothcpu": Row("tiertrain stage 3, params+optimizer on CPU", "tt",
                          {"stage": 3, "offload_params": "cpu", "offload_optimizer": "cpu"}),
+    "tt-z2-optcpu-overlap": Row("tiertrain stage 2, optimizer on CPU, step overlapped with backward", "tt",
+                                {"stage": 2, "offload_optimizer": "cpu", "overlap_cpu_step": True}),
+    "tt-z3-bothcpu-overlap": Row("tiertrain stage 3, params+optimizer on CPU, step overlapped with backward", "tt",
+                                 {"stage": 3, "offload_params": "cpu", "offload_optimizer": "cpu",
+                                  "overlap_cpu_step": True}),
+    "tt-z3-bothcpu-accum8": Row("tiertrain stage 3, params+optimizer on CPU, 8 micro-batches per step", "tt",
+                                {"stage": 3, "offload_params": "cpu", "offload_optimizer": "cpu", "accum": 8}),
+    "tt-z3-bothcpu-accum8-overlap": Row("tiertrain stage 3, params+optimizer on CPU, 8 micro-batches per step, "
+                                        "step overlapped with backward", "tt",
+                                        {"stage": 3, "offload_params": "cpu", "offload_optimizer": "cpu", "accum": 8,
+                                         "overlap_cpu_step": True}),
     "tt-z3-bothnvme": Row("tiertrain stage 3, params+optimizer on NVMe", "tt",
                           {"stage": 3, "offload_params": "nvme", "offload_optimizer": "nvme"}),
     "fsdp2-cpuoffload": Row("FSDP2 CPUOffloadPolicy", "fsdp2", {"offload": True}),
@@ -144,7 +155,7 @@ def _row_main(args) -> dict:
 
     with torch.device("meta"):
         n = sum(p.numel() for p in GPT(GPTConfig(**model_kw)).parameters())
-    tokens = micro * model_kw["seq_len"]
+    tokens = micro * model_kw["seq_len"] * row.options.get("accum", 1)
     # Megatron's count: 6N per token for the weights' matmuls, 12·L·h·s for attention's own.
     flops = (6 * n + 12 * model_kw["n_layers"] * model_kw["hidden"] * model_kw["seq_len"]) * tokens
     import resource
@@ -270,8 +281,11 @@ def _tt_row(options, device, model_kw, micro, phases, args):
 
     _init_group(device)
     cfg = tiertrain.Config()
+    accum = options.get("accum", 1)
     for key, value in options.items():
-        setattr(cfg.zero, key, value)
+        if key != "accum":
+            setattr(cfg.zero, key, value)
+    cfg.batch.grad_accum_steps = accum
     if "nvme" in options.values():
         cfg.zero.nvme_path = args.nvme_dir
         cfg.zero.nvme_in_place = args.nvme_in_place
@@ -287,9 +301,12 @@ def _tt_row(options, device, model_kw, micro, phases, args):
     model = _build_gpt(model_kw, device if options.get("stage", 0) < 3 else "cpu")
     engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel, device=device))
 
+    print(PROGRESS_MARK + json.dumps({"plan": engine.plan.describe()}), flush=True)
+
     def step(b):
-        loss = phases("fwd", lambda: engine(b))
-        phases("bwd", lambda: engine.backward(loss))
+        for _ in range(accum):  # (the same micro-batch each time: a step's timing, not its learning)
+            loss = phases("fwd", lambda: engine(b))
+            phases("bwd", lambda: engine.backward(loss))
         phases("step", engine.step)
         return float(loss)
     return step

@@ -115,4 +115,4 @@ def test_cpu_step_and_overlap_run(tmp_path):
                              capture_output=True, text=True, timeout=280)
     assert overlap.returncode == 0, overlap.stderr[-2000:]
     assert "| delayed update |" in (tmp_path / "o.md").read_text()
-    assert "| overlapped with backward, unclipped |" in (tmp_path / "o.md").read_text()
+    assert "| overlapped with backward (compiled pass) |" in (tmp_path / "o.md").read_text()
