@@ -95,6 +95,43 @@ def test_with_gradients_accumulated_on_the_device(stage):
     assert _same(*finals)
 
 
+FOREIGN = ["switch-nested-experts", "t5", "mixtral-moe", "llama-lora-frozen"]
+"""Hugging Face families from tests/zoo.py: experts no token reaches (left for step()), an
+encoder parameter whose gradient completes only after the last block's backward, adapters on a
+frozen backbone."""
+
+
+def _foreign_runs(rank, world, names):
+    import zoo
+    from tiertrain.update import host_adamw
+
+    host_adamw.SMALL_PIECE = 1  # (the zoo's models are tiny: every piece takes the compiled kernel, so the worker has work)
+    out = []
+    for name in names:
+        runs = []
+        for overlap in (True, False):
+            cfg = make_config(zero={"stage": 3, "offload_params": "cpu", "offload_optimizer": "cpu",
+                                    "overlap_cpu_step": overlap}, batch={"micro_batch_size": MICRO},
+                              optimizer={"eps": 1e-3, "grad_clip": 100.0, "impl": "compiled"})
+            losses, final, engine = engine_train(rank, world, zoo.build(name), cfg, zoo.batches(name, 3, MICRO * world))
+            runs.append((losses, final, getattr(engine.update, "speculation", None)))
+            engine.close()
+        out.append(runs)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_hugging_face_models_step_as_the_synchronous_step():
+    pytest.importorskip("transformers")
+    names = FOREIGN
+    out = run_distributed(_foreign_runs, 2, names, timeout=190)[0]
+    for name, ((losses, final, speculation), (sync_losses, sync_final, _)) in zip(names, out):
+        assert speculation == {"committed": 3, "discarded": 0}, (name, speculation)
+        assert losses == sync_losses, name
+        assert _same(final, sync_final), name
+
+
 def _engine(overlap, model=None, **optimizer):
     cfg = _config(2, overlap, accum=1, **optimizer)
     return tiertrain.wrap(model or make_model(**WIDE), cfg, tiertrain.Topology.build(cfg.parallel))
