@@ -132,6 +132,39 @@ def test_hugging_face_models_step_as_the_synchronous_step():
         assert _same(final, sync_final), name
 
 
+def _tensor_parallel_runs(rank, world, sequence_parallel):
+    from reference import tp_gathered
+    from tiertrain.parallel import apply_tensor_parallel
+
+    out = []
+    for overlap in (True, False):
+        cfg = make_config(zero={"stage": 2, "bucket_mb": 0.02, "offload_optimizer": "cpu", "overlap_cpu_step": overlap},
+                          parallel={"dp": 1, "tp": 2}, batch={"micro_batch_size": MICRO, "grad_accum_steps": 2},
+                          optimizer={"lr": 1e-2, "grad_clip": 100.0, "impl": "compiled"})
+        try:
+            losses, local, engine = engine_train(
+                rank, world, make_model(**WIDE), cfg, global_batches(3, MICRO * 2),
+                prepare=lambda m, topo: apply_tensor_parallel(m, topo, sequence_parallel=sequence_parallel))
+        except ConfigError as e:
+            out.append(str(e))
+            continue
+        out.append((losses, tp_gathered(engine, local), getattr(engine.update, "speculation", None)))
+        engine.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_tensor_parallel_steps_as_the_synchronous_step_and_sequence_parallel_is_refused():
+    """tp slices step like any piece (the norm sums over tp at step()); sequence parallelism's
+    partial gradients are summed over tp after their reduction, which the worker cannot wait for."""
+    (overlapped, synchronous), _ = run_distributed(_tensor_parallel_runs, 2, False, timeout=110)
+    assert overlapped[2] == {"committed": 3, "discarded": 0}
+    assert overlapped[0] == synchronous[0] and _same(overlapped[1], synchronous[1])
+    (refused, _), _ = run_distributed(_tensor_parallel_runs, 2, True, timeout=110)
+    assert "overlap_cpu_step" in refused and "sequence parallelism" in refused
+
+
 def _engine(overlap, model=None, **optimizer):
     cfg = _config(2, overlap, accum=1, **optimizer)
     return tiertrain.wrap(model or make_model(**WIDE), cfg, tiertrain.Topology.build(cfg.parallel))
