@@ -132,11 +132,38 @@ def test_landing_copies_overlap_backward_and_change_nothing(stage, world):
     _check(stage, world)
 
 
+def _estimated_landing(stage: int, accum: int, dp: int, setting: str = "off") -> int:
+    from tiertrain.estimate import estimate
+    from tiertrain.estimate.layout import ZeroLayout
+    from tiertrain.estimate.lines import LANDING_LINE
+
+    cfg = _config(stage, accum)
+    cfg.zero.accumulate_on_device = setting
+    lines = estimate(make_model(), ZeroLayout.from_config(cfg.validate(), dp)).lines
+    return sum(line.bytes for line in lines if line.name == LANDING_LINE)
+
+
 @pytest.mark.timeout(60)
-def test_the_landing_buffers_are_counted_and_only_where_they_are_used():
-    """One gradient shard per unit on the CPU tier, in the memory report; none without
-    accumulation, where every backward is a boundary."""
-    *_, (landing, shard_bytes), switch = run_distributed(_train, 1, 2, True, timeout=50)[0]
-    *_, (none_landing, _), none_switch = run_distributed(_train, 1, 2, True, 1, timeout=50)[0]
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_landing_buffers_are_counted_and_only_where_they_are_used(stage):
+    """One gradient shard per unit on the CPU tier, in the memory report and the estimate; none
+    without accumulation, where every backward is a boundary, nor with it on the device."""
+    *_, (landing, shard_bytes), switch = run_distributed(_train, 1, stage, True, timeout=50)[0]
+    *_, (none_landing, _), none_switch = run_distributed(_train, 1, stage, True, 1, timeout=50)[0]
     assert switch and not none_switch
     assert landing - none_landing == shard_bytes > 0
+    assert _estimated_landing(stage, ACCUM, 1) == shard_bytes
+    assert _estimated_landing(stage, 1, 1) == 0 == _estimated_landing(stage, ACCUM, 1, "on")
+
+
+def test_a_layout_with_landing_buffers_where_none_land_is_refused():
+    from tiertrain.estimate.layout import ZeroLayout
+
+    assert ZeroLayout(dp=2, stage=2, optimizer_tier="cpu", landing_buffers=True).validate().landing_buffers
+    with pytest.raises(ValueError, match=r"ZeroLayout\.landing_buffers=True is invalid with stage=1, "
+                                         r"optimizer_tier=cpu"):
+        ZeroLayout(dp=2, stage=1, optimizer_tier="cpu", landing_buffers=True).validate()
+    with pytest.raises(ValueError, match=r"optimizer_tier=device"):
+        ZeroLayout(dp=2, stage=3, landing_buffers=True).validate()
+    with pytest.raises(ValueError, match=r"ZeroLayout\.landing_buffers='yes' is invalid: must be True or False"):
+        ZeroLayout(dp=2, stage=2, optimizer_tier="cpu", landing_buffers="yes").validate()

@@ -217,8 +217,11 @@ class GradientReducer:
         the unit has reported its gradient this backward (or backward ended without some);
         ``before_collective`` just before the unit's collective is issued; ``reduced`` once
         its reduction has landed in the gradient shard (when the collective is waited on, in
-        this thread; only subscribers present when the collective was launched are called).
-        Subscribers are called in the order they subscribed."""
+        this thread; only subscribers present when the collective was launched are called;
+        with ``defer_landing``, a non-boundary micro-batch's reductions land later: when the
+        unit's landing buffer is reused or in wait(), at the latest during the boundary's
+        backward, before that unit's boundary reduction lands). Subscribers are called in the
+        order they subscribed."""
         subscriber = _Subscriber(unit_done, before_collective, reduced)
         self._subscribers.append(subscriber)
         return Subscription(self._subscribers, subscriber)
