@@ -52,8 +52,12 @@ def memory_report_of(engine: "TrainingCore") -> MemoryReport:
     whole_frozen = sum(p.numel() * p.element_size() for p in engine.module.parameters()
                        if not p.requires_grad and p not in engine.flat.unit_of)
     frozen_shards = sum(u.unit.shard_numel * u.full.element_size() for u in engine.flat.frozen_units)
-    return MemoryReport(flat["params"] + whole_frozen, flat["gathered_params"], flat["grads"] + extra.extra_grads,
-                        flat["master"] + extra.optimizer, cpu_tier=flat["cpu_tier"] + extra.cpu_tier,
+    # The CPU tier's landing buffers for reduced gradients copied without blocking backward
+    # (zero/reducer.py's defer_landing): one more gradient shard per unit.
+    landing = engine.reducer.landing_bytes
+    return MemoryReport(flat["params"] + whole_frozen, flat["gathered_params"],
+                        flat["grads"] + extra.extra_grads + landing,
+                        flat["master"] + extra.optimizer, cpu_tier=flat["cpu_tier"] + extra.cpu_tier + landing,
                         nvme_tier=flat["nvme_tier"] + extra.nvme_tier,
                         activation_checkpoints=ckpt.peak_bytes, activation_checkpoints_cpu=ckpt.host_peak_bytes,
                         frozen_params=whole_frozen + frozen_shards, **unit_summary(engine))

@@ -165,6 +165,10 @@ class ZeroLayout:
     overlap_cpu_step: bool = False
     """zero.overlap_cpu_step: the CPU-tier step runs during backward into a second set of
     masters and moments (tiertrain/update/overlapped_host.py)."""
+    landing_buffers: bool = False
+    """Stages 2-3 with the optimizer on the CPU tier, reducing every micro-batch of several: one
+    more fp32 gradient shard per unit in pinned host memory, where reduced gradients land
+    without blocking backward (tiertrain/zero/reducer.py's defer_landing; on an accelerator)."""
 
     def __post_init__(self) -> None:
         # A tier given by any spelling Tier accepts ("cpu", "none", a member) becomes the
@@ -237,6 +241,12 @@ class ZeroLayout:
         if self.overlap_cpu_step and self.optimizer_tier is not Tier.CPU:
             raise ValueError(f"ZeroLayout.overlap_cpu_step=True is invalid with optimizer_tier="
                              f"{self.optimizer_tier.value!r}: it overlaps the CPU tier's step (optimizer_tier='cpu')")
+        if not isinstance(self.landing_buffers, bool):
+            raise ValueError(f"ZeroLayout.landing_buffers={self.landing_buffers!r} is invalid: must be True or False")
+        if self.landing_buffers and (self.stage < 2 or self.optimizer_tier is not Tier.CPU or self.accumulate_on_device):
+            raise ValueError(f"ZeroLayout.landing_buffers=True is invalid with stage={self.stage}, optimizer_tier="
+                             f"{self.optimizer_tier}, accumulate_on_device={self.accumulate_on_device}: only stages 2-3 "
+                             f"with the optimizer on the CPU tier, reducing every micro-batch, land gradients late")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"ZeroLayout.backend={self.backend!r} is invalid: must be 'gloo' or 'nccl'")
         return self
@@ -251,11 +261,16 @@ class ZeroLayout:
         the device only at stage 3. ``zero.prefetch_mb`` unset is 0 (the CPU default).
         ``zero.accumulate_on_device``: on counts the device accumulators (with stage 2-3,
         grad_accum_steps > 1 and no pipeline); auto counts as off here, since the engine decides
-        it at start-up from the device's free memory (engine.plan says which)."""
+        it at start-up from the device's free memory (engine.plan says which). Without it, the
+        CPU tier's landing buffers are counted (stages 2-3, optimizer on the CPU tier,
+        grad_accum_steps > 1, no pipeline), as an accelerator host holds them."""
         from ..zero.accumulation import decide
         z, acts = config.zero, config.activations
         pp, dp, tp = config.parallel.resolve(world_size)
         optimizer_tier = Tier(z.offload_optimizer)
+        accum = config.batch.grad_accum_steps
+        on_device = decide(z.accumulate_on_device, stage=z.stage, accum=accum, launch_when_ready=pp == 1,
+                           extra_bytes=0, accelerator=False, free_device_bytes=lambda: None).on
         return cls(dp=dp, cp=config.parallel.cp, cp_algorithm=config.parallel.cp_algorithm,
                    loss_tile_tokens=acts.loss_tile_tokens,
                    mlp_tile_tokens=acts.mlp_tile_tokens, tp=tp, pp=pp,
@@ -269,9 +284,9 @@ class ZeroLayout:
                    prefetch_mb=z.prefetch_mb or 0.0, persistence_threshold=z.persistence_threshold,
                    nvme_in_place=z.nvme_in_place, nvme_grads_in_ram_mb=z.nvme_grads_in_ram_mb,
                    nvme_kept_units=z.nvme_kept_units, backend=backend,
-                   accumulate_on_device=decide(z.accumulate_on_device, stage=z.stage,
-                                               accum=config.batch.grad_accum_steps, launch_when_ready=pp == 1,
-                                               extra_bytes=0, accelerator=False, free_device_bytes=lambda: None).on,
+                   accumulate_on_device=on_device,
+                   landing_buffers=(z.stage >= 2 and optimizer_tier is Tier.CPU and accum > 1 and pp == 1
+                                    and not on_device),
                    overlap_cpu_step=z.overlap_cpu_step).validate()
 
     @property

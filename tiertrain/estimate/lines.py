@@ -22,7 +22,7 @@ TIERS: tuple[Tier, ...] = (Tier.DEVICE, Tier.CPU, Tier.NVME)
 """Memory tiers, fastest first (ZeRO-Infinity §5 offload engine): the members of
 :class:`tiertrain.tiers.Tier` (str-valued, so they also compare equal to "device" etc.)."""
 
-__all__ = ["PRECISION_BYTES", "TIERS", "Tier", "EstimateLine", "accumulator_line", "masters_are_param_shards",
+__all__ = ["PRECISION_BYTES", "TIERS", "Tier", "EstimateLine", "accumulator_line", "landing_line", "masters_are_param_shards",
            "second_generation_lines"]
 
 
@@ -87,3 +87,17 @@ def accumulator_line(nbytes: int, detail: str = "") -> EstimateLine:
     return EstimateLine(ACCUMULATOR_LINE, nbytes, Tier.DEVICE,
                         "4·Ψ' (whole fp32 gradient of every trained unit on the device, reduced once per "
                         "step; zero.accumulate_on_device)" + detail)
+
+
+LANDING_LINE = "gradient landing buffers (reduced every micro-batch)"
+"""The name of the line of :func:`landing_line`."""
+
+
+def landing_line(nbytes: int, detail: str = "") -> EstimateLine:
+    """The CPU tier's landing buffers (stages 2-3, optimizer on the CPU tier, gradients reduced
+    every micro-batch of several): one more fp32 gradient shard per unit in pinned host memory,
+    into which each non-boundary reduction is copied without blocking backward
+    (tiertrain/zero/reducer.py's defer_landing)."""
+    return EstimateLine(LANDING_LINE, nbytes, Tier.CPU,
+                        "4·Ψ/N_d (one more fp32 gradient shard per unit, pinned: the copy of each "
+                        "micro-batch's reduced gradient overlaps backward)" + detail)

@@ -25,8 +25,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from .lines import (PRECISION_BYTES, TIERS, EstimateLine, Tier, accumulator_line, masters_are_param_shards,
-                    overlap_second_set_lines, second_generation_lines)
+from .lines import (PRECISION_BYTES, TIERS, EstimateLine, Tier, accumulator_line, landing_line,
+                    masters_are_param_shards, overlap_second_set_lines, second_generation_lines)
 from .activations import gpt_activation_bytes
 from .build_peak import engine_build_peak
 from .dims import ModelDims, module_parameter_sizes
@@ -199,6 +199,7 @@ def _model_state_lines(psi: int, sizes: list[int], lay: ZeroLayout) -> list[Esti
         *second_generation_lines(lay, ms.master + ms.optimizer + (ms.params if masters_are_param_shards(lay) else 0)),
         *([accumulator_line(4 * sum(sizes))] if lay.accumulate_on_device else []),
         *overlap_second_set_lines(lay, ms.master, ms.optimizer, ms.grads // 4),  # (stages 2-3: grads are the shard, fp32)
+        *([landing_line(ms.grads)] if lay.landing_buffers else []),
     ]
 
 

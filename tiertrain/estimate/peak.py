@@ -60,8 +60,8 @@ from ..zero.flat import NVME_READ_AHEAD, swap_pool_bytes
 from ..parallel.context import tokens_multiple
 from .activations import (ActivationBytes, context_parallel_activation_bytes, gpt_activation_bytes,
                           tiled_mlp_activation_bytes)
-from .lines import (PRECISION_BYTES, EstimateLine, Tier, accumulator_line, masters_are_param_shards,
-                    overlap_second_set_lines, second_generation_lines)
+from .lines import (PRECISION_BYTES, EstimateLine, Tier, accumulator_line, landing_line,
+                    masters_are_param_shards, overlap_second_set_lines, second_generation_lines)
 from .overhead import HostOverhead
 from .units import engine_grad_tier, engine_units, gpt_meta_model
 
@@ -485,6 +485,8 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
         notes.append("zero.accumulate_on_device: every unit's fp32 bucket is kept over the micro-batches (the "
                      "accumulators line); the buckets and reductions in flight at the peak are counted as without "
                      "it, which counts the bucket being filled twice")
+    if lay.landing_buffers:
+        lines.append(landing_line(4 * sum(u.shard_numel for u in layout.units), f"; {pad}"))
     # transient lines at the peak (device tier); standard activation lines always listed
     merged: dict[str, list] = {}
     order: list[str] = []

@@ -29,6 +29,18 @@ step, persists over the micro-batches (at stage 3 too, while its parameters are 
 released as usual) and every micro-batch adds into it; nothing is reduced, nor copied to the
 CPU tier, until the accumulation boundary's backward, where each unit is reduce-scattered into
 its shard as it completes, as without accumulation. The bucket is then freed.
+
+Without it, with the optimizer on the CPU tier and an accelerator (or the emulated GPU host,
+or the deferred-copy harness), a micro-batch that is not the accumulation boundary lands its
+reduced shards on the host without blocking backward (``defer_landing``; ZeRO-Offload §4: the
+gradient copy overlapped with backward): once a unit's collective is waited, the device→host
+copy is issued on the copy stream into the unit's landing buffer (pinned host memory, one
+gradient shard per unit: :attr:`GradientReducer.landing_bytes`) and left in flight. The host
+waits for it, and adds it into the shard, only when that landing buffer is needed again (the
+same unit's next landing) or in :meth:`GradientReducer.wait` before the step reads the
+gradients, so the adds keep their order and the sums are bit-identical. The boundary's
+reductions land at once, as subscribers of ``reduced`` (the landing norms, the overlapped
+steps) expect during that backward.
 """
 from __future__ import annotations
 
@@ -40,12 +52,23 @@ import torch
 import torch.nn as nn
 
 from ..comm import Collectives, Work
-from ..device import Copy
+from ..device import Copy, Transfer
+from ..tiers import Tier
 from .flat import FlatParameters
 from .stages import GradientReduction, ZeroStage
 
 
 UnitHook = Callable[[int], None]
+
+
+@dataclass(eq=False)
+class _Landing:
+    """A reduced shard's device→host copy in flight into a landing buffer, and what to do with it
+    once it has landed: ``land`` (the shard's copy_ or add_) and the ``reduced`` hooks."""
+
+    transfer: Transfer
+    land: Callable[[torch.Tensor], torch.Tensor]
+    notify: list[UnitHook]
 
 
 @dataclass(eq=False)
@@ -87,7 +110,8 @@ class GradientReducer:
     The reducer knows none of them: each adds and removes its own hooks."""
 
     def __init__(self, flat: FlatParameters, comm: Collectives, stage: ZeroStage | int, launch_order: list[int],
-                 max_in_flight: int = 2, launch_when_ready: bool = True, accumulate: bool = False):
+                 max_in_flight: int = 2, launch_when_ready: bool = True, accumulate: bool = False,
+                 defer_landing: bool = False):
         self.flat = flat
         self.comm = comm
         self.stage = ZeroStage(stage)
@@ -98,6 +122,16 @@ class GradientReducer:
         self.accumulate = accumulate and launch_when_ready and self.stage.partitions_gradients
         """Stages 2-3: micro-batches accumulate in the units' buckets on the device, each reduced
         once, at the accumulation boundary (see the module docstring)."""
+        streams = flat.streams
+        self.defer_landing = (defer_landing and self.stage.partitions_gradients and launch_when_ready
+                              and not self.accumulate and flat.placement.optimizer_tier is Tier.CPU
+                              and (streams.pin or streams.defer))
+        """Non-boundary micro-batches' reduced shards land on the CPU tier asynchronously, waited
+        for only when their landing buffer is reused or in wait() (see the module docstring).
+        Set to False before a backward (tests) to land every reduction at once, as before."""
+        self._boundary = True
+        self._landing: dict[int, torch.Tensor] = {}  # unit -> its pinned landing buffer
+        self._pending: dict[int, _Landing] = {}  # unit -> its copy in flight, not yet added
         self._subscribers: list[_Subscriber] = []
         self.reduce_now = False
         self.used: set[tuple[int, int]] = set()
@@ -126,6 +160,7 @@ class GradientReducer:
         a rank that does use them (DDP's find_unused_parameters)."""
         self.reduce_now = self.launch_when_ready and (
             reduce_now or (self.stage.partitions_gradients and not self.accumulate))
+        self._boundary = reduce_now
         self._reset_counts()
         for p in absent:
             index, k = self.flat.slot_of[p]
@@ -182,8 +217,11 @@ class GradientReducer:
         the unit has reported its gradient this backward (or backward ended without some);
         ``before_collective`` just before the unit's collective is issued; ``reduced`` once
         its reduction has landed in the gradient shard (when the collective is waited on, in
-        this thread; only subscribers present when the collective was launched are called).
-        Subscribers are called in the order they subscribed."""
+        this thread; only subscribers present when the collective was launched are called;
+        with ``defer_landing``, a non-boundary micro-batch's reductions land later: when the
+        unit's landing buffer is reused or in wait(), at the latest during the boundary's
+        backward, before that unit's boundary reduction lands). Subscribers are called in the
+        order they subscribed."""
         subscriber = _Subscriber(unit_done, before_collective, reduced)
         self._subscribers.append(subscriber)
         return Subscription(self._subscribers, subscriber)
@@ -238,6 +276,7 @@ class GradientReducer:
             if s.before_collective is not None:
                 s.before_collective(index)
         reduction = self.stage.gradient_reduction
+        deferred = False
         if reduction is GradientReduction.ALL_REDUCE:
             work = self.comm.all_reduce(bucket, async_op=True)
         elif reduction is GradientReduction.SCATTER_IN_PLACE:
@@ -255,18 +294,60 @@ class GradientReducer:
             # reduced shard is copied there on the copy stream, and the host waits for the copy
             # before adding it (on a GPU an unwaited device→host copy is still in flight).
             land = u.grad.copy_ if stale else u.grad.add_
-            streams = self.flat.streams
-            to_grad = streams.to_host if u.grad.device.type == "cpu" else streams.to_device
-            work.then(lambda: land(to_grad(reduced, Copy.GRAD_TO_HOST).synchronize()))
+            if self.defer_landing and not self._boundary:
+                notify = [s.reduced for s in self._subscribers if s.reduced is not None]
+                work.then(lambda: self._land_later(index, reduced, land, notify))
+                deferred = True
+            else:
+                streams = self.flat.streams
+                to_grad = streams.to_host if u.grad.device.type == "cpu" else streams.to_device
+                work.then(lambda: (self._finish_landing(index),
+                                   land(to_grad(reduced, Copy.GRAD_TO_HOST).synchronize())))
         if self.stage.partitions_gradients:
             self._buckets.pop(index, None)
             work.then(lambda: bucket)  # keeps the bucket alive until its collective has completed
-        for notify in [s.reduced for s in self._subscribers if s.reduced is not None]:
+        for notify in [] if deferred else [s.reduced for s in self._subscribers if s.reduced is not None]:
             work.then(lambda notify=notify: notify(index))
         self._in_flight.append(work)
         # (Pipeline buckets all exist already: capping them would only stall the pipeline.)
         while len(self._in_flight) > self.max_in_flight and self.stage.partitions_gradients and self.launch_when_ready:
             self._in_flight.popleft().wait()
+
+    def _land_later(self, index: int, reduced: torch.Tensor, land, notify: list[UnitHook]) -> None:
+        """Unit index's collective has been waited (its result is ordered on the compute stream):
+        copy the reduced shard into the unit's landing buffer on the copy stream, without waiting.
+        The buffer's previous copy is finished first: the one host wait this path has."""
+        self._finish_landing(index)
+        buffer = self._landing.get(index)
+        if buffer is None:
+            buffer = self._landing[index] = self.flat.streams.host_empty(reduced.shape, reduced.dtype)
+        transfer = self.flat.streams.copy(buffer, reduced, Copy.GRAD_TO_HOST)
+        # (No need to keep `reduced`: the copy recorded its use on the copy stream.)
+        self._pending[index] = _Landing(transfer, land, notify)
+
+    def _finish_landing(self, index: int) -> None:
+        """Wait for unit index's landing copy in flight, if any, add it into the shard and
+        call the ``reduced`` hooks it was launched with."""
+        pending = self._pending.pop(index, None)
+        if pending is None:
+            return
+        pending.land(pending.transfer.synchronize())
+        for notify in pending.notify:
+            notify(index)
+
+    def finish_landings(self) -> None:
+        """Land every reduced shard whose copy is still in flight, in the order they were issued
+        (wait() does; before anything reads the gradient shards)."""
+        for index in list(self._pending):
+            self._finish_landing(index)
+
+    @property
+    def landing_bytes(self) -> int:
+        """Bytes of the CPU tier's landing buffers (one gradient shard per trained unit) that
+        ``defer_landing`` needs (allocated at the first micro-batch that lands late)."""
+        if not self.defer_landing:
+            return 0
+        return sum(u.unit.shard_numel * 4 for u in self.flat.units)
 
     def end_backward(self) -> None:
         """Launch every unit not yet launched (flushing unused parameters as zeros)."""
@@ -302,6 +383,7 @@ class GradientReducer:
         """Block until every launched collective has completed and landed in the shards."""
         while self._in_flight:
             self._in_flight.popleft().wait()
+        self.finish_landings()
         if not self.accumulate:  # (accumulating buckets not yet reduced are this step's gradients)
             self._buckets.clear()
 
