@@ -143,6 +143,7 @@ def engine_times(d, layers, zero, impl, args, bare=None, bare_times=None) -> tup
     if speculation is not None:
         profile = (f"speculation committed at {speculation['committed']} of "
                    f"{sum(speculation.values())} steps (gradient norm {engine.last_grad_norm:.3g}); " + profile)
+    engine.close()  # (its hooks and registrations go: the next engine gets the memory back)
     del engine, backward, step
     gc.collect()
     return times, profile
@@ -207,6 +208,7 @@ def write_traces(prefix: str, elements: float, threads: int) -> list[str]:
             packed.write(raw.read())  # (Perfetto opens .json.gz; a tenth of the size)
         os.remove(trace.path)
         written.append(trace.path + ".gz")
+        engine.close()
         del engine, step
         gc.collect()
     return written
