@@ -89,10 +89,22 @@ def _hf_loss(model, batch):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", sorted(zoo.MODELS))
 def test_hugging_face_families_equal_the_unmodified_model(name):
+    """Within the float64 oracle's bound of the unmodified model (bit-equal on an AVX-512 Xeon;
+    on an AVX2 EPYC, T5's and Switch's gradients differ in their last bits, also under
+    ATEN_CPU_CAPABILITY=default: in the BLAS, whose rounding the recomputed inputs change)."""
+    from reference import check_tensors
+
     batch = zoo.batches(name, 1, 4)[0]
-    reference = _loss_and_grads(zoo.build(name), batch, _hf_loss)
+
+    def loss_and_grads(model):
+        loss, grads = _loss_and_grads(model, batch, _hf_loss)
+        return {"loss": loss.reshape(1), **grads}
+    reference = loss_and_grads(zoo.build(name))
+    exact = loss_and_grads(zoo.build(name).double())
     model = _checkpointed(zoo.build(name))
-    _assert_same(_loss_and_grads(model, batch, _hf_loss), reference)
+    actual = loss_and_grads(model)
+    assert actual.keys() == reference.keys()
+    check_tensors(actual, reference, exact, f"{name}, selective recomputation")
     assert checkpoint_memory(model).recomputations == len(checkpointing_of(model).checkpointed) > 0
 
 
