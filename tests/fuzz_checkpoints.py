@@ -4,7 +4,7 @@ checkpoint's marker, rank file and held-tensors file, of a safetensors header, a
 ``load_checkpoint``) and an export read it; and the same of a pretrained model directory's
 ``model.safetensors``, read by ``load_pretrained`` into an engine.
 
-Every case must end, within a second, in a result or in the library's own error
+Every case must end, within CASE_LIMIT_S, in a result or in the library's own error
 (CheckpointError, or ValueError for a pretrained file), never in another exception (a raw
 traceback for the user); no file outside the checkpoint may be opened (an audit hook watches
 every open of a sentinel directory beside it); and every tensor read from a safetensors file
@@ -286,6 +286,12 @@ def _checkpoint_case(rng: random.Random, step_dir: str, scratch: str, outside: s
         _replace_with_special_file(rng, os.path.join(step_dir, name), scratch, outside)
 
 
+CASE_LIMIT_S = 5.0
+"""A case that has not ended by then is a hang. The slowest of 2 000 cases measured 0.74 s on a
+2-vCPU EPYC (median 3 ms): a 1 s limit failed a case once under CI's load, while a hang, what the
+limit is for, never ends."""
+
+
 def run_case(rng: random.Random, pristine, scratch: str, outside: str, findings: Findings) -> None:
     from tiertrain.state.checkpoint import CheckpointError
     from tiertrain.state.pretrained import load_pretrained
@@ -312,7 +318,7 @@ def run_case(rng: random.Random, pristine, scratch: str, outside: str, findings:
                 inputs.append(f.read())
     what = f"case {findings.cases} ({kind})"
     _watch["root"], _watch["opened"] = outside, []
-    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    signal.setitimer(signal.ITIMER_REAL, CASE_LIMIT_S)
     try:
         read()
         findings.accepted += 1
@@ -321,7 +327,7 @@ def run_case(rng: random.Random, pristine, scratch: str, outside: str, findings:
         else:
             _check_exported_bytes(out, inputs, findings, what)
     except _Hang:
-        findings.hangs.append(f"{what}: no result within 1 s")
+        findings.hangs.append(f"{what}: no result within {CASE_LIMIT_S:g} s")
     except refusal:
         findings.refused += 1
     except Exception as e:  # noqa: BLE001 - what the fuzzer looks for
@@ -336,8 +342,8 @@ def run_case(rng: random.Random, pristine, scratch: str, outside: str, findings:
 
 def _warm_up(pristine, scratch: str) -> None:
     """Read the unmutated checkpoint once, untimed, as a case does: a first export imports
-    transformers to rebuild the run's model on the meta device (about a second), which the 1 s
-    bound of a case is not about (it catches hangs on mutated input)."""
+    transformers to rebuild the run's model on the meta device (about a second), which the
+    CASE_LIMIT_S bound of a case is not about (it catches hangs on mutated input)."""
     directory, _, engine = pristine
     shutil.copytree(directory, scratch)
     _read_like_a_resume_and_an_export(scratch, scratch + "-out", engine)
