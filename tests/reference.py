@@ -119,6 +119,20 @@ def rank_slices(batch, rank: int, dp: int, micro: int, accum: int):
         yield {k: v[start:start + micro] for k, v in batch.items()}
 
 
+def mean_over_ranks(losses: list[float], world: int) -> list[float]:
+    """Each step's loss averaged over the ranks (every rank calls it; as is in one process)."""
+    if not dist.is_initialized():
+        return losses
+    t = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / world).tolist()
+
+
+def fp32_parameters(engine) -> dict:
+    """The engine's full parameters as fp32 copies (collective at stage 3)."""
+    return {n: p.detach().float().clone() for n, p in engine.full_state_dict().items()}
+
+
 def engine_train(rank, world, model, config: Config, batches, prepare=None, wrap_kwargs=None):
     """Run the engine on this rank over the global batches; returns (mean loss over the
     data-parallel ranks per step, this rank's fp32 parameters, engine). prepare(model,

@@ -18,7 +18,8 @@ import os
 import pytest
 import torch
 
-from reference import Oracle, global_batches, make_config, make_model, rank_slices, reference_train
+from reference import (Oracle, fp32_parameters, global_batches, make_config, make_model, mean_over_ranks, rank_slices,
+                       reference_train)
 from tiertrain.testing import run_distributed
 
 STEPS = 2
@@ -87,11 +88,8 @@ def _train(rank, world, stage, deferred, accum=ACCUM):
     finally:
         Transfer.synchronize = synchronize
         subscription.remove()
-    if torch.distributed.is_initialized():
-        t = torch.tensor(losses, dtype=torch.float64)
-        torch.distributed.all_reduce(t)
-        losses = (t / world).tolist()
-    params = {n: p.detach().float().clone() for n, p in engine.full_state_dict().items()}
+    losses = mean_over_ranks(losses, world)
+    params = fp32_parameters(engine)
     units = len(engine.flat.units)
     shard_bytes = sum(u.unit.shard_numel * 4 for u in engine.flat.units)
     engine.close()

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference import Oracle, engine_train, global_batches, make_config, make_model, max_rel_diff, reference_train
+from reference import (Oracle, engine_train, fp32_parameters, global_batches, make_config, make_model, max_rel_diff,
+                       mean_over_ranks, reference_train)
 from tiertrain.config import ConfigError
 from tiertrain.testing import run_distributed
 
@@ -52,11 +53,8 @@ def _train(rank, world, stage, opt, dtype, setting, accum=ACCUM):
         per_step.append(len(landed))
         landed.clear()
     subscription.remove()
-    if torch.distributed.is_initialized():
-        t = torch.tensor(losses, dtype=torch.float64)
-        torch.distributed.all_reduce(t)
-        losses = (t / world).tolist()
-    params = {n: p.detach().float().clone() for n, p in engine.full_state_dict().items()}
+    losses = mean_over_ranks(losses, world)
+    params = fp32_parameters(engine)
     units = len(engine.flat.units)
     line, planned = engine.plan.describe(), engine.plan.accumulation.device_bytes
     engine.close()
