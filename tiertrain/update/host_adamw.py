@@ -61,6 +61,12 @@ def hyperparameters(lr: float, beta1: float, beta2: float, eps: float, weight_de
                          lr / (1 - beta1 ** step), grad_factor])
 
 
+def _group_hyperparameters(group: dict, step: float, grad_factor: float) -> torch.Tensor:
+    """:func:`hyperparameters` of an AdamW param group at step number ``step``."""
+    beta1, beta2 = group["betas"]
+    return hyperparameters(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step, grad_factor)
+
+
 def _adamw_cast(param, grad, exp_avg, exp_avg_sq, out, hyper):
     """_adamw, then the new values stored in ``out`` (the compute-dtype shard) in the same loop."""
     _adamw(param, grad, exp_avg, exp_avg_sq, hyper)
@@ -175,10 +181,8 @@ class HostAdamW:
         p_out and the two moment outputs, and into p's destination; p, its state and its step
         count are left as they were, for the caller to commit (swap the outputs in, count the
         step) or discard (give the destination p's values back)."""
-        state = self._state(p)
-        beta1, beta2 = group["betas"]
-        hyper = hyperparameters(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                                float(state["step"]) + 1, 1.0)
+        state = self.state_of(p)
+        hyper = _group_hyperparameters(group, float(state["step"]) + 1, 1.0)
         out = self.destinations[id(p)]
         tensors = (p, p.grad, state["exp_avg"], state["exp_avg_sq"], p_out, exp_avg_out, exp_avg_sq_out)
         if out is None:
@@ -203,11 +207,9 @@ class HostAdamW:
             if not self.steps_alone(p):
                 small.append(p)
                 continue
-            beta1, beta2 = group["betas"]
-            state = self._state(p)
+            state = self.state_of(p)
             state["step"] += 1
-            step = float(state["step"])
-            hyper = hyperparameters(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step, factor)
+            hyper = _group_hyperparameters(group, float(state["step"]), factor)
             out = self.destinations[id(p)]
             if out is None:
                 _kernels(None)(p, p.grad, state["exp_avg"], state["exp_avg_sq"], hyper)
@@ -217,10 +219,6 @@ class HostAdamW:
 
     def state_of(self, p: torch.Tensor) -> dict:
         """Piece p's AdamW state (step, exp_avg, exp_avg_sq), created as torch's fused AdamW creates it."""
-        return self._state(p)
-
-    def _state(self, p: torch.Tensor) -> dict:
-        """The piece's AdamW state, created as torch's fused AdamW creates it."""
         state = self.optimizer.state[p]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32)

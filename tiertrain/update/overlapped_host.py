@@ -43,7 +43,7 @@ from ..comm import Collectives
 from ..errors import TiertrainError
 from ..spans import span
 from .in_memory import InMemoryUpdate, host_pass
-from .protocol import PIECE, SLOT_NAME, UpdateMemory, optimizer_state_bytes
+from .protocol import PIECE, SLOT_NAME, UpdateMemory
 
 Pair = tuple[dict, torch.Tensor]
 """(param group, piece) of the optimizer."""
@@ -275,10 +275,10 @@ class OverlappedHostUpdate(InMemoryUpdate):
 
     # -- outside the step -----------------------------------------------------------------------
     def memory(self):
-        moments = optimizer_state_bytes(self.optimizer)
+        base = super().memory()
         second = sum(t.numel() * t.element_size() for t in self._next_master.values()) + \
             sum(2 * m.numel() * m.element_size() for m, _ in self._next_moments.values())
-        return UpdateMemory(optimizer=moments + second, cpu_tier=moments + second)
+        return UpdateMemory(optimizer=base.optimizer + second, cpu_tier=base.cpu_tier + second)
 
     def load_state_dict(self, state):
         self.cancel()
