@@ -174,17 +174,58 @@ def test_a_kernel_the_graph_cache_cannot_build_is_built_once_more_without_it(mon
                 return broken
             return real(fn, **kwargs)
         return compile_
-    monkeypatch.setattr(host_adamw.torch, "compile", compile_failing_with([{}]))
+    options = host_adamw.KERNEL_OPTIONS
+    uncached = {**options, "fx_graph_cache": False}
+    monkeypatch.setattr(host_adamw.torch, "compile", compile_failing_with([options]))
     kernel = host_adamw._kernels.__wrapped__(None)
-    assert asked == [{}, {"fx_graph_cache": False}]
+    assert asked == [options, uncached]
     p, g, m, v = (torch.ones(8) for _ in range(4))
     kernel(p, g, m, v, torch.tensor([0.1, 0.9, 0.99, 1e-8, 0.0, 1.0, 1.0, 1.0]))
     assert bool((p < 1).all())  # (it stepped)
-    monkeypatch.setattr(host_adamw.torch, "compile", compile_failing_with([{}, {"fx_graph_cache": False}]))
+    monkeypatch.setattr(host_adamw.torch, "compile", compile_failing_with([options, uncached]))
     with pytest.raises(host_adamw.CompileUnavailable, match=r"with and without inductor's graph cache: "
-                                                            r"RuntimeError: cannot build with options \{\}; then "
-                                                            r"RuntimeError: cannot build with options"):
+                                                            r"RuntimeError: cannot build with options \{'cpp_wrapper'.*; "
+                                                            r"then RuntimeError: cannot build with options"):
         host_adamw._kernels.__wrapped__(None)
+
+
+@pytest.mark.parametrize("into", [False, True], ids=["in place", "into second buffers"])
+def test_the_kernel_runs_without_the_gil(into):
+    """A thread running the compiled kernel leaves the GIL to the others (inductor's C++ wrapper):
+    the overlapped step's worker must not stall backward's Python hooks for a whole update.
+    While a thread makes calls, the main thread's Python keeps running, many times per call
+    (held, it would run only between calls)."""
+    import threading
+    import time
+
+    n = 1 << 24
+    tensors = [torch.rand(n) for _ in range(7 if into else 4)]
+    out = torch.empty(n, dtype=torch.bfloat16)
+    hyper = host_adamw.hyperparameters(1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 1.0)
+    kernel = host_adamw._kernels(torch.bfloat16, into=into)
+    kernel(*tensors, out, hyper)
+    calls = 8
+    start = time.perf_counter()
+    for _ in range(calls):
+        kernel(*tensors, out, hyper)
+    call_s = (time.perf_counter() - start) / calls
+    running = threading.Event()
+
+    def run():
+        running.set()
+        for _ in range(calls):
+            kernel(*tensors, out, hyper)
+    worker = threading.Thread(target=run)
+    worker.start()
+    running.wait()
+    pauses, last = [], time.perf_counter()
+    while worker.is_alive():
+        now = time.perf_counter()
+        pauses.append(now - last)
+        last = now
+        time.sleep(1e-4)
+    worker.join()
+    assert len(pauses) > 8 * calls, (call_s, len(pauses))
 
 
 def _llama():

@@ -33,6 +33,9 @@ SMALL_PIECE = 1 << 16
 """Pieces with fewer elements take torch's fused step (one call over all of them): a compiled
 call costs ~40 µs, the bare update of 64 Ki elements about as much."""
 
+KERNEL_OPTIONS = {"cpp_wrapper": True}
+"""inductor options of the kernel: its C++ wrapper, which releases the GIL while the loop runs."""
+
 WARM_ELEMENTS = 1 << 20
 """The compile runs once on scratch tensors of this size: inductor chooses a parallel loop
 from the size it first sees (and caches that choice), so it must see a large one."""
@@ -108,10 +111,13 @@ def _kernels(cast_dtype: torch.dtype | None, into: bool = False):
     if cast_dtype is not None:
         scratch.append(torch.zeros(WARM_ELEMENTS, dtype=cast_dtype))
     hyper = hyperparameters(lr=0.0, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1, grad_factor=1.0)
+    # inductor's C++ wrapper (cpp_wrapper) calls the loop with the GIL released; its default
+    # Python wrapper holds the GIL for the whole loop, which stalls every Python hook of a
+    # backward running beside an overlapped step (docs/concepts.md#the-cpu-update-in-one-pass).
     # inductor's on-disk graph cache does not key on ATEN_CPU_CAPABILITY: C++ written for
     # AVX-512 and cached fails to compile under `default`. Then once more, without that cache.
     failures = []
-    for options in ({}, {"fx_graph_cache": False}):
+    for options in (KERNEL_OPTIONS, {**KERNEL_OPTIONS, "fx_graph_cache": False}):
         kernel = torch.compile(fn, dynamic=True, fullgraph=True, options=options)
         try:
             kernel(*scratch, hyper)
