@@ -174,6 +174,36 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_the_worker_starts_on_a_unit_before_its_norm_and_stops_once_the_norms_exceed_the_clip(monkeypatch):
+    """Each landed unit goes to the worker first and its norm is taken beside the update; before
+    each unit the worker adds the norms taken so far and stops speculating once this rank's
+    share exceeds the clip. With a clip far below any unit's norm: it takes up the first unit
+    to land (no norm known yet) and stops at the second (the first's norm is known by the time
+    the second lands), each step; the step is the synchronous one."""
+    seen = []
+    real = OverlappedHostUpdate._speculate
+
+    def spying(self, flight, index, used_here):
+        squares_before = flight.squares_counted
+        real(self, flight, index, used_here)
+        seen.append((squares_before, flight.stopped_at))
+    monkeypatch.setattr(OverlappedHostUpdate, "_speculate", spying)
+    results = []
+    for overlap in (True, False):
+        engine = _engine(overlap, clip=1e-6)
+        for batch in global_batches(2, MICRO):
+            engine.train_batch(iter([batch]))
+            if overlap:  # (more units landed than the worker looked at)
+                assert engine.update.last_overlapped_step["units_ready"] > 2
+        results.append(engine.full_state_dict())
+        if overlap:
+            assert engine.update.speculation["committed"] == 0
+        engine.close()
+    stop = "this rank's share of the gradient norm exceeds optimizer.grad_clip"
+    assert seen == [(0, None), (0, stop)] * 2
+    assert _same(*results)
+
+
 class WithUnused(nn.Module):
     """The tiny GPT and a matrix no forward uses: torch's AdamW leaves it (no .grad), and so
     must an update that runs before step() knows which parameters went unused."""

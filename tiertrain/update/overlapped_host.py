@@ -21,8 +21,9 @@ buffers (12 bytes per element of the shard, the price of this form). step() then
 * otherwise → the second buffers are dropped, the compute-dtype copies the pass wrote get the
   masters' values back, and the synchronous step runs (clipped), as if nothing had overlapped.
 
-The worker stops speculating once this rank's own share of the norm exceeds ``grad_clip`` (the
-global norm can only be larger). A piece no local backward touched and whose reduced gradient is
+A landed unit goes to the worker before its norm is taken (the norm is taken beside its update);
+the worker adds the norms taken so far before each unit and stops speculating once this rank's
+own share exceeds ``grad_clip`` (the global norm can only be larger). A piece no local backward touched and whose reduced gradient is
 all zero, and the small pieces torch steps in one call, wait for step(), which knows which
 parameters went unused. Either way the result is the synchronous step's, bit for bit.
 
@@ -67,8 +68,11 @@ class _StepInFlight:
         """Per unit: the pieces updated into the second buffers."""
         self.units_ready = 0
         """Units handed to the worker (their reductions landed) so far."""
+        self.landed: list[int] = []
+        """The units handed to the worker, in landing order."""
         self.local_squares = 0.0
-        """This rank's squared gradient norm over the units landed so far."""
+        """This rank's squared gradient norm over the first ``squares_counted`` units landed."""
+        self.squares_counted = 0
         self.stopped_at: str | None = None
         """Why the worker stopped speculating; None: it did not."""
         self.error: BaseException | None = None
@@ -120,24 +124,26 @@ class OverlappedHostUpdate(InMemoryUpdate):
 
     # -- during the boundary backward -------------------------------------------------------
     def before_backward(self, boundary, lr):
-        super().before_backward(boundary, lr)
         if boundary and self._in_flight is None:
             self.schedule.apply(self.optimizer, lr)  # (the rate step() would set: the same step number)
             flight = self._in_flight = _StepInFlight(self._run)
-            # (subscribed after the landing norms: a unit's square is there when its hook runs)
+            # (subscribed before the landing norms: the worker starts on a unit while this thread
+            # takes its norm, instead of after)
             self._subscription = self.reducer.subscribe(reduced=lambda index: self._landed(flight, index))
+        super().before_backward(boundary, lr)
 
     def _landed(self, flight: _StepInFlight, index: int) -> None:
         """Unit index's reduced gradient shard is final: hand it to the worker, with the
-        parameters this rank's backwards gave a gradient (used for sure) and its squared norm.
+        parameters this rank's backwards gave a gradient (used for sure). Its squared norm is
+        taken next, on this thread, while the worker updates it.
         (A reduction launched before a cancel may land after it: that step is over.)"""
         if flight is not self._in_flight:
             return
-        square = self.landing_norms.square(index) if self.landing_norms is not None else None
         used = self.reducer.used
         used_here = frozenset(name for k, name in self._slots[index] if (index, k) in used)
         flight.units_ready += 1
-        flight.units.put((index, used_here, square))
+        flight.landed.append(index)
+        flight.units.put((index, used_here))
 
     def _run(self, flight: _StepInFlight) -> None:
         try:
@@ -150,15 +156,26 @@ class OverlappedHostUpdate(InMemoryUpdate):
         except BaseException as e:  # noqa: BLE001 - raised on every rank by step()
             flight.error = e
 
-    def _speculate(self, flight: _StepInFlight, index: int, used_here: frozenset, square) -> None:
-        if square is not None:
+    def _count_squares(self, flight: _StepInFlight) -> None:
+        """Add the squared norms taken since (in landing order; a unit whose norm this thread
+        has not taken yet waits for the next count). Only to stop early: step() decides."""
+        if self.landing_norms is None:
+            return
+        while flight.squares_counted < len(flight.landed):
+            square = self.landing_norms.square(flight.landed[flight.squares_counted])
+            if square is None:
+                return
             flight.local_squares += float(square)
-            if not math.isfinite(flight.local_squares):
-                flight.stopped_at = f"unit {index}'s gradient is not finite"
-                return
-            if self.max_norm > 0 and math.sqrt(flight.local_squares) > self.max_norm:
-                flight.stopped_at = "this rank's share of the gradient norm exceeds optimizer.grad_clip"
-                return
+            flight.squares_counted += 1
+
+    def _speculate(self, flight: _StepInFlight, index: int, used_here: frozenset) -> None:
+        self._count_squares(flight)
+        if not math.isfinite(flight.local_squares):
+            flight.stopped_at = "a gradient landed so far is not finite"
+            return
+        if self.max_norm > 0 and math.sqrt(flight.local_squares) > self.max_norm:
+            flight.stopped_at = "this rank's share of the gradient norm exceeds optimizer.grad_clip"
+            return
         chosen = [(g, v) for g, v in self._pieces.get(index, ()) if self.host_pass.steps_alone(v)
                   and (getattr(v, SLOT_NAME) in used_here or bool(v.grad.any()))]
         if not chosen:
