@@ -174,19 +174,18 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_the_worker_starts_on_a_unit_before_its_norm_and_stops_once_the_norms_exceed_the_clip(monkeypatch):
-    """Each landed unit goes to the worker first and its norm is taken beside the update; before
+def test_the_worker_stops_once_the_norms_taken_exceed_the_clip(monkeypatch):
+    """A landed unit goes to the worker first and its norm is taken beside the update; before
     each unit the worker adds the norms taken so far and stops speculating once this rank's
-    share exceeds the clip. With a clip far below any unit's norm: it takes up the first unit
-    to land (no norm known yet) and stops at the second (the first's norm is known by the time
-    the second lands), each step; the step is the synchronous one."""
+    share exceeds the clip. With a clip far below any unit's norm it stops, each step, at the
+    first unit to land (if that unit's norm was taken before the worker looked) or at the
+    second (the first's norm is taken before the second lands); the step is the synchronous one."""
     seen = []
     real = OverlappedHostUpdate._speculate
 
     def spying(self, flight, index, used_here):
-        squares_before = flight.squares_counted
         real(self, flight, index, used_here)
-        seen.append((squares_before, flight.stopped_at))
+        seen.append(flight.stopped_at)
     monkeypatch.setattr(OverlappedHostUpdate, "_speculate", spying)
     results = []
     for overlap in (True, False):
@@ -200,7 +199,8 @@ def test_the_worker_starts_on_a_unit_before_its_norm_and_stops_once_the_norms_ex
             assert engine.update.speculation["committed"] == 0
         engine.close()
     stop = "this rank's share of the gradient norm exceeds optimizer.grad_clip"
-    assert seen == [(0, None), (0, stop)] * 2
+    per_step = "".join("s" if why == stop else "-" if why is None else "?" for why in seen)
+    assert per_step in {"ss", "-ss", "s-s", "-s-s"}, seen
     assert _same(*results)
 
 

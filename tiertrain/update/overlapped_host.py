@@ -23,9 +23,10 @@ buffers (12 bytes per element of the shard, the price of this form). step() then
 
 A landed unit goes to the worker before its norm is taken (the norm is taken beside its update);
 the worker adds the norms taken so far before each unit and stops speculating once this rank's
-own share exceeds ``grad_clip`` (the global norm can only be larger). A piece no local backward touched and whose reduced gradient is
-all zero, and the small pieces torch steps in one call, wait for step(), which knows which
-parameters went unused. Either way the result is the synchronous step's, bit for bit.
+own share exceeds ``grad_clip`` (the global norm can only be larger). A piece no local backward
+touched and whose reduced gradient is all zero, and the small pieces torch steps in one call,
+wait for step(), which knows which parameters went unused. Either way the result is the
+synchronous step's, bit for bit.
 
 Threads: the worker runs the kernels; the caller's thread keeps computing backward and never
 reads a unit whose gradient is final before step() (the unit is not used again in that
@@ -157,8 +158,8 @@ class OverlappedHostUpdate(InMemoryUpdate):
             flight.error = e
 
     def _count_squares(self, flight: _StepInFlight) -> None:
-        """Add the squared norms taken since (in landing order; a unit whose norm this thread
-        has not taken yet waits for the next count). Only to stop early: step() decides."""
+        """Add the squared norms taken since (in landing order; a unit whose norm the training
+        thread has not taken yet waits for the next count). Only to stop early: step() decides."""
         if self.landing_norms is None:
             return
         while flight.squares_counted < len(flight.landed):
