@@ -156,6 +156,24 @@ def test_auto_accumulates_on_the_device_when_the_buffers_fit():
     assert not auto(stage=3, accum=1).on
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_memory_report_counts_the_device_accumulators(stage):
+    """engine.memory_report()'s gradients include the accumulators the plan holds (device
+    memory, not the CPU tier): exactly the difference from the same engine with them off."""
+    import tiertrain
+
+    reports, planned = {}, 0
+    for setting in ("on", "off"):
+        cfg = _config(stage, "cpu", setting=setting)
+        engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
+        reports[setting] = engine.memory_report()
+        planned = planned or engine.plan.accumulation.device_bytes
+        engine.close()
+    assert planned > 0
+    assert reports["on"].grads - reports["off"].grads == planned
+    assert reports["on"].cpu_tier == reports["off"].cpu_tier
+
+
 def test_a_bad_setting_is_refused_naming_the_valid_ones():
     with pytest.raises(ConfigError, match=r"zero\.accumulate_on_device='sometimes' is invalid: expected one of "
                                           r"'auto', 'on', 'off'"):

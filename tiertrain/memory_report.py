@@ -21,6 +21,7 @@ class MemoryReport:
     params: int
     gathered_params: int
     grads: int
+    """Gradient shards, with the CPU tier's landing buffers and the device accumulators (zero.accumulate_on_device)."""
     optimizer: int
     cpu_tier: int = 0
     """How many of the bytes above live in the CPU tier (offloaded)."""
@@ -55,8 +56,12 @@ def memory_report_of(engine: "TrainingCore") -> MemoryReport:
     # The CPU tier's landing buffers for reduced gradients copied without blocking backward
     # (zero/reducer.py's defer_landing): one more gradient shard per unit.
     landing = engine.reducer.landing_bytes
+    # zero.accumulate_on_device: every trained unit's whole fp32 gradient on the device, held
+    # from a step's first micro-batch to its last (zero/accumulation.py).
+    accumulation = engine.plan.accumulation
+    accumulators = accumulation.device_bytes if accumulation.on else 0
     return MemoryReport(flat["params"] + whole_frozen, flat["gathered_params"],
-                        flat["grads"] + extra.extra_grads + landing,
+                        flat["grads"] + extra.extra_grads + landing + accumulators,
                         flat["master"] + extra.optimizer, cpu_tier=flat["cpu_tier"] + extra.cpu_tier + landing,
                         nvme_tier=flat["nvme_tier"] + extra.nvme_tier,
                         activation_checkpoints=ckpt.peak_bytes, activation_checkpoints_cpu=ckpt.host_peak_bytes,
