@@ -342,6 +342,7 @@ def test_the_estimator_counts_the_second_set_the_engine_holds():
     ({"overlap_cpu_step": True}, {"precision": {"dtype": "fp16"}}, "fp16"),
     ({"overlap_cpu_step": True, "offload_optimizer": "none"}, {}, "offload_optimizer='none'"),
     ({"overlap_cpu_step": True, "delayed_update": True}, {}, "delayed_update=True"),
+    ({"overlap_cpu_step": True, "offload": "auto"}, {}, "offload='auto'.*offload='manual'"),
 ])
 def test_what_cannot_overlap_is_refused_by_name(zero, other, message):
     sections = {"zero": {"stage": 2, "offload_optimizer": "cpu", **zero}}

@@ -342,6 +342,9 @@ class ZeroConfig:
             raise ConfigError(f"{path}.offload_params='{self.offload_params.config_name}' needs {path}.stage=3 "
                               f"(only stage 3 partitions parameters), got stage={self.stage}")
         _check_positive(f"{path}.delayed_update_warmup", self.delayed_update_warmup, allow_zero=True)
+        if self.overlap_cpu_step and self.offload != "manual":  # (auto may move the optimizer off the CPU tier)
+            raise ConfigError(f"{path}.overlap_cpu_step=True is invalid with {path}.offload={self.offload!r}: "
+                              f"set {path}.offload='manual' and {path}.offload_optimizer='cpu'")
         if self.overlap_cpu_step and self.offload_optimizer != "cpu":
             raise ConfigError(f"{path}.overlap_cpu_step=True is invalid with {path}.offload_optimizer="
                               f"'{self.offload_optimizer.config_name}': it overlaps the CPU tier's step with backward; "
