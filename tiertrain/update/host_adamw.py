@@ -197,15 +197,23 @@ class HostAdamW:
             _kernels(self.cast_dtype, into=True)(*tensors, out, hyper)
 
     def _step(self, factor: float, clip: torch.Tensor | None, skip: Callable[[torch.Tensor], bool]) -> None:
-        chosen = []
+        chosen, left = [], []
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None or skip(p):
-                    if self.destinations[id(p)] is not None:
-                        self.destinations[id(p)].copy_(p)
-                    continue
-                chosen.append((group, p))
+                    left.append(p)
+                else:
+                    chosen.append((group, p))
+        self.copy_out(left)
         self._update(chosen, factor, clip)
+
+    def copy_out(self, pieces: list[torch.Tensor]) -> None:
+        """Each piece's destination (its compute-dtype copy) given the piece's values: for
+        pieces a step leaves unchanged, whose destinations the pass does not write."""
+        for p in pieces:
+            out = self.destinations[id(p)]
+            if out is not None:
+                out.copy_(p)
 
     def _update(self, chosen: list[tuple[dict, torch.Tensor]], factor: float, clip: torch.Tensor | None) -> None:
         small = []
@@ -242,10 +250,7 @@ class HostAdamW:
                 for p in small:
                     p.grad.mul_(clip)
             self.optimizer.step()
-        for p in small:
-            out = self.destinations[id(p)]
-            if out is not None:
-                out.copy_(p)
+        self.copy_out(small)
 
 
 def warn_unavailable(error: CompileUnavailable) -> None:

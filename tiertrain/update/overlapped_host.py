@@ -218,11 +218,8 @@ class OverlappedHostUpdate(InMemoryUpdate):
         rest = [(g, v) for pieces in self._pieces.values() for g, v in pieces
                 if id(v) not in done and getattr(v, SLOT_NAME) not in unchanged]
         self.host_pass.step_pieces(rest, clip)
-        for pieces in self._pieces.values():  # (a piece left unchanged: its compute copy holds its values)
-            for _, v in pieces:
-                out = self.host_pass.destinations[id(v)]
-                if out is not None and getattr(v, SLOT_NAME) in unchanged:
-                    out.copy_(v)
+        self.host_pass.copy_out([v for pieces in self._pieces.values() for _, v in pieces
+                                 if getattr(v, SLOT_NAME) in unchanged])
         self.unchanged = frozenset()
         self.norms_consumed()
         self.schedule.advance()
@@ -254,11 +251,7 @@ class OverlappedHostUpdate(InMemoryUpdate):
 
     def _discard(self, flight: _StepInFlight) -> None:
         """Drop the speculative updates: the compute-dtype copies they wrote get the masters' values back."""
-        for pieces in flight.updated.values():
-            for _, v in pieces:
-                out = self.host_pass.destinations[id(v)]
-                if out is not None:
-                    out.copy_(v)
+        self.host_pass.copy_out([v for pieces in flight.updated.values() for _, v in pieces])
         self.speculation["discarded"] += 1
 
     def _end(self, stop: str | None) -> _StepInFlight | None:
