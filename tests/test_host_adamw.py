@@ -161,8 +161,9 @@ def test_on_the_cpu_tier_each_units_norm_is_taken_during_backward_and_equals_the
 
 def test_a_kernel_the_graph_cache_cannot_build_is_built_once_more_without_it(monkeypatch):
     """inductor's on-disk graph cache does not key on ATEN_CPU_CAPABILITY (C++ cached for AVX-512
-    fails to compile under `default`): a failed build is retried without that cache, and a
-    kernel that fails both ways is CompileUnavailable naming both failures."""
+    fails to compile under `default`): a failed build is retried without that cache, then
+    without the C++ wrapper (a kernel holding the GIL, said in a warning); a kernel that fails
+    every way is CompileUnavailable naming each failure."""
     real, asked = torch.compile, []
 
     def compile_failing_with(failing):
@@ -174,18 +175,26 @@ def test_a_kernel_the_graph_cache_cannot_build_is_built_once_more_without_it(mon
                 return broken
             return real(fn, **kwargs)
         return compile_
+
+    def steps(kernel):
+        p, g, m, v = (torch.ones(8) for _ in range(4))
+        kernel(p, g, m, v, torch.tensor([0.1, 0.9, 0.99, 1e-8, 0.0, 1.0, 1.0, 1.0]))
+        return bool((p < 1).all())
     options = host_adamw.KERNEL_OPTIONS
-    uncached = {**options, "fx_graph_cache": False}
+    uncached, plain = {**options, "fx_graph_cache": False}, {"fx_graph_cache": False}
     monkeypatch.setattr(host_adamw.torch, "compile", compile_failing_with([options]))
-    kernel = host_adamw._kernels.__wrapped__(None)
+    assert steps(host_adamw._kernels.__wrapped__(None))
     assert asked == [options, uncached]
-    p, g, m, v = (torch.ones(8) for _ in range(4))
-    kernel(p, g, m, v, torch.tensor([0.1, 0.9, 0.99, 1e-8, 0.0, 1.0, 1.0, 1.0]))
-    assert bool((p < 1).all())  # (it stepped)
+    asked.clear()
     monkeypatch.setattr(host_adamw.torch, "compile", compile_failing_with([options, uncached]))
-    with pytest.raises(host_adamw.CompileUnavailable, match=r"with and without inductor's graph cache: "
+    with pytest.warns(RuntimeWarning, match="could not be built with inductor's C\\+\\+ wrapper .*GIL held"):
+        assert steps(host_adamw._kernels.__wrapped__(None))
+    assert asked == [options, uncached, plain]
+    monkeypatch.setattr(host_adamw.torch, "compile", compile_failing_with([options, uncached, plain]))
+    with pytest.raises(host_adamw.CompileUnavailable, match=r"graph cache and C\+\+ wrapper: "
                                                             r"RuntimeError: cannot build with options \{'cpp_wrapper'.*; "
-                                                            r"then RuntimeError: cannot build with options"):
+                                                            r"then RuntimeError: .*; then RuntimeError: cannot build with "
+                                                            r"options \{'fx_graph_cache': False\}"):
         host_adamw._kernels.__wrapped__(None)
 
 

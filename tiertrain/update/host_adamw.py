@@ -113,19 +113,25 @@ def _kernels(cast_dtype: torch.dtype | None, into: bool = False):
     hyper = hyperparameters(lr=0.0, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1, grad_factor=1.0)
     # inductor's C++ wrapper (cpp_wrapper) calls the loop with the GIL released; its default
     # Python wrapper holds the GIL for the whole loop, which stalls every Python hook of a
-    # backward running beside an overlapped step (docs/concepts.md#the-cpu-update-in-one-pass).
+    # backward running beside an overlapped step (docs/concepts.md#the-cpu-step-overlapped-with-backward).
     # inductor's on-disk graph cache does not key on ATEN_CPU_CAPABILITY: C++ written for
-    # AVX-512 and cached fails to compile under `default`. Then once more, without that cache.
+    # AVX-512 and cached fails to compile under `default`. Then once more, without that cache;
+    # last, without the C++ wrapper (the same loop, holding the GIL), said in a warning.
     failures = []
-    for options in (KERNEL_OPTIONS, {**KERNEL_OPTIONS, "fx_graph_cache": False}):
+    for options in (KERNEL_OPTIONS, {**KERNEL_OPTIONS, "fx_graph_cache": False}, {"fx_graph_cache": False}):
         kernel = torch.compile(fn, dynamic=True, fullgraph=True, options=options)
         try:
             kernel(*scratch, hyper)
-            return kernel
         except Exception as e:  # (inductor's errors have no common public base)
             failures.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            continue
+        if len(failures) == 2:
+            warnings.warn(f"the compiled CPU-tier AdamW could not be built with inductor's C++ wrapper ({failures[1]}); "
+                          f"it runs with the GIL held instead, so an overlapped step (zero.overlap_cpu_step) stops "
+                          f"backward's Python hooks while it updates a unit", RuntimeWarning, stacklevel=2)
+        return kernel
     raise CompileUnavailable(f"torch.compile failed to build the AdamW kernel, with and without inductor's "
-                             f"graph cache: {failures[0]}; then {failures[1]}")
+                             f"graph cache and C++ wrapper: {failures[0]}; then {failures[1]}; then {failures[2]}")
 
 
 def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
