@@ -159,19 +159,20 @@ def test_auto_accumulates_on_the_device_when_the_buffers_fit():
 @pytest.mark.parametrize("stage", [2, 3])
 def test_memory_report_counts_the_device_accumulators(stage):
     """engine.memory_report()'s gradients include the accumulators the plan holds (device
-    memory, not the CPU tier): exactly the difference from the same engine with them off."""
+    memory, not the CPU tier), in place of the CPU tier's landing buffers that the path
+    without them keeps on an accelerator host (none on a CPU-only host)."""
     import tiertrain
 
-    reports, planned = {}, 0
+    reports = {}
     for setting in ("on", "off"):
         cfg = _config(stage, "cpu", setting=setting)
         engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
-        reports[setting] = engine.memory_report()
-        planned = planned or engine.plan.accumulation.device_bytes
+        reports[setting] = (engine.memory_report(), engine.reducer.landing_bytes, engine.plan.accumulation.device_bytes)
         engine.close()
-    assert planned > 0
-    assert reports["on"].grads - reports["off"].grads == planned
-    assert reports["on"].cpu_tier == reports["off"].cpu_tier
+    (on, on_landing, planned), (off, off_landing, _) = reports["on"], reports["off"]
+    assert planned > 0 and on_landing == 0
+    assert on.grads - planned == off.grads - off_landing
+    assert on.cpu_tier == off.cpu_tier - off_landing
 
 
 def test_a_bad_setting_is_refused_naming_the_valid_ones():
