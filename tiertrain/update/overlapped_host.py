@@ -67,10 +67,8 @@ class _StepInFlight:
         self.units: queue.SimpleQueue = queue.SimpleQueue()
         self.updated: dict[int, list[Pair]] = {}
         """Per unit: the pieces updated into the second buffers."""
-        self.units_ready = 0
-        """Units handed to the worker (their reductions landed) so far."""
         self.landed: list[int] = []
-        """The units handed to the worker, in landing order."""
+        """The units handed to the worker (their reductions landed) so far, in landing order."""
         self.local_squares = 0.0
         """This rank's squared gradient norm over the first ``squares_counted`` units landed."""
         self.squares_counted = 0
@@ -142,7 +140,6 @@ class OverlappedHostUpdate(InMemoryUpdate):
             return
         used = self.reducer.used
         used_here = frozenset(name for k, name in self._slots[index] if (index, k) in used)
-        flight.units_ready += 1
         flight.landed.append(index)
         flight.units.put((index, used_here))
 
@@ -198,7 +195,7 @@ class OverlappedHostUpdate(InMemoryUpdate):
     def before_step(self):
         flight = self._in_flight
         if flight is not None:
-            self.last_overlapped_step = {"units_ready": flight.units_ready, "units_updated": len(flight.updated),
+            self.last_overlapped_step = {"units_ready": len(flight.landed), "units_updated": len(flight.updated),
                                          "units": len(self.flat.units)}
 
     def step(self, grads, clip, lr, step):
