@@ -231,6 +231,49 @@ def test_a_parameter_no_rank_used_is_left_unchanged():
     engine.close()
 
 
+class BatchNormNet(nn.Module):
+    """A user's model, not ours: fp32 weights, BatchNorm running statistics (buffers), no
+    ModuleList (its units are the whole model at stage 3), its own loss from named inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(64, 512)
+        self.norm = nn.BatchNorm1d(512)
+        self.out = nn.Linear(512, 256)
+
+    def forward(self, features, target):
+        return nn.functional.mse_loss(self.out(torch.relu(self.norm(self.inp(features)))).float(), target)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_batchnorm_model_with_no_module_list_steps_as_the_synchronous_step(stage, monkeypatch):
+    """Wrapped at bf16, with the optimizer (and at stage 3 the parameters) on the CPU tier: the
+    worker updates its pieces during backward, the speculation is committed every step, and
+    parameters and buffers equal the synchronous step's bit for bit."""
+    from tiertrain.update import host_adamw
+
+    monkeypatch.setattr(host_adamw, "SMALL_PIECE", 0)  # (every piece takes the worker's kernel)
+    g = torch.Generator().manual_seed(5)
+    batches = [{"features": torch.randn(8, 64, generator=g), "target": torch.randn(8, 256, generator=g)}
+               for _ in range(3)]
+    states = []
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        cfg = make_config(zero={"stage": stage, "offload_optimizer": "cpu", "offload_params": "cpu" if stage == 3 else "none",
+                                "overlap_cpu_step": overlap},
+                          batch={"micro_batch_size": 8}, precision={"dtype": "bf16"},
+                          optimizer={"lr": 1e-2, "grad_clip": 10.0, "impl": "compiled"})
+        engine = tiertrain.wrap(BatchNormNet(), cfg, tiertrain.Topology.build(cfg.parallel))
+        for batch in batches:
+            engine.train_batch(iter([batch]))
+        if overlap:  # (committed: the worker had updated units, which step() swapped in)
+            assert engine.update.speculation == {"committed": 3, "discarded": 0}
+        states.append(engine.full_state_dict())
+        engine.close()
+    assert "norm.running_mean" in states[0] and int(states[0]["norm.num_batches_tracked"]) == 3
+    assert _same(*states)
+
+
 def _wait_for_updated_units(engine) -> None:
     deadline = time.monotonic() + 30
     while not engine.update._in_flight.updated:
