@@ -296,7 +296,7 @@ class ZeroConfig:
     offload: Literal["manual", "auto"] = "manual"
     """manual: use stage and offload_* as given; auto: the planner (tiertrain plan) chooses them at start-up."""
     retain_host_memory: bool = True
-    """Keep freed host blocks up to 32 MiB for reuse (glibc mallopt, process-wide): per-step buffers then reuse pages instead of faulting in new ones (tiertrain/host_memory.py)."""
+    """Keep freed host blocks up to 32 MiB for reuse (glibc mallopt, process-wide), and on a CPU compute device the gradient buckets above 32 MiB that backward frees (as many as it used at once): per-step buffers then reuse pages instead of faulting in new ones (tiertrain/host_memory.py)."""
     delayed_update: bool = False
     """ZeRO-Offload's one-step delayed update (needs offload_optimizer=cpu): step t's CPU update overlaps step t+1's forward/backward, whose gradients are then computed at parameters one update old."""
     delayed_update_warmup: int = 40

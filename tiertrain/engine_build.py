@@ -84,7 +84,7 @@ def build_parts(engine: "TrainingCore", model: nn.Module, plan: GradientPlan, up
     engine.reducer = GradientReducer(
         engine.flat, engine.comm, stage, launch_order,
         launch_when_ready=engine.launch_when_ready, accumulate=run.accumulation.on,
-        defer_landing=config.batch.grad_accum_steps > 1)
+        defer_landing=config.batch.grad_accum_steps > 1, keep_spares=config.zero.retain_host_memory)
     engine.fetcher_subscription = None
     if engine.fetcher is not None:  # (subscribed first: it runs before any update form's hooks)
         fetcher = engine.fetcher

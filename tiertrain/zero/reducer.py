@@ -41,6 +41,14 @@ same unit's next landing) or in :meth:`GradientReducer.wait` before the step rea
 gradients, so the adds keep their order and the sums are bit-identical. The boundary's
 reductions land at once, as subscribers of ``reduced`` (the landing norms, the overlapped
 steps) expect during that backward.
+
+On a CPU compute device, with ``keep_spares`` (zero.retain_host_memory), the reducer keeps the
+fp32 buckets (and reduced shards) above 32 MiB that it frees, as many as the last step used at
+once (3 for a step's buckets: one filling, ``max_in_flight`` reducing), and reuses them in the next
+backward, as an accelerator's caching allocator does: glibc maps such a block afresh each time
+(32 MiB is the most tiertrain/host_memory.py can raise its threshold to; smaller blocks reuse
+the heap's pages), so a new bucket's pages are faulted in during backward and unmapped in the
+step's wait, ~17 ms per 64 MiB bucket on the machine of bench/results/cpu_step.md.
 """
 from __future__ import annotations
 
@@ -53,6 +61,7 @@ import torch.nn as nn
 
 from ..comm import Collectives, Work
 from ..device import Copy, Transfer
+from ..host_memory import MMAP_THRESHOLD
 from ..tiers import Tier
 from .flat import FlatParameters
 from .stages import GradientReduction, ZeroStage
@@ -111,7 +120,7 @@ class GradientReducer:
 
     def __init__(self, flat: FlatParameters, comm: Collectives, stage: ZeroStage | int, launch_order: list[int],
                  max_in_flight: int = 2, launch_when_ready: bool = True, accumulate: bool = False,
-                 defer_landing: bool = False):
+                 defer_landing: bool = False, keep_spares: bool = False):
         self.flat = flat
         self.comm = comm
         self.stage = ZeroStage(stage)
@@ -138,6 +147,9 @@ class GradientReducer:
         """(unit, slot) of the parameters that received a gradient since the last take_used()."""
         self._fresh: set[int] = set()  # stage 0-1 units whose stale full gradient this backward overwrites
         self._buckets: dict[int, torch.Tensor] = {}
+        self._spare: list[torch.Tensor] = []  # freed buckets kept for reuse (see the module docstring)
+        self._keeps_spares = keep_spares and flat.device.type == "cpu"
+        self._live = self._peak_live = 0  # buckets in use now, and at most so far
         self._missing: dict[int, int] = {}
         self._next = 0
         self._in_flight: deque[Work] = deque()
@@ -179,15 +191,45 @@ class GradientReducer:
             return u.grad_full
         bucket = self._buckets.get(index)
         if bucket is None and (self.accumulate or not self.launch_when_ready):  # accumulates over micro-batches
-            bucket = self._buckets[index] = torch.zeros(u.unit.padded_numel, dtype=torch.float32,
-                                                         device=self.flat.device)
+            bucket = self._buckets[index] = self._new_bucket(u.unit.padded_numel).zero_()
         elif bucket is None:
             # Each slot is written exactly once per backward (copied, not added), so only the
             # padding needs zeros now; slots that never receive a gradient are zeroed at flush.
-            bucket = self._buckets[index] = torch.empty(u.unit.padded_numel, dtype=torch.float32,
-                                                         device=self.flat.device)
+            bucket = self._buckets[index] = self._new_bucket(u.unit.padded_numel)
             bucket[u.unit.numel:].zero_()
         return bucket
+
+    def _new_bucket(self, numel: int) -> torch.Tensor:
+        """An fp32 buffer of numel elements, uninitialised: the front of the smallest spare that
+        holds them, if one is kept."""
+        self._live += 1
+        self._peak_live = max(self._peak_live, self._live)
+        fits = [i for i, spare in enumerate(self._spare) if spare.numel() >= numel]
+        if fits:
+            return self._spare.pop(min(fits, key=lambda i: self._spare[i].numel()))[:numel]
+        return torch.empty(numel, dtype=torch.float32, device=self.flat.device)
+
+    def _free_bucket(self, bucket: torch.Tensor, reuse: bool = True) -> None:
+        """A bucket (or reduced shard) no collective or copy reads any more: its whole block kept
+        as a spare if it is one glibc would map afresh (see the module docstring), as many as are
+        in use at once at most this step (the smallest dropped beyond), else given back."""
+        self._live -= 1
+        if reuse and self._keeps_spares and bucket.untyped_storage().nbytes() > MMAP_THRESHOLD:
+            whole = torch.empty(0, dtype=torch.float32, device=bucket.device).set_(bucket.untyped_storage())
+            self._spare.append(whole)
+            self._spare.sort(key=torch.Tensor.numel)
+            del self._spare[:max(0, len(self._spare) - self._peak_live)]
+
+    def _trim_spares(self) -> None:
+        """At the end of a step's reductions: keep only as many spares as this step used at
+        once (the first step, which launches late, may have used more), and count afresh."""
+        del self._spare[:max(0, len(self._spare) - self._peak_live)]
+        self._peak_live = self._live
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes of the freed buckets kept for reuse (CPU device only; see the module docstring)."""
+        return sum(b.numel() * b.element_size() for b in self._spare)
 
     def _on_grad(self, p: nn.Parameter) -> None:
         index, k = self.flat.slot_of[p]
@@ -288,7 +330,7 @@ class GradientReducer:
             work = self.comm.reduce_scatter(u.grad, bucket, async_op=True)
         else:
             stale, u.stale_grad = u.stale_grad, False
-            reduced = torch.empty(u.unit.shard_numel, dtype=torch.float32, device=self.flat.device)
+            reduced = self._new_bucket(u.unit.shard_numel)
             work = self.comm.reduce_scatter(reduced, bucket, async_op=True)
             # "g offload": with the optimizer on the CPU tier, u.grad is host memory; the
             # reduced shard is copied there on the copy stream, and the host waits for the copy
@@ -302,10 +344,11 @@ class GradientReducer:
                 streams = self.flat.streams
                 to_grad = streams.to_host if u.grad.device.type == "cpu" else streams.to_device
                 work.then(lambda: (self._finish_landing(index),
-                                   land(to_grad(reduced, Copy.GRAD_TO_HOST).synchronize())))
+                                   land(to_grad(reduced, Copy.GRAD_TO_HOST).synchronize()),
+                                   self._free_bucket(reduced)))
         if self.stage.partitions_gradients:
             self._buckets.pop(index, None)
-            work.then(lambda: bucket)  # keeps the bucket alive until its collective has completed
+            work.then(lambda: self._free_bucket(bucket))  # (alive until its collective has completed)
         for notify in [] if deferred else [s.reduced for s in self._subscribers if s.reduced is not None]:
             work.then(lambda notify=notify: notify(index))
         self._in_flight.append(work)
@@ -322,7 +365,9 @@ class GradientReducer:
         if buffer is None:
             buffer = self._landing[index] = self.flat.streams.host_empty(reduced.shape, reduced.dtype)
         transfer = self.flat.streams.copy(buffer, reduced, Copy.GRAD_TO_HOST)
-        # (No need to keep `reduced`: the copy recorded its use on the copy stream.)
+        # (No need to keep `reduced`: the copy recorded its use on the copy stream. Not a spare:
+        # the copy may still read it.)
+        self._free_bucket(reduced, reuse=False)
         self._pending[index] = _Landing(transfer, land, notify)
 
     def _finish_landing(self, index: int) -> None:
@@ -385,11 +430,15 @@ class GradientReducer:
             self._in_flight.popleft().wait()
         self.finish_landings()
         if not self.accumulate:  # (accumulating buckets not yet reduced are this step's gradients)
+            for bucket in self._buckets.values():
+                self._free_bucket(bucket)
             self._buckets.clear()
+        self._trim_spares()
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+        self._spare.clear()
 
 
 def unused_parameters(loss: torch.Tensor, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
