@@ -16,12 +16,13 @@ from .memory_report import MemoryReport
 from .wrapping import wrap
 from .topology import Topology
 from .zero.construct import partitioned_init
+from .zero.released import ReleasedParameterError
 from .state.export import ExportReport
 from .state.peft_export import PeftExport
 from .state.pretrained import LoadReport, PretrainedMismatchError, PretrainedMissingWarning, load_pretrained
 from .trainer import EvalConfig, LoopConfig, Trainer
 
 __all__ = ["Config", "ConfigError", "Engine", "EvalConfig", "ExportReport", "LoadReport", "LoopConfig", "MemoryReport",
-           "PeftExport", "PretrainedMismatchError", "PretrainedMissingWarning", "TiertrainError", "Topology", "Trainer",
+           "PeftExport", "PretrainedMismatchError", "PretrainedMissingWarning", "ReleasedParameterError", "TiertrainError", "Topology", "Trainer",
            "TrainingCore", "compile_blocks", "load_pretrained", "partitioned_init", "wrap"]
 __version__ = "0.1.0"

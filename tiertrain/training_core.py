@@ -45,6 +45,7 @@ from .zero.agreement import Event
 from .zero.construct import check_no_partitioned_init
 from .zero.flat import FrozenShards
 from .zero.plan import GradientPlan
+from .zero.released import mark_gathered
 from .zero.stage3 import ParameterFetcher
 
 
@@ -490,6 +491,7 @@ class TrainingCore:
                 errors.append(e)
         if errors:
             raise errors[0]
+        mark_gathered(self.flat.params.values())  # (plain parameters again: zero/released.py)
         with torch.no_grad():
             for name, p in self.flat.params.items():
                 p.data = values[name]

@@ -41,6 +41,7 @@ from ..device import DeviceStreams, free_storage, host_empty, pins_host, renew_s
 from ..spans import span
 from ..tiers import Tier
 from .layout import FlatLayout, Unit
+from .released import mark_gathered, mark_released, name_parameters
 from .shard_store_protocol import ShardStore
 
 
@@ -167,6 +168,7 @@ class FlatParameters:
         the updated shards itself: publish_masters casts none."""
         self.device = placement.compute
         self.params = params
+        name_parameters(params)
         self.comm = comm
         self.dtype = dtype
         self.units: list[UnitBuffers] = []
@@ -274,6 +276,7 @@ class FlatParameters:
                 self._publishing.discard(index)
             return
         renew_storage(u.full)
+        mark_gathered(self._params_of(u))
         u.gathered = True
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
         # (NVMe → CPU staging, prefetched; CPU → device on the copy stream, staged ahead:
@@ -286,7 +289,8 @@ class FlatParameters:
             u.pending = None
 
     def release(self, index: int) -> None:
-        """Free unit `index`'s full buffer; its parameters keep their shapes but no storage."""
+        """Free unit `index`'s full buffer; its parameters keep their shapes but no storage
+        (reading their values raises until the next gather: zero/released.py)."""
         u = self._all[index]
         if u.unit.resident or not u.gathered:
             return
@@ -294,7 +298,11 @@ class FlatParameters:
             u.pending.wait()
             u.pending = None
         free_storage(u.full)
+        mark_released(self._params_of(u))  # (a read of their values now raises, naming them)
         u.gathered = False
+
+    def _params_of(self, u: UnitBuffers) -> list[nn.Parameter]:
+        return [self.params[slot.name] for slot in u.unit.slots]
 
     # -- the parameter tier ---------------------------------------------------------------
 

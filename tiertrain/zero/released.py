@@ -1,0 +1,113 @@
+"""Stage-3 parameters read while their unit is released fail by name instead of crashing.
+
+Between a unit's gathers (ZeRO §5.3: gather → use → release) its parameters keep their
+shapes but their flat buffer has no memory. torch does not check a tensor's storage before
+reading it, so ``p.norm()`` there reads freed memory (a segmentation fault), and
+``torch.save(model.state_dict())`` writes a file that cannot be loaded. While a unit is
+released its plain ``nn.Parameter`` objects therefore take the class :class:`ReleasedParameter`,
+whose ``__torch_function__`` lets metadata through (shape, dtype, device, grad, hooks) and
+refuses any read of values with an error naming the parameter and how to read it:
+``engine.gathered_parameters()``, ``engine.full_state_dict()``, ``engine.save_pretrained()``.
+Gathering gives the objects their class back; they stay the same objects (hooks, optimizer
+references and dictionary keys are unaffected). A parameter of another class (a subclass of
+``nn.Parameter``) keeps its class and is not guarded.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+from ..errors import TiertrainError
+
+__all__ = ["ReleasedParameter", "ReleasedParameterError", "mark_released", "mark_gathered"]
+
+NAME = "tiertrain_name"
+"""The attribute holding a guarded parameter's name in the model (for the error)."""
+
+
+class ReleasedParameterError(TiertrainError, RuntimeError):
+    """A stage-3 parameter's values were read while its unit is released."""
+
+    exit_code = 1
+
+
+def _metadata_functions() -> frozenset:
+    T = torch.Tensor
+    getters = ("shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "ndim", "layout", "names",
+               "nbytes", "itemsize", "is_cuda", "is_meta", "is_sparse", "is_quantized", "grad_fn",
+               "_backward_hooks", "_post_accumulate_grad_hooks", "__dict__")
+    setters = ("grad", "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
+    methods = ("size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "__len__",
+               "register_hook", "register_post_accumulate_grad_hook", "requires_grad_", "get_device",
+               "data_ptr", "untyped_storage", "storage_offset", "stride", "is_contiguous", "__hash__")
+    found = [getattr(T, n).__get__ for n in getters if hasattr(T, n) and hasattr(getattr(T, n), "__get__")]
+    found += [getattr(T, n).__set__ for n in setters if hasattr(getattr(T, n, None), "__set__")]
+    found += [getattr(T, n) for n in methods if hasattr(T, n)]
+    return frozenset(found)
+
+
+_METADATA = _metadata_functions()
+"""What a released parameter answers: its metadata, its gradient and hooks, never its values."""
+
+
+class ReleasedParameter(nn.Parameter):
+    """An ``nn.Parameter`` of a released stage-3 unit (see the module docstring). Never
+    constructed: a parameter takes this class at release and gives it back at gather."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            return nn.Parameter.__torch_function__(func, types, args, kwargs or {})
+        given = [a for arg in (*args, *(kwargs or {}).values())
+                 for a in (arg if isinstance(arg, (list, tuple)) else (arg,))]
+        released = next((a for a in given if isinstance(a, ReleasedParameter)), None)
+        raise ReleasedParameterError(_explain(released, _called(func)))
+
+    def __repr__(self) -> str:
+        return f"ReleasedParameter({_name(self)!r}, shape={tuple(self.shape)}, dtype={self.dtype}: {_REMEDY})"
+
+    __str__ = __repr__
+
+
+_REMEDY = ("its stage-3 unit is released outside forward, its values live in the ranks' shards; read it "
+           "inside `with engine.gathered_parameters():`, or use engine.full_state_dict() / "
+           "engine.save_pretrained(dir) (collective: on every rank)")
+
+
+def _name(p) -> str:
+    return p.__dict__.get(NAME, "?") if p is not None else "?"
+
+
+def _called(func) -> str:
+    """How the read was written: ``.data`` for a property's getter, ``norm()`` for a function."""
+    name = getattr(func, "__name__", repr(func))
+    if name in ("__get__", "__set__"):
+        return "." + getattr(getattr(func, "__self__", None), "__name__", "?")
+    return name + "()"
+
+
+def _explain(p, what: str) -> str:
+    shape = f" of shape {tuple(p.shape)}" if p is not None else ""
+    return f"{what} read parameter {_name(p)!r}{shape}, but {_REMEDY}"
+
+
+def name_parameters(params: dict[str, nn.Parameter]) -> None:
+    """Record each parameter's name in the model, for the error of a read while released."""
+    for name, p in params.items():
+        p.__dict__[NAME] = name
+
+
+def mark_released(params: Iterable[nn.Parameter]) -> None:
+    """The unit holding these parameters was released: reads of plain parameters now raise."""
+    for p in params:
+        if type(p) is nn.Parameter:
+            p.__class__ = ReleasedParameter
+
+
+def mark_gathered(params: Iterable[nn.Parameter]) -> None:
+    """The unit was gathered: its parameters are plain parameters again."""
+    for p in params:
+        if type(p) is ReleasedParameter:
+            p.__class__ = nn.Parameter
