@@ -88,3 +88,27 @@ def _close_and_rewrap(rank, world, name, swap_dir):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_close_hands_back_a_plain_model_that_wraps_again(name, tmp_path):
     assert run_distributed(_close_and_rewrap, 2, name, str(tmp_path), timeout=100) == [True, True]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_model_still_wrapped_is_refused_by_name_and_wraps_again_once_closed(stage, one_torch_thread):
+    """A second wrap() of a model an engine still holds used to build a second engine over the
+    same parameters: at stage 2 its backward failed with "'NoneType' object has no attribute
+    'reshape'" (the first engine's hook had taken the gradient), at stage 3 it read the first
+    engine's released parameters."""
+    model = make_model()
+    cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": MICRO})
+    engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
+    with pytest.raises(tiertrain.AlreadyWrappedError, match="already wrapped by an engine that is not closed .*"
+                                                            "'embed.weight' first\\): call that engine's close\\(\\)"):
+        tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
+    batch = global_batches(1, MICRO)[0]
+    engine.backward(engine(batch))  # the first engine is untouched by the refusal
+    assert engine.step()
+    engine.close()
+    again = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
+    again.backward(again(batch))
+    assert again.step()
+    again.close()
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())

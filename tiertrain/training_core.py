@@ -45,7 +45,7 @@ from .zero.agreement import Event
 from .zero.construct import check_no_partitioned_init
 from .zero.flat import FrozenShards
 from .zero.plan import GradientPlan
-from .zero.released import mark_gathered
+from .zero.released import let_go, mark_gathered
 from .zero.stage3 import ParameterFetcher
 
 
@@ -492,6 +492,7 @@ class TrainingCore:
         if errors:
             raise errors[0]
         mark_gathered(self.flat.params.values())  # (plain parameters again: zero/released.py)
+        let_go(self.flat.params.values())
         with torch.no_grad():
             for name, p in self.flat.params.items():
                 p.data = values[name]

@@ -12,6 +12,7 @@ from .compiling import unwrap_compiled
 from .config import Config, ConfigError
 from .engine import Engine
 from .engine_contract import LossFn
+from .errors import TiertrainError
 from .offload.activations import apply_activation_checkpointing, checkpointing_of
 from .optim import OptimizerArg, SchedulerFactory
 from .pipeline.engine import PipelineEngine, pipeline_stages
@@ -19,6 +20,28 @@ from .state import engine_io
 from .topology import Topology
 from .tiling import apply_tiled_mlp, block_mlps, remove_tiled_mlp, tiled_mlp_tokens
 from .update.factory import UpdateFactory, build_update
+from .zero.released import held, let_go
+
+
+class AlreadyWrappedError(TiertrainError, RuntimeError):
+    """wrap() was given a model whose parameters an engine not yet closed holds."""
+
+    exit_code = 1
+
+
+def _parameters(model: nn.Module | Sequence[nn.Module]) -> list[nn.Parameter]:
+    return [p for m in ([model] if isinstance(model, nn.Module) else model) for p in m.parameters()]
+
+
+def _check_not_held(model: nn.Module | Sequence[nn.Module]) -> None:
+    """A model wrapped twice would have two engines binding its parameters to their buffers
+    and reducing its gradients (the second failed deep inside, or at stage 3 read freed memory)."""
+    names = held(_parameters(model))
+    if names:
+        raise AlreadyWrappedError(
+            f"the model is already wrapped by an engine that is not closed (it holds {len(names)} of its "
+            f"parameters, {names[0]!r} first): call that engine's close(), which hands the model back with its "
+            f"trained values, then wrap it again; or wrap a fresh model")
 
 
 def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topology, loss_fn: LossFn | None = None,
@@ -65,6 +88,7 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
         raise ConfigError(f"parallel.pp={topology.size('pp')}: optimizer, param_groups and lr_scheduler are not "
                           f"supported with pipeline parallelism yet (configure AdamW and schedule in config); "
                           f"they work with parallel.pp=1")
+    _check_not_held(model)
     _check_context_parallel(model, config, topology)
     if topology.size("pp") == 1 and activation_shape is not None:
         raise ConfigError("activation_shape is for pipeline parallelism; parallel.pp is 1")
@@ -86,6 +110,7 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
                             update_factory=update_factory, optimizer=optimizer, param_groups=param_groups,
                             lr_scheduler=lr_scheduler, state_io=engine_io)
     except BaseException:
+        let_go(_parameters(model))  # (no engine holds them: a later wrap may)
         if checkpointing is not None:  # a failed wrap leaves the model as it found it
             checkpointing.remove()
         for stage in tiled:

@@ -41,7 +41,7 @@ from ..device import DeviceStreams, free_storage, host_empty, pins_host, renew_s
 from ..spans import span
 from ..tiers import Tier
 from .layout import FlatLayout, Unit
-from .released import mark_gathered, mark_released, name_parameters
+from .released import hold, mark_gathered, mark_released
 from .shard_store_protocol import ShardStore
 
 
@@ -168,7 +168,7 @@ class FlatParameters:
         the updated shards itself: publish_masters casts none."""
         self.device = placement.compute
         self.params = params
-        name_parameters(params)
+        hold(params)
         self.comm = comm
         self.dtype = dtype
         self.units: list[UnitBuffers] = []

@@ -11,6 +11,10 @@ refuses any read of values with an error naming the parameter and how to read it
 Gathering gives the objects their class back; they stay the same objects (hooks, optimizer
 references and dictionary keys are unaffected). A parameter of another class (a subclass of
 ``nn.Parameter``) keeps its class and is not guarded.
+
+An engine records on each parameter it binds to its flat buffers, at every stage, the name the
+error gives (:func:`hold`) and removes it on close (:func:`let_go`): ``wrap()`` refuses a model
+that an engine not yet closed still holds.
 """
 from __future__ import annotations
 
@@ -21,10 +25,10 @@ import torch.nn as nn
 
 from ..errors import TiertrainError
 
-__all__ = ["ReleasedParameter", "ReleasedParameterError", "mark_released", "mark_gathered"]
+__all__ = ["ReleasedParameter", "ReleasedParameterError", "held", "hold", "let_go", "mark_gathered", "mark_released"]
 
 NAME = "tiertrain_name"
-"""The attribute holding a guarded parameter's name in the model (for the error)."""
+"""The attribute holding a held parameter's name in the model (see the module docstring)."""
 
 
 class ReleasedParameterError(TiertrainError, RuntimeError):
@@ -37,7 +41,7 @@ def _metadata_functions() -> frozenset:
     T = torch.Tensor
     getters = ("shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "ndim", "layout", "names",
                "nbytes", "itemsize", "is_cuda", "is_meta", "is_sparse", "is_quantized", "grad_fn",
-               "_backward_hooks", "_post_accumulate_grad_hooks", "__dict__")
+               "_backward_hooks", "_post_accumulate_grad_hooks")
     setters = ("grad", "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
     methods = ("size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "__len__",
                "register_hook", "register_post_accumulate_grad_hook", "requires_grad_", "get_device",
@@ -93,10 +97,22 @@ def _explain(p, what: str) -> str:
     return f"{what} read parameter {_name(p)!r}{shape}, but {_REMEDY}"
 
 
-def name_parameters(params: dict[str, nn.Parameter]) -> None:
-    """Record each parameter's name in the model, for the error of a read while released."""
+def hold(params: dict[str, nn.Parameter]) -> None:
+    """An engine binds these parameters to its flat buffers: record each one's name in the
+    model (for the error of a read while released, and wrap()'s refusal of a held model)."""
     for name, p in params.items():
         p.__dict__[NAME] = name
+
+
+def let_go(params: Iterable[nn.Parameter]) -> None:
+    """The engine closed, or its wrap() failed: no engine holds these parameters any more."""
+    for p in params:
+        p.__dict__.pop(NAME, None)
+
+
+def held(params: Iterable[nn.Parameter]) -> list[str]:
+    """The names of those of params that an engine not yet closed holds."""
+    return [p.__dict__[NAME] for p in params if NAME in p.__dict__]
 
 
 def mark_released(params: Iterable[nn.Parameter]) -> None:
