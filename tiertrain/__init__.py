@@ -11,12 +11,11 @@ from .compiling import compile_blocks
 from .config import Config, ConfigError
 from .engine import Engine
 from .training_core import TrainingCore
-from .errors import TiertrainError
+from .errors import ReleasedParameterError, TiertrainError
 from .memory_report import MemoryReport
 from .wrapping import AlreadyWrappedError, wrap
 from .topology import Topology
 from .zero.construct import partitioned_init
-from .zero.released import ReleasedParameterError
 from .state.export import ExportReport
 from .state.peft_export import PeftExport
 from .state.pretrained import LoadReport, PretrainedMismatchError, PretrainedMissingWarning, load_pretrained

@@ -7,11 +7,13 @@ attributes below, never a class name: a new subclass is reported as its base say
 
 :class:`CheckpointError` lives here too, not with the checkpoint files
 (tiertrain/state/files.py re-exports it): the optimizer-step forms below the state package
-raise it when a checkpoint's optimizer state does not fit.
+raise it when a checkpoint's optimizer state does not fit. So does
+:class:`ReleasedParameterError` (raised by tiertrain/zero/released.py), which the API pages
+can then show: they cannot read the ``tiertrain.zero`` namespace package.
 """
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "TiertrainError"]
+__all__ = ["CheckpointError", "ReleasedParameterError", "TiertrainError"]
 
 
 class TiertrainError(Exception):
@@ -33,5 +35,12 @@ class TiertrainError(Exception):
 
 class CheckpointError(TiertrainError, RuntimeError):
     """A checkpoint is missing, corrupt or was saved with another layout."""
+
+    exit_code = 1
+
+
+class ReleasedParameterError(TiertrainError, RuntimeError):
+    """A stage-3 parameter's values were read while its unit is released (outside forward and
+    outside ``engine.gathered_parameters()``): tiertrain/zero/released.py."""
 
     exit_code = 1

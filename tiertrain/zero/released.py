@@ -23,18 +23,12 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from ..errors import TiertrainError
+from ..errors import ReleasedParameterError
 
 __all__ = ["ReleasedParameter", "ReleasedParameterError", "held", "hold", "let_go", "mark_gathered", "mark_released"]
 
 NAME = "tiertrain_name"
 """The attribute holding a held parameter's name in the model (see the module docstring)."""
-
-
-class ReleasedParameterError(TiertrainError, RuntimeError):
-    """A stage-3 parameter's values were read while its unit is released."""
-
-    exit_code = 1
 
 
 def _metadata_functions() -> frozenset:
