@@ -143,6 +143,7 @@ class GradientReducer:
         self._pending: dict[int, _Landing] = {}  # unit -> its copy in flight, not yet added
         self._subscribers: list[_Subscriber] = []
         self.reduce_now = False
+        self._accepting = False  # between begin() and end_backward() (a pipeline's: and wait())
         self.used: set[tuple[int, int]] = set()
         """(unit, slot) of the parameters that received a gradient since the last take_used()."""
         self._fresh: set[int] = set()  # stage 0-1 units whose stale full gradient this backward overwrites
@@ -170,6 +171,7 @@ class GradientReducer:
         backward will give no gradient (not in the loss's graph; see unused_parameters): their
         units complete without them, when their last used parameter's gradient arrives, as on
         a rank that does use them (DDP's find_unused_parameters)."""
+        self._accepting = True
         self.reduce_now = self.launch_when_ready and (
             reduce_now or (self.stage.partitions_gradients and not self.accumulate))
         self._boundary = reduce_now
@@ -233,6 +235,14 @@ class GradientReducer:
 
     def _on_grad(self, p: nn.Parameter) -> None:
         index, k = self.flat.slot_of[p]
+        if not self._accepting:
+            p.grad = None  # (a later backward would add into it)
+            raise RuntimeError(
+                f"a gradient reached parameter {self.flat.units[index].unit.slots[k].name!r} outside "
+                f"engine.backward(loss): a backward of the model's own output (model(x) rather than engine(batch), "
+                f"or loss.backward() rather than engine.backward(loss)) bypasses the engine, which scales the loss "
+                f"for gradient accumulation and data parallelism, reduces the gradients and counts the micro-batch; "
+                f"call loss = engine(batch) and engine.backward(loss)")
         if (index, k) in self._absent:
             raise RuntimeError(f"parameter {self.flat.units[index].unit.slots[k].name!r} received a gradient although "
                                f"it is not in the loss's autograd graph: a backward inside backward (reentrant "
@@ -396,6 +406,7 @@ class GradientReducer:
 
     def end_backward(self) -> None:
         """Launch every unit not yet launched (flushing unused parameters as zeros)."""
+        self._accepting = False
         if self.reduce_now or self.accumulate:
             for index, missing in self._missing.items():
                 if missing:  # (between boundaries too: stage 3 releases the unit's parameters)
@@ -426,6 +437,7 @@ class GradientReducer:
 
     def wait(self) -> None:
         """Block until every launched collective has completed and landed in the shards."""
+        self._accepting = False
         while self._in_flight:
             self._in_flight.popleft().wait()
         self.finish_landings()

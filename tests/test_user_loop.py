@@ -1,0 +1,58 @@
+"""A user's own loop that bypasses the engine's backward fails by name.
+
+``loss.backward()`` where ``engine.backward(loss)`` belongs (what an FSDP or DDP user types)
+used to do nothing visible: the gradients went through the engine's hooks unscaled and
+uncounted, ``engine.step()`` returned False (no accumulation boundary was reached) and the
+model never trained. Now the first gradient to reach a parameter outside ``engine.backward``
+raises an error naming it and the call to make, and leaves nothing behind: the run then trains
+exactly as one that never made the mistake.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiertrain
+from reference import global_batches, make_config, make_model
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
+
+BYPASS = r"outside engine\.backward\(loss\)"
+
+
+def _run(stage: int, mistake):
+    """Two steps of two micro-batches each; mistake(engine, model, micro) runs first if given.
+    Returns the error the mistake raised and the trained parameters."""
+    cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2, "grad_accum_steps": 2})
+    model = make_model()
+    engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
+    batches = global_batches(2, 4)
+    error = None
+    if mistake is not None:
+        with pytest.raises(RuntimeError, match=BYPASS) as raised:
+            mistake(engine, model, {k: v[:2] for k, v in batches[0].items()})
+        error = str(raised.value)
+    for batch in batches:
+        for j in range(2):
+            engine.backward(engine({k: v[2 * j: 2 * j + 2] for k, v in batch.items()}))
+        assert engine.step(), "the step after the refused backward updates"
+    params = engine.full_state_dict()
+    engine.close()
+    return error, params
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_loss_backward_instead_of_engine_backward_is_refused_and_leaves_nothing_behind(stage):
+    clean = _run(stage, None)[1]
+    error, params = _run(stage, lambda engine, model, micro: engine(micro).backward())
+    assert "a gradient reached parameter 'norm.weight'" in error and "call loss = engine(batch) and " \
+                                                                    "engine.backward(loss)" in error, error
+    assert all(torch.equal(params[n], clean[n]) for n in clean), "the refused backward changed the training"
+
+
+def test_a_backward_of_the_model_called_directly_is_refused_too():
+    """At stages 0-2 (stage 3 refuses it already: its units are released after such a forward)."""
+    clean = _run(2, None)[1]
+    error, params = _run(2, lambda engine, model, micro: model(**micro).backward())
+    assert "model(x) rather than engine(batch)" in error, error
+    assert all(torch.equal(params[n], clean[n]) for n in clean)
