@@ -282,11 +282,43 @@ def test_an_optimizer_instance_keeps_its_groups_and_defaults():
     instance = torch.optim.SGD(hf_groups(model, {"lr": 0.2}, {"weight_decay": 0.0}, by_name=False),
                                lr=0.1, momentum=0.9, weight_decay=1e-3)
     lr_sched.StepLR(instance, step_size=1)  # records initial_lr, which must not leak into the copy
-    client = client_optimizer(model, make_config(), optimizer=instance)
+    client = client_optimizer(model, make_config(), optimizer=instance, lr_scheduler=STEP_LR)
     stand_in = client.stand_in()
     assert type(stand_in) is torch.optim.SGD and "initial_lr" not in stand_in.param_groups[0]
     assert [(g["lr"], g["momentum"], g["weight_decay"]) for g in stand_in.param_groups] == \
         [(0.2, 0.9, 1e-3), (0.1, 0.9, 0.0)]
+
+
+def _warmup(optimizer):
+    return lr_sched.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
+
+
+def test_a_scheduler_built_on_the_instance_is_refused_unless_given_as_a_factory():
+    """The common Hugging Face order: optimizer, then a warmup scheduler on it, then both to the
+    framework. The warmup set the instance's lr to its first value at once and the engine never
+    steps the instance, so the engine trained at that rate for ever: without lr_scheduler=, that
+    is refused by name; with it, the engine's schedule starts from the rate before the warmup."""
+    model = make_model()
+    instance = torch.optim.AdamW(model.parameters(), lr=0.02)
+    lr_sched.LambdaLR(instance, lambda step: step / 10)  # warmup: lr 0.0 at once
+    with pytest.raises(ConfigError, match=r"the AdamW instance given as optimizer= has a learning-rate scheduler "
+                                          r"built on it \(its param_groups hold 'initial_lr', lr=0.0 now\)"):
+        client_optimizer(model, make_config(), optimizer=instance)
+    config = make_config(batch={"micro_batch_size": MICRO})
+    engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel), optimizer=instance,
+                            lr_scheduler=_warmup)
+    rates = []
+    for batch in global_batches(5, MICRO):
+        rates.append(engine.learning_rate())
+        engine.train_batch(iter([batch]))
+    engine.close()
+    reference = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.02)
+    schedule, expected = _warmup(reference), []
+    for _ in range(5):
+        expected.append(reference.param_groups[0]["lr"])
+        reference.step()
+        schedule.step()
+    assert rates == expected == [0.005, 0.01, 0.015, 0.02, 0.02]
 
 
 def test_nvme_tier_refuses_what_it_cannot_stream(tmp_path):

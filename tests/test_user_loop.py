@@ -1,11 +1,13 @@
-"""A user's own loop that bypasses the engine's backward fails by name.
+"""A user's own loop that bypasses the engine's backward, or forgets its step, fails by name.
 
 ``loss.backward()`` where ``engine.backward(loss)`` belongs (what an FSDP or DDP user types)
 used to do nothing visible: the gradients went through the engine's hooks unscaled and
 uncounted, ``engine.step()`` returned False (no accumulation boundary was reached) and the
 model never trained. Now the first gradient to reach a parameter outside ``engine.backward``
 raises an error naming it and the call to make, and leaves nothing behind: the run then trains
-exactly as one that never made the mistake.
+exactly as one that never made the mistake. Likewise a backward past the end of an
+accumulation window without ``engine.step()`` (a loop stepping its own optimizer instead)
+accumulated into the next window without a word.
 """
 from __future__ import annotations
 
@@ -56,3 +58,26 @@ def test_a_backward_of_the_model_called_directly_is_refused_too():
     error, params = _run(2, lambda engine, model, micro: model(**micro).backward())
     assert "model(x) rather than engine(batch)" in error, error
     assert all(torch.equal(params[n], clean[n]) for n in clean)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_a_backward_past_a_window_without_step_is_refused_and_step_then_goes_on(accum):
+    cfg = make_config(zero={"stage": 2}, batch={"micro_batch_size": 2, "grad_accum_steps": accum})
+    runs = {}
+    for forgets in (False, True):
+        model = make_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel), optimizer=optimizer)
+        for batch in global_batches(2, 2 * accum):
+            for j in range(accum):
+                engine.backward(engine({k: v[2 * j: 2 * j + 2] for k, v in batch.items()}))
+            if forgets:  # a loop written for torch: it steps its own optimizer, not the engine
+                optimizer.step()
+                with pytest.raises(RuntimeError, match=rf"accumulation window \(batch.grad_accum_steps={accum}: "
+                                                       rf"micro-batch {accum * (engine.steps + 1)} ended it\) "
+                                                       rf"without engine.step\(\) since: call engine.step\(\)"):
+                    engine.backward(engine({k: v[:2] for k, v in batch.items()}))
+            assert engine.step()
+        runs[forgets] = engine.full_state_dict()
+        engine.close()
+    assert all(torch.equal(runs[True][n], runs[False][n]) for n in runs[False]), "the refusal left nothing behind"

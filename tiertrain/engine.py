@@ -99,6 +99,12 @@ class Engine(TrainingCore):
             self._backward(loss)
 
     def _backward(self, loss: torch.Tensor) -> None:
+        if self._boundary_unstepped:
+            raise RuntimeError(
+                f"engine.backward() after a backward that ended an accumulation window (batch.grad_accum_steps="
+                f"{self.accum}: micro-batch {self.micro_steps} ended it) without engine.step() since: call "
+                f"engine.step() after each engine.backward() (it updates at each window's last micro-batch and "
+                f"returns False before it); an optimizer given to wrap() is only read, never stepped")
         self.flat.wait_gathers()
         boundary = (self.micro_steps + 1) % self.accum == 0
         self.update.before_backward(boundary, self.learning_rate())
@@ -120,6 +126,7 @@ class Engine(TrainingCore):
         if self.fetcher is not None:
             self.fetcher.end_backward()
         self.train_state.micro_steps += 1
+        self._boundary_unstepped = boundary
 
     def train_batch(self, batches: Iterator[Any]) -> float:
         """Run grad_accum_steps micro-batches from the iterator and one optimizer step;

@@ -269,6 +269,7 @@ def client_optimizer(model: nn.Module, config: Config, optimizer: OptimizerArg |
         raise TypeError(f"optimizer={optimizer!r}: expected a torch.optim.Optimizer subclass, a factory "
                         f"callable(param_groups) -> Optimizer, or an Optimizer instance")
     if instance_groups is not None:
+        _check_no_scheduler_on(instance_groups, _optimizer_name(optimizer), lr_scheduler)
         groups = _resolve_groups(named, aliases, instance_groups,
                                  f"the {_optimizer_name(optimizer)} instance's param_groups")
     elif param_groups is not None:
@@ -292,6 +293,20 @@ def client_optimizer(model: nn.Module, config: Config, optimizer: OptimizerArg |
     elif config.zero.offload_optimizer == Tier.NVME:
         _check_one_at_a_time(part_builds, group_parts, groups, name)
     return ClientOptimizer(build, groups, lr_scheduler, name, why_whole)
+
+
+def _check_no_scheduler_on(groups: Sequence[dict], name: str, lr_scheduler: SchedulerFactory | None) -> None:
+    """An LRScheduler built on the user's instance records 'initial_lr' in its groups. The
+    engine never steps that instance, so without lr_scheduler= that scheduler would change
+    nothing, silently: the rate would stay what it was at wrap() (0 under a warmup)."""
+    if lr_scheduler is None and any("initial_lr" in g for g in groups):
+        raise ConfigError(
+            f"the {name} instance given as optimizer= has a learning-rate scheduler built on it (its param_groups "
+            f"hold 'initial_lr', lr={groups[0].get('lr')!r} now): the engine steps its own {name} over the flat "
+            f"shards, never this instance, so that scheduler would change nothing. Pass the scheduler as a factory, "
+            f"e.g. lr_scheduler=lambda opt: transformers.get_cosine_schedule_with_warmup(opt, 100, 1000) (the "
+            f"engine builds it on its optimizer, from the groups' rates before any scheduler, and steps it once per "
+            f"update); do not step yours")
 
 
 def _is_part(o: Any) -> bool:
@@ -402,7 +417,10 @@ def _resolve_groups(named: list[tuple[str, torch.Tensor]], aliases: dict[str, st
                                   f"belongs to one group")
             seen[name] = i
             names.append(name)
-        out.append(ParamGroup(tuple(names), {k: v for k, v in group.items() if k not in _NOT_OPTIONS}))
+        options = {k: v for k, v in group.items() if k not in _NOT_OPTIONS}
+        if "initial_lr" in group:  # the rate before a scheduler built on the user's instance scaled
+            options["lr"] = group["initial_lr"]  # it (a warmup's LambdaLR sets lr to 0 at once)
+        out.append(ParamGroup(tuple(names), options))
     missing = [n for n, p in named if p.requires_grad and n not in seen]
     if missing:
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""

@@ -114,6 +114,7 @@ class TrainingCore:
         self.train_state = TrainState()
         self._slot_position: dict[tuple[int, int], int] | None = None  # (unit, slot) → flag index
         self._stepped_at = -1
+        self._boundary_unstepped = False  # a backward ended an accumulation window; step() not called since
         self.last_grad_norm = float("nan")
 
     @property
@@ -199,6 +200,7 @@ class TrainingCore:
         Megatron's optimizer protocol: the gradients are made ready here (reductions waited,
         fp16 unscaled, tensor-parallel partial sums, global norm, clip coefficient); the
         update form (tiertrain/update/) then steps with them."""
+        self._boundary_unstepped = False
         if not self.at_boundary or self.micro_steps == self._stepped_at:
             return False
         with span("step"):
@@ -420,6 +422,7 @@ class TrainingCore:
         self.comm.enter("load_checkpoint()")
         self.wait_for_checkpoint()
         self.quiesce()
+        self._boundary_unstepped = False  # (the gradients of a window not stepped are not kept)
         return self._state_io().load_checkpoint(self, directory, step, reshard)
 
     def masters(self) -> list[torch.Tensor]:
