@@ -15,6 +15,7 @@ data parallelism, against which the ZeRO stages are checked. The pipeline engine
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -99,12 +100,15 @@ class Engine(TrainingCore):
             self._backward(loss)
 
     def _backward(self, loss: torch.Tensor) -> None:
-        if self._boundary_unstepped:
-            raise RuntimeError(
+        if self._boundary_unstepped and not self._warned_unstepped:
+            # A warning, not an error: several losses' backwards before one step add up on purpose.
+            self._warned_unstepped = True
+            warnings.warn(
                 f"engine.backward() after a backward that ended an accumulation window (batch.grad_accum_steps="
-                f"{self.accum}: micro-batch {self.micro_steps} ended it) without engine.step() since: call "
-                f"engine.step() after each engine.backward() (it updates at each window's last micro-batch and "
-                f"returns False before it); an optimizer given to wrap() is only read, never stepped")
+                f"{self.accum}: micro-batch {self.micro_steps} ended it) without engine.step() since: the "
+                f"gradients add up until engine.step() (as several losses' backwards before one step do); if the "
+                f"loop meant to update, call engine.step() after each engine.backward() (an optimizer given to "
+                f"wrap() is only read, never stepped). Warned once", RuntimeWarning, stacklevel=3)
         self.flat.wait_gathers()
         boundary = (self.micro_steps + 1) % self.accum == 0
         self.update.before_backward(boundary, self.learning_rate())

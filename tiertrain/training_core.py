@@ -115,6 +115,7 @@ class TrainingCore:
         self._slot_position: dict[tuple[int, int], int] | None = None  # (unit, slot) → flag index
         self._stepped_at = -1
         self._boundary_unstepped = False  # a backward ended an accumulation window; step() not called since
+        self._warned_unstepped = False
         self.last_grad_norm = float("nan")
 
     @property
