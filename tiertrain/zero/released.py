@@ -91,11 +91,19 @@ def _explain(p, what: str) -> str:
     return f"{what} read parameter {_name(p)!r}{shape}, but {_REMEDY}"
 
 
+class _Held(str):
+    """A held parameter's name. Pickled or copied it becomes a plain str: a model saved whole
+    with torch.save and loaded again is held by no engine."""
+
+    def __reduce__(self):
+        return str, (str(self),)
+
+
 def hold(params: dict[str, nn.Parameter]) -> None:
     """An engine binds these parameters to its flat buffers: record each one's name in the
     model (for the error of a read while released, and wrap()'s refusal of a held model)."""
     for name, p in params.items():
-        p.__dict__[NAME] = name
+        p.__dict__[NAME] = _Held(name)
 
 
 def let_go(params: Iterable[nn.Parameter]) -> None:
@@ -106,7 +114,7 @@ def let_go(params: Iterable[nn.Parameter]) -> None:
 
 def held(params: Iterable[nn.Parameter]) -> list[str]:
     """The names of those of params that an engine not yet closed holds."""
-    return [p.__dict__[NAME] for p in params if NAME in p.__dict__]
+    return [str(p.__dict__[NAME]) for p in params if isinstance(p.__dict__.get(NAME), _Held)]
 
 
 def mark_released(params: Iterable[nn.Parameter]) -> None:
