@@ -4,6 +4,7 @@ left behind, and it can be wrapped again exactly like a fresh model with those v
 from __future__ import annotations
 
 import copy
+import io
 import os
 import threading
 
@@ -103,6 +104,11 @@ def test_a_model_still_wrapped_is_refused_by_name_and_wraps_again_once_closed(st
     with pytest.raises(tiertrain.AlreadyWrappedError, match="already wrapped by an engine that is not closed .*"
                                                             "'embed.weight' first\\): call that engine's close\\(\\)"):
         tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
+    if stage < 3:  # a copy of the model (saved whole and loaded) is held by no engine: it wraps
+        saved = io.BytesIO()
+        torch.save(model, saved)
+        saved.seek(0)
+        tiertrain.wrap(torch.load(saved, weights_only=False), cfg, tiertrain.Topology.build(cfg.parallel)).close()
     batch = global_batches(1, MICRO)[0]
     engine.backward(engine(batch))  # the first engine is untouched by the refusal
     assert engine.step()
