@@ -220,12 +220,17 @@ class GradientReducer:
             whole = torch.empty(0, dtype=torch.float32, device=bucket.device).set_(bucket.untyped_storage())
             self._spare.append(whole)
             self._spare.sort(key=torch.Tensor.numel)
-            del self._spare[:max(0, len(self._spare) - self._peak_live)]
+            self._drop_spares_beyond_peak()
+
+    def _drop_spares_beyond_peak(self) -> None:
+        """Keep at most as many spares as buckets were in use at once since the count began,
+        the largest (the list is sorted by size)."""
+        del self._spare[:max(0, len(self._spare) - self._peak_live)]
 
     def _trim_spares(self) -> None:
         """At the end of a step's reductions: keep only as many spares as this step used at
         once (the first step, which launches late, may have used more), and count afresh."""
-        del self._spare[:max(0, len(self._spare) - self._peak_live)]
+        self._drop_spares_beyond_peak()
         self._peak_live = self._live
 
     @property
