@@ -1,5 +1,5 @@
 """A user's own loop that bypasses the engine's backward fails by name; one that forgets its
-step is warned.
+step is warned; a model changed behind the engine's back (converted, unfrozen) fails by name.
 
 ``loss.backward()`` where ``engine.backward(loss)`` belongs (what an FSDP or DDP user types)
 used to do nothing visible: the gradients went through the engine's hooks unscaled and
@@ -7,8 +7,12 @@ uncounted, ``engine.step()`` returned False (no accumulation boundary was reache
 model never trained. Now the first gradient to reach a parameter outside ``engine.backward``
 raises an error naming it and the call to make, and leaves nothing behind: the run then trains
 exactly as one that never made the mistake. A backward past the end of an accumulation window
-without ``engine.step()`` (a loop stepping its own optimizer instead) accumulated into the next
-window without a word: it now warns, once.
+without ``engine.step()`` (a loop that forgot it) accumulated into the next
+window without a word: it now warns, once. ``model.half()`` (or ``.to(dtype or device)``) after
+wrap() gave the parameters memory of their own at stages 0-2, so the forward went on with the
+weights of that moment and the updates reached nothing; a parameter unfrozen after wrap() got
+gradients nothing read. Both are refused by name at the next forward (stage 3 refuses the
+conversion as it happens).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import pytest
 import torch
 
 import tiertrain
+from tiertrain.config import ConfigError
 from reference import global_batches, make_config, make_model
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("one_torch_thread")]
@@ -65,7 +70,7 @@ def test_a_backward_of_the_model_called_directly_is_refused_too():
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_a_backward_past_a_window_without_step_warns_once_and_the_gradients_add_up(accum):
-    """A loop that steps its own optimizer instead of the engine never updated, without a word.
+    """A loop that forgot engine.step() after a window never updated, without a word.
     A warning, not an error: several losses' backwards before one step (grad_accum_steps=1,
     engine.backward(loss1), engine.backward(loss2), engine.step()) add up on purpose, as in
     torch. Their sum is what step() applies: with one micro-batch per step, two backwards of the
@@ -76,14 +81,12 @@ def test_a_backward_past_a_window_without_step_warns_once_and_the_gradients_add_
     runs = {}
     for twice in (False, True):
         model = make_model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel), optimizer=optimizer)
+        engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for m in micro:
                 engine.backward(engine(m) * (1 if twice else 2))
-            if twice:  # a loop written for torch: it steps its own optimizer, not the engine
-                optimizer.step()
+            if twice:  # a loop that forgot engine.step() after the window
                 for m in micro:
                     engine.backward(engine(m))
         warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
@@ -97,3 +100,48 @@ def test_a_backward_past_a_window_without_step_warns_once_and_the_gradients_add_
         engine.close()
     if accum == 1:  # g + g against the backward of 2·loss, 2·g: both exact, so bit for bit
         assert all(torch.equal(runs[True][n], runs[False][n]) for n in runs[False])
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("conversion", ["half", "half then float"])
+def test_a_model_converted_after_wrap_is_refused_and_close_hands_back_the_trained_model(stage, conversion):
+    cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2})
+    model = make_model()
+    engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
+    batches = global_batches(2, 2)
+    engine.backward(engine(batches[0]))
+    engine.step()
+    trained = engine.full_state_dict()
+    if stage == 3:  # (refused as it happens: the released parameters are not read)
+        with pytest.raises(tiertrain.ReleasedParameterError, match=r"half\(\) read parameter 'embed.weight'.* If "
+                                                                   r"that was model.half\(\) or model.to\(...\) of "
+                                                                   r"the wrapped model: the engine owns"):
+            model.half()
+    else:
+        model.half()
+        if conversion == "half then float":
+            model.float()
+        with pytest.raises(ConfigError, match=r"parameter 'embed.weight' of a wrapped model was (converted to "
+                                              r"torch.float16 on cpu from the engine's torch.float32|given memory of "
+                                              r"its own)"):
+            engine(batches[1])
+    engine.close()
+    assert all(torch.equal(p.detach(), trained[n]) for n, p in model.named_parameters()), \
+        "close() hands back the trained values"
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_parameter_unfrozen_after_wrap_is_refused_by_name(stage):
+    model = make_model()
+    model.blocks[0].mlp.fc1.weight.requires_grad_(False)
+    config = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2})
+    engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel))
+    batches = global_batches(2, 2)
+    engine.backward(engine(batches[0]))
+    engine.step()
+    model.blocks[0].mlp.fc1.weight.requires_grad_(True)
+    with pytest.raises(ConfigError, match=r"parameter 'blocks.0.mlp.fc1.weight' was frozen \(requires_grad=False\) "
+                                          r"when the model was wrapped and requires grad now.* in a param group of "
+                                          r"their own with lr 0"):
+        engine(batches[1])
+    engine.close()

@@ -70,6 +70,7 @@ class Engine(TrainingCore):
                 self.fetcher.end_forward()  # (the model called directly from now on: ParameterFetcher)
 
     def _forward(self, batch: Any) -> torch.Tensor:
+        self._check_model_unchanged()
         batch = self._to_device(batch)
         if self.buffers and self.module.training and self.config.zero.broadcast_buffers and self.comm.size > 1:
             self.buffers.broadcast(self.comm)  # (DDP's broadcast_buffers)
@@ -107,8 +108,7 @@ class Engine(TrainingCore):
                 f"engine.backward() after a backward that ended an accumulation window (batch.grad_accum_steps="
                 f"{self.accum}: micro-batch {self.micro_steps} ended it) without engine.step() since: the "
                 f"gradients add up until engine.step() (as several losses' backwards before one step do); if the "
-                f"loop meant to update, call engine.step() after each engine.backward() (an optimizer given to "
-                f"wrap() is only read, never stepped). Warned once", RuntimeWarning, stacklevel=3)
+                f"loop meant to update, call engine.step() after each engine.backward(). Warned once", RuntimeWarning, stacklevel=3)
         self.flat.wait_gathers()
         boundary = (self.micro_steps + 1) % self.accum == 0
         self.update.before_backward(boundary, self.learning_rate())

@@ -43,6 +43,8 @@ def build_parts(engine: "TrainingCore", model: nn.Module, plan: GradientPlan, up
     named, engine.layout, engine.launch_when_ready = plan.named, plan.layout, plan.launch_when_ready
     cast_buffers_and_frozen(engine, model, {n for n, _ in plan.frozen})
     engine.buffers = ModuleBuffers(engine.named_modules_of_state())
+    if engine.comm.size > 1:  # (rank 0's, as DDP syncs module states at construction: see initial_value)
+        engine.buffers.broadcast(engine.comm)
     """The model's persistent buffers: checkpointed, in full_state_dict, broadcast (zero.broadcast_buffers)."""
     engine.placement = Placement(engine.device, optimizer_tier=run.optimizer_tier, param_tier=run.param_tier)
     engine.swapper = build_swapper(engine) if run.needs_swapper else None
@@ -51,7 +53,7 @@ def build_parts(engine: "TrainingCore", model: nn.Module, plan: GradientPlan, up
                          read_ahead=NVME_READ_AHEAD + 1, kind=run.store)  # (+ the unit being gathered)
     engine.flat = FlatParameters(
         engine.layout, dict(named + plan.frozen), engine.comm, engine.dtype, keep_full_grads=stage.keeps_full_gradients,
-        shards=shards, rebuild_param=lambda p: gather_partitioned(p, engine.comm) if is_partitioned(p) else p.detach(),
+        shards=shards, rebuild_param=lambda p: initial_value(p, engine),
         placement=engine.placement)
     engine._waits_per_operation = False
     if config.zero.overlap_param_gather:
@@ -122,6 +124,21 @@ def stage3_unit_modules(model: nn.Module, layout: FlatLayout) -> tuple[dict[int,
     return {index: module(label) for label, index in keys.items()}, frozen_of
 
 
+def initial_value(p: nn.Parameter, engine: "TrainingCore") -> torch.Tensor:
+    """A parameter's value to train from, the same on every rank of the engine's data-parallel
+    group: one built partitioned gathered from its shards; any other rank 0's, broadcast as DDP
+    and DeepSpeed do at construction. Ranks seeded differently, or a checkpoint loaded on rank 0
+    only, then start from one model, instead of training replicas that drift apart (stage 0) or
+    one cut from several models (each rank's shard from its own: stages 1-3)."""
+    if is_partitioned(p):
+        return gather_partitioned(p, engine.comm)
+    value = p.detach()
+    if engine.comm.size > 1:
+        value = value.to(engine.device).contiguous()  # (the backend's device; in place where it is already)
+        engine.comm.broadcast(value, 0)
+    return value
+
+
 def cast_buffers_and_frozen(engine: "Engine", model: nn.Module, in_layout: set[str]) -> None:
     """Buffers and frozen parameters the flat units do not hold, in the compute dtype on
     the device (a small frozen parameter built under partitioned_init gathered whole)."""
@@ -131,7 +148,7 @@ def cast_buffers_and_frozen(engine: "Engine", model: nn.Module, in_layout: set[s
             setattr(module, name, buf.to(device=engine.device, dtype=dtype))
     for name, p in model.named_parameters():
         if not p.requires_grad and name not in in_layout:
-            value = gather_partitioned(p, engine.comm) if is_partitioned(p) else p.data
+            value = initial_value(p, engine)
             forget_partition(p)
             p.data = value.to(device=engine.device, dtype=engine.dtype)
 

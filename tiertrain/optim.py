@@ -189,6 +189,11 @@ class ClientOptimizer:
     """The optimizer's class name, for messages."""
     why_whole: str | None = None
     """Why some groups need whole tensors (the probe's finding), or None: all are elementwise."""
+    instance_groups: Sequence[dict] | None = None
+    """The param_groups of the optimizer instance(s) given (the user's own dicts, one for each
+    entry of ``groups``), which show the engine's hyper-parameters; None when none was given."""
+    instances: tuple[torch.optim.Optimizer, ...] = ()
+    """The optimizer instances given, which the engine guards (update/instance_view.py guard)."""
 
     @property
     def whole_groups(self) -> tuple[int, ...]:
@@ -234,6 +239,7 @@ def client_optimizer(model: nn.Module, config: Config, optimizer: OptimizerArg |
     canonical = {id(p): n for n, p in named}  # (a tied parameter: its first name)
     aliases = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
     instance_groups = None
+    instances: tuple[torch.optim.Optimizer, ...] = ()
     parts: list[int] | None = None  # (a list of instances: the instance of each group)
     if isinstance(optimizer, list) and len(optimizer) == 1 and isinstance(optimizer[0], torch.optim.Optimizer):
         optimizer = optimizer[0]
@@ -250,12 +256,14 @@ def client_optimizer(model: nn.Module, config: Config, optimizer: OptimizerArg |
         parts = [k for k, (_, groups) in enumerate(pairs) for _ in groups]
         build = partial(build_parts, builds=tuple(builds), parts=tuple(parts))
         instance_groups = [g for _, groups in pairs for g in groups]
+        instances = tuple(o for o in optimizer if isinstance(o, torch.optim.Optimizer))
     elif isinstance(optimizer, torch.optim.Optimizer):
         if param_groups is not None:
             raise ConfigError(f"param_groups= was given with a {type(optimizer).__name__} instance, whose own "
                               f"param_groups define the groups: give one or the other")
         build = _rebuild(type(optimizer), optimizer.defaults)
         instance_groups = optimizer.param_groups
+        instances = (optimizer,)
     elif optimizer is None:
         build = partial(build_adamw, config=config.optimizer)
     elif isinstance(optimizer, type):
@@ -292,21 +300,21 @@ def client_optimizer(model: nn.Module, config: Config, optimizer: OptimizerArg |
         streamed_update(stand_in)  # refused before the engine makes swap files
     elif config.zero.offload_optimizer == Tier.NVME:
         _check_one_at_a_time(part_builds, group_parts, groups, name)
-    return ClientOptimizer(build, groups, lr_scheduler, name, why_whole)
+    return ClientOptimizer(build, groups, lr_scheduler, name, why_whole, instance_groups, instances)
 
 
 def _check_no_scheduler_on(groups: Sequence[dict], name: str, lr_scheduler: SchedulerFactory | None) -> None:
     """An LRScheduler built on the user's instance records 'initial_lr' in its groups. The
-    engine never steps that instance, so without lr_scheduler= that scheduler would change
-    nothing, silently: the rate would stay what it was at wrap() (0 under a warmup)."""
+    engine never steps that scheduler: without lr_scheduler= its first rate (0 under a warmup)
+    would stand for the whole run unless the loop stepped it, which nothing can check."""
     if lr_scheduler is None and any("initial_lr" in g for g in groups):
         raise ConfigError(
             f"the {name} instance given as optimizer= has a learning-rate scheduler built on it (its param_groups "
-            f"hold 'initial_lr', lr={groups[0].get('lr')!r} now): the engine steps its own {name} over the flat "
-            f"shards, never this instance, so that scheduler would change nothing. Pass the scheduler as a factory, "
+            f"hold 'initial_lr', lr={groups[0].get('lr')!r} now): the engine does not step that scheduler, so its "
+            f"first rate would stand for the whole run unless the loop stepped it. Pass the scheduler as a factory, "
             f"e.g. lr_scheduler=lambda opt: transformers.get_cosine_schedule_with_warmup(opt, 100, 1000) (the "
-            f"engine builds it on its optimizer, from the groups' rates before any scheduler, and steps it once per "
-            f"update); do not step yours")
+            f"engine builds it on its own {name}, from the groups' rates before any scheduler, steps it once per "
+            f"update, and the instance shows its rates); do not step yours")
 
 
 def _is_part(o: Any) -> bool:

@@ -40,12 +40,13 @@ from .spans import span
 from .topology import Topology
 from .train_state import RNGState, TrainState
 from .update.factory import UpdateFactory
+from .update.instance_view import guard as guard_optimizer_instances
 from .zero.accumulation import agreed_free_memory
 from .zero.agreement import Event
 from .zero.construct import check_no_partitioned_init
 from .zero.flat import FrozenShards
 from .zero.plan import GradientPlan
-from .zero.released import let_go, mark_gathered
+from .zero.released import conversion_error, let_go, mark_gathered
 from .zero.stage3 import ParameterFetcher
 
 
@@ -73,6 +74,11 @@ class TrainingCore:
         if config.zero.retain_host_memory:
             retain_freed_host_memory()
         self.module = module
+        self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        """The parameters frozen at wrap(): they have no gradient, master or optimizer state."""
+        self._bound: list[tuple[str, torch.Tensor, torch.dtype, torch.device, int | None]] = []
+        """Each parameter the engine binds, with its dtype, device and (where it stays a view of
+        one flat buffer: stages 0-2) address then; filled once built."""
         self.config = config
         self.topology = topology
         self.dtype = compute_dtype(config.precision.dtype)
@@ -117,6 +123,10 @@ class TrainingCore:
         self._boundary_unstepped = False  # a backward ended an accumulation window; step() not called since
         self._warned_unstepped = False
         self.last_grad_norm = float("nan")
+        fixed = not self.plan.stage.partitions_parameters  # (stage 3 gathers each unit anew)
+        self._bound = [(n, p, p.dtype, p.device, p.data_ptr() if fixed else None) for n, p in self.flat.params.items()]
+        if client is not None and client.instances:  # (last: a failed build leaves them as they were)
+            self.undo_on_close(guard_optimizer_instances(client.instances))
 
     @property
     def plan(self) -> RunPlan:
@@ -180,6 +190,31 @@ class TrainingCore:
         self.quiesce()
         self.update.flush()
 
+    def _check_model_unchanged(self) -> None:
+        """Before a forward, what the model's owner may change behind the engine's back and
+        would silently stop training: a parameter converted to another dtype or device (it is
+        no longer a view of the flat buffers), or one frozen at wrap() and unfrozen since
+        (progressive unfreezing: nothing holds its state)."""
+        for name, p, dtype, device, address in self._bound:
+            if p.dtype != dtype or p.device != device:
+                raise ConfigError(conversion_error(name, f"converted to {p.dtype} on {p.device} from the engine's "
+                                                         f"{dtype} on {device} (model.half(), model.to(...))"))
+            if address is not None and p.data_ptr() != address:
+                raise ConfigError(conversion_error(name, "given memory of its own (its .data replaced, or "
+                                                         "model.half() then model.float())"))
+        thawed = [n for n, p in self._frozen if p.requires_grad]
+        if not thawed:
+            return
+        one = len(thawed) == 1
+        shown = ", ".join(repr(n) for n in thawed[:4]) + (f" and {len(thawed) - 4} more" if len(thawed) > 4 else "")
+        raise ConfigError(
+            f"parameter{'' if one else 's'} {shown} {'was' if one else 'were'} frozen (requires_grad=False) when the "
+            f"model was wrapped and {'requires' if one else 'require'} grad now: the engine keeps no gradient, fp32 "
+            f"master or optimizer state for {'it' if one else 'them'}, so {'it' if one else 'they'} would not "
+            f"train. Set requires_grad before wrap(); to unfreeze during training, keep such parameters trainable "
+            f"from the start in a param group of their own with lr 0 and raise its lr later (wrap(optimizer=) "
+            f"with an instance: set param_groups[i]['lr'] on it), or close() the engine and wrap the model again")
+
     def _state_written(self) -> None:
         """Before the training state changes: a background save has serialised it."""
         if self._pending_save is not None:
@@ -204,6 +239,9 @@ class TrainingCore:
         self._boundary_unstepped = False
         if not self.at_boundary or self.micro_steps == self._stepped_at:
             return False
+        # Takes what the user set on their optimizer instance since the last update, and
+        # refuses (before anything changes) what the engine's lr_scheduler owns.
+        self.update.own_learning_rate()
         with span("step"):
             return self._step()
 

@@ -253,6 +253,7 @@ class PipelineEngine(TrainingCore):
         """Run grad_accum_steps micro-batches from the iterator through the schedule and one
         optimizer step; returns the mean loss of the micro-batches (on every pipeline rank).
         Every rank of a pipeline must be given the same micro-batches."""
+        self._check_model_unchanged()
         micro = [self._to_device(next(batches)) for _ in range(self.accum)]
         if self.buffers and self.module.training and self.config.zero.broadcast_buffers and self.comm.size > 1:
             # DDP's broadcast_buffers, over this stage's data-parallel group: once per step, before

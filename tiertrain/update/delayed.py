@@ -113,8 +113,7 @@ class DelayedUpdate(OptimizerUpdate):
         self.optimizer = shard_optimizer(flat, [u.master for u in flat.units], self.snapshots, config, client)
         # A client lr_scheduler steps a stand-in on this thread while the worker steps the
         # optimizer; its hyper-parameters reach the optimizer between updates (GroupSchedule).
-        self.schedule = GroupSchedule() if client is None else \
-            GroupSchedule(client.stand_in(), client.lr_scheduler, stand_in=True)
+        self.schedule = GroupSchedule.of(client)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiertrain-delayed-update")
         self._future: Future | None = None
         self._in_flight_step = -1

@@ -26,7 +26,7 @@ class InMemoryUpdate(OptimizerUpdate):
         self.landing_norms = landing_norms
         self.optimizer = shard_optimizer(flat, [u.master for u in flat.units], [u.grad for u in flat.units],
                                          config, client)
-        self.schedule = GroupSchedule() if client is None else GroupSchedule(self.optimizer, client.lr_scheduler)
+        self.schedule = GroupSchedule.of(client, self.optimizer)
         self.host_pass = _host_pass(flat, config, self.optimizer, client)
         """The compiled AdamW + clip + cast pass, when optimizer.impl chose it; else None."""
         self.host_pass_writes = {} if self.host_pass is None else {

@@ -32,6 +32,7 @@ import torch
 from ..errors import CheckpointError
 from ..optim import build_adamw, decays, squared_norm
 from ..spans import span
+from .instance_view import InstanceView
 from .state_format import FormOwnState, StateFormat
 
 if TYPE_CHECKING:
@@ -228,11 +229,13 @@ class GroupSchedule:
       optimizer the form steps, or a stand-in (ClientOptimizer.stand_in) for forms whose
       update runs on another thread or outside torch: apply() copies its hyper-parameters
       onto the stepped optimizer before each update, so a scheduler never writes what a
-      running update reads.
+      running update reads. An optimizer instance the user gave shows the holder's groups
+      and, without an lr_scheduler, passes on what the user sets on it (InstanceView).
     """
 
     def __init__(self, holder: torch.optim.Optimizer | None = None,
-                 lr_scheduler: "SchedulerFactory | None" = None, stand_in: bool = False):
+                 lr_scheduler: "SchedulerFactory | None" = None, stand_in: bool = False,
+                 instance: InstanceView | None = None):
         self.holder = holder
         self.stand_in = stand_in
         """The holder is a stand-in, not the optimizer the form steps."""
@@ -243,18 +246,49 @@ class GroupSchedule:
                     and callable(getattr(self.scheduler, "state_dict", None))):
                 raise TypeError(f"lr_scheduler built a {type(self.scheduler).__name__}; expected a "
                                 f"torch.optim.lr_scheduler.LRScheduler (step(), state_dict())")
+        self.instance = instance
+        """The optimizer instance the user gave wrap(), which shows the holder's groups and
+        whose changes the holder takes (update/instance_view.py); None without one."""
+        self.changes_taken = 0
+        """How many times the holder took changes the user made on their instance: a form whose
+        update began before step() compares it to know that update's rates are stale."""
+        self._show()
+
+    @classmethod
+    def of(cls, client: "ClientOptimizer | None", optimizer: torch.optim.Optimizer | None = None) -> "GroupSchedule":
+        """The default path's (client None), or the client's on the optimizer the form steps
+        on this thread, or with none given on a stand-in (ClientOptimizer.stand_in)."""
+        if client is None:
+            return cls()
+        stand_in = optimizer is None
+        instance = None if client.instance_groups is None else InstanceView(client.instance_groups, client.name)
+        return cls(client.stand_in() if stand_in else optimizer, client.lr_scheduler, stand_in=stand_in,
+                   instance=instance)
+
+    def current(self) -> torch.optim.Optimizer | None:
+        """The holder, once it took what the user changed on their instance (None on the default path)."""
+        if self.instance is not None and self.instance.take(self.holder.param_groups,
+                                                            scheduled=self.scheduler is not None):
+            self.changes_taken += 1
+        return self.holder
+
+    def _show(self) -> None:
+        if self.instance is not None:
+            self.instance.show(self.holder.param_groups)
 
     def learning_rate(self) -> float | None:
         """The rate of the next update (first group); None on the default path."""
-        return None if self.holder is None else float(self.holder.param_groups[0]["lr"])
+        holder = self.current()
+        return None if holder is None else float(holder.param_groups[0]["lr"])
 
     def apply(self, optimizer: torch.optim.Optimizer, lr: float) -> None:
         """Before an update: the default path's rate into every group, or the stand-in's
         hyper-parameters onto the optimizer (nothing when the holder is that optimizer)."""
-        if self.holder is None:
+        holder = self.current()
+        if holder is None:
             set_learning_rate(optimizer, lr)
         elif self.stand_in:
-            for group, scheduled in zip(optimizer.param_groups, self.holder.param_groups, strict=True):
+            for group, scheduled in zip(optimizer.param_groups, holder.param_groups, strict=True):
                 group.update(_options(scheduled))
 
     def advance(self) -> None:
@@ -266,6 +300,7 @@ class GroupSchedule:
             # changes nothing; it tells torch's scheduler that the optimizer stepped first.
             self.holder.step()
         self.scheduler.step()
+        self._show()
 
     def state_dict(self) -> dict | None:
         """Each group's hyper-parameters and the scheduler's state (None on the default path)."""
@@ -294,6 +329,7 @@ class GroupSchedule:
                              + " an lr_scheduler and this engine " + ("has one" if self.scheduler else "has none"))
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        self._show()
 
 
 class OptimizerUpdate(ABC):

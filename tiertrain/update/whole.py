@@ -73,7 +73,7 @@ class WholeParameterUpdate(OptimizerUpdate):
         for i in client.whole_groups:
             groups[i]["params"] = [self.wholes[n] for n in client.groups[i].names if n in self.wholes]
         self.optimizer = client.build(groups)
-        self.schedule = GroupSchedule(self.optimizer, client.lr_scheduler)
+        self.schedule = GroupSchedule.of(client, self.optimizer)
         self.states = None if swapper is None else StreamedStates(swapper, self.optimizer)
         """On the NVMe tier: where the optimizer state lives between uses; else None (in memory)."""
 

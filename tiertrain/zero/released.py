@@ -25,7 +25,8 @@ import torch.nn as nn
 
 from ..errors import ReleasedParameterError
 
-__all__ = ["ReleasedParameter", "ReleasedParameterError", "held", "hold", "let_go", "mark_gathered", "mark_released"]
+__all__ = ["ReleasedParameter", "ReleasedParameterError", "conversion_error", "held", "hold", "let_go",
+           "mark_gathered", "mark_released"]
 
 NAME = "tiertrain_name"
 """The attribute holding a held parameter's name in the model (see the module docstring)."""
@@ -86,9 +87,28 @@ def _called(func) -> str:
     return name + "()"
 
 
+_CONVERSIONS = frozenset({"to", "half", "float", "double", "bfloat16", "cuda", "cpu", "type"})
+"""What Module.half(), .to(dtype or device), .cuda() call on each parameter."""
+
+_CONVERSION_ADVICE = (
+    "the engine owns its parameters' dtype and device (precision.dtype, the topology's device), and a converted "
+    "parameter is no longer a view of the engine's buffers, so the updates would stop reaching the model. Convert "
+    "before wrap() or set precision.dtype; for a converted copy of the trained model, use engine.full_state_dict(), "
+    "or engine.close(), which hands the model back")
+
+
 def _explain(p, what: str) -> str:
     shape = f" of shape {tuple(p.shape)}" if p is not None else ""
-    return f"{what} read parameter {_name(p)!r}{shape}, but {_REMEDY}"
+    read = f"{what} read parameter {_name(p)!r}{shape}, but {_REMEDY}"
+    if what.rstrip("()") in _CONVERSIONS:  # (a copy of one parameter, or the whole model converted)
+        return f"{read}. If that was model.half() or model.to(...) of the wrapped model: {_CONVERSION_ADVICE}"
+    return read
+
+
+def conversion_error(name: str, how: str) -> str:
+    """The error for a wrapped model's parameter found converted to another dtype or device
+    (at stages 0-2, at the next forward; stage 3 refuses the conversion as it happens)."""
+    return f"parameter {name!r} of a wrapped model was {how}: {_CONVERSION_ADVICE}"
 
 
 class _Held(str):

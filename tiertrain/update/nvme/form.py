@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 
 import torch
 
@@ -52,13 +53,12 @@ class NVMeUpdate(OptimizerUpdate):
             rule: ElementwiseRule = AdamWRule(tuple(config.optimizer.betas), config.optimizer.eps)
             self.schedule = GroupSchedule()
         else:
-            stand_in = client.stand_in()
-            streamed = streamed_update(stand_in)
+            self.schedule = GroupSchedule.of(client)  # (on a stand-in: the stream steps the pieces)
+            streamed = streamed_update(self.schedule.holder)
             groups = shard_param_groups(flat, bases, grads, group_of=client.group_index().__getitem__,
                                         options=[{"weight_decay": d} for d in streamed.weight_decays])
             rule = streamed.rule
             self._weight_decays = streamed.weight_decays
-            self.schedule = GroupSchedule(stand_in, client.lr_scheduler, stand_in=True)
         pieces = pieces_from_param_groups(bases, groups)
         del groups
 
@@ -96,9 +96,10 @@ class NVMeUpdate(OptimizerUpdate):
         optimizer's rule, or the client stand-in's rate and rule, which its scheduler may
         have changed (OneCycleLR cycles momentum or beta1). Its weight decays are fixed in the
         stream's pieces."""
-        if self.schedule.holder is None:
+        holder = self.schedule.current()
+        if holder is None:
             return lr, None
-        streamed = streamed_update(self.schedule.holder)
+        streamed = streamed_update(holder)
         if streamed.weight_decays != self._weight_decays:
             raise ConfigError(f"zero.offload_optimizer=nvme keeps each group's weight decay fixed; the lr_scheduler "
                               f"changed them from {self._weight_decays} to {streamed.weight_decays}")
@@ -162,6 +163,8 @@ class OverlappedNVMeUpdate(NVMeUpdate):
         self.reducer = reducer
         self._in_flight = None
         """(OverlappedStep, ShardWriter) of the step running during this boundary's backward."""
+        self._rates_taken = 0
+        """GroupSchedule.changes_taken when the step in flight read its rates."""
         self._subscription = None  # the in-flight step's hooks on the reducer
         self.release_grads = self.releases_grads(config)
         """In place (zero.nvme_in_place), each unit's gradient shard gives its memory back once
@@ -189,6 +192,7 @@ class OverlappedNVMeUpdate(NVMeUpdate):
     def before_backward(self, boundary, lr):
         if boundary and self._in_flight is None:
             lr, rule = self._rate(lr)
+            self._rates_taken = self.schedule.changes_taken
             writer = ShardWriter.open(self.flat, self.write_staging)
             store = master_shards(self.flat)
             step = self.nvme.begin_step([u.grad for u in self.flat.units], lr, out=writer,
@@ -267,7 +271,10 @@ class OverlappedNVMeUpdate(NVMeUpdate):
             self.last_overlapped_step = self._in_flight[0].progress()
 
     def step(self, grads, clip, lr, step):
-        if self._in_flight is None:  # cancelled since (a forward came first): run it now
+        self.schedule.current()
+        if self._in_flight is not None and self.schedule.changes_taken != self._rates_taken:
+            self._restart_with_new_rates()
+        if self._in_flight is None:  # cancelled since (a forward came first, new rates): run it now
             super().step(grads, clip, lr, step)
             return
         self._end(commit=True)  # most units were updated during backward
@@ -284,6 +291,19 @@ class OverlappedNVMeUpdate(NVMeUpdate):
         step then runs synchronously, if step() follows)."""
         if self._in_flight is not None:
             self._end(commit=False)
+
+    def _restart_with_new_rates(self) -> None:
+        """The user set hyper-parameters on their optimizer instance after this step's update
+        began in backward: a transactional step is cancelled and runs again with them; one in
+        place cannot go back, so it keeps the rates it began with, and says so."""
+        if self.nvme.transactional:
+            self.cancel()
+            return
+        warnings.warn(f"the hyper-parameters set on the optimizer instance after this step's last backward began "
+                      f"(now {self.schedule.holder.param_groups[0]['lr']!r} for group 0's lr) apply from the next "
+                      f"update: this one began during backward, in place on NVMe (zero.nvme_in_place), and cannot "
+                      f"be redone; set them before the step's last engine.backward()", RuntimeWarning, stacklevel=2)
+        self._rates_taken = self.schedule.changes_taken
 
     @property
     def in_flight(self):
