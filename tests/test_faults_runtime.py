@@ -199,6 +199,37 @@ def test_unequal_batch_counts_at_stages_0_to_2_fail_within_seconds_naming_both_r
     assert elapsed < 30, f"{elapsed:.0f} s: named within seconds, not at the 45 s timeout"
 
 
+def _saves_on_rank_0_only(rank, world, operation, directory):
+    """The DDP habit ``if rank == 0: save(...)`` at the end of a run: rank 1 returns."""
+    import tiertrain
+    from reference import global_batches, make_config, make_model, rank_slices
+
+    cfg = make_config(zero={"stage": 2}, batch={"micro_batch_size": 2})
+    engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
+    engine.train_batch(rank_slices(global_batches(1, 4)[0], rank, world, 2, 1))
+    if rank == 0:
+        getattr(engine, operation)(directory)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("operation", ["save_checkpoint", "save_pretrained"])
+def test_a_save_on_rank_0_only_fails_within_seconds_naming_both_ranks(tmp_path, operation):
+    """A checkpoint save on rank 0 alone, rank 1 having returned, waited in the process
+    group's barrier (making the checkpoint's gloo group) for the whole timeout and failed
+    without a name. Every rank now meets the others in a checked collective first."""
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as caught:
+        run_distributed(_saves_on_rank_0_only, 2, operation, str(tmp_path / "out"), timeout=45)
+    elapsed = time.monotonic() - start
+    first_line = str(caught.value).splitlines()[0]
+    assert caught.value.exc_type == "CollectiveMismatchError", first_line
+    n = int(re.search(r"collective #(\d+) of the group of ranks \[0, 1\]", first_line).group(1))
+    assert re.search("rank 0 " + _AT.format(n=n) + re.escape(f"({operation}())"), first_line), first_line
+    assert f"rank 1 returned from its program after its collective #" in first_line, first_line
+    assert "the ranks run different code" in first_line, first_line
+    assert elapsed < 30, f"{elapsed:.0f} s: named within seconds, not at the 45 s timeout"
+
+
 def _many_collectives(rank, world, slots, diverge_at):
     """More collectives than the check has slots (Arrivals.SLOTS, made small here), the ranks
     in step; with diverge_at, rank 1 broadcasts where rank 0 all-reduces."""

@@ -133,3 +133,38 @@ def test_a_frozen_backbone_built_partitioned_trains_like_the_reference():
     assert held <= whole / 2 + 64, (held, whole)  # (each parameter padded to an even length)
     oracle = Oracle.run(reference_train, lora_llama(), _config(3), _batches())
     oracle.check(losses, params, "LoRA Llama built under partitioned_init, stage 3")
+
+
+class _Indexed(torch.nn.Module):
+    """A model whose forward reads a frozen integer parameter (an index table; a quantized
+    weight is the same case): its values must reach the forward exactly."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(2048, 16)
+        self.head = torch.nn.Linear(16, 1)
+        self.table = torch.nn.Parameter(torch.arange(1000, 1016), requires_grad=False)
+
+    def forward(self, rows):
+        return self.head(self.embed(self.table[rows])).square().mean()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_an_integer_frozen_parameter_keeps_its_dtype_and_values(stage):
+    """It was cast to the compute dtype with the floating ones: in bf16, 1001 became 1000 (so the
+    forward read other rows), and close() handed back a bf16 tensor."""
+    config = make_config(zero={"stage": stage}, precision={"dtype": "bf16"}, batch={"micro_batch_size": 4})
+    model = _Indexed()
+    engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel),
+                            loss_fn=lambda m, batch: m(batch))
+    engine.backward(engine(torch.arange(4)))
+    assert engine.step()
+    exact = torch.arange(1000, 1016)
+    saved = engine.full_state_dict()["table"]
+    assert saved.dtype == torch.int64 and torch.equal(saved, exact)
+    report = engine.memory_report()
+    engine.close()
+    assert model.table.dtype == torch.int64 and torch.equal(model.table, exact)
+    assert report.frozen_params == 16 * 8, "counted in its own dtype"

@@ -145,3 +145,40 @@ def test_a_parameter_unfrozen_after_wrap_is_refused_by_name(stage):
                                           r"their own with lr 0"):
         engine(batches[1])
     engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_module_replaced_after_wrap_is_refused_by_name(stage):
+    """model.norm = nn.LayerNorm(...) after wrap(): the engine's parameters left the forward and
+    the new ones trained nothing (their gradients piled up in .grad). Refused at the step."""
+    config = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2})
+    model = make_model()
+    engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel))
+    batches = global_batches(2, 2)
+    engine.backward(engine(batches[0]))
+    engine.step()
+    model.norm = torch.nn.LayerNorm(32)
+    engine.backward(engine(batches[1]))
+    with pytest.raises(ConfigError, match=r"parameters 'norm.bias', 'norm.weight' of the wrapped model are no longer "
+                                          r"in the model: their module was replaced after wrap\(\)"):
+        engine.step()
+    engine.close()
+
+
+def test_embeddings_resized_after_wrap_are_refused_by_name():
+    """Hugging Face's resize_token_embeddings gives the embedding weight memory of its own."""
+    pytest.importorskip("transformers")
+    from zoo import llama_gqa
+
+    config = make_config(zero={"stage": 2}, batch={"micro_batch_size": 2})
+    torch.manual_seed(0)
+    model = llama_gqa()
+    engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel))
+    ids = torch.randint(0, 100, (2, 8))
+    engine.backward(engine({"input_ids": ids, "labels": ids}))
+    engine.step()
+    model.resize_token_embeddings(model.config.vocab_size + 8, mean_resizing=False)
+    with pytest.raises(ConfigError, match=r"parameter 'model.embed_tokens.weight' of a wrapped model was given memory "
+                                          r"of its own \(its .data replaced, as by resize_token_embeddings"):
+        engine({"input_ids": ids, "labels": ids})
+    engine.close()

@@ -237,6 +237,26 @@ class Collectives:
         self._usable()
         self._issue(operation)
 
+    def _control_device(self) -> torch.device | str | None:
+        """Where this group's small control tensors live: the CPU on gloo, else the accelerator
+        (NCCL refuses CPU tensors)."""
+        return "cpu" if self.via_all_to_all else torch.accelerator.current_accelerator()
+
+    def meet(self, operation: str) -> None:
+        """As enter(operation), but a small all-reduce known by the operation's name: when it
+        returns every rank of the group is in ``operation``. For operations whose first wait
+        is not one of this group's checked collectives (a checkpoint makes a gloo group of its
+        own and waits in its barriers): a rank alone in it fails within the run's timeout
+        naming the ranks that never came, and at once naming a peer that returned or is still
+        training, instead of waiting in the process group's barrier without a name."""
+        if self.size == 1:
+            return
+        self._usable()
+        number = self._issue(operation)  # (the all-reduce is known by the operation's name)
+        handle = dist.all_reduce(torch.zeros(1, dtype=torch.int32, device=self._control_device()), group=self.group,
+                                 async_op=True)
+        self._work(handle, operation, number).wait()
+
     def _explain(self, what: str, number: int | None, started: float, error: BaseException) -> RuntimeError:
         me = dist.get_global_rank(self.group, self.rank)
         ranks = dist.get_process_group_ranks(self.group)
@@ -413,8 +433,9 @@ class Collectives:
         if self.size == 1:
             return
         self._usable()
-        t = torch.tensor([code, -code, digest, -digest], dtype=torch.int64)
+        t = torch.tensor([code, -code, digest, -digest], dtype=torch.int64, device=self._control_device())
         self.all_reduce(t, op=dist.ReduceOp.MAX, count=False)
+        t = t.cpu()
         hi, lo = int(t[0]), -int(t[1])
         if hi != code or lo != code:
             raise CollectiveMismatchError(

@@ -150,7 +150,8 @@ def cast_buffers_and_frozen(engine: "Engine", model: nn.Module, in_layout: set[s
         if not p.requires_grad and name not in in_layout:
             value = initial_value(p, engine)
             forget_partition(p)
-            p.data = value.to(device=engine.device, dtype=engine.dtype)
+            # (an integer one, a quantized weight or an index table, keeps its dtype and values)
+            p.data = value.to(device=engine.device, dtype=engine.dtype if value.is_floating_point() else value.dtype)
 
 
 def build_swapper(engine: "Engine"):

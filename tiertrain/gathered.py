@@ -68,7 +68,7 @@ def rank_state_dict(engine: "TrainingCore", operation: str = "full_state_dict()"
     for module in engine.named_modules_of_state():
         for name, p in module.named_parameters():
             if name not in out and not p.requires_grad:  # frozen and whole on every rank
-                out[name] = p.detach().float().clone()
+                out[name] = (p.detach().float() if p.is_floating_point() else p.detach()).clone()
     for name, b in engine.buffers.named().items():
         out[name] = (b.detach().float() if b.is_floating_point() else b.detach()).clone()
     return out

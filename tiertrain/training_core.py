@@ -200,8 +200,9 @@ class TrainingCore:
                 raise ConfigError(conversion_error(name, f"converted to {p.dtype} on {p.device} from the engine's "
                                                          f"{dtype} on {device} (model.half(), model.to(...))"))
             if address is not None and p.data_ptr() != address:
-                raise ConfigError(conversion_error(name, "given memory of its own (its .data replaced, or "
-                                                         "model.half() then model.float())"))
+                raise ConfigError(conversion_error(name, "given memory of its own (its .data replaced, as by "
+                                                         "resize_token_embeddings, or model.half() then "
+                                                         "model.float())"))
         thawed = [n for n, p in self._frozen if p.requires_grad]
         if not thawed:
             return
@@ -255,6 +256,8 @@ class TrainingCore:
         with span("step/reduce_wait"):
             self.reducer.wait()
         unused = self._unused_on_every_rank()
+        if unused:
+            self._check_unused_still_in_model(unused)
         self.flat.zero_stale_grads()
         self._sum_partial_grads_over_tp()
         grads = [u.grad for u in self.flat.units]
@@ -318,6 +321,23 @@ class TrainingCore:
             return frozenset()
         return frozenset(self.flat.units[index].unit.slots[k].name
                          for (index, k), flag in zip(slots, flags.tolist()) if not flag)
+
+    def _check_unused_still_in_model(self, unused: frozenset[str]) -> None:
+        """Parameters no rank computed a gradient for are usually idle (an expert no token
+        reached); but a module replaced after wrap() leaves the engine's parameters out of the
+        forward while the new module's train nothing (their gradients pile up in .grad):
+        refused before the update, naming them."""
+        present = {id(p) for p in self.module.parameters()}
+        gone = sorted(n for n in unused if id(self.flat.params[n]) not in present)
+        if gone:
+            one = len(gone) == 1
+            shown = ", ".join(repr(n) for n in gone[:4]) + (f" and {len(gone) - 4} more" if len(gone) > 4 else "")
+            raise ConfigError(
+                f"parameter{'' if one else 's'} {shown} of the wrapped model {'is' if one else 'are'} no longer in "
+                f"the model: {'its' if one else 'their'} module was replaced after wrap() (model.x = nn.Linear(...)), "
+                f"so the new module's parameters are not the engine's and would never train. Change the model "
+                f"before wrap(); after it, close() the engine (it hands the model back with the trained values) and "
+                f"wrap the changed model")
 
     def _sum_partial_grads_over_tp(self) -> None:
         """Sequence parallelism leaves replicated parameters (LayerNorms, row biases) with
@@ -415,8 +435,9 @@ class TrainingCore:
         training goes on (checkpoint.async_save); the next optimizer step waits until the
         state is serialised (it changes it), the next save, a load and close() until it is
         committed, as does :meth:`wait_for_checkpoint`."""
-        # (its gathers run on the world group: a rank still training must fail here, naming both)
-        self.comm.enter("save_checkpoint()")
+        # (its gathers run on the world group and its barriers on a gloo group of its own: a rank
+        # alone here, or a peer still training, must fail here, naming them)
+        self.comm.meet("save_checkpoint()")
         self.wait_for_checkpoint()
         self.quiesce()
         self.update.settle(collective=True)  # an update in flight is saved, not lost
@@ -458,7 +479,7 @@ class TrainingCore:
         A checkpoint saved at another layout (data-, tensor- or pipeline-parallel size, ZeRO
         stage, optimizer tier, unit sizes) is resharded to this run's (tiertrain/state/reshard.py);
         reshard=False refuses it instead."""
-        self.comm.enter("load_checkpoint()")
+        self.comm.meet("load_checkpoint()")
         self.wait_for_checkpoint()
         self.quiesce()
         self._boundary_unstepped = False  # (the gradients of a window not stepped are not kept)
@@ -491,7 +512,7 @@ class TrainingCore:
         tiertrain.PeftExport.ADAPTER or .MERGED (tiertrain/state/peft_export.py). Returns a
         tiertrain.ExportReport. See tiertrain/state/export.py."""
         state_io = self._state_io()
-        self.comm.enter("save_pretrained()")
+        self.comm.meet("save_pretrained()")
         return state_io.save_pretrained(self, directory, dtype=dtype, max_shard_bytes=max_shard_bytes, peft=peft)
 
     def _state_io(self) -> StateIO:

@@ -162,8 +162,8 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
     # (no gradient, master or moments either way).
     params += D * sum(u.shard_numel for u in layout.frozen)
     in_frozen_units = {s_.name for u in layout.frozen for s_ in u.slots}
-    params += D * sum(p.numel() for n, p in model.named_parameters()
-                      if not p.requires_grad and n not in in_frozen_units)
+    params += sum((D if p.is_floating_point() else p.element_size()) * p.numel()
+                  for n, p in model.named_parameters() if not p.requires_grad and n not in in_frozen_units)
     out = PeakBreakdown(params=params, grads=grads, master=master, moments=moments,
                         param_tier=param_tier if stage == 3 else Tier.DEVICE,
                         grad_tier=engine_grad_tier(stage, optimizer_tier),

@@ -64,7 +64,8 @@ def engine_units(model: nn.Module, stage: int, dp: int, bucket_mb: float = 25.0,
     if key not in cache:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if stage == 3:
-            frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+            # (as zero/plan.py: integer frozen parameters stay whole in their own dtype)
+            frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()]
             cache[key] = module_layout(named, default_unit_modules(model), dp, persistence_threshold,
                                        frozen_params=frozen, aliases=parameter_aliases(model))
         else:

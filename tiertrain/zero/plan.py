@@ -88,7 +88,9 @@ def default_plan(model: nn.Module, config: Config, dp: int, unit_modules: list[s
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("the model has no trainable parameters")
-    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    # (an integer frozen parameter, a quantized weight or an index table, cannot live in the
+    # compute-dtype flat buffers: it stays whole on every rank in its own dtype, as buffers do)
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()]
     zc, stage = config.zero, ZeroStage.of(config)
     if stage.partitions_parameters:
         prefixes = default_unit_modules(model, zc.unit_params) if unit_modules is None else list(unit_modules)

@@ -93,7 +93,7 @@ _CONVERSIONS = frozenset({"to", "half", "float", "double", "bfloat16", "cuda", "
 _CONVERSION_ADVICE = (
     "the engine owns its parameters' dtype and device (precision.dtype, the topology's device), and a converted "
     "parameter is no longer a view of the engine's buffers, so the updates would stop reaching the model. Convert "
-    "before wrap() or set precision.dtype; for a converted copy of the trained model, use engine.full_state_dict(), "
+    "or resize it before wrap() (or set precision.dtype); for a converted copy of the trained model, use engine.full_state_dict(), "
     "or engine.close(), which hands the model back")
 
 
