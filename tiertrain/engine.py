@@ -108,7 +108,8 @@ class Engine(TrainingCore):
                 f"engine.backward() after a backward that ended an accumulation window (batch.grad_accum_steps="
                 f"{self.accum}: micro-batch {self.micro_steps} ended it) without engine.step() since: the "
                 f"gradients add up until engine.step() (as several losses' backwards before one step do); if the "
-                f"loop meant to update, call engine.step() after each engine.backward(). Warned once", RuntimeWarning, stacklevel=3)
+                f"loop meant to update, call engine.step() after each engine.backward(). Warned once",
+                RuntimeWarning, stacklevel=3)
         self.flat.wait_gathers()
         boundary = (self.micro_steps + 1) % self.accum == 0
         self.update.before_backward(boundary, self.learning_rate())

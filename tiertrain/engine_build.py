@@ -43,9 +43,9 @@ def build_parts(engine: "TrainingCore", model: nn.Module, plan: GradientPlan, up
     named, engine.layout, engine.launch_when_ready = plan.named, plan.layout, plan.launch_when_ready
     cast_buffers_and_frozen(engine, model, {n for n, _ in plan.frozen})
     engine.buffers = ModuleBuffers(engine.named_modules_of_state())
+    """The model's persistent buffers: checkpointed, in full_state_dict, broadcast (zero.broadcast_buffers)."""
     if engine.comm.size > 1:  # (rank 0's, as DDP syncs module states at construction: see initial_value)
         engine.buffers.broadcast(engine.comm)
-    """The model's persistent buffers: checkpointed, in full_state_dict, broadcast (zero.broadcast_buffers)."""
     engine.placement = Placement(engine.device, optimizer_tier=run.optimizer_tier, param_tier=run.param_tier)
     engine.swapper = build_swapper(engine) if run.needs_swapper else None
     shards = shard_store(engine.placement, engine.dtype, DeviceStreams(engine.placement.compute), engine.swapper,

@@ -124,7 +124,8 @@ class TrainingCore:
         self._warned_unstepped = False
         self.last_grad_norm = float("nan")
         fixed = not self.plan.stage.partitions_parameters  # (stage 3 gathers each unit anew)
-        self._bound = [(n, p, p.dtype, p.device, p.data_ptr() if fixed else None) for n, p in self.flat.params.items()]
+        self._bound = [(n, p, p.dtype, p.device, p.data_ptr() if fixed else None)
+                       for n, p in self.flat.params.items()]
         if client is not None and client.instances:  # (last: a failed build leaves them as they were)
             self.undo_on_close(guard_optimizer_instances(client.instances))
 
@@ -206,10 +207,9 @@ class TrainingCore:
         thawed = [n for n, p in self._frozen if p.requires_grad]
         if not thawed:
             return
-        one = len(thawed) == 1
-        shown = ", ".join(repr(n) for n in thawed[:4]) + (f" and {len(thawed) - 4} more" if len(thawed) > 4 else "")
+        shown, one = _parameters_named(thawed)
         raise ConfigError(
-            f"parameter{'' if one else 's'} {shown} {'was' if one else 'were'} frozen (requires_grad=False) when the "
+            f"{shown} {'was' if one else 'were'} frozen (requires_grad=False) when the "
             f"model was wrapped and {'requires' if one else 'require'} grad now: the engine keeps no gradient, fp32 "
             f"master or optimizer state for {'it' if one else 'them'}, so {'it' if one else 'they'} would not "
             f"train. Set requires_grad before wrap(); to unfreeze during training, keep such parameters trainable "
@@ -330,10 +330,9 @@ class TrainingCore:
         present = {id(p) for p in self.module.parameters()}
         gone = sorted(n for n in unused if id(self.flat.params[n]) not in present)
         if gone:
-            one = len(gone) == 1
-            shown = ", ".join(repr(n) for n in gone[:4]) + (f" and {len(gone) - 4} more" if len(gone) > 4 else "")
+            shown, one = _parameters_named(gone)
             raise ConfigError(
-                f"parameter{'' if one else 's'} {shown} of the wrapped model {'is' if one else 'are'} no longer in "
+                f"{shown} of the wrapped model {'is' if one else 'are'} no longer in "
                 f"the model: {'its' if one else 'their'} module was replaced after wrap() (model.x = nn.Linear(...)), "
                 f"so the new module's parameters are not the engine's and would never train. Change the model "
                 f"before wrap(); after it, close() the engine (it hands the model back with the trained values) and "
@@ -559,3 +558,9 @@ class TrainingCore:
         with torch.no_grad():
             for name, p in self.flat.params.items():
                 p.data = values[name]
+
+
+def _parameters_named(names: list[str]) -> tuple[str, bool]:
+    """("parameter 'a'" or "parameters 'a', 'b' and 3 more", whether there is one) for messages."""
+    shown = ", ".join(repr(n) for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"parameter{'' if len(names) == 1 else 's'} {shown}", len(names) == 1

@@ -93,8 +93,8 @@ _CONVERSIONS = frozenset({"to", "half", "float", "double", "bfloat16", "cuda", "
 _CONVERSION_ADVICE = (
     "the engine owns its parameters' dtype and device (precision.dtype, the topology's device), and a converted "
     "parameter is no longer a view of the engine's buffers, so the updates would stop reaching the model. Convert "
-    "or resize it before wrap() (or set precision.dtype); for a converted copy of the trained model, use engine.full_state_dict(), "
-    "or engine.close(), which hands the model back")
+    "or resize it before wrap() (or set precision.dtype); for a converted copy of the trained model, use "
+    "engine.full_state_dict(), or engine.close(), which hands the model back")
 
 
 def _explain(p, what: str) -> str:
