@@ -27,8 +27,6 @@ from tiertrain.engine_contract import default_loss
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
 STEPS, MICRO = 4, 2
-WIDE = {"hidden": 128}
-"""Wide enough that the NVMe step overlapped with backward streams several chunks per unit."""
 RATES = [(1e-2, 3e-3), (5e-3, 3e-3), (5e-3, 1e-3), (1e-3, 1e-3)]
 """Each update's rate for the two groups, as a loop sets them by hand."""
 ONE_RATE = [(a, a) for a, _ in RATES]
@@ -87,7 +85,7 @@ def _rates(zero: dict) -> list[tuple[float, float]]:
 
 
 def _train_setting_rates_by_hand(zero: dict, tmp_path):
-    model = make_model(**WIDE)
+    model = make_model()
     optimizer = adamw(model)
     config = _config(zero, tmp_path)
     engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel), optimizer=optimizer)
@@ -112,7 +110,7 @@ def test_rates_set_by_hand_on_the_instance_train_like_torch(form, tmp_path):
     engine, losses, params, shown = _train_setting_rates_by_hand(FORMS[form], tmp_path)
     form_built = type(engine.update).__name__
     engine.close()
-    reference = Oracle.run(reference_train, make_model(**WIDE), _config(FORMS[form], tmp_path),
+    reference = Oracle.run(reference_train, make_model(), _config(FORMS[form], tmp_path),
                            global_batches(STEPS, MICRO), build_optimizer=adamw,
                            lr_scheduler=functools.partial(_ByHand, rates=_rates(FORMS[form])))
     reference.check(losses, params, form)
@@ -156,7 +154,7 @@ def test_the_delayed_update_steps_at_the_rates_set_before_its_step(tmp_path):
     engine, losses, params, shown = _train_setting_rates_by_hand(zero, tmp_path)
     engine.close()
     assert shown == RATES
-    Oracle.run(_delayed_reference, make_model(**WIDE), None, global_batches(STEPS, MICRO)).check(
+    Oracle.run(_delayed_reference, make_model(), None, global_batches(STEPS, MICRO)).check(
         losses, params, "delayed update")
 
 
@@ -250,7 +248,7 @@ def test_an_nvme_step_in_place_keeps_the_rates_it_began_with_and_says_so(tmp_pat
     engine.close()
     assert shown == ONE_RATE
     used = [ONE_RATE[u - 1] if u in SET_AFTER_BACKWARD else ONE_RATE[u] for u in range(STEPS)]
-    Oracle.run(reference_train, make_model(**WIDE), _config(zero, tmp_path), global_batches(STEPS, MICRO),
+    Oracle.run(reference_train, make_model(), _config(zero, tmp_path), global_batches(STEPS, MICRO),
                build_optimizer=adamw, lr_scheduler=functools.partial(_ByHand, rates=used)).check(
         losses, params, "in place")
 
