@@ -102,15 +102,21 @@ def test_a_backward_past_a_window_without_step_warns_once_and_the_gradients_add_
         assert all(torch.equal(runs[True][n], runs[False][n]) for n in runs[False])
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-@pytest.mark.parametrize("conversion", ["half", "half then float"])
-def test_a_model_converted_after_wrap_is_refused_and_close_hands_back_the_trained_model(stage, conversion):
-    cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2})
-    model = make_model()
-    engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
+def _after_one_step(stage: int, model=None):
+    """(model, engine, the next batch): the model wrapped at stage and trained one step."""
+    config = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2})
+    model = make_model() if model is None else model
+    engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel))
     batches = global_batches(2, 2)
     engine.backward(engine(batches[0]))
     engine.step()
+    return model, engine, batches[1]
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("conversion", ["half", "half then float"])
+def test_a_model_converted_after_wrap_is_refused_and_close_hands_back_the_trained_model(stage, conversion):
+    model, engine, batch = _after_one_step(stage)
     trained = engine.full_state_dict()
     if stage == 3:  # (refused as it happens: the released parameters are not read)
         with pytest.raises(tiertrain.ReleasedParameterError, match=r"half\(\) read parameter 'embed.weight'.* If "
@@ -124,7 +130,7 @@ def test_a_model_converted_after_wrap_is_refused_and_close_hands_back_the_traine
         with pytest.raises(ConfigError, match=r"parameter 'embed.weight' of a wrapped model was (converted to "
                                               r"torch.float16 on cpu from the engine's torch.float32|given memory of "
                                               r"its own)"):
-            engine(batches[1])
+            engine(batch)
     engine.close()
     assert all(torch.equal(p.detach(), trained[n]) for n, p in model.named_parameters()), \
         "close() hands back the trained values"
@@ -134,16 +140,12 @@ def test_a_model_converted_after_wrap_is_refused_and_close_hands_back_the_traine
 def test_a_parameter_unfrozen_after_wrap_is_refused_by_name(stage):
     model = make_model()
     model.blocks[0].mlp.fc1.weight.requires_grad_(False)
-    config = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2})
-    engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel))
-    batches = global_batches(2, 2)
-    engine.backward(engine(batches[0]))
-    engine.step()
+    model, engine, batch = _after_one_step(stage, model)
     model.blocks[0].mlp.fc1.weight.requires_grad_(True)
     with pytest.raises(ConfigError, match=r"parameter 'blocks.0.mlp.fc1.weight' was frozen \(requires_grad=False\) "
                                           r"when the model was wrapped and requires grad now.* in a param group of "
                                           r"their own with lr 0"):
-        engine(batches[1])
+        engine(batch)
     engine.close()
 
 
@@ -151,14 +153,9 @@ def test_a_parameter_unfrozen_after_wrap_is_refused_by_name(stage):
 def test_a_module_replaced_after_wrap_is_refused_by_name(stage):
     """model.norm = nn.LayerNorm(...) after wrap(): the engine's parameters left the forward and
     the new ones trained nothing (their gradients piled up in .grad). Refused at the step."""
-    config = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2})
-    model = make_model()
-    engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel))
-    batches = global_batches(2, 2)
-    engine.backward(engine(batches[0]))
-    engine.step()
+    model, engine, batch = _after_one_step(stage)
     model.norm = torch.nn.LayerNorm(32)
-    engine.backward(engine(batches[1]))
+    engine.backward(engine(batch))
     with pytest.raises(ConfigError, match=r"parameters 'norm.bias', 'norm.weight' of the wrapped model are no longer "
                                           r"in the model: their module was replaced after wrap\(\)"):
         engine.step()

@@ -40,8 +40,8 @@ class InstanceView:
     def show(self, engine_groups: Sequence[dict]) -> None:
         """Write the engine's hyper-parameters into the instance's groups."""
         for theirs, mine in zip(self.groups, engine_groups, strict=True):
-            theirs.update({k: v for k, v in mine.items() if k != "params"})
-        self._shown = [{k: _copy(v) for k, v in g.items() if k != "params"} for g in self.groups]
+            theirs.update(group_options(mine))
+        self._shown = [{k: _copy(v) for k, v in group_options(g).items()} for g in self.groups]
 
     def take(self, engine_groups: Sequence[dict], scheduled: bool) -> bool:
         """Copy what the user changed on the instance since it was last shown into the engine's
@@ -74,6 +74,11 @@ class InstanceView:
                 f"wrap() (add_param_group, or a group's 'params' edited): the engine's optimizer was built over the "
                 f"parameters of the groups at wrap(), and its state, masters and shards cannot follow. Set the "
                 f"groups before wrap(), or close() the engine and wrap again with the new groups")
+
+
+def group_options(group: dict) -> dict:
+    """A param group's every key but "params" (lr, betas, weight_decay, ...)."""
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 def _copy(value: Any) -> Any:

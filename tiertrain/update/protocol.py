@@ -32,7 +32,7 @@ import torch
 from ..errors import CheckpointError
 from ..optim import build_adamw, decays, squared_norm
 from ..spans import span
-from .instance_view import InstanceView
+from .instance_view import InstanceView, group_options
 from .state_format import FormOwnState, StateFormat
 
 if TYPE_CHECKING:
@@ -214,10 +214,6 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def _options(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k != "params"}
-
-
 class GroupSchedule:
     """Who sets each update's hyper-parameters on the optimizer a form steps.
 
@@ -289,7 +285,7 @@ class GroupSchedule:
             set_learning_rate(optimizer, lr)
         elif self.stand_in:
             for group, scheduled in zip(optimizer.param_groups, holder.param_groups, strict=True):
-                group.update(_options(scheduled))
+                group.update(group_options(scheduled))
 
     def advance(self) -> None:
         """After an update was applied: the scheduler's next rates."""
@@ -306,7 +302,7 @@ class GroupSchedule:
         """Each group's hyper-parameters and the scheduler's state (None on the default path)."""
         if self.holder is None:
             return None
-        return {"groups": [_options(g) for g in self.holder.param_groups],
+        return {"groups": [group_options(g) for g in self.holder.param_groups],
                 "scheduler": None if self.scheduler is None else self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict | None) -> None:
