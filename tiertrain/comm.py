@@ -421,6 +421,16 @@ class Collectives:
         handle = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
         self._work(handle, what, number).wait()
 
+    def extremes(self, values: list[int]) -> tuple[list[int], list[int]]:
+        """The largest and the smallest of each of these integers (|v| < 2**63) over the
+        group's ranks, in one all-reduce; every rank must pass as many."""
+        t = torch.tensor(values + [-v for v in values], dtype=torch.int64)
+        if self.size > 1:
+            t = t.to(self._control_device())
+            self.all_reduce(t, op=dist.ReduceOp.MAX, count=False)
+        t = t.cpu().tolist()
+        return t[:len(values)], [-v for v in t[len(values):]]
+
     def check_same(self, code: int, describe, digest: int = 0) -> None:
         """Raise CollectiveMismatchError on every rank unless all ranks pass the same code
         (and the same digest, 0 <= digest < 2**62: e.g. a hash of what each rank did since

@@ -31,6 +31,7 @@ def gathered_parameters_of(engine: "TrainingCore", params: Iterable[nn.Parameter
         if engine.fetcher is not None and not u.gathered:
             engine.fetcher.fetch(u.unit.index)
         engine.flat.gather(u.unit.index)
+    engine.gathered_open += 1
     try:
         yield
         if modifier_rank is not None:
@@ -43,6 +44,7 @@ def gathered_parameters_of(engine: "TrainingCore", params: Iterable[nn.Parameter
                     edited[u.unit.index] = u.full[lo:hi]
             engine.update.write_masters(edited)
     finally:
+        engine.gathered_open -= 1
         for u in units:
             engine.flat.release(u.unit.index)
 

@@ -33,6 +33,7 @@ from .engine_contract import StateIO, Stateful
 from .gathered import gathered_parameters_of, rank_state_dict
 from .host_memory import retain_freed_host_memory
 from .memory_report import MemoryReport, memory_report_of
+from .module_load import ModuleLoad
 from .optim import OptimizerArg, SchedulerFactory, client_optimizer, clip_coefficient, scheduled_lr, squared_norm
 from .precision import compute_dtype
 from .run_plan import RunPlan, resolve_run_plan
@@ -126,6 +127,9 @@ class TrainingCore:
         fixed = not self.plan.stage.partitions_parameters  # (stage 3 gathers each unit anew)
         self._bound = [(n, p, p.dtype, p.device, p.data_ptr() if fixed else None)
                        for n, p in self.flat.params.items()]
+        self.gathered_open = 0
+        """gathered_parameters() contexts open (a model.load_state_dict() inside one loads the gathered copies)."""
+        self.undo_on_close(ModuleLoad(self).attach(module))
         if client is not None and client.instances:  # (last: a failed build leaves them as they were)
             self.undo_on_close(guard_optimizer_instances(client.instances))
 

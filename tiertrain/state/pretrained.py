@@ -47,8 +47,8 @@ from ..errors import TiertrainError
 from ..io.fileio import unreadable_file
 from .hf_conversion import ConvertedCheckpoint, checkpoint_view
 from ..topology import Topology
+from ..unit_values import write_into_units
 from ..zero.construct import full_shape, is_partitioned
-from ..zero.flat import UnitBuffers
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -406,77 +406,12 @@ def _into_partitioned_param(t: _Target, ckpt: _Checkpoint, rank: int, dp: int) -
 
 
 def _into_engine(engine: Engine, matched: list[_Target], ckpt: _Checkpoint) -> None:
-    """Case (a): each unit's slots on this rank, then the tensors outside the layout (frozen
-    parameters stages 0-2 leave whole, buffers) copied into the module."""
-    engine.quiesce()
-    engine.update.flush()  # an update in flight must not land on top of the loaded values
-    flat = engine.flat
-    keyed = {t.name: t for t in matched}
-    placed: set[str] = set()
-    for u in flat.all_units:
-        slots = {slot.name: keyed[slot.name] for slot in u.unit.slots if slot.name in keyed}
-        placed.update(slot.name for slot in u.unit.slots)
-        if slots:
-            _into_unit(engine, u, slots, ckpt)
+    """Case (a): each unit's slots on this rank (tiertrain/unit_values.py), then the tensors
+    outside the layout (frozen parameters stages 0-2 leave whole, buffers) copied into the module."""
+    placed = write_into_units(engine, {t.name: t.key for t in matched}, ckpt)
     for t in matched:
         if t.name not in placed:
             t.tensor.data.copy_(ckpt.read(t.key).reshape(t.shape))
-
-
-def _into_unit(engine: Engine, u: UnitBuffers, slots: dict[str, _Target], ckpt: _Checkpoint) -> None:
-    """One unit on this rank. Resident: every slot whole into the unit's full buffer (every
-    rank holds it whole), this rank's piece into the master. Partitioned: this rank's piece
-    of each slot, read as the rows that hold it, into the shard and the master. A shard or a
-    master on NVMe is assembled for the unit here and written once."""
-    flat = engine.flat
-    index, rank = u.unit.index, flat.shard_rank
-    lo, hi = u.unit.shard_range(rank)
-    pieces = u.unit.shard_pieces(rank)
-    masters_elsewhere = u.trainable and flat.masters_elsewhere  # the NVMe optimizer keeps them
-    master = None
-    if masters_elsewhere:
-        complete = all(slot.name in slots for slot, _, _ in pieces)
-        master = (torch.zeros(u.unit.shard_numel, dtype=torch.float32) if complete
-                  else _master_shard(engine, index))
-    elif u.trainable and u.master is not u.shard:
-        master = u.master
-
-    if u.unit.resident:
-        for slot in u.unit.slots:
-            if slot.name not in slots:
-                continue
-            values = ckpt.read(slots[slot.name].key).reshape(-1)
-            u.full[slot.offset:slot.end].copy_(values)
-            a, b = max(lo, slot.offset), min(hi, slot.end)
-            if master is not None and a < b:
-                master[a - lo:b - lo].copy_(values[a - slot.offset:b - slot.offset])
-    else:
-        flat.release(index)  # a gathered copy would hold the old values
-        staged = flat.read_shard(index) if flat.on_nvme(index) else None
-        shard = u.shard if staged is None else staged
-        for slot, a, b in pieces:
-            if slot.name not in slots:
-                continue
-            values = ckpt.read_flat(slots[slot.name].key, slot.shape, lo + a - slot.offset, lo + b - slot.offset)
-            shard[a:b].copy_(values)
-            if master is not None:
-                master[a:b].copy_(values)
-        if staged is not None:
-            flat.shards.write(index, u.shard, staged)
-            flat.wait_writes()
-    if masters_elsewhere and not flat.shards.holds_masters(index):  # (a shard that is its master was written)
-        edited: list[torch.Tensor | None] = [None] * len(flat.units)
-        edited[index] = master
-        engine.update.write_masters(edited)
-
-
-def _master_shard(engine: Engine, index: int) -> torch.Tensor:
-    """This rank's fp32 master shard of trained unit index, read where the optimizer keeps it
-    (only that unit's when the NVMe optimizer can read one: not the whole rank's masters)."""
-    nvme = getattr(engine.update, "nvme", None)
-    if nvme is not None and hasattr(nvme, "read_masters"):
-        return nvme.read_masters(shards=[index])[index]
-    return engine.update.masters()[index].detach().clone()
 
 
 __all__ = ["LoadReport", "PretrainedMismatchError", "PretrainedMissingWarning", "checkpoint_files", "load_pretrained"]
