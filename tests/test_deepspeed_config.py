@@ -93,6 +93,62 @@ def test_unhonourable_keys_are_refused_all_at_once_by_name():
         from_deepspeed({"train_micro_batch_size_per_gpu": -1})
 
 
+def test_a_key_asking_for_what_tiertrain_always_does_has_no_effect_and_another_value_is_refused():
+    """communication_data_type "fp32" (written out in many configs) is what tiertrain does: it
+    was refused as if it asked for something else."""
+    fates = dict(from_deepspeed({"communication_data_type": "fp32"}).fates)
+    assert fates["communication_data_type"].startswith("no effect: 'fp32': tiertrain always does it")
+    with pytest.raises(ConfigError, match="communication_data_type: 'bf16': gradients are reduced in fp32"):
+        from_deepspeed({"communication_data_type": "bf16"})
+
+
+DEEPSPEED_ZERO_KEYS = [  # DeepSpeed 0.19.8's DeepSpeedZeroConfig: each field's name, and its alias where it has one
+    "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
+    "allgather_partitions", "allgather_bucket_size", "overlap_comm", "compute_grad_norm", "load_from_fp32_weights",
+    "elastic_checkpoint", "offload_param", "offload_optimizer", "zenflow", "sub_group_size", "cpu_offload_param",
+    "cpu_offload_use_pin_memory", "cpu_offload", "prefetch_bucket_size", "stage3_prefetch_bucket_size",
+    "param_persistence_threshold", "stage3_param_persistence_threshold", "model_persistence_threshold",
+    "stage3_model_persistence_threshold", "max_live_parameters", "stage3_max_live_parameters", "max_reuse_distance",
+    "stage3_max_reuse_distance", "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+    "module_granularity_threshold", "stage3_module_granularity_threshold", "use_all_reduce_for_fetch_params",
+    "stage3_use_all_reduce_for_fetch_params", "allgather_sequential", "stage3_allgather_sequential",
+    "stage3_gather_fp16_weights_on_model_save", "ignore_unused_parameters", "legacy_stage1", "round_robin_gradients",
+    "parameter_alignment", "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients", "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply",
+    "log_trace_cache_warnings", "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "leaf_module"]
+
+
+def test_every_zero_optimization_key_of_deepspeed_under_either_spelling_is_known():
+    """DeepSpeed takes a field's name or its alias (stage3_model_persistence_threshold or
+    model_persistence_threshold): a real key was refused as "a typo" under the spelling
+    tiertrain did not list."""
+    from tiertrain.deepspeed_config import documented_keys
+
+    unknown = sorted(set(DEEPSPEED_ZERO_KEYS) - set(documented_keys()["zero_optimization"]))
+    assert not unknown, unknown
+    spelled = [from_deepspeed({"zero_optimization": {"stage": 3, k: 10 ** 6}}, "bf16").values["zero"]
+               for k in ("stage3_max_live_parameters", "max_live_parameters")]
+    assert spelled[0] == spelled[1] and spelled[0]["max_live_mb"] > 0, spelled
+    for k in ("stage3_model_persistence_threshold", "model_persistence_threshold"):
+        with pytest.raises(ConfigError, match=f"zero_optimization.{k}: 1000: a model-wide persistence budget"):
+            from_deepspeed({"zero_optimization": {"stage": 3, k: 1000}})
+    if os.environ.get("TIERTRAIN_TEST_DEEPSPEED"):  # (CI installs deepspeed for its last tests)
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        theirs = {k for n, f in DeepSpeedZeroConfig.model_fields.items() for k in (n, f.alias) if k}
+        assert theirs == set(DEEPSPEED_ZERO_KEYS), sorted(theirs ^ set(DEEPSPEED_ZERO_KEYS))
+
+
+def test_offload_keys_state_what_tiertrain_does_instead():
+    fates = dict(from_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {
+        "device": "cpu", "ratio": 0.3, "pipeline_read": True}}}).fates)
+    assert "offloads the whole optimizer state (ratio 1.0)" in fates["zero_optimization.offload_optimizer.ratio"]
+    assert "keeps 70%" in fates["zero_optimization.offload_optimizer.ratio"]
+    assert "reads the next chunk" in fates["zero_optimization.offload_optimizer.pipeline_read"]
+    with pytest.raises(ConfigError, match="ratio=-1 is invalid"):
+        from_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": -1}}})
+
+
 def test_every_key_of_the_documented_configs_has_a_stated_fate():
     for name in sorted(os.listdir(CONFIGS)):
         with open(_path(name)) as f:

@@ -148,13 +148,29 @@ def _no_effect(why: str):
     return lambda t, key, value: t.no_effect(key, why)
 
 
-def _refuse_unless(default: Any, why: str):
+def _refuse_unless(default: Any, why: str, same: tuple = ()):
+    """Refuse the key unless it holds default (or "auto"), or a value in ``same``: what
+    tiertrain always does (e.g. communication_data_type "fp32")."""
     def handle(t: Translation, key: str, value: Any) -> None:
         if value == default or _auto(value):
             t.no_effect(key, f"{value!r}, the default (tiertrain: the same)")
+        elif value in same:
+            t.no_effect(key, f"{value!r}: tiertrain always does it ({why})")
         else:
             t.refuse(key, f"{value!r}: {why}")
     return handle
+
+
+def _data_types(t: Translation, key: str, value: Any) -> None:
+    """Only grad_accum_dtype, and only what tiertrain does: fp32 (or DeepSpeed's default, null)."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"DeepSpeed {key}={value!r} is invalid: expected an object")
+    for sub, v in value.items():
+        if sub == "grad_accum_dtype" and v in (None, "fp32"):
+            t.no_effect(f"{key}.{sub}", f"{v!r}: gradients accumulate in fp32")
+        else:
+            t.refuse(f"{key}.{sub}", f"{v!r}: gradients accumulate in fp32" if sub == "grad_accum_dtype"
+                     else "not a data_types key tiertrain knows")
 
 
 def _precision(ds: dict) -> str | None:
@@ -312,8 +328,9 @@ def _zero(value: Any, t: Translation, itemsize: int) -> None:
     if not isinstance(value, dict):
         raise ConfigError(f"DeepSpeed zero_optimization={value!r} is invalid: expected an object")
     key = "zero_optimization"
-    for sub, v in value.items():
-        name = f"{key}.{sub}"
+    for spelled, v in value.items():
+        name = f"{key}.{spelled}"
+        sub = _ZERO_SPELLINGS.get(spelled, spelled)  # (DeepSpeed takes a field's name or its alias)
         handler = _ZERO.get(sub)
         if sub in ("offload_optimizer", "offload_param"):
             _offload(t, name, v, "zero.offload_optimizer" if sub == "offload_optimizer" else "zero.offload_params")
@@ -343,10 +360,20 @@ def _offload(t: Translation, key: str, value: Any, path: str) -> None:
             t.set(name, "zero.nvme_path", str(v))
         elif sub == "buffer_count" and path == "zero.offload_optimizer":
             _mapped("zero.nvme_buffers", integer=True, minimum=1)(t, name, v)
-        elif sub in ("pin_memory", "fast_init", "buffer_count", "buffer_size", "max_in_cpu", "pipeline_read",
-                     "pipeline_write", "pipeline", "ratio"):
+        elif sub in ("pin_memory", "buffer_count", "buffer_size", "max_in_cpu"):
             t.no_effect(name, f"{v!r}: tiertrain pins the host memory a device copy reads and sizes its own "
                               f"staging (zero.nvme_chunk_mb, nvme_kept_units)")
+        elif sub in ("pipeline_read", "pipeline_write", "pipeline"):
+            t.no_effect(name, f"{v!r}: tiertrain's NVMe step always reads the next chunk and writes the last one "
+                              f"while it updates a chunk")
+        elif sub == "fast_init":
+            t.no_effect(name, f"{v!r}: how DeepSpeed writes the initial NVMe state; tiertrain writes it once, "
+                              f"at wrap()")
+        elif sub == "ratio":
+            _number(name, v)
+            t.no_effect(name, f"{v!r}: tiertrain offloads the whole optimizer state (ratio 1.0)"
+                              + (", none of it stays on the device as DeepSpeed's partial offload keeps "
+                                 f"{1 - v:.0%}" if v < 1 else ""))
         else:
             t.refuse(name, "not an offload key tiertrain knows")
 
@@ -392,7 +419,37 @@ _ZERO = {
     "stage3_use_all_reduce_for_fetch_params": _no_effect("parameters are gathered with all-gathers"),
     "override_module_apply": _no_effect("the model's own apply() is untouched"),
     "stage3_module_granularity_threshold": _no_effect("units are the ModuleList's children, or zero.unit_params"),
+    "stage3_allgather_sequential": _no_effect("parameters are gathered one unit at a time"),
+    "compute_grad_norm": _no_effect("the gradient norm is always computed (the clip and the metrics use it)"),
+    "cpu_offload_param": _refuse_unless(None, "the old spelling; use offload_param.device 'cpu'", same=(False,)),
+    "cpu_offload_use_pin_memory": _refuse_unless(None, "the old spelling; use offload_param.pin_memory",
+                                                 same=(False, True)),
+    "legacy_stage1": _refuse_unless(False, "DeepSpeed's former stage-1 code; tiertrain's stage 1 is the paper's"),
+    "parameter_alignment": _no_effect("the flat buffers' layout is tiertrain's own"),
+    "zero_quantized_nontrainable_weights": _refuse_unless(False, "ZeRO++ quantised weights are not implemented"),
+    "pipeline_loading_checkpoint": _no_effect("checkpoints load into any layout, pipeline stages included"),
+    "enable_sanity_checks": _no_effect("stage 3 checks each pass against the first (zero.stage3_check)"),
+    "save_muon_momentum_buffer_in_memory": _no_effect("on the NVMe tier each tensor's optimizer state is read "
+                                                      "just before its update and written right after"),
+    "leaf_module": _no_effect("stage-3 units are whole blocks (the ModuleList's children, or zero.unit_params): "
+                              "a mixture-of-experts layer is gathered whole"),
+    "zenflow": _refuse_unless(None, "ZenFlow's stall-free offload is not implemented; zero.overlap_cpu_step "
+                                    "overlaps the CPU step with backward"),
 }
+
+_ZERO_SPELLINGS = {
+    "stage3_model_persistence_threshold": "model_persistence_threshold",
+    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "max_live_parameters": "stage3_max_live_parameters",
+    "max_reuse_distance": "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "module_granularity_threshold": "stage3_module_granularity_threshold",
+    "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
+    "allgather_sequential": "stage3_allgather_sequential",
+}
+"""DeepSpeed's zero_optimization fields by their other spelling (it accepts both a field's name
+and its alias): the key _ZERO or _ELEMENTS knows them by."""
 
 _SKIP = object()
 _TOP = {
@@ -422,8 +479,8 @@ _TOP = {
                                            "set activations.checkpoint_every (and activations.offload cpu)"),
     "prescale_gradients": _refuse_unless(False, "gradients are averaged after the reduction"),
     "gradient_predivide_factor": _refuse_unless(1.0, "gradients are averaged after the reduction"),
-    "communication_data_type": _refuse_unless(None, "gradients are reduced in fp32"),
-    "data_types": _refuse_unless({"grad_accum_dtype": "fp32"}, "gradients accumulate in fp32"),
+    "communication_data_type": _refuse_unless(None, "gradients are reduced in fp32", same=("fp32",)),
+    "data_types": lambda t, key, value: _data_types(t, key, value),
     "amp": _refuse_unless({"enabled": False}, "NVIDIA Apex AMP is not supported; use bf16 or fp16"),
     "sparse_attention": _refuse_unless(None, "not implemented"),
     "compression_training": _refuse_unless(None, "not implemented"),
@@ -433,7 +490,9 @@ _TOP = {
     "autotuning": _refuse_unless({"enabled": False}, "not implemented; tiertrain plan chooses a layout"),
     "pipeline": _refuse_unless(None, "set parallel.pp and parallel.schedule"),
     "tensor_parallel": _refuse_unless(None, "set parallel.tp"),
-    "sequence_parallel_size": _refuse_unless(1, "not implemented"),
+    "sequence_parallel_size": _refuse_unless(1, "DeepSpeed-Ulysses is applied in the model's code; set "
+                                                "parallel.cp (and parallel.cp_algorithm: ulysses) instead"),
+    "seq_parallel_communication_data_type": _no_effect("DeepSpeed-Ulysses' own setting (sequence_parallel_size)"),
     "sparse_gradients": _refuse_unless(False, "gradients are dense"),
     "dataloader_drop_last": _no_effect("the data sampler gives every rank whole micro-batches"),
     "timers": _no_effect("every metrics record splits the step into its phases"),
@@ -452,8 +511,8 @@ _TOP = {
 
 def documented_keys() -> dict[str, list[str]]:
     """Every key this translation knows, by section (for docs/deepspeed.md's table)."""
-    return {"": sorted(_TOP), "zero_optimization": sorted(set(_ZERO) | set(_ELEMENTS) | {"offload_optimizer",
-                                                                                         "offload_param"})}
+    return {"": sorted(_TOP), "zero_optimization": sorted(set(_ZERO) | set(_ELEMENTS) | set(_ZERO_SPELLINGS)
+                                                          | {"offload_optimizer", "offload_param"})}
 
 
 __all__ = ["Translation", "documented_keys", "from_deepspeed", "read_deepspeed"]
