@@ -139,6 +139,22 @@ def test_every_zero_optimization_key_of_deepspeed_under_either_spelling_is_known
         assert theirs == set(DEEPSPEED_ZERO_KEYS), sorted(theirs ^ set(DEEPSPEED_ZERO_KEYS))
 
 
+DEEPSPEED_TOP_KEYS_2025 = ["expert_parallel", "gradient_allreduce_op", "managed_gradient_accumulation",
+                           "disable_allgather", "disable_python_gc", "log_level", "vocabulary_size",
+                           "seq_parallel_communication_data_type", "torch_autocast", "compile"]
+"""Top-level keys DeepSpeed 0.19.8 reads that configs written for it may hold."""
+
+
+def test_recent_top_level_deepspeed_keys_have_a_fate_and_sum_of_gradients_is_refused():
+    from tiertrain.deepspeed_config import documented_keys
+
+    assert not sorted(set(DEEPSPEED_TOP_KEYS_2025) - set(documented_keys()[""]))
+    fates = dict(from_deepspeed({"gradient_allreduce_op": "mean", "disable_python_gc": True}).fates)
+    assert fates["gradient_allreduce_op"].startswith("no effect")
+    with pytest.raises(ConfigError, match="gradient_allreduce_op: 'sum': gradients are averaged"):
+        from_deepspeed({"gradient_allreduce_op": "sum"})
+
+
 def test_offload_keys_state_what_tiertrain_does_instead():
     fates = dict(from_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {
         "device": "cpu", "ratio": 0.3, "pipeline_read": True}}}).fates)

@@ -506,6 +506,14 @@ _TOP = {
     "torch_autocast": _refuse_unless({"enabled": False}, "tiertrain computes in precision.dtype; it does not "
                                                           "autocast"),
     "use_data_before_expert_parallelism": _refuse_unless(False, "expert parallelism is not implemented"),
+    "expert_parallel": _refuse_unless(None, "expert parallelism is not implemented (experts are sharded by ZeRO "
+                                            "like any parameter)"),
+    "gradient_allreduce_op": _refuse_unless("mean", "gradients are averaged over the data-parallel ranks"),
+    "managed_gradient_accumulation": _refuse_unless(True, "the accumulation window is batch.grad_accum_steps"),
+    "disable_allgather": _no_effect("how DeepSpeed publishes updated parameters; the values are the same"),
+    "disable_python_gc": _no_effect("tiertrain leaves Python's garbage collector as it is"),
+    "log_level": _no_effect("DeepSpeed's own logger"),
+    "vocabulary_size": _no_effect("DeepSpeed's FLOPs estimate; tiertrain counts the model's own"),
 }
 
 
