@@ -45,7 +45,7 @@ def run(stage: int, form: str, args) -> dict:
     times = []
     for _ in range(args.warmup + args.steps):
         start = time.perf_counter()
-        engine.train_batch(iter([{"input_ids": ids, "labels": ids}]))
+        engine.train_batch(iter([{"input_ids": ids, "labels": ids.roll(-1, 1)}]))  # (next-token labels)
         times.append(time.perf_counter() - start)
     engine.close()
     return {"step": statistics.median(times[args.warmup:]), "warmup": sum(times[:args.warmup])}

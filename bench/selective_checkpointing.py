@@ -91,7 +91,7 @@ def main() -> None:
     config = GPTConfig(vocab_size=8192, seq_len=args.seq, n_layers=args.layers, hidden=args.hidden,
                        n_heads=args.heads)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "labels": ids}
+    batch = {"input_ids": ids, "labels": ids.roll(-1, 1)}  # (next-token labels)
     load_before = os.getloadavg()
     results = {mode: run(mode, config, batch, args) for mode in MODES}
     head = results["block"]["outside"]  # with every block checkpointed, the hooks see the rest of the model only

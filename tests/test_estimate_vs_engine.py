@@ -102,7 +102,7 @@ def _train_every_case(rank, world, swap_dir):
         try:
             for _ in range(2):
                 ids = torch.randint(0, g.vocab_size, (MICRO_BATCH, g.seq_len), generator=gen)
-                engine.train_batch(iter([{"input_ids": ids, "labels": ids}]))
+                engine.train_batch(iter([{"input_ids": ids, "labels": ids.roll(-1, 1)}]))  # (next-token labels)
             r = engine.memory_report()
             out[name] = {"params": r.params, "gathered_params": r.gathered_params, "grads": r.grads,
                          "optimizer": r.optimizer, "cpu_tier": r.cpu_tier, "nvme_tier": r.nvme_tier,

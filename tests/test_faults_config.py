@@ -351,7 +351,7 @@ def _engine(tmp_path, **precision):
 
 def _batch():
     ids = torch.arange(16).view(2, 8) % 256
-    return {"input_ids": ids, "labels": ids}
+    return {"input_ids": ids, "labels": ids.roll(-1, 1)}  # (next-token labels)
 
 
 def test_a_run_of_skipped_steps_stops_with_the_step_scale_and_tensor(tmp_path):

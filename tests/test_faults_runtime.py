@@ -517,7 +517,7 @@ def _killed_mid_save(rank, world, directory):
     engine = tiertrain.wrap(GPT(GPTConfig(n_layers=1, hidden=16, n_heads=2, seq_len=8)), cfg,
                             tiertrain.Topology.build(cfg.parallel))
     ids = torch.arange(16).view(2, 8) % 256
-    engine.train_batch(iter([{"input_ids": ids, "labels": ids}]))
+    engine.train_batch(iter([{"input_ids": ids, "labels": ids.roll(-1, 1)}]))
     engine.save_checkpoint(directory)  # step 1, committed
     dist.barrier()
     if rank == 1:  # the next save's rank file, killed half-way through (SIGKILL runs nothing)

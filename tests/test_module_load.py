@@ -184,3 +184,19 @@ def test_a_hugging_face_model_and_a_submodule_load_after_wrap():
     engine.close()
     model.load_state_dict(sd)  # closed: a plain module again, no hook left
     assert torch.equal(model.model.layers[1].mlp.up_proj.weight, sd["model.layers.1.mlp.up_proj.weight"])
+
+
+@pytest.mark.timeout(60)
+def test_a_copy_of_the_wrapped_model_loads_as_a_plain_module():
+    """copy.deepcopy (an EMA's copy) and torch.save of the model while wrapped: the copy is held
+    by no engine, and its load_state_dict is torch's."""
+    import copy
+
+    sd = make_model(seed=7).state_dict()
+    engine = _wrap(make_model(seed=0), {"stage": 2}, "bf16", None)
+    before = engine.full_state_dict()
+    twin = copy.deepcopy(engine.module)
+    twin.load_state_dict(sd)
+    assert torch.equal(twin.blocks[0].mlp.fc1.weight, sd["blocks.0.mlp.fc1.weight"].to(torch.bfloat16))
+    assert all(torch.equal(v, before[n]) for n, v in engine.full_state_dict().items()), "the copy's load reached the engine"
+    engine.close()

@@ -37,6 +37,8 @@ OPERATION = "model.load_state_dict()"
 class LoadedValuesDifferError(TiertrainError, RuntimeError):
     """Data-parallel ranks gave model.load_state_dict() different parameters or values."""
 
+    exit_code = 1
+
 
 class _Values:
     """The state dict's values the engine took, as a ValueSource (tiertrain/unit_values.py)."""
@@ -63,6 +65,22 @@ def _value_digest(name: str, value: torch.Tensor) -> int:
     return _digest(f"{name}|{tuple(value.shape)}|{value.dtype}|{total}")
 
 
+class _Hook:
+    """A hook held by the model's modules. A model pickled or deep-copied while wrapped
+    (``torch.save(model)``, an EMA's ``copy.deepcopy``) takes an inert one: the copy is a
+    plain module, which no engine holds."""
+
+    def __init__(self, method=None):
+        self.method = method
+
+    def __call__(self, *args) -> None:
+        if self.method is not None:
+            self.method(*args)
+
+    def __reduce__(self):
+        return _Hook, ()
+
+
 class ModuleLoad:
     """The hooks on one engine's model (see the module docstring)."""
 
@@ -78,9 +96,10 @@ class ModuleLoad:
     def attach(self, model: nn.Module) -> Callable[[], None]:
         """Hook every module of model; returns what removes the hooks."""
         handles = []
+        before, after = _Hook(self._before), _Hook(self._after)
         for module in model.modules():
-            handles.append(module.register_load_state_dict_pre_hook(self._before))
-            handles.append(module.register_load_state_dict_post_hook(self._after))
+            handles.append(module.register_load_state_dict_pre_hook(before))
+            handles.append(module.register_load_state_dict_post_hook(after))
         return lambda: [h.remove() for h in handles]
 
     def _before(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

@@ -58,6 +58,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..label_conventions import check_gpt_labels
+
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "gpt_tiny", "PRESETS"]
 
 
@@ -320,7 +322,10 @@ class GPT(nn.Module):
         self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Logits [B, T, V], or with ``labels`` (next-token targets, [B, T]) the mean
-        cross-entropy over all B*T positions (positions labelled -100 are ignored)."""
+        cross-entropy over all B*T positions (positions labelled -100 are ignored). Labels
+        equal to input_ids (the Hugging Face convention) are refused: tiertrain/label_conventions.py."""
+        if labels is not None and not torch.compiler.is_compiling():
+            check_gpt_labels(input_ids, labels)
         x = self.embed_tokens(input_ids)
         for block in self.blocks:
             x = block(x)
