@@ -293,3 +293,30 @@ def test_the_instance_refuses_what_only_the_engine_can_do_until_close():
     assert engine.step()
     engine.close()
     assert optimizer.step == scheduler_hook and len(optimizer.state_dict()["param_groups"]) == 2
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_optimizer_not_given_to_wrap_refuses_to_step_the_engines_parameters(stage):
+    """An optimizer built on model.parameters() and never given to wrap() (or built after it)
+    saw no gradient and stepped nothing, without a word: its rate, scheduler or GradScaler
+    changed nothing. Its step() now raises, naming the parameters; an optimizer of other
+    parameters steps as always, and once the engine is closed this one does too."""
+    model = make_model()
+    stray = adamw(model)
+    other = torch.nn.Linear(2, 2)
+    other_optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+    config = make_config(zero={"stage": stage}, batch={"micro_batch_size": MICRO})
+    engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel))
+    engine.backward(engine(global_batches(1, MICRO)[0]))
+    with pytest.raises(RuntimeError, match=r"AdamW.step\(\) steps parameters that tiertrain.wrap\(\) holds "
+                                           r"\('embed.weight', .* on an optimizer not given to wrap\(\): .* pass this "
+                                           r"AdamW as wrap\(optimizer=...\)"):
+        stray.step()
+    other(torch.ones(2)).sum().backward()
+    before = other.weight.detach().clone()
+    other_optimizer.step()
+    assert not torch.equal(other.weight, before)
+    assert engine.step()
+    engine.close()
+    model(**global_batches(1, MICRO)[0]).backward()
+    stray.step()  # (a plain model again)

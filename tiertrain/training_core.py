@@ -41,7 +41,7 @@ from .spans import span
 from .topology import Topology
 from .train_state import RNGState, TrainState
 from .update.factory import UpdateFactory
-from .update.instance_view import guard as guard_optimizer_instances
+from .update.instance_view import guard as guard_optimizer_instances, refuse_other_optimizers
 from .zero.accumulation import agreed_free_memory
 from .zero.agreement import Event
 from .zero.construct import check_no_partitioned_init
@@ -130,8 +130,10 @@ class TrainingCore:
         self.gathered_open = 0
         """gathered_parameters() contexts open (a model.load_state_dict() inside one loads the gathered copies)."""
         self.undo_on_close(ModuleLoad(self).attach(module))
-        if client is not None and client.instances:  # (last: a failed build leaves them as they were)
-            self.undo_on_close(guard_optimizer_instances(client.instances))
+        instances = client.instances if client is not None else ()
+        self.undo_on_close(refuse_other_optimizers(self.flat.params, instances))
+        if instances:  # (last: a failed build leaves them as they were)
+            self.undo_on_close(guard_optimizer_instances(instances))
 
     @property
     def plan(self) -> RunPlan:

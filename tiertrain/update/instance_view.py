@@ -21,6 +21,7 @@ import types
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..config import ConfigError
 
@@ -137,6 +138,32 @@ def guard(instances: Sequence[torch.optim.Optimizer]) -> Callable[[], None]:
                 else:
                     setattr(instance, method, previous)
     return give_back
+
+
+def refuse_other_optimizers(params: dict[str, torch.nn.Parameter],
+                            given: Sequence[torch.optim.Optimizer]) -> Callable[[], None]:
+    """Make any other torch optimizer's step() raise when it holds one of ``params`` (the model's
+    parameters an engine holds), through torch's public global step pre-hook; returns what
+    removes the hook (the engine's close()). Such an optimizer, built on model.parameters() and
+    not given to wrap(), sees no gradient (they live in the engine's buffers): its step() did
+    nothing, so its learning rate, its scheduler or a GradScaler stepping it changed nothing."""
+    names = {id(p): name for name, p in params.items()}
+    exempt = {id(o) for o in given}
+
+    def check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        if id(optimizer) in exempt:
+            return
+        held = [names[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in names]
+        if held:
+            shown = ", ".join(repr(n) for n in held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+            kind = type(optimizer).__name__
+            raise RuntimeError(
+                f"{kind}.step() steps parameters that tiertrain.wrap() holds ({shown}), on an optimizer not given to "
+                f"wrap(): their gradients live in the engine's buffers, so it sees none and updates nothing, and its "
+                f"learning rate, scheduler or GradScaler would change nothing. The engine updates them at "
+                f"engine.step(); pass this {kind} as wrap(optimizer=...) to train with it, or drop it")
+
+    return register_optimizer_step_pre_hook(check).remove
 
 
 def _refusal(message: str) -> Callable[..., Any]:
