@@ -254,6 +254,8 @@ def _train_in_place(rank, world, nvme_path, in_place, grads_in_ram_mb=0.0, hf_ll
     engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
     losses = []
     for batch in global_batches(3, 4):
+        if hf_llama:  # (a Hugging Face causal LM shifts its labels itself)
+            batch = {"input_ids": batch["input_ids"], "labels": batch["input_ids"]}
         loss = engine(next(rank_slices(batch, rank, world, 2, 1)))
         engine.backward(loss)
         assert engine.step()

@@ -43,6 +43,7 @@ def _proves(labels: torch.Tensor, input_ids: torch.Tensor, shifted: bool) -> boo
     return matches and bool((labelled & (current != following)).any())
 
 
+@torch.compiler.disable  # (a check of data, never a graph: called from a compiled model's eager frames too)
 def check_gpt_labels(input_ids: torch.Tensor, labels: torch.Tensor) -> None:
     """tiertrain's GPT: refuse labels equal to input_ids (the Hugging Face convention)."""
     if labels.shape == input_ids.shape and labels.dtype == input_ids.dtype and _proves(labels, input_ids, False):
@@ -58,6 +59,7 @@ def _is_hf_causal_lm(model: nn.Module) -> bool:
     return kind.__module__.startswith("transformers.") and kind.__name__.endswith("ForCausalLM")
 
 
+@torch.compiler.disable
 def check_batch_labels(model: nn.Module, batch: Any) -> None:
     """A Hugging Face causal LM called with a dict batch: refuse labels shifted already."""
     if not (isinstance(batch, dict) and _is_hf_causal_lm(model)):
