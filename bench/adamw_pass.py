@@ -1,15 +1,19 @@
 """The CPU tier's compiled AdamW pass (tiertrain/update/host_adamw.py) against torch's bare
 fused AdamW, the kernels alone, timed interleaved (issue 36, item 1).
 
-Three kernels step the same fp32 tensors (the pass also writes the bf16 copy):
+Four kernels step the same fp32 tensors (the pass also writes the bf16 copy):
 
 * torch's fused AdamW, bare (``torch.optim.adamw.adamw(..., fused=True)``);
 * the pass as tiertrain compiles it: every scalar factor computed outside the loop
   (``host_adamw.hyperparameters``), one division per element left;
 * the same pass with torch's formula written out inside the loop (bias corrections and step
-  size as tensors, the square root divided by the bias correction): the form it replaced.
+  size as tensors, the square root divided by the bias correction): the form it replaced;
+* the pass without the bf16 copy (the kernel a compute copy in fp32 takes): what the copy's
+  conversion costs inside the loop. ATen's vectorised fp32 → bf16 conversion, which inductor's
+  loop calls, rounds to nearest-even in integer arithmetic (about eight instructions per
+  vector), also on a CPU that has a bf16 conversion instruction (AVX512_BF16).
 
-Each repetition runs the three one after another, so that this shared VM's drift reaches all
+Each repetition runs the four one after another, so that this shared VM's drift reaches all
 three alike; the table gives the median and the best.
 
     python bench/adamw_pass.py --elements 100e6 --reps 15 --out bench/results/adamw_pass.md
@@ -26,7 +30,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from _common import machine_lines, print_and_write
-from tiertrain.update.host_adamw import _adamw_cast, hyperparameters
+from tiertrain.update.host_adamw import _adamw, _adamw_cast, hyperparameters
 
 LR, BETA1, BETA2, EPS, DECAY, STEP, CLIP = 1e-4, 0.9, 0.95, 1e-8, 0.1, 10, 0.5
 
@@ -43,9 +47,9 @@ def torch_formula(param, grad, exp_avg, exp_avg_sq, out, hyper):
     out.copy_(param)
 
 
-def compiled(fn, hyper):
+def compiled(fn, hyper, cast: bool = True):
     kernel = torch.compile(fn, dynamic=True, fullgraph=True)
-    scratch = [torch.zeros(1 << 20) for _ in range(4)] + [torch.zeros(1 << 20, dtype=torch.bfloat16)]
+    scratch = [torch.zeros(1 << 20) for _ in range(4)] + [torch.zeros(1 << 20, dtype=torch.bfloat16)] * cast
     kernel(*scratch, hyper)  # (compiled on a large size: inductor keeps the loop it first chose)
     return kernel
 
@@ -73,6 +77,8 @@ def main() -> None:
             compiled(_adamw_cast, hoisted), param, grad, exp_avg, exp_avg_sq, out, hoisted),
         "the same pass, torch's formula in the loop": functools.partial(
             compiled(torch_formula, written_out), param, grad, exp_avg, exp_avg_sq, out, written_out),
+        "tiertrain's pass without the bf16 copy": functools.partial(
+            compiled(_adamw, hoisted, cast=False), param, grad, exp_avg, exp_avg_sq, hoisted),
     }
     load_before = _load()
     times = {name: [] for name in kernels}
@@ -89,7 +95,7 @@ def main() -> None:
              f"{' --out ' + args.out if args.out else ''}`", "",
              f"Machine: {'; '.join(machine_lines())}; {args.threads} torch threads; load average before "
              f"{load_before}, after {_load()}.",
-             f"{n / 1e6:.0f} M fp32 elements; each repetition runs the three kernels in turn; {args.reps} repetitions.",
+             f"{n / 1e6:.0f} M fp32 elements; each repetition runs the {len(kernels)} kernels in turn; {args.reps} repetitions.",
              "", "| kernel | median (ms) | best (ms) | median × bare fused |", "|---|---|---|---|"]
     for name, ts in times.items():
         lines.append(f"| {name} | {statistics.median(ts) * 1e3:.1f} | {min(ts) * 1e3:.1f} | "
