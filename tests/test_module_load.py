@@ -200,3 +200,25 @@ def test_a_copy_of_the_wrapped_model_loads_as_a_plain_module():
     assert torch.equal(twin.blocks[0].mlp.fc1.weight, sd["blocks.0.mlp.fc1.weight"].to(torch.bfloat16))
     assert all(torch.equal(v, before[n]) for n, v in engine.full_state_dict().items()), "the copy's load reached the engine"
     engine.close()
+
+
+def _pipeline_loads(rank, world):
+    out = []
+    sd = make_model(seed=7, n_layers=4).state_dict()
+    for stage in (1, 3):
+        cfg = make_config(zero={"stage": stage}, precision={"dtype": "bf16"},
+                          parallel={"dp": 1, "tp": 1, "pp": 2, "schedule": "1f1b"},
+                          batch={"micro_batch_size": 2, "grad_accum_steps": 2})
+        model = make_model(seed=0, n_layers=4)
+        engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
+        model.load_state_dict(sd)  # (the whole model's, on every pipeline rank: each keeps its stages')
+        full = engine.full_state_dict()
+        out.append(sorted(n for n in full if not torch.equal(full[n], sd[n])))
+        engine.close()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_under_pipeline_parallelism_each_rank_loads_its_stages():
+    for rank, differ in enumerate(run_distributed(_pipeline_loads, 2, timeout=50)):
+        assert differ == [[], []], f"rank {rank}: {differ}"
