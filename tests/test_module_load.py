@@ -222,3 +222,28 @@ def _pipeline_loads(rank, world):
 def test_under_pipeline_parallelism_each_rank_loads_its_stages():
     for rank, differ in enumerate(run_distributed(_pipeline_loads, 2, timeout=50)):
         assert differ == [[], []], f"rank {rank}: {differ}"
+
+
+@pytest.mark.timeout(60)
+def test_a_peft_adapter_loaded_after_wrap_lands_in_the_masters():
+    """peft's set_peft_model_state_dict (how an adapter checkpoint is loaded) calls the model's
+    load_state_dict(strict=False): at stage 2, bf16, the adapter's values reach the fp32 masters."""
+    peft = pytest.importorskip("peft")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+
+    def build(seed):
+        torch.manual_seed(0)
+        base = transformers.LlamaForCausalLM(config)
+        torch.manual_seed(seed)  # (lora_B random too: an adapter that has trained)
+        return peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                         init_lora_weights=False))
+
+    donor = build(7)
+    model = build(0)
+    engine = _wrap(model, {"stage": 2}, "bf16", None)
+    peft.set_peft_model_state_dict(model, peft.get_peft_model_state_dict(donor))
+    after, want = engine.full_state_dict(), donor.state_dict()
+    adapters = [n for n in after if "lora_" in n]
+    assert len(adapters) == 8 and all(torch.equal(after[n], want[n]) for n in adapters)
+    engine.close()
