@@ -54,6 +54,15 @@ def test_labels_shifted_already_given_to_a_hugging_face_causal_lm_are_refused():
     engine.close()
 
 
+def test_a_peft_model_of_a_causal_lm_is_checked_as_the_model_it_wraps():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    tokens = global_batches(1, 2)[0]
+    with pytest.raises(LabelConventionError, match="LlamaForCausalLM shifts its labels itself"):
+        check_batch_labels(model, {"input_ids": tokens["input_ids"], "labels": tokens["labels"]})
+    check_batch_labels(model, {"input_ids": tokens["input_ids"], "labels": tokens["input_ids"]})
+
+
 def test_labels_in_the_right_convention_are_never_refused():
     """Random sequences over a vocabulary of 2 (many repeats), with random -100 masks: labels
     of the right convention pass, every time; a sequence of one repeated token (both

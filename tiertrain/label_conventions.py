@@ -54,15 +54,19 @@ def check_gpt_labels(input_ids: torch.Tensor, labels: torch.Tensor) -> None:
             "last position to -100 if the sequence ends there)")
 
 
-def _is_hf_causal_lm(model: nn.Module) -> bool:
-    kind = type(model)
-    return kind.__module__.startswith("transformers.") and kind.__name__.endswith("ForCausalLM")
+def _hf_causal_lm(model: nn.Module) -> nn.Module | None:
+    """The Hugging Face causal LM the model is, or wraps as a peft model (get_base_model), or None."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    kind = type(base)
+    return base if kind.__module__.startswith("transformers.") and kind.__name__.endswith("ForCausalLM") else None
 
 
 @torch.compiler.disable
 def check_batch_labels(model: nn.Module, batch: Any) -> None:
-    """A Hugging Face causal LM called with a dict batch: refuse labels shifted already."""
-    if not (isinstance(batch, dict) and _is_hf_causal_lm(model)):
+    """A Hugging Face causal LM (or a peft model of one) called with a dict batch: refuse labels
+    shifted already."""
+    causal = _hf_causal_lm(model) if isinstance(batch, dict) else None
+    if causal is None:
         return
     input_ids, labels = batch.get("input_ids"), batch.get("labels")
     if not (isinstance(input_ids, torch.Tensor) and isinstance(labels, torch.Tensor)):
@@ -70,7 +74,7 @@ def check_batch_labels(model: nn.Module, batch: Any) -> None:
     if labels.shape == input_ids.shape and _proves(labels, input_ids, True):
         raise LabelConventionError(
             f"labels are input_ids shifted by one (labels[:, t] = input_ids[:, t + 1]) at every labelled position, "
-            f"but {type(model).__name__} shifts its labels itself: it would learn to predict the token after next. "
+            f"but {type(causal).__name__} shifts its labels itself: it would learn to predict the token after next. "
             f"Pass labels = input_ids (with -100 where no loss is wanted), as DataCollatorForLanguageModeling does")
 
 
