@@ -54,6 +54,18 @@ def test_labels_shifted_already_given_to_a_hugging_face_causal_lm_are_refused():
     engine.close()
 
 
+def test_a_loss_of_the_users_own_reads_the_labels_its_way_unchecked():
+    """tiertrain's own Hugging Face runs pass labels shifted already as transformers'
+    shift_labels, through a loss function of their own: nothing to refuse there."""
+    tokens = global_batches(1, 2)[0]
+    model = _llama()
+    cfg = make_config(zero={"stage": 2}, batch={"micro_batch_size": 2})
+    engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel),
+                            loss_fn=lambda m, b: m(input_ids=b["input_ids"], shift_labels=b["labels"]).loss)
+    engine.backward(engine(tokens))
+    engine.close()
+
+
 def test_a_peft_model_of_a_causal_lm_is_checked_as_the_model_it_wraps():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))

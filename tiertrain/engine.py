@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from .config import Config, ConfigError
 from .engine_contract import LossFn, StateIO, default_loss
+from .label_conventions import BATCHES_CHECKED, check_batch_labels
 from .optim import OptimizerArg, SchedulerFactory
 from .spans import span
 from .topology import Topology
@@ -51,6 +52,9 @@ class Engine(TrainingCore):
             raise ConfigError(f"parallel.pp={topology.size('pp')}: build the engine with tiertrain.wrap(), which "
                               f"returns a PipelineEngine for pp > 1 (Engine itself is valid only for pp=1)")
         self.loss_fn = loss_fn or default_loss
+        self._label_checks_left = BATCHES_CHECKED if self.loss_fn is default_loss else 0
+        """Batches whose labels are still to be checked against the model's convention (on the
+        host, before they move: label_conventions.py); a loss of the user's own reads them its way."""
         super().__init__(model, config, topology, lambda dp: plan or default_plan(model, config, dp, unit_modules),
                          update_factory, one_model_fetcher=True, optimizer=optimizer, param_groups=param_groups,
                          lr_scheduler=lr_scheduler, state_io=state_io)
@@ -71,6 +75,9 @@ class Engine(TrainingCore):
 
     def _forward(self, batch: Any) -> torch.Tensor:
         self._check_model_unchanged()
+        if self._label_checks_left:
+            self._label_checks_left -= 1
+            check_batch_labels(self.module, batch)
         batch = self._to_device(batch)
         if self.buffers and self.module.training and self.config.zero.broadcast_buffers and self.comm.size > 1:
             self.buffers.broadcast(self.comm)  # (DDP's broadcast_buffers)

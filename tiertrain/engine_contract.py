@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 import torch
 import torch.nn as nn
 
-from .label_conventions import check_batch_labels
 
 if TYPE_CHECKING:
     from .training_core import TrainingCore
@@ -53,8 +52,7 @@ class StateIO(Protocol):
 
 def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """Call the model on the batch (dict → keywords, tuple → positional) and find the loss.
-    A Hugging Face causal LM given labels shifted already is refused (label_conventions.py)."""
-    check_batch_labels(model, batch)
+    (The engine checks its first batches' labels for this loss: label_conventions.py.)"""
     if isinstance(batch, dict):
         out = model(**batch)
     elif isinstance(batch, (tuple, list)):

@@ -7,7 +7,7 @@ gives). Mixed up, training runs and the loss falls, toward the wrong objective: 
 to copy its input token, the Hugging Face model to predict the token after next. Nothing else
 would say so.
 
-A batch proves the mix-up when every labelled position (label != -100) holds the other
+The first batches are checked (:data:`BATCHES_CHECKED`). A batch proves the mix-up when every labelled position (label != -100) holds the other
 convention's target and at least one of them differs from this convention's (the next token
 differs from the current one): labels of the right convention never satisfy both, so a
 correct batch is never refused. A batch of one token repeated proves nothing and passes.
@@ -23,6 +23,11 @@ from .errors import TiertrainError
 
 IGNORE_INDEX = -100
 """The label of a position that takes no loss (torch's cross_entropy default, Hugging Face's)."""
+
+BATCHES_CHECKED = 8
+"""How many batches a model (or an engine, for its default loss) checks: the convention is the
+data pipeline's, the same for every batch, so later ones are left alone (a check of tensors on
+an accelerator makes the host wait for it)."""
 
 
 class LabelConventionError(TiertrainError, ValueError):
@@ -78,4 +83,4 @@ def check_batch_labels(model: nn.Module, batch: Any) -> None:
             f"Pass labels = input_ids (with -100 where no loss is wanted), as DataCollatorForLanguageModeling does")
 
 
-__all__ = ["IGNORE_INDEX", "LabelConventionError", "check_batch_labels", "check_gpt_labels"]
+__all__ = ["BATCHES_CHECKED", "IGNORE_INDEX", "LabelConventionError", "check_batch_labels", "check_gpt_labels"]

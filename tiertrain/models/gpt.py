@@ -58,7 +58,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..label_conventions import check_gpt_labels
+from ..label_conventions import BATCHES_CHECKED, check_gpt_labels
 
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "gpt_tiny", "PRESETS"]
 
@@ -275,6 +275,7 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
+        self.label_checks = 0  # the batches whose labels forward has checked (label_conventions.py)
         self.config = config.validate()
         self.embed = _InitEmbedding(config.vocab_size, config.hidden, std=config.init_std)
         self.pos_embed = _InitEmbedding(config.seq_len, config.hidden, std=config.init_std)
@@ -323,8 +324,10 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Logits [B, T, V], or with ``labels`` (next-token targets, [B, T]) the mean
         cross-entropy over all B*T positions (positions labelled -100 are ignored). Labels
-        equal to input_ids (the Hugging Face convention) are refused: tiertrain/label_conventions.py."""
-        if labels is not None and not torch.compiler.is_compiling():
+        equal to input_ids (the Hugging Face convention) are refused, in the first batches:
+        tiertrain/label_conventions.py."""
+        if labels is not None and not torch.compiler.is_compiling() and self.label_checks < BATCHES_CHECKED:
+            self.label_checks += 1
             check_gpt_labels(input_ids, labels)
         x = self.embed_tokens(input_ids)
         for block in self.blocks:
