@@ -179,3 +179,45 @@ def test_embeddings_resized_after_wrap_are_refused_by_name():
                                           r"of its own \(its .data replaced, as by resize_token_embeddings"):
         engine({"input_ids": ids, "labels": ids})
     engine.close()
+
+
+class _SparseGrad(torch.autograd.Function):
+    """y = x @ w.T whose gradient for w comes back as a sparse tensor (as a custom kernel may)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return None, (g.t() @ x).to_sparse()
+
+
+class _Bag(torch.nn.Module):
+    def __init__(self, sparse: bool):
+        super().__init__()
+        self.emb = torch.nn.EmbeddingBag(32, 8, sparse=sparse)
+        self.head = torch.nn.Parameter(torch.randn(4, 8) * 0.1)
+
+    def forward(self, x, y, custom=False):
+        h = self.emb(x)
+        logits = _SparseGrad.apply(h, self.head) if custom else h @ self.head.t()
+        return torch.nn.functional.cross_entropy(logits, y)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_sparse_gradients_are_refused_by_name(stage):
+    """An embedding built with sparse=True (or any operation giving a sparse gradient) failed
+    inside the reducer with torch's "reshape is not implemented for sparse tensors"."""
+    cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 4})
+    batch = (torch.randint(0, 32, (4, 5)), torch.randint(0, 4, (4,)))
+    with pytest.raises(ConfigError, match=r"'emb': an embedding built with sparse=True gives sparse gradients.* "
+                                          r"set sparse=False"):
+        tiertrain.wrap(_Bag(sparse=True), cfg, tiertrain.Topology.build(cfg.parallel))
+    engine = tiertrain.wrap(_Bag(sparse=False), cfg, tiertrain.Topology.build(cfg.parallel))
+    engine.train_batch(iter([batch]))  # (dense: trains)
+    with pytest.raises(RuntimeError, match=r"parameter 'head' received a torch.sparse_coo gradient"):
+        engine.backward(engine((*batch, True)))
+    engine.close()

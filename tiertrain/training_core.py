@@ -71,6 +71,7 @@ class TrainingCore:
                  state_io: StateIO | None = None):
         config.validate()
         check_no_partitioned_init("tiertrain.wrap()")
+        _check_dense_gradients(module)
         client = client_optimizer(module, config, optimizer, param_groups, lr_scheduler)
         if config.zero.retain_host_memory:
             retain_freed_host_memory()
@@ -564,6 +565,18 @@ class TrainingCore:
         with torch.no_grad():
             for name, p in self.flat.params.items():
                 p.data = values[name]
+
+
+def _check_dense_gradients(module: nn.Module) -> None:
+    """Refuse embeddings built with sparse=True: their gradients are sparse tensors, which no
+    flat gradient buffer can hold (ZeRO reduces dense shards; FSDP refuses them too)."""
+    sparse = [name or type(module).__name__ for name, m in module.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
+    if sparse:
+        raise ConfigError(f"{', '.join(repr(n) for n in sparse)}: an embedding built with sparse=True gives sparse "
+                          f"gradients, which the engine's flat gradient buffers cannot hold (ZeRO reduces dense "
+                          f"shards); set sparse=False on it before wrap() (module.sparse = False), which trains the "
+                          f"same values")
 
 
 def _parameters_named(names: list[str]) -> tuple[str, bool]:

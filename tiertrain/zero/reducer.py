@@ -255,6 +255,10 @@ class GradientReducer:
         self.used.add((index, k))
         unit = self.flat.units[index]
         target = self._bucket(index)[unit.unit.slots[k].offset:unit.unit.slots[k].end]
+        if p.grad.layout != torch.strided:
+            raise RuntimeError(f"parameter {unit.unit.slots[k].name!r} received a {p.grad.layout} gradient: the "
+                               f"engine's flat gradient buffers hold dense ones only; make the operation that "
+                               f"produces it give a dense gradient (an embedding: sparse=False)")
         grad = p.grad.reshape(-1)
         if (unit.grad_full is not None and index not in self._fresh) or not self.launch_when_ready or self.accumulate:
             target.add_(grad)  # micro-batches accumulate in the persistent buffer (stages 0-1) or bucket
