@@ -221,3 +221,13 @@ def test_sparse_gradients_are_refused_by_name(stage):
     with pytest.raises(RuntimeError, match=r"parameter 'head' received a torch.sparse_coo gradient"):
         engine.backward(engine((*batch, True)))
     engine.close()
+
+
+def test_the_engine_switches_the_models_mode_as_a_wrapper_does():
+    """model_engine.train() / .eval(), as a DeepSpeed engine or a DDP-wrapped module takes them."""
+    cfg = make_config(zero={"stage": 2}, batch={"micro_batch_size": 2})
+    model = make_model()
+    engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
+    assert engine.eval() is engine and not any(m.training for m in model.modules())
+    assert engine.train() is engine and all(m.training for m in model.modules())
+    engine.close()

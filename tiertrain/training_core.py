@@ -141,6 +141,16 @@ class TrainingCore:
         """The ZeRO stage, stores, gradient facts and update form, resolved once (run_plan.py)."""
         return self._plan
 
+    def train(self, mode: bool = True) -> "TrainingCore":
+        """The model's training mode (dropout on), as nn.Module.train: what a loop written for a
+        DeepSpeed engine or a DDP/FSDP-wrapped module calls on the wrapper."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "TrainingCore":
+        """The model's evaluation mode (dropout off), as nn.Module.eval."""
+        return self.train(False)
+
     # -- counters ----------------------------------------------------------------------
 
     @property
