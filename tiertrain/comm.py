@@ -443,10 +443,7 @@ class Collectives:
         if self.size == 1:
             return
         self._usable()
-        t = torch.tensor([code, -code, digest, -digest], dtype=torch.int64, device=self._control_device())
-        self.all_reduce(t, op=dist.ReduceOp.MAX, count=False)
-        t = t.cpu()
-        hi, lo = int(t[0]), -int(t[1])
+        (hi, hi_digest), (lo, lo_digest) = self.extremes([code, digest])
         if hi != code or lo != code:
             raise CollectiveMismatchError(
                 f"rank {self.rank} issued {describe(code)} but other ranks of its group issued "
@@ -454,11 +451,11 @@ class Collectives:
                 f"(a branch taken on some ranks only?). Under ZeRO-3 every rank must run the same "
                 f"sequence of partitioned modules in forward and backward."
             )
-        if int(t[2]) != digest or -int(t[3]) != digest:
+        if hi_digest != digest or lo_digest != digest:
             raise CollectiveMismatchError(
                 f"rank {self.rank} and other ranks of its group reached {describe(code)} together, but "
                 f"the sequences of partitioned modules they ran before it differ (digest {digest} here, "
-                f"{int(t[2]) if int(t[2]) != digest else -int(t[3])} on another rank): ranks executed "
+                f"{hi_digest if hi_digest != digest else lo_digest} on another rank): ranks executed "
                 f"different modules (a branch taken on some ranks only?). Under ZeRO-3 every rank must run "
                 f"the same sequence of partitioned modules in forward and backward."
             )

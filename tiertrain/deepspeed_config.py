@@ -480,7 +480,7 @@ _TOP = {
     "prescale_gradients": _refuse_unless(False, "gradients are averaged after the reduction"),
     "gradient_predivide_factor": _refuse_unless(1.0, "gradients are averaged after the reduction"),
     "communication_data_type": _refuse_unless(None, "gradients are reduced in fp32", same=("fp32",)),
-    "data_types": lambda t, key, value: _data_types(t, key, value),
+    "data_types": _data_types,
     "amp": _refuse_unless({"enabled": False}, "NVIDIA Apex AMP is not supported; use bf16 or fp16"),
     "sparse_attention": _refuse_unless(None, "not implemented"),
     "compression_training": _refuse_unless(None, "not implemented"),

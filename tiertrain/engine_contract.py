@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 import torch
 import torch.nn as nn
 
-
 if TYPE_CHECKING:
     from .training_core import TrainingCore
 

@@ -13,7 +13,7 @@ can then show: they cannot read the ``tiertrain.zero`` namespace package.
 """
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "ReleasedParameterError", "TiertrainError"]
+__all__ = ["CheckpointError", "ReleasedParameterError", "TiertrainError", "listing"]
 
 
 class TiertrainError(Exception):
@@ -44,3 +44,9 @@ class ReleasedParameterError(TiertrainError, RuntimeError):
     outside ``engine.gathered_parameters()``): tiertrain/zero/released.py."""
 
     exit_code = 1
+
+
+def listing(names, limit: int = 4) -> str:
+    """Names for a message: "'a', 'b' and 3 more" (the first ``limit``, quoted)."""
+    names = list(names)
+    return ", ".join(repr(n) for n in names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")

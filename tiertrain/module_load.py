@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn as nn
 
-from .errors import TiertrainError
+from .errors import TiertrainError, listing
 from .unit_values import write_into_units
 from .zero.construct import full_shape
 
@@ -86,8 +86,8 @@ class ModuleLoad:
 
     def __init__(self, engine: "TrainingCore"):
         self.engine = engine
-        self.name_of = {id(p): name for name, p in engine.flat.params.items() if p in engine.flat.unit_of}
-        """The engine's parameters (those in its units) → their names in its layout."""
+        self.name_of = {id(p): name for name, p in engine.flat.params.items()}
+        """The engine's parameters (every one is in one of its units) → their names in its layout."""
         self._load: list | None = None  # the error_msgs list of the load under way: one per load_state_dict call
         self._depth = 0
         self._taken: dict[int, tuple[str, str, torch.Tensor]] = {}  # id(param) → (layout name, key, value)
@@ -156,10 +156,9 @@ class ModuleLoad:
         most, least = comm.extremes(digests)
         differ = [name for (name, _, _), d, hi, lo in zip(taken, digests, most, least) if hi != d or lo != d]
         if differ:
-            shown = ", ".join(differ[:5]) + (f", … and {len(differ) - 5} more" if len(differ) > 5 else "")
             raise LoadedValuesDifferError(
                 f"{OPERATION}: the data-parallel ranks load different values for {len(differ)} of the {len(taken)} "
-                f"parameters loaded ({shown}); every rank must load the same state dict (each writes its own shards "
+                f"parameters loaded ({listing(differ)}); every rank must load the same state dict (each writes its own shards "
                 f"from it), or the ranks would train different models; the engine's parameters are left as they were")
 
 

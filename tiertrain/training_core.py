@@ -30,6 +30,7 @@ from .comm import Collectives, CommCounter
 from .config import Config, ConfigError
 from .engine_build import build_parts
 from .engine_contract import StateIO, Stateful
+from .errors import listing
 from .gathered import gathered_parameters_of, rank_state_dict
 from .host_memory import retain_freed_host_memory
 from .memory_report import MemoryReport, memory_report_of
@@ -591,5 +592,4 @@ def _check_dense_gradients(module: nn.Module) -> None:
 
 def _parameters_named(names: list[str]) -> tuple[str, bool]:
     """("parameter 'a'" or "parameters 'a', 'b' and 3 more", whether there is one) for messages."""
-    shown = ", ".join(repr(n) for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    return f"parameter{'' if len(names) == 1 else 's'} {shown}", len(names) == 1
+    return f"parameter{'' if len(names) == 1 else 's'} {listing(names)}", len(names) == 1

@@ -24,6 +24,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..config import ConfigError
+from ..errors import listing
 
 
 class InstanceView:
@@ -155,10 +156,9 @@ def refuse_other_optimizers(params: dict[str, torch.nn.Parameter],
             return
         held = [names[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in names]
         if held:
-            shown = ", ".join(repr(n) for n in held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
             kind = type(optimizer).__name__
             raise RuntimeError(
-                f"{kind}.step() steps parameters that tiertrain.wrap() holds ({shown}), on an optimizer not given to "
+                f"{kind}.step() steps parameters that tiertrain.wrap() holds ({listing(held)}), on an optimizer not given to "
                 f"wrap(): their gradients live in the engine's buffers, so it sees none and updates nothing, and its "
                 f"learning rate, scheduler or GradScaler would change nothing. The engine updates them at "
                 f"engine.step(); pass this {kind} as wrap(optimizer=...) to train with it, or drop it")
