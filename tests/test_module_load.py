@@ -247,3 +247,40 @@ def test_a_peft_adapter_loaded_after_wrap_lands_in_the_masters():
     adapters = [n for n in after if "lora_" in n]
     assert len(adapters) == 8 and all(torch.equal(after[n], want[n]) for n in adapters)
     engine.close()
+
+
+class _Normed(torch.nn.Module):
+    """A model of the user's own with BatchNorm buffers and no ModuleList (cut into units by size)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                        torch.nn.Linear(16, 4))
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.body(x), y)
+
+
+def _normed(seed):
+    torch.manual_seed(seed)
+    model = _Normed()
+    model(torch.randn(8, 8), torch.randint(0, 4, (8,)))  # (running statistics away from their start)
+    return model
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_buffers_load_too_and_the_engine_holds_what_one_wrapped_around_sd_holds(stage):
+    """Parameters and BatchNorm's running statistics of sd, loaded after wrap() at bf16: the
+    engine's full state is exactly that of an engine wrapped around a model holding sd (fp32
+    masters from sd's own values; buffers, kept in the compute dtype, rounded as at wrap())."""
+    sd = _normed(7).state_dict()
+    loaded = _wrap(_normed(0), {"stage": stage}, "bf16", None)
+    loaded.module.load_state_dict(sd)
+    held = _wrap(_normed(7), {"stage": stage}, "bf16", None)
+    got, want = loaded.full_state_dict(), held.full_state_dict()
+    assert sorted(got) == sorted(want) == sorted(sd)
+    assert all(torch.equal(got[n], want[n]) for n in want), [n for n in want if not torch.equal(got[n], want[n])]
+    assert all(torch.equal(got[n], sd[n]) for n in sd if "running" not in n)  # (the masters: sd exactly)
+    loaded.close()
+    held.close()
