@@ -421,14 +421,36 @@ def _ip(*args, check=True):
     return p
 
 
-def _kill_namespace(ns):
-    """SIGKILL every process in network namespace ns: the node dies at once, agent and workers."""
-    pids = _ip("netns", "pids", ns, check=False).stdout.split()
-    for pid in pids:
+def _kill_namespace(ns, within=10.0):
+    """SIGKILL every process in network namespace ns (the node dies at once, agent and workers),
+    again until none is left or ``within`` seconds passed: the pids still there (none when
+    the node is dead)."""
+    deadline = time.monotonic() + within
+    while True:
+        pids = [int(pid) for pid in _ip("netns", "pids", ns, check=False).stdout.split() if pid.isdigit()]
+        if not pids or time.monotonic() > deadline:
+            return pids
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+
+
+def _stacks_of_workers(ns, agent, log):
+    """A hung node's worker stacks, for the failure message: SIGABRT to every process of
+    namespace ns but its torchrun agent (the workers run with PYTHONFAULTHANDLER=1, which dumps
+    every thread's Python stack to the log before dying)."""
+    workers = [int(pid) for pid in _ip("netns", "pids", ns, check=False).stdout.split()
+               if pid.isdigit() and int(pid) != agent]
+    for pid in workers:
         try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
+            os.kill(pid, signal.SIGABRT)
+        except ProcessLookupError:
             pass
+    time.sleep(3)
+    return f"workers {workers}, log:\n{log.read_text()[-6000:]}"
 
 
 @pytest.mark.slow
@@ -463,7 +485,7 @@ def test_two_nodes_the_survivor_names_the_lost_node(tmp_path, token_cache):
         for i in (0, 1):
             # is_host and --local-addr: both namespaces share the machine's hostname, which
             # resolves to 127.0.0.1, so neither agent could tell which one hosts the store.
-            command = ["ip", "netns", "exec", ns[i], "env", f"GLOO_SOCKET_IFNAME={veth[i]}",
+            command = ["ip", "netns", "exec", ns[i], "env", f"GLOO_SOCKET_IFNAME={veth[i]}", "PYTHONFAULTHANDLER=1",
                        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addr[0]}:29400", "--rdzv-id", tag,
                        "--rdzv-conf", f"is_host={'true' if i == 0 else 'false'}", "--max-restarts", "0",
@@ -477,12 +499,14 @@ def test_two_nodes_the_survivor_names_the_lost_node(tmp_path, token_cache):
                 assert p.poll() is None, f"node {i} ended early:\n{logs[i].read_text()}"
             assert time.monotonic() < deadline, "the two nodes did not train 3 steps in 60 s"
             time.sleep(0.2)
-        _kill_namespace(ns[1])
+        survivors = _kill_namespace(ns[1])
         killed = time.monotonic()
+        assert not survivors, f"node 1's processes {survivors} outlived 10 s of SIGKILLs"
         try:
             procs[0].wait(timeout=60)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"node 0 still running 60 s after node 1 died:\n{logs[0].read_text()[-3000:]}")
+            pytest.fail(f"node 0 still running 60 s after node 1 died; its "
+                        f"{_stacks_of_workers(ns[0], procs[0].pid, logs[0])}\nnode 1's log:\n{logs[1].read_text()[-2000:]}")
         elapsed = time.monotonic() - killed
         output = logs[0].read_text()
         assert procs[0].returncode != 0
