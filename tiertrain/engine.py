@@ -117,6 +117,7 @@ class Engine(TrainingCore):
                 f"gradients add up until engine.step() (as several losses' backwards before one step do); if the "
                 f"loop meant to update, call engine.step() after each engine.backward(). Warned once",
                 RuntimeWarning, stacklevel=3)
+        self.held_gradients.remove()  # (autograd would add into them)
         self.flat.wait_gathers()
         boundary = (self.micro_steps + 1) % self.accum == 0
         self.update.before_backward(boundary, self.learning_rate())
@@ -139,6 +140,7 @@ class Engine(TrainingCore):
             self.fetcher.end_backward()
         self.train_state.micro_steps += 1
         self._boundary_unstepped = boundary
+        self.held_gradients.install()  # (p.grad read before step() raises naming it: held_gradients.py)
 
     def train_batch(self, batches: Iterator[Any]) -> float:
         """Run grad_accum_steps micro-batches from the iterator and one optimizer step;

@@ -13,7 +13,7 @@ can then show: they cannot read the ``tiertrain.zero`` namespace package.
 """
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "ReleasedParameterError", "TiertrainError", "listing"]
+__all__ = ["CheckpointError", "ReleasedParameterError", "TiertrainError", "listing", "parameters_named"]
 
 
 class TiertrainError(Exception):
@@ -50,3 +50,8 @@ def listing(names, limit: int = 4) -> str:
     """Names for a message: "'a', 'b' and 3 more" (the first ``limit``, quoted)."""
     names = list(names)
     return ", ".join(repr(n) for n in names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def parameters_named(names: list[str]) -> tuple[str, bool]:
+    """("parameter 'a'" or "parameters 'a', 'b' and 3 more", whether there is one) for messages."""
+    return f"parameter{'' if len(names) == 1 else 's'} {listing(names)}", len(names) == 1

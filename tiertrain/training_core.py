@@ -30,8 +30,9 @@ from .comm import Collectives, CommCounter
 from .config import Config, ConfigError
 from .engine_build import build_parts
 from .engine_contract import StateIO, Stateful
-from .errors import listing
+from .errors import parameters_named
 from .gathered import gathered_parameters_of, rank_state_dict
+from .held_gradients import HeldGradients
 from .host_memory import retain_freed_host_memory
 from .memory_report import MemoryReport, memory_report_of
 from .module_load import ModuleLoad
@@ -132,6 +133,9 @@ class TrainingCore:
         self.gathered_open = 0
         """gathered_parameters() contexts open (a model.load_state_dict() inside one loads the gathered copies)."""
         self.undo_on_close(ModuleLoad(self).attach(module))
+        self.held_gradients = HeldGradients(self.flat.params)
+        """The trainable parameters' .grad between a backward and the step: an error by name when read."""
+        self.undo_on_close(lambda: self.held_gradients.remove(check=False))
         instances = client.instances if client is not None else ()
         self.undo_on_close(refuse_other_optimizers(self.flat.params, instances))
         if instances:  # (last: a failed build leaves them as they were)
@@ -225,7 +229,7 @@ class TrainingCore:
         thawed = [n for n, p in self._frozen if p.requires_grad]
         if not thawed:
             return
-        shown, one = _parameters_named(thawed)
+        shown, one = parameters_named(thawed)
         raise ConfigError(
             f"{shown} {'was' if one else 'were'} frozen (requires_grad=False) when the "
             f"model was wrapped and {'requires' if one else 'require'} grad now: the engine keeps no gradient, fp32 "
@@ -255,6 +259,7 @@ class TrainingCore:
         Megatron's optimizer protocol: the gradients are made ready here (reductions waited,
         fp16 unscaled, tensor-parallel partial sums, global norm, clip coefficient); the
         update form (tiertrain/update/) then steps with them."""
+        self.held_gradients.remove()
         self._boundary_unstepped = False
         if not self.at_boundary or self.micro_steps == self._stepped_at:
             return False
@@ -348,7 +353,7 @@ class TrainingCore:
         present = {id(p) for p in self.module.parameters()}
         gone = sorted(n for n in unused if id(self.flat.params[n]) not in present)
         if gone:
-            shown, one = _parameters_named(gone)
+            shown, one = parameters_named(gone)
             raise ConfigError(
                 f"{shown} of the wrapped model {'is' if one else 'are'} no longer in "
                 f"the model: {'its' if one else 'their'} module was replaced after wrap() (model.x = nn.Linear(...)), "
@@ -588,8 +593,3 @@ def _check_dense_gradients(module: nn.Module) -> None:
                           f"gradients, which the engine's flat gradient buffers cannot hold (ZeRO reduces dense "
                           f"shards); set sparse=False on it before wrap() (module.sparse = False), which trains the "
                           f"same values")
-
-
-def _parameters_named(names: list[str]) -> tuple[str, bool]:
-    """("parameter 'a'" or "parameters 'a', 'b' and 3 more", whether there is one) for messages."""
-    return f"parameter{'' if len(names) == 1 else 's'} {listing(names)}", len(names) == 1

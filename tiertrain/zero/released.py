@@ -25,8 +25,8 @@ import torch.nn as nn
 
 from ..errors import ReleasedParameterError
 
-__all__ = ["ReleasedParameter", "ReleasedParameterError", "conversion_error", "held", "hold", "let_go",
-           "mark_gathered", "mark_released"]
+__all__ = ["METADATA_READS", "ReleasedParameter", "ReleasedParameterError", "called", "conversion_error", "held", "hold",
+           "let_go", "mark_gathered", "mark_released"]
 
 NAME = "tiertrain_name"
 """The attribute holding a held parameter's name in the model (see the module docstring)."""
@@ -47,8 +47,8 @@ def _metadata_functions() -> frozenset:
     return frozenset(found)
 
 
-_METADATA = _metadata_functions()
-"""What a released parameter answers: its metadata, its gradient and hooks, never its values."""
+METADATA_READS = _metadata_functions()
+"""What a released parameter (and a held gradient, tiertrain/held_gradients.py) answers: its metadata, its gradient and hooks, never its values."""
 
 
 class ReleasedParameter(nn.Parameter):
@@ -57,12 +57,12 @@ class ReleasedParameter(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in _METADATA:
+        if func in METADATA_READS:
             return nn.Parameter.__torch_function__(func, types, args, kwargs or {})
         given = [a for arg in (*args, *(kwargs or {}).values())
                  for a in (arg if isinstance(arg, (list, tuple)) else (arg,))]
         released = next((a for a in given if isinstance(a, ReleasedParameter)), None)
-        raise ReleasedParameterError(_explain(released, _called(func)))
+        raise ReleasedParameterError(_explain(released, called(func)))
 
     def __repr__(self) -> str:
         return f"ReleasedParameter({_name(self)!r}, shape={tuple(self.shape)}, dtype={self.dtype}: {_REMEDY})"
@@ -79,7 +79,7 @@ def _name(p) -> str:
     return p.__dict__.get(NAME, "?") if p is not None else "?"
 
 
-def _called(func) -> str:
+def called(func) -> str:
     """How the read was written: ``.data`` for a property's getter, ``norm()`` for a function."""
     name = getattr(func, "__name__", repr(func))
     if name in ("__get__", "__set__"):
