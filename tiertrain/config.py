@@ -115,6 +115,8 @@ class PrecisionConfig:
     """Dynamic loss scaling, used only when dtype is fp16."""
     max_consecutive_skips: int = 20
     """Steps skipped in a row for non-finite gradients (any dtype) after which the run stops with an error naming the step, the loss scale and the first non-finite gradient."""
+    cast_derived_buffers: bool = False
+    """Give non-persistent floating buffers (derived tables such as rotary frequencies) the compute dtype too, as DeepSpeed's module.bfloat16() does; by default they keep the dtype the model built them in, as transformers' from_pretrained(dtype=) and FSDP2 keep rotary frequencies in fp32 (persistent buffers always take the compute dtype)."""
 
     def validate(self, path: str = "precision") -> None:
         self.loss_scale.validate(f"{path}.loss_scale")

@@ -25,6 +25,7 @@ from .config import Config, ConfigError
 from .engine_contract import LossFn, StateIO, default_loss
 from .label_conventions import BATCHES_CHECKED, check_batch_labels
 from .optim import OptimizerArg, SchedulerFactory
+from .precision import note_kept_buffers
 from .spans import span
 from .topology import Topology
 from .training_core import TrainingCore
@@ -81,6 +82,13 @@ class Engine(TrainingCore):
         batch = self._to_device(batch)
         if self.buffers and self.module.training and self.config.zero.broadcast_buffers and self.comm.size > 1:
             self.buffers.broadcast(self.comm)  # (DDP's broadcast_buffers)
+        try:
+            return self._loss(batch)
+        except RuntimeError as e:
+            note_kept_buffers(e, self.derived_buffers_kept, self.dtype)
+            raise
+
+    def _loss(self, batch: Any) -> torch.Tensor:
         check = self.fetcher.use_check() if self.fetcher is not None else None
         if check is None and not self.flat.gathers_in_flight:
             return self.loss_fn(self.module, batch)

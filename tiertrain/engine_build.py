@@ -141,10 +141,21 @@ def initial_value(p: nn.Parameter, engine: "TrainingCore") -> torch.Tensor:
 
 def cast_buffers_and_frozen(engine: "Engine", model: nn.Module, in_layout: set[str]) -> None:
     """Buffers and frozen parameters the flat units do not hold, in the compute dtype on
-    the device (a small frozen parameter built under partitioned_init gathered whole)."""
-    for module in model.modules():
+    the device (a small frozen parameter built under partitioned_init gathered whole).
+    Derived buffers (not in the state dict) keep the dtype the model built them in unless
+    precision.cast_derived_buffers: rotary frequencies rounded to bf16 move the cosines of
+    positions below 4096 by up to 0.71 (docs/concepts.md, "Buffers and the compute dtype")."""
+    persistent = set(model.state_dict(keep_vars=True))
+    cast_derived = engine.config.precision.cast_derived_buffers
+    engine.derived_buffers_kept = []
+    """The floating derived buffers kept in a dtype other than the compute dtype (names)."""
+    for prefix, module in model.named_modules():
         for name, buf in list(module.named_buffers(recurse=False)):
-            dtype = engine.dtype if buf.is_floating_point() else buf.dtype
+            full = f"{prefix}.{name}" if prefix else name
+            kept = buf.is_floating_point() and full not in persistent and not cast_derived
+            if kept and buf.dtype != engine.dtype:
+                engine.derived_buffers_kept.append(full)
+            dtype = engine.dtype if buf.is_floating_point() and not kept else buf.dtype
             setattr(module, name, buf.to(device=engine.device, dtype=dtype))
     for name, p in model.named_parameters():
         if not p.requires_grad and name not in in_layout:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from .config import LossScaleConfig
-from .errors import TiertrainError
+from .errors import TiertrainError, listing
 
 if TYPE_CHECKING:
     from .zero.flat import FlatParameters
@@ -22,6 +22,21 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def compute_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
+
+
+_DTYPE_WORDS = ("dtype", "scalar type", "Float", "BFloat16", "Half")
+"""What torch's dtype-mismatch errors say ("mat1 and mat2 must have the same dtype", "expected
+scalar type BFloat16 but found Float", "Input type (float) and bias type (c10::BFloat16)")."""
+
+
+def note_kept_buffers(error: RuntimeError, kept: Sequence[str], dtype: torch.dtype) -> None:
+    """A forward failed: where it reads like a dtype mismatch and derived buffers kept their
+    own dtype (engine_build.cast_buffers_and_frozen), add a note naming them and the switch."""
+    if kept and any(word in str(error) for word in _DTYPE_WORDS):
+        error.add_note(f"tiertrain: the derived (non-persistent) buffers {listing(kept)} keep the dtype the model "
+                       f"built them in, not the compute dtype {dtype}, as transformers' from_pretrained(dtype=) and "
+                       f"FSDP2 keep rotary frequencies in fp32; if the model mixes one into activations without "
+                       f"casting it (.to(x.dtype)), set precision.cast_derived_buffers: true")
 
 
 @dataclass
