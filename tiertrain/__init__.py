@@ -13,6 +13,7 @@ from .engine import Engine
 from .training_core import TrainingCore
 from .errors import ReleasedParameterError, TiertrainError
 from .held_gradients import HeldGradientError
+from .in_place_edits import InPlaceEditError
 from .memory_report import MemoryReport
 from .label_conventions import LabelConventionError
 from .wrapping import AlreadyWrappedError, wrap
@@ -23,7 +24,7 @@ from .state.peft_export import PeftExport
 from .state.pretrained import LoadReport, PretrainedMismatchError, PretrainedMissingWarning, load_pretrained
 from .trainer import EvalConfig, LoopConfig, Trainer
 
-__all__ = ["AlreadyWrappedError", "Config", "ConfigError", "Engine", "EvalConfig", "ExportReport", "HeldGradientError", "LabelConventionError", "LoadReport", "LoopConfig", "MemoryReport",
+__all__ = ["AlreadyWrappedError", "Config", "ConfigError", "Engine", "EvalConfig", "ExportReport", "HeldGradientError", "InPlaceEditError", "LabelConventionError", "LoadReport", "LoopConfig", "MemoryReport",
            "PeftExport", "PretrainedMismatchError", "PretrainedMissingWarning", "ReleasedParameterError", "TiertrainError", "Topology", "Trainer",
            "TrainingCore", "compile_blocks", "load_pretrained", "partitioned_init", "wrap"]
 __version__ = "0.1.0"

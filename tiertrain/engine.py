@@ -23,12 +23,14 @@ import torch.nn as nn
 
 from .config import Config, ConfigError
 from .engine_contract import LossFn, StateIO, default_loss
+from .in_place_edits import refuse_in_place_edits
 from .label_conventions import BATCHES_CHECKED, check_batch_labels
 from .optim import OptimizerArg, SchedulerFactory
 from .precision import note_kept_buffers
 from .spans import span
 from .topology import Topology
 from .training_core import TrainingCore
+from .unit_values import MasterShards
 from .update.factory import UpdateFactory, build_update
 from .zero.param_gather import WaitForParameters
 from .zero.plan import GradientPlan, default_plan
@@ -56,6 +58,8 @@ class Engine(TrainingCore):
         self._label_checks_left = BATCHES_CHECKED if self.loss_fn is default_loss else 0
         """Batches whose labels are still to be checked against the model's convention (on the
         host, before they move: label_conventions.py); a loss of the user's own reads them its way."""
+        self._edits_checked = False
+        """The first forward compared the compute copies with the masters (in_place_edits.py)."""
         super().__init__(model, config, topology, lambda dp: plan or default_plan(model, config, dp, unit_modules),
                          update_factory, one_model_fetcher=True, optimizer=optimizer, param_groups=param_groups,
                          lr_scheduler=lr_scheduler, state_io=state_io)
@@ -76,6 +80,11 @@ class Engine(TrainingCore):
 
     def _forward(self, batch: Any) -> torch.Tensor:
         self._check_model_unchanged()
+        if self.micro_steps == 0 and not self._edits_checked:
+            # (an init or a copy applied after wrap(): in_place_edits.py; later, the saves check)
+            self._edits_checked = True
+            if not self.flat.masters_elsewhere:  # (NVMe masters: read at the saves only)
+                refuse_in_place_edits(self, MasterShards(self).shard, "the first step")
         if self._label_checks_left:
             self._label_checks_left -= 1
             check_batch_labels(self.module, batch)

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 import torch.nn as nn
 
+from .in_place_edits import refuse_in_place_edits
+
 if TYPE_CHECKING:
     from .training_core import TrainingCore
 
@@ -58,6 +60,9 @@ def rank_state_dict(engine: "TrainingCore", operation: str = "full_state_dict()"
     engine.update.settle(collective=True)
     masters = engine.masters()
     shards = list(zip(engine.flat.units, masters))
+    if operation != "close()":  # (close hands back the masters' values: docs/migrate-fsdp2.md)
+        by_index = {u.unit.index: m for u, m in shards}
+        refuse_in_place_edits(engine, by_index.__getitem__, operation)
     shards += [(u, engine.flat.read_shard(u.unit.index).float()) for u in engine.flat.frozen_units]
     for u, shard in shards:
         full = torch.empty(u.unit.padded_numel, dtype=torch.float32, device=engine.device)

@@ -34,6 +34,7 @@ from .errors import parameters_named
 from .gathered import gathered_parameters_of, rank_state_dict
 from .held_gradients import HeldGradients
 from .host_memory import retain_freed_host_memory
+from .in_place_edits import refuse_in_place_edits
 from .memory_report import MemoryReport, memory_report_of
 from .module_load import ModuleLoad
 from .optim import OptimizerArg, SchedulerFactory, client_optimizer, clip_coefficient, scheduled_lr, squared_norm
@@ -42,6 +43,7 @@ from .run_plan import RunPlan, resolve_run_plan
 from .spans import span
 from .topology import Topology
 from .train_state import RNGState, TrainState
+from .unit_values import MasterShards
 from .update.factory import UpdateFactory
 from .update.instance_view import guard as guard_optimizer_instances, refuse_other_optimizers
 from .zero.accumulation import agreed_free_memory
@@ -463,6 +465,7 @@ class TrainingCore:
         self.wait_for_checkpoint()
         self.quiesce()
         self.update.settle(collective=True)  # an update in flight is saved, not lost
+        refuse_in_place_edits(self, MasterShards(self).shard, "save_checkpoint()")
         state_io = self._state_io()
         if run_id is None:
             import uuid
@@ -535,6 +538,9 @@ class TrainingCore:
         tiertrain.ExportReport. See tiertrain/state/export.py."""
         state_io = self._state_io()
         self.comm.meet("save_pretrained()")
+        self.quiesce()
+        self.update.settle(collective=True)
+        refuse_in_place_edits(self, MasterShards(self).shard, "save_pretrained()")
         return state_io.save_pretrained(self, directory, dtype=dtype, max_shard_bytes=max_shard_bytes, peft=peft)
 
     def _state_io(self) -> StateIO:

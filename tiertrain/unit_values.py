@@ -58,7 +58,7 @@ def _into_unit(engine: "TrainingCore", u: "UnitBuffers", keys: dict[str, str], s
     if masters_elsewhere:
         complete = all(slot.name in keys for slot, _, _ in pieces)
         master = (torch.zeros(u.unit.shard_numel, dtype=torch.float32) if complete
-                  else _master_shard(engine, index))
+                  else MasterShards(engine).shard(index).detach().clone())
     elif u.trainable and u.master is not u.shard:
         master = u.master
 
@@ -91,13 +91,23 @@ def _into_unit(engine: "TrainingCore", u: "UnitBuffers", keys: dict[str, str], s
         engine.update.write_masters(edited)
 
 
-def _master_shard(engine: "TrainingCore", index: int) -> torch.Tensor:
-    """This rank's fp32 master shard of trained unit index, read where the optimizer keeps it
-    (only that unit's when the NVMe optimizer can read one: not the whole rank's masters)."""
-    nvme = getattr(engine.update, "nvme", None)
-    if nvme is not None and hasattr(nvme, "read_masters"):
-        return nvme.read_masters(shards=[index])[index]
-    return engine.update.masters()[index].detach().clone()
+class MasterShards:
+    """This rank's fp32 master shard of each trained unit, one unit at a time: where the
+    optimizer keeps them on NVMe, only that unit's are read (never the rank's whole shard);
+    in memory, the masters themselves (no copy)."""
+
+    def __init__(self, engine: "TrainingCore"):
+        self.update = engine.update
+        nvme = getattr(engine.update, "nvme", None)
+        self._read_one = getattr(nvme, "read_masters", None)
+        self._all: list[torch.Tensor] | None = None
+
+    def shard(self, index: int) -> torch.Tensor:
+        if self._read_one is not None:
+            return self._read_one(shards=[index])[index]
+        if self._all is None:
+            self._all = self.update.masters()
+        return self._all[index]
 
 
-__all__ = ["ValueSource", "write_into_units"]
+__all__ = ["MasterShards", "ValueSource", "write_into_units"]

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ..io.fileio import atomic_write
+from ..unit_values import MasterShards
 from .export_files import _fsync_directory, _remove_stale, _StreamedFile, _write_config, write_files_with_model
 from .export_groups import ConvertedValues, GroupMembers
 from .export_plan import (DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, _File, _Item, _model_tensors, _plan, _Plan,
@@ -129,25 +130,7 @@ class _RankWriter:
 # -- the export ------------------------------------------------------------------------------------
 
 
-class _Masters:
-    """This rank's fp32 master shard of each trained unit, one unit at a time: where the
-    optimizer keeps them on NVMe, only that unit's are read (never the rank's whole shard)."""
-
-    def __init__(self, engine: "Engine"):
-        self.update = engine.update
-        nvme = getattr(engine.update, "nvme", None)
-        self._read_one = getattr(nvme, "read_masters", None)
-        self._all: list[torch.Tensor] | None = None
-
-    def shard(self, index: int) -> torch.Tensor:
-        if self._read_one is not None:
-            return self._read_one(shards=[index])[index]
-        if self._all is None:
-            self._all = self.update.masters()  # (in memory: the masters themselves, no copy)
-        return self._all[index]
-
-
-def _unit_values(engine: "Engine", u: "UnitBuffers", dtype: torch.dtype, masters: _Masters,
+def _unit_values(engine: "Engine", u: "UnitBuffers", dtype: torch.dtype, masters: MasterShards,
                  report: ExportReport, failed: list[BaseException]) -> torch.Tensor:
     """Unit u's whole flat buffer. Trained: the fp32 masters, all-gathered from the ranks'
     shards; except where this rank already holds the value wanted (stage 0's whole masters;
@@ -258,7 +241,7 @@ def save_pretrained(engine: "Engine", directory: str | os.PathLike, dtype: torch
     # 2. Unit by unit: gather, write this rank's tensors of it, drop it.
     mine = [f for f in plan.files if f.rank == rank]
     writer = _RankWriter(directory, mine, report)
-    masters = _Masters(engine)
+    masters = MasterShards(engine)
     by_index = engine.flat.all_units
     members = GroupMembers([i for f in mine for i in f.items])
     converted = ConvertedValues(engine.module, [i for f in mine for i in f.items], members.take)

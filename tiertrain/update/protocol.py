@@ -343,6 +343,10 @@ class OptimizerUpdate(ABC):
     last_overlapped_step: dict | None = None
     """Progress of the last step that overlapped backward when step() began (NVMe); else None."""
 
+    unpublished: bool = False
+    """Whether the masters hold an update the compute shards do not hold yet, by design (the
+    delayed update between its landing and its publish): only then do they differ."""
+
     def __init__(self, flat: "FlatParameters", config: "Config", lazy_zero: bool):
         self.flat = flat
         self.config = config
