@@ -135,8 +135,7 @@ class TrainingCore:
         self.gathered_open = 0
         """gathered_parameters() contexts open (a model.load_state_dict() inside one loads the gathered copies)."""
         self.undo_on_close(ModuleLoad(self).attach(module))
-        self.held_gradients = HeldGradients(self.flat.params)
-        """The trainable parameters' .grad between a backward and the step: an error by name when read."""
+        self.held_gradients = HeldGradients(self.flat.params)  # (.grad between backward and step)
         self.undo_on_close(lambda: self.held_gradients.remove(check=False))
         instances = client.instances if client is not None else ()
         self.undo_on_close(refuse_other_optimizers(self.flat.params, instances))
