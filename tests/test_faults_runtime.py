@@ -421,34 +421,35 @@ def _ip(*args, check=True):
     return p
 
 
+def _pids_in(ns):
+    return [int(pid) for pid in _ip("netns", "pids", ns, check=False).stdout.split() if pid.isdigit()]
+
+
+def _send(pids, signum):
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
 def _kill_namespace(ns, within=10.0):
     """SIGKILL every process in network namespace ns (the node dies at once, agent and workers),
     again until none is left or ``within`` seconds passed: the pids still there (none when
     the node is dead)."""
     deadline = time.monotonic() + within
-    while True:
-        pids = [int(pid) for pid in _ip("netns", "pids", ns, check=False).stdout.split() if pid.isdigit()]
-        if not pids or time.monotonic() > deadline:
-            return pids
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    while (pids := _pids_in(ns)) and time.monotonic() <= deadline:
+        _send(pids, signal.SIGKILL)
         time.sleep(0.1)
+    return pids
 
 
 def _stacks_of_workers(ns, agent, log):
     """A hung node's worker stacks, for the failure message: SIGABRT to every process of
     namespace ns but its torchrun agent (the workers run with PYTHONFAULTHANDLER=1, which dumps
     every thread's Python stack to the log before dying)."""
-    workers = [int(pid) for pid in _ip("netns", "pids", ns, check=False).stdout.split()
-               if pid.isdigit() and int(pid) != agent]
-    for pid in workers:
-        try:
-            os.kill(pid, signal.SIGABRT)
-        except ProcessLookupError:
-            pass
+    workers = [pid for pid in _pids_in(ns) if pid != agent]
+    _send(workers, signal.SIGABRT)
     time.sleep(3)
     return f"workers {workers}, log:\n{log.read_text()[-6000:]}"
 
@@ -505,8 +506,9 @@ def test_two_nodes_the_survivor_names_the_lost_node(tmp_path, token_cache):
         try:
             procs[0].wait(timeout=60)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"node 0 still running 60 s after node 1 died; its "
-                        f"{_stacks_of_workers(ns[0], procs[0].pid, logs[0])}\nnode 1's log:\n{logs[1].read_text()[-2000:]}")
+            stacks = _stacks_of_workers(ns[0], procs[0].pid, logs[0])
+            pytest.fail(f"node 0 still running 60 s after node 1 died; its {stacks}\nnode 1's log:\n"
+                        f"{logs[1].read_text()[-2000:]}")
         elapsed = time.monotonic() - killed
         output = logs[0].read_text()
         assert procs[0].returncode != 0

@@ -56,8 +56,9 @@ def test_an_init_applied_after_wrap_is_refused_at_the_first_forward():
     model = make_model()
     engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
     torch.nn.init.normal_(model.blocks[1].mlp.fc2.weight)
-    with pytest.raises(tiertrain.InPlaceEditError, match=r"parameter 'blocks\.1\.mlp\.fc2\.weight' was changed in place "
-                                               r"after wrap\(\) .*before the first step"):
+    with pytest.raises(tiertrain.InPlaceEditError,
+                       match=r"parameter 'blocks\.1\.mlp\.fc2\.weight' was changed in place after wrap\(\) .*before "
+                             r"the first step"):
         engine(global_batches(1, 2)[0])
     engine.close()
 

@@ -144,7 +144,8 @@ def cast_buffers_and_frozen(engine: "Engine", model: nn.Module, in_layout: set[s
     the device (a small frozen parameter built under partitioned_init gathered whole).
     Derived buffers (not in the state dict) keep the dtype the model built them in unless
     precision.cast_derived_buffers: rotary frequencies rounded to bf16 move the cosines of
-    positions below 2048 by up to 1.9 (head dimension 128) (docs/concepts.md, "Buffers and the compute dtype")."""
+    positions below 2048 by up to 1.9 at head dimension 128 (docs/concepts.md, "Buffers and
+    the compute dtype")."""
     persistent = set(model.state_dict(keep_vars=True))
     cast_derived = engine.config.precision.cast_derived_buffers
     engine.derived_buffers_kept = []

@@ -60,7 +60,7 @@ def rank_state_dict(engine: "TrainingCore", operation: str = "full_state_dict()"
     engine.update.settle(collective=True)
     masters = engine.masters()
     shards = list(zip(engine.flat.units, masters))
-    if operation != "close()":  # (close hands back the masters' values: docs/migrate-fsdp2.md)
+    if operation != "close()":  # (close, often in a finally block, hands back the masters' values)
         by_index = {u.unit.index: m for u, m in shards}
         refuse_in_place_edits(engine, by_index.__getitem__, operation)
     shards += [(u, engine.flat.read_shard(u.unit.index).float()) for u in engine.flat.frozen_units]

@@ -99,9 +99,9 @@ class HeldGradients:
         foreign = [name for name, p in self._params.items()
                    if p.grad is not None and not isinstance(p.grad, HeldGradient)]
         if check and foreign:
-            raise HeldGradientError(f".grad of {parameters_named(foreign)[0]} was set to a tensor of the loop's own between "
-                                    f"engine.backward() and engine.step(), but the engine's update never reads it: "
-                                    f"{_REMEDY}")
+            raise HeldGradientError(f".grad of {parameters_named(foreign)[0]} was set to a tensor of the loop's own "
+                                    f"between engine.backward() and engine.step(), but the engine's update never "
+                                    f"reads it: {_REMEDY}")
         for p in self._params.values():
             p.grad = None
         self.installed = False

@@ -66,10 +66,13 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b) or bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
-def _bits_sum(t: torch.Tensor) -> int:
-    """The sum of t's elements read as integers of their width: equal copies, equal sums."""
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return int(t.view(ints).sum(dtype=torch.int64))
+def _bits_sums(tensors: list[torch.Tensor]) -> list[int]:
+    """Each tensor's elements summed as integers of their width (equal copies, equal sums), read
+    back at once (one device synchronisation)."""
+    if not tensors:
+        return []
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[tensors[0].element_size()]
+    return torch.stack([t.view(ints).sum(dtype=torch.int64) for t in tensors]).tolist()
 
 
 def refuse_in_place_edits(engine: "TrainingCore", master_of: MasterOf, operation: str) -> None:
@@ -80,7 +83,7 @@ def refuse_in_place_edits(engine: "TrainingCore", master_of: MasterOf, operation
     names = edited_parameters(engine, master_of)
     whole = [(slot.name, u.full[slot.offset:slot.end]) for u in engine.flat.units if u.unit.resident
              for slot in u.unit.slots]
-    flags = [engine.comm.rank + 1 if names else 0] + [_bits_sum(t) for _, t in whole]
+    flags = [engine.comm.rank + 1 if names else 0] + _bits_sums([t for _, t in whole])
     largest, smallest = engine.comm.extremes(flags)
     differ = [name for (name, _), a, b in zip(whole, largest[1:], smallest[1:]) if a != b]
     if not largest[0] and not differ:
