@@ -6,8 +6,9 @@ only: at bf16 (or with the masters on the CPU) the next step wrote the masters b
 every checkpoint, export and ``full_state_dict()`` left it out, without a word. Now the first
 forward and every save compare the compute copies with the masters, on every data-parallel
 rank, and raise :class:`tiertrain.InPlaceEditError` naming the parameter and the ways that reach the
-masters; those ways work, and where the master is the compute copy itself (fp32 on the
-device, stage 0) the change is kept and nothing is raised.
+masters; those ways work; ``close()``, which hands back the masters' values, warns; and where
+the master is the compute copy itself (fp32 on the device, stage 0) the change is kept and
+nothing is raised.
 """
 from __future__ import annotations
 
@@ -81,6 +82,18 @@ def test_the_ways_the_error_names_reach_the_masters(tmp_path, stage, dtype, offl
     engine.backward(engine(global_batches(2, 2)[1]))
     assert engine.step()
     engine.close()
+
+
+def test_close_hands_back_the_masters_and_warns_of_an_edit_it_leaves_out():
+    """close() is often in a finally block, where an error would hide the first: it warns."""
+    model, engine = _trained_one_step(2, "bf16", "none")
+    masters = engine.full_state_dict()
+    with torch.no_grad():
+        model.norm.weight.mul_(0.5)
+    with pytest.warns(RuntimeWarning, match=EDITED + r" and before close\(\): the model close\(\) hands back holds "
+                                                     r"the engine's fp32 masters"):
+        engine.close()
+    assert torch.equal(model.norm.weight, masters["norm.weight"])
 
 
 def test_where_the_master_is_the_compute_copy_the_edit_is_kept():

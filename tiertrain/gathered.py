@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 import torch.nn as nn
 
-from .in_place_edits import refuse_in_place_edits
+from .in_place_edits import refuse_in_place_edits, warn_of_in_place_edits
 
 if TYPE_CHECKING:
     from .training_core import TrainingCore
@@ -60,9 +60,11 @@ def rank_state_dict(engine: "TrainingCore", operation: str = "full_state_dict()"
     engine.update.settle(collective=True)
     masters = engine.masters()
     shards = list(zip(engine.flat.units, masters))
-    if operation != "close()":  # (close, often in a finally block, hands back the masters' values)
-        by_index = {u.unit.index: m for u, m in shards}
+    by_index = {u.unit.index: m for u, m in shards}
+    if operation != "close()":
         refuse_in_place_edits(engine, by_index.__getitem__, operation)
+    else:  # (often in a finally block, where an error would hide the first: the masters' values, said)
+        warn_of_in_place_edits(engine, by_index.__getitem__)
     shards += [(u, engine.flat.read_shard(u.unit.index).float()) for u in engine.flat.frozen_units]
     for u, shard in shards:
         full = torch.empty(u.unit.padded_numel, dtype=torch.float32, device=engine.device)

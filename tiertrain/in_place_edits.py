@@ -10,12 +10,14 @@ rounded to the compute dtype, so a change shows as a difference from it: the eng
 them, on every data-parallel rank, at the first forward and before every save, export and
 ``full_state_dict()``, and raises :class:`InPlaceEditError` naming the parameters and the ways
 that do reach the masters (``model.load_state_dict``, ``engine.gathered_parameters(
-modifier_rank=...)``, a change before ``wrap()``). Only parameters the engine keeps whole on
+modifier_rank=...)``, a change before ``wrap()``); ``close()``, which hands back the masters'
+values, warns instead. Only parameters the engine keeps whole on
 every rank (stages 0-2, stage 3's resident units) can be changed so: a released stage-3
 parameter already refuses it (tiertrain/zero/released.py).
 """
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -25,7 +27,7 @@ from .errors import TiertrainError, parameters_named
 if TYPE_CHECKING:
     from .training_core import TrainingCore
 
-__all__ = ["InPlaceEditError", "edited_parameters", "refuse_in_place_edits"]
+__all__ = ["InPlaceEditError", "edited_parameters", "refuse_in_place_edits", "warn_of_in_place_edits"]
 
 
 class InPlaceEditError(TiertrainError, RuntimeError):
@@ -103,3 +105,16 @@ def refuse_in_place_edits(engine: "TrainingCore", master_of: MasterOf, operation
         f"and the next step writes back over the parameters, so the change would be lost. Make it before wrap(), or "
         f"through model.load_state_dict({{name: value}}, strict=False) or inside "
         f"`with engine.gathered_parameters(modifier_rank=0):` (on every rank), which write it into the masters")
+
+
+def warn_of_in_place_edits(engine: "TrainingCore", master_of: MasterOf) -> None:
+    """close(): the model it hands back holds the masters' values, so an edit in this rank's
+    shard made since the last check is lost; said with a warning (no collective: close may
+    run after a failure), naming the parameters."""
+    names = edited_parameters(engine, master_of)
+    if names:
+        shown, one = parameters_named(names)
+        warnings.warn(f"{shown} {'was' if one else 'were'} changed in place after wrap() and before close(): the "
+                      f"model close() hands back holds the engine's fp32 masters, without the change. Make it "
+                      f"after close(), or through model.load_state_dict({{name: value}}, strict=False) before it",
+                      RuntimeWarning, stacklevel=4)
