@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from .errors import TiertrainError, parameters_named
-from .zero.released import METADATA_READS, called
+from .zero.released import METADATA_READS, called, first_instance
 
 __all__ = ["HeldGradient", "HeldGradientError", "HeldGradients"]
 
@@ -47,9 +47,7 @@ class HeldGradient(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in METADATA_READS:
             return super().__torch_function__(func, types, args, kwargs or {})
-        given = [a for arg in (*args, *(kwargs or {}).values())
-                 for a in (arg if isinstance(arg, (list, tuple)) else (arg,))]
-        held = next((a for a in given if isinstance(a, HeldGradient)), None)
+        held = first_instance(HeldGradient, args, kwargs)
         name = held.__dict__.get("parameter", "?") if held is not None else "?"
         raise HeldGradientError(f"{called(func)} read the gradient (.grad) of parameter {name!r} between "
                                 f"engine.backward() and engine.step(), but {_REMEDY}")
@@ -68,25 +66,21 @@ class HeldGradients:
 
     def __init__(self, params: dict[str, nn.Parameter]):
         self._params = {name: p for name, p in params.items() if p.requires_grad}
-        self._bases: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        bases: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._gradients: dict[str, HeldGradient] = {}
-        self.installed = False
-
-    def _gradient(self, name: str, p: nn.Parameter) -> HeldGradient:
-        g = self._gradients.get(name)
-        if g is None or g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
-            key = (p.dtype, p.device)
-            if key not in self._bases:  # (one element per dtype and device, shared: nothing writes it)
-                self._bases[key] = torch.zeros((), dtype=p.dtype, device=p.device)
-            g = self._bases[key].expand(p.shape).as_subclass(HeldGradient)
+        """Each one's placeholder, made once (the engine owns its parameters' shape, dtype and device)."""
+        for name, p in self._params.items():
+            if (p.dtype, p.device) not in bases:  # (one element per dtype and device, shared: nothing writes it)
+                bases[p.dtype, p.device] = torch.zeros((), dtype=p.dtype, device=p.device)
+            g = bases[p.dtype, p.device].expand(p.shape).as_subclass(HeldGradient)
             g.__dict__["parameter"] = name
             self._gradients[name] = g
-        return g
+        self.installed = False
 
     def install(self) -> None:
         """After a backward: every trainable parameter's .grad is its held gradient."""
         for name, p in self._params.items():
-            p.grad = self._gradient(name, p)
+            p.grad = self._gradients[name]
         self.installed = True
 
     def remove(self, check: bool = True) -> None:

@@ -7,10 +7,10 @@ gives). Mixed up, training runs and the loss falls, toward the wrong objective: 
 to copy its input token, the Hugging Face model to predict the token after next. Nothing else
 would say so.
 
-The first batches are checked (:data:`BATCHES_CHECKED`). A batch proves the mix-up when every labelled position (label != -100) holds the other
-convention's target and at least one of them differs from this convention's (the next token
-differs from the current one): labels of the right convention never satisfy both, so a
-correct batch is never refused. A batch of one token repeated proves nothing and passes.
+The first batches are checked (:data:`BATCHES_CHECKED`). A batch proves the mix-up when every
+labelled position (label != -100) holds the other convention's target and at least one of them
+differs from this convention's (the next token differs from the current one): labels of the
+right convention never satisfy both, so a correct batch is never refused. A batch of one token repeated proves nothing and passes.
 """
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ import torch.nn as nn
 
 from ..errors import ReleasedParameterError
 
-__all__ = ["METADATA_READS", "ReleasedParameter", "ReleasedParameterError", "called", "conversion_error", "held", "hold",
-           "let_go", "mark_gathered", "mark_released"]
+__all__ = ["METADATA_READS", "ReleasedParameter", "ReleasedParameterError", "called", "conversion_error", "first_instance",
+           "held", "hold", "let_go", "mark_gathered", "mark_released"]
 
 NAME = "tiertrain_name"
 """The attribute holding a held parameter's name in the model (see the module docstring)."""
@@ -48,7 +48,16 @@ def _metadata_functions() -> frozenset:
 
 
 METADATA_READS = _metadata_functions()
-"""What a released parameter (and a held gradient, tiertrain/held_gradients.py) answers: its metadata, its gradient and hooks, never its values."""
+"""What a released parameter (and a held gradient, tiertrain/held_gradients.py) answers: its
+metadata, its gradient and hooks, never its values."""
+
+
+def first_instance(kind: type, args: tuple, kwargs: dict | None):
+    """The first argument of a ``__torch_function__`` call (looking into lists and tuples, as
+    torch's tensor lists) that is a ``kind``, or None: the tensor a refusal names."""
+    given = [a for arg in (*args, *(kwargs or {}).values())
+             for a in (arg if isinstance(arg, (list, tuple)) else (arg,))]
+    return next((a for a in given if isinstance(a, kind)), None)
 
 
 class ReleasedParameter(nn.Parameter):
@@ -59,10 +68,7 @@ class ReleasedParameter(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in METADATA_READS:
             return nn.Parameter.__torch_function__(func, types, args, kwargs or {})
-        given = [a for arg in (*args, *(kwargs or {}).values())
-                 for a in (arg if isinstance(arg, (list, tuple)) else (arg,))]
-        released = next((a for a in given if isinstance(a, ReleasedParameter)), None)
-        raise ReleasedParameterError(_explain(released, called(func)))
+        raise ReleasedParameterError(_explain(first_instance(ReleasedParameter, args, kwargs), called(func)))
 
     def __repr__(self) -> str:
         return f"ReleasedParameter({_name(self)!r}, shape={tuple(self.shape)}, dtype={self.dtype}: {_REMEDY})"
