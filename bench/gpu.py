@@ -72,18 +72,47 @@ ROWS = {
     "tt-z3-bothcpu-overlap": Row("tiertrain stage 3, params+optimizer on CPU, step overlapped with backward", "tt",
                                  {"stage": 3, "offload_params": "cpu", "offload_optimizer": "cpu",
                                   "overlap_cpu_step": True}),
+    # The same two with the loss scaled by 1/32 (AdamW's update does not change, up to eps): the
+    # gradient norm, ~5 at this random initialisation, falls below the clip as in steady-state
+    # training, so the overlapped step's speculation can hold (each row says whether it did).
+    "tt-z2-optcpu-overlap-below-clip": Row("tiertrain stage 2, optimizer on CPU, step overlapped with backward, "
+                                           "loss × 1/32 (gradient norm below the clip)", "tt",
+                                           {"stage": 2, "offload_optimizer": "cpu", "overlap_cpu_step": True,
+                                            "loss_scale": 1 / 32}),
+    "tt-z3-bothcpu-overlap-below-clip": Row("tiertrain stage 3, params+optimizer on CPU, step overlapped with "
+                                            "backward, loss × 1/32 (gradient norm below the clip)", "tt",
+                                            {"stage": 3, "offload_params": "cpu", "offload_optimizer": "cpu",
+                                             "overlap_cpu_step": True, "loss_scale": 1 / 32}),
     "tt-z3-bothcpu-accum8": Row("tiertrain stage 3, params+optimizer on CPU, 8 micro-batches per step", "tt",
                                 {"stage": 3, "offload_params": "cpu", "offload_optimizer": "cpu", "accum": 8}),
     "tt-z3-bothcpu-accum8-overlap": Row("tiertrain stage 3, params+optimizer on CPU, 8 micro-batches per step, "
-                                        "step overlapped with backward", "tt",
-                                        {"stage": 3, "offload_params": "cpu", "offload_optimizer": "cpu", "accum": 8,
-                                         "overlap_cpu_step": True}),
+                                        "step overlapped with backward, loss × 1/32 (gradient norm below the clip)",
+                                        "tt", {"stage": 3, "offload_params": "cpu", "offload_optimizer": "cpu",
+                                               "accum": 8, "overlap_cpu_step": True, "loss_scale": 1 / 32}),
+    "tt-z2-optcpu-delayed": Row("tiertrain stage 2, optimizer on CPU, delayed update", "tt",
+                                {"stage": 2, "offload_optimizer": "cpu", "delayed_update": True,
+                                 "delayed_update_warmup": 0}),
+    "tt-z3-bothcpu-delayed": Row("tiertrain stage 3, params+optimizer on CPU, delayed update", "tt",
+                                 {"stage": 3, "offload_params": "cpu", "offload_optimizer": "cpu",
+                                  "delayed_update": True, "delayed_update_warmup": 0}),
     "tt-z3-bothnvme": Row("tiertrain stage 3, params+optimizer on NVMe", "tt",
                           {"stage": 3, "offload_params": "nvme", "offload_optimizer": "nvme"}),
     "fsdp2-cpuoffload": Row("FSDP2 CPUOffloadPolicy", "fsdp2", {"offload": True}),
     "ds-z3": Row("DeepSpeed ZeRO-3", "ds", {"stage": 3}),
     "ds-z2-optcpu": Row("DeepSpeed ZeRO-2, optimizer on CPU", "ds", {"stage": 2, "offload_optimizer": "cpu"}),
 }
+# Issue 36's GPU targets, read off the rows of one run (the report's "Targets" section).
+BEAT_FSDP2_OFFLOAD = ("tt-z2-optcpu", "tt-z2-optcpu-overlap", "tt-z2-optcpu-overlap-below-clip", "tt-z3-bothcpu",
+                      "tt-z3-bothcpu-overlap", "tt-z3-bothcpu-overlap-below-clip")
+"""Rows whose step must be at most 0.75 x FSDP2 CPUOffloadPolicy's ("fsdp2-cpuoffload")."""
+FSDP2_OFFLOAD_BOUND = 0.75
+ACCUMULATION_MFU = ("tt-z3-bothcpu-accum8", "tt-z3-bothcpu-accum8-overlap")
+"""Rows (8 micro-batches per step) whose MFU must be at least ACCUMULATION_MFU_BOUND."""
+ACCUMULATION_MFU_BOUND = 0.30
+DELAYED_AND_SYNCHRONOUS = {"tt-z2-optcpu-delayed": "tt-z2-optcpu", "tt-z3-bothcpu-delayed": "tt-z3-bothcpu"}
+"""Delayed-update row -> the same configuration's synchronous row, whose step phase is the CPU
+step: the delayed row's step must be at most DELAYED_BOUND x max(forward + backward, CPU step)."""
+DELAYED_BOUND = 1.1
 NVME_BYTES_PER_PARAM = {False: 2 + 24, True: 2 + 12}
 """Disk a parameter takes with both tiers on NVMe: its bf16 shard, and the fp32 master and two
 moments, twice unless zero.nvme_in_place (the optimizer writes a second generation and commits it)."""
@@ -149,6 +178,7 @@ def _row_main(args) -> dict:
         sync()
         times.append(time.perf_counter() - t)
         print(PROGRESS_MARK + json.dumps({"step_s": round(times[-1], 3), "loss": round(losses[-1], 4)}), flush=True)
+    trace = _trace_one_step(step, batches[-1], args.trace_file, sync) if args.trace_file else None
     timed = times[args.warmup:]
     step_s = statistics.median(timed)
     from tiertrain.models.gpt import GPT, GPTConfig
@@ -168,7 +198,47 @@ def _row_main(args) -> dict:
             "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / GiB, 2) if cuda else None,
             "host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB, 2),
             "phases_s": {k: round(statistics.median(v[-args.steps:]), 4) for k, v in phases.times.items()},
-            "losses": [round(x, 4) for x in losses]}
+            "losses": [round(x, 4) for x in losses], **({"trace": trace} if trace else {}), **_engine_facts(step)}
+
+
+def _engine_facts(step) -> dict:
+    """A tiertrain row's last gradient norm and, stepping overlapped with backward, how many steps
+    kept their speculative update (tiertrain.update.overlapped_host)."""
+    engine = getattr(step, "engine", None)
+    if engine is None:
+        return {}
+    facts = {"grad_norm": round(float(engine.last_grad_norm), 4)}
+    speculation = getattr(engine.update, "speculation", None)
+    if speculation is not None:
+        facts["speculation"] = dict(speculation)
+        facts["last_overlapped_step"] = getattr(engine.update, "last_overlapped_step", None)
+    return facts
+
+
+def _trace_one_step(step, batch, path: str, sync) -> dict:
+    """One more step (after the timed ones: the profiler slows it) recorded as a Chrome trace
+    with the engine's spans and the device's kernels (tiertrain.observe.trace), gzipped to path."""
+    import gzip
+
+    from tiertrain.observe.trace import StepTrace, load_spans
+
+    plain = path[:-len(".gz")] if path.endswith(".gz") else path
+    try:
+        trace = StepTrace(plain, steps=1)
+        trace.before_step(1)
+        t = time.perf_counter()
+        step(batch)
+        sync()
+        traced_s = time.perf_counter() - t
+        trace.after_step(1)
+        spans = len(load_spans(plain))
+        if plain != path:
+            with open(plain, "rb") as src, gzip.open(path, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.remove(plain)
+        return {"file": os.path.basename(path), "spans": spans, "traced_step_s": round(traced_s, 4)}
+    except Exception as e:  # noqa: BLE001 (a trace that fails is said so; the row's timings stand)
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
 
 
 def _build_gpt(model_kw, device):
@@ -281,9 +351,9 @@ def _tt_row(options, device, model_kw, micro, phases, args):
 
     _init_group(device)
     cfg = tiertrain.Config()
-    accum = options.get("accum", 1)
+    accum, loss_scale = options.get("accum", 1), options.get("loss_scale", 1.0)
     for key, value in options.items():
-        if key != "accum":
+        if key not in ("accum", "loss_scale"):  # (the loop's, not the engine's)
             setattr(cfg.zero, key, value)
     cfg.batch.grad_accum_steps = accum
     if "nvme" in options.values():
@@ -306,9 +376,10 @@ def _tt_row(options, device, model_kw, micro, phases, args):
     def step(b):
         for _ in range(accum):  # (the same micro-batch each time: a step's timing, not its learning)
             loss = phases("fwd", lambda: engine(b))
-            phases("bwd", lambda: engine.backward(loss))
+            phases("bwd", lambda: engine.backward(loss * loss_scale if loss_scale != 1.0 else loss))
         phases("step", engine.step)
         return float(loss)
+    step.engine = engine  # (for the row's gradient norm and speculation counts)
     return step
 
 
@@ -365,6 +436,8 @@ def _row_in_subprocess(name: str, args, swap_dir: str, timeout_s: float, log, in
         cmd.append("--dry-run")
     if in_place:
         cmd.append("--nvme-in-place")
+    if name in args.trace:
+        cmd += ["--trace-file", os.path.join(os.path.dirname(os.path.abspath(args.out)), f"trace-{name}.json.gz")]
     t = time.monotonic()
     rc, out = _run(cmd, timeout_s, None, log)
     lines = out.splitlines()
@@ -457,7 +530,65 @@ def _report(args, machine: list[str], suite: dict | None, rows: list[dict], star
             "fwd / bwd / step s | loss first → last | row s |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     out += [_table_line(r) for r in rows]
+    facts = [r for r in rows if r.get("status") == "ok" and "grad_norm" in r]
+    if facts:
+        out += ["", "tiertrain rows' last gradient norm (before the clip of 1.0)"
+                + (" and steps whose overlapped update was kept (speculation committed) or redone after the "
+                   "clip" if any("speculation" in r for r in facts) else "") + ":", ""]
+        out += [f"- {r['label']}: {r['grad_norm']:.3g}" + (_speculation(r) if "speculation" in r else "")
+                for r in facts]
+    out += _targets(rows)
+    traced = [r for r in rows if r.get("trace")]
+    if traced:
+        out += ["", "## Traces", "", "One more step of each row below, after its timed steps, recorded with torch's "
+                "profiler (device kernels and the engine's spans; the profiler slows the step). Draw one with "
+                "`tiertrain plot`, or open it in Perfetto.", ""]
+        for r in traced:
+            t = r["trace"]
+            out.append(f"- {r['label']}: " + (f"`{t['file']}`, {t['spans']} spans, the traced step "
+                                              f"{t['traced_step_s']:.3f} s" if "file" in t else f"failed: {t['error']}"))
     return "\n".join(out) + "\n"
+
+
+def _speculation(r: dict) -> str:
+    """What the overlapped step did over a row's steps (warm-up, timed and traced)."""
+    committed, discarded = r["speculation"]["committed"], r["speculation"]["discarded"]
+    steps = len(r["steps_s"]) + (1 if "file" in r.get("trace", {}) else 0)
+    last = r.get("last_overlapped_step") or {}
+    return (f"; speculation committed at {committed} of {steps} steps, discarded at {discarded}"
+            + (f" (last step: {last['units_updated']} of {last['units']} units updated during backward)"
+               if last else ""))
+
+
+def _targets(rows: list[dict]) -> list[str]:
+    """Issue 36's GPU targets against the rows of this run that measured them, met or not."""
+    by_name = {r["name"]: r for r in rows if r.get("status") == "ok"}
+    lines = []
+    fsdp2 = by_name.get("fsdp2-cpuoffload")
+    for name in BEAT_FSDP2_OFFLOAD:
+        if fsdp2 and name in by_name:
+            ratio = by_name[name]["step_s"] / fsdp2["step_s"]
+            lines.append((by_name[name]["label"], f"step ≤ {FSDP2_OFFLOAD_BOUND} × FSDP2 CPUOffloadPolicy's "
+                          f"({fsdp2['step_s']:.3f} s)", f"{by_name[name]['step_s']:.3f} s = {ratio:.2f} ×",
+                          ratio <= FSDP2_OFFLOAD_BOUND))
+    for name in ACCUMULATION_MFU:
+        if name in by_name:
+            mfu = by_name[name]["mfu"]
+            lines.append((by_name[name]["label"], f"MFU ≥ {100 * ACCUMULATION_MFU_BOUND:.0f} %",
+                          f"{100 * mfu:.1f} %", mfu >= ACCUMULATION_MFU_BOUND))
+    for name, synchronous in DELAYED_AND_SYNCHRONOUS.items():
+        if name in by_name and synchronous in by_name:
+            p = by_name[name]["phases_s"]
+            compute, cpu_step = p["fwd"] + p["bwd"], by_name[synchronous]["phases_s"]["step"]
+            ratio = by_name[name]["step_s"] / max(compute, cpu_step)
+            lines.append((by_name[name]["label"], f"step ≤ {DELAYED_BOUND} × max(forward + backward "
+                          f"{compute:.3f} s, the synchronous row's CPU step {cpu_step:.3f} s)",
+                          f"{by_name[name]['step_s']:.3f} s = {ratio:.2f} ×", ratio <= DELAYED_BOUND))
+    if not lines:
+        return []
+    return ["", "## Targets (issue 36)", "", "| row | target | measured | met |", "|---|---|---|---|",
+            *(f"| {label} | {target} | {measured} | {'yes' if met else 'no'} |"
+              for label, target, measured, met in lines)]
 
 
 def _machine(args) -> list[str]:
@@ -578,6 +709,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pytest-timeout", type=float, default=180.0, help="most seconds the GPU suite may take")
     p.add_argument("--nvme-dir", default="", help="the NVMe row's swap directory (default: a new temp dir)")
     p.add_argument("--revision", default=None, help="the project's revision, for machines without its git")
+    p.add_argument("--trace", default="", help="comma-separated rows that also record one more step as a Chrome "
+                                               "trace, trace-<row>.json.gz beside --out (tiertrain plot draws it)")
+    p.add_argument("--trace-file", default=None, help=argparse.SUPPRESS)  # (internal: the row's trace)
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # (internal: run one row, print its result)
     p.add_argument("--nvme-in-place", action="store_true", help=argparse.SUPPRESS)  # (internal: the disk is small)
     args = p.parse_args(argv)
@@ -597,6 +731,11 @@ def main(argv: list[str] | None = None) -> int:
         # driver removes the row's swap directory.
         os._exit(0)
     args.only = [n.strip() for n in args.only.split(",") if n.strip()]
+    args.trace = [n.strip() for n in args.trace.split(",") if n.strip()]
+    for name in args.trace:
+        if name not in ROWS or ROWS[name].framework != "tt":
+            p.error(f"--trace: {name!r} is not a tiertrain row; tiertrain rows: "
+                    + ", ".join(n for n, r in ROWS.items() if r.framework == "tt"))
     args.revision = args.revision or _revision()
     args.command = shlex.join(["python", "bench/gpu.py", *(sys.argv[1:] if argv is None else argv)])
     return _driver(args)
