@@ -207,7 +207,7 @@ def _engine_facts(step) -> dict:
     engine = getattr(step, "engine", None)
     if engine is None:
         return {}
-    facts = {"grad_norm": round(float(engine.last_grad_norm), 4)}
+    facts = {"grad_norm": round(float(engine.last_grad_norm), 4), **step.build}
     speculation = getattr(engine.update, "speculation", None)
     if speculation is not None:
         facts["speculation"] = dict(speculation)
@@ -368,10 +368,13 @@ def _tt_row(options, device, model_kw, micro, phases, args):
     cfg.validate()
     # Stage 3 builds the model in host memory and partitions it at wrap (the path the first GPU
     # run crashed on with the NVMe tiers); stages 0-2 build it on the device.
+    t = time.perf_counter()
     model = _build_gpt(model_kw, device if options.get("stage", 0) < 3 else "cpu")
+    model_s = time.perf_counter() - t
     engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel, device=device))
-
-    print(PROGRESS_MARK + json.dumps({"plan": engine.plan.describe()}), flush=True)
+    # (the build's two parts: the model's own init, and wrap: partitioning, pinning, compiling)
+    build = {"model_s": round(model_s, 1), "wrap_s": round(time.perf_counter() - t - model_s, 1)}
+    print(PROGRESS_MARK + json.dumps({"plan": engine.plan.describe(), **build}), flush=True)
 
     def step(b):
         for _ in range(accum):  # (the same micro-batch each time: a step's timing, not its learning)
@@ -379,7 +382,7 @@ def _tt_row(options, device, model_kw, micro, phases, args):
             phases("bwd", lambda: engine.backward(loss * loss_scale if loss_scale != 1.0 else loss))
         phases("step", engine.step)
         return float(loss)
-    step.engine = engine  # (for the row's gradient norm and speculation counts)
+    step.engine, step.build = engine, build  # (for the row's gradient norm, speculation counts, build split)
     return step
 
 
@@ -532,11 +535,12 @@ def _report(args, machine: list[str], suite: dict | None, rows: list[dict], star
     out += [_table_line(r) for r in rows]
     facts = [r for r in rows if r.get("status") == "ok" and "grad_norm" in r]
     if facts:
-        out += ["", "tiertrain rows' last gradient norm (before the clip of 1.0)"
-                + (" and steps whose overlapped update was kept (speculation committed) or redone after the "
-                   "clip" if any("speculation" in r for r in facts) else "") + ":", ""]
-        out += [f"- {r['label']}: {r['grad_norm']:.3g}" + (_speculation(r) if "speculation" in r else "")
-                for r in facts]
+        out += ["", "tiertrain rows' build (the model's init, then wrap: partitioning, pinning, compiling), their "
+                "last gradient norm (before the clip of 1.0)" + (", and the steps whose overlapped update was kept "
+                "(speculation committed) or redone after the clip" if any("speculation" in r for r in facts) else "")
+                + ":", ""]
+        out += [f"- {r['label']}: model {r['model_s']:.1f} s, wrap {r['wrap_s']:.1f} s; gradient norm "
+                f"{r['grad_norm']:.3g}" + (_speculation(r) if "speculation" in r else "") for r in facts]
     out += _targets(rows)
     traced = [r for r in rows if r.get("trace")]
     if traced:
@@ -662,7 +666,7 @@ def _driver(args) -> int:
                 left = deadline - time.monotonic()
                 reason = note = None
                 if left < args.min_row_s:
-                    reason = f"skipped: the budget of {args.budget_s:.0f} s was spent"
+                    reason = f"the budget of {args.budget_s:.0f} s was spent"
                 elif "nvme" in ROWS[name].options.values():
                     reason, note = _nvme_room(args)
                 if reason is not None:

@@ -76,3 +76,46 @@ def test_subscribers_run_in_order_unsubscribe_and_a_cancelled_step_leaves_none(t
     assert sorted(i for name, i in order if name == "first reduced") == sorted(units)
     # removed ones ("first", the scoped one) are not called again
     assert {name for name, _ in r["second_backward"]} == {"fetcher", "second", "keep"}
+
+
+def _values_offered(rank, world):
+    import torch
+
+    import tiertrain
+
+    cfg = make_config(zero={"stage": 2, "offload_optimizer": "cpu", "bucket_mb": 0.02, "accumulate_on_device": "off"},
+                      batch={"micro_batch_size": 2, "grad_accum_steps": 2}, optimizer={"grad_clip": 0.0})
+    engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
+    order, values = [], {}
+
+    def value_hook(index, value):
+        order.append(("value", index))
+        values[index] = value.detach().clone()
+    batches = iter(global_batches(2, 4 * world))
+    engine.train_batch(rank_slices(next(batches), rank, world, 2, 2))  # (after a step the shards are stale)
+    engine.reducer.subscribe(reduced_value=value_hook, reduced=lambda index: order.append(("reduced", index)))
+    result = []
+    for micro_batch in rank_slices(next(batches), rank, world, 2, 2):
+        order.clear()
+        values.clear()
+        engine.backward(engine(micro_batch))
+        engine.reducer.wait()
+        result.append({
+            "units": sorted(u.unit.index for u in engine.flat.units if u.trainable),
+            "offered": sorted(values),
+            "reduced": sorted(i for kind, i in order if kind == "reduced"),
+            "value_first": all(order.index(("value", i)) < order.index(("reduced", i)) for i in values),
+            "equal_to_landed": all(torch.equal(v, engine.flat.units[i].grad) for i, v in values.items())})
+    engine.step()
+    engine.close()
+    return result
+
+
+def test_reduced_value_offers_exactly_what_a_copying_landing_lands_and_nothing_for_an_adding_one():
+    """The first landing since a step copies the reduced shard into the CPU tier's gradient:
+    its value is offered (before ``reduced``) and equals what landed; the next micro-batch's
+    landing adds into the shard, so no single value holds it and none is offered."""
+    first, second = run_distributed(_values_offered, 1, timeout=90)[0]
+    assert first["offered"] == first["units"] == first["reduced"]
+    assert first["value_first"] and first["equal_to_landed"]
+    assert second["offered"] == [] and second["reduced"] == second["units"]

@@ -165,7 +165,9 @@ class HostAdamW:
         if len(cast_dtypes) > 1:
             raise ValueError(f"compute shards of several dtypes ({sorted(map(str, cast_dtypes))}): one expected")
         self.cast_dtype = cast_dtypes.pop() if cast_dtypes else None
-        _kernels(None)
+        # (compiled now, not in the first step: only the kernels some piece uses, each a compile)
+        if any(d is None for d in self.destinations.values()):
+            _kernels(None)
         if self.cast_dtype is not None:
             _kernels(self.cast_dtype)
 

@@ -139,9 +139,13 @@ def gradients_hidden_where(optimizer: torch.optim.Optimizer, hide: Callable[[tor
 
 class LandingNorms:
     """Each unit's squared gradient norm, taken as its reduction lands at the accumulation
-    boundary (a ``reduced`` subscription to the reducer, during backward), instead of in the step: on the CPU
-    tier the host would otherwise read every gradient once more inside the step. Valid only
-    where nothing changes a gradient shard after it landed (UpdateContext.gradients_final_at_landing)."""
+    boundary (a subscription to the reducer, during backward), instead of in the step: on the CPU
+    tier the host would otherwise read every gradient once more inside the step. Where the
+    landing is a copy, the norm is taken of the value the reducer offers (``reduced_value``):
+    on an accelerator the reduced shard still on the device, a kernel beside its copy instead of
+    a host pass over the landed shard on backward's thread (bench/results/gpu_issue36.md);
+    otherwise of the landed host shard. Valid only where nothing changes a gradient shard after
+    it landed (UpdateContext.gradients_final_at_landing)."""
 
     def __init__(self, flat: "FlatParameters", reducer):
         self.flat = flat
@@ -154,16 +158,21 @@ class LandingNorms:
         if boundary:
             self._squares = {}
             self._unsubscribe()
-            self._subscription = self.reducer.subscribe(reduced=self._landed)
+            self._subscription = self.reducer.subscribe(reduced_value=self._value, reduced=self._landed)
 
     def _unsubscribe(self) -> None:
         if self._subscription is not None:
             self._subscription.remove()
             self._subscription = None
 
-    def _landed(self, index: int) -> None:
+    def _value(self, index: int, value: torch.Tensor) -> None:
         with span("grad_norm_at_landing"):
-            self._squares[index] = squared_norm(self.flat.units[index].grad)
+            self._squares[index] = squared_norm(value)
+
+    def _landed(self, index: int) -> None:
+        if index not in self._squares:  # (a landing that added into the shard: its sum is on the host)
+            with span("grad_norm_at_landing"):
+                self._squares[index] = squared_norm(self.flat.units[index].grad)
 
     def square(self, index: int) -> torch.Tensor | None:
         """Unit index's squared norm, if its reduction landed at this boundary."""
@@ -174,7 +183,8 @@ class LandingNorms:
         read now); None when this boundary took none."""
         if not self._squares:
             return None
-        return [self._squares[i] if i in self._squares else squared_norm(u.grad)
+        device = self.flat.device  # (taken on the compute device or the host: one device to sum on)
+        return [(self._squares[i] if i in self._squares else squared_norm(u.grad)).to(device)
                 for i, u in enumerate(self.flat.units)]
 
     def stop(self) -> None:

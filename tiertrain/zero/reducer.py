@@ -68,6 +68,7 @@ from .stages import GradientReduction, ZeroStage
 
 
 UnitHook = Callable[[int], None]
+ValueHook = Callable[[int, torch.Tensor], None]
 
 
 @dataclass(eq=False)
@@ -85,6 +86,7 @@ class _Subscriber:
     unit_done: UnitHook | None
     before_collective: UnitHook | None
     reduced: UnitHook | None
+    reduced_value: ValueHook | None = None
 
 
 class Subscription:
@@ -273,7 +275,7 @@ class GradientReducer:
                 self._launch_ready()
 
     def subscribe(self, unit_done: UnitHook | None = None, before_collective: UnitHook | None = None,
-                  reduced: UnitHook | None = None) -> Subscription:
+                  reduced: UnitHook | None = None, reduced_value: ValueHook | None = None) -> Subscription:
         """Add hooks, each called with a unit's index: ``unit_done`` once every parameter of
         the unit has reported its gradient this backward (or backward ended without some);
         ``before_collective`` just before the unit's collective is issued; ``reduced`` once
@@ -281,9 +283,13 @@ class GradientReducer:
         this thread; only subscribers present when the collective was launched are called;
         with ``defer_landing``, a non-boundary micro-batch's reductions land later: when the
         unit's landing buffer is reused or in wait(), at the latest during the boundary's
-        backward, before that unit's boundary reduction lands). Subscribers are called in the
-        order they subscribed."""
-        subscriber = _Subscriber(unit_done, before_collective, reduced)
+        backward, before that unit's boundary reduction lands). ``reduced_value`` (index, value):
+        where the shard's landing is a copy (its first reduction since the step), value holds
+        exactly what it lands, readable on the current stream: the reduced shard on the compute
+        device before its copy to the host (host code that needs only a function of it, a norm,
+        need not wait for the copy), or the shard itself where it was reduced in place; called
+        before ``reduced``. Subscribers are called in the order they subscribed."""
+        subscriber = _Subscriber(unit_done, before_collective, reduced, reduced_value)
         self._subscribers.append(subscriber)
         return Subscription(self._subscribers, subscriber)
 
@@ -347,6 +353,7 @@ class GradientReducer:
             # The shard's first reduction since the step: reduce-scatter straight into it.
             u.stale_grad = False
             work = self.comm.reduce_scatter(u.grad, bucket, async_op=True)
+            work.then(lambda hooks=self._value_hooks(): self._notify_value(index, u.grad, hooks))
         else:
             stale, u.stale_grad = u.stale_grad, False
             reduced = self._new_bucket(u.unit.shard_numel)
@@ -359,6 +366,18 @@ class GradientReducer:
                 notify = [s.reduced for s in self._subscribers if s.reduced is not None]
                 work.then(lambda: self._land_later(index, reduced, land, notify))
                 deferred = True
+            elif stale and u.grad.device.type == "cpu":
+                # The shard's first reduction since the step, on the host: copied straight into
+                # it (no pinned staging shard, no host pass copying that into the shard: ~9 ms
+                # per 53 M elements on an H100 host's autograd thread, bench/results/gpu_issue36.md).
+                streams = self.flat.streams
+
+                def land_copy(transfer, hooks=self._value_hooks()):
+                    self._notify_value(index, reduced, hooks)  # (beside the copy: it reads the device's shard)
+                    transfer.synchronize()
+                work.then(lambda: (self._finish_landing(index),
+                                   land_copy(streams.copy(u.grad, reduced, Copy.GRAD_TO_HOST)),
+                                   self._free_bucket(reduced)))
             else:
                 streams = self.flat.streams
                 to_grad = streams.to_host if u.grad.device.type == "cpu" else streams.to_device
@@ -374,6 +393,15 @@ class GradientReducer:
         # (Pipeline buckets all exist already: capping them would only stall the pipeline.)
         while len(self._in_flight) > self.max_in_flight and self.stage.partitions_gradients and self.launch_when_ready:
             self._in_flight.popleft().wait()
+
+    def _value_hooks(self) -> list[ValueHook]:
+        """The ``reduced_value`` hooks of the subscribers present now (at a collective's launch)."""
+        return [s.reduced_value for s in self._subscribers if s.reduced_value is not None]
+
+    @staticmethod
+    def _notify_value(index: int, value: torch.Tensor, hooks: list[ValueHook]) -> None:
+        for hook in hooks:
+            hook(index, value)
 
     def _land_later(self, index: int, reduced: torch.Tensor, land, notify: list[UnitHook]) -> None:
         """Unit index's collective has been waited (its result is ordered on the compute stream):
