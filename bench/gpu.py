@@ -207,7 +207,8 @@ def _engine_facts(step) -> dict:
     engine = getattr(step, "engine", None)
     if engine is None:
         return {}
-    facts = {"grad_norm": round(float(engine.last_grad_norm), 4), **step.build}
+    facts = {"grad_norm": round(float(engine.last_grad_norm), 4), **step.build,
+             "compiles_s": [round(x, 1) for x in step.compiles]}
     speculation = getattr(engine.update, "speculation", None)
     if speculation is not None:
         facts["speculation"] = dict(speculation)
@@ -368,12 +369,14 @@ def _tt_row(options, device, model_kw, micro, phases, args):
     cfg.validate()
     # Stage 3 builds the model in host memory and partitions it at wrap (the path the first GPU
     # run crashed on with the NVMe tiers); stages 0-2 build it on the device.
+    compiles = _time_compiles()
     t = time.perf_counter()
     model = _build_gpt(model_kw, device if options.get("stage", 0) < 3 else "cpu")
     model_s = time.perf_counter() - t
     engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel, device=device))
-    # (the build's two parts: the model's own init, and wrap: partitioning, pinning, compiling)
-    build = {"model_s": round(model_s, 1), "wrap_s": round(time.perf_counter() - t - model_s, 1)}
+    # (the build's parts: the model's own init, and wrap, of which compiling the CPU-tier pass)
+    build = {"model_s": round(model_s, 1), "wrap_s": round(time.perf_counter() - t - model_s, 1),
+             "compile_in_wrap_s": round(sum(compiles), 1)}
     print(PROGRESS_MARK + json.dumps({"plan": engine.plan.describe(), **build}), flush=True)
 
     def step(b):
@@ -382,8 +385,26 @@ def _tt_row(options, device, model_kw, micro, phases, args):
             phases("bwd", lambda: engine.backward(loss * loss_scale if loss_scale != 1.0 else loss))
         phases("step", engine.step)
         return float(loss)
-    step.engine, step.build = engine, build  # (for the row's gradient norm, speculation counts, build split)
+    step.engine, step.build, step.compiles = engine, build, compiles  # (for the row's facts)
     return step
+
+
+def _time_compiles() -> list[float]:
+    """Seconds of each compile of the CPU-tier AdamW kernels from now on in this process (a
+    diagnostic: tiertrain.update.host_adamw's kernel cache, timed where it misses)."""
+    from tiertrain.update import host_adamw
+
+    compiles, kernels = [], host_adamw._kernels
+
+    def timed(*args, **kwargs):
+        misses = kernels.cache_info().misses
+        t = time.perf_counter()
+        kernel = kernels(*args, **kwargs)
+        if kernels.cache_info().misses > misses:
+            compiles.append(time.perf_counter() - t)
+        return kernel
+    host_adamw._kernels = timed
+    return compiles
 
 
 # -- the driver -----------------------------------------------------------------------------------
@@ -539,7 +560,8 @@ def _report(args, machine: list[str], suite: dict | None, rows: list[dict], star
                 "last gradient norm (before the clip of 1.0)" + (", and the steps whose overlapped update was kept "
                 "(speculation committed) or redone after the clip" if any("speculation" in r for r in facts) else "")
                 + ":", ""]
-        out += [f"- {r['label']}: model {r['model_s']:.1f} s, wrap {r['wrap_s']:.1f} s; gradient norm "
+        out += [f"- {r['label']}: model {r['model_s']:.1f} s, wrap {r['wrap_s']:.1f} s (compiling "
+                f"{r['compile_in_wrap_s']:.1f} s of it; compiles in all: {r['compiles_s']} s); gradient norm "
                 f"{r['grad_norm']:.3g}" + (_speculation(r) if "speculation" in r else "") for r in facts]
     out += _targets(rows)
     traced = [r for r in rows if r.get("trace")]

@@ -41,8 +41,10 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
         # Installed (bench/setup_env.sh): on the CPU its process group JIT-compiles an op, ~2 min
         # cold, beyond this test's time; without it the DeepSpeed rows must say "not importable".
         names = [n for n in names if gpu.ROWS[n].framework != "ds"]
+    traced = "tt-z3-bothcpu-delayed"
     proc = subprocess.run([sys.executable, "bench/gpu.py", "--dry-run", "--out", str(out), "--jsonl", str(jsonl),
-                           "--only", ",".join(names)], cwd=ROOT, capture_output=True, text=True, timeout=230)
+                           "--only", ",".join(names), "--trace", traced],
+                          cwd=ROOT, capture_output=True, text=True, timeout=230)
     report = out.read_text() if out.exists() else ""
     # (rc 1: the suite failed or a row did not run; the checks below say which is allowed)
     assert proc.returncode in (0, 1), f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{report}"
@@ -72,3 +74,16 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
         first = rows["torch-plain"]["losses"][0]
         assert abs(r["losses"][0] - first) < 1e-2 * first, f"{r['name']}: first loss {r['losses'][0]} vs {first}"
     assert report.count("| ok |") == len(ran)
+
+    # tiertrain rows say their gradient norm and build split, overlapped ones what they kept;
+    # issue 36's targets are read off the run; the traced row's step is a trace tiertrain reads.
+    for name, row in rows.items():
+        if gpu.ROWS[name].framework == "tt":
+            assert {"grad_norm", "model_s", "wrap_s", "compile_in_wrap_s", "compiles_s"} <= set(row), row
+            assert ("speculation" in row) == bool(gpu.ROWS[name].options.get("overlap_cpu_step")), row
+    assert "## Targets (issue 36)" in report
+    from tiertrain.observe.trace import load_spans
+
+    assert rows[traced]["trace"]["file"] == f"trace-{traced}.json.gz"
+    spans = load_spans(str(tmp_path / rows[traced]["trace"]["file"]))
+    assert {"forward", "backward", "step"} <= {s.name for s in spans}

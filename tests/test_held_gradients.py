@@ -72,6 +72,35 @@ def test_a_gradient_the_loop_set_itself_is_refused_at_the_step():
     assert all(q.grad is None for q in model.parameters()), "close() hands the model back without them"
 
 
+@pytest.mark.parametrize("before", ["step", "backward"])
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_zero_grad_between_backward_and_step_is_refused_where_torch_would_drop_the_gradients(stage, before):
+    """A loop dropping a batch (or zeroing at every micro-batch) calls zero_grad() after its
+    backward: torch would forget those gradients; the engine holds them in its flat buffers
+    and would apply them at the next step, so it refuses, naming the remedy."""
+    model, engine = _wrapped(stage, accum=2)
+    batches = iter(global_batches(2, 2))
+    engine.backward(engine(next(batches)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # (the loop's own: zero_grad reaches every .grad)
+    optimizer.zero_grad()
+    loss = engine(next(batches))
+    match = (r"\.grad of parameters 'embed\.weight', .* was set to None between engine\.backward\(\) and "
+             r"engine\.step\(\) \(optimizer\.zero_grad\(\) or model\.zero_grad\(\) there\?\).*would apply them at "
+             r"the next step.*call zero_grad\(\) only after engine\.step\(\)")
+    with pytest.raises(tiertrain.HeldGradientError, match=match):
+        engine.step() if before == "step" else engine.backward(loss)
+    engine.close()
+
+
+def test_zero_grad_without_set_to_none_between_backward_and_step_is_refused_too():
+    model, engine = _wrapped(2)
+    engine.backward(engine(global_batches(1, 2)[0]))
+    with pytest.raises(tiertrain.HeldGradientError, match=r"zero_\(\) of the gradient \(\.grad\) of parameter "
+                       r"'embed\.weight' .*set_to_none=False.*would apply them at the next step"):
+        model.zero_grad(set_to_none=False)
+    engine.close()
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_the_engines_clip_gives_the_norm_clip_grad_norm_returns(stage):
     """The remedy the error names: optimizer.grad_clip clips in step(), and engine.last_grad_norm

@@ -289,8 +289,8 @@ def test_the_instance_refuses_what_only_the_engine_can_do_until_close():
         optimizer.state_dict()
     with pytest.raises(RuntimeError, match=r"resume with engine.load_checkpoint\(dir\)"):
         optimizer.load_state_dict({})
-    optimizer.zero_grad()  # (harmless: allowed)
     assert engine.step()
+    optimizer.zero_grad()  # (after the step: harmless; between backward and step refused, test_held_gradients.py)
     engine.close()
     assert optimizer.step == scheduler_hook and len(optimizer.state_dict()["param_groups"]) == 2
 

@@ -12,7 +12,8 @@ memory, expanded) whose metadata reads pass, and whose every read of values rais
 :class:`HeldGradientError` naming the parameter and what does the same inside the engine
 (``optimizer.grad_clip``, ``engine.last_grad_norm``). The engine removes them before the
 next backward (autograd would add into them) and at ``step()``, which leaves ``.grad`` None,
-as ``optimizer.zero_grad()`` does.
+as ``optimizer.zero_grad()`` does. A ``zero_grad()`` in that window (a loop dropping a batch)
+is refused there too: torch would drop the gradients so far, the engine cannot.
 """
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ _REMEDY = ("a wrapped model's gradients live in the engine's flat buffers, reduc
            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) set optimizer.grad_clip: max_norm instead: "
            "engine.step() clips at the global norm over every shard, as clip_grad_norm_ does, and "
            "engine.last_grad_norm is that norm after the step (the value clip_grad_norm_ returns)")
+_ZERO_GRAD_REMEDY = ("in torch that drops the gradients of the backwards so far, but the engine holds them in its flat "
+                     "buffers, reduced across the ranks, and would apply them at the next step; it cannot drop them. "
+                     "Decide whether a batch counts before engine.backward(loss) (do not call backward on a loss you "
+                     "drop), and call zero_grad() only after engine.step(), or not at all: engine.step() leaves every "
+                     ".grad None, as zero_grad() does")
 
 
 class HeldGradient(torch.Tensor):
@@ -49,6 +55,9 @@ class HeldGradient(torch.Tensor):
             return super().__torch_function__(func, types, args, kwargs or {})
         held = first_instance(HeldGradient, args, kwargs)
         name = held.__dict__.get("parameter", "?") if held is not None else "?"
+        if func is torch.Tensor.zero_:  # (zero_grad(set_to_none=False))
+            raise HeldGradientError(f"zero_() of the gradient (.grad) of parameter {name!r} between engine.backward() "
+                                    f"and engine.step() (zero_grad(set_to_none=False) there?): {_ZERO_GRAD_REMEDY}")
         raise HeldGradientError(f"{called(func)} read the gradient (.grad) of parameter {name!r} between "
                                 f"engine.backward() and engine.step(), but {_REMEDY}")
 
@@ -84,10 +93,13 @@ class HeldGradients:
         self.installed = True
 
     def remove(self, check: bool = True) -> None:
-        """Before a backward and at the step (check: a .grad the loop set to a tensor of its own
-        since the backward raises, naming the parameter: the engine never reads .grad, so the
-        update would ignore it, and autograd would add the next gradient into it), and at close
-        (no check): every .grad is None again. One the loop set to None stays so."""
+        """Before a backward and at the step, and at close (no check): every .grad is None
+        again. check: a .grad the loop changed since the backward raises, naming the parameter,
+        where the engine would silently do otherwise than torch: set to a tensor of its own (the
+        engine never reads .grad: the update would ignore it, and autograd would add the next
+        gradient into it), or to None (``optimizer.zero_grad()``, ``model.zero_grad()``: torch
+        would drop the gradients so far; the engine holds them in its flat buffers and applies
+        them at the next step)."""
         if not self.installed:
             return
         foreign = [name for name, p in self._params.items()
@@ -96,6 +108,11 @@ class HeldGradients:
             raise HeldGradientError(f".grad of {parameters_named(foreign)[0]} was set to a tensor of the loop's own "
                                     f"between engine.backward() and engine.step(), but the engine's update never "
                                     f"reads it: {_REMEDY}")
+        cleared = [name for name, p in self._params.items() if p.grad is None]
+        if check and cleared:
+            raise HeldGradientError(f".grad of {parameters_named(cleared)[0]} was set to None between "
+                                    f"engine.backward() and engine.step() (optimizer.zero_grad() or model.zero_grad() "
+                                    f"there?): {_ZERO_GRAD_REMEDY}")
         for p in self._params.values():
             p.grad = None
         self.installed = False
