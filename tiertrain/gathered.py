@@ -51,17 +51,19 @@ def gathered_parameters_of(engine: "TrainingCore", params: Iterable[nn.Parameter
             engine.flat.release(u.unit.index)
 
 
-def rank_state_dict(engine: "TrainingCore", operation: str = "full_state_dict()") -> dict[str, torch.Tensor]:
+def rank_state_dict(engine: "TrainingCore", operation: str = "full_state_dict()",
+                    closing: bool = False) -> dict[str, torch.Tensor]:
     """full_state_dict of this rank's model (a pipeline rank's: its stages). operation:
     the collective operation it serves (Collectives.enter: at stage 0 it issues no
-    collective, and a rank still training would not learn that its peer is here)."""
+    collective, and a rank still training would not learn that its peer is here). closing:
+    for close(), which warns of parameters changed in place instead of raising."""
     engine.comm.enter(operation)
     out = {}
     engine.update.settle(collective=True)
     masters = engine.masters()
     shards = list(zip(engine.flat.units, masters))
     by_index = {u.unit.index: m for u, m in shards}
-    if operation != "close()":
+    if not closing:
         refuse_in_place_edits(engine, by_index.__getitem__, operation)
     else:  # (often in a finally block, where an error would hide the first: the masters' values, said)
         warn_of_in_place_edits(engine, by_index.__getitem__)

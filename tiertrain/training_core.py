@@ -521,9 +521,9 @@ class TrainingCore:
         Under tensor parallelism each tensor is this rank's slice."""
         return self._rank_state_dict()
 
-    def _rank_state_dict(self, operation: str = "full_state_dict()") -> dict[str, torch.Tensor]:
+    def _rank_state_dict(self, operation: str = "full_state_dict()", closing: bool = False) -> dict[str, torch.Tensor]:
         """full_state_dict of this rank's model (a pipeline rank's: its stages): gathered.py."""
-        return rank_state_dict(self, operation)
+        return rank_state_dict(self, operation, closing)
 
     def save_pretrained(self, directory: str, dtype: torch.dtype | str | None = None,
                         max_shard_bytes: int | None = None, peft=None) -> Any:
@@ -571,7 +571,7 @@ class TrainingCore:
             errors.append(e)
         try:
             self.quiesce()
-            values = self._rank_state_dict("close()")
+            values = self._rank_state_dict("close()", closing=True)
         except BaseException as e:  # still undo everything, then raise the first error
             errors.append(e)
         for undo in reversed(self._on_close):

@@ -58,7 +58,7 @@ def _into_unit(engine: "TrainingCore", u: "UnitBuffers", keys: dict[str, str], s
     if masters_elsewhere:
         complete = all(slot.name in keys for slot, _, _ in pieces)
         master = (torch.zeros(u.unit.shard_numel, dtype=torch.float32) if complete
-                  else MasterShards(engine).shard(index).detach().clone())
+                  else MasterShards(engine).copy(index))
     elif u.trainable and u.master is not u.shard:
         master = u.master
 
@@ -108,6 +108,12 @@ class MasterShards:
         if self._all is None:
             self._all = self.update.masters()
         return self._all[index]
+
+    def copy(self, index: int) -> torch.Tensor:
+        """Unit index's master shard as a tensor of the caller's own (what NVMe reads is one
+        already; the masters in memory are copied)."""
+        shard = self.shard(index)
+        return shard if self._read_one is not None else shard.detach().clone()
 
 
 __all__ = ["MasterShards", "ValueSource", "write_into_units"]
