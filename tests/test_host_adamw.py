@@ -14,7 +14,7 @@ import tiertrain
 from reference import Oracle, engine_train, global_batches, make_config, make_model, reference_train
 from tiertrain.optim import squared_norm
 from tiertrain.testing import run_distributed
-from tiertrain.update import host_adamw, in_memory
+from tiertrain.update import host_adamw, in_memory, native_adamw
 
 STEPS = 4
 MICRO = 2
@@ -112,9 +112,11 @@ def test_a_client_optimizer_with_impl_compiled_is_refused_by_name():
 
 
 def test_without_a_compiler_compiled_raises_and_auto_says_it_falls_back(monkeypatch):
-    monkeypatch.setattr(host_adamw.shutil, "which", lambda name: None)
-    monkeypatch.setattr(host_adamw, "_kernels", host_adamw._kernels.__wrapped__)  # (no cached kernel)
-    with pytest.raises(host_adamw.CompileUnavailable, match="no C\\+\\+ compiler"):
+    monkeypatch.setattr(native_adamw.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(host_adamw, "_library", host_adamw._library.__wrapped__)  # (no library loaded)
+    monkeypatch.setattr(host_adamw, "_kernels", host_adamw._kernels.__wrapped__)
+    with pytest.raises(host_adamw.KernelUnavailable, match="no C compiler"):
         _one_rank_engine("compiled")
     monkeypatch.setattr(in_memory, "AUTO_COMPILED_ELEMENTS", 1)
     with pytest.warns(RuntimeWarning, match="compiled CPU-tier AdamW is not available"):
@@ -159,48 +161,9 @@ def test_on_the_cpu_tier_each_units_norm_is_taken_during_backward_and_equals_the
     assert norms["cpu"] == norms["none"]
 
 
-def test_a_kernel_the_graph_cache_cannot_build_is_built_once_more_without_it(monkeypatch):
-    """inductor's on-disk graph cache does not key on ATEN_CPU_CAPABILITY (C++ cached for AVX-512
-    fails to compile under `default`): a failed build is retried without that cache, then
-    without the C++ wrapper (a kernel holding the GIL, said in a warning); a kernel that fails
-    every way is CompileUnavailable naming each failure."""
-    real, asked = torch.compile, []
-
-    def compile_failing_with(failing):
-        def compile_(fn, **kwargs):
-            asked.append(kwargs.get("options"))
-            if kwargs.get("options") in failing:
-                def broken(*args):
-                    raise RuntimeError(f"cannot build with options {kwargs.get('options')}")
-                return broken
-            return real(fn, **kwargs)
-        return compile_
-
-    def steps(kernel):
-        p, g, m, v = (torch.ones(8) for _ in range(4))
-        kernel(p, g, m, v, torch.tensor([0.1, 0.9, 0.99, 1e-8, 0.0, 1.0, 1.0, 1.0]))
-        return bool((p < 1).all())
-    options = host_adamw.KERNEL_OPTIONS
-    uncached, plain = {**options, "fx_graph_cache": False}, {"fx_graph_cache": False}
-    monkeypatch.setattr(host_adamw.torch, "compile", compile_failing_with([options]))
-    assert steps(host_adamw._kernels.__wrapped__(None))
-    assert asked == [options, uncached]
-    asked.clear()
-    monkeypatch.setattr(host_adamw.torch, "compile", compile_failing_with([options, uncached]))
-    with pytest.warns(RuntimeWarning, match="could not be built with inductor's C\\+\\+ wrapper .*GIL held"):
-        assert steps(host_adamw._kernels.__wrapped__(None))
-    assert asked == [options, uncached, plain]
-    monkeypatch.setattr(host_adamw.torch, "compile", compile_failing_with([options, uncached, plain]))
-    with pytest.raises(host_adamw.CompileUnavailable, match=r"graph cache and C\+\+ wrapper: "
-                                                            r"RuntimeError: cannot build with options \{'cpp_wrapper'.*; "
-                                                            r"then RuntimeError: .*; then RuntimeError: cannot build with "
-                                                            r"options \{'fx_graph_cache': False\}"):
-        host_adamw._kernels.__wrapped__(None)
-
-
 @pytest.mark.parametrize("into", [False, True], ids=["in place", "into second buffers"])
 def test_the_kernel_runs_without_the_gil(into):
-    """A thread running the compiled kernel leaves the GIL to the others (inductor's C++ wrapper):
+    """A thread running the kernel leaves the GIL to the others (a ctypes call releases it):
     the overlapped step's worker must not stall backward's Python hooks for a whole update.
     While a thread makes calls, the main thread's Python keeps running, many times per call
     (held, it would run only between calls)."""

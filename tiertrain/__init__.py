@@ -16,6 +16,7 @@ from .held_gradients import HeldGradientError
 from .in_place_edits import InPlaceEditError
 from .memory_report import MemoryReport
 from .label_conventions import LabelConventionError
+from .update.native_adamw import KernelUnavailable
 from .wrapping import AlreadyWrappedError, wrap
 from .topology import Topology
 from .zero.construct import partitioned_init
@@ -24,7 +25,7 @@ from .state.peft_export import PeftExport
 from .state.pretrained import LoadReport, PretrainedMismatchError, PretrainedMissingWarning, load_pretrained
 from .trainer import EvalConfig, LoopConfig, Trainer
 
-__all__ = ["AlreadyWrappedError", "Config", "ConfigError", "Engine", "EvalConfig", "ExportReport", "HeldGradientError", "InPlaceEditError", "LabelConventionError", "LoadReport", "LoopConfig", "MemoryReport",
+__all__ = ["AlreadyWrappedError", "Config", "ConfigError", "Engine", "EvalConfig", "ExportReport", "HeldGradientError", "InPlaceEditError", "KernelUnavailable", "LabelConventionError", "LoadReport", "LoopConfig", "MemoryReport",
            "PeftExport", "PretrainedMismatchError", "PretrainedMissingWarning", "ReleasedParameterError", "TiertrainError", "Topology", "Trainer",
            "TrainingCore", "compile_blocks", "load_pretrained", "partitioned_init", "wrap"]
 __version__ = "0.1.0"

@@ -7,7 +7,7 @@ and writes three of them back (28 bytes per element). torch's fused kernel does 
 pass, but around it the step used to make three more: the gradients multiplied by the clip
 factor (8 bytes), and after the update the masters copied into the bf16/fp16 compute shards
 (6 bytes). DeepSpeed's CPU Adam writes the half-precision copy in its update loop for this
-reason. Here one compiled loop (torch.compile, inductor's vectorised C++ on the CPU) reads each
+reason. Here one loop (update/adamw_kernel.c, built by update/native_adamw.py) reads each
 element once, scales its gradient, updates it and stores the master, both moments and the
 compute-dtype copy: bench/results/cpu_step.md measures it against the bare fused kernel.
 
@@ -19,47 +19,27 @@ from __future__ import annotations
 
 import functools
 import math
-import shutil
 import warnings
 from typing import Callable
 
 import torch
 
-from ..errors import TiertrainError
 from ..spans import span
+from .native_adamw import Kernel, KernelUnavailable, build
 from .protocol import gradients_hidden_where
 
 SMALL_PIECE = 1 << 16
-"""Pieces with fewer elements take torch's fused step (one call over all of them): a compiled
-call costs ~40 µs, the bare update of 64 Ki elements about as much."""
-
-KERNEL_OPTIONS = {"cpp_wrapper": True}
-"""inductor options of the kernel: its C++ wrapper, which releases the GIL while the loop runs."""
-
-WARM_ELEMENTS = 1 << 20
-"""The compile runs once on scratch tensors of this size: inductor chooses a parallel loop
-from the size it first sees (and caches that choice), so it must see a large one."""
-
-def _adamw(param, grad, exp_avg, exp_avg_sq, hyper):
-    """torch AdamW's update of one piece (torch.optim.adamw, decoupled decay), with the
-    gradient multiplied by grad_factor (the clip coefficient) on the way in. Every scalar
-    factor comes in computed (:func:`hyperparameters`): the loop is left one division per
-    element (the update's own), which measured ~8 % faster than torch's formula written out
-    (bench/results/cpu_step.md)."""
-    decay, one_minus_beta1, beta2, one_minus_beta2, inverse_bias_correction2_sqrt, eps, step_size, grad_factor = \
-        hyper.unbind()
-    g = grad * grad_factor
-    param.mul_(decay)
-    exp_avg.lerp_(g, one_minus_beta1)
-    exp_avg_sq.mul_(beta2).add_(one_minus_beta2 * g * g)
-    denom = exp_avg_sq.sqrt() * inverse_bias_correction2_sqrt + eps
-    param.sub_(step_size * exp_avg / denom)
+"""Pieces with fewer elements take torch's fused step (one call over all of them), which costs
+less than a call per piece of the pass for the many small pieces of a unit (gains, biases)."""
 
 
 def hyperparameters(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
                     grad_factor: float) -> torch.Tensor:
     """The kernel's scalars for AdamW step number ``step``, computed in double precision as
-    torch's AdamW computes them (its bias corrections, step size and decay factor)."""
+    torch's AdamW computes them (its bias corrections, step size and decay factor), in the
+    order update/adamw_kernel.c reads them. Every factor computed here leaves the loop one
+    division per element (the update's own), measured ~8 % faster than torch's formula
+    written out (bench/results/cpu_step.md)."""
     return torch.tensor([1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, 1 / math.sqrt(1 - beta2 ** step), eps,
                          lr / (1 - beta1 ** step), grad_factor])
 
@@ -70,68 +50,16 @@ def _group_hyperparameters(group: dict, step: float, grad_factor: float) -> torc
     return hyperparameters(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step, grad_factor)
 
 
-def _adamw_cast(param, grad, exp_avg, exp_avg_sq, out, hyper):
-    """_adamw, then the new values stored in ``out`` (the compute-dtype shard) in the same loop."""
-    _adamw(param, grad, exp_avg, exp_avg_sq, hyper)
-    out.copy_(param)
-
-
-def _adamw_into(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out, exp_avg_sq_out, hyper):
-    """_adamw with the new values written into the *_out tensors, the inputs left as they were
-    (an update that can still be discarded: update/overlapped_host.py). The same operations on
-    the same values as the in-place kernel, so the same bits."""
-    param_out.copy_(param)
-    exp_avg_out.copy_(exp_avg)
-    exp_avg_sq_out.copy_(exp_avg_sq)
-    _adamw(param_out, grad, exp_avg_out, exp_avg_sq_out, hyper)
-
-
-def _adamw_into_cast(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out, exp_avg_sq_out, out, hyper):
-    """_adamw_into, then the new values stored in ``out`` (the compute-dtype shard) in the same loop."""
-    _adamw_into(param, grad, exp_avg, exp_avg_sq, param_out, exp_avg_out, exp_avg_sq_out, hyper)
-    out.copy_(param_out)
-
-
-class CompileUnavailable(TiertrainError, RuntimeError):
-    """torch.compile could not build the kernel on this machine (no C++ compiler, or inductor
-    failed): the message says why."""
+@functools.cache
+def _library():
+    return build()
 
 
 @functools.cache
-def _kernels(cast_dtype: torch.dtype | None, into: bool = False):
-    """The compiled kernel (with a cast into cast_dtype, or without; in place, or into separate
-    outputs), built and warmed once per process."""
-    compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if compiler is None:
-        raise CompileUnavailable("no C++ compiler (c++, g++ or clang++) on PATH: torch.compile needs one to "
-                                 "build CPU kernels")
-    fn = {(False, False): _adamw, (False, True): _adamw_cast, (True, False): _adamw_into,
-          (True, True): _adamw_into_cast}[into, cast_dtype is not None]
-    scratch = [torch.zeros(WARM_ELEMENTS) for _ in range(7 if into else 4)]
-    if cast_dtype is not None:
-        scratch.append(torch.zeros(WARM_ELEMENTS, dtype=cast_dtype))
-    hyper = hyperparameters(lr=0.0, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1, grad_factor=1.0)
-    # inductor's C++ wrapper (cpp_wrapper) calls the loop with the GIL released; its default
-    # Python wrapper holds the GIL for the whole loop, which stalls every Python hook of a
-    # backward running beside an overlapped step (docs/concepts.md#the-cpu-step-overlapped-with-backward).
-    # inductor's on-disk graph cache does not key on ATEN_CPU_CAPABILITY: C++ written for
-    # AVX-512 and cached fails to compile under `default`. Then once more, without that cache;
-    # last, without the C++ wrapper (the same loop, holding the GIL), said in a warning.
-    failures = []
-    for options in (KERNEL_OPTIONS, {**KERNEL_OPTIONS, "fx_graph_cache": False}, {"fx_graph_cache": False}):
-        kernel = torch.compile(fn, dynamic=True, fullgraph=True, options=options)
-        try:
-            kernel(*scratch, hyper)
-        except Exception as e:  # (inductor's errors have no common public base)
-            failures.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
-            continue
-        if "cpp_wrapper" not in options:
-            warnings.warn(f"the compiled CPU-tier AdamW could not be built with inductor's C++ wrapper ({failures[1]}); "
-                          f"it runs with the GIL held instead, so an overlapped step (zero.overlap_cpu_step) stops "
-                          f"backward's Python hooks while it updates a unit", RuntimeWarning, stacklevel=2)
-        return kernel
-    raise CompileUnavailable(f"torch.compile failed to build the AdamW kernel, with and without inductor's "
-                             f"graph cache and C++ wrapper: {failures[0]}; then {failures[1]}; then {failures[2]}")
+def _kernels(cast_dtype: torch.dtype | None, into: bool = False) -> Kernel:
+    """The kernel (with a copy into cast_dtype, or without; in place, or into separate
+    outputs), built once per process (KernelUnavailable where it cannot be)."""
+    return Kernel(_library(), cast_dtype, into)
 
 
 def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
@@ -151,7 +79,7 @@ def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
 
 
 class HostAdamW:
-    """Steps a torch AdamW over fp32 pieces in host memory with the compiled pass; each piece's
+    """Steps a torch AdamW over fp32 pieces in host memory with the one-pass kernel; each piece's
     new values are also written into its compute-dtype destination, when it has one."""
 
     def __init__(self, optimizer: torch.optim.AdamW,
@@ -165,7 +93,7 @@ class HostAdamW:
         if len(cast_dtypes) > 1:
             raise ValueError(f"compute shards of several dtypes ({sorted(map(str, cast_dtypes))}): one expected")
         self.cast_dtype = cast_dtypes.pop() if cast_dtypes else None
-        # (compiled now, not in the first step: only the kernels some piece uses, each a compile)
+        # (built now, not in the first step)
         if any(d is None for d in self.destinations.values()):
             _kernels(None)
         if self.cast_dtype is not None:
@@ -261,7 +189,7 @@ class HostAdamW:
         self.copy_out(small)
 
 
-def warn_unavailable(error: CompileUnavailable) -> None:
+def warn_unavailable(error: KernelUnavailable) -> None:
     """optimizer.impl=auto chose the compiled pass and it is not available: said once."""
     warnings.warn(f"optimizer.impl=auto: the compiled CPU-tier AdamW is not available ({error}); "
                   f"stepping with torch's fused AdamW and a separate cast instead (slower, same update)",

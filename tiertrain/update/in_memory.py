@@ -3,16 +3,16 @@ tiertrain/optim.py) over views of this rank's fp32 master shards, on the device 
 tier (ZeRO stages 0-3; ZeRO-Offload with offload_optimizer=cpu)."""
 from __future__ import annotations
 
-from .host_adamw import CompileUnavailable, HostAdamW, warn_unavailable
+from .host_adamw import HostAdamW, KernelUnavailable, warn_unavailable
 from .protocol import (PIECE, SLOT_NAME, GroupSchedule, LandingNorms, OptimizerUpdate, UpdateMemory, gradients_hidden,
                        optimizer_state_bytes, restore_masters, scale_gradients, shard_optimizer)
 from .state_format import TorchOptimizerState
 
 AUTO_COMPILED_ELEMENTS = 1 << 26
-"""optimizer.impl=auto takes the compiled pass (update/host_adamw.py) for an optimizer on the
+"""optimizer.impl=auto takes the one-pass kernel (update/host_adamw.py) for an optimizer on the
 CPU tier whose shard holds at least this many elements: there it saves ~0.3 s per step per
-billion elements (bench/results/cpu_step.md), and its one-time compile (~20 s, then cached on
-disk) is repaid within the first hundreds of steps."""
+billion elements (bench/results/cpu_step.md); below, auto keeps torch's own fused step, whose
+savings would be a few milliseconds."""
 
 
 class InMemoryUpdate(OptimizerUpdate):
@@ -87,7 +87,7 @@ def _host_pass(flat, config, optimizer, client) -> HostAdamW | None:
                          "(wrap(optimizer=...)) steps itself: leave optimizer.impl at auto")
     try:
         return host_pass(flat, optimizer, "optimizer.impl=compiled")
-    except CompileUnavailable as e:
+    except KernelUnavailable as e:
         if impl == "compiled":
             raise
         warn_unavailable(e)

@@ -1,0 +1,162 @@
+/* The CPU tier's AdamW pass (tiertrain/update/native_adamw.py builds and calls it): torch
+ * AdamW's update of one contiguous fp32 range, its gradient scaled by the clip factor, and the
+ * new values stored into a bf16 or fp16 compute copy in the same pass over memory.
+ *
+ * Built with the host's own instruction set (-march=native). The update is bound by memory
+ * traffic, 28 bytes per element; the compute copy adds 2. Its stores go around the cache
+ * (non-temporal) where the ISA has them: a plain store first reads the destination's cache
+ * line, 2 bytes more per element. The bf16 rounding is ATen's, in integer arithmetic (the
+ * bits torch's .to() gives): AVX512_BF16's VCVTNEPS2BF16 measured slower on an AMD Zen 4, and
+ * it flushes subnormals. docs/concepts.md#the-cpu-update-in-one-pass has the measurements.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+enum { OUT_NONE = 0, OUT_BF16 = 1, OUT_FP16 = 2, OUT_FP32 = 3 };
+enum { BLOCK = 1024 }; /* elements updated before their copy is stored: 4 KiB per array, in L1 */
+
+/* hyperparameters, in order (host_adamw.hyperparameters): decay, 1 - beta1, beta2, 1 - beta2,
+ * 1 / sqrt(bias correction 2), eps, step size, gradient factor */
+#define ADAMW_ELEMENT(P_IN, P_OUT, M_IN, M_OUT, V_IN, V_OUT, G, i, h)                 \
+    do {                                                                               \
+        float g_ = (G)[i] * h[7];                                                      \
+        float p_ = (P_IN)[i] * h[0];                                                   \
+        float m_ = (M_IN)[i];                                                          \
+        m_ = m_ + h[1] * (g_ - m_);                                                    \
+        float v_ = (V_IN)[i] * h[2] + h[3] * g_ * g_;                                  \
+        float d_ = sqrtf(v_) * h[4] + h[5];                                            \
+        (P_OUT)[i] = p_ - h[6] * m_ / d_;                                              \
+        (M_OUT)[i] = m_;                                                               \
+        (V_OUT)[i] = v_;                                                               \
+    } while (0)
+
+static void update_in_place(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
+                            int64_t n, const float *restrict h) {
+    for (int64_t i = 0; i < n; ++i) ADAMW_ELEMENT(p, p, m, m, v, v, g, i, h);
+}
+
+static void update_into(const float *restrict p, const float *restrict g, const float *restrict m,
+                        const float *restrict v, float *restrict p_out, float *restrict m_out,
+                        float *restrict v_out, int64_t n, const float *restrict h) {
+    for (int64_t i = 0; i < n; ++i) ADAMW_ELEMENT(p, p_out, m, m_out, v, v_out, g, i, h);
+}
+
+static inline uint16_t bf16_bits(float x) { /* c10::BFloat16's round to nearest even */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if (x != x) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline uint16_t fp16_bits(float x) { /* IEEE binary16, round to nearest even */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);         /* NaN */
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);        /* rounds to infinity */
+    if (a < 0x38800000u) {                                          /* below 2^-14: subnormal or zero */
+        float f;
+        memcpy(&f, &a, 4);
+        return (uint16_t)(sign | (uint32_t)nearbyintf(f * 16777216.0f)); /* units of 2^-24 */
+    }
+    uint32_t r = a - 0x38000000u;                                    /* rebias 127 -> 15 */
+    return (uint16_t)(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline __m256i bf16_vector(__m512 x) { /* bf16_bits on 16 lanes, as ATen's vectorised cast */
+    __m512i u = _mm512_castps_si512(x);
+    __m512i t = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    t = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(t, _mm512_set1_epi32(0x7fff)), u), 16);
+    t = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), _mm512_set1_epi32(0x7fc0), t);
+    return _mm512_cvtepi32_epi16(t);
+}
+
+static inline __m256i half_vector(__m512 x, int kind) {
+    if (kind == OUT_BF16) return bf16_vector(x);
+    return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+#endif
+
+/* The compute copy of n updated values, stored to out (the ISA's generic path). */
+static void store_copy(const float *restrict src, void *restrict out, int64_t n, int kind) {
+    if (kind == OUT_FP32)
+        memcpy(out, src, (size_t)n * sizeof(float));
+    else if (kind == OUT_BF16)
+        for (int64_t i = 0; i < n; ++i) ((uint16_t *)out)[i] = bf16_bits(src[i]);
+    else
+        for (int64_t i = 0; i < n; ++i) ((uint16_t *)out)[i] = fp16_bits(src[i]);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline __m512 update16(const float *p, const float *g, const float *m, const float *v, float *p_out,
+                              float *m_out, float *v_out, const __m512 *h) {
+    /* ADAMW_ELEMENT's operations, in its order, on 16 elements */
+    __m512 g_ = _mm512_mul_ps(_mm512_loadu_ps(g), h[7]);
+    __m512 p_ = _mm512_mul_ps(_mm512_loadu_ps(p), h[0]);
+    __m512 m_ = _mm512_loadu_ps(m);
+    m_ = _mm512_add_ps(m_, _mm512_mul_ps(h[1], _mm512_sub_ps(g_, m_)));
+    __m512 v_ = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(v), h[2]), _mm512_mul_ps(_mm512_mul_ps(h[3], g_), g_));
+    __m512 d_ = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v_), h[4]), h[5]);
+    p_ = _mm512_sub_ps(p_, _mm512_div_ps(_mm512_mul_ps(h[6], m_), d_));
+    _mm512_storeu_ps(p_out, p_);
+    _mm512_storeu_ps(m_out, m_);
+    _mm512_storeu_ps(v_out, v_);
+    return p_;
+}
+
+/* The update of the first elements of a range, 32 per iteration, each one's copy rounded in
+ * registers and streamed to a 64-byte-aligned destination; returns how many it did (the rest,
+ * fewer than 32 and any copy the vectors cannot store, take the generic path). */
+static int64_t update_vectors(float *p, const float *g, float *m, float *v, float *p_out, float *m_out,
+                              float *v_out, void *out, int kind, int64_t n, const float *h) {
+    int64_t i = 0;
+    if (kind == OUT_FP32) return 0;
+    if (kind != OUT_NONE)
+        for (; i < n && ((uintptr_t)((uint16_t *)out + i) & 63); ++i) {
+            ADAMW_ELEMENT(p, p_out, m, m_out, v, v_out, g, i, h);
+            store_copy(p_out + i, (uint16_t *)out + i, 1, kind);
+        }
+    __m512 hv[8];
+    for (int k = 0; k < 8; ++k) hv[k] = _mm512_set1_ps(h[k]);
+    for (; i + 32 <= n; i += 32) {
+        __m512 lo = update16(p + i, g + i, m + i, v + i, p_out + i, m_out + i, v_out + i, hv);
+        __m512 hi = update16(p + i + 16, g + i + 16, m + i + 16, v + i + 16, p_out + i + 16, m_out + i + 16,
+                             v_out + i + 16, hv);
+        if (kind != OUT_NONE)
+            _mm512_stream_si512((void *)((uint16_t *)out + i), _mm512_inserti64x4(
+                                    _mm512_castsi256_si512(half_vector(lo, kind)), half_vector(hi, kind), 1));
+    }
+    return i;
+}
+#else
+static int64_t update_vectors(float *p, const float *g, float *m, float *v, float *p_out, float *m_out,
+                              float *v_out, void *out, int kind, int64_t n, const float *h) {
+    (void)p, (void)g, (void)m, (void)v, (void)p_out, (void)m_out, (void)v_out, (void)out, (void)kind, (void)n, (void)h;
+    return 0;
+}
+#endif
+
+/* One range of the pass. p_out, m_out, v_out equal to p, m, v: in place. out: the compute copy
+ * (kind OUT_BF16, OUT_FP16 or OUT_FP32), or NULL with OUT_NONE. */
+void tiertrain_adamw(float *p, const float *g, float *m, float *v, float *p_out, float *m_out, float *v_out,
+                     void *out, int kind, int64_t n, const float *h) {
+    int64_t done = update_vectors(p, g, m, v, p_out, m_out, v_out, out, kind, n, h);
+    int in_place = p_out == p && m_out == m && v_out == v;
+    for (int64_t s = done; s < n; s += BLOCK) {
+        int64_t len = n - s < BLOCK ? n - s : BLOCK;
+        if (in_place)
+            update_in_place(p + s, g + s, m + s, v + s, len, h);
+        else
+            update_into(p + s, g + s, m + s, v + s, p_out + s, m_out + s, v_out + s, len, h);
+        if (kind != OUT_NONE)
+            store_copy(p_out + s, (char *)out + (kind == OUT_FP32 ? 4 : 2) * s, len, kind);
+    }
+#if defined(__SSE2__)
+    _mm_sfence(); /* the streamed stores are visible before the caller reads the copy */
+#endif
+}

@@ -1,0 +1,163 @@
+"""The CPU tier's AdamW pass as a small C kernel (adamw_kernel.c), built for this host with its
+C compiler and called through ctypes, which releases the GIL for the call.
+
+It replaced a torch.compile'd loop (inductor's vectorised C++): the same arithmetic, but the
+compute copy's stores bypass the cache and the bf16 rounding is the CPU's own instruction where
+it has one, so the pass costs 1.05-1.09x torch's bare fused AdamW here against 1.15-1.17x
+(bench/results/adamw_pass_epyc.md), and it builds in under a second where inductor took
+10-100 s (docs/concepts.md#the-cpu-update-in-one-pass). The built library is cached under
+~/.cache/tiertrain (or $TIERTRAIN_CACHE_DIR), keyed by the source, the compiler and the CPU's flags.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from ..errors import TiertrainError
+
+SOURCE = Path(__file__).with_name("adamw_kernel.c")
+FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC"]
+"""-fno-math-errno lets sqrtf vectorise; -ffp-contract=off keeps each operation rounded as written
+(no fused multiply-adds), as torch's separate operations are: every instruction set gives the
+same bits."""
+OUT_KINDS = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+HYPERPARAMETERS = ("decay", "1 - beta1", "beta2", "1 - beta2", "1 / sqrt(bias correction 2)", "eps", "step size",
+                   "gradient factor")
+"""The scalars the kernel reads, in order (host_adamw.hyperparameters computes them)."""
+ALIGN = 64
+"""Each thread's range starts at a multiple of this many elements, so every range's compute copy
+is aligned alike."""
+
+
+class KernelUnavailable(TiertrainError, RuntimeError):
+    """The C kernel could not be built on this machine (no C compiler, or it failed): the
+    message says why."""
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        raise KernelUnavailable("no C compiler (cc, gcc or clang on PATH, or $CC) to build the CPU-tier AdamW kernel")
+    return compiler
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TIERTRAIN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tiertrain")
+    return Path(root) / "kernels"
+
+
+def build(arch: str = "native") -> ctypes.CDLL:
+    """The kernel library for this host (``-march=native``; another ``arch`` builds for that
+    instruction set): from the cache, else compiled (and cached where the cache directory is
+    writable)."""
+    compiler = _compiler()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"the C compiler {compiler} does not run: {e}") from e
+    source = SOURCE.read_bytes()
+    flags = [f"-march={arch}", *FLAGS]
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:24]
+    cached = _cache_dir() / f"adamw_{key}.so"
+    if not cached.exists():
+        with tempfile.TemporaryDirectory() as scratch:
+            built = Path(scratch) / "adamw.so"
+            run = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE), "-lm"], capture_output=True,
+                                 text=True, timeout=300)
+            if run.returncode != 0:
+                raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name} (exit {run.returncode}): "
+                                        f"{run.stderr.strip()[-2000:]}")
+            try:  # (written beside, then renamed: a process loading it never sees half a file)
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                partial = cached.with_suffix(f".{os.getpid()}.tmp")
+                shutil.copyfile(built, partial)
+                os.replace(partial, cached)
+            except OSError:
+                return _load(built)
+    return _load(cached)
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))  # (a CDLL call releases the GIL while it runs)
+    fn = lib.tiertrain_adamw
+    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p]
+    fn.restype = None
+    return lib
+
+
+class Kernel:
+    """Calls the C pass over whole tensors, one contiguous range per torch thread.
+
+    ``kernel(param, grad, exp_avg, exp_avg_sq, [param_out, exp_avg_out, exp_avg_sq_out,]
+    [out,] hyper)``: in place, or into the three outputs (the inputs left as they were: the
+    same arithmetic on the same values, so the same bits); ``out`` receives the new values in
+    the compute dtype; ``hyper`` is host_adamw.hyperparameters' tensor."""
+
+    def __init__(self, lib: ctypes.CDLL, cast_dtype: torch.dtype | None, into: bool):
+        if cast_dtype not in OUT_KINDS:
+            raise ValueError(f"the CPU-tier AdamW kernel writes compute copies in bf16, fp16 or fp32, not {cast_dtype}")
+        self.fn, self.kind, self.into, self.cast_dtype = lib.tiertrain_adamw, OUT_KINDS[cast_dtype], into, cast_dtype
+        self.pool, self.pool_threads = None, 0
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        *tensors, hyper = tensors
+        p, g, m, v = tensors[:4]
+        outs = tensors[4:7] if self.into else (p, m, v)
+        out = tensors[-1] if self.kind else None
+        n = p.numel()
+        for t in (p, g, m, v, *outs):
+            self._check(t, torch.float32, n)
+        if out is not None:
+            self._check(out, self.cast_dtype, n)
+        if hyper.numel() != len(HYPERPARAMETERS):
+            raise ValueError(f"the CPU-tier AdamW kernel takes {len(HYPERPARAMETERS)} hyperparameters "
+                             f"({', '.join(HYPERPARAMETERS)}); got {hyper.numel()}")
+        h = hyper.to(torch.float32).contiguous()
+        args = [t.data_ptr() for t in (p, g, m, v, *outs)]
+        out_ptr = out.data_ptr() if out is not None else 0
+        threads = max(1, min(torch.get_num_threads(), n // (ALIGN * 16)))
+        if threads == 1:
+            self.fn(*args, out_ptr, self.kind, n, h.data_ptr())
+            return
+        per = -(-n // threads // ALIGN) * ALIGN
+        ranges = [(s, min(per, n - s)) for s in range(0, n, per)]
+        out_bytes = out.element_size() if out is not None else 0
+        calls = [(*(a + 4 * s for a in args), out_ptr + out_bytes * s, self.kind, length, h.data_ptr())
+                 for s, length in ranges]
+        pool = self._pool(len(calls) - 1)
+        futures = [pool.submit(self.fn, *call) for call in calls[1:]]
+        self.fn(*calls[0])  # (the calling thread takes the first range)
+        for f in futures:
+            f.result()
+
+    @staticmethod
+    def _check(t: torch.Tensor, dtype: torch.dtype, n: int) -> None:
+        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
+            raise ValueError(f"the CPU-tier AdamW kernel takes contiguous {dtype} tensors of {n} elements in host "
+                             f"memory; got {t.dtype} {tuple(t.shape)} on {t.device}"
+                             f"{'' if t.is_contiguous() else ', not contiguous'}")
+
+    def _pool(self, threads: int) -> ThreadPoolExecutor:
+        if self.pool_threads < threads:
+            self.pool, self.pool_threads = ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-adamw"), threads
+        return self.pool
