@@ -95,6 +95,18 @@ def test_plan_to_train_small_takes_the_nvme_path(tmp_path):
     assert not swap.exists()  # the swap directory is removed afterwards
 
 
+@pytest.mark.timeout(120)
+def test_adamw_pass_runs(tmp_path):
+    """The kernels-alone benchmark: the C pass and the torch.compile'd one beside the bare step."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, os.path.join(HERE, "adamw_pass.py"), "--elements", "2e6", "--reps", "2",
+                          "--out", str(tmp_path / "pass.md")], capture_output=True, text=True, timeout=110)
+    assert run.returncode == 0, run.stderr[-2000:]
+    text = (tmp_path / "pass.md").read_text()
+    assert "| tiertrain's pass (AdamW + clip + bf16 copy), C |" in text and "Build, from a cold cache" in text
+
+
 @pytest.mark.timeout(300)
 def test_cpu_step_and_overlap_run(tmp_path):
     """The CPU-tier step benchmark (a small size, both kernels), its traces, and the overlap proxy."""

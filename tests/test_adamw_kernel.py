@@ -186,3 +186,22 @@ def test_every_instruction_set_gives_the_same_bits(arch, dtype, tmp_path, monkey
     for native, other in zip(*results):
         assert torch.equal(native.view(torch.int32 if native.dtype == torch.float32 else torch.int16),
                            other.view(torch.int32 if other.dtype == torch.float32 else torch.int16))
+
+
+def test_a_compiler_without_openmp_builds_a_one_thread_kernel_and_says_so(tmp_path, monkeypatch):
+    no_openmp = tmp_path / "cc-without-openmp"
+    no_openmp.write_text("#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = -fopenmp ] && { echo 'unsupported option "
+                         "-fopenmp' >&2; exit 1; }; done\nexec cc \"$@\"\n")
+    no_openmp.chmod(0o755)
+    monkeypatch.setenv("CC", str(no_openmp))
+    monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.warns(RuntimeWarning, match="built without OpenMP .*unsupported option -fopenmp.*: it runs on one thread"):
+        serial = native_adamw.Kernel(native_adamw.build(), torch.bfloat16, into=False)
+    n = (1 << 18) + 5
+    results = []
+    for kernel in (serial, host_adamw._kernels(torch.bfloat16)):
+        p, g, m, v = _state(n, seed=5)
+        copy = torch.empty(n, dtype=torch.bfloat16)
+        kernel(p, g, m, v, copy, _hyper())
+        results.append((p, m, v, copy))
+    assert all(torch.equal(a, b) for a, b in zip(*results))

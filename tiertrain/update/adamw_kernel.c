@@ -6,10 +6,14 @@
  * traffic, 28 bytes per element; the compute copy adds 2. Its stores go around the cache
  * (non-temporal) where the ISA has them: a plain store first reads the destination's cache
  * line, 2 bytes more per element. The bf16 rounding is ATen's, in integer arithmetic (the
- * bits torch's .to() gives): AVX512_BF16's VCVTNEPS2BF16 measured slower on an AMD Zen 4, and
- * it flushes subnormals. docs/concepts.md#the-cpu-update-in-one-pass has the measurements.
+ * bits torch's .to() gives): AVX512_BF16's VCVTNEPS2BF16 measured no faster on an AMD Zen 4,
+ * and it flushes subnormals. The threads are an OpenMP team, each updating one contiguous range.
+ * docs/concepts.md#the-cpu-update-in-one-pass has the measurements.
  */
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdint.h>
 #include <string.h>
 #if defined(__x86_64__) || defined(__i386__)
@@ -143,7 +147,7 @@ static int64_t update_vectors(float *p, const float *g, float *m, float *v, floa
 
 /* One range of the pass. p_out, m_out, v_out equal to p, m, v: in place. out: the compute copy
  * (kind OUT_BF16, OUT_FP16 or OUT_FP32), or NULL with OUT_NONE. */
-void tiertrain_adamw(float *p, const float *g, float *m, float *v, float *p_out, float *m_out, float *v_out,
+static void update_range(float *p, const float *g, float *m, float *v, float *p_out, float *m_out, float *v_out,
                      void *out, int kind, int64_t n, const float *h) {
     int64_t done = update_vectors(p, g, m, v, p_out, m_out, v_out, out, kind, n, h);
     int in_place = p_out == p && m_out == m && v_out == v;
@@ -159,4 +163,26 @@ void tiertrain_adamw(float *p, const float *g, float *m, float *v, float *p_out,
 #if defined(__SSE2__)
     _mm_sfence(); /* the streamed stores are visible before the caller reads the copy */
 #endif
+}
+
+/* The pass over n elements, one contiguous range per thread (an OpenMP team: torch's own
+ * libgomp, which the process has loaded, so the threads are torch's), each range starting at a
+ * multiple of 64 elements so that every range's copy is aligned alike. */
+void tiertrain_adamw(float *p, const float *g, float *m, float *v, float *p_out, float *m_out, float *v_out,
+                     void *out, int kind, int64_t n, const float *h, int threads) {
+    int64_t per = ((n + threads - 1) / threads + 63) / 64 * 64;
+    int64_t width = kind == OUT_FP32 ? 4 : 2;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+    {
+#ifdef _OPENMP
+        int64_t s = (int64_t)omp_get_thread_num() * per;
+#else
+        for (int64_t s = 0; s < n; s += per)
+#endif
+        if (s < n)
+            update_range(p + s, g + s, m + s, v + s, p_out + s, m_out + s, v_out + s,
+                         out ? (char *)out + width * s : NULL, kind, n - s < per ? n - s : per, h);
+    }
 }

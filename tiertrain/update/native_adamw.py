@@ -1,12 +1,13 @@
 """The CPU tier's AdamW pass as a small C kernel (adamw_kernel.c), built for this host with its
-C compiler and called through ctypes, which releases the GIL for the call.
+C compiler and called through ctypes, which releases the GIL for the call; its OpenMP threads
+are torch's own intra-op threads.
 
-It replaced a torch.compile'd loop (inductor's vectorised C++): the same arithmetic, but the
-compute copy's stores bypass the cache and the bf16 rounding is the CPU's own instruction where
-it has one, so the pass costs 1.05-1.09x torch's bare fused AdamW here against 1.15-1.17x
-(bench/results/adamw_pass_epyc.md), and it builds in under a second where inductor took
-10-100 s (docs/concepts.md#the-cpu-update-in-one-pass). The built library is cached under
-~/.cache/tiertrain (or $TIERTRAIN_CACHE_DIR), keyed by the source, the compiler and the CPU's flags.
+It replaced a torch.compile'd loop (inductor's vectorised C++) with the same arithmetic and
+bits: its compute copy is rounded in registers and streamed around the cache, so the pass costs
+1.03x torch's bare fused AdamW on the EPYC VM where inductor's cost 1.16x
+(bench/results/adamw_pass_epyc.md), and it builds in 0.3 s where inductor took 3-100 s
+(docs/concepts.md#the-cpu-update-in-one-pass). The built library is cached under
+~/.cache/tiertrain (or $TIERTRAIN_CACHE_DIR), keyed by the source, compiler, flags and CPU.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+import warnings
 from pathlib import Path
 
 import torch
@@ -24,17 +25,18 @@ import torch
 from ..errors import TiertrainError
 
 SOURCE = Path(__file__).with_name("adamw_kernel.c")
-FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-std=gnu11", "-shared", "-fPIC"]
 """-fno-math-errno lets sqrtf vectorise; -ffp-contract=off keeps each operation rounded as written
 (no fused multiply-adds), as torch's separate operations are: every instruction set gives the
-same bits."""
+same bits. -fopenmp is added where the compiler has it: its libgomp.so.1 is the one torch has
+already loaded, so the kernel's threads are torch's intra-op threads."""
 OUT_KINDS = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 HYPERPARAMETERS = ("decay", "1 - beta1", "beta2", "1 - beta2", "1 / sqrt(bias correction 2)", "eps", "step size",
                    "gradient factor")
 """The scalars the kernel reads, in order (host_adamw.hyperparameters computes them)."""
 ALIGN = 64
-"""Each thread's range starts at a multiple of this many elements, so every range's compute copy
-is aligned alike."""
+"""Each thread's range starts at a multiple of this many elements (adamw_kernel.c); a range is
+at least 16 of them."""
 
 
 class KernelUnavailable(TiertrainError, RuntimeError):
@@ -74,39 +76,53 @@ def build(arch: str = "native") -> ctypes.CDLL:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelUnavailable(f"the C compiler {compiler} does not run: {e}") from e
-    source = SOURCE.read_bytes()
-    flags = [f"-march={arch}", *FLAGS]
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
+    failures = []
+    for openmp in (["-fopenmp"], []):  # (a compiler without OpenMP: one thread, said in a warning)
+        try:
+            lib = _build_with(compiler, version, [f"-march={arch}", *FLAGS, *openmp])
+        except KernelUnavailable as e:
+            failures.append(str(e))
+            continue
+        if not openmp:
+            warnings.warn(f"the CPU-tier AdamW kernel was built without OpenMP ({failures[0]}): it runs on one "
+                          f"thread", RuntimeWarning, stacklevel=2)
+        return lib
+    raise KernelUnavailable(f"{failures[0]}; without -fopenmp: {failures[1]}")
+
+
+def _build_with(compiler: str, version: str, flags: list[str]) -> ctypes.CDLL:
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.encode(), " ".join(flags).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:24]
     cached = _cache_dir() / f"adamw_{key}.so"
-    if not cached.exists():
-        with tempfile.TemporaryDirectory() as scratch:
-            built = Path(scratch) / "adamw.so"
-            run = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE), "-lm"], capture_output=True,
-                                 text=True, timeout=300)
-            if run.returncode != 0:
-                raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name} (exit {run.returncode}): "
-                                        f"{run.stderr.strip()[-2000:]}")
-            try:  # (written beside, then renamed: a process loading it never sees half a file)
-                cached.parent.mkdir(parents=True, exist_ok=True)
-                partial = cached.with_suffix(f".{os.getpid()}.tmp")
-                shutil.copyfile(built, partial)
-                os.replace(partial, cached)
-            except OSError:
-                return _load(built)
+    if cached.exists():
+        return _load(cached)
+    with tempfile.TemporaryDirectory() as scratch:
+        built = Path(scratch) / "adamw.so"
+        run = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE), "-lm"], capture_output=True,
+                             text=True, timeout=300)
+        if run.returncode != 0:
+            raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name} (exit {run.returncode}): "
+                                    f"{run.stderr.strip()[-2000:]}")
+        try:  # (written beside, then renamed: a process loading it never sees half a file)
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            partial = cached.with_suffix(f".{os.getpid()}.tmp")
+            shutil.copyfile(built, partial)
+            os.replace(partial, cached)
+        except OSError:
+            return _load(built)
     return _load(cached)
 
 
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))  # (a CDLL call releases the GIL while it runs)
     fn = lib.tiertrain_adamw
-    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     fn.restype = None
     return lib
 
 
 class Kernel:
-    """Calls the C pass over whole tensors, one contiguous range per torch thread.
+    """Calls the C pass over whole tensors, on as many threads as torch's intra-op pool has.
 
     ``kernel(param, grad, exp_avg, exp_avg_sq, [param_out, exp_avg_out, exp_avg_sq_out,]
     [out,] hyper)``: in place, or into the three outputs (the inputs left as they were: the
@@ -117,7 +133,6 @@ class Kernel:
         if cast_dtype not in OUT_KINDS:
             raise ValueError(f"the CPU-tier AdamW kernel writes compute copies in bf16, fp16 or fp32, not {cast_dtype}")
         self.fn, self.kind, self.into, self.cast_dtype = lib.tiertrain_adamw, OUT_KINDS[cast_dtype], into, cast_dtype
-        self.pool, self.pool_threads = None, 0
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         *tensors, hyper = tensors
@@ -133,22 +148,9 @@ class Kernel:
             raise ValueError(f"the CPU-tier AdamW kernel takes {len(HYPERPARAMETERS)} hyperparameters "
                              f"({', '.join(HYPERPARAMETERS)}); got {hyper.numel()}")
         h = hyper.to(torch.float32).contiguous()
-        args = [t.data_ptr() for t in (p, g, m, v, *outs)]
-        out_ptr = out.data_ptr() if out is not None else 0
         threads = max(1, min(torch.get_num_threads(), n // (ALIGN * 16)))
-        if threads == 1:
-            self.fn(*args, out_ptr, self.kind, n, h.data_ptr())
-            return
-        per = -(-n // threads // ALIGN) * ALIGN
-        ranges = [(s, min(per, n - s)) for s in range(0, n, per)]
-        out_bytes = out.element_size() if out is not None else 0
-        calls = [(*(a + 4 * s for a in args), out_ptr + out_bytes * s, self.kind, length, h.data_ptr())
-                 for s, length in ranges]
-        pool = self._pool(len(calls) - 1)
-        futures = [pool.submit(self.fn, *call) for call in calls[1:]]
-        self.fn(*calls[0])  # (the calling thread takes the first range)
-        for f in futures:
-            f.result()
+        self.fn(*(t.data_ptr() for t in (p, g, m, v, *outs)), out.data_ptr() if out is not None else None,
+                self.kind, n, h.data_ptr(), threads)
 
     @staticmethod
     def _check(t: torch.Tensor, dtype: torch.dtype, n: int) -> None:
@@ -156,8 +158,3 @@ class Kernel:
             raise ValueError(f"the CPU-tier AdamW kernel takes contiguous {dtype} tensors of {n} elements in host "
                              f"memory; got {t.dtype} {tuple(t.shape)} on {t.device}"
                              f"{'' if t.is_contiguous() else ', not contiguous'}")
-
-    def _pool(self, threads: int) -> ThreadPoolExecutor:
-        if self.pool_threads < threads:
-            self.pool, self.pool_threads = ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-adamw"), threads
-        return self.pool
