@@ -205,3 +205,16 @@ def test_a_compiler_without_openmp_builds_a_one_thread_kernel_and_says_so(tmp_pa
         kernel(p, g, m, v, copy, _hyper())
         results.append((p, m, v, copy))
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_a_cached_library_that_does_not_load_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "first"))
+    native_adamw.build()
+    (good,) = (tmp_path / "first" / "kernels").iterdir()
+    broken = tmp_path / "second" / "kernels" / good.name  # (the same key, a path this process never loaded)
+    broken.parent.mkdir(parents=True)
+    broken.write_bytes(b"not a shared library")
+    monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "second"))
+    with pytest.warns(RuntimeWarning, match=f"built without OpenMP \\(the built kernel {broken} does not load .*"
+                                            f"delete it to build it again\\)"):
+        native_adamw.build()

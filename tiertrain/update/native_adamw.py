@@ -96,25 +96,36 @@ def _build_with(compiler: str, version: str, flags: list[str]) -> ctypes.CDLL:
     cached = _cache_dir() / f"adamw_{key}.so"
     if cached.exists():
         return _load(cached)
-    with tempfile.TemporaryDirectory() as scratch:
-        built = Path(scratch) / "adamw.so"
-        run = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE), "-lm"], capture_output=True,
-                             text=True, timeout=300)
-        if run.returncode != 0:
-            raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name} (exit {run.returncode}): "
-                                    f"{run.stderr.strip()[-2000:]}")
-        try:  # (written beside, then renamed: a process loading it never sees half a file)
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            partial = cached.with_suffix(f".{os.getpid()}.tmp")
-            shutil.copyfile(built, partial)
-            os.replace(partial, cached)
-        except OSError:
-            return _load(built)
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            built = Path(scratch) / "adamw.so"
+            run = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE), "-lm"], capture_output=True,
+                                 text=True, timeout=300)
+            if run.returncode != 0:
+                raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name} (exit {run.returncode}): "
+                                        f"{run.stderr.strip()[-2000:]}")
+            try:  # (written beside, then renamed: a process loading it never sees half a file)
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                handle, partial = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
+                os.close(handle)
+                try:
+                    shutil.copyfile(built, partial)
+                    os.replace(partial, cached)
+                finally:
+                    if os.path.exists(partial):
+                        os.unlink(partial)
+            except OSError:  # (a cache directory not writable: this process's own copy)
+                return _load(built)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"building {SOURCE.name} with {compiler} failed: {type(e).__name__}: {e}") from e
     return _load(cached)
 
 
 def _load(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))  # (a CDLL call releases the GIL while it runs)
+    try:
+        lib = ctypes.CDLL(str(path))  # (a CDLL call releases the GIL while it runs)
+    except OSError as e:
+        raise KernelUnavailable(f"the built kernel {path} does not load ({e}); delete it to build it again") from e
     fn = lib.tiertrain_adamw
     fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     fn.restype = None
