@@ -14,7 +14,7 @@ import tiertrain
 from reference import Oracle, engine_train, global_batches, make_config, make_model, reference_train
 from tiertrain.optim import squared_norm
 from tiertrain.testing import run_distributed
-from tiertrain.update import host_adamw, in_memory, native_adamw
+from tiertrain.update import host_adamw, native_adamw
 
 STEPS = 4
 MICRO = 2
@@ -94,9 +94,7 @@ def test_the_state_is_torch_adamw_state_so_checkpoints_interchange(monkeypatch):
             torch.testing.assert_close(state[moment], fused["state"][key][moment], rtol=1e-4, atol=1e-9)
 
 
-def test_auto_takes_the_pass_only_on_the_cpu_tier_from_its_size(monkeypatch):
-    assert _one_rank_engine("auto").update.host_pass is None  # (far below AUTO_COMPILED_ELEMENTS)
-    monkeypatch.setattr(in_memory, "AUTO_COMPILED_ELEMENTS", 1)
+def test_auto_takes_the_pass_on_the_cpu_tier_only():
     assert _one_rank_engine("auto").update.host_pass is not None
     cfg = make_config(zero={"stage": 2}, optimizer={"impl": "auto"})
     on_device = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel))
@@ -118,7 +116,6 @@ def test_without_a_compiler_compiled_raises_and_auto_says_it_falls_back(monkeypa
     monkeypatch.setattr(host_adamw, "_kernels", host_adamw._kernels.__wrapped__)
     with pytest.raises(host_adamw.KernelUnavailable, match="no C compiler"):
         _one_rank_engine("compiled")
-    monkeypatch.setattr(in_memory, "AUTO_COMPILED_ELEMENTS", 1)
     with pytest.warns(RuntimeWarning, match="compiled CPU-tier AdamW is not available"):
         engine = _one_rank_engine("auto")
     assert engine.update.host_pass is None

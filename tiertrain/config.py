@@ -138,7 +138,7 @@ class OptimizerConfig:
     grad_clip: float = 1.0
     """Clip gradients to this global L2 norm across all shards; 0 disables clipping."""
     impl: Literal["auto", "fused", "foreach", "single", "compiled"] = "auto"
-    """AdamW kernel: torch's fused, foreach or single-tensor; compiled (AdamW, clip and the cast to the compute dtype in one pass of C built for this host, for the optimizer in host memory); auto (compiled on the CPU tier from 2**26 elements per rank, else fused)."""
+    """AdamW kernel: torch's fused, foreach or single-tensor; compiled (AdamW, clip and the cast to the compute dtype in one pass of C built for this host, for the optimizer in host memory); auto (compiled for the default AdamW on the CPU tier, else fused)."""
 
     def validate(self, path: str = "optimizer") -> None:
         _check_positive(f"{path}.lr", self.lr)

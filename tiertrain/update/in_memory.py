@@ -8,13 +8,6 @@ from .protocol import (PIECE, SLOT_NAME, GroupSchedule, LandingNorms, OptimizerU
                        optimizer_state_bytes, restore_masters, scale_gradients, shard_optimizer)
 from .state_format import TorchOptimizerState
 
-AUTO_COMPILED_ELEMENTS = 1 << 26
-"""optimizer.impl=auto takes the one-pass kernel (update/host_adamw.py) for an optimizer on the
-CPU tier whose shard holds at least this many elements: there it saves ~0.3 s per step per
-billion elements (bench/results/cpu_step.md); below, auto keeps torch's own fused step, whose
-savings would be a few milliseconds."""
-
-
 class InMemoryUpdate(OptimizerUpdate):
     """AdamW (torch, fused kernel by default), or the client's optimizer and lr_scheduler,
     stepping the flat masters in place."""
@@ -73,12 +66,12 @@ class InMemoryUpdate(OptimizerUpdate):
 
 def _host_pass(flat, config, optimizer, client) -> HostAdamW | None:
     """The compiled pass where optimizer.impl asks for it (compiled), or where auto chooses it:
-    the default AdamW, on the CPU tier, over a large shard. Unavailable under auto: said, and
-    torch's fused step runs instead."""
+    the default AdamW on the CPU tier (it builds in ~0.3 s once per host and beats torch's fused
+    step with its separate clip and cast at every size: bench/results/cpu_step.md). Unavailable
+    under auto: said, and torch's fused step runs instead."""
     impl = config.optimizer.impl
     if impl == "auto":
-        shard = sum(u.master.numel() for u in flat.units)
-        if client is not None or not flat.placement.offload_optimizer or shard < AUTO_COMPILED_ELEMENTS:
+        if client is not None or not flat.placement.offload_optimizer:
             return None
     elif impl != "compiled":
         return None
