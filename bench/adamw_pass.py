@@ -97,7 +97,8 @@ def main() -> None:
     kernels = {
         "tiertrain's pass (AdamW + clip + bf16 copy), C": functools.partial(c_cast, *tensors, out, hoisted),
         "the C pass without the bf16 copy": functools.partial(c_plain, *tensors, hoisted),
-        "the replaced pass, torch.compile (AdamW + clip + bf16 copy)": functools.partial(i_cast, *tensors, hoisted, out),
+        "the replaced pass, torch.compile (AdamW + clip + bf16 copy)":
+            functools.partial(i_cast, *tensors, hoisted, out),
         "the torch.compile pass without the bf16 copy": functools.partial(i_plain, *tensors, hoisted),
     }
     load_before = _load()
@@ -128,7 +129,8 @@ def main() -> None:
              f"Ratios: median over the pairs of the kernel's time over the bare step's just before; then split by "
              f"whether that bare step was quicker than the median one ({fast * 1e3:.1f} ms) or not.",
              f"The bare step: median {statistics.median(bare) * 1e3:.1f} ms, best {min(bare) * 1e3:.1f} ms.",
-             "", "| kernel | median (ms) | best (ms) | × bare fused | after a quick bare step (pairs) | after a slow one (pairs) |",
+             "", "| kernel | median (ms) | best (ms) | × bare fused | after a quick bare step (pairs) "
+                 "| after a slow one (pairs) |",
              "|---|---|---|---|---|---|"]
     for name, ps in pairs.items():
         ts = [k for _, k in ps]

@@ -153,13 +153,18 @@ def test_the_library_is_built_once_per_host_and_cached(tmp_path, monkeypatch):
     assert cached.stat().st_mtime_ns == built_at
 
 
-def test_a_compiler_that_fails_is_named_with_its_error(tmp_path, monkeypatch):
-    broken = tmp_path / "broken-cc"
-    broken.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo broken 1.0; exit 0; }\n"
-                      "echo 'no such flag' >&2\nexit 3\n")
-    broken.chmod(0o755)
-    monkeypatch.setenv("CC", str(broken))
+def _compiler_script(tmp_path, monkeypatch, name, body):
+    """$CC set to a shell script of this body; the kernel cache in an empty directory."""
+    script = tmp_path / name
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("CC", str(script))
     monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_a_compiler_that_fails_is_named_with_its_error(tmp_path, monkeypatch):
+    _compiler_script(tmp_path, monkeypatch, "broken-cc", "[ \"$1\" = --version ] && { echo broken 1.0; exit 0; }\n"
+                                                         "echo 'no such flag' >&2\nexit 3")
     with pytest.raises(native_adamw.KernelUnavailable,
                        match=r"broken-cc failed to build adamw_kernel.c \(exit 3\): no such flag"):
         native_adamw.build()
@@ -189,17 +194,17 @@ def test_every_instruction_set_gives_the_same_bits(arch, dtype, tmp_path, monkey
 
 
 def test_a_compiler_without_openmp_builds_a_one_thread_kernel_and_says_so(tmp_path, monkeypatch):
-    no_openmp = tmp_path / "cc-without-openmp"
-    no_openmp.write_text("#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = -fopenmp ] && { echo 'unsupported option "
-                         "-fopenmp' >&2; exit 1; }; done\nexec cc \"$@\"\n")
-    no_openmp.chmod(0o755)
-    monkeypatch.setenv("CC", str(no_openmp))
-    monkeypatch.setenv("TIERTRAIN_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.warns(RuntimeWarning, match="built without OpenMP .*unsupported option -fopenmp.*: it runs on one thread"):
+    real, threaded = native_adamw._compiler(), host_adamw._kernels(torch.bfloat16)  # (built before $CC changes)
+    _compiler_script(tmp_path, monkeypatch, "cc-without-openmp",
+                     "for a in \"$@\"; do\n  [ \"$a\" = -fopenmp ] && "
+                     "{ echo 'unsupported option -fopenmp' >&2; exit 1; }\n"
+                     f"done\nexec {real} \"$@\"")
+    with pytest.warns(RuntimeWarning, match="built without OpenMP .*unsupported option -fopenmp.*: it runs on one "
+                                            "thread"):
         serial = native_adamw.Kernel(native_adamw.build(), torch.bfloat16, into=False)
     n = (1 << 18) + 5
     results = []
-    for kernel in (serial, host_adamw._kernels(torch.bfloat16)):
+    for kernel in (serial, threaded):
         p, g, m, v = _state(n, seed=5)
         copy = torch.empty(n, dtype=torch.bfloat16)
         kernel(p, g, m, v, copy, _hyper())

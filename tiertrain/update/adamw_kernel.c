@@ -148,7 +148,7 @@ static int64_t update_vectors(float *p, const float *g, float *m, float *v, floa
 /* One range of the pass. p_out, m_out, v_out equal to p, m, v: in place. out: the compute copy
  * (kind OUT_BF16, OUT_FP16 or OUT_FP32), or NULL with OUT_NONE. */
 static void update_range(float *p, const float *g, float *m, float *v, float *p_out, float *m_out, float *v_out,
-                     void *out, int kind, int64_t n, const float *h) {
+                         void *out, int kind, int64_t n, const float *h) {
     int64_t done = update_vectors(p, g, m, v, p_out, m_out, v_out, out, kind, n, h);
     int in_place = p_out == p && m_out == m && v_out == v;
     for (int64_t s = done; s < n; s += BLOCK) {
