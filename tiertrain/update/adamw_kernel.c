@@ -4,7 +4,7 @@
  *
  * Built with the host's own instruction set (-march=native). The update is bound by memory
  * traffic, 28 bytes per element; the compute copy adds 2. Its stores go around the cache
- * (non-temporal) where the ISA has them: a plain store first reads the destination's cache
+ * (non-temporal) with AVX-512 or AVX2: a plain store first reads the destination's cache
  * line, 2 bytes more per element. The bf16 rounding is ATen's, in integer arithmetic (the
  * bits torch's .to() gives): AVX512_BF16's VCVTNEPS2BF16 measured no faster on an AMD Zen 4,
  * and it flushes subnormals. The threads are an OpenMP team, each updating one contiguous range.
@@ -134,6 +134,63 @@ static int64_t update_vectors(float *p, const float *g, float *m, float *v, floa
         if (kind != OUT_NONE)
             _mm512_stream_si512((void *)((uint16_t *)out + i), _mm512_inserti64x4(
                                     _mm512_castsi256_si512(half_vector(lo, kind)), half_vector(hi, kind), 1));
+    }
+    return i;
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+static inline __m256 update8(const float *p, const float *g, const float *m, const float *v, float *p_out,
+                             float *m_out, float *v_out, const __m256 *h) {
+    /* ADAMW_ELEMENT's operations, in its order, on 8 elements */
+    __m256 g_ = _mm256_mul_ps(_mm256_loadu_ps(g), h[7]);
+    __m256 p_ = _mm256_mul_ps(_mm256_loadu_ps(p), h[0]);
+    __m256 m_ = _mm256_loadu_ps(m);
+    m_ = _mm256_add_ps(m_, _mm256_mul_ps(h[1], _mm256_sub_ps(g_, m_)));
+    __m256 v_ = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(v), h[2]), _mm256_mul_ps(_mm256_mul_ps(h[3], g_), g_));
+    __m256 d_ = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v_), h[4]), h[5]);
+    p_ = _mm256_sub_ps(p_, _mm256_div_ps(_mm256_mul_ps(h[6], m_), d_));
+    _mm256_storeu_ps(p_out, p_);
+    _mm256_storeu_ps(m_out, m_);
+    _mm256_storeu_ps(v_out, v_);
+    return p_;
+}
+
+static inline __m256i bf16_bits8(__m256 x) { /* bf16_bits on 8 lanes, in 32-bit lanes */
+    __m256i u = _mm256_castps_si256(x);
+    __m256i t = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    t = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(t, _mm256_set1_epi32(0x7fff)), u), 16);
+    return _mm256_blendv_epi8(_mm256_set1_epi32(0x7fc0), t, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
+}
+
+static inline __m256i half_vector16(__m256 lo, __m256 hi, int kind) { /* 16 copies, in order */
+    if (kind == OUT_BF16) /* (packus interleaves the 128-bit lanes: put them back in order) */
+        return _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits8(lo), bf16_bits8(hi)), 0xd8);
+    __m128i l = _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m128i h = _mm256_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(l), h, 1);
+}
+
+/* update_vectors of the AVX-512 build, on 256-bit vectors: 32 elements per iteration, their
+ * copy streamed as two 32-byte halves of one cache line. */
+static int64_t update_vectors(float *p, const float *g, float *m, float *v, float *p_out, float *m_out,
+                              float *v_out, void *out, int kind, int64_t n, const float *h) {
+    int64_t i = 0;
+    if (kind == OUT_FP32) return 0;
+    if (kind != OUT_NONE)
+        for (; i < n && ((uintptr_t)((uint16_t *)out + i) & 63); ++i) {
+            ADAMW_ELEMENT(p, p_out, m, m_out, v, v_out, g, i, h);
+            store_copy(p_out + i, (uint16_t *)out + i, 1, kind);
+        }
+    __m256 hv[8];
+    for (int k = 0; k < 8; ++k) hv[k] = _mm256_set1_ps(h[k]);
+    for (; i + 32 <= n; i += 32) {
+        __m256 x[4];
+        for (int k = 0; k < 4; ++k)
+            x[k] = update8(p + i + 8 * k, g + i + 8 * k, m + i + 8 * k, v + i + 8 * k, p_out + i + 8 * k,
+                           m_out + i + 8 * k, v_out + i + 8 * k, hv);
+        if (kind != OUT_NONE) {
+            _mm256_stream_si256((__m256i *)((uint16_t *)out + i), half_vector16(x[0], x[1], kind));
+            _mm256_stream_si256((__m256i *)((uint16_t *)out + i + 16), half_vector16(x[2], x[3], kind));
+        }
     }
     return i;
 }
