@@ -1,6 +1,6 @@
 """The CPU tier's AdamW pass as a small C kernel (adamw_kernel.c), built for this host with its
 C compiler and called through ctypes, which releases the GIL for the call; its OpenMP threads
-are torch's own intra-op threads.
+are torch's own intra-op threads where torch's libgomp has the system's name (its CPU builds).
 
 It replaced a torch.compile'd loop (inductor's vectorised C++) with the same arithmetic and
 bits: its compute copy is rounded in registers and streamed around the cache, so the pass costs
@@ -28,8 +28,8 @@ SOURCE = Path(__file__).with_name("adamw_kernel.c")
 FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-std=gnu11", "-shared", "-fPIC"]
 """-fno-math-errno lets sqrtf vectorise; -ffp-contract=off keeps each operation rounded as written
 (no fused multiply-adds), as torch's separate operations are: every instruction set gives the
-same bits. -fopenmp is added where the compiler has it: its libgomp.so.1 is the one torch has
-already loaded, so the kernel's threads are torch's intra-op threads."""
+same bits. -fopenmp is added where the compiler has it: its libgomp.so.1 is the one torch's CPU
+builds have already loaded, so the kernel's threads are torch's intra-op threads."""
 OUT_KINDS = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 HYPERPARAMETERS = ("decay", "1 - beta1", "beta2", "1 - beta2", "1 / sqrt(bias correction 2)", "eps", "step size",
                    "gradient factor")
