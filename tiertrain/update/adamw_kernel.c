@@ -71,21 +71,6 @@ static inline uint16_t fp16_bits(float x) { /* IEEE binary16, round to nearest e
     return (uint16_t)(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-static inline __m256i bf16_vector(__m512 x) { /* bf16_bits on 16 lanes, as ATen's vectorised cast */
-    __m512i u = _mm512_castps_si512(x);
-    __m512i t = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    t = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(t, _mm512_set1_epi32(0x7fff)), u), 16);
-    t = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), _mm512_set1_epi32(0x7fc0), t);
-    return _mm512_cvtepi32_epi16(t);
-}
-
-static inline __m256i half_vector(__m512 x, int kind) {
-    if (kind == OUT_BF16) return bf16_vector(x);
-    return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-#endif
-
 /* The compute copy of n updated values, stored to out (the ISA's generic path). */
 static void store_copy(const float *restrict src, void *restrict out, int64_t n, int kind) {
     if (kind == OUT_FP32)
@@ -97,19 +82,68 @@ static void store_copy(const float *restrict src, void *restrict out, int64_t n,
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-static inline __m512 update16(const float *p, const float *g, const float *m, const float *v, float *p_out,
-                              float *m_out, float *v_out, const __m512 *h) {
-    /* ADAMW_ELEMENT's operations, in its order, on 16 elements */
-    __m512 g_ = _mm512_mul_ps(_mm512_loadu_ps(g), h[7]);
-    __m512 p_ = _mm512_mul_ps(_mm512_loadu_ps(p), h[0]);
-    __m512 m_ = _mm512_loadu_ps(m);
-    m_ = _mm512_add_ps(m_, _mm512_mul_ps(h[1], _mm512_sub_ps(g_, m_)));
-    __m512 v_ = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(v), h[2]), _mm512_mul_ps(_mm512_mul_ps(h[3], g_), g_));
-    __m512 d_ = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v_), h[4]), h[5]);
-    p_ = _mm512_sub_ps(p_, _mm512_div_ps(_mm512_mul_ps(h[6], m_), d_));
-    _mm512_storeu_ps(p_out, p_);
-    _mm512_storeu_ps(m_out, m_);
-    _mm512_storeu_ps(v_out, v_);
+#define LANES 16
+typedef __m512 vec;
+#define V(op) _mm512_##op
+
+/* 32 updated values as their 64-byte copy, streamed to a 64-byte-aligned destination */
+static inline void stream_copy(uint16_t *out, const vec *x, int kind) {
+    __m256i half[2];
+    for (int k = 0; k < 2; ++k)
+        if (kind == OUT_BF16) { /* bf16_bits on 16 lanes, as ATen's vectorised cast */
+            __m512i u = _mm512_castps_si512(x[k]);
+            __m512i t = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+            t = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(t, _mm512_set1_epi32(0x7fff)), u), 16);
+            t = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x[k], x[k], _CMP_ORD_Q), _mm512_set1_epi32(0x7fc0), t);
+            half[k] = _mm512_cvtepi32_epi16(t);
+        } else {
+            half[k] = _mm512_cvtps_ph(x[k], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        }
+    _mm512_stream_si512((void *)out, _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1));
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+#define LANES 8
+typedef __m256 vec;
+#define V(op) _mm256_##op
+
+/* 32 updated values as their 64-byte copy, streamed as two 32-byte halves of one cache line */
+static inline void stream_copy(uint16_t *out, const vec *x, int kind) {
+    for (int k = 0; k < 4; k += 2) {
+        __m256i half;
+        if (kind == OUT_BF16) {
+            __m256i t[2];
+            for (int j = 0; j < 2; ++j) { /* bf16_bits on 8 lanes, in 32-bit lanes */
+                __m256i u = _mm256_castps_si256(x[k + j]);
+                t[j] = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+                t[j] = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(t[j], _mm256_set1_epi32(0x7fff)), u), 16);
+                t[j] = _mm256_blendv_epi8(_mm256_set1_epi32(0x7fc0), t[j],
+                                          _mm256_castps_si256(_mm256_cmp_ps(x[k + j], x[k + j], _CMP_ORD_Q)));
+            } /* (packus interleaves the 128-bit lanes: the permute puts them back in order) */
+            half = _mm256_permute4x64_epi64(_mm256_packus_epi32(t[0], t[1]), 0xd8);
+        } else {
+            half = _mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm256_cvtps_ph(x[k], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
+                _mm256_cvtps_ph(x[k + 1], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), 1);
+        }
+        _mm256_stream_si256((__m256i *)(out + 16 * (k / 2)), half);
+    }
+}
+#endif
+
+#ifdef LANES
+static inline vec update_lanes(const float *p, const float *g, const float *m, const float *v, float *p_out,
+                               float *m_out, float *v_out, const vec *h) {
+    /* ADAMW_ELEMENT's operations, in its order, on LANES elements */
+    vec g_ = V(mul_ps)(V(loadu_ps)(g), h[7]);
+    vec p_ = V(mul_ps)(V(loadu_ps)(p), h[0]);
+    vec m_ = V(loadu_ps)(m);
+    m_ = V(add_ps)(m_, V(mul_ps)(h[1], V(sub_ps)(g_, m_)));
+    vec v_ = V(add_ps)(V(mul_ps)(V(loadu_ps)(v), h[2]), V(mul_ps)(V(mul_ps)(h[3], g_), g_));
+    vec d_ = V(add_ps)(V(mul_ps)(V(sqrt_ps)(v_), h[4]), h[5]);
+    p_ = V(sub_ps)(p_, V(div_ps)(V(mul_ps)(h[6], m_), d_));
+    V(storeu_ps)(p_out, p_);
+    V(storeu_ps)(m_out, m_);
+    V(storeu_ps)(v_out, v_);
     return p_;
 }
 
@@ -125,72 +159,15 @@ static int64_t update_vectors(float *p, const float *g, float *m, float *v, floa
             ADAMW_ELEMENT(p, p_out, m, m_out, v, v_out, g, i, h);
             store_copy(p_out + i, (uint16_t *)out + i, 1, kind);
         }
-    __m512 hv[8];
-    for (int k = 0; k < 8; ++k) hv[k] = _mm512_set1_ps(h[k]);
+    vec hv[8];
+    for (int k = 0; k < 8; ++k) hv[k] = V(set1_ps)(h[k]);
     for (; i + 32 <= n; i += 32) {
-        __m512 lo = update16(p + i, g + i, m + i, v + i, p_out + i, m_out + i, v_out + i, hv);
-        __m512 hi = update16(p + i + 16, g + i + 16, m + i + 16, v + i + 16, p_out + i + 16, m_out + i + 16,
-                             v_out + i + 16, hv);
-        if (kind != OUT_NONE)
-            _mm512_stream_si512((void *)((uint16_t *)out + i), _mm512_inserti64x4(
-                                    _mm512_castsi256_si512(half_vector(lo, kind)), half_vector(hi, kind), 1));
-    }
-    return i;
-}
-#elif defined(__AVX2__) && defined(__F16C__)
-static inline __m256 update8(const float *p, const float *g, const float *m, const float *v, float *p_out,
-                             float *m_out, float *v_out, const __m256 *h) {
-    /* ADAMW_ELEMENT's operations, in its order, on 8 elements */
-    __m256 g_ = _mm256_mul_ps(_mm256_loadu_ps(g), h[7]);
-    __m256 p_ = _mm256_mul_ps(_mm256_loadu_ps(p), h[0]);
-    __m256 m_ = _mm256_loadu_ps(m);
-    m_ = _mm256_add_ps(m_, _mm256_mul_ps(h[1], _mm256_sub_ps(g_, m_)));
-    __m256 v_ = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(v), h[2]), _mm256_mul_ps(_mm256_mul_ps(h[3], g_), g_));
-    __m256 d_ = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v_), h[4]), h[5]);
-    p_ = _mm256_sub_ps(p_, _mm256_div_ps(_mm256_mul_ps(h[6], m_), d_));
-    _mm256_storeu_ps(p_out, p_);
-    _mm256_storeu_ps(m_out, m_);
-    _mm256_storeu_ps(v_out, v_);
-    return p_;
-}
-
-static inline __m256i bf16_bits8(__m256 x) { /* bf16_bits on 8 lanes, in 32-bit lanes */
-    __m256i u = _mm256_castps_si256(x);
-    __m256i t = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    t = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(t, _mm256_set1_epi32(0x7fff)), u), 16);
-    return _mm256_blendv_epi8(_mm256_set1_epi32(0x7fc0), t, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
-}
-
-static inline __m256i half_vector16(__m256 lo, __m256 hi, int kind) { /* 16 copies, in order */
-    if (kind == OUT_BF16) /* (packus interleaves the 128-bit lanes: put them back in order) */
-        return _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits8(lo), bf16_bits8(hi)), 0xd8);
-    __m128i l = _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m128i h = _mm256_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(l), h, 1);
-}
-
-/* update_vectors of the AVX-512 build, on 256-bit vectors: 32 elements per iteration, their
- * copy streamed as two 32-byte halves of one cache line. */
-static int64_t update_vectors(float *p, const float *g, float *m, float *v, float *p_out, float *m_out,
-                              float *v_out, void *out, int kind, int64_t n, const float *h) {
-    int64_t i = 0;
-    if (kind == OUT_FP32) return 0;
-    if (kind != OUT_NONE)
-        for (; i < n && ((uintptr_t)((uint16_t *)out + i) & 63); ++i) {
-            ADAMW_ELEMENT(p, p_out, m, m_out, v, v_out, g, i, h);
-            store_copy(p_out + i, (uint16_t *)out + i, 1, kind);
+        vec x[32 / LANES];
+        for (int k = 0; k < 32 / LANES; ++k) {
+            int64_t j = i + LANES * k;
+            x[k] = update_lanes(p + j, g + j, m + j, v + j, p_out + j, m_out + j, v_out + j, hv);
         }
-    __m256 hv[8];
-    for (int k = 0; k < 8; ++k) hv[k] = _mm256_set1_ps(h[k]);
-    for (; i + 32 <= n; i += 32) {
-        __m256 x[4];
-        for (int k = 0; k < 4; ++k)
-            x[k] = update8(p + i + 8 * k, g + i + 8 * k, m + i + 8 * k, v + i + 8 * k, p_out + i + 8 * k,
-                           m_out + i + 8 * k, v_out + i + 8 * k, hv);
-        if (kind != OUT_NONE) {
-            _mm256_stream_si256((__m256i *)((uint16_t *)out + i), half_vector16(x[0], x[1], kind));
-            _mm256_stream_si256((__m256i *)((uint16_t *)out + i + 16), half_vector16(x[2], x[3], kind));
-        }
+        if (kind != OUT_NONE) stream_copy((uint16_t *)out + i, x, kind);
     }
     return i;
 }
