@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import TiertrainError
+from ..io.fileio import atomic_write
 
 SOURCE = Path(__file__).with_name("adamw_kernel.c")
 FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-std=gnu11", "-shared", "-fPIC"]
@@ -106,14 +107,7 @@ def _build_with(compiler: str, version: str, flags: list[str]) -> ctypes.CDLL:
                                         f"{run.stderr.strip()[-2000:]}")
             try:  # (written beside, then renamed: a process loading it never sees half a file)
                 cached.parent.mkdir(parents=True, exist_ok=True)
-                handle, partial = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
-                os.close(handle)
-                try:
-                    shutil.copyfile(built, partial)
-                    os.replace(partial, cached)
-                finally:
-                    if os.path.exists(partial):
-                        os.unlink(partial)
+                atomic_write(cached, lambda f: f.write(built.read_bytes()))
             except OSError:  # (a cache directory not writable: this process's own copy)
                 return _load(built)
     except (OSError, subprocess.SubprocessError) as e:
