@@ -62,6 +62,9 @@ class Copy(enum.Enum):
     """An activation checkpoint, device → host buffer (activations.offload: cpu)."""
     ACTIVATION_TO_DEVICE = "activation-to-device"
     """An activation checkpoint, host buffer → device, before its block is recomputed."""
+    UPDATE_TO_DEVICE = "update-to-device"
+    """A chunk of an updated shard in the compute dtype, pinned host buffer → the device's shard,
+    after the CPU tier's optimizer step (tiertrain/zero/upload.py)."""
 
 
 def device_module(device: torch.device):
@@ -260,6 +263,13 @@ class Transfer:
             (stream or self._streams.current_stream()).wait_event(self._event)
         self._land()
         return self.value
+
+    def source_read(self) -> None:
+        """Block the host until the copy has read its source, which may then be overwritten
+        (under the harness at once: the copy took its source's values when it was issued).
+        Not a wait for the destination: that is :meth:`wait` or :meth:`synchronize`."""
+        if self._event is not None:
+            self._event.synchronize()
 
     def synchronize(self) -> torch.Tensor:
         """Block the host until the copy has landed; returns the destination (which host code

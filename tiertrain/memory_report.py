@@ -37,6 +37,9 @@ class MemoryReport:
     """Stage 3: the partitioned units the parameters are gathered by (0 at stages 0-2)."""
     largest_unit_share: float = 0.0
     """Stage 3: the fraction of the model's parameters in the largest unit, gathered whole at once."""
+    upload_buffers: int = 0
+    """Pinned host chunks through which the CPU tier's step sends updated shards to an accelerator
+    (zero/upload.py; allocated at the first step); not model state."""
 
     @property
     def total(self) -> int:
@@ -65,7 +68,8 @@ def memory_report_of(engine: "TrainingCore") -> MemoryReport:
                         flat["master"] + extra.optimizer, cpu_tier=flat["cpu_tier"] + extra.cpu_tier + landing,
                         nvme_tier=flat["nvme_tier"] + extra.nvme_tier,
                         activation_checkpoints=ckpt.peak_bytes, activation_checkpoints_cpu=ckpt.host_peak_bytes,
-                        frozen_params=whole_frozen + frozen_shards, **unit_summary(engine))
+                        frozen_params=whole_frozen + frozen_shards, upload_buffers=engine.flat.upload.nbytes,
+                        **unit_summary(engine))
 
 
 def unit_summary(engine: "TrainingCore") -> dict:

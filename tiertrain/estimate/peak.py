@@ -57,6 +57,7 @@ import torch.nn as nn
 
 from ..zero.plan import default_unit_modules
 from ..zero.flat import NVME_READ_AHEAD, swap_pool_bytes
+from ..zero.upload import CHUNK, SLOTS, upload_buffer_bytes
 from ..parallel.context import tokens_multiple
 from .activations import (ActivationBytes, context_parallel_activation_bytes, gpt_activation_bytes,
                           tiled_mlp_activation_bytes)
@@ -543,6 +544,10 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
             add("NVMe parameter write staging", max(u.shard_numel for u in layout.units) * D, Tier.CPU,
                 "one unit's updated shard assembled for its swap write (zero.flat.ShardWriter); "
                 "live during backward when the step overlaps it (zero.overlap_nvme_step)")
+    if optimizer_tier is Tier.CPU and (param_tier is Tier.DEVICE or any(u.resident for u in layout.units)):
+        add("upload buffers", upload_buffer_bytes(max(u.shard_numel for u in layout.units), D), Tier.CPU,
+            f"{SLOTS} pinned chunks of min({CHUNK}, largest shard) elements, through which the CPU tier's step "
+            "sends the updated shards to the device (tiertrain/zero/upload.py)")
     ov = overhead if overhead is not None else HostOverhead()
     if ov.framework_bytes:
         add("framework overhead", int(ov.framework_bytes), Tier.CPU,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Callable
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -83,19 +83,26 @@ class HostAdamW:
     new values are also written into its compute-dtype destination, when it has one."""
 
     def __init__(self, optimizer: torch.optim.AdamW,
-                 destination_of: Callable[[torch.Tensor], torch.Tensor | None], who: str = "optimizer.impl=compiled"):
+                 destination_of: Callable[[torch.Tensor], torch.Tensor | None], who: str = "optimizer.impl=compiled",
+                 upload: Upload | None = None):
         reason = unsupported_reason(optimizer)
         if reason is not None:
             raise ValueError(f"{who} steps torch's AdamW in host memory with the compiled pass; {reason}")
         self.optimizer = optimizer
         self.destinations = {id(p): destination_of(p) for g in optimizer.param_groups for p in g["params"]}
-        cast_dtypes = {d.dtype for d in self.destinations.values() if d is not None}
+        self.upload = upload
+        self.uploads = {} if upload is None else {
+            id(p): target for g in optimizer.param_groups for p in g["params"]
+            if (target := upload.target_of(p)) is not None}
+        """Per piece, the device shard its new values are sent to through upload (a piece has a
+        destination in host memory, or an upload target, or neither)."""
+        cast_dtypes = {d.dtype for d in [*self.destinations.values(), *self.uploads.values()] if d is not None}
         if len(cast_dtypes) > 1:
             raise ValueError(f"compute shards of several dtypes ({sorted(map(str, cast_dtypes))}): one expected")
         self.cast_dtype = cast_dtypes.pop() if cast_dtypes else None
         # (built now, not in the first step)
         if any(d is None for d in self.destinations.values()):
-            _kernels(None)
+            _kernels(None)  # (also update_into's, for pieces it sends nowhere until they are committed)
         if self.cast_dtype is not None:
             _kernels(self.cast_dtype)
 
@@ -105,12 +112,14 @@ class HostAdamW:
         piece's destination holds its values."""
         with span("optimizer_pass"):
             self._step(1.0 if clip is None else float(clip), clip, skip)
+            self._finish_upload()
 
     def step_pieces(self, pieces: list[tuple[dict, torch.Tensor]], clip: torch.Tensor | None = None) -> None:
         """One AdamW update of these (param group, piece) pairs only, each with a gradient,
         scaled by clip; their destinations then hold their values (no other piece is touched)."""
         with span("optimizer_pass"):
             self._update(pieces, 1.0 if clip is None else float(clip), clip)
+            self._finish_upload()
 
     @staticmethod
     def steps_alone(p: torch.Tensor) -> bool:
@@ -122,7 +131,8 @@ class HostAdamW:
         """The next unclipped AdamW update of piece p (one that :meth:`steps_alone`) written into
         p_out and the two moment outputs, and into p's destination; p, its state and its step
         count are left as they were, for the caller to commit (swap the outputs in, count the
-        step) or discard (give the destination p's values back)."""
+        step) or discard (give the destination p's values back). An upload target is not written:
+        the device's shard changes only once the caller has committed and publishes."""
         state = self.state_of(p)
         hyper = _group_hyperparameters(group, float(state["step"]) + 1, 1.0)
         out = self.destinations[id(p)]
@@ -145,7 +155,8 @@ class HostAdamW:
 
     def copy_out(self, pieces: list[torch.Tensor]) -> None:
         """Each piece's destination (its compute-dtype copy) given the piece's values: for
-        pieces a step leaves unchanged, whose destinations the pass does not write."""
+        pieces a step leaves unchanged, whose destinations the pass does not write. (An upload
+        target holds them already: only the pass and publish write it, with the piece's values.)"""
         for p in pieces:
             out = self.destinations[id(p)]
             if out is not None:
@@ -161,11 +172,22 @@ class HostAdamW:
             state["step"] += 1
             hyper = _group_hyperparameters(group, float(state["step"]), factor)
             out = self.destinations[id(p)]
-            if out is None:
+            if id(p) in self.uploads:  # (a chunk at a time: each is copied to the device as the next is updated)
+                tensors = [t.view(-1) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                for start, end, buffer in self.upload.chunks(self.uploads[id(p)]):
+                    _kernels(self.cast_dtype)(*(t[start:end] for t in tensors), buffer, hyper)
+            elif out is None:
                 _kernels(None)(p, p.grad, state["exp_avg"], state["exp_avg_sq"], hyper)
             else:
                 _kernels(self.cast_dtype)(p, p.grad, state["exp_avg"], state["exp_avg_sq"], out, hyper)
         self._step_small(small, clip)
+        for p in small:
+            if id(p) in self.uploads:
+                self.upload.send(self.uploads[id(p)], p)
+
+    def _finish_upload(self) -> None:
+        if self.upload is not None:
+            self.upload.finish()
 
     def state_of(self, p: torch.Tensor) -> dict:
         """Piece p's AdamW state (step, exp_avg, exp_avg_sq), created as torch's fused AdamW creates it."""
@@ -187,6 +209,23 @@ class HostAdamW:
                     p.grad.mul_(clip)
             self.optimizer.step()
         self.copy_out(small)
+
+
+class Upload(Protocol):
+    """Where the pass sends the pieces whose compute-dtype copy lives on an accelerator: the
+    pieces' targets and a zero/upload.py ShardUpload."""
+
+    def target_of(self, piece: torch.Tensor) -> torch.Tensor | None:
+        """The device tensor that receives the piece's new values (None: the piece has none)."""
+
+    def chunks(self, target: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """ShardUpload.chunks."""
+
+    def send(self, target: torch.Tensor, values: torch.Tensor) -> None:
+        """ShardUpload.send."""
+
+    def finish(self) -> None:
+        """ShardUpload.finish."""
 
 
 def warn_unavailable(error: KernelUnavailable) -> None:

@@ -23,9 +23,10 @@ class InMemoryUpdate(OptimizerUpdate):
         self.host_pass = _host_pass(flat, config, self.optimizer, client)
         """The compiled AdamW + clip + cast pass, when optimizer.impl chose it; else None."""
         self.host_pass_writes = {} if self.host_pass is None else {
-            u.unit.index: None for u in flat.units if flat.host_compute_shard(u.unit.index) is not None}
-        """The units whose compute shards the compiled pass writes, as publish_masters' sources
-        (None: the shard holds its values already)."""
+            u.unit.index: None for u in flat.units
+            if flat.host_compute_shard(u.unit.index) is not None or flat.uploaded_shard(u.unit.index) is not None}
+        """The units whose compute shards the compiled pass writes (or sends to the device), as
+        publish_masters' sources (None: the shard holds its values already)."""
 
     def own_learning_rate(self):
         return self.schedule.learning_rate()
@@ -33,6 +34,7 @@ class InMemoryUpdate(OptimizerUpdate):
     def step(self, grads, clip, lr, step):
         self.schedule.apply(self.optimizer, lr)
         if self.host_pass is not None:
+            self.flat.wait_gathers()  # (the pass may send into shards an all-gather still reads)
             unchanged = self.unchanged
             self.host_pass.step(clip, skip=lambda p: getattr(p, SLOT_NAME) in unchanged)
             sources = self.host_pass_writes
@@ -89,9 +91,24 @@ def _host_pass(flat, config, optimizer, client) -> HostAdamW | None:
 
 def host_pass(flat, optimizer, who: str) -> HostAdamW:
     """The compiled pass over the optimizer's pieces, each writing its unit's host compute
-    shard where there is one (who: the setting that asks for it, for errors)."""
+    shard where there is one, or sending its values to the unit's shard on the accelerator
+    (who: the setting that asks for it, for errors)."""
     def destination(piece):
         index, start, end = getattr(piece, PIECE)
         shard = flat.host_compute_shard(index)
         return None if shard is None else shard[start:end]
-    return HostAdamW(optimizer, destination, who)
+    return HostAdamW(optimizer, destination, who, upload=PieceUpload(flat))
+
+
+class PieceUpload:
+    """The pass's upload (update/host_adamw.py's Upload): a piece's target is its slice of the
+    unit's shard on the accelerator (FlatParameters.uploaded_shard), sent by flat.upload."""
+
+    def __init__(self, flat):
+        self.flat = flat
+        self.chunks, self.send, self.finish = flat.upload.chunks, flat.upload.send, flat.upload.finish
+
+    def target_of(self, piece):
+        index, start, end = getattr(piece, PIECE)
+        shard = self.flat.uploaded_shard(index)
+        return None if shard is None else shard[start:end]

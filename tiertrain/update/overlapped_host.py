@@ -98,8 +98,9 @@ class OverlappedHostUpdate(InMemoryUpdate):
         super().__init__(flat, config, lazy_zero, None, landing_norms)
         if self.host_pass is None:  # (auto leaves small shards to torch's kernel, which has no second buffers)
             self.host_pass = host_pass(flat, self.optimizer, "zero.overlap_cpu_step")
-            self.host_pass_writes = {u.unit.index: None for u in flat.units
-                                     if flat.host_compute_shard(u.unit.index) is not None}
+        # (not the units the pass sends to an accelerator: the worker's updates are sent at publish)
+        self.host_pass_writes = {u.unit.index: None for u in flat.units
+                                 if flat.host_compute_shard(u.unit.index) is not None}
         self.reducer = reducer
         self.comm = Collectives(group) if group is not None else None
         self.device = device

@@ -37,12 +37,13 @@ import torch
 import torch.nn as nn
 
 from ..comm import Collectives, Work
-from ..device import DeviceStreams, free_storage, host_empty, pins_host, renew_storage
+from ..device import DeviceStreams, acts_as_accelerator, free_storage, host_empty, pins_host, renew_storage
 from ..spans import span
 from ..tiers import Tier
 from .layout import FlatLayout, Unit
 from .released import hold, mark_gathered, mark_released
 from .shard_store_protocol import ShardStore
+from .upload import ShardUpload
 
 
 NVME_READ_AHEAD = 3
@@ -160,6 +161,8 @@ class FlatParameters:
         """The compute device's streams and tier transfers (tiertrain/device.py)."""
         self.shards: ShardStore = shards
         """Where partitioned units' shards live (the parameter tier's store, of placement.param_tier)."""
+        self.upload = ShardUpload(self.streams, dtype)
+        """Sends updated values from the CPU tier into shards on an accelerator (zero/upload.py)."""
         self.layout = layout
         self.placement = placement
         self._publishing: set[int] = set()  # resident units whose post-step all-gather is in flight
@@ -379,11 +382,25 @@ class FlatParameters:
         """The compute-dtype shard publish_masters copies trained unit ``index``'s master into,
         when that copy is a plain one into host memory, which the CPU-tier optimizer may then
         write in its own pass (tiertrain/update/host_adamw.py); None when the master is the
-        shard, or the shard lives on an accelerator or in swap files."""
+        shard, or the shard lives on an accelerator (see :meth:`uploaded_shard`) or in swap files."""
         u = self._all[index]
-        if u.master is u.shard or u.shard.device.type != "cpu" or self.masters_elsewhere:
+        if (u.master is u.shard or u.shard.device.type != "cpu" or self.masters_elsewhere
+                or self.uploaded_shard(index) is not None):
             return None
         if not u.unit.resident and self.shards.tier is Tier.NVME:
+            return None
+        return u.shard
+
+    def uploaded_shard(self, index: int) -> torch.Tensor | None:
+        """Trained unit ``index``'s compute-dtype shard when it is device memory that its master,
+        on the CPU tier, reaches through :attr:`upload` (the CPU pass sends its compute-dtype
+        copy there: tiertrain/update/host_adamw.py); else None. On the CPU that is under the
+        emulated GPU host or the deferred-copy harness (tiertrain/device.py), whose shards
+        stand for device memory."""
+        u = self._all[index]
+        on_device = u.unit.resident or self.shards.tier is Tier.DEVICE
+        if (u.master is u.shard or not on_device or self.masters_elsewhere or not self.placement.offload_optimizer
+                or not (acts_as_accelerator(self.device) or self.streams.defer)):
             return None
         return u.shard
 
@@ -414,10 +431,13 @@ class FlatParameters:
                 source = sources.get(u.unit.index, u.master)
                 if u.master is u.shard or source is None:
                     continue
-                if u.unit.resident:
+                if self.uploaded_shard(u.unit.index) is not None:
+                    self.upload.send(u.shard, source)
+                elif u.unit.resident:
                     u.shard.copy_(source)
                 else:
                     self.shards.write(u.unit.index, u.shard, source)
+        self.upload.finish()  # (what the CPU pass or the loop above sent: before the all-gathers read it)
         # All launched before any is waited on: gloo queues them back to back instead of
         # paying one round trip per unit.
         for u in self.units:
