@@ -14,6 +14,8 @@ checked here:
   included: fp32 within the float64 oracle's bound, bf16 within tests/test_engine.py's bf16
   bounds of the fp32 reference; a Hugging Face Llama at stage 3 with both tiers on the CPU;
   activation checkpoints offloaded to the CPU;
+* the CPU tier's step sends its updated shards to the device through pinned chunk buffers
+  (tiertrain/zero/upload.py), each reused within a step, and trains like the reference;
 * a checkpoint saved on the GPU resumes bit for bit, and save_pretrained / the offline export
   hold the fp32 masters bit for bit.
 
@@ -243,6 +245,41 @@ def test_the_nvme_optimizer_steps_during_backward_on_the_gpu(tmp_path):
     losses, params, _, overlapped = _train(make_model(), cfg, batches, after=lambda e: e.last_overlapped_step)
     assert overlapped is not None and overlapped["shards"] > 1, f"the step did not overlap backward: {overlapped}"
     Oracle.run(reference_train, make_model(), cfg, batches).check(losses, params, f"{DEVICE.type} nvme in backward")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_cpu_tier_sends_its_updated_shards_to_the_gpu_in_chunks(dtype, tmp_path, monkeypatch):
+    """Stage 2, optimizer on the CPU: every piece takes the CPU pass (SMALL_PIECE 0), which sends
+    its compute-dtype copy to the device's shard through the pinned chunk buffers
+    (tiertrain/zero/upload.py), chunks of 1000 elements so that each buffer is reused many times
+    within a step; the run trains like the reference and the shards are the masters rounded."""
+    import tiertrain
+    from reference import Oracle, global_batches, make_model, reference_train
+    from tiertrain.device import GPU_HOST_ENV
+    from tiertrain.update import host_adamw
+
+    if ON_CPU:  # (the emulated GPU host: stage 2's shards stand for device memory)
+        monkeypatch.setenv(GPU_HOST_ENV, "1")
+    monkeypatch.setattr(host_adamw, "SMALL_PIECE", 0)
+    cfg = _config(TIERS["optimizer-cpu"], tmp_path, precision={"dtype": dtype}, optimizer={"impl": "compiled"})
+    batches = global_batches(STEPS, MICRO)
+    engine = tiertrain.wrap(make_model(), cfg, tiertrain.Topology.build(cfg.parallel, device=DEVICE))
+    try:
+        engine.flat.upload.chunk = 1000
+        assert all(engine.flat.uploaded_shard(u.unit.index) is not None for u in engine.flat.units)
+        losses = [engine.train_batch(iter([b])) for b in batches]
+        params = {n: p.cpu() for n, p in engine.full_state_dict().items()}
+        assert all(torch.equal(u.shard[:u.master.numel()].cpu(), u.master.to(u.shard.dtype))
+                   for u in engine.flat.units)
+        element = 2 if dtype == "bf16" else 4
+        assert engine.memory_report().upload_buffers == 3 * 1000 * element
+    finally:
+        engine.close()
+    if dtype == "fp32":
+        Oracle.run(reference_train, make_model(), cfg, batches).check(losses, params, f"{DEVICE.type} sent in chunks")
+    else:
+        ref_losses, ref_params = reference_train(make_model(), _config(TIERS["optimizer-cpu"], tmp_path), batches)
+        _check_bf16(losses, params, ref_losses, ref_params, f"{DEVICE.type} bf16 sent in chunks")
 
 
 @pytest.mark.parametrize("tier", BF16_TIERS)

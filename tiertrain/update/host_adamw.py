@@ -132,7 +132,7 @@ class HostAdamW:
         p_out and the two moment outputs, and into p's destination; p, its state and its step
         count are left as they were, for the caller to commit (swap the outputs in, count the
         step) or discard (give the destination p's values back). An upload target is not written:
-        the device's shard changes only once the caller has committed and publishes."""
+        the device's shard changes only once the caller has committed (then :meth:`send`)."""
         state = self.state_of(p)
         hyper = _group_hyperparameters(group, float(state["step"]) + 1, 1.0)
         out = self.destinations[id(p)]
@@ -181,9 +181,15 @@ class HostAdamW:
             else:
                 _kernels(self.cast_dtype)(p, p.grad, state["exp_avg"], state["exp_avg_sq"], out, hyper)
         self._step_small(small, clip)
-        for p in small:
+        self.send(small)
+
+    def send(self, pieces: list[torch.Tensor]) -> None:
+        """Each piece's values to its upload target, if it has one: pieces updated outside the
+        pass (update_into's outputs, committed by the caller)."""
+        for p in pieces:
             if id(p) in self.uploads:
                 self.upload.send(self.uploads[id(p)], p)
+        self._finish_upload()
 
     def _finish_upload(self) -> None:
         if self.upload is not None:

@@ -22,9 +22,7 @@ class InMemoryUpdate(OptimizerUpdate):
         self.schedule = GroupSchedule.of(client, self.optimizer)
         self.host_pass = _host_pass(flat, config, self.optimizer, client)
         """The compiled AdamW + clip + cast pass, when optimizer.impl chose it; else None."""
-        self.host_pass_writes = {} if self.host_pass is None else {
-            u.unit.index: None for u in flat.units
-            if flat.host_compute_shard(u.unit.index) is not None or flat.uploaded_shard(u.unit.index) is not None}
+        self.host_pass_writes = {} if self.host_pass is None else pass_writes(flat)
         """The units whose compute shards the compiled pass writes (or sends to the device), as
         publish_masters' sources (None: the shard holds its values already)."""
 
@@ -87,6 +85,13 @@ def _host_pass(flat, config, optimizer, client) -> HostAdamW | None:
             raise
         warn_unavailable(e)
         return None
+
+
+def pass_writes(flat) -> dict[int, None]:
+    """publish_masters' sources for the units whose compute shards the pass writes in host
+    memory or sends to the accelerator: None, the shard holds its values already."""
+    return {u.unit.index: None for u in flat.units
+            if flat.host_compute_shard(u.unit.index) is not None or flat.uploaded_shard(u.unit.index) is not None}
 
 
 def host_pass(flat, optimizer, who: str) -> HostAdamW:

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from ..comm import Collectives
 from ..errors import TiertrainError
 from ..spans import span
-from .in_memory import InMemoryUpdate, host_pass
+from .in_memory import InMemoryUpdate, host_pass, pass_writes
 from .protocol import PIECE, SLOT_NAME, UpdateMemory
 
 Pair = tuple[dict, torch.Tensor]
@@ -98,9 +98,7 @@ class OverlappedHostUpdate(InMemoryUpdate):
         super().__init__(flat, config, lazy_zero, None, landing_norms)
         if self.host_pass is None:  # (auto leaves small shards to torch's kernel, which has no second buffers)
             self.host_pass = host_pass(flat, self.optimizer, "zero.overlap_cpu_step")
-        # (not the units the pass sends to an accelerator: the worker's updates are sent at publish)
-        self.host_pass_writes = {u.unit.index: None for u in flat.units
-                                 if flat.host_compute_shard(u.unit.index) is not None}
+            self.host_pass_writes = pass_writes(flat)
         self.reducer = reducer
         self.comm = Collectives(group) if group is not None else None
         self.device = device
@@ -210,6 +208,8 @@ class OverlappedHostUpdate(InMemoryUpdate):
         with span("overlapped_cpu_step/commit"):
             for index, pieces in flight.updated.items():
                 self._commit(index, pieces)
+            # (a shard on an accelerator gets the committed values now: the worker sent none)
+            self.host_pass.send([v for pieces in flight.updated.values() for _, v in pieces])
         self.speculation["committed"] += 1
         done = {id(v) for pieces in flight.updated.values() for _, v in pieces}
         unchanged = self.unchanged
