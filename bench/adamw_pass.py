@@ -1,12 +1,17 @@
 """The CPU tier's AdamW pass (tiertrain/update/adamw_kernel.c) against torch's bare fused
 AdamW, the kernels alone, each timed right after a bare step (issue 36, item 1).
 
-Five kernels step the same fp32 tensors:
+Six kernels step the same fp32 tensors:
 
 * torch's fused AdamW, bare (``torch.optim.adamw.adamw(..., fused=True)``);
 * tiertrain's pass: AdamW, the clip factor and the bf16 copy in one loop of C, its copy stored
   around the cache (non-temporal stores);
 * the same C pass without the copy (the kernel a piece without a compute copy takes);
+* the C pass as it runs on an accelerator host, where the copy lives on the device: called a
+  chunk (tiertrain.zero.upload.CHUNK elements) at a time, writing each chunk's copy into one of
+  SLOTS buffers in turn
+  (tiertrain/zero/upload.py; the copies of the buffers to the device, which the copy engine runs
+  meanwhile, are left out);
 * the pass it replaced: the same arithmetic compiled by torch.compile (inductor's vectorised
   C++), with and without the copy. inductor's loop rounds to bf16 in integer arithmetic (about
   eight instructions per vector) and stores the copy through the cache, whose line it first reads.
@@ -34,6 +39,7 @@ from torch.optim.adamw import adamw
 from _common import machine_lines, print_and_write
 from tiertrain.update import native_adamw
 from tiertrain.update.host_adamw import hyperparameters
+from tiertrain.zero.upload import CHUNK, SLOTS
 
 LR, BETA1, BETA2, EPS, DECAY, STEP, CLIP = 1e-4, 0.9, 0.95, 1e-8, 0.1, 10, 0.5
 
@@ -77,6 +83,17 @@ def native():
                 os.environ["TIERTRAIN_CACHE_DIR"] = before
 
 
+def in_chunks(kernel, tensors, hyper, buffers):
+    """The pass over tensors a CHUNK at a time, each chunk's copy into the next of buffers."""
+    n = tensors[0].numel()
+
+    def run():
+        for k, start in enumerate(range(0, n, CHUNK)):
+            end = min(n, start + CHUNK)
+            kernel(*(t[start:end] for t in tensors), buffers[k % len(buffers)][:end - start], hyper)
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--elements", type=float, default=100e6)
@@ -102,6 +119,8 @@ def main() -> None:
     kernels = {
         "tiertrain's pass (AdamW + clip + bf16 copy), C": functools.partial(c_cast, *tensors, out, hoisted),
         "the C pass without the bf16 copy": functools.partial(c_plain, *tensors, hoisted),
+        f"the C pass, its bf16 copy in {CHUNK >> 20} Mi-element chunks into {SLOTS} buffers (accelerator host)":
+            in_chunks(c_cast, tensors, hoisted, [torch.empty(CHUNK, dtype=torch.bfloat16) for _ in range(SLOTS)]),
         "the replaced pass, torch.compile (AdamW + clip + bf16 copy)":
             functools.partial(i_cast, *tensors, hoisted, out),
         "the torch.compile pass without the bf16 copy": functools.partial(i_plain, *tensors, hoisted),

@@ -54,11 +54,13 @@ compiled pass, which writes their speculative updates beside the state."""
 
 
 class Linears(torch.nn.Module):
-    """layers × (d × d) bias-free linear layers; the loss is the mean square of the output."""
+    """layers × (d × d) bias-free linear layers, made in bf16 (the compute dtype: at 1 B elements
+    an fp32 model would not fit beside the engine); the loss is the mean square of the output."""
 
     def __init__(self, d: int, layers: int):
         super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d, bias=False) for _ in range(layers))
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d, bias=False, dtype=torch.bfloat16)
+                                          for _ in range(layers))
 
     def forward(self, x):
         for layer in self.layers:
@@ -160,6 +162,8 @@ def measure(elements: float, args) -> list[str]:
     if fits_together:
         all_bare += timed(bare, args.reps)
     for name, zero in PLACEMENTS.items():
+        if args.only and not any(part in name for part in args.only):
+            continue
         for impl in [i for i in args.impls if i == "compiled" or not zero.get("overlap_cpu_step")]:
             key = f"{name}, {impl}"
             if fits_together:
@@ -220,6 +224,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--only", nargs="+", default=[], metavar="TEXT",
+                    help="time only the placements whose name contains one of these (e.g. 'stage 3'): at 1 B "
+                         "elements one engine is what fits in this VM's memory")
     ap.add_argument("--out", default="")
     ap.add_argument("--trace", default="", metavar="PREFIX",
                     help="write two-step traces of the stage-2 CPU-tier engine (synchronous, delayed update, "

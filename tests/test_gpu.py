@@ -257,6 +257,7 @@ def test_the_cpu_tier_sends_its_updated_shards_to_the_gpu_in_chunks(dtype, tmp_p
     from reference import Oracle, global_batches, make_model, reference_train
     from tiertrain.device import GPU_HOST_ENV
     from tiertrain.update import host_adamw
+    from tiertrain.zero.upload import SLOTS
 
     if ON_CPU:  # (the emulated GPU host: stage 2's shards stand for device memory)
         monkeypatch.setenv(GPU_HOST_ENV, "1")
@@ -272,7 +273,7 @@ def test_the_cpu_tier_sends_its_updated_shards_to_the_gpu_in_chunks(dtype, tmp_p
         assert all(torch.equal(u.shard[:u.master.numel()].cpu(), u.master.to(u.shard.dtype))
                    for u in engine.flat.units)
         element = 2 if dtype == "bf16" else 4
-        assert engine.memory_report().upload_buffers == 3 * 1000 * element
+        assert engine.memory_report().upload_buffers == SLOTS * 1000 * element
     finally:
         engine.close()
     if dtype == "fp32":

@@ -113,8 +113,8 @@ def test_what_it_cannot_send_is_refused_by_name():
         next(upload.chunks(torch.zeros(4)))
     with pytest.raises(ValueError, match=r"got torch.bfloat16 \(2,\), not contiguous"):
         next(upload.chunks(torch.zeros(4, dtype=torch.bfloat16)[::2]))
-    with pytest.raises(ValueError, match=r"needs chunk >= 1 and slots >= 1; got chunk=0, slots=3"):
-        ShardUpload(DeviceStreams(torch.device("cpu")), torch.bfloat16, chunk=0)
+    with pytest.raises(ValueError, match=r"needs chunk >= 1 and slots >= 1; got chunk=0, slots=2"):
+        ShardUpload(DeviceStreams(torch.device("cpu")), torch.bfloat16, chunk=0, slots=2)
 
 
 class TargetsUpload:

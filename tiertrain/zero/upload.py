@@ -20,12 +20,15 @@ import torch
 
 from ..device import Copy, DeviceStreams, Transfer
 
-CHUNK = 1 << 23
-"""Elements per chunk (16 MiB in bf16): a few ms of the CPU pass on a GPU host, well under
-one of copy; a chunk's buffer is written again only once its copy has read it."""
+CHUNK = 1 << 25
+"""Elements per chunk (64 MiB in bf16): ~10 ms of the CPU pass on a 16-core GPU host against
+~2-3 ms for its copy. The pass called per chunk costs more the smaller the chunk: on the EPYC
+VM, paired against one call over 100 M elements, +2-6 % in chunks of 8 Mi, 0-2 % in chunks of
+32 Mi (bench/results/adamw_pass_epyc.md)."""
 
-SLOTS = 3
-"""Pinned chunk buffers: one being written, one being copied, one to spare."""
+SLOTS = 2
+"""Pinned chunk buffers: one being written while the other's copy runs (a copy takes a
+fraction of a chunk's update); a buffer is written again only once its copy has read it."""
 
 
 class ShardUpload:
