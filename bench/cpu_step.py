@@ -29,6 +29,7 @@ import gc
 import gzip
 import multiprocessing
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -162,7 +163,7 @@ def measure(elements: float, args) -> list[str]:
     if fits_together:
         all_bare += timed(bare, args.reps)
     for name, zero in PLACEMENTS.items():
-        if args.only and not any(part in name for part in args.only):
+        if args.only and name not in args.only:
             continue
         for impl in [i for i in args.impls if i == "compiled" or not zero.get("overlap_cpu_step")]:
             key = f"{name}, {impl}"
@@ -224,9 +225,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--only", nargs="+", default=[], metavar="TEXT",
-                    help="time only the placements whose name contains one of these (e.g. 'stage 3'): at 1 B "
-                         "elements one engine is what fits in this VM's memory")
+    ap.add_argument("--only", nargs="+", default=[], choices=list(PLACEMENTS), metavar="PLACEMENT",
+                    help="time only these placements (at 1 B elements one synchronous engine is what fits in "
+                         f"this VM's memory): {'; '.join(PLACEMENTS)}")
     ap.add_argument("--out", default="")
     ap.add_argument("--trace", default="", metavar="PREFIX",
                     help="write two-step traces of the stage-2 CPU-tier engine (synchronous, delayed update, "
@@ -245,7 +246,7 @@ def main() -> None:
         body += measure(elements, args)
         print("\n".join(body[-12:]), flush=True)
     lines = ["# The CPU-tier optimizer step against the bare fused AdamW", "",
-             f"Command: `python {' '.join(sys.argv)}`", "",
+             f"Command: `python {shlex.join(sys.argv)}`", "",
              f"Machine: {'; '.join(machine_lines())}; {args.threads} torch threads; "
              f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}.",
              "One process; bf16 compute, AdamW (lr 1e-4, weight decay 0.1), clip 1.0; engine step timed from "
