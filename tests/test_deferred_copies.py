@@ -35,6 +35,7 @@ SCENARIOS = {
     "params on the nvme tier, stage 3": ({"stage": 3, "offload_params": "nvme"}, {}, 1),
     "params on the cpu tier, optimizer on nvme, stage 3": (
         {"stage": 3, "offload_params": "cpu", "offload_optimizer": "nvme", "nvme_chunk_mb": 0.01}, {}, 1),
+    "optimizer on the cpu tier, stage 2": ({"stage": 2, "offload_optimizer": "cpu"}, {}, 1),
     "optimizer on the cpu tier, stage 2, accumulation": ({"stage": 2, "offload_optimizer": "cpu"}, {}, 2),
     "everything on nvme, stage 3, accumulation": (
         {"stage": 3, "offload_params": "nvme", "offload_optimizer": "nvme", "nvme_chunk_mb": 0.01}, {}, 2),
@@ -42,10 +43,11 @@ SCENARIOS = {
         {"stage": 2, "offload_optimizer": "cpu", "delayed_update": True, "delayed_update_warmup": 0}, {}, 2),
     "activation checkpoints on the cpu tier": ({"stage": 2}, {"checkpoint_every": 1, "offload": "cpu"}, 1),
 }
-"""Every kind of transfer at least once (Copy.PARAM_TO_DEVICE in the first two and the fourth,
-GRAD_TO_HOST where a second micro-batch's reduced shard is added to the CPU tier's gradient,
+"""Every kind of transfer at least once (Copy.PARAM_TO_DEVICE in the first three,
+GRAD_TO_HOST where a reduced shard is copied into the CPU tier's gradient (the fourth: at the
+boundary, issued as the collective is launched) or added to it (the fifth: a second micro-batch),
 ACTIVATION_TO_HOST/TO_DEVICE in the last, UPDATE_TO_DEVICE wherever the optimizer on the CPU
-tier updates shards that stand for device memory: the fourth and the sixth)."""
+tier updates shards that stand for device memory: the fourth, fifth and seventh)."""
 
 EXERCISES = {
     Copy.PARAM_TO_DEVICE: "params on the cpu tier, stage 3",

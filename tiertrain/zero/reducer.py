@@ -39,8 +39,9 @@ gradient shard per unit: :attr:`GradientReducer.landing_bytes`) and left in flig
 waits for it, and adds it into the shard, only when that landing buffer is needed again (the
 same unit's next landing) or in :meth:`GradientReducer.wait` before the step reads the
 gradients, so the adds keep their order and the sums are bit-identical. The boundary's
-reductions land at once, as subscribers of ``reduced`` (the landing norms, the overlapped
-steps) expect during that backward.
+reductions land during that backward, as subscribers of ``reduced`` (the landing norms, the
+overlapped steps) expect: each copy is issued as its collective is launched and the host
+waits for it when ``max_in_flight`` later reductions have been launched (or in ``wait()``).
 
 On a CPU compute device, with ``keep_spares`` (zero.retain_host_memory), the reducer keeps the
 fp32 buckets (and reduced shards) above 32 MiB that it frees, as many as the last step used at
@@ -140,6 +141,10 @@ class GradientReducer:
         """Non-boundary micro-batches' reduced shards land on the CPU tier asynchronously, waited
         for only when their landing buffer is reused or in wait() (see the module docstring).
         Set to False before a backward (tests) to land every reduction at once, as before."""
+        self.copy_at_launch = streams.accelerated or streams.defer
+        """A boundary reduction's copy to its host shard is issued when the collective is
+        launched, not when it is waited (:meth:`_copy_at_launch`; on an accelerator, or under
+        the deferred-copy harness, which checks its wait on the CPU)."""
         self._boundary = True
         self._landing: dict[int, torch.Tensor] = {}  # unit -> its pinned landing buffer
         self._pending: dict[int, _Landing] = {}  # unit -> its copy in flight, not yet added
@@ -349,8 +354,9 @@ class GradientReducer:
         elif reduction is GradientReduction.SCATTER_IN_PLACE:
             # The shard is this rank's chunk of the full gradient: reduced in place.
             work = self.comm.reduce_scatter(u.grad, bucket, async_op=True)
-        elif u.stale_grad and u.grad.device == bucket.device:
-            # The shard's first reduction since the step: reduce-scatter straight into it.
+        elif u.stale_grad and u.grad.device == bucket.device and not self.flat.streams.defer:
+            # The shard's first reduction since the step: reduce-scatter straight into it. (Not
+            # under the deferred-copy harness, which stands the host shard for one a copy reaches.)
             u.stale_grad = False
             work = self.comm.reduce_scatter(u.grad, bucket, async_op=True)
             work.then(lambda hooks=self._value_hooks(): self._notify_value(index, u.grad, hooks))
@@ -366,6 +372,8 @@ class GradientReducer:
                 notify = [s.reduced for s in self._subscribers if s.reduced is not None]
                 work.then(lambda: self._land_later(index, reduced, land, notify))
                 deferred = True
+            elif stale and u.grad.device.type == "cpu" and self.copy_at_launch:
+                work = self._copy_at_launch(index, work, reduced)
             elif stale and u.grad.device.type == "cpu":
                 # The shard's first reduction since the step, on the host: copied straight into
                 # it (no pinned staging shard, no host pass copying that into the shard: ~9 ms
@@ -393,6 +401,22 @@ class GradientReducer:
         # (Pipeline buckets all exist already: capping them would only stall the pipeline.)
         while len(self._in_flight) > self.max_in_flight and self.stage.partitions_gradients and self.launch_when_ready:
             self._in_flight.popleft().wait()
+
+    def _copy_at_launch(self, index: int, work: Work, reduced: torch.Tensor) -> Work:
+        """Unit index's boundary reduction, landing straight in its host shard, on an
+        accelerator: the device→host copy is issued now, behind the collective on the device
+        (NCCL's wait orders the stream; the host goes on), and the host waits for it only when
+        the window of reductions in flight moves past this unit, or in wait(). Issued at that
+        later wait instead, the copy would queue behind all the backward work launched since
+        and the host would wait for all of it, unit after unit, with nothing queued on the
+        device meanwhile (bench/results/gpu_issue36.md: 96 ms of such waits in one backward).
+        Returns what the window waits for."""
+        hooks = self._value_hooks()
+        work.wait()
+        self._finish_landing(index)
+        self._notify_value(index, reduced, hooks)  # (the device's shard: a kernel beside the copy)
+        transfer = self.flat.streams.copy(self.flat.units[index].grad, reduced, Copy.GRAD_TO_HOST)
+        return Work(None, on_done=lambda: (transfer.synchronize(), self._free_bucket(reduced)))
 
     def _value_hooks(self) -> list[ValueHook]:
         """The ``reduced_value`` hooks of the subscribers present now (at a collective's launch)."""
