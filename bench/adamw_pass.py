@@ -8,9 +8,8 @@ Six kernels step the same fp32 tensors:
   around the cache (non-temporal stores);
 * the same C pass without the copy (the kernel a piece without a compute copy takes);
 * the C pass as it runs on an accelerator host, where the copy lives on the device: called a
-  chunk (tiertrain.zero.upload.CHUNK elements) at a time, writing each chunk's copy into one of
-  SLOTS buffers in turn
-  (tiertrain/zero/upload.py; the copies of the buffers to the device, which the copy engine runs
+  chunk at a time, writing each chunk's copy into the next of a few buffers (CHUNK and SLOTS of
+  tiertrain/zero/upload.py; the buffers' copies to the device, which the copy engine runs
   meanwhile, are left out);
 * the pass it replaced: the same arithmetic compiled by torch.compile (inductor's vectorised
   C++), with and without the copy. inductor's loop rounds to bf16 in integer arithmetic (about
