@@ -103,6 +103,42 @@ def _delayed_runs(rank, world, stage):
     return out, sync
 
 
+def _compiled_pass_runs(rank, world, variants):
+    from tiertrain.update import host_adamw
+
+    host_adamw.SMALL_PIECE = 0  # (every piece takes the pass: the tiny GPT's are far below the default)
+    out = []
+    for stage, accum, clip, dtype, params in variants:
+        cfg = _config(stage, accum, clip, dtype, params=params)
+        batches = global_batches(STEPS, MICRO * accum * world)
+        losses, final, engine = engine_train(rank, world, make_model(), cfg, batches)
+        out.append((losses, final, engine.update.host_pass is not None, engine.update.overlapped_steps))
+        engine.close()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_on_the_cpu_tier_the_delayed_update_is_the_compiled_pass_into_its_staging():
+    """optimizer.impl auto takes the compiled CPU-tier pass for the delayed update too: the clip
+    factor, AdamW and the cast into the staging buffers the next publish copies, in one pass on
+    the worker thread (the gradient snapshots swapped in at stage 2, copied at stage 3 whose
+    CPU-tier parameters the engine keeps views of)."""
+    variants = [(2, 2, 0.05, "fp32", "none"), (2, 1, 0.05, "bf16", "none"), (3, 2, 0.05, "bf16", "cpu")]
+    world = 2
+    out = run_distributed(_compiled_pass_runs, world, variants, timeout=50)[0]
+    for (stage, accum, clip, dtype, params), (losses, final, pass_used, overlapped) in zip(variants, out):
+        what = f"stage {stage} {dtype} accum={accum} params={params}"
+        assert pass_used and overlapped == STEPS - WARMUP, what
+        batches = global_batches(STEPS, MICRO * accum * world)
+        oracle = Oracle.run(reference_delayed, make_model(), _config(stage, accum, clip), batches, WARMUP)
+        if dtype == "fp32":
+            oracle.check(losses, final, what)
+        else:
+            loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, oracle.losses32))
+            assert loss_err <= 1e-3, f"{what}: losses differ by {loss_err:.2e}"
+            assert max_rel_diff(final, oracle.params32) <= 4e-2, what
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_matches_one_step_stale_reference(stage):

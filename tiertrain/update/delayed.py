@@ -68,8 +68,10 @@ import torch.distributed as dist
 from ..comm import Collectives
 from ..errors import TiertrainError
 from ..spans import span
-from .protocol import (PIECE, GroupSchedule, LandingNorms, OptimizerUpdate, UpdateMemory, gradients_hidden,
-                               optimizer_state_bytes, restore_masters, shard_optimizer)
+from .host_adamw import HostAdamW
+from .in_memory import chosen_host_pass
+from .protocol import (PIECE, SLOT_NAME, GroupSchedule, LandingNorms, OptimizerUpdate, UpdateMemory,
+                       gradients_hidden, optimizer_state_bytes, restore_masters, shard_optimizer)
 from .state_format import TorchOptimizerState
 
 
@@ -98,10 +100,11 @@ class DelayedUpdate(OptimizerUpdate):
         by the worker. (Not where the engine keeps views of the gradient shards.)"""
         self._clip: torch.Tensor | None = None
         self.staging = {u.unit.index: flat.placement.empty(u.shard.numel(), u.shard.dtype,
-                                                           flat.placement.optimizer_tier)
+                                                           flat.placement.optimizer_tier).zero_()
                         for u in flat.units if u.shard.dtype != u.master.dtype}
-        """Per unit whose compute dtype is not fp32: its updated masters cast by the worker, so
-        that publishing them is a plain copy on the main thread, not a cast."""
+        """Per unit whose compute dtype is not fp32: its updated masters cast by the worker (or
+        written by the compiled pass, which leaves the padding as zeroed here), so that
+        publishing them is a plain copy on the main thread, not a cast."""
         self.device = device
         self.warmup = config.zero.delayed_update_warmup
         self.group = group
@@ -111,6 +114,11 @@ class DelayedUpdate(OptimizerUpdate):
         self.snapshots = [flat.placement.empty(u.grad.numel(), u.grad.dtype, flat.placement.optimizer_tier).zero_()
                           for u in flat.units]
         self.optimizer = shard_optimizer(flat, [u.master for u in flat.units], self.snapshots, config, client)
+        self.host_pass = chosen_host_pass(
+            config, client, flat.placement.offload_optimizer,
+            lambda: HostAdamW(self.optimizer, self._staging_of, "optimizer.impl=compiled"))
+        """The compiled AdamW + clip + cast pass, writing the staging buffers, when optimizer.impl
+        chose it (auto: the default AdamW on the CPU tier); else torch's step and a cast."""
         # A client lr_scheduler steps a stand-in on this thread while the worker steps the
         # optimizer; its hyper-parameters reach the optimizer between updates (GroupSchedule).
         self.schedule = GroupSchedule.of(client)
@@ -181,7 +189,17 @@ class DelayedUpdate(OptimizerUpdate):
                 view.grad = self.snapshots[index][start:end]
         self._clip = clip
 
+    def _staging_of(self, piece: torch.Tensor) -> torch.Tensor | None:
+        index, start, end = getattr(piece, PIECE)
+        staging = self.staging.get(index)
+        return None if staging is None else staging[start:end]
+
     def _update(self) -> None:
+        if self.host_pass is not None:  # (one pass: the clip factor, AdamW and the staging's cast)
+            with span("delayed_update"):
+                clip, self._clip, unchanged = self._clip, None, self._updating_without
+                self.host_pass.step(clip, skip=lambda p: getattr(p, SLOT_NAME) in unchanged)
+            return
         with span("delayed_update"), gradients_hidden(self.optimizer, self._updating_without):
             if self._clip is not None:
                 for snapshot in self.snapshots:

@@ -3,6 +3,8 @@ tiertrain/optim.py) over views of this rank's fp32 master shards, on the device 
 tier (ZeRO stages 0-3; ZeRO-Offload with offload_optimizer=cpu)."""
 from __future__ import annotations
 
+from typing import Callable
+
 from .host_adamw import HostAdamW, KernelUnavailable, warn_unavailable
 from .protocol import (PIECE, SLOT_NAME, GroupSchedule, LandingNorms, OptimizerUpdate, UpdateMemory, gradients_hidden,
                        optimizer_state_bytes, restore_masters, scale_gradients, shard_optimizer)
@@ -20,7 +22,8 @@ class InMemoryUpdate(OptimizerUpdate):
         self.optimizer = shard_optimizer(flat, [u.master for u in flat.units], [u.grad for u in flat.units],
                                          config, client)
         self.schedule = GroupSchedule.of(client, self.optimizer)
-        self.host_pass = _host_pass(flat, config, self.optimizer, client)
+        self.host_pass = chosen_host_pass(config, client, flat.placement.offload_optimizer,
+                                          lambda: host_pass(flat, self.optimizer, "optimizer.impl=compiled"))
         """The compiled AdamW + clip + cast pass, when optimizer.impl chose it; else None."""
         self.host_pass_writes = {} if self.host_pass is None else pass_writes(flat)
         """The units whose compute shards the compiled pass writes (or sends to the device), as
@@ -64,14 +67,14 @@ class InMemoryUpdate(OptimizerUpdate):
         self.schedule.load_state_dict(state.get("schedule"))
 
 
-def _host_pass(flat, config, optimizer, client) -> HostAdamW | None:
-    """The compiled pass where optimizer.impl asks for it (compiled), or where auto chooses it:
-    the default AdamW on the CPU tier (it builds in ~0.3 s once per host and beats torch's fused
-    step with its separate clip and cast at every size: bench/results/cpu_step.md). Unavailable
-    under auto: said, and torch's fused step runs instead."""
+def chosen_host_pass(config, client, cpu_tier: bool, build: Callable[[], HostAdamW]) -> HostAdamW | None:
+    """The compiled pass (``build()``) where optimizer.impl asks for it (compiled), or where auto
+    chooses it: the default AdamW on the CPU tier (``cpu_tier``; it builds in ~0.3 s once per
+    host and beats torch's fused step with its separate clip and cast at every size:
+    bench/results/cpu_step.md). Unavailable under auto: said, and torch's fused step runs instead."""
     impl = config.optimizer.impl
     if impl == "auto":
-        if client is not None or not flat.placement.offload_optimizer:
+        if client is not None or not cpu_tier:
             return None
     elif impl != "compiled":
         return None
@@ -79,7 +82,7 @@ def _host_pass(flat, config, optimizer, client) -> HostAdamW | None:
         raise ValueError("optimizer.impl=compiled is the default AdamW's kernel; a client optimizer "
                          "(wrap(optimizer=...)) steps itself: leave optimizer.impl at auto")
     try:
-        return host_pass(flat, optimizer, "optimizer.impl=compiled")
+        return build()
     except KernelUnavailable as e:
         if impl == "compiled":
             raise
