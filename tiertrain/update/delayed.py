@@ -71,7 +71,7 @@ from ..spans import span
 from .host_adamw import HostAdamW
 from .in_memory import chosen_host_pass
 from .protocol import (PIECE, SLOT_NAME, GroupSchedule, LandingNorms, OptimizerUpdate, UpdateMemory,
-                       gradients_hidden, optimizer_state_bytes, restore_masters, shard_optimizer)
+                       gradients_hidden, optimizer_state_bytes, piece_of, restore_masters, shard_optimizer)
 from .state_format import TorchOptimizerState
 
 
@@ -116,7 +116,8 @@ class DelayedUpdate(OptimizerUpdate):
         self.optimizer = shard_optimizer(flat, [u.master for u in flat.units], self.snapshots, config, client)
         self.host_pass = chosen_host_pass(
             config, client, flat.placement.offload_optimizer,
-            lambda: HostAdamW(self.optimizer, self._staging_of, "optimizer.impl=compiled"))
+            lambda: HostAdamW(self.optimizer, lambda piece: piece_of(piece, self.staging.get),
+                              "optimizer.impl=compiled"))
         """The compiled AdamW + clip + cast pass, writing the staging buffers, when optimizer.impl
         chose it (auto: the default AdamW on the CPU tier); else torch's step and a cast."""
         # A client lr_scheduler steps a stand-in on this thread while the worker steps the
@@ -188,11 +189,6 @@ class DelayedUpdate(OptimizerUpdate):
                 index, start, end = getattr(view, PIECE)
                 view.grad = self.snapshots[index][start:end]
         self._clip = clip
-
-    def _staging_of(self, piece: torch.Tensor) -> torch.Tensor | None:
-        index, start, end = getattr(piece, PIECE)
-        staging = self.staging.get(index)
-        return None if staging is None else staging[start:end]
 
     def _update(self) -> None:
         if self.host_pass is not None:  # (one pass: the clip factor, AdamW and the staging's cast)

@@ -102,7 +102,7 @@ class HostAdamW:
         self.cast_dtype = cast_dtypes.pop() if cast_dtypes else None
         # (built now, not in the first step)
         if any(d is None for d in self.destinations.values()):
-            _kernels(None)  # (also update_into's, for pieces it sends nowhere until they are committed)
+            _kernels(None)
         if self.cast_dtype is not None:
             _kernels(self.cast_dtype)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Callable
 
 from .host_adamw import HostAdamW, KernelUnavailable, warn_unavailable
-from .protocol import (PIECE, SLOT_NAME, GroupSchedule, LandingNorms, OptimizerUpdate, UpdateMemory, gradients_hidden,
-                       optimizer_state_bytes, restore_masters, scale_gradients, shard_optimizer)
+from .protocol import (SLOT_NAME, GroupSchedule, LandingNorms, OptimizerUpdate, UpdateMemory, gradients_hidden,
+                       optimizer_state_bytes, piece_of, restore_masters, scale_gradients, shard_optimizer)
 from .state_format import TorchOptimizerState
 
 class InMemoryUpdate(OptimizerUpdate):
@@ -101,11 +101,8 @@ def host_pass(flat, optimizer, who: str) -> HostAdamW:
     """The compiled pass over the optimizer's pieces, each writing its unit's host compute
     shard where there is one, or sending its values to the unit's shard on the accelerator
     (who: the setting that asks for it, for errors)."""
-    def destination(piece):
-        index, start, end = getattr(piece, PIECE)
-        shard = flat.host_compute_shard(index)
-        return None if shard is None else shard[start:end]
-    return HostAdamW(optimizer, destination, who, upload=PieceUpload(flat))
+    return HostAdamW(optimizer, lambda piece: piece_of(piece, flat.host_compute_shard), who,
+                     upload=PieceUpload(flat))
 
 
 class PieceUpload:
@@ -117,6 +114,4 @@ class PieceUpload:
         self.chunks, self.send, self.finish = flat.upload.chunks, flat.upload.send, flat.upload.finish
 
     def target_of(self, piece):
-        index, start, end = getattr(piece, PIECE)
-        shard = self.flat.uploaded_shard(index)
-        return None if shard is None else shard[start:end]
+        return piece_of(piece, self.flat.uploaded_shard)

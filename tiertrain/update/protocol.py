@@ -113,6 +113,13 @@ PIECE = "tiertrain_piece"
 """The attribute holding a piece's place: (unit index, start, end) in that unit's shard."""
 
 
+def piece_of(piece: torch.Tensor, per_unit: Callable[[int], torch.Tensor | None]) -> torch.Tensor | None:
+    """A piece's slice of its unit's tensor ``per_unit(unit index)`` (None where that is None)."""
+    index, start, end = getattr(piece, PIECE)
+    whole = per_unit(index)
+    return None if whole is None else whole[start:end]
+
+
 def gradients_hidden(optimizer: torch.optim.Optimizer, names: frozenset[str]):
     """Within: the pieces of the named parameters have no .grad, so torch's optimizer leaves
     them and their state unchanged, as it does for a parameter whose .grad is None in one

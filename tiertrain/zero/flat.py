@@ -163,6 +163,9 @@ class FlatParameters:
         """Where partitioned units' shards live (the parameter tier's store, of placement.param_tier)."""
         self.upload = ShardUpload(self.streams, dtype)
         """Sends updated values from the CPU tier into shards on an accelerator (zero/upload.py)."""
+        self._shards_stand_for_device = acts_as_accelerator(placement.compute) or self.streams.defer
+        """Whether shards on the device tier are (or stand for) memory the host does not write:
+        an accelerator's, or the CPU's under the emulated GPU host or the deferred-copy harness."""
         self.layout = layout
         self.placement = placement
         self._publishing: set[int] = set()  # resident units whose post-step all-gather is in flight
@@ -400,7 +403,7 @@ class FlatParameters:
         u = self._all[index]
         on_device = u.unit.resident or self.shards.tier is Tier.DEVICE
         if (u.master is u.shard or not on_device or self.masters_elsewhere or not self.placement.offload_optimizer
-                or not (acts_as_accelerator(self.device) or self.streams.defer)):
+                or not self._shards_stand_for_device):
             return None
         return u.shard
 

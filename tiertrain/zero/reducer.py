@@ -141,10 +141,6 @@ class GradientReducer:
         """Non-boundary micro-batches' reduced shards land on the CPU tier asynchronously, waited
         for only when their landing buffer is reused or in wait() (see the module docstring).
         Set to False before a backward (tests) to land every reduction at once, as before."""
-        self.copy_at_launch = streams.accelerated or streams.defer
-        """A boundary reduction's copy to its host shard is issued when the collective is
-        launched, not when it is waited (:meth:`_copy_at_launch`; on an accelerator, or under
-        the deferred-copy harness, which checks its wait on the CPU)."""
         self._boundary = True
         self._landing: dict[int, torch.Tensor] = {}  # unit -> its pinned landing buffer
         self._pending: dict[int, _Landing] = {}  # unit -> its copy in flight, not yet added
@@ -372,20 +368,8 @@ class GradientReducer:
                 notify = [s.reduced for s in self._subscribers if s.reduced is not None]
                 work.then(lambda: self._land_later(index, reduced, land, notify))
                 deferred = True
-            elif stale and u.grad.device.type == "cpu" and self.copy_at_launch:
+            elif stale and u.grad.device.type == "cpu":  # (an accelerator's, or the harness's)
                 work = self._copy_at_launch(index, work, reduced)
-            elif stale and u.grad.device.type == "cpu":
-                # The shard's first reduction since the step, on the host: copied straight into
-                # it (no pinned staging shard, no host pass copying that into the shard: ~9 ms
-                # per 53 M elements on an H100 host's autograd thread, bench/results/gpu_issue36.md).
-                streams = self.flat.streams
-
-                def land_copy(transfer, hooks=self._value_hooks()):
-                    self._notify_value(index, reduced, hooks)  # (beside the copy: it reads the device's shard)
-                    transfer.synchronize()
-                work.then(lambda: (self._finish_landing(index),
-                                   land_copy(streams.copy(u.grad, reduced, Copy.GRAD_TO_HOST)),
-                                   self._free_bucket(reduced)))
             else:
                 streams = self.flat.streams
                 to_grad = streams.to_host if u.grad.device.type == "cpu" else streams.to_device
@@ -403,10 +387,13 @@ class GradientReducer:
             self._in_flight.popleft().wait()
 
     def _copy_at_launch(self, index: int, work: Work, reduced: torch.Tensor) -> Work:
-        """Unit index's boundary reduction, landing straight in its host shard, on an
-        accelerator: the device→host copy is issued now, behind the collective on the device
-        (NCCL's wait orders the stream; the host goes on), and the host waits for it only when
-        the window of reductions in flight moves past this unit, or in wait(). Issued at that
+        """Unit index's first reduction since the step, landing straight in its host shard (no
+        pinned staging shard, no host pass copying that into the shard: ~9 ms per 53 M elements
+        on an H100 host's autograd thread, bench/results/gpu_issue36.md), on an accelerator or
+        under the deferred-copy harness (which stands the host shard for one a copy reaches): the
+        device→host copy is issued now, behind the collective on the device (NCCL's wait orders
+        the stream; the host goes on), and the host waits for it only when the window of
+        reductions in flight moves past this unit, or in wait(). Issued at that
         later wait instead, the copy would queue behind all the backward work launched since
         and the host would wait for all of it, unit after unit, with nothing queued on the
         device meanwhile (bench/results/gpu_issue36.md: 96 ms of such waits in one backward).
