@@ -117,6 +117,16 @@ def _compiled_pass_runs(rank, world, variants):
     return out
 
 
+def test_optimizer_impl_compiled_is_the_delayed_updates_pass_and_refused_with_the_nvme_optimizer():
+    cfg = make_config(zero={"stage": 2, "offload_optimizer": "cpu", "delayed_update": True},
+                      optimizer={"impl": "compiled"})
+    assert cfg.optimizer.impl == "compiled" and cfg.zero.delayed_update
+    with pytest.raises(ConfigError, match=r"optimizer.impl='compiled' is not used with zero.offload_optimizer="
+                                          r"'nvme' \(the NVMe optimizer streams its own chunks\)"):
+        make_config(zero={"stage": 2, "offload_optimizer": "nvme", "nvme_path": "/unused"},
+                    optimizer={"impl": "compiled"})
+
+
 @pytest.mark.timeout(60)
 def test_on_the_cpu_tier_the_delayed_update_is_the_compiled_pass_into_its_staging():
     """optimizer.impl auto takes the compiled CPU-tier pass for the delayed update too: the clip

@@ -156,13 +156,14 @@ def test_the_pass_sending_through_the_upload_updates_as_the_pass_writing_host_sh
     assert upload.nbytes == 2 * 30_000 * 2  # (the large pieces went in chunks of 30 000)
 
 
-def _train(emulate: bool, monkeypatch, steps=3):
+def _train(emulate: bool, monkeypatch, model=None, batches=None, **zero):
     monkeypatch.setenv(GPU_HOST_ENV, "1" if emulate else "0")
     monkeypatch.delenv(DEFER_COPIES_ENV, raising=False)
     monkeypatch.setattr(host_adamw, "SMALL_PIECE", 0)  # (every piece takes the pass)
-    cfg = make_config(zero={"stage": 2, "offload_optimizer": "cpu", "bucket_mb": 0.02}, precision={"dtype": "bf16"},
-                      batch={"micro_batch_size": 2}, optimizer={"lr": 1e-2, "grad_clip": 0.05, "impl": "compiled"})
-    losses, params, engine = engine_train(0, 1, make_model(), cfg, global_batches(steps, 2))
+    cfg = make_config(zero={"stage": 2, "offload_optimizer": "cpu", "bucket_mb": 0.02, **zero},
+                      precision={"dtype": "bf16"}, batch={"micro_batch_size": 2},
+                      optimizer={"lr": 1e-2, "grad_clip": 0.05, "impl": "compiled"})
+    losses, params, engine = engine_train(0, 1, model or make_model(), cfg, batches or global_batches(3, 2))
     uploaded = [engine.flat.uploaded_shard(u.unit.index) is not None for u in engine.flat.units]
     shards = [u.shard.clone() for u in engine.flat.units]
     report = engine.memory_report()
@@ -179,3 +180,22 @@ def test_on_the_emulated_gpu_host_the_engine_sends_its_shards_and_trains_bit_for
     assert all(torch.equal(a, b) for a, b in zip(shards, cpu_shards))
     assert 0 < report.upload_buffers <= upload_buffer_bytes(max(s.numel() for s in shards), 2)
     assert cpu_report.upload_buffers == 0
+
+
+@pytest.mark.parametrize("name, zero", [("llama-gqa", {}), ("t5", {}), ("llama-lora-frozen", {}),
+                                        ("llama-gqa", {"delayed_update": True, "delayed_update_warmup": 1})],
+                         ids=["llama", "t5", "lora adapters", "llama, delayed update"])
+def test_hugging_face_models_train_bit_for_bit_when_their_shards_are_sent(monkeypatch, name, zero):
+    """Foreign models with their own conventions (labels = input_ids, rotary buffers, an
+    encoder-decoder, frozen weights beside LoRA adapters; fp32 weights wrapped at bf16): the
+    shards sent through the chunk buffers on the emulated GPU host, or written in place on the
+    CPU, give the same run bit for bit; also with the delayed update, whose worker writes the
+    staging buffers that its publish sends."""
+    zoo = pytest.importorskip("zoo")
+    runs = [_train(emulate, monkeypatch, zoo.build(name), zoo.batches(name, 3, 2), **zero) for emulate in (True, False)]
+    (losses, params, uploaded, shards, report), (cpu_losses, cpu_params, cpu_uploaded, cpu_shards, _) = runs
+    assert any(uploaded) and not any(cpu_uploaded)
+    assert losses == cpu_losses
+    assert all(torch.equal(params[k], cpu_params[k]) for k in cpu_params)
+    assert all(torch.equal(a, b) for a, b in zip(shards, cpu_shards))
+    assert report.upload_buffers > 0

@@ -498,12 +498,10 @@ class Config:
                     else f"parallel.pp={self.parallel.pp} (pipeline parallelism)")
             raise ConfigError(f"zero.delayed_update=True is not supported with {what}: valid with fp32 or bf16, "
                               f"parallel.pp=1")
-        if self.optimizer.impl == "compiled" and (self.zero.delayed_update or self.zero.offload_optimizer == Tier.NVME):
-            form = ("zero.delayed_update=True (its update runs in the background with torch's fused AdamW)"
-                    if self.zero.delayed_update else "zero.offload_optimizer='nvme' (the NVMe optimizer streams "
-                    "its own chunks)")
-            raise ConfigError(f"optimizer.impl='compiled' is not used with {form}: valid with the optimizer in "
-                              f"memory and a synchronous step; use optimizer.impl='auto' or 'fused'")
+        if self.optimizer.impl == "compiled" and self.zero.offload_optimizer == Tier.NVME:
+            raise ConfigError("optimizer.impl='compiled' is not used with zero.offload_optimizer='nvme' (the NVMe "
+                              "optimizer streams its own chunks): valid with the optimizer in memory; use "
+                              "optimizer.impl='auto' or 'fused'")
         if self.zero.overlap_cpu_step and (self.optimizer.impl == "fused" or self.precision.dtype == "fp16"
                                            or self.parallel.pp > 1):
             what = ("optimizer.impl='fused' (torch's kernel updates in place; the overlapped step writes its "
