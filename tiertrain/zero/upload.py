@@ -24,7 +24,7 @@ CHUNK = 1 << 25
 """Elements per chunk (64 MiB in bf16): ~10 ms of the CPU pass on a 16-core GPU host against
 ~2-3 ms for its copy. The pass called per chunk costs more the smaller the chunk: on the EPYC
 VM, paired against one call over 100 M elements, +2-6 % in chunks of 8 Mi, 0-2 % in chunks of
-32 Mi (bench/results/adamw_pass_epyc.md)."""
+32 Mi (bench/results/adamw_chunks.md)."""
 
 SLOTS = 2
 """Pinned chunk buffers: one being written while the other's copy runs (a copy takes a
