@@ -51,6 +51,7 @@ from .zero.agreement import Event
 from .zero.construct import check_no_partitioned_init
 from .zero.flat import FrozenShards
 from .zero.plan import GradientPlan
+from .zero.reducer import check_dense_gradients
 from .zero.released import conversion_error, let_go, mark_gathered
 from .zero.stage3 import ParameterFetcher
 
@@ -75,7 +76,7 @@ class TrainingCore:
                  state_io: StateIO | None = None):
         config.validate()
         check_no_partitioned_init("tiertrain.wrap()")
-        _check_dense_gradients(module)
+        check_dense_gradients(module)
         client = client_optimizer(module, config, optimizer, param_groups, lr_scheduler)
         if config.zero.retain_host_memory:
             retain_freed_host_memory()
@@ -503,11 +504,22 @@ class TrainingCore:
         A checkpoint saved at another layout (data-, tensor- or pipeline-parallel size, ZeRO
         stage, optimizer tier, unit sizes) is resharded to this run's (tiertrain/state/reshard.py);
         reshard=False refuses it instead."""
-        self.comm.meet("load_checkpoint()")
+        self._enter_load("load_checkpoint()")
+        return self._state_io().load_checkpoint(self, directory, step, reshard)
+
+    def load_deepspeed_checkpoint(self, directory: str, tag: str | None = None) -> dict:
+        """Collective: load a DeepSpeed ZeRO checkpoint (stages 1-3, any number of ranks; the
+        tag in ``directory/latest`` by default): every parameter's fp32 master, Adam's moments
+        and step, the frozen values and buffers, DeepSpeed's step count (the schedule continues
+        from it); returns its client state (tiertrain/state/deepspeed_checkpoint.py)."""
+        self._enter_load("load_deepspeed_checkpoint()")
+        return self._state_io().load_deepspeed_checkpoint(self, directory, tag)
+
+    def _enter_load(self, operation: str) -> None:
+        self.comm.meet(operation)
         self.wait_for_checkpoint()
         self.quiesce()
         self._boundary_unstepped = False  # (the gradients of a window not stepped are not kept)
-        return self._state_io().load_checkpoint(self, directory, step, reshard)
 
     def masters(self) -> list[torch.Tensor]:
         """This rank's fp32 master shard of every unit (read from NVMe when they live there)."""
@@ -586,15 +598,3 @@ class TrainingCore:
         with torch.no_grad():
             for name, p in self.flat.params.items():
                 p.data = values[name]
-
-
-def _check_dense_gradients(module: nn.Module) -> None:
-    """Refuse embeddings built with sparse=True: their gradients are sparse tensors, which no
-    flat gradient buffer can hold (ZeRO reduces dense shards; FSDP refuses them too)."""
-    sparse = [name or type(module).__name__ for name, m in module.named_modules()
-              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
-    if sparse:
-        raise ConfigError(f"{', '.join(repr(n) for n in sparse)}: an embedding built with sparse=True gives sparse "
-                          f"gradients, which the engine's flat gradient buffers cannot hold (ZeRO reduces dense "
-                          f"shards); set sparse=False on it before wrap() (module.sparse = False), which trains the "
-                          f"same values")

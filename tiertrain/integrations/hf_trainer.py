@@ -32,7 +32,8 @@ reduced over the data-parallel ranks during backward); ``optimizer.step()`` is `
 (clipping, the update, the schedule); ``evaluate``/``predict`` run the engine's forward under
 ``no_grad``; ``save_model`` is the engine's collective ``save_pretrained``; the checkpoints of
 ``save_steps`` hold that export plus ``engine.save_checkpoint`` (optimizer, schedule, RNG), which
-``train(resume_from_checkpoint=...)`` loads. Accelerate still shards the data loaders and
+``train(resume_from_checkpoint=...)`` loads (as it loads a checkpoint that Trainer saved with
+DeepSpeed: ``engine.load_deepspeed_checkpoint``). Accelerate still shards the data loaders and
 gathers metrics over the existing process group; it never wraps the model (no DDP) and never
 autocasts (the engine's ``precision.dtype`` is the compute dtype).
 
@@ -380,10 +381,15 @@ class TiertrainTrainer(Trainer):
                               "checkpoint with a new trainer (train(resume_from_checkpoint=...))")
         if resume_from_checkpoint is not None:
             path = os.path.join(resume_from_checkpoint, ENGINE_CHECKPOINT)
-            if not os.path.isdir(path):
+            if os.path.isdir(path):
+                engine.load_checkpoint(path)
+            elif os.path.isfile(os.path.join(resume_from_checkpoint, "latest")):
+                engine.load_deepspeed_checkpoint(resume_from_checkpoint)  # (saved by Trainer with DeepSpeed)
+            else:
                 raise ConfigError(f"resume_from_checkpoint={resume_from_checkpoint!r} has no {ENGINE_CHECKPOINT}/ "
-                                  f"directory: it was not saved by TiertrainTrainer with save_only_model=False")
-            engine.load_checkpoint(path)
+                                  f"directory (saved by TiertrainTrainer with save_only_model=False) nor a DeepSpeed "
+                                  f"checkpoint ('latest' naming its global_step directory, saved by Trainer "
+                                  f"with DeepSpeed)")
             taken = engine.steps + engine.skipped_steps  # (the Trainer counts fp16 overflow skips as steps)
             if taken != self.state.global_step:
                 raise ConfigError(f"resume_from_checkpoint={resume_from_checkpoint!r}: the engine's checkpoint is at "

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..precision import first_nonfinite
 from . import checkpoint
+from . import deepspeed_checkpoint
 from . import export_files, export_plan
 from . import reshard as reshard_module
 from . import shard_layout
@@ -27,7 +28,7 @@ from .export import ExportReport, save_pretrained
 if TYPE_CHECKING:
     from ..training_core import TrainingCore
 
-__all__ = ["ExportReport", "PendingSave", "fingerprint", "load_checkpoint", "rank_state", "restore_rank_state",
+__all__ = ["ExportReport", "PendingSave", "fingerprint", "load_checkpoint", "load_deepspeed_checkpoint", "rank_state", "restore_rank_state",
            "save_checkpoint", "save_pretrained", "shard_description"]
 
 
@@ -99,3 +100,8 @@ def load_checkpoint(engine: "TrainingCore", directory: str, step: int | None, re
             return reshard_module.load_resharded(engine.checkpoint_parts(), step_dir, marker, topology.rank,
                                                  fingerprint, engine.shard_description(), engine.update)
         return checkpoint.load(engine.checkpoint_parts(), step_dir, marker, topology, fingerprint, engine.device)
+
+
+def load_deepspeed_checkpoint(engine: "TrainingCore", directory: str, tag: str | None) -> dict:
+    """Load a DeepSpeed ZeRO checkpoint into the engine's parts (tiertrain/state/deepspeed_checkpoint.py)."""
+    return deepspeed_checkpoint.load_into(engine, directory, tag)

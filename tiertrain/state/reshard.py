@@ -79,12 +79,7 @@ def check_reshardable(step_dir: str, marker: dict, fingerprint: dict, shards: di
         raise CheckpointError(f"{where}: the checkpoint records no shard layout (saved before resharding "
                               f"existed); it loads only at the layout it was saved at")
     for description in saved_shards + [shards]:
-        kind = recorded_type(description)
-        if not (issubclass(kind, NVMeStreamState)
-                or (issubclass(kind, TorchOptimizerState) and description["pieces"] is not None)):
-            raise CheckpointError(f"{where}: resharding optimizer state in the {kind.TAG!r} format is not "
-                                  f"supported; the formats that reshard are {[TorchOptimizerState.TAG]} with "
-                                  f"optimizer state held as views of the fp32 masters, and {[NVMeStreamState.TAG]}")
+        check_reshardable_format(description, where)
     if any("tp" not in s for s in saved_shards) and any(f["tp"] > 1 or f["pp"] > 1 for f in saved_layouts):
         raise CheckpointError(f"{where}: the checkpoint records no tensor-parallel slices (saved by an older "
                               f"version); it loads only at the layout it was saved at")
@@ -93,9 +88,19 @@ def check_reshardable(step_dir: str, marker: dict, fingerprint: dict, shards: di
     for kind, what in (("units", "trained"), ("frozen", "frozen")):
         own = {slot.name: _joined(slot.shape, shards["split"].get(slot.name), tp_size)
                for _, slot in parameter_slots(shards, kind)}
-        _compare_params(what, run.shapes[kind], own, run.copies, shards["copies"], step_dir,
+        compare_params(what, run.shapes[kind], own, run.copies, shards["copies"], step_dir,
                         whole_model=fingerprint["pp"] == 1)
     return run
+
+
+def check_reshardable_format(description: dict, where: str) -> None:
+    """A shard layout whose optimizer state this module reads and writes, else an error."""
+    kind = recorded_type(description)
+    if not (issubclass(kind, NVMeStreamState)
+            or (issubclass(kind, TorchOptimizerState) and description["pieces"] is not None)):
+        raise CheckpointError(f"{where}: resharding optimizer state in the {kind.TAG!r} format is not "
+                              f"supported; the formats that reshard are {[TorchOptimizerState.TAG]} with "
+                              f"optimizer state held as views of the fp32 masters, and {[NVMeStreamState.TAG]}")
 
 
 def _layout_words(layouts: list[dict], shards: list[dict] | None) -> str:
@@ -104,7 +109,7 @@ def _layout_words(layouts: list[dict], shards: list[dict] | None) -> str:
     return f"dp={f['dp']}, tp={f['tp']}, pp={f['pp']}, stage={f['stage']}, optimizer state {'/'.join(formats)}"
 
 
-def _compare_params(kind: str, saved: dict[str, tuple], mine: dict[str, tuple], saved_copies: dict[str, str],
+def compare_params(kind: str, saved: dict[str, tuple], mine: dict[str, tuple], saved_copies: dict[str, str],
                     my_copies: dict[str, str], step_dir: str, whole_model: bool) -> None:
     """Every parameter of this rank is in the checkpoint (itself, or the parameter this run's
     copy of it is kept equal to) with the same global shape; and when this rank holds the
@@ -178,10 +183,9 @@ def _memory_update(update: "OptimizerUpdate", run: _SavedRun, rank: int, shards:
             value = _value(run, "units", first.name, shards.get("copies", {}))
             origin = next((s for s in run.pieces("units", 0, state=True).get(value.name, []) if s.index >= 0), None)
             if origin is not None:
-                saved_group = run.file(origin.rank)["update"]["optimizer"]["param_groups"][origin.group]
+                saved_group = run.param_group(origin.rank, origin.group)
         elif run.torch_state(source):
-            saved_groups = run.file(source)["update"]["optimizer"]["param_groups"]
-            saved_group = saved_groups[g] if g < len(saved_groups) else None
+            saved_group = run.param_group(source, g)
         options = saved_group if saved_group is not None else group
         groups.append({**{k: v for k, v in options.items() if k != "params"}, "params": group["params"]})
     state = {"masters": masters, "optimizer": {"state": by_index, "param_groups": groups},
@@ -252,6 +256,13 @@ def load_resharded(parts: Mapping[str, Stateful], step_dir: str, marker: dict, r
     the saved group its pieces came from)."""
     run = check_reshardable(step_dir, marker, fingerprint, shards, prefer=rank)
     source = rank if rank < marker["world_size"] else 0  # of the replicated parts
+    return load_run(parts, run, rank, shards, update, marker["world_size"], source)
+
+
+def load_run(parts: Mapping[str, Stateful], run: _SavedRun, rank: int, shards: dict, update: "OptimizerUpdate",
+             world: int, source: int) -> dict:
+    """Load this rank's state rebuilt from a saved run (checked already) of world ranks, the
+    replicated parts from rank source's file; returns the saved extras."""
     units = [_unit_of(e, k) for k, e in enumerate(shards["units"])]
     masters = _fill(unit_pieces(rank, shards, "units"), units, run, "units", MASTER, shards, torch.float32)
     if isinstance(update.state_format, TorchOptimizerState):
@@ -263,12 +274,10 @@ def load_resharded(parts: Mapping[str, Stateful], step_dir: str, marker: dict, r
             state[name] = run.file(source)[name]
     if "frozen" in parts:
         frozen_units = [_unit_of(e, k) for k, e in enumerate(shards["frozen"])]
-        dtype = next((s.dtype for r, layout in enumerate(run.layouts) if layout["frozen"]
-                      for s in run.file(r)["frozen"]["shards"]), torch.float32)
         state["frozen"] = {"shards": _fill(unit_pieces(rank, shards, "frozen"), frozen_units, run, "frozen",
-                                           "frozen", shards, dtype)}
+                                           "frozen", shards, run.frozen_dtype())}
     if "buffers" in parts:
-        state["buffers"] = _buffers(run, marker["world_size"], source)
+        state["buffers"] = _buffers(run, world, source)
     unknown = [n for n in parts if n not in state]
     if unknown:
         raise CheckpointError(f"resharding does not know how to rebuild the checkpoint parts {unknown}; it "
@@ -277,4 +286,4 @@ def load_resharded(parts: Mapping[str, Stateful], step_dir: str, marker: dict, r
     return run.file(source)["extra"]
 
 
-__all__ = ["check_reshardable", "load_resharded"]
+__all__ = ["check_reshardable", "check_reshardable_format", "compare_params", "load_resharded", "load_run"]

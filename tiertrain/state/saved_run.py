@@ -103,6 +103,16 @@ class _SavedRun:
     def published(self, piece: _Piece) -> torch.Tensor:
         return self.file(piece.rank)["update"]["published"][piece.unit][piece.start:piece.start + piece.hi - piece.lo]
 
+    def frozen_dtype(self) -> torch.dtype:
+        """The dtype the saved frozen shards were kept in (fp32 when the run had none)."""
+        return next((s.dtype for r, layout in enumerate(self.layouts) if layout["frozen"]
+                     for s in self.file(r)["frozen"]["shards"]), torch.float32)
+
+    def param_group(self, rank: int, group: int) -> dict | None:
+        """The hyper-parameters of rank's saved param group (None: it saved none)."""
+        groups = self.file(rank)["update"]["optimizer"]["param_groups"]
+        return groups[group] if group < len(groups) else None
+
     def holds_published(self) -> bool:
         """Saved in a format that may hold the parameters one update behind the masters (the
         delayed update's), with an update not yet published (every rank alike)."""

@@ -61,6 +61,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import Collectives, Work
+from ..config import ConfigError
 from ..device import Copy, Transfer
 from ..host_memory import MMAP_THRESHOLD
 from ..tiers import Tier
@@ -519,3 +520,15 @@ def unused_parameters(loss: torch.Tensor, params: Iterable[nn.Parameter]) -> lis
             reached.add(id(variable))
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
     return [p for p in params if id(p) not in reached]
+
+
+def check_dense_gradients(module: nn.Module) -> None:
+    """Refuse embeddings built with sparse=True: their gradients are sparse tensors, which no
+    flat gradient buffer can hold (ZeRO reduces dense shards; FSDP refuses them too)."""
+    sparse = [name or type(module).__name__ for name, m in module.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
+    if sparse:
+        raise ConfigError(f"{', '.join(repr(n) for n in sparse)}: an embedding built with sparse=True gives sparse "
+                          f"gradients, which the engine's flat gradient buffers cannot hold (ZeRO reduces dense "
+                          f"shards); set sparse=False on it before wrap() (module.sparse = False), which trains the "
+                          f"same values")

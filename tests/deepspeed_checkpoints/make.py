@@ -1,0 +1,107 @@
+"""Writes the DeepSpeed checkpoints that tests/test_deepspeed_checkpoint.py loads, with real
+DeepSpeed (a test-time tool, never the library's dependency):
+
+    DS_ACCELERATOR=cpu python tests/deepspeed_checkpoints/make.py [OUT [NAME ...]]
+
+A tiny Hugging Face Llama (tied embeddings, one frozen MLP, the decay / no-decay param groups
+of transformers' Trainer) trained 3 steps by DeepSpeed on CPU ranks over gloo, bf16, clip 1.0,
+then ``engine.save_checkpoint(OUT/<name>, client_state={"epoch": 7})``, for ZeRO stages 1, 2
+and 3 on 2 ranks and stage 2 in fp32 on 1. Beside each, ``expected.pt``: every trained
+parameter's fp32 master and Adam moments as DeepSpeed's own accessors give them whole
+(``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``), the frozen
+values and buffers, and the optimizer's step: what a reader of the files must find.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from deepspeed_models import build_llama, no_decay  # noqa: E402
+
+RUNS = {"z1_bf16_w2": (1, "bf16", 2), "z2_bf16_w2": (2, "bf16", 2), "z3_bf16_w2": (3, "bf16", 2),
+        "z2_fp32_w1": (2, "fp32", 1)}
+
+
+def _run(rank: int, world: int, stage: int, dtype: str, out: str, port: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    torch.manual_seed(0)
+    model = build_llama()
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in trained if not no_decay(n)], "weight_decay": 0.1},
+              {"params": [p for n, p in trained if no_decay(n)], "weight_decay": 0.0}]
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8}},
+              "steps_per_print": 10**9}
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config,
+                                                   dist_init_required=False)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(3):
+        ids = torch.randint(0, 64, (2, 8), generator=g)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    expected = {"masters": {}, "exp_avg": {}, "exp_avg_sq": {}, "frozen": {}, "buffers": {}}
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad:
+            expected["masters"][name] = safe_get_full_fp32_param(p).clone()
+        else:
+            with deepspeed.zero.GatheredParameters([p]):
+                expected["frozen"][name] = p.detach().clone()
+    for name, b in engine.module.named_buffers():
+        expected["buffers"][name] = b.detach().clone()
+    expected["global_steps"] = engine.global_steps
+    expected["step"] = 3  # (Adam's count: 3 updates, none skipped: no fp16 overflow here)
+    engine.save_checkpoint(out, client_state={"epoch": 7})
+    if rank == 0:
+        torch.save(expected, os.path.join(out, "expected.pt"))
+    dist.barrier()
+
+
+def _add_moments(directory: str) -> None:
+    """expected.pt gets each trained parameter's Adam moments and step whole, as DeepSpeed's
+    universal-checkpoint converter (ds_to_universal) writes them (its own accessor for a
+    parameter's optimizer state, safe_get_full_optimizer_state, finds none for the second
+    param group's parameters at ZeRO-1/2 in this version)."""
+    with tempfile.TemporaryDirectory() as universal:
+        subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                        os.path.join(directory, "global_step3"), "--output_folder", universal,
+                        "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
+                       check=True, capture_output=True)
+        path = os.path.join(directory, "expected.pt")
+        expected = torch.load(path, weights_only=True)
+        for key in ("exp_avg", "exp_avg_sq"):
+            expected[key] = {}
+            for name in expected["masters"]:
+                value = torch.load(os.path.join(universal, "zero", name, f"{key}.pt"), weights_only=False)
+                expected[key][name] = value["param"] if isinstance(value, dict) else value
+        torch.save(expected, path)
+
+
+def main(out: str, names: list[str]) -> None:
+    for k, (name, (stage, dtype, world)) in enumerate(sorted(RUNS.items())):
+        if names and name not in names:
+            continue
+        mp.spawn(_run, args=(world, stage, dtype, os.path.join(out, name), 29610 + k), nprocs=world)
+        _add_moments(os.path.join(out, name))
+        for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # (DeepSpeed's own tools: not needed)
+            if os.path.exists(os.path.join(out, name, script)):
+                os.remove(os.path.join(out, name, script))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    main(sys.argv[1] if len(sys.argv) > 1 else HERE, sys.argv[2:])

@@ -1,0 +1,322 @@
+"""A run moved from DeepSpeed continues where it stopped: ``engine.load_deepspeed_checkpoint(dir)``
+reads a DeepSpeed ZeRO checkpoint (stages 1-3, any number of ranks) into an engine of any layout
+and tier, with the fp32 masters, Adam's moments and step, the frozen values and DeepSpeed's
+step count. tests/deepspeed_checkpoints/ holds checkpoints written by DeepSpeed 0.19.8 itself
+(make.py) and, beside each, the values DeepSpeed's own converters find in it (expected.pt)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tiertrain
+from tiertrain.errors import CheckpointError
+from tiertrain.optim import build_adamw, lr_factor, param_groups
+from tiertrain.state.deepspeed_checkpoint import DeepSpeedCheckpoint
+from tiertrain.testing import run_distributed
+from tiertrain.update.protocol import SLOT_NAME
+
+from deepspeed_models import build_llama
+from reference import Oracle, make_config, rank_slices, reference_train, rel_distances
+
+pytest.importorskip("transformers")
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed_checkpoints")
+SAVED = ["z1_bf16_w2", "z2_bf16_w2", "z3_bf16_w2", "z2_fp32_w1"]
+DEEPSPEED_STEPS = 3
+
+
+def _expected(name: str) -> dict:
+    return torch.load(os.path.join(HERE, name, "expected.pt"), weights_only=True)
+
+
+@pytest.mark.parametrize("name", SAVED)
+def test_the_files_hold_what_deepspeeds_own_converters_find(name):
+    """Every trained parameter's master and moments bit for bit as DeepSpeed's accessor and its
+    universal-checkpoint converter give them, the step, the frozen values, the client state."""
+    _check_read(os.path.join(HERE, name))
+
+
+@pytest.mark.skipif(not os.environ.get("TIERTRAIN_TEST_DEEPSPEED"),
+                    reason="writes checkpoints with the deepspeed package (the CI's last step installs it)")
+def test_checkpoints_deepspeed_writes_now_read_as_the_committed_ones(tmp_path):
+    """The installed DeepSpeed's format, not only the committed files': written afresh, read the same."""
+    subprocess.run([sys.executable, os.path.join(HERE, "make.py"), str(tmp_path)], check=True, timeout=900,
+                   env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True)
+    for name in SAVED:
+        _check_read(os.path.join(tmp_path, name))
+
+
+def _check_read(directory: str) -> None:
+    saved = DeepSpeedCheckpoint(directory)
+    expected = torch.load(os.path.join(directory, "expected.pt"), weights_only=True)
+    assert sorted(saved.shapes) == sorted(expected["masters"])
+    for param in expected["masters"]:
+        assert torch.equal(saved.value(param), expected["masters"][param].reshape(-1).float()), param
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved.value(param, key), expected[key][param].reshape(-1).float()), (param, key)
+        assert saved.step(param) == expected["step"]
+    assert sorted(saved.frozen) == sorted(expected["frozen"])
+    for param, value in expected["frozen"].items():
+        assert torch.equal(saved.frozen[param], value), param
+    assert saved.global_steps == expected["global_steps"] == DEEPSPEED_STEPS
+    assert saved.client_state == {"epoch": 7}
+    assert saved.stage == int(os.path.basename(directory)[1])  # (the names: z<stage>_...)
+
+
+def _batches(n: int, global_batch: int = 4, seed: int = 3) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 64, (global_batch, 8), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def _config(stage: int, tier: str, dp: int, directory: str):
+    return make_config(zero={"stage": stage, "offload_optimizer": tier, "nvme_path": os.path.join(directory, "swap"),
+                             "bucket_mb": 0.01},
+                       precision={"dtype": "fp32"}, parallel={"dp": dp},
+                       batch={"micro_batch_size": 4 // dp, "grad_accum_steps": 1},
+                       optimizer={"lr": 1e-4, "grad_clip": 1.0, "weight_decay": 0.1},
+                       schedule={"warmup_steps": 2, "decay_steps": 8})
+
+
+def _continued(model, config, batches, expected: dict | None):
+    """Plain PyTorch continuing DeepSpeed's run: the model holding its masters, AdamW holding its
+    moments and step (expected None: a fresh AdamW), the schedule at its step."""
+    def optimizer(m):
+        opt = build_adamw(param_groups(m.named_parameters(), config.optimizer), config.optimizer)
+        if expected is not None:
+            for name, p in m.named_parameters():
+                if p.requires_grad:
+                    opt.state[p] = {"step": torch.tensor(float(expected["step"])),
+                                    **{k: expected[k][name].reshape(p.shape).to(p.dtype)
+                                       for k in ("exp_avg", "exp_avg_sq")}}
+        return opt
+
+    def schedule(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s + DEEPSPEED_STEPS, config.schedule))
+
+    return reference_train(model, config, batches, build_optimizer=optimizer, lr_scheduler=schedule)
+
+
+def _deepspeeds_model(name: str) -> torch.nn.Module:
+    """The model as DeepSpeed left it (its fp32 masters and frozen values), for the reference."""
+    expected = _expected(name)
+    model = build_llama()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(expected["masters"][n] if p.requires_grad else expected["frozen"][n].float())
+    return model
+
+
+def _train_moved(rank, world, name, stage, tier, directory, batches):
+    config = _config(stage, tier, world, directory)
+    topology = tiertrain.Topology.build(config.parallel)
+    engine = tiertrain.wrap(build_llama(seed=11), config, topology)  # (other initial values: all are loaded)
+    client = engine.load_deepspeed_checkpoint(os.path.join(HERE, name))
+    assert client == {"epoch": 7} and engine.steps == DEEPSPEED_STEPS
+    losses = []
+    for batch in batches:
+        loss = torch.tensor([engine.train_batch(rank_slices(batch, rank, world, 4 // world, 1))], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(loss)
+        losses.append(float(loss) / world)
+    params = {n: v.float() for n, v in engine.full_state_dict().items()}
+    engine.close()
+    return losses, params
+
+
+MOVES = [("z3_bf16_w2", 3, "none", 2), ("z1_bf16_w2", 2, "cpu", 2), ("z2_fp32_w1", 1, "none", 2),
+         ("z2_bf16_w2", 3, "nvme", 1), ("z3_bf16_w2", 0, "none", 1)]
+
+
+@pytest.mark.parametrize("name,stage,tier,dp", MOVES, ids=[f"{m[0]}-to-stage{m[1]}-{m[2]}-dp{m[3]}" for m in MOVES])
+def test_a_run_moved_from_deepspeed_continues_as_plain_pytorch_continues_it(name, stage, tier, dp, tmp_path):
+    batches = _batches(2)
+    config = _config(stage, tier, dp, str(tmp_path))
+    oracle = Oracle.run(_continued, _deepspeeds_model(name), config, batches, _expected(name))
+    if dp == 1:
+        losses, params = _train_moved(0, 1, name, stage, tier, str(tmp_path), batches)
+    else:
+        losses, params = run_distributed(_train_moved, dp, name, stage, tier, str(tmp_path), batches, timeout=120)[0]
+    oracle.check(losses, params, f"DeepSpeed {name} moved to stage {stage}, optimizer {tier}, dp {dp}")
+
+
+def test_the_engine_holds_deepspeeds_moments_and_step_bit_for_bit(tmp_path):
+    """Read back from the loaded engine's optimizer (one rank, every piece a whole parameter)."""
+    name = "z1_bf16_w2"
+    expected = _expected(name)
+    config = _config(2, "cpu", 1, str(tmp_path))
+    engine = tiertrain.wrap(build_llama(seed=11), config, tiertrain.Topology.build(config.parallel))
+    engine.load_deepspeed_checkpoint(os.path.join(HERE, name))
+    seen = set()
+    for view, state in engine.update.optimizer.state.items():
+        param = getattr(view, SLOT_NAME)
+        seen.add(param)
+        assert float(state["step"]) == expected["step"]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[key].reshape(-1), expected[key][param].reshape(-1).float()), (param, key)
+    assert seen == set(expected["masters"])
+    engine.close()
+
+
+def _pipeline_rank(rank, world, name):
+    config = make_config(zero={"stage": 1}, precision={"dtype": "fp32"}, parallel={"pp": 2},
+                         batch={"micro_batch_size": 2, "grad_accum_steps": 2})
+    engine = tiertrain.wrap(build_llama(seed=11), config, tiertrain.Topology.build(config.parallel))
+    assert engine.load_deepspeed_checkpoint(os.path.join(HERE, name)) == {"epoch": 7}
+    params = {n: v.float().clone() for n, v in engine.full_state_dict().items()}
+    engine.close()
+    return params
+
+
+def test_a_pipeline_engine_takes_each_stage_its_parameters():
+    """At pp=2 each stage loads its own parameters (the last stage's copy of the tied embedding
+    included) from the whole model's checkpoint."""
+    name = "z3_bf16_w2"
+    expected = _expected(name)
+    merged = {}
+    for params in run_distributed(_pipeline_rank, 2, name, timeout=120):
+        merged.update(params)
+    for param, value in {**expected["masters"], **{n: v.float() for n, v in expected["frozen"].items()}}.items():
+        assert torch.equal(merged.pop(param).reshape(-1), value.reshape(-1)), param
+    assert set(merged) <= {"lm_head.weight"}, merged.keys()  # (the tied copy)
+    if merged:
+        assert torch.equal(merged["lm_head.weight"].reshape(-1), expected["masters"]["model.embed_tokens.weight"].reshape(-1))
+
+
+def test_the_moments_matter_to_that_check(tmp_path):
+    """Continuing from the masters alone (a fresh AdamW, as loading only the weights would) ends
+    far from where the moved run and the fp32 reference end together. (The float64 bound alone
+    is loose here: Adam's normalised step turns this model's rounding into a sizeable share of
+    each update, in the reference as in the engine.)"""
+    name, batches = "z2_bf16_w2", _batches(2)
+    config = _config(2, "none", 1, str(tmp_path))
+    _, reference = _continued(_deepspeeds_model(name), config, batches, _expected(name))
+    _, weights_only = _continued(_deepspeeds_model(name), config, batches, None)
+    _, moved = _train_moved(0, 1, name, 2, "none", str(tmp_path), batches)
+    moved_distance = max(rel_distances({n: moved[n] for n in reference}, reference).values())
+    weights_only_distance = max(rel_distances(weights_only, reference).values())
+    assert moved_distance * 100 < weights_only_distance, (moved_distance, weights_only_distance)
+
+
+# -- what is refused, by name -------------------------------------------------------------------
+
+def _engine(optimizer=None):
+    config = _config(2, "none", 1, "/unused")
+    model = build_llama(seed=11)
+    kwargs = {} if optimizer is None else {"optimizer": optimizer(model)}
+    return tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel), **kwargs)
+
+
+def _copy(tmp_path, name="z2_bf16_w2") -> str:
+    target = os.path.join(tmp_path, name)
+    shutil.copytree(os.path.join(HERE, name), target)
+    return target
+
+
+def test_a_missing_rank_file_or_latest_is_named(tmp_path):
+    target = _copy(tmp_path)
+    os.remove(os.path.join(target, "global_step3", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    with pytest.raises(CheckpointError, match="model states hold|2 data-parallel ranks but holds 1"):
+        DeepSpeedCheckpoint(target)
+    os.remove(os.path.join(target, "latest"))
+    with pytest.raises(CheckpointError, match=r"no 'latest' file.*give tag=.*global_step3"):
+        DeepSpeedCheckpoint(target)
+    with pytest.raises(CheckpointError, match="global_step9.*does not exist"):
+        DeepSpeedCheckpoint(target, tag="global_step9")
+
+
+def test_tensor_and_pipeline_parallel_checkpoints_are_refused_by_name(tmp_path):
+    for extra, what in (("mp_rank_01_model_states.pt", "tensor-parallel"), ("layer_01-model_states.pt", "pipeline")):
+        target = _copy(tmp_path / what)
+        open(os.path.join(target, "global_step3", extra), "wb").close()
+        with pytest.raises(CheckpointError, match=f"{what} DeepSpeed checkpoint"):
+            DeepSpeedCheckpoint(target)
+
+
+def test_a_file_that_is_no_deepspeed_checkpoint_is_named(tmp_path):
+    target = _copy(tmp_path)
+    path = os.path.join(target, "global_step3", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    torch.save({"optimizer_state_dict": {"state": {}}}, path)
+    with pytest.raises(CheckpointError, match=r"neither ZeRO stage 1-2's .* nor stage 3's"):
+        DeepSpeedCheckpoint(target)
+    with open(path, "wb") as f:
+        f.write(b"not a pickle")
+    with pytest.raises(CheckpointError, match="bf16_zero_pp_rank_0.*not a DeepSpeed checkpoint file"):
+        DeepSpeedCheckpoint(target)
+
+
+def test_files_in_torchs_legacy_format_read_the_same(tmp_path):
+    """(Memory-mapped reading needs torch's zip format; a file in the older one is read whole.)"""
+    target = _copy(tmp_path)
+    step = os.path.join(target, "global_step3")
+    for name in os.listdir(step):
+        path = os.path.join(step, name)
+        torch.save(torch.load(path, weights_only=False), path, _use_new_zipfile_serialization=False)
+    shutil.copy(os.path.join(HERE, "z2_bf16_w2", "expected.pt"), os.path.join(target, "expected.pt"))
+    _check_read(target)
+
+
+def test_a_misread_layout_fails_on_deepspeeds_own_fragment_record(tmp_path):
+    """DeepSpeed records where each rank's fragment of each parameter lies (stages 1-2); the
+    reading is checked against it, so a layout this version misreads fails before training."""
+    target = _copy(tmp_path)
+    path = os.path.join(target, "global_step3", "mp_rank_00_model_states.pt")
+    model = torch.load(path, weights_only=False)
+    first = model["param_shapes"][0]
+    names = list(first)
+    model["param_shapes"][0] = {names[1]: first[names[1]], names[0]: first[names[0]],
+                                **{n: first[n] for n in names[2:]}}
+    torch.save(model, path)
+    with pytest.raises(CheckpointError, match="records .* at \\(start, numel\\)"):
+        DeepSpeedCheckpoint(target)
+
+
+def test_another_optimizer_or_model_is_refused_by_name():
+    engine = _engine(lambda m: torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1, momentum=0.9))
+    with pytest.raises(CheckpointError, match="moments of DeepSpeed's Adam/AdamW.*is SGD"):
+        engine.load_deepspeed_checkpoint(os.path.join(HERE, "z2_bf16_w2"))
+    engine.close()
+    config = _config(2, "none", 1, "/unused")
+    for change, named in ((lambda m: m.model.norm.weight.requires_grad_(False), "model.norm.weight"),
+                          (lambda m: m.model.layers[1].mlp.requires_grad_(False), "model.layers.1.mlp"),
+                          (lambda m: m.model.layers[0].mlp.requires_grad_(True), "model.layers.0.mlp")):
+        model = build_llama(seed=11)
+        change(model)
+        engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel))
+        with pytest.raises(CheckpointError, match=named):
+            engine.load_deepspeed_checkpoint(os.path.join(HERE, "z2_bf16_w2"))
+        engine.close()
+
+
+def test_trainer_resumes_a_checkpoint_that_trainer_saved_with_deepspeed(tmp_path):
+    """transformers' Trainer run with DeepSpeed saves checkpoint-N/ holding DeepSpeed's files
+    (latest, global_stepN/) beside trainer_state.json: TiertrainTrainer resumes from it."""
+    transformers = pytest.importorskip("transformers")
+    from tiertrain.integrations.hf_trainer import TiertrainTrainer
+
+    checkpoint = os.path.join(_copy(tmp_path), "")
+    transformers.TrainerState(global_step=DEEPSPEED_STEPS, max_steps=DEEPSPEED_STEPS, train_batch_size=4).save_to_json(
+        os.path.join(checkpoint, "trainer_state.json"))
+    samples = [{"input_ids": b["input_ids"][i], "labels": b["labels"][i]} for b in _batches(3) for i in range(4)]
+    expected = _expected("z2_bf16_w2")
+    for steps in (DEEPSPEED_STEPS, DEEPSPEED_STEPS + 1):
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
+                                              max_steps=steps, learning_rate=1e-4, report_to="none",
+                                              save_strategy="no", disable_tqdm=True)
+        trainer = TiertrainTrainer(model=build_llama(seed=11), args=args, train_dataset=samples)
+        trainer.train(resume_from_checkpoint=checkpoint)
+        assert trainer.state.global_step == steps == trainer.engine.steps
+        params = trainer.engine.full_state_dict()
+        if steps == DEEPSPEED_STEPS:  # (nothing left to train: the engine holds DeepSpeed's masters)
+            for name, value in expected["masters"].items():
+                assert torch.equal(params[name].float(), value), name
+        trainer.close()
