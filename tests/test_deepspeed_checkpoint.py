@@ -17,7 +17,7 @@ import torch.distributed as dist
 import tiertrain
 from tiertrain.errors import CheckpointError
 from tiertrain.optim import build_adamw, lr_factor, param_groups
-from tiertrain.state.deepspeed_checkpoint import DeepSpeedCheckpoint
+from tiertrain.state.deepspeed_checkpoint import DeepSpeedCheckpoint, FrozenKeptWarning
 from tiertrain.testing import run_distributed
 from tiertrain.update.protocol import SLOT_NAME
 
@@ -205,6 +205,56 @@ def test_the_moments_matter_to_that_check(tmp_path):
     moved_distance = max(rel_distances({n: moved[n] for n in reference}, reference).values())
     weights_only_distance = max(rel_distances(weights_only, reference).values())
     assert moved_distance * 100 < weights_only_distance, (moved_distance, weights_only_distance)
+
+
+def _without_frozen(target: str) -> None:
+    """What save_checkpoint(exclude_frozen_parameters=True) writes (DeepSpeed 0.19.8, checked):
+    no frozen values in the module's state dict, no frozen shapes or fragments."""
+    step = os.path.join(target, "global_step3")
+    for name in os.listdir(step):
+        if name.endswith("model_states.pt"):
+            path = os.path.join(step, name)
+            model = torch.load(path, weights_only=False)
+            frozen = set(_expected(os.path.basename(target))["frozen"])
+            model["module"] = {k: v for k, v in model["module"].items() if k not in frozen}
+            model["frozen_param_shapes"] = model["frozen_param_fragments"] = None
+            torch.save(model, path)
+
+
+@pytest.mark.parametrize("name,stage", [("z2_bf16_w2", 2), ("z3_bf16_w2", 3)])
+def test_a_checkpoint_saved_without_frozen_parameters_leaves_the_models_own_and_says_so(name, stage, tmp_path):
+    """A LoRA run saves with exclude_frozen_parameters=True: the frozen weights are the pretrained
+    ones the script loads first. They keep their values (held whole, or in stage 3's shards), the
+    trained ones are DeepSpeed's, and a warning names what was kept."""
+    target = _copy(tmp_path, name)
+    _without_frozen(target)
+    expected = _expected(name)
+    config = _config(stage, "none", 1, str(tmp_path))
+    model = _deepspeeds_model(name)  # (its frozen values: as if loaded from the pretrained weights)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(1.0)  # (the trained ones must come from the checkpoint)
+    engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel))
+    with pytest.warns(FrozenKeptWarning, match=r"holds no frozen parameter.*3 frozen parameters keep"):
+        engine.load_deepspeed_checkpoint(target)
+    params = engine.full_state_dict()
+    for param, value in {**expected["masters"], **expected["frozen"]}.items():
+        assert torch.equal(params[param].reshape(-1), value.reshape(-1).to(params[param].dtype)), param
+    engine.close()
+
+
+def test_a_checkpoint_missing_some_frozen_parameters_is_refused(tmp_path):
+    target = _copy(tmp_path)
+    path = os.path.join(target, "global_step3", "mp_rank_00_model_states.pt")
+    model = torch.load(path, weights_only=False)
+    for key in ("module", "frozen_param_shapes", "frozen_param_fragments"):
+        del model[key]["model.layers.0.mlp.up_proj.weight"]
+    torch.save(model, path)
+    engine = _engine()
+    with pytest.raises(CheckpointError, match=r"no value for the frozen parameters \['model.layers.0.mlp.up_proj"):
+        engine.load_deepspeed_checkpoint(target)
+    engine.close()
 
 
 # -- what is refused, by name -------------------------------------------------------------------

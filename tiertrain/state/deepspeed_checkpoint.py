@@ -30,6 +30,7 @@ import glob
 import math
 import os
 import re
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -432,17 +433,41 @@ def load_into(engine: "TrainingCore", directory: str | os.PathLike, tag: str | N
     sharded = {slot.name for _, slot in parameter_slots(shards, "frozen")}
     run = DeepSpeedRun(checkpoint, replicated, [n for n in checkpoint.frozen if n in sharded])
     tp_size = _SavedRun.tp(shards)[1]
-    for kind, what in (("units", "trained"), ("frozen", "frozen")):
+    kept = _frozen_kept(engine, checkpoint)
+    if kept:
+        parts = {name: part for name, part in parts.items() if name != "frozen"}
+    for kind, what in (("units", "trained"),) + ((("frozen", "frozen"),) if not kept else ()):
         own = {slot.name: _joined(slot.shape, shards["split"].get(slot.name), tp_size)
                for _, slot in parameter_slots(shards, kind)}
         compare_params(what, run.shapes[kind], own, {}, shards["copies"], checkpoint.directory,
                        whole_model=engine.topology.size("pp") == 1)
-    held = _held_frozen(engine, checkpoint, sharded)
+    held = {} if kept else _held_frozen(engine, checkpoint, sharded)
     extra = load_run(parts, run, engine.topology.rank, shards, engine.update, 1, 0)
     with torch.no_grad():
         for name, (param, value) in held.items():
             param.copy_(value)
     return extra
+
+
+def _frozen_kept(engine: "TrainingCore", checkpoint: DeepSpeedCheckpoint) -> int:
+    """How many frozen parameters of this engine keep their values because the checkpoint holds
+    none (DeepSpeed's save_checkpoint(exclude_frozen_parameters=True), as a LoRA run saves: the
+    frozen weights are the pretrained ones, loaded before), said in a warning; 0 otherwise."""
+    if checkpoint.frozen:
+        return 0
+    frozen = {n for module in engine.named_modules_of_state() for n, p in module.named_parameters()
+              if not p.requires_grad} - set(checkpoint.shapes)
+    if frozen:
+        warnings.warn(f"the DeepSpeed checkpoint {checkpoint.directory!r} holds no frozen parameter (saved with "
+                      f"exclude_frozen_parameters=True): this model's {len(frozen)} frozen parameters keep the "
+                      f"values they have (e.g. {sorted(frozen)[0]!r}); load the pretrained weights they come from "
+                      f"before (from_pretrained, or tiertrain.load_pretrained before the DeepSpeed checkpoint)",
+                      FrozenKeptWarning, stacklevel=4)
+    return len(frozen)
+
+
+class FrozenKeptWarning(UserWarning):
+    """A DeepSpeed checkpoint without frozen parameters left the model's own frozen values."""
 
 
 def _held_frozen(engine: "TrainingCore", checkpoint: DeepSpeedCheckpoint, sharded: set[str]) -> dict:
@@ -476,4 +501,4 @@ def _held_frozen(engine: "TrainingCore", checkpoint: DeepSpeedCheckpoint, sharde
     return out
 
 
-__all__ = ["DEEPSPEED_OBJECTS", "DeepSpeedCheckpoint", "DeepSpeedRun", "load_into"]
+__all__ = ["DEEPSPEED_OBJECTS", "DeepSpeedCheckpoint", "DeepSpeedRun", "FrozenKeptWarning", "load_into"]
