@@ -5,6 +5,7 @@ step count. tests/deepspeed_checkpoints/ holds checkpoints written by DeepSpeed 
 (make.py) and, beside each, the values DeepSpeed's own converters find in it (expected.pt)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -189,7 +190,8 @@ def test_a_pipeline_engine_takes_each_stage_its_parameters():
         assert torch.equal(merged.pop(param).reshape(-1), value.reshape(-1)), param
     assert set(merged) <= {"lm_head.weight"}, merged.keys()  # (the tied copy)
     if merged:
-        assert torch.equal(merged["lm_head.weight"].reshape(-1), expected["masters"]["model.embed_tokens.weight"].reshape(-1))
+        embedding = expected["masters"]["model.embed_tokens.weight"]
+        assert torch.equal(merged["lm_head.weight"].reshape(-1), embedding.reshape(-1))
 
 
 def test_the_moments_matter_to_that_check(tmp_path):
@@ -370,3 +372,35 @@ def test_trainer_resumes_a_checkpoint_that_trainer_saved_with_deepspeed(tmp_path
             for name, value in expected["masters"].items():
                 assert torch.equal(params[name].float(), value), name
         trainer.close()
+
+
+def test_the_training_loop_starts_from_a_deepspeed_checkpoint_then_resumes_its_own(tmp_path, capsys):
+    """checkpoint.from_deepspeed (tiertrain train --checkpoint.from_deepspeed DIR): a run with
+    nothing to resume starts at DeepSpeed's step with its state and trains on as plain PyTorch
+    continues it; once it has saved, a resume takes its own checkpoint, not DeepSpeed's."""
+    from tiertrain.config import from_dict
+    from tiertrain.trainer import LoopConfig, Trainer
+
+    name, batches = "z2_bf16_w2", _batches(2)
+    engine_sections = _config(2, "none", 1, str(tmp_path))
+    sections = {section: getattr(engine_sections, section) for section in ("zero", "precision", "parallel", "batch",
+                                                                             "optimizer", "schedule")}
+
+    def loop(steps):
+        base = {k: dataclasses.asdict(v) for k, v in sections.items()}
+        base.update(steps=steps, logging={"progress": False, "metrics_file": ""},
+                    checkpoint={"dir": str(tmp_path / "run"), "from_deepspeed": os.path.join(HERE, name)})
+        return from_dict(LoopConfig, base).validate()
+
+    with Trainer(build_llama(seed=11), loop(DEEPSPEED_STEPS + 1), batches) as trainer:
+        trainer.fit()
+        assert trainer.engine.steps == DEEPSPEED_STEPS + 1
+        params = {n: v.float() for n, v in trainer.engine.full_state_dict().items()}
+    assert "started from DeepSpeed's" in capsys.readouterr().out
+    oracle = Oracle.run(_continued, _deepspeeds_model(name), engine_sections, batches[:1], _expected(name))
+    oracle.check(None, params, "the loop started from DeepSpeed's checkpoint")
+    with Trainer(build_llama(seed=11), loop(DEEPSPEED_STEPS + 2), batches) as trainer:
+        trainer.fit()  # (resumes its step-4 checkpoint: one more step)
+        assert trainer.engine.steps == DEEPSPEED_STEPS + 2
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "DeepSpeed" not in out, out

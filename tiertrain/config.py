@@ -418,6 +418,8 @@ class CheckpointConfig:
     """Resume from the newest complete checkpoint in dir when one exists."""
     overwrite: bool = False
     """With resume=false: delete the checkpoints already in dir before the first step (without it such a run is refused, so that an older run's checkpoints are never lost or resumed by mistake)."""
+    from_deepspeed: str = ""
+    """A DeepSpeed ZeRO checkpoint directory (the tag its 'latest' names) that a run not resuming starts from: fp32 masters, Adam's moments and step, the step count (engine.load_deepspeed_checkpoint). A checkpoint in dir to resume comes first; the data stream starts at its beginning."""
     async_save: bool = False
     """Return from a save once the state is copied, and write and commit it in the background while training goes on (the final save is waited for; bench/results/checkpoint.md measures the stall)."""
     loss_spike_factor: float = 10.0

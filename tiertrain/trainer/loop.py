@@ -504,14 +504,14 @@ class Trainer:
 
     def _maybe_resume(self) -> int:
         """Continue from the newest committed checkpoint in checkpoint.dir (when resume is on
-        and one exists): engine state, data position, run id. Returns the step to continue
-        after (0 for a fresh start). With resume off and checkpoint.overwrite, rank 0 first
+        and one exists): engine state, data position, run id; returns the step to continue
+        after (fresh: _fresh_start). With resume off and checkpoint.overwrite, rank 0 first
         deletes the checkpoints there, so that none can later shadow this run."""
         from ..state import checkpoint
 
         ckpt = self.config.checkpoint
         if not ckpt.dir:
-            return 0
+            return self._fresh_start()
         # Before anything in the directory is cleaned, removed or resumed: one job per directory.
         checkpoint.lock_directory(ckpt.dir, self.engine.topology)
         if self.is_main:
@@ -523,9 +523,9 @@ class Trainer:
                 # The other ranks touch the directory only inside save(), whose first
                 # collective rank 0 reaches after this.
                 checkpoint.remove_checkpoints(ckpt.dir)
-            return 0
+            return self._fresh_start()
         if not checkpoint.marked_steps(ckpt.dir):
-            return 0
+            return self._fresh_start()
         # The newest checkpoint intact on every rank, the same for all (newer ones not intact are
         # named in a warning); a CheckpointError naming what is wrong when none is intact.
         step_dir, marker = checkpoint.agree_on_checkpoint(ckpt.dir, None, self.engine.topology)
@@ -557,6 +557,15 @@ class Trainer:
         if isinstance(marker.get("run_id"), str):
             self.run_id = marker["run_id"]  # its run continues: keep_last rotates its checkpoints
         return int(extra.get("step", self.engine.steps))
+
+    def _fresh_start(self) -> int:
+        """Step 0, or the step of the DeepSpeed checkpoint checkpoint.from_deepspeed names."""
+        path = self.config.checkpoint.from_deepspeed
+        if path:
+            self.engine.load_deepspeed_checkpoint(path)
+            if self.is_main:
+                print(f"tiertrain: started from DeepSpeed's {path!r} at step {self.engine.steps}", flush=True)
+        return self.engine.steps if path else 0
 
     def _maybe_save(self, step: int, final: bool) -> None:
         """Save every checkpoint.interval steps (0: only at the end) when checkpoint.dir is
