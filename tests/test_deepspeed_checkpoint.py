@@ -20,6 +20,7 @@ from tiertrain.errors import CheckpointError
 from tiertrain.optim import build_adamw, lr_factor, param_groups
 from tiertrain.state.deepspeed_checkpoint import DeepSpeedCheckpoint, FrozenKeptWarning
 from tiertrain.testing import run_distributed
+from tiertrain.state.shard_layout import unit_pieces
 from tiertrain.update.protocol import SLOT_NAME
 
 from deepspeed_models import build_llama
@@ -62,9 +63,9 @@ def _check_read(directory: str) -> None:
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(saved.value(param, key), expected[key][param].reshape(-1).float()), (param, key)
         assert saved.step(param) == expected["step"]
-    assert sorted(saved.frozen) == sorted(expected["frozen"])
+    assert sorted(saved.frozen_shapes) == sorted(expected["frozen"])
     for param, value in expected["frozen"].items():
-        assert torch.equal(saved.frozen[param], value), param
+        assert torch.equal(saved.frozen_value(param), value), param
     assert saved.global_steps == expected["global_steps"] == DEEPSPEED_STEPS
     assert saved.client_state == {"epoch": 7}
     assert saved.stage == int(os.path.basename(directory)[1])  # (the names: z<stage>_...)
@@ -192,6 +193,39 @@ def test_a_pipeline_engine_takes_each_stage_its_parameters():
     if merged:
         embedding = expected["masters"]["model.embed_tokens.weight"]
         assert torch.equal(merged["lm_head.weight"].reshape(-1), embedding.reshape(-1))
+
+
+def _elements_read(rank, world, name):
+    counted = {"master": 0, "exp_avg": 0, "exp_avg_sq": 0}
+    read = DeepSpeedCheckpoint.read
+
+    def counting(self, source, key, offset, numel):
+        counted[key] += numel
+        return read(self, source, key, offset, numel)
+
+    DeepSpeedCheckpoint.read = counting
+    try:
+        config = _config(3, "none", world, "/unused")
+        config.zero.persistence_threshold = 0  # (every parameter sharded, small ones too)
+        engine = tiertrain.wrap(build_llama(seed=11), config, tiertrain.Topology.build(config.parallel))
+        engine.load_deepspeed_checkpoint(os.path.join(HERE, name))
+        held = sum(p.hi - p.lo for p in unit_pieces(rank, engine.shard_description(), "units"))
+        engine.close()
+    finally:
+        DeepSpeedCheckpoint.read = read
+    return counted, held
+
+
+def test_each_rank_reads_only_what_its_shards_hold():
+    """Of DeepSpeed's buffers a rank reads the elements of its own shards (at stage 3 over 2
+    ranks: half of every trained parameter), not whole parameters: moving a large run reads the
+    checkpoint about once in all, not once per rank."""
+    name = "z2_bf16_w2"
+    trained = sum(t.numel() for t in _expected(name)["masters"].values())
+    results = run_distributed(_elements_read, 2, name, timeout=120)
+    assert sum(held for _, held in results) == trained
+    for counted, held in results:
+        assert counted == {"master": held, "exp_avg": held, "exp_avg_sq": held}, (counted, held, trained)
 
 
 def test_the_moments_matter_to_that_check(tmp_path):

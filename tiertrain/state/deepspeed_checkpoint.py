@@ -31,16 +31,18 @@ import math
 import os
 import re
 import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .checkpoint import CheckpointError
 from .reshard import REPLICATED_PARTS, check_reshardable_format, compare_params, load_run
-from .saved_run import _joined, _SavedRun, _slice
-from .shard_layout import parameter_slots
+from .saved_run import MASTER, _joined, _SavedRun, _slice
+from .shard_layout import _unit_of, parameter_slots
 from ..optimizer_list import OptimizerList
 from ..update.state_format import TorchOptimizerState
+from ..zero.layout import Slot
 
 if TYPE_CHECKING:
     from ..training_core import TrainingCore
@@ -140,6 +142,8 @@ class DeepSpeedCheckpoint:
         self.skipped_steps = int(model.get("skipped_steps", 0))
         self.client_state = {k: v for k, v in model.items() if k not in _MODEL_KEYS}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.buckets: list[_Bucket] = []
+        """What DeepSpeed partitioned as one, in the order of each rank's buffers."""
         self._where: dict[str, list[tuple[int, int, int, int]]] = {}
         """parameter -> (rank, offset in that rank's joined flat buffer, first, end element)."""
         self.group_of: dict[str, int] = {}
@@ -148,7 +152,7 @@ class DeepSpeedCheckpoint:
             self._index_stage3()
         else:
             self._index_stages12()
-        self.frozen = self._frozen_values()
+        self.frozen_shapes = self._frozen_shapes()
         module = model.get("module") or {}
         self.buffers = {n: module[n] for n in model.get("buffer_names", []) if n in module}
 
@@ -204,32 +208,28 @@ class DeepSpeedCheckpoint:
     # -- where each parameter lies --
 
     def _index_stages12(self) -> None:
+        """One bucket per param group: its parameters one after the other, rank r holding
+        elements [r·size, (r+1)·size) of them (its fp32 partition of the group)."""
         shapes = self._param_shapes()
         partitions = [self._optim[r]["single_partition_of_fp32_groups"] for r in range(self.world)]
         if any(len(p) != len(shapes) for p in partitions):
             raise CheckpointError(f"{self.directory!r}: {len(shapes)} param groups in the model states, "
                                   f"{[len(p) for p in partitions]} fp32 partitions in the ranks' files")
-        offset = 0
+        start = 0
         for g, group in enumerate(shapes):
             sizes = [partitions[r][g].numel() for r in range(self.world)]
             if len(set(sizes)) != 1:
                 raise CheckpointError(f"{self.directory!r}: param group {g}'s fp32 partitions differ in size "
                                       f"across ranks: {sizes}")
-            size = sizes[0]
-            at = 0  # (in the group's partitions joined in rank order)
+            slots, at = [], 0
             for name, shape in group.items():
-                numel = math.prod(shape)
-                if at + numel > size * self.world:
-                    raise CheckpointError(f"{self.directory!r}: param group {g} holds {size * self.world} elements, "
-                                          f"fewer than its parameters' {at + numel} (at {name!r})")
-                pieces = []
-                for r in range(self.world):
-                    lo, hi = max(at, r * size), min(at + numel, (r + 1) * size)
-                    if lo < hi:
-                        pieces.append((r, offset + lo - r * size, lo - at, hi - at))
-                self._add(name, shape, g, pieces)
-                at += numel
-            offset += size
+                slots.append(Slot(name, at, math.prod(shape), shape))
+                at += math.prod(shape)
+            if at > sizes[0] * self.world:
+                raise CheckpointError(f"{self.directory!r}: param group {g} holds {sizes[0] * self.world} elements, "
+                                      f"fewer than its parameters' {at}")
+            self._add_bucket(_Bucket(tuple(slots), sizes[0], start, g))
+            start += sizes[0]
         self._check_slice_mappings()
 
     def _check_slice_mappings(self) -> None:
@@ -252,25 +252,29 @@ class DeepSpeedCheckpoint:
                 base += self._optim[r]["single_partition_of_fp32_groups"][g].numel()
 
     def _index_stage3(self) -> None:
-        flats = [self._optim[r]["fp32_flat_groups"] for r in range(self.world)]
-        total = [sum(t.numel() for t in f) for f in flats]
-        at = 0
+        """One bucket per parameter: rank r holding elements [r·n, (r+1)·n) of it, n =
+        ceil(numel / world), the parameters' parts one after the other in each rank's buffers."""
+        total = [sum(t.numel() for t in self._optim[r]["fp32_flat_groups"]) for r in range(self.world)]
+        start = 0
         for g, group in enumerate(self._param_shapes()):
             for name, shape in group.items():
-                numel = math.prod(shape)
-                part = -(-numel // self.world)
-                pieces = [(r, at, r * part, min(numel, (r + 1) * part)) for r in range(self.world)
-                          if r * part < numel]
-                self._add(name, shape, g, pieces)
-                at += part
-        if any(t < at for t in total):
+                part = -(-math.prod(shape) // self.world)
+                self._add_bucket(_Bucket((Slot(name, 0, math.prod(shape), shape),), part, start, g))
+                start += part
+        if any(t < start for t in total):
             raise CheckpointError(f"{self.directory!r}: the ranks' fp32 buffers hold {total} elements, fewer than "
-                                  f"their parameters' {at} each")
+                                  f"their parameters' {start} each")
 
-    def _add(self, name: str, shape: tuple[int, ...], group: int, pieces: list) -> None:
-        if name in self.shapes:
-            raise CheckpointError(f"{self.directory!r}: parameter {name!r} is in two param groups")
-        self.shapes[name], self.group_of[name], self._where[name] = shape, group, pieces
+    def _add_bucket(self, bucket: "_Bucket") -> None:
+        self.buckets.append(bucket)
+        for slot in bucket.slots:
+            if slot.name in self.shapes:
+                raise CheckpointError(f"{self.directory!r}: parameter {slot.name!r} is in two param groups")
+            self.shapes[slot.name], self.group_of[slot.name] = slot.shape, bucket.group
+            self._where[slot.name] = [
+                (r, bucket.start + lo - r * bucket.shard, lo - slot.offset, hi - slot.offset)
+                for r in range(self.world)
+                for lo, hi in [(max(slot.offset, r * bucket.shard), min(slot.end, (r + 1) * bucket.shard))] if lo < hi]
 
     # -- values --
 
@@ -287,89 +291,151 @@ class DeepSpeedCheckpoint:
                                   f"tiertrain reads the moments of DeepSpeed's Adam and AdamW")
         return [_flat(s[key]) for s in states]
 
+    def read(self, rank: int, key: str, offset: int, numel: int) -> torch.Tensor:
+        """Elements [offset, offset + numel) of rank's buffers joined: of its fp32 masters (key
+        "master") or of its optimizer state `key` ("exp_avg", "exp_avg_sq")."""
+        out = torch.empty(numel, dtype=torch.float32)
+        at = 0  # (where each buffer starts in the rank's buffers joined)
+        for buffer in self._buffers_of(rank, key):
+            a, b = max(offset, at), min(offset + numel, at + buffer.numel())
+            if a < b:
+                out[a - offset:b - offset] = buffer[a - at:b - at]
+            at += buffer.numel()
+        return out
+
     def value(self, name: str, key: str = "master") -> torch.Tensor:
         """Parameter name's fp32 master ("master") or optimizer state ("exp_avg", "exp_avg_sq"),
         whole and flat."""
         out = torch.empty(math.prod(self.shapes[name]), dtype=torch.float32)
         for rank, offset, lo, hi in self._where[name]:
-            at = 0  # (where each buffer starts in the rank's buffers joined)
-            for buffer in self._buffers_of(rank, key):
-                a, b = max(offset, at), min(offset + hi - lo, at + buffer.numel())
-                if a < b:
-                    out[lo + a - offset:lo + b - offset] = buffer[a - at:b - at]
-                at += buffer.numel()
+            out[lo:hi] = self.read(rank, key, offset, hi - lo)
         return out
+
+    def step_at(self, rank: int, offset: int) -> int:
+        """Adam's update count of the buffer of rank holding element offset of its buffers joined."""
+        at = 0
+        for state, buffer in zip(self._moments(rank), self._optim[rank][self._flat_key]):
+            if offset < at + buffer.numel():
+                return int(state.get("step", self.global_steps - self.skipped_steps))
+            at += buffer.numel()
+        return self.global_steps - self.skipped_steps
 
     def step(self, name: str) -> int:
         """Adam's update count of the buffer holding parameter name's first element."""
-        rank, offset = self._where[name][0][:2]
-        at = 0
-        for state, size in zip(self._moments(rank), self._buffer_sizes(rank)):
-            if offset < at + size:
-                step = state.get("step", self.global_steps - self.skipped_steps)
-                return int(step)
-            at += size
-        return self.global_steps - self.skipped_steps
+        return self.step_at(*self._where[name][0][:2])
 
-    def _buffer_sizes(self, rank: int) -> list[int]:
-        return [t.numel() for t in self._optim[rank][self._flat_key]]
+    # -- frozen parameters --
 
-    def _frozen_values(self) -> dict[str, torch.Tensor]:
-        """Every frozen parameter's value, whole: from the module's state dict at stages 1-2
-        (where DeepSpeed may record no frozen_param_shapes: there, the state dict's entries that
-        are neither trained, a buffer nor a tied alias), from the ranks' fragments at stage 3."""
+    def _frozen_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every frozen parameter's shape: as recorded (frozen_param_shapes), or at stages 1-2,
+        where DeepSpeed may record none, the module state dict's entries that are neither
+        trained, a buffer nor a tied alias. Each must have a value: checked here."""
         model = self._model[0]
         module = model.get("module") or {}
         shapes = {n: tuple(s) for n, s in (model.get("frozen_param_shapes") or {}).items()}
         if not shapes and self._flat_key != "fp32_flat_groups":
             skip = set(self.shapes) | set(model.get("buffer_names") or ()) | set(model.get("shared_params") or {})
             shapes = {n: tuple(v.shape) for n, v in module.items() if n not in skip}
-        out = {}
         for name, shape in shapes.items():
-            numel = math.prod(shape)
-            if name in module and module[name].numel() == numel:
-                out[name] = module[name].reshape(shape)
-                continue
-            fragments = [_flat((m.get("frozen_param_fragments") or {}).get(name, torch.empty(0)))
-                         for m in self._model]
-            joined = torch.cat(fragments)
-            if joined.numel() < numel:
-                raise CheckpointError(f"{self.directory!r}: the ranks' fragments of frozen {name!r} hold "
-                                      f"{joined.numel()} of its {numel} elements")
-            out[name] = joined[:numel].reshape(shape)
-        return out
+            whole = name in module and module[name].numel() == math.prod(shape)
+            held = sum(self._frozen_part(r, name).numel() for r in range(len(self._model)))
+            if not whole and held < math.prod(shape):
+                raise CheckpointError(f"{self.directory!r}: frozen {name!r} {shape} has neither a whole value in the "
+                                      f"module's state dict nor fragments holding its {math.prod(shape)} elements "
+                                      f"(they hold {held})")
+        return shapes
+
+    def _frozen_part(self, rank: int, name: str) -> torch.Tensor:
+        return _flat((self._model[rank].get("frozen_param_fragments") or {}).get(name, torch.empty(0)))
+
+    @property
+    def frozen_sharded(self) -> bool:
+        """Stage 3: each rank's file holds its part of every frozen parameter (ceil(numel / world)
+        elements), not the whole value."""
+        return self._flat_key == "fp32_flat_groups" and len(self._model) == self.world
+
+    def frozen_value(self, name: str) -> torch.Tensor:
+        """Frozen parameter name's value, whole, in the dtype it was saved in."""
+        shape = self.frozen_shapes[name]
+        module = self._model[0].get("module") or {}
+        if name in module and module[name].numel() == math.prod(shape):
+            return module[name].reshape(shape)
+        joined = torch.cat([self._frozen_part(r, name) for r in range(len(self._model))])
+        return joined[:math.prod(shape)].reshape(shape)
+
+    def frozen_piece(self, rank: int, name: str, start: int, numel: int) -> torch.Tensor:
+        """Elements [start, start + numel) of rank's part of frozen name (frozen_sharded), or of
+        its whole value."""
+        flat = self._frozen_part(rank, name) if self.frozen_sharded else self.frozen_value(name).reshape(-1)
+        return flat[start:start + numel]
+
+    @property
+    def frozen_dtype(self) -> torch.dtype:
+        name = next(iter(self.frozen_shapes), None)
+        return torch.float32 if name is None else self.frozen_piece(0, name, 0, 0).dtype
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """A run of parameters DeepSpeed partitions as one: a param group's flat buffer at stages
+    1-2, one parameter at stage 3. Rank r holds elements [r·shard, (r+1)·shard) of it, from
+    element ``start`` of its buffers joined."""
+
+    slots: tuple[Slot, ...]
+    shard: int
+    start: int
+    group: int
 
 
 class DeepSpeedRun(_SavedRun):
-    """A DeepSpeed checkpoint seen as a tiertrain checkpoint of one rank whose units are one
-    parameter each (what tiertrain/state/reshard.py rebuilds any layout from). The optimizer's
-    hyper-parameters are the loading run's own (param_group: None); the replicated parts
-    (counters, RNG, loss scaler) are the ones given; of the frozen parameters, those named
-    (the ones the loading engine keeps in shards: stage 3's)."""
+    """A DeepSpeed checkpoint seen as the tiertrain checkpoint of the same ranks and partitions
+    (what tiertrain/state/reshard.py rebuilds any layout from, reading of each rank's buffers
+    only the pieces it needs): one unit per bucket, cut in as many shards as DeepSpeed had
+    ranks. The optimizer's hyper-parameters are the loading run's own (param_group: None); the
+    replicated parts (counters, RNG, loss scaler) are the ones given; of the frozen parameters,
+    those named (the ones the loading engine keeps in shards: stage 3's), one unit each."""
 
     def __init__(self, checkpoint: DeepSpeedCheckpoint, replicated: dict, frozen: list[str]):
         self.checkpoint = checkpoint
-        trained = list(checkpoint.shapes)
-        layout = {"state_format": TorchOptimizerState().record(), "shard_rank": 0,
-                  "units": [_unit(n, checkpoint.shapes[n]) for n in trained],
-                  "frozen": [_unit(n, checkpoint.frozen[n].shape) for n in frozen],
-                  "pieces": [[k, n, 0, math.prod(checkpoint.shapes[n]), checkpoint.group_of[n]]
-                             for k, n in enumerate(trained)],
-                  "tp": [0, 1], "split": {}, "copies": {}}
-        super().__init__(checkpoint.directory, {"shards": [layout]}, prefer=0, verified=True)
+        world = checkpoint.world
+        slots = [[[s.name, s.offset, s.numel, list(s.shape)] for s in b.slots] for b in checkpoint.buckets]
+        units = [[f"deepspeed {k}", b.shard * world, world, slots[k]] for k, b in enumerate(checkpoint.buckets)]
+        shards = world if checkpoint.frozen_sharded else 1
+        frozen_units = []
+        for name in frozen:
+            shape = checkpoint.frozen_shapes[name]
+            part = -(-math.prod(shape) // shards)
+            frozen_units.append([name, part * shards, shards, [[name, 0, math.prod(shape), list(shape)]]])
+        layouts = []
+        for r in range(world):
+            pieces = [[k, slot.name, a, b, bucket.group] for k, bucket in enumerate(checkpoint.buckets)
+                      for slot, a, b in _unit_of(units[k], k).shard_pieces(r)]
+            layouts.append({"state_format": TorchOptimizerState().record(), "shard_rank": r, "units": units,
+                            "frozen": frozen_units, "pieces": pieces, "tp": [0, 1], "split": {}, "copies": {}})
+        super().__init__(checkpoint.directory, {"shards": layouts}, prefer=0, verified=True)
         self.states[0] = {**replicated, "buffers": checkpoint.buffers, "extra": checkpoint.client_state}
 
     def file(self, rank: int) -> dict:
         return self.states[0]
 
+    def _at(self, piece, a: int) -> tuple[int, int]:
+        """(rank, offset in its buffers joined) of element a of a piece of a trained unit."""
+        return piece.rank, self.checkpoint.buckets[piece.unit].start + piece.start + a - piece.lo
+
+    def values(self, key: str, piece, a: int, b: int) -> torch.Tensor:
+        if key == "frozen":
+            return self.checkpoint.frozen_piece(piece.rank, piece.name, piece.start + a - piece.lo, b - a)
+        rank, offset = self._at(piece, a)
+        return self.checkpoint.read(rank, key, offset, b - a)
+
     def master(self, piece) -> torch.Tensor:
-        return self.checkpoint.value(piece.name)[piece.lo:piece.hi]
+        return self.values(MASTER, piece, piece.lo, piece.hi)
 
     def frozen(self, piece) -> torch.Tensor:
-        return self.checkpoint.frozen[piece.name].reshape(-1)[piece.lo:piece.hi]
+        return self.values("frozen", piece, piece.lo, piece.hi)
 
     def frozen_dtype(self) -> torch.dtype:
-        return next((v.dtype for v in self.checkpoint.frozen.values()), torch.float32)
+        return self.checkpoint.frozen_dtype
 
     def holds_published(self) -> bool:
         return False
@@ -378,15 +444,13 @@ class DeepSpeedRun(_SavedRun):
         return None
 
     def state(self, piece) -> dict | None:
+        return self.state_values(piece, piece.lo, piece.hi)
+
+    def state_values(self, piece, a: int, b: int) -> dict | None:
+        rank, offset = self._at(piece, a)
         c = self.checkpoint
-        return {"step": torch.tensor(float(c.step(piece.name))),
-                "exp_avg": c.value(piece.name, "exp_avg")[piece.lo:piece.hi],
-                "exp_avg_sq": c.value(piece.name, "exp_avg_sq")[piece.lo:piece.hi]}
-
-
-def _unit(name: str, shape: tuple) -> list:
-    numel = math.prod(shape)
-    return [name, numel, 1, [[name, 0, numel, list(shape)]]]
+        return {"step": torch.tensor(float(c.step_at(rank, offset))),
+                **{key: c.read(rank, key, offset, b - a) for key in ("exp_avg", "exp_avg_sq")}}
 
 
 # -- into an engine --------------------------------------------------------------------------
@@ -431,7 +495,7 @@ def load_into(engine: "TrainingCore", directory: str | os.PathLike, tag: str | N
                                  "steps": applied, "skipped_steps": checkpoint.skipped_steps}
     replicated["update"] = {"schedule": engine.update.schedule.state_dict()}
     sharded = {slot.name for _, slot in parameter_slots(shards, "frozen")}
-    run = DeepSpeedRun(checkpoint, replicated, [n for n in checkpoint.frozen if n in sharded])
+    run = DeepSpeedRun(checkpoint, replicated, [n for n in checkpoint.frozen_shapes if n in sharded])
     tp_size = _SavedRun.tp(shards)[1]
     kept = _frozen_kept(engine, checkpoint)
     if kept:
@@ -442,7 +506,7 @@ def load_into(engine: "TrainingCore", directory: str | os.PathLike, tag: str | N
         compare_params(what, run.shapes[kind], own, {}, shards["copies"], checkpoint.directory,
                        whole_model=engine.topology.size("pp") == 1)
     held = {} if kept else _held_frozen(engine, checkpoint, sharded)
-    extra = load_run(parts, run, engine.topology.rank, shards, engine.update, 1, 0)
+    extra = load_run(parts, run, engine.topology.rank, shards, engine.update, checkpoint.world, 0)
     with torch.no_grad():
         for name, (param, value) in held.items():
             param.copy_(value)
@@ -453,7 +517,7 @@ def _frozen_kept(engine: "TrainingCore", checkpoint: DeepSpeedCheckpoint) -> int
     """How many frozen parameters of this engine keep their values because the checkpoint holds
     none (DeepSpeed's save_checkpoint(exclude_frozen_parameters=True), as a LoRA run saves: the
     frozen weights are the pretrained ones, loaded before), said in a warning; 0 otherwise."""
-    if checkpoint.frozen:
+    if checkpoint.frozen_shapes:
         return 0
     frozen = {n for module in engine.named_modules_of_state() for n, p in module.named_parameters()
               if not p.requires_grad} - set(checkpoint.shapes)
@@ -476,9 +540,10 @@ def _held_frozen(engine: "TrainingCore", checkpoint: DeepSpeedCheckpoint, sharde
     own = {n: p for module in engine.named_modules_of_state()
            for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
     out = {}
-    for name, value in checkpoint.frozen.items():
+    for name in checkpoint.frozen_shapes:
         if name in sharded:
             continue
+        value = checkpoint.frozen_value(name)
         param = own.get(name)
         if param is None:
             if engine.topology.size("pp") > 1:
@@ -497,7 +562,7 @@ def _held_frozen(engine: "TrainingCore", checkpoint: DeepSpeedCheckpoint, sharde
                      and n not in checkpoint.shapes)
     if missing:
         raise CheckpointError(f"{checkpoint.directory!r} holds no value for the frozen parameters {missing[:10]} of "
-                              f"this model (it has {sorted(checkpoint.frozen)[:10]})")
+                              f"this model (it has {sorted(checkpoint.frozen_shapes)[:10]})")
     return out
 
 

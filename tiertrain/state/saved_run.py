@@ -103,6 +103,21 @@ class _SavedRun:
     def published(self, piece: _Piece) -> torch.Tensor:
         return self.file(piece.rank)["update"]["published"][piece.unit][piece.start:piece.start + piece.hi - piece.lo]
 
+    def values(self, key: str, piece: _Piece, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) (the parameter's coordinates) of piece's master (key MASTER), frozen
+        value ("frozen") or published value ("published")."""
+        read = {MASTER: self.master, "frozen": self.frozen, "published": self.published}[key]
+        return read(piece)[a - piece.lo:b - piece.lo]
+
+    def state_values(self, piece: _Piece, a: int, b: int) -> dict | None:
+        """Piece's optimizer state (state()) with each per-element tensor cut to elements [a, b)."""
+        state = self.state(piece)
+        if not state:
+            return state
+        n = piece.hi - piece.lo
+        return {k: (v.reshape(-1)[a - piece.lo:b - piece.lo] if _per_element(v) and v.numel() == n else v)
+                for k, v in state.items()}
+
     def frozen_dtype(self) -> torch.dtype:
         """The dtype the saved frozen shards were kept in (fp32 when the run had none)."""
         return next((s.dtype for r, layout in enumerate(self.layouts) if layout["frozen"]
@@ -207,30 +222,29 @@ class _Value:
         found = _overlaps(self.name, lo, hi, self.run.pieces(self.kind, coord, state=key == "state"),
                           self.run.step_dir)
         if key != "state":
-            read = {MASTER: self.run.master, "frozen": self.run.frozen, "published": self.run.published}[key]
-            values = [(a, b, read(s)[a - s.lo:b - s.lo]) for s, a, b in found]
+            values = [(a, b, self.run.values(key, s, a, b)) for s, a, b in found]
             out = torch.empty(hi - lo, dtype=values[0][2].dtype)
             for a, b, value in values:
                 out[a - lo:b - lo] = value
             return out
-        states = [(s, a, b, self.run.state(s)) for s, a, b in found]
+        states = [(s, a, b, self.run.state_values(s, a, b)) for s, a, b in found]
         present = [t for t in states if t[3]]
         if not present:
             return None  # (never stepped: a parameter no rank computed a gradient for yet)
         if len(present) != len(states):
             raise CheckpointError(f"{self.run.step_dir!r}: parameter {self.name!r} has optimizer state in some "
                                   f"saved shards and not in others; it cannot be resharded")
-        first_piece, _, _, first = present[0]
+        _, first_a, first_b, first = present[0]
         out: dict[str, Any] = {}
         for key_, value in first.items():
-            if _per_element(value) and value.numel() == first_piece.hi - first_piece.lo:
+            if _per_element(value) and value.numel() == first_b - first_a:
                 buf = torch.empty(hi - lo, dtype=value.dtype)
                 for s, a, b, st in present:
                     src = st.get(key_)
-                    if not (_per_element(src) and src.numel() == s.hi - s.lo):
+                    if not (_per_element(src) and src.numel() == b - a):
                         raise CheckpointError(f"{self.run.step_dir!r}: optimizer state {key_!r} of {self.name!r} "
                                               f"is per-element in one shard and not in another")
-                    buf[a - lo:b - lo] = src.reshape(-1)[a - s.lo:b - s.lo]
+                    buf[a - lo:b - lo] = src.reshape(-1)
                 out[key_] = buf
             else:
                 out[key_] = value.clone() if isinstance(value, torch.Tensor) else value
