@@ -5,6 +5,7 @@ step count. tests/deepspeed_checkpoints/ holds checkpoints written by DeepSpeed 
 (make.py) and, beside each, the values DeepSpeed's own converters find in it (expected.pt)."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import shutil
@@ -349,6 +350,19 @@ def test_files_in_torchs_legacy_format_read_the_same(tmp_path):
         torch.save(torch.load(path, weights_only=False), path, _use_new_zipfile_serialization=False)
     shutil.copy(os.path.join(HERE, "z2_bf16_w2", "expected.pt"), os.path.join(target, "expected.pt"))
     _check_read(target)
+
+
+def test_other_objects_in_the_client_state_are_read_inert_and_named(tmp_path):
+    """Megatron-DeepSpeed keeps its argparse Namespace in the client state: read without running
+    any of its code, kept as a placeholder holding what it was built from, and named."""
+    target = _copy(tmp_path)
+    path = os.path.join(target, "global_step3", "mp_rank_00_model_states.pt")
+    model = torch.load(path, weights_only=False)
+    model["args"] = argparse.Namespace(lr=0.5)
+    torch.save(model, path)
+    with pytest.warns(UserWarning, match=r"argparse.Namespace.*inert placeholders"):
+        saved = DeepSpeedCheckpoint(target)
+    assert saved.client_state["epoch"] == 7 and saved.client_state["args"].state == {"lr": 0.5}
 
 
 def test_a_misread_layout_fails_on_deepspeeds_own_fragment_record(tmp_path):

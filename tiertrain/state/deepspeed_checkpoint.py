@@ -51,7 +51,8 @@ DEEPSPEED_OBJECTS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
                      "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
                      "deepspeed.runtime.zero.config.ZeroStageEnum",
                      "deepspeed.utils.tensor_fragment.fragment_address")
-"""DeepSpeed's classes its checkpoints pickle, read as inert placeholders."""
+"""DeepSpeed's classes its checkpoints pickle, read as inert placeholders (with those a file in
+torch's zip format names; one in the legacy format cannot be scanned for them)."""
 
 _MODEL_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
                "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
@@ -73,14 +74,22 @@ class _Opaque:
 
 def _load(path: str) -> dict:
     """One DeepSpeed file, memory-mapped (a file in torch's legacy format, which cannot be, read
-    whole), with torch's weights-only unpickler."""
+    whole), with torch's weights-only unpickler; DeepSpeed's objects, and any other class the
+    file names (a client state's), read as inert placeholders: the latter said in a warning."""
     try:
-        with torch.serialization.safe_globals([(_Opaque, name) for name in DEEPSPEED_OBJECTS]):
-            with open(path, "rb") as f:
-                zipped = f.read(4) == b"PK\x03\x04"
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+        with open(path, "rb") as f:
+            zipped = f.read(4) == b"PK\x03\x04"
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(path) if zipped else []
+        with torch.serialization.safe_globals([(_Opaque, n) for n in sorted(set(DEEPSPEED_OBJECTS) | set(found))]):
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
     except Exception as e:  # (pickle's and torch's errors alike: the file is not one read here)
         raise CheckpointError(f"{path!r} is not a DeepSpeed checkpoint file tiertrain can read: {e}") from e
+    foreign = [n for n in found if not n.startswith("deepspeed.")]
+    if foreign:
+        warnings.warn(f"{path!r} holds objects of {foreign} (a client state's, most likely): they are read as inert "
+                      f"placeholders (tiertrain.state.deepspeed_checkpoint._Opaque: .args, .state), none of their "
+                      f"code run", stacklevel=2)
+    return state
 
 
 def _flat(tensor: Any) -> torch.Tensor:
