@@ -54,6 +54,10 @@ DEEPSPEED_OBJECTS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
 """DeepSpeed's classes its checkpoints pickle, read as inert placeholders (with those a file in
 torch's zip format names; one in the legacy format cannot be scanned for them)."""
 
+_WEIGHTS_ONLY = ("its weights alone (not the optimizer state) load through DeepSpeed's zero_to_fp32.py "
+                 "--safe_serialization, then tiertrain.load_pretrained(engine, path)")
+"""What a refused checkpoint's message offers instead."""
+
 _MODEL_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
                "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
                "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
@@ -119,7 +123,8 @@ class DeepSpeedCheckpoint:
         optim_files = self._rank_files("optim_states")
         if not optim_files:
             raise CheckpointError(f"{self.directory!r} holds no ZeRO optimizer files (*zero_pp_rank_R_mp_rank_00_"
-                                  f"optim_states.pt): tiertrain reads checkpoints of DeepSpeed's ZeRO stages 1-3")
+                                  f"optim_states.pt): tiertrain reads checkpoints of DeepSpeed's ZeRO stages 1-3; "
+                                  f"{_WEIGHTS_ONLY}")
         self.world = len(optim_files)
         self._optim = [_load(p)["optimizer_state_dict"] for p in optim_files]
         first = self._optim[0]
@@ -172,15 +177,15 @@ class DeepSpeedCheckpoint:
         other_mp = sorted(n for n in names if re.search(r"mp_rank_(?!00)\d+", n))
         if other_mp:
             raise CheckpointError(f"{self.directory!r} is a tensor-parallel DeepSpeed checkpoint ({other_mp[0]}): "
-                                  f"tiertrain reads data-parallel ZeRO checkpoints (mp_rank_00 only)")
+                                  f"tiertrain reads data-parallel ZeRO checkpoints (mp_rank_00 only); {_WEIGHTS_ONLY}")
         layers = sorted(n for n in names if n.startswith("layer_"))
         if layers:
             raise CheckpointError(f"{self.directory!r} is a pipeline DeepSpeed checkpoint ({layers[0]}): tiertrain "
-                                  f"reads data-parallel ZeRO checkpoints")
+                                  f"reads data-parallel ZeRO checkpoints; {_WEIGHTS_ONLY}")
         experts = sorted(n for n in names if "expert" in n)
         if experts:
             raise CheckpointError(f"{self.directory!r} holds DeepSpeed MoE expert files ({experts[0]}), which "
-                                  f"tiertrain does not read")
+                                  f"tiertrain does not read; {_WEIGHTS_ONLY}")
 
     def _rank_files(self, kind: str) -> list[str]:
         found = {}
