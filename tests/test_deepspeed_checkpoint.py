@@ -20,14 +20,15 @@ import tiertrain
 from tiertrain.errors import CheckpointError
 from tiertrain.optim import build_adamw, lr_factor, param_groups
 from tiertrain.state.deepspeed_checkpoint import DeepSpeedCheckpoint, FrozenKeptWarning
-from tiertrain.testing import run_distributed
 from tiertrain.state.shard_layout import unit_pieces
+from tiertrain.testing import run_distributed
 from tiertrain.update.protocol import SLOT_NAME
 
 from deepspeed_models import build_llama
 from reference import Oracle, make_config, rank_slices, reference_train, rel_distances
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(300)  # (the gated test has DeepSpeed write four checkpoints: ~45 s)
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed_checkpoints")
 SAVED = ["z1_bf16_w2", "z2_bf16_w2", "z3_bf16_w2", "z2_fp32_w1"]
