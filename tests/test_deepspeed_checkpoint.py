@@ -31,7 +31,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)  # (the gated test has DeepSpeed write four checkpoints: ~45 s)
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed_checkpoints")
-SAVED = ["z1_bf16_w2", "z2_bf16_w2", "z3_bf16_w2", "z2_fp32_w1"]
+SAVED = ["z1_bf16_w2", "z2_bf16_w2", "z3_bf16_w2", "z2_fp32_w1", "z2_fp16_w2"]
 DEEPSPEED_STEPS = 3
 
 
@@ -228,6 +228,19 @@ def test_each_rank_reads_only_what_its_shards_hold():
     assert sum(held for _, held in results) == trained
     for counted, held in results:
         assert counted == {"master": held, "exp_avg": held, "exp_avg_sq": held}, (counted, held, trained)
+
+
+def test_an_fp16_engine_continues_deepspeeds_dynamic_loss_scale():
+    """DeepSpeed's fp16 run left its loss scale at 2^8 after 3 good steps, hysteresis 2 (its
+    scaler's state in the file); an fp16 engine continues from that, an fp32 one scales nothing."""
+    for dtype, scale in (("fp16", {"scale": 256.0, "good_steps": 3, "hysteresis_left": 2, "overflows": 0}),
+                         ("fp32", {"scale": 1.0})):
+        config = make_config(zero={"stage": 2}, precision={"dtype": dtype})
+        engine = tiertrain.wrap(build_llama(seed=11), config, tiertrain.Topology.build(config.parallel))
+        engine.load_deepspeed_checkpoint(os.path.join(HERE, "z2_fp16_w2"))
+        state = engine.checkpoint_parts()["scaler"].state_dict()
+        assert {k: state[k] for k in scale} == scale, (dtype, state)
+        engine.close()
 
 
 def test_the_moments_matter_to_that_check(tmp_path):

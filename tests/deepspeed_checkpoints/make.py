@@ -4,11 +4,11 @@ DeepSpeed (a test-time tool, never the library's dependency):
     DS_ACCELERATOR=cpu python tests/deepspeed_checkpoints/make.py [OUT [NAME ...]]
 
 A tiny Hugging Face Llama (tied embeddings, one frozen MLP, the decay / no-decay param groups
-of transformers' Trainer) trained 3 steps by DeepSpeed on CPU ranks over gloo, bf16, clip 1.0,
-then ``engine.save_checkpoint(OUT/<name>, client_state={"epoch": 7})``, for ZeRO stages 1, 2
-and 3 on 2 ranks and stage 2 in fp32 on 1. Beside each, ``expected.pt``: every trained
-parameter's fp32 master and Adam moments as DeepSpeed's own accessors give them whole
-(``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``), the frozen
+of transformers' Trainer) trained 3 steps by DeepSpeed on CPU ranks over gloo, clip 1.0, then
+``engine.save_checkpoint(OUT/<name>, client_state={"epoch": 7})``: ZeRO stages 1, 2 and 3 in
+bf16 on 2 ranks, stage 2 in fp16 (dynamic loss scale from 2^8) on 2 and in fp32 on 1. Beside
+each, ``expected.pt``: every trained parameter's fp32 master (DeepSpeed's
+``safe_get_full_fp32_param``) and Adam moments (its universal-checkpoint converter), the frozen
 values and buffers, and the optimizer's step: what a reader of the files must find.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from deepspeed_models import build_llama, no_decay  # noqa: E402
 
 RUNS = {"z1_bf16_w2": (1, "bf16", 2), "z2_bf16_w2": (2, "bf16", 2), "z3_bf16_w2": (3, "bf16", 2),
-        "z2_fp32_w1": (2, "fp32", 1)}
+        "z2_fp32_w1": (2, "fp32", 1), "z2_fp16_w2": (2, "fp16", 2)}
 
 
 def _run(rank: int, world: int, stage: int, dtype: str, out: str, port: int) -> None:
@@ -45,6 +45,7 @@ def _run(rank: int, world: int, stage: int, dtype: str, out: str, port: int) -> 
               {"params": [p for n, p in trained if no_decay(n)], "weight_decay": 0.0}]
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"},
+              "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 8},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8}},
               "steps_per_print": 10**9}
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config,

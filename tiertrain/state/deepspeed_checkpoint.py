@@ -167,8 +167,21 @@ class DeepSpeedCheckpoint:
         else:
             self._index_stages12()
         self.frozen_shapes = self._frozen_shapes()
+        self.loss_scale = self._loss_scale()
         module = model.get("module") or {}
         self.buffers = {n: module[n] for n in model.get("buffer_names", []) if n in module}
+
+    def _loss_scale(self) -> dict | None:
+        """DeepSpeed's fp16 dynamic loss scale as tiertrain's scaler state keeps it (the scale,
+        the good steps since the last overflow, the overflows left before it is lowered), or
+        None where it scaled no loss dynamically (bf16, fp32, a static scale)."""
+        state = getattr(self._optim[0].get("loss_scaler"), "state", None) or {}
+        if not state.get("dynamic") or "cur_scale" not in state:
+            return None
+        return {"scale": float(state["cur_scale"]),
+                "good_steps": int(state.get("cur_iter", 0)) - int(state.get("last_overflow_iter", -1)) - 1,
+                "hysteresis_left": int(state.get("cur_hysteresis", 1)), "overflows": self.skipped_steps,
+                "consecutive_skips": 0}
 
     # -- the files --
 
@@ -490,8 +503,8 @@ def _check_adam(update: Any, where: str) -> None:
 def load_into(engine: "TrainingCore", directory: str | os.PathLike, tag: str | None = None) -> dict:
     """Load the DeepSpeed checkpoint into the engine's parts (every rank reads the files it
     needs, memory-mapped); returns its client state. The counters continue from DeepSpeed's
-    global step (so does the config's learning-rate schedule); the optimizer's hyper-parameters,
-    the RNG and the loss scaler stay this engine's."""
+    global step (so does the config's learning-rate schedule), an fp16 engine's loss scale from
+    DeepSpeed's dynamic one; the optimizer's hyper-parameters and the RNG stay this engine's."""
     try:
         checkpoint = DeepSpeedCheckpoint(directory, tag)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
@@ -508,6 +521,8 @@ def load_into(engine: "TrainingCore", directory: str | os.PathLike, tag: str | N
     replicated["train_state"] = {"micro_steps": checkpoint.global_steps * engine.config.batch.grad_accum_steps,
                                  "steps": applied, "skipped_steps": checkpoint.skipped_steps}
     replicated["update"] = {"schedule": engine.update.schedule.state_dict()}
+    if "scaler" in parts and getattr(parts["scaler"], "enabled", False) and checkpoint.loss_scale is not None:
+        replicated["scaler"] = {**replicated["scaler"], **checkpoint.loss_scale}
     sharded = {slot.name for _, slot in parameter_slots(shards, "frozen")}
     run = DeepSpeedRun(checkpoint, replicated, [n for n in checkpoint.frozen_shapes if n in sharded])
     tp_size = _SavedRun.tp(shards)[1]
