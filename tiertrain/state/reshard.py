@@ -84,13 +84,20 @@ def check_reshardable(step_dir: str, marker: dict, fingerprint: dict, shards: di
         raise CheckpointError(f"{where}: the checkpoint records no tensor-parallel slices (saved by an older "
                               f"version); it loads only at the layout it was saved at")
     run = _SavedRun(step_dir, marker, prefer)
+    compare_models(run, shards, step_dir, whole_model=fingerprint["pp"] == 1)
+    return run
+
+
+def compare_models(run: _SavedRun, shards: dict, step_dir: str, whole_model: bool,
+                   kinds: tuple[str, ...] = ("units", "frozen")) -> None:
+    """The saved run's parameters of each kind ("units": trained, "frozen") against this rank's
+    shard layout (compare_params), tensor-parallel slices joined to their global shapes."""
     tp_size = _SavedRun.tp(shards)[1]
-    for kind, what in (("units", "trained"), ("frozen", "frozen")):
+    for kind in kinds:
         own = {slot.name: _joined(slot.shape, shards["split"].get(slot.name), tp_size)
                for _, slot in parameter_slots(shards, kind)}
-        compare_params(what, run.shapes[kind], own, run.copies, shards["copies"], step_dir,
-                        whole_model=fingerprint["pp"] == 1)
-    return run
+        what = "trained" if kind == "units" else kind
+        compare_params(what, run.shapes[kind], own, run.copies, shards["copies"], step_dir, whole_model)
 
 
 def check_reshardable_format(description: dict, where: str) -> None:
@@ -286,4 +293,4 @@ def load_run(parts: Mapping[str, Stateful], run: _SavedRun, rank: int, shards: d
     return run.file(source)["extra"]
 
 
-__all__ = ["check_reshardable", "check_reshardable_format", "compare_params", "load_resharded", "load_run"]
+__all__ = ["check_reshardable", "check_reshardable_format", "compare_models", "load_resharded", "load_run"]
