@@ -295,6 +295,34 @@ def test_a_checkpoint_saved_without_frozen_parameters_leaves_the_models_own_and_
     engine.close()
 
 
+def _with_buffer(model: torch.nn.Module) -> torch.nn.Module:
+    model.model.norm.register_buffer("calibration", torch.zeros(3))  # (persistent: in the state dict)
+    return model
+
+
+def test_persistent_buffers_load_by_name_and_a_missing_one_is_named(tmp_path):
+    """DeepSpeed keeps the persistent buffers (BatchNorm's statistics, a counter) in the module's
+    state dict and lists them in buffer_names, as the files of a model with one hold them; a
+    checkpoint without this model's buffer is refused before anything is loaded."""
+    target = _copy(tmp_path)
+    path = os.path.join(target, "global_step3", "mp_rank_00_model_states.pt")
+    model = torch.load(path, weights_only=False)
+    model["buffer_names"] = ["model.norm.calibration"]
+    model["module"]["model.norm.calibration"] = torch.tensor([1.0, 2.0, 3.0])
+    torch.save(model, path)
+    engine = _engine(model=_with_buffer(build_llama(seed=11)))
+    engine.load_deepspeed_checkpoint(target)
+    assert torch.equal(engine.module.model.norm.calibration, torch.tensor([1.0, 2.0, 3.0]))
+    engine.close()
+    engine = _engine(model=_with_buffer(build_llama(seed=11)))
+    before = {n: v.clone() for n, v in engine.full_state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"no value for the buffers \['model.norm.calibration'\].*nothing"):
+        engine.load_deepspeed_checkpoint(os.path.join(HERE, "z2_bf16_w2"))
+    after = engine.full_state_dict()
+    assert all(torch.equal(after[n], v) for n, v in before.items())  # (refused before anything was loaded)
+    engine.close()
+
+
 def test_a_checkpoint_missing_some_frozen_parameters_is_refused(tmp_path):
     target = _copy(tmp_path)
     path = os.path.join(target, "global_step3", "mp_rank_00_model_states.pt")
@@ -310,9 +338,9 @@ def test_a_checkpoint_missing_some_frozen_parameters_is_refused(tmp_path):
 
 # -- what is refused, by name -------------------------------------------------------------------
 
-def _engine(optimizer=None):
+def _engine(optimizer=None, model=None):
     config = _config(2, "none", 1, "/unused")
-    model = build_llama(seed=11)
+    model = build_llama(seed=11) if model is None else model
     kwargs = {} if optimizer is None else {"optimizer": optimizer(model)}
     return tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel), **kwargs)
 

@@ -144,6 +144,8 @@ def load_into(engine: "TrainingCore", directory: str | os.PathLike, tag: str | N
     compare_models(run, shards, checkpoint.directory, whole_model=engine.topology.size("pp") == 1,
                    kinds=("units",) if kept else ("units", "frozen"))
     held = {} if kept else _held_frozen(engine, checkpoint, sharded)
+    if "buffers" in parts:
+        _check_buffers(parts["buffers"].named(), checkpoint)
     extra = load_run(parts, run, engine.topology.rank, shards, engine.update, checkpoint.world, 0)
     with torch.no_grad():
         for name, (param, value) in held.items():
@@ -169,6 +171,20 @@ def _frozen_kept(engine: "TrainingCore", checkpoint: DeepSpeedCheckpoint) -> int
                       f"before (from_pretrained, or tiertrain.load_pretrained before the DeepSpeed checkpoint)",
                       FrozenKeptWarning, stacklevel=4)
     return len(frozen)
+
+
+def _check_buffers(own: dict[str, torch.Tensor], checkpoint: DeepSpeedCheckpoint) -> None:
+    """Every persistent buffer of this model has a value of its shape in the checkpoint: checked
+    before anything is loaded, so a refused checkpoint leaves the engine as it was."""
+    missing = sorted(n for n in own if n not in checkpoint.buffers)
+    if missing:
+        raise CheckpointError(f"{checkpoint.directory!r} holds no value for the buffers {missing[:10]} of this model "
+                              f"(DeepSpeed's buffer_names: {sorted(checkpoint.buffers)[:10]}); nothing was loaded")
+    for name, value in own.items():
+        if tuple(checkpoint.buffers[name].shape) != tuple(value.shape):
+            raise CheckpointError(f"{checkpoint.directory!r} holds buffer {name!r} with shape "
+                                  f"{tuple(checkpoint.buffers[name].shape)}, this model has {tuple(value.shape)}; "
+                                  f"nothing was loaded")
 
 
 def _frozen_of(engine: "TrainingCore") -> dict[str, torch.nn.Parameter]:
