@@ -420,6 +420,8 @@ class CheckpointConfig:
     """With resume=false: delete the checkpoints already in dir before the first step (without it such a run is refused, so that an older run's checkpoints are never lost or resumed by mistake)."""
     from_deepspeed: str = ""
     """A DeepSpeed ZeRO checkpoint directory (the tag its 'latest' names) that a run not resuming starts from: fp32 masters, Adam's moments and step, the step count (engine.load_deepspeed_checkpoint). A checkpoint in dir to resume comes first; the data stream starts at its beginning."""
+    from_dcp: str = ""
+    """A torch.distributed.checkpoint directory of an FSDP2 run (or one holding such directories: a Trainer's checkpoint-N) that a run not resuming starts from: each parameter's value, Adam's moments and step, the step count (engine.load_dcp_checkpoint). A checkpoint in dir to resume comes first; the data stream starts at its beginning."""
     async_save: bool = False
     """Return from a save once the state is copied, and write and commit it in the background while training goes on (the final save is waited for; bench/results/checkpoint.md measures the stall)."""
     loss_spike_factor: float = 10.0
@@ -437,6 +439,9 @@ class CheckpointConfig:
             if not (value == 0 or value > 1):
                 _fail(f"{path}.{name}", value, "0 (off) or a factor > 1")
         _check_positive(f"{path}.spike_window", self.spike_window)
+        if self.from_deepspeed and self.from_dcp:
+            _fail(f"{path}.from_dcp", self.from_dcp, f"empty when {path}.from_deepspeed is set (a run starts from "
+                  f"one checkpoint)")
 
 
 @dataclass

@@ -508,12 +508,16 @@ class TrainingCore:
         return self._state_io().load_checkpoint(self, directory, step, reshard)
 
     def load_deepspeed_checkpoint(self, directory: str, tag: str | None = None) -> dict:
-        """Collective: load a DeepSpeed ZeRO checkpoint (stages 1-3, any number of ranks; the
-        tag in ``directory/latest`` by default): every parameter's fp32 master, Adam's moments
-        and step, the frozen values and buffers, DeepSpeed's step count (the schedule continues
-        from it); returns its client state (tiertrain/state/deepspeed_checkpoint.py)."""
+        """Collective: load a DeepSpeed ZeRO checkpoint (stages 1-3, any number of ranks; tag:
+        ``directory/latest``'s by default) with its moments and step; returns its client state
+        (tiertrain/state/deepspeed_checkpoint.py)."""
         self._enter_load("load_deepspeed_checkpoint()")
         return self._state_io().load_deepspeed_checkpoint(self, directory, tag)
+
+    def load_dcp_checkpoint(self, path: str) -> dict:
+        """Collective: load an FSDP2 run's DCP checkpoint, moments and step (state/dcp_checkpoint.py)."""
+        self._enter_load("load_dcp_checkpoint()")
+        return self._state_io().load_dcp_checkpoint(self, path)
 
     def _enter_load(self, operation: str) -> None:
         self.comm.meet(operation)
@@ -527,10 +531,9 @@ class TrainingCore:
         return self.update.masters()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter's value in fp32, by name (collective): trained ones from their fp32
-        masters, frozen ones from their compute-dtype values, all gathered from the shards;
-        and the persistent buffers (floating ones in fp32), as ``state_dict`` names them.
-        Under tensor parallelism each tensor is this rank's slice."""
+        """Every parameter's value in fp32, by name (collective), gathered from the shards:
+        trained ones from their fp32 masters, frozen ones from their compute-dtype values; and
+        the persistent buffers (floating ones in fp32). Under tp: this rank's slices."""
         return self._rank_state_dict()
 
     def _rank_state_dict(self, operation: str = "full_state_dict()", closing: bool = False) -> dict[str, torch.Tensor]:
@@ -539,14 +542,12 @@ class TrainingCore:
 
     def save_pretrained(self, directory: str, dtype: torch.dtype | str | None = None,
                         max_shard_bytes: int | None = None, peft=None) -> Any:
-        """Collective: write the model as a Hugging Face safetensors checkpoint (config
-        included) that ``type(model).from_pretrained`` and tiertrain.load_pretrained load,
-        the ranks writing its files in parallel and no rank ever holding the whole model
-        (ZeRO-Infinity §6): one unit gathered at a time. Values: the fp32 masters (frozen
-        parameters: their compute-dtype values), in dtype (None: fp32). max_shard_bytes:
-        tensor bytes per file at most (default 5 GB). A peft.PeftModel needs peft=
-        tiertrain.PeftExport.ADAPTER or .MERGED (tiertrain/state/peft_export.py). Returns a
-        tiertrain.ExportReport. See tiertrain/state/export.py."""
+        """Collective: write the model as a Hugging Face safetensors checkpoint (config included),
+        the ranks writing its files in parallel, one unit gathered at a time (ZeRO-Infinity §6).
+        Values: the fp32 masters (frozen: their compute-dtype values), in dtype (None: fp32).
+        max_shard_bytes: tensor bytes per file at most (default 5 GB). A peft.PeftModel needs
+        peft=tiertrain.PeftExport.ADAPTER or .MERGED. Returns a tiertrain.ExportReport
+        (tiertrain/state/export.py)."""
         state_io = self._state_io()
         self.comm.meet("save_pretrained()")
         self.quiesce()
@@ -568,11 +569,10 @@ class TrainingCore:
         self._on_close.insert(0, undo)
 
     def close(self) -> None:
-        """Collective: undo what wrap() did and leave the model as a plain module holding the
-        trained fp32 values (wrap it again, or use it on its own). Finishes the update in
-        flight (raising its error), cancels an overlapped NVMe step not yet committed,
-        completes the parameter gathers in flight, removes every hook, stops the update's
-        thread, deletes swap files. Idempotent."""
+        """Collective: undo what wrap() did and leave the model a plain module holding the trained
+        fp32 values. Finishes the update in flight (raising its error), cancels an overlapped
+        NVMe step not yet committed, completes the gathers in flight, removes every hook, stops
+        the update's thread, deletes swap files. Idempotent."""
         if self._closed:
             return
         self._closed = True

@@ -385,11 +385,14 @@ class TiertrainTrainer(Trainer):
                 engine.load_checkpoint(path)
             elif os.path.isfile(os.path.join(resume_from_checkpoint, "latest")):
                 engine.load_deepspeed_checkpoint(resume_from_checkpoint)  # (saved by Trainer with DeepSpeed)
+            elif os.path.isfile(os.path.join(resume_from_checkpoint, "pytorch_model_fsdp_0", ".metadata")):
+                engine.load_dcp_checkpoint(resume_from_checkpoint)  # (saved by Trainer with FSDP, sharded)
             else:
                 raise ConfigError(f"resume_from_checkpoint={resume_from_checkpoint!r} has no {ENGINE_CHECKPOINT}/ "
-                                  f"directory (saved by TiertrainTrainer with save_only_model=False) nor a DeepSpeed "
+                                  f"directory (saved by TiertrainTrainer with save_only_model=False), no DeepSpeed "
                                   f"checkpoint ('latest' naming its global_step directory, saved by Trainer "
-                                  f"with DeepSpeed)")
+                                  f"with DeepSpeed) and no pytorch_model_fsdp_0/ (saved by Trainer with FSDP's "
+                                  f"SHARDED_STATE_DICT)")
             taken = engine.steps + engine.skipped_steps  # (the Trainer counts fp16 overflow skips as steps)
             if taken != self.state.global_step:
                 raise ConfigError(f"resume_from_checkpoint={resume_from_checkpoint!r}: the engine's checkpoint is at "

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..precision import first_nonfinite
 from . import checkpoint
-from . import deepspeed_checkpoint
+from . import dcp_checkpoint, deepspeed_checkpoint
 from . import export_files, export_plan
 from . import reshard as reshard_module
 from . import shard_layout
@@ -28,8 +28,9 @@ from .export import ExportReport, save_pretrained
 if TYPE_CHECKING:
     from ..training_core import TrainingCore
 
-__all__ = ["ExportReport", "PendingSave", "fingerprint", "load_checkpoint", "load_deepspeed_checkpoint", "rank_state", "restore_rank_state",
-           "save_checkpoint", "save_pretrained", "shard_description"]
+__all__ = ["ExportReport", "PendingSave", "fingerprint", "load_checkpoint", "load_dcp_checkpoint",
+           "load_deepspeed_checkpoint", "rank_state", "restore_rank_state", "save_checkpoint", "save_pretrained",
+           "shard_description"]
 
 
 def fingerprint(engine: "TrainingCore") -> dict:
@@ -105,3 +106,9 @@ def load_checkpoint(engine: "TrainingCore", directory: str, step: int | None, re
 def load_deepspeed_checkpoint(engine: "TrainingCore", directory: str, tag: str | None) -> dict:
     """Load a DeepSpeed ZeRO checkpoint into the engine's parts (tiertrain/state/deepspeed_checkpoint.py)."""
     return deepspeed_checkpoint.load_into(engine, directory, tag)
+
+
+def load_dcp_checkpoint(engine: "TrainingCore", path: str) -> dict:
+    """Load an FSDP2 run's torch.distributed.checkpoint into the engine's parts
+    (tiertrain/state/dcp_checkpoint.py)."""
+    return dcp_checkpoint.load_into(engine, path)

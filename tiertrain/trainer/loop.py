@@ -3,8 +3,7 @@
     trainer = Trainer(MyModel, config, train_data=train_set, eval_data=val_set, loss_fn=loss_fn)
     summary = trainer.fit()
 
-It gives every model what ``tiertrain train`` gives its GPT (``tiertrain train`` is a thin
-command over it, tiertrain/train.py):
+It gives any model what ``tiertrain train`` (a thin command over it) gives its GPT:
 
 * the model given whole, or as a zero-argument factory: then it is built after the seed is
   set, directly in partitioned form at ZeRO stage 3 (tiertrain.zero.construct), and first
@@ -20,15 +19,15 @@ command over it, tiertrain/train.py):
   tier beside the estimator's prediction, peak RSS, and the step time split into data,
   forward, backward and optimizer (each less its waits) and the waits on data-parallel
   collectives and swap IO (tiertrain/waits.py): the parts add up to the step;
-* checkpoints every ``checkpoint.interval`` steps (``checkpoint.async_save`` in the
-  background), resume from the newest at any layout, with the data position, and SIGTERM /
-  Ctrl-C ending the run cleanly (tiertrain.launch); a checkpoint saved while the loss or the
-  gradient norm spikes, or before gradients stayed non-finite, is marked diverged and a resume
-  passes over it (tiertrain/trainer/divergence.py).
+* checkpoints every ``checkpoint.interval`` steps (``async_save``: in the background), resumed
+  from the newest at any layout with the data position, or a start from a DeepSpeed or FSDP2
+  run's (``from_deepspeed``, ``from_dcp``); SIGTERM / Ctrl-C end the run cleanly; a checkpoint
+  saved while the loss or the gradient norm spikes, or before gradients stayed non-finite, is
+  marked diverged and a resume passes over it (tiertrain/trainer/divergence.py).
 
-Metrics are means over the data-parallel ranks (loss weighted by micro-batches, times per
-optimizer step) and maxima for memory; ``tokens_per_s`` and TFLOP/s count every rank's
-tokens. Records are strict JSON (non-finite numbers null, named under "non_finite").
+Metrics are means over the data-parallel ranks (loss weighted by micro-batches, times per step)
+and maxima for memory; ``tokens_per_s`` and TFLOP/s count every rank's tokens. Records are
+strict JSON (non-finite numbers null, named under "non_finite").
 """
 from __future__ import annotations
 
@@ -68,9 +67,9 @@ _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "torch_dtype",
 
 
 def model_fingerprint(model: nn.Module) -> dict[str, Any] | None:
-    """What identifies a model's architecture beyond its tensor shapes (which the checkpoint
-    load compares): the scalar fields of its ``config`` (tiertrain's GPTConfig, or a Hugging
-    Face config), without those that act only at construction. None without a config."""
+    """What identifies a model's architecture beyond its tensor shapes (the load compares those):
+    its ``config``'s scalar fields (GPTConfig's, a Hugging Face config's) less those acting only
+    at construction; None without a config."""
     config = getattr(model, "config", None)
     if config is None:
         return None
@@ -559,13 +558,14 @@ class Trainer:
         return int(extra.get("step", self.engine.steps))
 
     def _fresh_start(self) -> int:
-        """Step 0, or the step of the DeepSpeed checkpoint checkpoint.from_deepspeed names."""
-        path = self.config.checkpoint.from_deepspeed
+        """Step 0, or the step of the checkpoint checkpoint.from_deepspeed or .from_dcp names."""
+        ckpt, engine = self.config.checkpoint, self.engine
+        path, whose = (ckpt.from_deepspeed, "DeepSpeed's") if ckpt.from_deepspeed else (ckpt.from_dcp, "FSDP2's")
         if path:
-            self.engine.load_deepspeed_checkpoint(path)
+            (engine.load_deepspeed_checkpoint if ckpt.from_deepspeed else engine.load_dcp_checkpoint)(path)
             if self.is_main:
-                print(f"tiertrain: started from DeepSpeed's {path!r} at step {self.engine.steps}", flush=True)
-        return self.engine.steps if path else 0
+                print(f"tiertrain: started from {whose} {path!r} at step {engine.steps}", flush=True)
+        return engine.steps if path else 0
 
     def _maybe_save(self, step: int, final: bool) -> None:
         """Save every checkpoint.interval steps (0: only at the end) when checkpoint.dir is
