@@ -353,6 +353,23 @@ def test_optimizer_state_by_number_or_of_another_rule_or_absent_is_refused_by_na
         engine.close()
 
 
+def test_a_wrappers_prefix_and_an_old_non_persistent_buffer_are_taken_in_stride(tmp_path):
+    """A compiled model's state dict saved as it is (``_orig_mod.`` before every name) beside
+    get_optimizer_state_dict's names loads; a value of a buffer this model no longer persists
+    (rotary inv_freq, as older transformers saved it) is left, not refused."""
+    model, opt = _plain_run()
+    state = _named_state(model, opt)
+    state["model"] = {f"_orig_mod.{n}": v for n, v in state["model"].items()}
+    state["model"]["_orig_mod.model.rotary_emb.inv_freq"] = model.model.rotary_emb.inv_freq.clone()
+    path = _save(tmp_path / "ckpt", state)
+    engine = _engine()
+    engine.load_dcp_checkpoint(path)
+    values = engine.full_state_dict()
+    for name, param in model.named_parameters():
+        assert torch.equal(values[name], param.detach()), name
+    engine.close()
+
+
 def test_another_model_or_engine_optimizer_is_refused_by_name(tmp_path):
     model, opt = _plain_run()
     path = _save(tmp_path / "ckpt", _named_state(model, opt))

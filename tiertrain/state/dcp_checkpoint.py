@@ -55,10 +55,12 @@ def open_checkpoints(path: str | os.PathLike) -> list[DcpCheckpoint]:
 class DcpModel:
     """The checkpoint's items matched to an engine's model: the item of each parameter's value
     (``shapes``: trained, ``frozen_shapes``: frozen, by the engine's names), of its optimizer
-    state, and each persistent buffer's value (``buffers``)."""
+    state, and each persistent buffer's value (``buffers``). With whole_model, a value under the
+    model's place that is none of these (nor a transient, non-persistent buffer) is an error."""
 
     def __init__(self, path: str, checkpoints: list[DcpCheckpoint], aliases: dict[str, list[str]],
-                 trained: list[str], frozen: list[str], buffers: list[str], whole_model: bool):
+                 trained: list[str], frozen: list[str], buffers: list[str], whole_model: bool,
+                 transient: set[str] = frozenset()):
         self.directory = path
         self._items: dict[str, tuple[DcpCheckpoint, DcpItem]] = {}
         for c in checkpoints:
@@ -75,7 +77,7 @@ class DcpModel:
         self.frozen_shapes = {n: self._item(self._value_key[n]).shape for n in frozen if n in self._value_key}
         self.buffers = {n: self._whole(self._value_key[n]) for n in buffers if n in self._value_key}
         if whole_model:
-            self._refuse_unknown(prefix, set(trained) | set(frozen) | set(buffers))
+            self._refuse_unknown(prefix, set(trained) | set(frozen) | set(buffers) | set(transient))
         self._state = self._optimizer_state(trained)
         self.steps = max((self.step(n) for n in self._state), default=0)
 
@@ -305,8 +307,10 @@ def load_into(engine: "TrainingCore", path: str | os.PathLike) -> dict:
     sharded = [s.name for _, s in parameter_slots(shards, "frozen")]
     frozen = sorted(own_frozen | set(sharded))
     buffers = sorted(parts["buffers"].named()) if "buffers" in parts else []
-    whole_model = engine.topology.size("pp") == 1
-    model = DcpModel(path, checkpoints, _aliases(engine), trained, frozen, buffers, whole_model)
+    # (a non-persistent buffer an older version of the model saved is no unknown value: it is left)
+    transient = {n for module in engine.named_modules_of_state() for n, _ in module.named_buffers()} - set(buffers)
+    model = DcpModel(path, checkpoints, _aliases(engine), trained, frozen, buffers, engine.topology.size("pp") == 1,
+                     transient)
     replicated = {name: parts[name].state_dict() for name in REPLICATED_PARTS if name in parts}
     replicated["train_state"] = {"micro_steps": model.steps * engine.config.batch.grad_accum_steps,
                                  "steps": model.steps, "skipped_steps": 0}
@@ -316,7 +320,8 @@ def load_into(engine: "TrainingCore", path: str | os.PathLike) -> dict:
         parts = {name: part for name, part in parts.items() if name != "frozen"}
     run = DcpRun(model, replicated, [n for n in trained if n in model.shapes],
                  [n for n in sharded if n in model.frozen_shapes])
-    compare_models(run, shards, path, whole_model=whole_model, kinds=("units",) if kept else ("units", "frozen"))
+    compare_models(run, shards, path, whole_model=engine.topology.size("pp") == 1,
+                   kinds=("units",) if kept else ("units", "frozen"))
     held = {} if kept else held_frozen(engine, model, set(sharded))
     if "buffers" in parts:
         check_buffers(parts["buffers"].named(), model)
