@@ -1,8 +1,11 @@
 """A fuzzer of checkpoint and safetensors files (issue 32): random mutations of a committed
 checkpoint's marker, rank file and held-tensors file, of a safetensors header, and special files
 (links, FIFOs, directories) in their place, each read the way a resume (the engine's own
-``load_checkpoint``) and an export read it; and the same of a pretrained model directory's
-``model.safetensors``, read by ``load_pretrained`` into an engine.
+``load_checkpoint``) and an export read it; the same of a pretrained model directory's
+``model.safetensors``, read by ``load_pretrained`` into an engine; and of the other frameworks'
+checkpoints an engine reads: a torch.distributed.checkpoint directory (``.metadata`` and its
+data file, ``load_dcp_checkpoint``) and a DeepSpeed ZeRO checkpoint (``latest``, the model
+states and the optimizer files, ``load_deepspeed_checkpoint``).
 
 Every case must end, within CASE_LIMIT_S, in a result or in the library's own error
 (CheckpointError, or ValueError for a pretrained file), never in another exception (a raw
@@ -25,6 +28,7 @@ import struct
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -62,8 +66,8 @@ class Findings:
         return self.hangs + self.raw + self.outside + self.leaked
 
 
-class _Hang(Exception):
-    pass
+class _Hang(BaseException):
+    """(Not an Exception: a reader's ``except Exception`` must not turn a hang into a refusal.)"""
 
 
 def _alarm(signum, frame):
@@ -92,6 +96,35 @@ def make_checkpoint(root: str):
                if k in dict(engine.module.named_parameters())}
     save_file(weights, os.path.join(pretrained, "model.safetensors"))
     return directory, pretrained, engine
+
+
+def make_foreign(root: str):
+    """A torch.distributed.checkpoint directory of a tiny Llama after one AdamW step (saved in
+    one process, as get_state_dict gives it), a copy of a DeepSpeed ZeRO-2 checkpoint of the
+    same model (tests/deepspeed_checkpoints/), and an engine of that model both load into."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import tiertrain
+    from deepspeed_models import build_llama
+    from reference import make_config
+
+    model = build_llama()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp_dir = os.path.join(root, "dcp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (dcp.save in one process says it assumes one)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=dcp_dir)
+    deepspeed_dir = os.path.join(root, "deepspeed")
+    shutil.copytree(os.path.join(HERE, "deepspeed_checkpoints", "z2_bf16_w2"), deepspeed_dir,
+                    ignore=shutil.ignore_patterns("expected.pt"))
+    cfg = make_config(zero={"stage": 2}, precision={"dtype": "fp32"})
+    engine = tiertrain.wrap(build_llama(seed=11), cfg, tiertrain.Topology.build(cfg.parallel))
+    return dcp_dir, deepspeed_dir, engine
 
 
 # -- mutations ------------------------------------------------------------------------------
@@ -206,13 +239,29 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
-def _check_loaded_bytes(engine, sources: list[bytes], findings: Findings, what: str) -> None:
-    """Every parameter load_pretrained accepted holds bytes of the file (one rank, fp32: each is
-    copied as read)."""
+def _check_loaded_bytes(engine, sources: list[bytes], findings: Findings, what: str,
+                        trained_only: bool = False) -> None:
+    """Every parameter a load accepted holds bytes of the files (one rank, fp32: each is copied
+    as read; trained_only: the trained ones, the frozen ones having been cast from bf16)."""
     for name, t in engine.full_state_dict().items():
         raw = _raw(t)
-        if name in dict(engine.module.named_parameters()) and raw and not any(raw in s for s in sources):
+        params = dict(engine.module.named_parameters())
+        if name in params and (params[name].requires_grad or not trained_only) and raw \
+                and not any(raw in s for s in sources):
             findings.leaked.append(f"{what}: loaded {name!r} holds bytes that are in no input file")
+
+
+def _check_deepspeed_bytes(engine, directory: str, sources: list[bytes], findings: Findings, what: str) -> None:
+    """Every trained parameter loaded from a DeepSpeed checkpoint holds, piece by piece (a
+    parameter may lie across two ranks' partitions), bytes of the files."""
+    from tiertrain.state.deepspeed_files import DeepSpeedCheckpoint
+
+    where = DeepSpeedCheckpoint(directory)._where
+    for name, t in engine.full_state_dict().items():
+        for rank, offset, lo, hi in where.get(name, ()):
+            raw = _raw(t.reshape(-1)[lo:hi])
+            if raw and not any(raw in s for s in sources):
+                findings.leaked.append(f"{what}: loaded {name!r}[{lo}:{hi}] holds bytes that are in no input file")
 
 
 def _check_exported_bytes(out: str, sources: list[bytes], findings: Findings, what: str) -> None:
@@ -286,6 +335,31 @@ def _checkpoint_case(rng: random.Random, step_dir: str, scratch: str, outside: s
         _replace_with_special_file(rng, os.path.join(step_dir, name), scratch, outside)
 
 
+def _foreign_case(rng: random.Random, pristine: str, scratch: str, outside: str, kind: str) -> str:
+    """A mutated copy of the DCP or DeepSpeed checkpoint at scratch; returns the directory whose
+    files the engine reads."""
+    shutil.copytree(pristine, scratch)
+    if kind.startswith("dcp"):
+        files = {"dcp-metadata": [".metadata"], "dcp-data": [n for n in os.listdir(scratch) if n != ".metadata"]}
+        names, where = files.get(kind, [".metadata", "__0_0.distcp"]), scratch
+    else:
+        where = os.path.join(scratch, "global_step3")
+        if kind == "deepspeed-latest":
+            with open(os.path.join(scratch, "latest"), "w") as f:
+                f.write(rng.choice(NAMES + ["global_step3", "global_step3\n", "global_step4"]))
+            return where
+        names = sorted(os.listdir(where))
+    path = os.path.join(where, rng.choice(names))
+    if kind.endswith("special"):
+        _replace_with_special_file(rng, path, scratch, outside)
+        return where
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(_flip_bytes(rng, data))
+    return where
+
+
 CASE_LIMIT_S = 5.0
 """A case that has not ended by then is a hang. The slowest of 2 000 cases measured 0.74 s on a
 2-vCPU EPYC (median 3 ms): a 1 s limit failed a case once under CI's load, while a hang, what the
@@ -296,13 +370,20 @@ def run_case(rng: random.Random, pristine, scratch: str, outside: str, findings:
     from tiertrain.state.checkpoint import CheckpointError
     from tiertrain.state.pretrained import load_pretrained
 
-    directory, pretrained, engine = pristine
+    (directory, pretrained, engine), (dcp_dir, deepspeed_dir, llama) = pristine
     shutil.rmtree(scratch, ignore_errors=True)
     out = scratch + "-out"
     shutil.rmtree(out, ignore_errors=True)
     kind = rng.choice(["marker", "marker-text", "rank", "held", "held-header", "special",
-                       "pretrained", "pretrained-header", "pretrained-special"])
-    if kind.startswith("pretrained"):
+                       "pretrained", "pretrained-header", "pretrained-special", "dcp-metadata", "dcp-data",
+                       "dcp-special", "deepspeed-files", "deepspeed-latest", "deepspeed-special"])
+    if kind.startswith("dcp") or kind.startswith("deepspeed"):
+        dcp_case = kind.startswith("dcp")
+        step_dir = _foreign_case(rng, dcp_dir if dcp_case else deepspeed_dir, scratch, outside, kind)
+        read = (lambda: llama.load_dcp_checkpoint(scratch)) if dcp_case else \
+            (lambda: llama.load_deepspeed_checkpoint(scratch))
+        refusal = CheckpointError
+    elif kind.startswith("pretrained"):
         _pretrained_case(rng, pretrained, scratch, outside, kind)
         read, refusal, step_dir = (lambda: load_pretrained(engine, scratch)), ValueError, scratch
     else:
@@ -324,6 +405,10 @@ def run_case(rng: random.Random, pristine, scratch: str, outside: str, findings:
         findings.accepted += 1
         if kind.startswith("pretrained"):
             _check_loaded_bytes(engine, inputs, findings, what)
+        elif kind.startswith("dcp"):
+            _check_loaded_bytes(llama, inputs, findings, what, trained_only=True)
+        elif kind.startswith("deepspeed"):
+            _check_deepspeed_bytes(llama, scratch, inputs, findings, what)
         else:
             _check_exported_bytes(out, inputs, findings, what)
     except _Hang:
@@ -344,7 +429,7 @@ def _warm_up(pristine, scratch: str) -> None:
     """Read the unmutated checkpoint once, untimed, as a case does: a first export imports
     transformers to rebuild the run's model on the meta device (about a second), which the
     CASE_LIMIT_S bound of a case is not about (it catches hangs on mutated input)."""
-    directory, _, engine = pristine
+    (directory, _, engine), _ = pristine
     shutil.copytree(directory, scratch)
     _read_like_a_resume_and_an_export(scratch, scratch + "-out", engine)
     shutil.rmtree(scratch, ignore_errors=True)
@@ -363,7 +448,7 @@ def fuzz(cases: int, seed: int, budget_s: float, root: str | None = None) -> Fin
         os.makedirs(outside, exist_ok=True)
         with open(os.path.join(outside, "secret"), "w") as f:
             f.write("{}")
-        pristine = make_checkpoint(root)  # (checkpoint, pretrained directory, engine)
+        pristine = make_checkpoint(root), make_foreign(root)  # (checkpoint, pretrained, engine), (dcp, ...)
         _warm_up(pristine, os.path.join(root, "warm-up"))
         rng = random.Random(seed)
         findings = Findings()

@@ -5,6 +5,7 @@ any layout and tier, with each parameter's value, Adam's moments and step, the f
 buffers. The checkpoints are written here by a real FSDP2 run (``fully_shard``, 2 gloo ranks)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import pickle
@@ -402,7 +403,53 @@ def test_a_directory_that_is_no_dcp_checkpoint_or_a_truncated_one_is_named(tmp_p
         f.truncate(os.path.getsize(data) // 2)
     with pytest.raises(CheckpointError, match="ends before the .* bytes .* truncated"):
         engine.load_dcp_checkpoint(path)
+    for name in (".metadata", "__0_0.distcp"):  # (a FIFO would block a reader that opened it)
+        os.remove(os.path.join(path, name))
+        os.mkfifo(os.path.join(path, name))
+        with pytest.raises(CheckpointError, match="not a regular file|does not exist"):
+            engine.load_dcp_checkpoint(path)
     engine.close()
+
+
+def _edited_metadata(path: str, edit) -> None:
+    """Rewrite the checkpoint's .metadata with edit(metadata) applied (read here with pickle:
+    the test's own file)."""
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        metadata = pickle.load(f)
+    edit(metadata)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def test_chunks_outside_their_tensor_overlapping_or_leaving_a_gap_are_refused(saved, tmp_path):
+    """A crafted .metadata cannot make the reader copy outside a tensor, read a block twice or
+    hand back elements no block wrote (torch.empty's leftovers)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    out, _ = saved
+    key = "model.model.embed_tokens.weight"  # (64 x 16 in two row blocks; "columns": two column blocks)
+
+    def chunk(offsets, sizes):
+        return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+
+    def move_first(offsets):
+        def edit(metadata):
+            item = metadata.state_dict_metadata[key]
+            first = item.chunks[0]
+            index = next(i for i in metadata.storage_data if i.fqn == key and tuple(i.offset) == tuple(first.offsets))
+            info = metadata.storage_data.pop(index)
+            metadata.storage_data[dataclasses.replace(index, offset=torch.Size(offsets))] = info
+            item.chunks[0] = chunk(offsets, first.sizes)
+        return edit
+
+    for layout, offsets, named in [("nested", (40, 0), "lies outside its shape"),
+                                   ("nested", (16, 0), "do not cover its 64 rows once"),
+                                   ("columns", (0, 4), "overlap")]:
+        path = str(tmp_path / f"{layout}-{offsets[0]}")
+        shutil.copytree(os.path.join(out, layout), path)
+        _edited_metadata(path, move_first(offsets))
+        with pytest.raises(CheckpointError, match=named):
+            DcpCheckpoint(path).whole(key)
 
 
 class _Boom:
@@ -455,8 +502,6 @@ def test_the_training_loop_starts_from_an_fsdp2_checkpoint_then_resumes_its_own(
     """checkpoint.from_dcp (tiertrain train --checkpoint.from_dcp DIR): a run with nothing to
     resume starts at FSDP2's step with its state and trains on as plain PyTorch continues it;
     once it has saved, a resume takes its own checkpoint."""
-    import dataclasses
-
     from tiertrain.config import ConfigError, from_dict
     from tiertrain.trainer import LoopConfig, Trainer
 

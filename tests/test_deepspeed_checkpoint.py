@@ -330,6 +330,17 @@ def test_a_missing_rank_file_or_latest_is_named(tmp_path):
         DeepSpeedCheckpoint(target, tag="global_step9")
 
 
+@pytest.mark.timeout(30)
+def test_a_fifo_in_place_of_a_file_is_refused_not_waited_on(tmp_path):
+    """(Opening a FIFO blocks until a writer comes: the reader refuses what is not a regular file.)"""
+    directory = _copy(tmp_path)
+    path = os.path.join(directory, "global_step3", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    os.remove(path)
+    os.mkfifo(path)
+    with pytest.raises(CheckpointError, match="is not a regular file"):
+        DeepSpeedCheckpoint(directory)
+
+
 def test_tensor_and_pipeline_parallel_checkpoints_are_refused_by_name(tmp_path):
     for extra, what in (("mp_rank_01_model_states.pt", "tensor-parallel"), ("layer_01-model_states.pt", "pipeline")):
         target = _copy(tmp_path / what)

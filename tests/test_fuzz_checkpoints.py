@@ -1,8 +1,9 @@
 """The checkpoint fuzzer (tests/fuzz_checkpoints.py) on a small budget; CI also runs it for
 10,000 cases (.ci/run). Mutated markers, rank files, held-tensor files and safetensors headers,
 and links, FIFOs and directories in their place: each read as a resume (the engine's
-load_checkpoint) and an export read it; and mutated pretrained weight files, read by
-load_pretrained into the engine."""
+load_checkpoint) and an export read it; mutated pretrained weight files, read by
+load_pretrained into the engine; and mutated torch.distributed.checkpoint and DeepSpeed
+checkpoints, read by load_dcp_checkpoint and load_deepspeed_checkpoint."""
 from __future__ import annotations
 
 import pytest

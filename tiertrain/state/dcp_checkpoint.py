@@ -43,7 +43,7 @@ def open_checkpoints(path: str | os.PathLike) -> list[DcpCheckpoint]:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path!r} is not a directory (a torch.distributed.checkpoint directory, or one "
                               f"holding such directories)")
-    if os.path.isfile(os.path.join(path, METADATA)):
+    if os.path.lexists(os.path.join(path, METADATA)):
         return [DcpCheckpoint(path)]
     inside = sorted(e.path for e in os.scandir(path) if e.is_dir() and os.path.isfile(os.path.join(e.path, METADATA)))
     if not inside:

@@ -110,6 +110,21 @@ class DcpItem:
                    for c in self.chunks)
 
 
+def _checked(item: DcpItem) -> DcpItem:
+    """The item, its chunks checked to lie inside its shape and, when they are row blocks, to
+    cover its rows once (other blocks are checked as they are joined: DcpCheckpoint.whole)."""
+    for c in item.chunks:
+        if not (len(c.offsets) == len(c.sizes) == len(item.shape) and c.start >= 0 and c.length >= 0
+                and all(o >= 0 and n >= 0 and o + n <= s for o, n, s in zip(c.offsets, c.sizes, item.shape))):
+            raise ValueError(f"a chunk of {item.key!r} (at {c.offsets}, {c.sizes}, bytes {c.start}+{c.length}) lies "
+                             f"outside its shape {item.shape}")
+    if item.shape and item.rows():
+        rows = sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in item.chunks if c.sizes[0])
+        if [a for a, _ in rows] != [0] + [b for _, b in rows[:-1]] or (rows[-1][1] if rows else 0) != item.shape[0]:
+            raise ValueError(f"the chunks of {item.key!r} do not cover its {item.shape[0]} rows once: {rows}")
+    return item
+
+
 class DcpCheckpoint:
     """A DCP directory's items: ``tensors`` (key -> DcpItem) and ``objects`` (key -> path in the
     saved dict, for the non-tensor items), read by range or whole."""
@@ -117,15 +132,17 @@ class DcpCheckpoint:
     def __init__(self, directory: str | os.PathLike):
         self.directory = os.fspath(directory)
         path = os.path.join(self.directory, METADATA)
-        if not os.path.isfile(path):
-            raise CheckpointError(f"{self.directory!r} holds no {METADATA!r} file: not a torch.distributed.checkpoint "
-                                  f"directory")
+        if not os.path.isfile(path):  # (a FIFO or a device in its place would block a read)
+            raise CheckpointError(f"{self.directory!r} holds no {METADATA!r} file"
+                                  f"{' (only something that is not a regular file)' if os.path.lexists(path) else ''}"
+                                  f": not a torch.distributed.checkpoint directory")
         try:
             with open(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
             self._index(metadata)
-        except (pickle.UnpicklingError, AttributeError, KeyError, TypeError, ValueError, EOFError) as e:
-            raise CheckpointError(f"{path!r} is not DCP metadata this version reads ({type(e).__name__}: {e})") from e
+        except Exception as e:  # (any error of reading these bytes: only inert records are built)
+            raise CheckpointError(f"{path!r} is not DCP metadata this version reads ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:200] if str(e) else ''})") from e
         self.elements_read = 0
         """Tensor elements read from the files so far (chunks read whole count whole)."""
 
@@ -145,10 +162,12 @@ class DcpCheckpoint:
                 if getattr(info, "transform_descriptors", None):
                     raise ValueError(f"item {key!r} is stored with transforms {info.transform_descriptors} "
                                      f"(compression or other extensions), which this version does not read")
-                chunks.append(_Chunk(tuple(c.offsets), tuple(c.sizes), info.relative_path, int(info.offset),
-                                     int(info.length)))
+                chunks.append(_Chunk(tuple(map(int, c.offsets)), tuple(map(int, c.sizes)), str(info.relative_path),
+                                     int(info.offset), int(info.length)))
             dtype = item.properties.dtype if hasattr(item.properties, "dtype") else item.properties.state[0]
-            self.tensors[key] = DcpItem(key, path, tuple(item.size), dtype, tuple(chunks))
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"item {key!r} has dtype {dtype!r}")
+            self.tensors[key] = _checked(DcpItem(key, path, tuple(map(int, item.size)), dtype, tuple(chunks)))
         self._storage = storage
 
     def _load(self, file: str, start: int, length: int) -> Any:
@@ -162,7 +181,11 @@ class DcpCheckpoint:
         if len(data) != length:
             raise CheckpointError(f"{path!r} ends before the {length} bytes at offset {start} its metadata names "
                                   f"(a truncated checkpoint)")
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:  # (pickle's, zip's and torch's errors alike: the bytes are no saved item)
+            raise CheckpointError(f"{path!r}: the {length} bytes at offset {start} its metadata names are not a "
+                                  f"saved item ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
 
     def _chunk(self, item: DcpItem, chunk: _Chunk) -> torch.Tensor:
         value = self._load(chunk.file, chunk.start, chunk.length)
@@ -177,15 +200,17 @@ class DcpCheckpoint:
         """The tensor item whole, its chunks joined (in its saved dtype)."""
         item = self.tensors[key]
         out = torch.empty(item.shape, dtype=item.dtype)
-        covered = 0
+        covered = torch.zeros(item.shape, dtype=torch.bool)
         for chunk in item.chunks:
-            block = out
+            block, mask = out, covered
             for d, (o, n) in enumerate(zip(chunk.offsets, chunk.sizes)):
-                block = block.narrow(d, o, n)
+                block, mask = block.narrow(d, o, n), mask.narrow(d, o, n)
+            if mask.any():
+                raise CheckpointError(f"{self.directory!r}: the chunks of {item.key!r} overlap (at {chunk.offsets})")
             block.copy_(self._chunk(item, chunk))
-            covered += math.prod(chunk.sizes)
-        if covered != item.numel:
-            raise CheckpointError(f"{self.directory!r}: the chunks of {item.key!r} cover {covered} of its "
+            mask.fill_(True)
+        if not covered.all():
+            raise CheckpointError(f"{self.directory!r}: the chunks of {item.key!r} cover {int(covered.sum())} of its "
                                   f"{item.numel} elements")
         return out
 

@@ -72,6 +72,8 @@ def _load(path: str) -> dict:
     """One DeepSpeed file, memory-mapped (a file in torch's legacy format, which cannot be, read
     whole), with torch's weights-only unpickler; DeepSpeed's objects, and any other class the
     file names (a client state's), read as inert placeholders: the latter said in a warning."""
+    if not os.path.isfile(path):  # (a FIFO, a device or a directory in its place: reading one would block)
+        raise CheckpointError(f"{path!r} is not a regular file: not a DeepSpeed checkpoint file tiertrain can read")
     try:
         with open(path, "rb") as f:
             zipped = f.read(4) == b"PK\x03\x04"
@@ -320,6 +322,9 @@ class DeepSpeedCheckpoint:
             if a < b:
                 out[a - offset:b - offset] = buffer[a - at:b - at]
             at += buffer.numel()
+        if at < offset + numel:  # (what is left of out would be leftovers of memory, not values)
+            raise CheckpointError(f"{self.directory!r}: rank {rank}'s {key} buffers hold {at} elements; its "
+                                  f"parameters need {offset + numel}")
         return out
 
     def value(self, name: str, key: str = "master") -> torch.Tensor:
