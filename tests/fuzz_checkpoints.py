@@ -4,8 +4,9 @@ checkpoint's marker, rank file and held-tensors file, of a safetensors header, a
 ``load_checkpoint``) and an export read it; the same of a pretrained model directory's
 ``model.safetensors``, read by ``load_pretrained`` into an engine; and of the other frameworks'
 checkpoints an engine reads: a torch.distributed.checkpoint directory (``.metadata`` and its
-data file, ``load_dcp_checkpoint``) and a DeepSpeed ZeRO checkpoint (``latest``, the model
-states and the optimizer files, ``load_deepspeed_checkpoint``).
+data file, ``load_dcp_checkpoint``), a DeepSpeed ZeRO checkpoint (``latest``, the model states
+and the optimizer files, ``load_deepspeed_checkpoint``) and transformers' Trainer's own
+(``model.safetensors`` and ``optimizer.pt``, tiertrain/state/trainer_checkpoint.py).
 
 Every case must end, within CASE_LIMIT_S, in a result or in the library's own error
 (CheckpointError, or ValueError for a pretrained file), never in another exception (a raw
@@ -100,9 +101,11 @@ def make_checkpoint(root: str):
 
 def make_foreign(root: str):
     """A torch.distributed.checkpoint directory of a tiny Llama after one AdamW step (saved in
-    one process, as get_state_dict gives it), a copy of a DeepSpeed ZeRO-2 checkpoint of the
-    same model (tests/deepspeed_checkpoints/), and an engine of that model both load into."""
+    one process, as get_state_dict gives it), the same as transformers' Trainer saves it on its
+    own (with its one param group's names), a copy of a DeepSpeed ZeRO-2 checkpoint of the same
+    model (tests/deepspeed_checkpoints/), and an engine of that model all load into."""
     import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import tiertrain
@@ -119,12 +122,18 @@ def make_foreign(root: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (dcp.save in one process says it assumes one)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=dcp_dir)
+    trainer_dir = os.path.join(root, "trainer")  # (as transformers' Trainer saves checkpoint-N on its own)
+    os.makedirs(trainer_dir)
+    save_file({n: v.detach().clone().contiguous() for n, v in model.state_dict().items()
+               if n != "lm_head.weight"}, os.path.join(trainer_dir, "model.safetensors"))
+    torch.save(opt.state_dict(), os.path.join(trainer_dir, "optimizer.pt"))
+    groups = [[n for n, p in model.named_parameters() if p.requires_grad]]
     deepspeed_dir = os.path.join(root, "deepspeed")
     shutil.copytree(os.path.join(HERE, "deepspeed_checkpoints", "z2_bf16_w2"), deepspeed_dir,
                     ignore=shutil.ignore_patterns("expected.pt"))
     cfg = make_config(zero={"stage": 2}, precision={"dtype": "fp32"})
     engine = tiertrain.wrap(build_llama(seed=11), cfg, tiertrain.Topology.build(cfg.parallel))
-    return dcp_dir, deepspeed_dir, engine
+    return {"dcp": dcp_dir, "deepspeed": deepspeed_dir, "trainer": (trainer_dir, groups)}, engine
 
 
 # -- mutations ------------------------------------------------------------------------------
@@ -342,6 +351,8 @@ def _foreign_case(rng: random.Random, pristine: str, scratch: str, outside: str,
     if kind.startswith("dcp"):
         files = {"dcp-metadata": [".metadata"], "dcp-data": [n for n in os.listdir(scratch) if n != ".metadata"]}
         names, where = files.get(kind, [".metadata", "__0_0.distcp"]), scratch
+    elif kind.startswith("trainer"):
+        names, where = ["model.safetensors", "optimizer.pt"], scratch
     else:
         where = os.path.join(scratch, "global_step3")
         if kind == "deepspeed-latest":
@@ -367,21 +378,28 @@ limit is for, never ends."""
 
 
 def run_case(rng: random.Random, pristine, scratch: str, outside: str, findings: Findings) -> None:
+    from tiertrain.errors import said
     from tiertrain.state.checkpoint import CheckpointError
     from tiertrain.state.pretrained import load_pretrained
 
-    (directory, pretrained, engine), (dcp_dir, deepspeed_dir, llama) = pristine
+    from tiertrain.state import trainer_checkpoint
+
+    (directory, pretrained, engine), (foreign, llama) = pristine
     shutil.rmtree(scratch, ignore_errors=True)
     out = scratch + "-out"
     shutil.rmtree(out, ignore_errors=True)
     kind = rng.choice(["marker", "marker-text", "rank", "held", "held-header", "special",
                        "pretrained", "pretrained-header", "pretrained-special", "dcp-metadata", "dcp-data",
-                       "dcp-special", "deepspeed-files", "deepspeed-latest", "deepspeed-special"])
-    if kind.startswith("dcp") or kind.startswith("deepspeed"):
-        dcp_case = kind.startswith("dcp")
-        step_dir = _foreign_case(rng, dcp_dir if dcp_case else deepspeed_dir, scratch, outside, kind)
-        read = (lambda: llama.load_dcp_checkpoint(scratch)) if dcp_case else \
-            (lambda: llama.load_deepspeed_checkpoint(scratch))
+                       "dcp-special", "deepspeed-files", "deepspeed-latest", "deepspeed-special", "trainer-files",
+                       "trainer-special"])
+    framework = kind.split("-")[0]
+    if framework in foreign:
+        trainer_dir, groups = foreign["trainer"]
+        step_dir = _foreign_case(rng, trainer_dir if framework == "trainer" else foreign[framework], scratch,
+                                 outside, kind)
+        read = {"dcp": lambda: llama.load_dcp_checkpoint(scratch),
+                "deepspeed": lambda: llama.load_deepspeed_checkpoint(scratch),
+                "trainer": lambda: trainer_checkpoint.load_into(llama, scratch, groups)}[framework]
         refusal = CheckpointError
     elif kind.startswith("pretrained"):
         _pretrained_case(rng, pretrained, scratch, outside, kind)
@@ -405,7 +423,7 @@ def run_case(rng: random.Random, pristine, scratch: str, outside: str, findings:
         findings.accepted += 1
         if kind.startswith("pretrained"):
             _check_loaded_bytes(engine, inputs, findings, what)
-        elif kind.startswith("dcp"):
+        elif kind.startswith("dcp") or kind.startswith("trainer"):
             _check_loaded_bytes(llama, inputs, findings, what, trained_only=True)
         elif kind.startswith("deepspeed"):
             _check_deepspeed_bytes(llama, scratch, inputs, findings, what)
@@ -416,7 +434,7 @@ def run_case(rng: random.Random, pristine, scratch: str, outside: str, findings:
     except refusal:
         findings.refused += 1
     except Exception as e:  # noqa: BLE001 - what the fuzzer looks for
-        findings.raw.append(f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        findings.raw.append(f"{what}: {said(e)}")
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         _watch["root"] = None

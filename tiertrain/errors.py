@@ -13,7 +13,7 @@ can then show: they cannot read the ``tiertrain.zero`` namespace package.
 """
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "ReleasedParameterError", "TiertrainError", "listing", "parameters_named"]
+__all__ = ["CheckpointError", "ReleasedParameterError", "TiertrainError", "listing", "parameters_named", "said"]
 
 
 class TiertrainError(Exception):
@@ -55,3 +55,10 @@ def listing(names, limit: int = 4) -> str:
 def parameters_named(names: list[str]) -> tuple[str, bool]:
     """("parameter 'a'" or "parameters 'a', 'b' and 3 more", whether there is one) for messages."""
     return f"parameter{'' if len(names) == 1 else 's'} {listing(names)}", len(names) == 1
+
+
+def said(error: BaseException, limit: int = 200) -> str:
+    """An error in a few words for another error's message: its type and the first line of what
+    it says (cut at limit characters), which may be nothing."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0][:limit]}" if lines else type(error).__name__

@@ -504,22 +504,22 @@ class TrainingCore:
         A checkpoint saved at another layout (data-, tensor- or pipeline-parallel size, ZeRO
         stage, optimizer tier, unit sizes) is resharded to this run's (tiertrain/state/reshard.py);
         reshard=False refuses it instead."""
-        self._enter_load("load_checkpoint()")
+        self.enter_load("load_checkpoint()")
         return self._state_io().load_checkpoint(self, directory, step, reshard)
 
     def load_deepspeed_checkpoint(self, directory: str, tag: str | None = None) -> dict:
-        """Collective: load a DeepSpeed ZeRO checkpoint (stages 1-3, any number of ranks; tag:
-        ``directory/latest``'s by default) with its moments and step; returns its client state
-        (tiertrain/state/deepspeed_checkpoint.py)."""
-        self._enter_load("load_deepspeed_checkpoint()")
+        """Collective: load a DeepSpeed ZeRO checkpoint (any stage, ranks; tag: ``directory/latest``'s
+        by default), moments and step; returns its client state (state/deepspeed_checkpoint.py)."""
+        self.enter_load("load_deepspeed_checkpoint()")
         return self._state_io().load_deepspeed_checkpoint(self, directory, tag)
 
     def load_dcp_checkpoint(self, path: str) -> dict:
         """Collective: load an FSDP2 run's DCP checkpoint, moments and step (state/dcp_checkpoint.py)."""
-        self._enter_load("load_dcp_checkpoint()")
+        self.enter_load("load_dcp_checkpoint()")
         return self._state_io().load_dcp_checkpoint(self, path)
 
-    def _enter_load(self, operation: str) -> None:
+    def enter_load(self, operation: str) -> None:
+        """Collective: before operation replaces the state, meet the ranks and finish saves in flight."""
         self.comm.meet(operation)
         self.wait_for_checkpoint()
         self.quiesce()

@@ -33,7 +33,8 @@ reduced over the data-parallel ranks during backward); ``optimizer.step()`` is `
 ``no_grad``; ``save_model`` is the engine's collective ``save_pretrained``; the checkpoints of
 ``save_steps`` hold that export plus ``engine.save_checkpoint`` (optimizer, schedule, RNG), which
 ``train(resume_from_checkpoint=...)`` loads (as it loads a checkpoint that Trainer saved with
-DeepSpeed: ``engine.load_deepspeed_checkpoint``). Accelerate still shards the data loaders and
+DeepSpeed: ``engine.load_deepspeed_checkpoint``; with FSDP: ``engine.load_dcp_checkpoint``; or on
+its own: tiertrain/state/trainer_checkpoint.py). Accelerate still shards the data loaders and
 gathers metrics over the existing process group; it never wraps the model (no DDP) and never
 autocasts (the engine's ``precision.dtype`` is the compute dtype).
 
@@ -106,6 +107,7 @@ import torch.nn as nn
 
 from ..compiling import compile_blocks
 from ..config import Config, ConfigError
+from ..state import trainer_checkpoint
 from ..topology import Topology
 from ..wrapping import wrap
 from .hf_arguments import (SUPPORTED_OPTIMS, _refuse, check_training_arguments,
@@ -319,6 +321,13 @@ class TiertrainTrainer(Trainer):
             return 1  # (evaluation only)
         return self.set_initial_training_values(self.args, self.get_train_dataloader())[-1]
 
+    def _decay_split(self) -> tuple[list[str], list[str]]:
+        """The trained parameters' names in the Trainer's two param groups (create_optimizer's):
+        decayed, then not, each in the model's order."""
+        decay = set(self.get_decay_parameter_names(self.model))
+        named = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        return [n for n in named if n in decay], [n for n in named if n not in decay]
+
     def _ensure_engine(self, max_steps: int | None = None):
         """The engine, built at the first need (collective: every rank builds it)."""
         if self.engine is None and self._proxy is not None:
@@ -337,10 +346,8 @@ class TiertrainTrainer(Trainer):
             raise ConfigError(f"TiertrainTrainer: the engine's data-parallel size {topology.size('dp')} differs from "
                               f"the Trainer's world size {self.args.world_size} (whose data loaders shard the data)")
         model = self.model
-        decay = set(self.get_decay_parameter_names(model))
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        groups = [{"params": [n for n, _ in named if n in decay], "weight_decay": self.args.weight_decay},
-                  {"params": [n for n, _ in named if n not in decay], "weight_decay": 0.0}]
+        decayed, other = self._decay_split()
+        groups = [{"params": decayed, "weight_decay": self.args.weight_decay}, {"params": other, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
         optimizer = None
         if self.optimizer_cls_and_kwargs is not None:
@@ -387,12 +394,16 @@ class TiertrainTrainer(Trainer):
                 engine.load_deepspeed_checkpoint(resume_from_checkpoint)  # (saved by Trainer with DeepSpeed)
             elif os.path.isfile(os.path.join(resume_from_checkpoint, "pytorch_model_fsdp_0", ".metadata")):
                 engine.load_dcp_checkpoint(resume_from_checkpoint)  # (saved by Trainer with FSDP, sharded)
+            elif os.path.isfile(os.path.join(resume_from_checkpoint, trainer_checkpoint.OPTIMIZER_FILE)):
+                engine.enter_load("train(resume_from_checkpoint=...)")  # (saved by Trainer on its own)
+                trainer_checkpoint.load_into(engine, resume_from_checkpoint, list(self._decay_split()))
             else:
                 raise ConfigError(f"resume_from_checkpoint={resume_from_checkpoint!r} has no {ENGINE_CHECKPOINT}/ "
                                   f"directory (saved by TiertrainTrainer with save_only_model=False), no DeepSpeed "
                                   f"checkpoint ('latest' naming its global_step directory, saved by Trainer "
-                                  f"with DeepSpeed) and no pytorch_model_fsdp_0/ (saved by Trainer with FSDP's "
-                                  f"SHARDED_STATE_DICT)")
+                                  f"with DeepSpeed), no pytorch_model_fsdp_0/ (saved by Trainer with FSDP's "
+                                  f"SHARDED_STATE_DICT) and no {trainer_checkpoint.OPTIMIZER_FILE} (saved by "
+                                  f"Trainer on its own)")
             taken = engine.steps + engine.skipped_steps  # (the Trainer counts fp16 overflow skips as steps)
             if taken != self.state.global_step:
                 raise ConfigError(f"resume_from_checkpoint={resume_from_checkpoint!r}: the engine's checkpoint is at "

@@ -7,9 +7,9 @@ Hugging Face safetensors with its naming and conversions (export.py, export_plan
 export_files.py, export_groups.py, hf_conversion.py, peft_export.py, consolidate.py), loading
 pretrained weights into an engine's shards (pretrained.py), another framework's checkpoint read
 into an engine (DeepSpeed's: deepspeed_files.py, deepspeed_checkpoint.py; torch.distributed.
-checkpoint's: dcp_files.py, dcp_checkpoint.py; what both check: foreign.py), and the engine's
-checkpoint and export operations (engine_io.py, which
-tiertrain.wrap() hands the engine). The package sits above the engine: it works through the
+checkpoint's: dcp_files.py, dcp_checkpoint.py; transformers' Trainer's own: trainer_checkpoint.py;
+what all check: foreign.py), and the engine's checkpoint and export operations (engine_io.py,
+which tiertrain.wrap() hands the engine). The package sits above the engine: it works through the
 engine's parts (its stateful parts, flat layout, update form and collectives) and never
 through the trainer; the engine never imports it. Nothing is imported here, so importing one
 module (tiertrain.state.checkpoint) loads only what it needs.

@@ -293,9 +293,11 @@ def load_into(engine: "TrainingCore", path: str | os.PathLike) -> dict:
     other items stay in the files: read them with torch.distributed.checkpoint). The counters
     continue from Adam's step (so does the config's learning-rate schedule); the optimizer's
     hyper-parameters and the RNG stay this engine's."""
-    path = os.fspath(path)
-    where = f"the DCP checkpoint {path!r}"
-    checkpoints = open_checkpoints(path)
+    return load_items(engine, os.fspath(path), open_checkpoints(path), f"the DCP checkpoint {os.fspath(path)!r}")
+
+
+def load_items(engine: "TrainingCore", path: str, checkpoints: list, where: str) -> dict:
+    """load_into of the items of checkpoints (DcpCheckpoint or NestedState) found at path."""
     shards = engine.shard_description()
     check_reshardable_format(shards, where)
     check_adam(engine.update, where, "the checkpoint's")

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .checkpoint import CheckpointError
+from ..errors import said
 
 METADATA = ".metadata"
 
@@ -141,8 +142,7 @@ class DcpCheckpoint:
                 metadata = _MetadataUnpickler(f).load()
             self._index(metadata)
         except Exception as e:  # (any error of reading these bytes: only inert records are built)
-            raise CheckpointError(f"{path!r} is not DCP metadata this version reads ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0][:200] if str(e) else ''})") from e
+            raise CheckpointError(f"{path!r} is not DCP metadata this version reads ({said(e)})") from e
         self.elements_read = 0
         """Tensor elements read from the files so far (chunks read whole count whole)."""
 
@@ -185,7 +185,7 @@ class DcpCheckpoint:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:  # (pickle's, zip's and torch's errors alike: the bytes are no saved item)
             raise CheckpointError(f"{path!r}: the {length} bytes at offset {start} its metadata names are not a "
-                                  f"saved item ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
+                                  f"saved item ({said(e)})") from e
 
     def _chunk(self, item: DcpItem, chunk: _Chunk) -> torch.Tensor:
         value = self._load(chunk.file, chunk.start, chunk.length)
@@ -240,4 +240,38 @@ class DcpCheckpoint:
         return self._load(info.relative_path, int(info.offset), int(info.length))
 
 
-__all__ = ["DcpCheckpoint", "DcpItem", "METADATA"]
+class NestedState:
+    """A nested state dict already in memory, read as a DcpCheckpoint reads a directory: each
+    tensor an item at its path of keys (``tensors``), every other leaf an object."""
+
+    def __init__(self, directory: str, state: dict):
+        self.directory = directory
+        self.tensors: dict[str, DcpItem] = {}
+        self.objects: dict[str, tuple] = {}
+        self._values: dict[str, Any] = {}
+        self.elements_read = 0
+        self._add((), state)
+
+    def _add(self, path: tuple, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                self._add(path + (k,), v)
+            return
+        key = ".".join(str(p) for p in path)
+        self._values[key] = value
+        if isinstance(value, torch.Tensor):
+            self.tensors[key] = DcpItem(key, path, tuple(value.shape), value.dtype, ())
+        else:
+            self.objects[key] = path
+
+    def whole(self, key: str) -> torch.Tensor:
+        return self._values[key]
+
+    def read(self, key: str, a: int, b: int) -> torch.Tensor:
+        return self._values[key].reshape(-1)[a:b]
+
+    def object(self, key: str) -> Any:
+        return self._values[key]
+
+
+__all__ = ["DcpCheckpoint", "DcpItem", "METADATA", "NestedState"]

@@ -1,0 +1,116 @@
+"""A run of transformers' own Trainer continues under TiertrainTrainer: its ``checkpoint-N/``
+(model.safetensors, and optimizer.pt: torch's optimizer state keyed by parameter number) is
+resumed with ``train(resume_from_checkpoint=...)``, the numbers named by the Trainer's
+param-group rule, checked against the groups' sizes and the states' shapes. The checkpoint is
+written here by a real Trainer run; the reference for what each number names is the Trainer's
+own resume (its optimizer's ``load_state_dict``)."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from tiertrain.config import ConfigError
+from tiertrain.errors import CheckpointError
+from tiertrain.state.shard_layout import unit_pieces
+from tiertrain.update.protocol import SLOT_NAME
+
+from deepspeed_models import build_llama
+from foreign_runs import batches
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = 3
+
+
+def _samples() -> list[dict]:
+    return [{"input_ids": b["input_ids"][i], "labels": b["labels"][i]} for b in batches(STEPS + 2) for i in range(4)]
+
+
+def _args(out: str, steps: int, **kwargs):
+    return transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=4, max_steps=steps,
+                                          learning_rate=1e-3, weight_decay=0.1, report_to="none", disable_tqdm=True,
+                                          use_cpu=True, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(checkpoint-3 of a plain Trainer run, {name: the state Trainer's own resume gives it})."""
+    out = str(tmp_path_factory.mktemp("trainer"))
+    trainer = transformers.Trainer(model=build_llama(), args=_args(out, STEPS, save_strategy="steps",
+                                                                   save_steps=STEPS), train_dataset=_samples())
+    trainer.train()
+    checkpoint = os.path.join(out, f"checkpoint-{STEPS}")
+    assert {"model.safetensors", "optimizer.pt"} <= set(os.listdir(checkpoint))
+    again = transformers.Trainer(model=build_llama(seed=11), args=_args(out, STEPS), train_dataset=_samples())
+    optimizer = again.create_optimizer()
+    optimizer.load_state_dict(torch.load(os.path.join(checkpoint, "optimizer.pt"), weights_only=True))
+    state = {n: optimizer.state[p] for n, p in again.model.named_parameters() if p in optimizer.state}
+    return checkpoint, state
+
+
+class _Loaded(transformers.TrainerCallback):
+    """What the engine holds when the first step after the resume begins: the loaded state."""
+
+    def __init__(self, trainer):
+        self.trainer, self.values, self.state = trainer, None, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.values is None:
+            engine = self.trainer.engine
+            self.values = {n: v.clone() for n, v in engine.full_state_dict().items()}
+            pieces = {p.name: (p.lo, p.hi) for p in unit_pieces(0, engine.shard_description(), "units")}
+            self.state = {getattr(view, SLOT_NAME): (pieces[getattr(view, SLOT_NAME)],
+                                                     {k: v.clone() for k, v in st.items()})
+                          for view, st in engine.update.optimizer.state.items()}
+            self.steps = engine.steps
+
+
+def _resumed(checkpoint: str, out: str, steps: int, trainer_cls=None):
+    from tiertrain.integrations.hf_trainer import TiertrainTrainer
+
+    trainer = (trainer_cls or TiertrainTrainer)(model=build_llama(seed=11), args=_args(out, steps, save_strategy="no"),
+                                                train_dataset=_samples())
+    loaded = _Loaded(trainer)
+    trainer.add_callback(loaded)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    return trainer, loaded
+
+
+def test_a_plain_trainer_checkpoint_resumes_with_its_values_moments_and_step(saved, tmp_path):
+    """The engine starts from the checkpoint's weights and, for every parameter, the state the
+    Trainer's own resume gives it, bit for bit; then trains on."""
+    from safetensors.torch import load_file
+
+    checkpoint, expected = saved
+    trainer, loaded = _resumed(checkpoint, str(tmp_path), STEPS + 1)
+    assert loaded.steps == STEPS and trainer.state.global_step == STEPS + 1 == trainer.engine.steps
+    weights = load_file(os.path.join(checkpoint, "model.safetensors"))
+    for name, value in weights.items():
+        assert torch.equal(loaded.values[name], value.float()), name
+    for name, ((lo, hi), state) in loaded.state.items():
+        assert float(state["step"]) == float(expected[name]["step"]) == STEPS
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[key].reshape(-1), expected[name][key].reshape(-1)[lo:hi]), (name, key)
+    assert set(loaded.state) == set(expected)
+    trainer.close()
+
+
+def test_another_grouping_rule_or_a_checkpoint_without_optimizer_state_is_refused_by_name(saved, tmp_path):
+    from tiertrain.integrations.hf_trainer import TiertrainTrainer
+
+    class DecayingAll(TiertrainTrainer):
+        def get_decay_parameter_names(self, model):
+            return [n for n, _ in model.named_parameters()]
+
+    checkpoint, _ = saved
+    with pytest.raises(CheckpointError, match=r"param groups hold \[\d+, \d+\] parameters; .* groups of \[\d+, 0\]"):
+        _resumed(checkpoint, str(tmp_path / "a"), STEPS, trainer_cls=DecayingAll)
+    bare = str(tmp_path / "bare")
+    shutil.copytree(checkpoint, bare)
+    os.remove(os.path.join(bare, "optimizer.pt"))
+    with pytest.raises(ConfigError, match=r"no optimizer.pt \(saved by Trainer on its own\)"):
+        _resumed(bare, str(tmp_path / "b"), STEPS)

@@ -1,0 +1,99 @@
+"""A checkpoint transformers' Trainer saved on its own (no DeepSpeed, no FSDP): ``checkpoint-N/``
+holding the model's weights (``model.safetensors``, sharded beside its index, or
+``pytorch_model.bin``) and ``optimizer.pt``, torch's optimizer state dict, which keys each
+parameter's state by its number in the optimizer's param groups and so names no parameter.
+The Trainer builds those groups by a rule (``Trainer.create_optimizer``: the parameters it
+decays, then the others, each in the model's order), so given the rule's groups the numbers
+name parameters: checked against the saved groups' sizes and every state's shape, then loaded
+as a DCP checkpoint is (tiertrain/state/dcp_checkpoint.py), at any stage, tier and layout.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from .checkpoint import CheckpointError
+from .dcp_checkpoint import load_items
+from .dcp_files import NestedState
+from ..errors import said
+
+if TYPE_CHECKING:
+    from ..training_core import TrainingCore
+
+OPTIMIZER_FILE = "optimizer.pt"
+"""The Trainer's optimizer state file in checkpoint-N/."""
+
+
+def _loaded(path: str, load):
+    """load(path), a regular file's; any error of reading it (pickle's, zip's, safetensors') a
+    CheckpointError naming the file."""
+    if not os.path.isfile(path):  # (a FIFO or a device in its place would block a read)
+        raise CheckpointError(f"{path!r} does not exist or is not a regular file")
+    try:
+        return load(path)
+    except Exception as e:  # (the file is no state dict read here)
+        raise CheckpointError(f"{path!r} is not a weights or state file tiertrain reads ({said(e)})") from e
+
+
+def _torch_load(path: str):
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _shard_files(index: str) -> list[str]:
+    with open(index) as f:
+        return sorted(set(json.load(f)["weight_map"].values()))
+
+
+def weights(directory: str) -> dict[str, torch.Tensor]:
+    """The model's saved weights by name: model.safetensors (or its shards, by its index), or
+    pytorch_model.bin."""
+    from safetensors.torch import load_file
+
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.lexists(index):
+        files = _loaded(index, _shard_files)
+        if any(not isinstance(name, str) or os.path.basename(name) != name for name in files):
+            raise CheckpointError(f"{index!r} names shard files outside its directory: {files}")
+        return {k: v for name in files for k, v in _loaded(os.path.join(directory, name), load_file).items()}
+    for name, load in (("model.safetensors", load_file), ("pytorch_model.bin", _torch_load)):
+        if os.path.lexists(os.path.join(directory, name)):
+            return _loaded(os.path.join(directory, name), load)
+    raise CheckpointError(f"{directory!r} holds no model weights (model.safetensors, its index, or "
+                          f"pytorch_model.bin)")
+
+
+def named_state(saved: dict, groups: list[list[str]], where: str) -> dict[str, dict]:
+    """{parameter name: its saved state}, the numbers of the saved param groups read as the
+    names of the given groups (the Trainer's rule), in order."""
+    sizes = [len(g.get("params", ())) for g in saved.get("param_groups", ())]
+    if sizes != [len(g) for g in groups]:
+        raise CheckpointError(f"{where}: the saved optimizer's param groups hold {sizes} parameters; the Trainer's "
+                              f"rule gives this model groups of {[len(g) for g in groups]} (decayed, then not): a "
+                              f"checkpoint of another model, optimizer grouping or weight-decay rule")
+    names = {int(i): name for group, own in zip(saved["param_groups"], groups) for i, name in zip(group["params"], own)}
+    unknown = sorted(i for i in saved.get("state", {}) if int(i) not in names)
+    if unknown:
+        raise CheckpointError(f"{where}: the saved optimizer state has parameter numbers {unknown[:10]} that no "
+                              f"param group lists")
+    return {names[int(i)]: state for i, state in saved["state"].items()}
+
+
+def load_into(engine: "TrainingCore", directory: str, groups: list[list[str]]) -> dict:
+    """Load the Trainer's checkpoint-N/ into the engine's parts, its optimizer state named by
+    groups (the parameter names of the Trainer's param groups, in order); returns {}."""
+    directory = os.fspath(directory)
+    where = f"the Trainer checkpoint {directory!r}"
+    path = os.path.join(directory, OPTIMIZER_FILE)
+    if not os.path.lexists(path):
+        raise CheckpointError(f"{where} holds no {OPTIMIZER_FILE} (the Trainer saves it unless save_only_model=True)")
+    saved = _loaded(path, _torch_load)
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
+        raise CheckpointError(f"{path!r} is not a torch optimizer's state dict (no 'state' and 'param_groups')")
+    state = {"model": weights(directory), "optimizer": {"state": named_state(saved, groups, where)}}
+    return load_items(engine, directory, [NestedState(directory, state)], where)
+
+
+__all__ = ["OPTIMIZER_FILE", "load_into", "named_state", "weights"]
