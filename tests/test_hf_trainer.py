@@ -290,6 +290,19 @@ REFUSED = [
 
 
 @pytest.fixture
+def deepspeed_undone(environ_kept):
+    """TrainingArguments(deepspeed=...) leaves DeepSpeed on for every later Trainer of this
+    process (ACCELERATE_USE_DEEPSPEED, transformers' global DeepSpeed config, accelerate's shared
+    state): undo the three afterwards, as a new process would start."""
+    yield
+    from accelerate.state import AcceleratorState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    AcceleratorState._reset_state(reset_partial_state=True)  # (accelerate's own tests reset it so)
+
+
+@pytest.fixture
 def environ_kept():
     """TrainingArguments(torch_compile=True, fsdp=...) set ACCELERATE_*/FSDP_* variables in this
     process: put the environment back afterwards."""
@@ -437,7 +450,8 @@ EXPLICIT_DS = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["transformers_zero2.json", "transformers_zero3_offload.json", "explicit"])
-def test_training_arguments_deepspeed_trains_like_the_cli_translation_of_the_same_file(tmp_path, name):
+def test_training_arguments_deepspeed_trains_like_the_cli_translation_of_the_same_file(tmp_path, name,
+                                                                                      deepspeed_undone):
     """Issue 35: TrainingArguments(deepspeed=ds.json) (it needs the deepspeed package, which CI
     installs for this test) with the transformers docs' ZeRO-2 and ZeRO-3 offload configs,
     unchanged, and an explicit one, trains as tiertrain.wrap with the config `tiertrain train

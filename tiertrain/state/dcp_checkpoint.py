@@ -79,7 +79,8 @@ class DcpModel:
         if whole_model:
             self._refuse_unknown(prefix, set(trained) | set(frozen) | set(buffers) | set(transient))
         self._state = self._optimizer_state(trained)
-        self.steps = max((self.step(n) for n in self._state), default=0)
+        self._steps = {n: self._saved_step(n) for n in self._state}
+        self.steps = max(self._steps.values(), default=0)
 
     def _item(self, key: str) -> DcpItem:
         return self._items[key][1]
@@ -209,9 +210,17 @@ class DcpModel:
         return name in self._state
 
     def step(self, name: str) -> int:
+        """The parameter's Adam step (the number of updates it took)."""
+        return self._steps[name]
+
+    def _saved_step(self, name: str) -> int:
         c, key = self._state[name]["step"]
         value = c.whole(key) if key in c.tensors else c.object(key)
-        return int(value.item() if isinstance(value, torch.Tensor) else value)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value != int(value) or value < 0:
+            raise CheckpointError(f"{self.directory!r}: the Adam step of {name!r} is {value!r}, not a count")
+        return int(value)
 
     # -- values --
 
@@ -229,10 +238,6 @@ class DcpModel:
     @property
     def frozen_dtype(self) -> torch.dtype:
         return next((self._item(self._value_key[n]).dtype for n in self.frozen_shapes), torch.float32)
-
-    @property
-    def elements_read(self) -> int:
-        return sum(c.elements_read for c in self.checkpoints)
 
 
 def _optimizer_key(last: str) -> bool:

@@ -143,8 +143,6 @@ class DcpCheckpoint:
             self._index(metadata)
         except Exception as e:  # (any error of reading these bytes: only inert records are built)
             raise CheckpointError(f"{path!r} is not DCP metadata this version reads ({said(e)})") from e
-        self.elements_read = 0
-        """Tensor elements read from the files so far (chunks read whole count whole)."""
 
     def _index(self, metadata: Any) -> None:
         storage = {(i.fqn, tuple(getattr(i, "offset", None) or ())): s for i, s in metadata.storage_data.items()}
@@ -193,7 +191,6 @@ class DcpCheckpoint:
             raise CheckpointError(f"{self.directory!r}: a chunk of {item.key!r} holds "
                                   f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}"
                                   f", its metadata says a tensor of {chunk.sizes}")
-        self.elements_read += value.numel()
         return value
 
     def whole(self, key: str) -> torch.Tensor:
@@ -249,7 +246,6 @@ class NestedState:
         self.tensors: dict[str, DcpItem] = {}
         self.objects: dict[str, tuple] = {}
         self._values: dict[str, Any] = {}
-        self.elements_read = 0
         self._add((), state)
 
     def _add(self, path: tuple, value: Any) -> None:
