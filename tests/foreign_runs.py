@@ -63,3 +63,22 @@ def train_on(engine, rank: int, world: int, batches) -> tuple[list[float], dict]
     params = {n: v.float() for n, v in engine.full_state_dict().items()}
     engine.close()
     return losses, params
+
+
+def trainer_resumed(checkpoint: str, out: str, steps: int, saved_steps: int):
+    """TiertrainTrainer (the tiny Llama, other initial values) trained to ``steps`` from a
+    checkpoint-N that transformers' Trainer saved at ``saved_steps`` (its trainer_state.json
+    written here beside the framework's files); returns the trainer."""
+    import transformers
+
+    from deepspeed_models import build_llama
+    from tiertrain.integrations.hf_trainer import TiertrainTrainer
+
+    transformers.TrainerState(global_step=saved_steps, max_steps=saved_steps, train_batch_size=4).save_to_json(
+        os.path.join(checkpoint, "trainer_state.json"))
+    samples = [{"input_ids": b["input_ids"][i], "labels": b["labels"][i]} for b in batches(3) for i in range(4)]
+    args = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=4, max_steps=steps,
+                                          learning_rate=1e-4, report_to="none", save_strategy="no", disable_tqdm=True)
+    trainer = TiertrainTrainer(model=build_llama(seed=11), args=args, train_dataset=samples)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    return trainer

@@ -252,9 +252,9 @@ def _check_loaded_bytes(engine, sources: list[bytes], findings: Findings, what: 
                         trained_only: bool = False) -> None:
     """Every parameter a load accepted holds bytes of the files (one rank, fp32: each is copied
     as read; trained_only: the trained ones, the frozen ones having been cast from bf16)."""
+    params = dict(engine.module.named_parameters())
     for name, t in engine.full_state_dict().items():
         raw = _raw(t)
-        params = dict(engine.module.named_parameters())
         if name in params and (params[name].requires_grad or not trained_only) and raw \
                 and not any(raw in s for s in sources):
             findings.leaked.append(f"{what}: loaded {name!r} holds bytes that are in no input file")

@@ -24,7 +24,7 @@ from tiertrain.testing import run_distributed
 from tiertrain.update.protocol import SLOT_NAME
 
 from deepspeed_models import build_llama, no_decay
-from foreign_runs import batches, continued, engine_config, train_on
+from foreign_runs import batches, continued, engine_config, train_on, trainer_resumed
 from reference import Oracle, make_config, rank_slices, rel_distances
 
 pytest.importorskip("transformers")
@@ -477,20 +477,10 @@ def test_metadata_naming_any_other_class_is_refused_without_running_it(tmp_path)
 def test_trainer_resumes_a_checkpoint_that_trainer_saved_with_fsdp(saved, tmp_path):
     """transformers' Trainer run with FSDP (SHARDED_STATE_DICT) saves checkpoint-N/ holding
     pytorch_model_fsdp_0/ and optimizer_0/ beside trainer_state.json: TiertrainTrainer resumes it."""
-    transformers = pytest.importorskip("transformers")
-    from tiertrain.integrations.hf_trainer import TiertrainTrainer
-
     out, expected = saved
     checkpoint = str(tmp_path / "checkpoint-3")
     shutil.copytree(os.path.join(out, "trainer", "checkpoint-3"), checkpoint)
-    transformers.TrainerState(global_step=FSDP2_STEPS, max_steps=FSDP2_STEPS, train_batch_size=4).save_to_json(
-        os.path.join(checkpoint, "trainer_state.json"))
-    samples = [{"input_ids": b["input_ids"][i], "labels": b["labels"][i]} for b in batches(3) for i in range(4)]
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
-                                          max_steps=FSDP2_STEPS, learning_rate=1e-4, report_to="none",
-                                          save_strategy="no", disable_tqdm=True)
-    trainer = TiertrainTrainer(model=build_llama(seed=11), args=args, train_dataset=samples)
-    trainer.train(resume_from_checkpoint=checkpoint)
+    trainer = trainer_resumed(checkpoint, str(tmp_path / "out"), FSDP2_STEPS, FSDP2_STEPS)
     assert trainer.state.global_step == FSDP2_STEPS == trainer.engine.steps
     params = trainer.engine.full_state_dict()
     for name, value in expected["masters"].items():

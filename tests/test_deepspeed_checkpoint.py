@@ -23,7 +23,7 @@ from tiertrain.testing import run_distributed
 from tiertrain.update.protocol import SLOT_NAME
 
 from deepspeed_models import build_llama
-from foreign_runs import batches, continued, engine_config, train_on
+from foreign_runs import batches, continued, engine_config, train_on, trainer_resumed
 from reference import Oracle, make_config, rel_distances
 
 pytest.importorskip("transformers")
@@ -420,20 +420,10 @@ def test_another_optimizer_or_model_is_refused_by_name():
 def test_trainer_resumes_a_checkpoint_that_trainer_saved_with_deepspeed(tmp_path):
     """transformers' Trainer run with DeepSpeed saves checkpoint-N/ holding DeepSpeed's files
     (latest, global_stepN/) beside trainer_state.json: TiertrainTrainer resumes from it."""
-    transformers = pytest.importorskip("transformers")
-    from tiertrain.integrations.hf_trainer import TiertrainTrainer
-
     checkpoint = os.path.join(_copy(tmp_path), "")
-    transformers.TrainerState(global_step=DEEPSPEED_STEPS, max_steps=DEEPSPEED_STEPS, train_batch_size=4).save_to_json(
-        os.path.join(checkpoint, "trainer_state.json"))
-    samples = [{"input_ids": b["input_ids"][i], "labels": b["labels"][i]} for b in _batches(3) for i in range(4)]
     expected = _expected("z2_bf16_w2")
     for steps in (DEEPSPEED_STEPS, DEEPSPEED_STEPS + 1):
-        args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
-                                              max_steps=steps, learning_rate=1e-4, report_to="none",
-                                              save_strategy="no", disable_tqdm=True)
-        trainer = TiertrainTrainer(model=build_llama(seed=11), args=args, train_dataset=samples)
-        trainer.train(resume_from_checkpoint=checkpoint)
+        trainer = trainer_resumed(checkpoint, str(tmp_path / "out"), steps, DEEPSPEED_STEPS)
         assert trainer.state.global_step == steps == trainer.engine.steps
         params = trainer.engine.full_state_dict()
         if steps == DEEPSPEED_STEPS:  # (nothing left to train: the engine holds DeepSpeed's masters)

@@ -70,6 +70,7 @@ class DcpModel:
                 self._items[key] = (c, item)
         self.checkpoints = checkpoints
         self._aliases = aliases
+        self._suffixes = self._suffix_index()
         prefix = self._model_prefix(trained, frozen)
         self._value_key = {n: k for n in trained + frozen + buffers
                            if (k := self._key_under(prefix, n)) is not None}
@@ -102,12 +103,16 @@ class DcpModel:
                 out.add((tuple(item.path[:-1]), last[:len(last) - len(alias)]))
         return out
 
-    def _model_prefix(self, trained: list[str], frozen: list[str]) -> tuple[tuple, str]:
-        self._suffixes: dict[str, list[str]] = {}
+    def _suffix_index(self) -> dict[str, list[str]]:
+        """Every dot-suffix of each tensor item's last path element -> the items ending so."""
+        out: dict[str, list[str]] = {}
         for key, (_, item) in self._items.items():
             last = str(item.path[-1]).split(".")
             for i in range(len(last)):
-                self._suffixes.setdefault(".".join(last[i:]), []).append(key)
+                out.setdefault(".".join(last[i:]), []).append(key)
+        return out
+
+    def _model_prefix(self, trained: list[str], frozen: list[str]) -> tuple[tuple, str]:
         common: set | None = None
         for name in trained + frozen:
             places = self._places(name)
@@ -139,10 +144,9 @@ class DcpModel:
     def _refuse_unknown(self, prefix: tuple[tuple, str], known: set[str]) -> None:
         above, within = prefix
         names = {a for n in known for a in self._aliases.get(n, [n])}
-        unknown = sorted(str(i.path[-1])[len(within):] for _, i in self._items.values()
-                         if tuple(i.path[:-1]) == above and str(i.path[-1]).startswith(within)
-                         and str(i.path[-1])[len(within):] not in names
-                         and not _optimizer_key(str(i.path[-1])))
+        under = [str(i.path[-1]) for _, i in self._items.values() if tuple(i.path[:-1]) == above]
+        unknown = sorted(last[len(within):] for last in under
+                         if last.startswith(within) and last[len(within):] not in names and not _optimizer_key(last))
         if unknown:
             raise CheckpointError(f"{self.directory!r} holds the model values {unknown[:10]} "
                                   f"(under {_words(prefix)}), which this model does not have")
@@ -227,9 +231,9 @@ class DcpModel:
     def read(self, name: str, key: str, a: int, b: int) -> torch.Tensor:
         """Elements [a, b) of the parameter's value (key MASTER or "frozen") or of its state key."""
         if key in (MASTER, "frozen"):
-            checkpoint, item_key = self._items[self._value_key[name]][0], self._value_key[name]
-        else:
-            checkpoint, item_key = self._state[name][key]
+            item_key = self._value_key[name]
+            return self._items[item_key][0].read(item_key, a, b)
+        checkpoint, item_key = self._state[name][key]
         return checkpoint.read(item_key, a, b)
 
     def frozen_value(self, name: str) -> torch.Tensor:
@@ -316,8 +320,8 @@ def load_items(engine: "TrainingCore", path: str, checkpoints: list, where: str)
     buffers = sorted(parts["buffers"].named()) if "buffers" in parts else []
     # (a non-persistent buffer an older version of the model saved is no unknown value: it is left)
     transient = {n for module in engine.named_modules_of_state() for n, _ in module.named_buffers()} - set(buffers)
-    model = DcpModel(path, checkpoints, _aliases(engine), trained, frozen, buffers, engine.topology.size("pp") == 1,
-                     transient)
+    whole_model = engine.topology.size("pp") == 1
+    model = DcpModel(path, checkpoints, _aliases(engine), trained, frozen, buffers, whole_model, transient)
     replicated = {name: parts[name].state_dict() for name in REPLICATED_PARTS if name in parts}
     replicated["train_state"] = {"micro_steps": model.steps * engine.config.batch.grad_accum_steps,
                                  "steps": model.steps, "skipped_steps": 0}
@@ -327,8 +331,7 @@ def load_items(engine: "TrainingCore", path: str, checkpoints: list, where: str)
         parts = {name: part for name, part in parts.items() if name != "frozen"}
     run = DcpRun(model, replicated, [n for n in trained if n in model.shapes],
                  [n for n in sharded if n in model.frozen_shapes])
-    compare_models(run, shards, path, whole_model=engine.topology.size("pp") == 1,
-                   kinds=("units",) if kept else ("units", "frozen"))
+    compare_models(run, shards, path, whole_model=whole_model, kinds=("units",) if kept else ("units", "frozen"))
     held = {} if kept else held_frozen(engine, model, set(sharded))
     if "buffers" in parts:
         check_buffers(parts["buffers"].named(), model)
