@@ -3,7 +3,8 @@
 resumed with ``train(resume_from_checkpoint=...)``, the numbers named by the Trainer's
 param-group rule, checked against the groups' sizes and the states' shapes. The checkpoint is
 written here by a real Trainer run; the reference for what each number names is the Trainer's
-own resume (its optimizer's ``load_state_dict``)."""
+own resume (its optimizer's ``load_state_dict``); for a family whose weights transformers 5
+converts on disk (a mixture of experts), the values' reference is ``from_pretrained``."""
 from __future__ import annotations
 
 import os
@@ -17,6 +18,7 @@ from tiertrain.errors import CheckpointError
 from tiertrain.state.shard_layout import unit_pieces
 from tiertrain.update.protocol import SLOT_NAME
 
+import zoo
 from deepspeed_models import build_llama
 from foreign_runs import batches
 
@@ -36,20 +38,29 @@ def _args(out: str, steps: int, **kwargs):
                                           use_cpu=True, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """(checkpoint-3 of a plain Trainer run, {name: the state Trainer's own resume gives it})."""
-    out = str(tmp_path_factory.mktemp("trainer"))
-    trainer = transformers.Trainer(model=build_llama(), args=_args(out, STEPS, save_strategy="steps",
-                                                                   save_steps=STEPS), train_dataset=_samples())
+def _seeded(build, seed: int):
+    torch.manual_seed(seed)
+    return build()
+
+
+def _trained(build, out: str) -> tuple[str, dict]:
+    """(checkpoint-3 of a plain Trainer run of build's model, {name: the state Trainer's own
+    resume gives it})."""
+    trainer = transformers.Trainer(model=_seeded(build, 0), args=_args(out, STEPS, save_strategy="steps",
+                                                                       save_steps=STEPS), train_dataset=_samples())
     trainer.train()
     checkpoint = os.path.join(out, f"checkpoint-{STEPS}")
     assert {"model.safetensors", "optimizer.pt"} <= set(os.listdir(checkpoint))
-    again = transformers.Trainer(model=build_llama(seed=11), args=_args(out, STEPS), train_dataset=_samples())
+    again = transformers.Trainer(model=_seeded(build, 11), args=_args(out, STEPS), train_dataset=_samples())
     optimizer = again.create_optimizer()
     optimizer.load_state_dict(torch.load(os.path.join(checkpoint, "optimizer.pt"), weights_only=True))
     state = {n: optimizer.state[p] for n, p in again.model.named_parameters() if p in optimizer.state}
     return checkpoint, state
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return _trained(build_llama, str(tmp_path_factory.mktemp("trainer")))
 
 
 class _Loaded(transformers.TrainerCallback):
@@ -69,15 +80,29 @@ class _Loaded(transformers.TrainerCallback):
             self.steps = engine.steps
 
 
-def _resumed(checkpoint: str, out: str, steps: int, trainer_cls=None):
+def _resumed(checkpoint: str, out: str, steps: int, trainer_cls=None, build=build_llama):
     from tiertrain.integrations.hf_trainer import TiertrainTrainer
 
-    trainer = (trainer_cls or TiertrainTrainer)(model=build_llama(seed=11), args=_args(out, steps, save_strategy="no"),
+    trainer = (trainer_cls or TiertrainTrainer)(model=_seeded(build, 11), args=_args(out, steps, save_strategy="no"),
                                                 train_dataset=_samples())
     loaded = _Loaded(trainer)
     trainer.add_callback(loaded)
     trainer.train(resume_from_checkpoint=checkpoint)
     return trainer, loaded
+
+
+def _check_resumed(loaded, trainer, weights: dict, expected: dict) -> None:
+    """The engine started from these weights and, for every parameter, the expected state, bit
+    for bit; then trained on."""
+    assert loaded.steps == STEPS and trainer.state.global_step == STEPS + 1 == trainer.engine.steps
+    assert set(weights) <= set(loaded.values)
+    for name, value in weights.items():
+        assert torch.equal(loaded.values[name], value.float()), name
+    for name, ((lo, hi), state) in loaded.state.items():
+        assert float(state["step"]) == float(expected[name]["step"]) == STEPS
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[key].reshape(-1), expected[name][key].reshape(-1)[lo:hi]), (name, key)
+    assert set(loaded.state) == set(expected)
 
 
 def test_a_plain_trainer_checkpoint_resumes_with_its_values_moments_and_step(saved, tmp_path):
@@ -87,15 +112,26 @@ def test_a_plain_trainer_checkpoint_resumes_with_its_values_moments_and_step(sav
 
     checkpoint, expected = saved
     trainer, loaded = _resumed(checkpoint, str(tmp_path), STEPS + 1)
-    assert loaded.steps == STEPS and trainer.state.global_step == STEPS + 1 == trainer.engine.steps
-    weights = load_file(os.path.join(checkpoint, "model.safetensors"))
-    for name, value in weights.items():
-        assert torch.equal(loaded.values[name], value.float()), name
-    for name, ((lo, hi), state) in loaded.state.items():
-        assert float(state["step"]) == float(expected[name]["step"]) == STEPS
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(state[key].reshape(-1), expected[name][key].reshape(-1)[lo:hi]), (name, key)
-    assert set(loaded.state) == set(expected)
+    _check_resumed(loaded, trainer, load_file(os.path.join(checkpoint, "model.safetensors")), expected)
+    trainer.close()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_a_mixture_of_experts_checkpoint_resumes_its_experts_as_from_pretrained_converts_them(family, tmp_path):
+    """transformers 5 stacks a layer's experts in memory and saves them one tensor each: the
+    resume converts them back with transformers' own mapping, so the engine starts from what
+    from_pretrained gives (experts and router included), with their moments."""
+    from safetensors import safe_open
+
+    build = getattr(zoo, family)
+    checkpoint, expected = _trained(build, str(tmp_path / "saved"))
+    with safe_open(os.path.join(checkpoint, "model.safetensors"), "pt") as f:
+        on_disk = set(f.keys())
+    in_memory = dict(build().named_parameters())
+    assert [n for n in in_memory if "experts" in n and n not in on_disk], "the family's experts are not converted"
+    reference = type(build()).from_pretrained(checkpoint).state_dict()
+    trainer, loaded = _resumed(checkpoint, str(tmp_path / "resumed"), STEPS + 1, build=build)
+    _check_resumed(loaded, trainer, {n: reference[n] for n in in_memory}, expected)
     trainer.close()
 
 
@@ -114,3 +150,18 @@ def test_another_grouping_rule_or_a_checkpoint_without_optimizer_state_is_refuse
     os.remove(os.path.join(bare, "optimizer.pt"))
     with pytest.raises(ConfigError, match=r"no optimizer.pt \(saved by Trainer on its own\)"):
         _resumed(bare, str(tmp_path / "b"), STEPS)
+
+
+def test_experts_that_do_not_fit_the_conversion_are_refused_naming_the_tensors(tmp_path):
+    from safetensors.torch import load_file
+
+    from tiertrain.state.trainer_checkpoint import model_named
+
+    model = zoo.mixtral()
+    model.save_pretrained(tmp_path)
+    weights = load_file(os.path.join(tmp_path, "model.safetensors"))
+    del weights["model.layers.0.block_sparse_moe.experts.2.w1.weight"]
+    with pytest.raises(CheckpointError, match=r"the checkpoint X: MixtralForCausalLM's checkpoint conversion of "
+                                              r"\['model.layers.0.block_sparse_moe.experts.0.w1.weight'.* into "
+                                              r"'model.layers.0.mlp.experts.gate_up_proj' failed"):
+        model_named(weights, model, "the checkpoint X")

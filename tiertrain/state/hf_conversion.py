@@ -106,9 +106,10 @@ class _Group:
 
 
 class ConvertedCheckpoint:
-    """A checkpoint (tiertrain.state.pretrained's reader) under the model's in-memory names."""
+    """A checkpoint (tiertrain.state.pretrained's reader) under the model's in-memory names;
+    operation names the caller in its errors."""
 
-    def __init__(self, raw, module: nn.Module, transforms: list):
+    def __init__(self, raw, module: nn.Module, transforms: list, operation: str = "load_pretrained"):
         from transformers.core_model_loading import dot_natural_key, rename_source_key
 
         self.raw = raw
@@ -121,7 +122,7 @@ class ConvertedCheckpoint:
             renamed, pattern = rename_source_key(key, renamings, converters)
             if pattern is None:
                 if renamed in self._direct:
-                    raise ValueError(f"load_pretrained: checkpoint tensors {self._direct[renamed]!r} and {key!r} "
+                    raise ValueError(f"{operation}: checkpoint tensors {self._direct[renamed]!r} and {key!r} "
                                      f"both become {renamed!r} under {type(module).__name__}'s checkpoint "
                                      f"conversion")
                 self._direct[renamed] = key
@@ -132,7 +133,7 @@ class ConvertedCheckpoint:
             try:
                 out = _run(group.converter, first, metas, module)
             except Exception as e:  # (the checkpoint's tensors do not fit the transform)
-                raise ValueError(f"load_pretrained: {type(module).__name__}'s checkpoint conversion of "
+                raise ValueError(f"{operation}: {type(module).__name__}'s checkpoint conversion of "
                                  f"{[k for k, _ in group.sources][:4]} into {first!r} failed: "
                                  f"{type(e).__name__}: {e}") from None
             for name, t in out.items():
@@ -165,13 +166,13 @@ class ConvertedCheckpoint:
         return self.read(key).reshape(-1)[start:end]  # (a converted tensor exists only whole)
 
 
-def checkpoint_view(raw, module: nn.Module):
+def checkpoint_view(raw, module: nn.Module, operation: str = "load_pretrained"):
     """raw itself when module's checkpoints are stored as it holds them, else a
     :class:`ConvertedCheckpoint` of raw through the model's transforms."""
     transforms = _load_transforms(module)
     if transforms is None:
         return raw
-    view = ConvertedCheckpoint(raw, module, transforms)
+    view = ConvertedCheckpoint(raw, module, transforms, operation)
     return view if (view.converted_count or view.renamed_count) else raw
 
 

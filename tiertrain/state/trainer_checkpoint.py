@@ -6,6 +6,12 @@ The Trainer builds those groups by a rule (``Trainer.create_optimizer``: the par
 decays, then the others, each in the model's order), so given the rule's groups the numbers
 name parameters: checked against the saved groups' sizes and every state's shape, then loaded
 as a DCP checkpoint is (tiertrain/state/dcp_checkpoint.py), at any stage, tier and layout.
+
+The weights are as ``save_pretrained`` wrote them: a family transformers 5 keeps otherwise in
+memory (a mixture of experts' stacked experts, one tensor per expert on disk) is converted back
+by transformers' own mapping (tiertrain/state/hf_conversion.py), as ``from_pretrained`` would.
+The Trainer's own resume does not (it calls ``load_state_dict(strict=False)`` on the disk's
+names and logs the experts and router as missing); docs/hf_trainer.md.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import torch
 from .checkpoint import CheckpointError
 from .dcp_checkpoint import load_items
 from .dcp_files import NestedState
+from .hf_conversion import checkpoint_view
 from ..errors import said
 
 if TYPE_CHECKING:
@@ -65,6 +72,39 @@ def weights(directory: str) -> dict[str, torch.Tensor]:
                           f"pytorch_model.bin)")
 
 
+class _InMemory:
+    """Weights by name, read as hf_conversion reads a checkpoint's files."""
+
+    def __init__(self, values: dict[str, torch.Tensor]):
+        self.values = values
+
+    def keys(self) -> list[str]:
+        return list(self.values)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.values[key].shape)
+
+    def read(self, key: str) -> torch.Tensor:
+        return self.values[key]
+
+    def read_flat(self, key: str, shape: tuple[int, ...], start: int, end: int) -> torch.Tensor:
+        return self.values[key].reshape(-1)[start:end]
+
+
+def model_named(values: dict[str, torch.Tensor], module: torch.nn.Module, where: str) -> dict[str, torch.Tensor]:
+    """The saved weights under the module's own names: converted as from_pretrained converts
+    them where the module's family is kept otherwise in memory, else as they are."""
+    raw = _InMemory(values)
+    try:
+        view = checkpoint_view(raw, module, where)
+    except ValueError as e:  # (tensors that do not fit the family's conversion)
+        raise CheckpointError(str(e)) from None
+    if view is raw:
+        return values
+    with torch.no_grad():
+        return {name: view.read(name) for name in view.keys()}
+
+
 def named_state(saved: dict, groups: list[list[str]], where: str) -> dict[str, dict]:
     """{parameter name: its saved state}, the numbers of the saved param groups read as the
     names of the given groups (the Trainer's rule), in order."""
@@ -92,8 +132,9 @@ def load_into(engine: "TrainingCore", directory: str, groups: list[list[str]]) -
     saved = _loaded(path, _torch_load)
     if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
         raise CheckpointError(f"{path!r} is not a torch optimizer's state dict (no 'state' and 'param_groups')")
-    state = {"model": weights(directory), "optimizer": {"state": named_state(saved, groups, where)}}
+    model = model_named(weights(directory), engine.module, where)
+    state = {"model": model, "optimizer": {"state": named_state(saved, groups, where)}}
     return load_items(engine, directory, [NestedState(directory, state)], where)
 
 
-__all__ = ["OPTIMIZER_FILE", "load_into", "named_state", "weights"]
+__all__ = ["OPTIMIZER_FILE", "load_into", "model_named", "named_state", "weights"]
