@@ -6,6 +6,8 @@ any length, thread split and alignment; built once per host, refused by name whe
 from __future__ import annotations
 
 import math
+import shlex
+import shutil
 
 import pytest
 import torch
@@ -170,6 +172,18 @@ def test_a_compiler_that_fails_is_named_with_its_error(tmp_path, monkeypatch):
         native_adamw.build()
 
 
+def test_cc_may_be_a_command_line_with_arguments(tmp_path, monkeypatch):
+    """$CC as build systems set it ("ccache gcc", "gcc -m64"): split as a shell splits it."""
+    real = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    _compiler_script(tmp_path, monkeypatch, "wrapper", f'[ "$1" = --wrapped ] || {{ echo "$1" >&2; exit 9; }}\n'
+                                                       f'shift\nexec {shlex.quote(real)} "$@"')
+    monkeypatch.setenv("CC", f"{shlex.quote(str(tmp_path / 'wrapper'))} --wrapped")
+    native_adamw.Kernel(native_adamw.build(), torch.bfloat16, into=True)
+    monkeypatch.setenv("CC", "gcc 'unclosed")
+    with pytest.raises(native_adamw.KernelUnavailable, match=r"\$CC=\"gcc 'unclosed\" is not a command line"):
+        native_adamw.build()
+
+
 @pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64 instruction-set levels")
 @pytest.mark.parametrize("arch", ["x86-64", "x86-64-v3"], ids=["SSE2", "AVX2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -198,7 +212,7 @@ def test_a_compiler_without_openmp_builds_a_one_thread_kernel_and_says_so(tmp_pa
     _compiler_script(tmp_path, monkeypatch, "cc-without-openmp",
                      "for a in \"$@\"; do\n  [ \"$a\" = -fopenmp ] && "
                      "{ echo 'unsupported option -fopenmp' >&2; exit 1; }\n"
-                     f"done\nexec {real} \"$@\"")
+                     f"done\nexec {shlex.join(real)} \"$@\"")
     with pytest.warns(RuntimeWarning, match="built without OpenMP .*unsupported option -fopenmp.*: it runs on one "
                                             "thread"):
         serial = native_adamw.Kernel(native_adamw.build(), torch.bfloat16, into=False)

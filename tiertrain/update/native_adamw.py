@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -45,11 +46,18 @@ class KernelUnavailable(TiertrainError, RuntimeError):
     message says why."""
 
 
-def _compiler() -> str:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+def _compiler() -> list[str]:
+    """The compiler's command: $CC split as a shell splits it (``ccache gcc``, ``gcc -m64``), else
+    the first of cc, gcc, clang on PATH."""
+    if os.environ.get("CC", "").strip():
+        try:
+            return shlex.split(os.environ["CC"])
+        except ValueError as e:
+            raise KernelUnavailable(f"$CC={os.environ['CC']!r} is not a command line ({e})") from None
+    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         raise KernelUnavailable("no C compiler (cc, gcc or clang on PATH, or $CC) to build the CPU-tier AdamW kernel")
-    return compiler
+    return [compiler]
 
 
 def _cpu_flags() -> str:
@@ -74,9 +82,9 @@ def build(arch: str = "native") -> ctypes.CDLL:
     writable)."""
     compiler = _compiler()
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"the C compiler {compiler} does not run: {e}") from e
+        raise KernelUnavailable(f"the C compiler {shlex.join(compiler)} does not run: {e}") from e
     failures = []
     for openmp in (["-fopenmp"], []):  # (a compiler without OpenMP: one thread, said in a warning)
         try:
@@ -91,8 +99,9 @@ def build(arch: str = "native") -> ctypes.CDLL:
     raise KernelUnavailable(f"{failures[0]}; without -fopenmp: {failures[1]}")
 
 
-def _build_with(compiler: str, version: str, flags: list[str]) -> ctypes.CDLL:
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.encode(), " ".join(flags).encode(),
+def _build_with(compiler: list[str], version: str, flags: list[str]) -> ctypes.CDLL:
+    arguments = " ".join(compiler[1:] + flags)
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.encode(), arguments.encode(),
                                      _cpu_flags().encode()])).hexdigest()[:24]
     cached = _cache_dir() / f"adamw_{key}.so"
     if cached.exists():
@@ -100,18 +109,19 @@ def _build_with(compiler: str, version: str, flags: list[str]) -> ctypes.CDLL:
     try:
         with tempfile.TemporaryDirectory() as scratch:
             built = Path(scratch) / "adamw.so"
-            run = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE), "-lm"], capture_output=True,
+            run = subprocess.run([*compiler, *flags, "-o", str(built), str(SOURCE), "-lm"], capture_output=True,
                                  text=True, timeout=300)
             if run.returncode != 0:
-                raise KernelUnavailable(f"{compiler} failed to build {SOURCE.name} (exit {run.returncode}): "
-                                        f"{run.stderr.strip()[-2000:]}")
+                raise KernelUnavailable(f"{shlex.join(compiler)} failed to build {SOURCE.name} (exit "
+                                        f"{run.returncode}): {run.stderr.strip()[-2000:]}")
             try:  # (written beside, then renamed: a process loading it never sees half a file)
                 cached.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write(cached, lambda f: f.write(built.read_bytes()))
             except OSError:  # (a cache directory not writable: this process's own copy)
                 return _load(built)
     except (OSError, subprocess.SubprocessError) as e:
-        raise KernelUnavailable(f"building {SOURCE.name} with {compiler} failed: {type(e).__name__}: {e}") from e
+        raise KernelUnavailable(f"building {SOURCE.name} with {shlex.join(compiler)} failed: "
+                                f"{type(e).__name__}: {e}") from e
     return _load(cached)
 
 
