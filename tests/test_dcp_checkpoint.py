@@ -25,7 +25,7 @@ from tiertrain.update.protocol import SLOT_NAME
 
 from deepspeed_models import build_llama, no_decay
 from foreign_runs import batches, continued, engine_config, train_on, trainer_resumed
-from reference import Oracle, make_config, rank_slices, rel_distances
+from reference import Oracle, global_batches, make_config, make_model, rank_slices, rel_distances, tp_gathered
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
@@ -269,6 +269,42 @@ def test_a_pipeline_engine_takes_each_stage_its_parameters(saved):
 
 # -- checkpoints made in one process (dcp.save without a process group) ----------------------
 
+def _tp_config():
+    return make_config(parallel={"tp": 2}, precision={"dtype": "fp32"}, batch={"micro_batch_size": 4},
+                       optimizer={"lr": 1e-4, "grad_clip": 1.0, "weight_decay": 0.1})
+
+
+def _tp_moved(rank, world, path, batches):
+    from tiertrain.parallel import apply_tensor_parallel
+
+    config = _tp_config()
+    topology = tiertrain.Topology.build(config.parallel)
+    engine = tiertrain.wrap(apply_tensor_parallel(make_model(seed=5), topology), config, topology)
+    engine.load_dcp_checkpoint(path)
+    losses = [engine.train_batch(rank_slices(b, 0, 1, 4, 1)) for b in batches]
+    params = tp_gathered(engine, {n: v.float() for n, v in engine.full_state_dict().items()})
+    engine.close()
+    return losses, params
+
+
+def test_a_tensor_parallel_engine_takes_each_rank_its_slice_of_values_and_moments(tmp_path):
+    """tiertrain's GPT trained by plain PyTorch, saved with DCP, continued at tp=2 (each rank its
+    Megatron slices of the values and moments) as plain PyTorch continues it."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for batch in global_batches(2, 4, seed=7):
+        model(**batch).backward()
+        opt.step()
+        opt.zero_grad()
+    path = _save(tmp_path / "gpt", _named_state(model, opt))
+    saved = {"step": 2, **{k: {n: opt.state[p][k] for n, p in model.named_parameters()}
+                           for k in ("exp_avg", "exp_avg_sq")}}
+    data = global_batches(2, 4, seed=8)
+    oracle = Oracle.run(lambda *a: continued(*a, saved, 2), model, _tp_config(), data)
+    for rank, (losses, params) in enumerate(run_distributed(_tp_moved, 2, path, data, timeout=120)):
+        oracle.check(losses, params, f"a GPT saved with DCP moved to tp=2, rank {rank}")
+
+
 def _plain_run(model=None, optimizer=torch.optim.AdamW):
     """A model and its optimizer after one step, in one process."""
     model = model or build_llama()
@@ -295,6 +331,27 @@ def _named_state(model, opt) -> dict:
 
     msd, osd = get_state_dict(model, opt)
     return {"model": msd, "optim": osd}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_a_half_precision_engine_computes_with_the_loaded_values(stage, dtype, tmp_path):
+    """The masters hold the checkpoint's values and the compute copies the forward uses hold
+    them rounded, not the model's values from before the load."""
+    model, opt = _plain_run()
+    saved = _named_state(model, opt)["model"]
+    path = _save(tmp_path / "run", _named_state(model, opt))
+    config = make_config(zero={"stage": stage}, precision={"dtype": dtype})
+    engine = tiertrain.wrap(build_llama(seed=11), config, tiertrain.Topology.build(config.parallel))
+    engine.load_dcp_checkpoint(path)
+    masters = engine.full_state_dict()
+    with engine.gathered_parameters():
+        for name, p in engine.module.named_parameters():
+            assert p.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+            assert torch.equal(p.detach(), saved[name].to(p.dtype)), name
+            if p.requires_grad:
+                assert torch.equal(masters[name], saved[name]), name
+    engine.close()
 
 
 def test_a_checkpoint_without_frozen_parameters_leaves_the_models_own_and_says_so(tmp_path):
