@@ -77,6 +77,10 @@ def _fsdp2_run(rank, world, out):
              checkpoint_id=os.path.join(out, "columns"))
     if rank:
         return None
+    full = os.path.join(out, "trainer-full", "checkpoint-3")  # (Accelerate's FULL_STATE_DICT save, rank 0's)
+    os.makedirs(full)
+    torch.save(full_msd, os.path.join(full, "pytorch_model_fsdp.bin"))
+    torch.save(full_osd, os.path.join(full, "optimizer.bin"))
     state = full_osd["state"]
     return {"masters": {n: full_msd[n].clone() for n, _ in trained},
             "frozen": {n: v.clone() for n, v in full_msd.items() if n not in dict(trained) and n != "lm_head.weight"},
@@ -531,18 +535,38 @@ def test_metadata_naming_any_other_class_is_refused_without_running_it(tmp_path)
     assert not called
 
 
-def test_trainer_resumes_a_checkpoint_that_trainer_saved_with_fsdp(saved, tmp_path):
-    """transformers' Trainer run with FSDP (SHARDED_STATE_DICT) saves checkpoint-N/ holding
-    pytorch_model_fsdp_0/ and optimizer_0/ beside trainer_state.json: TiertrainTrainer resumes it."""
+@pytest.mark.parametrize("layout", ["trainer", "trainer-full"], ids=["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_trainer_resumes_a_checkpoint_that_trainer_saved_with_fsdp(saved, layout, tmp_path):
+    """transformers' Trainer run with FSDP saves checkpoint-N/ beside trainer_state.json holding
+    pytorch_model_fsdp_0/ and optimizer_0/ (SHARDED_STATE_DICT, DCP directories), or
+    pytorch_model_fsdp.bin and optimizer.bin (FULL_STATE_DICT, FSDP1's default: the state
+    dicts whole, keyed by name): TiertrainTrainer resumes either, values, moments and step."""
     out, expected = saved
     checkpoint = str(tmp_path / "checkpoint-3")
-    shutil.copytree(os.path.join(out, "trainer", "checkpoint-3"), checkpoint)
+    shutil.copytree(os.path.join(out, layout, "checkpoint-3"), checkpoint)
     trainer = trainer_resumed(checkpoint, str(tmp_path / "out"), FSDP2_STEPS, FSDP2_STEPS)
     assert trainer.state.global_step == FSDP2_STEPS == trainer.engine.steps
     params = trainer.engine.full_state_dict()
     for name, value in expected["masters"].items():
         assert torch.equal(params[name], value), name
+    seen = set()
+    for view, state in trainer.engine.update.optimizer.state.items():
+        name = getattr(view, SLOT_NAME)
+        seen.add(name)
+        assert float(state["step"]) == expected["step"]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[key].reshape(-1), expected[key][name].reshape(-1)), (name, key)
+    assert seen == set(expected["masters"])
     trainer.close()
+
+
+def test_a_full_state_dict_checkpoint_without_its_optimizer_file_is_named(saved, tmp_path):
+    out, _ = saved
+    checkpoint = str(tmp_path / "checkpoint-3")
+    shutil.copytree(os.path.join(out, "trainer-full", "checkpoint-3"), checkpoint)
+    os.remove(os.path.join(checkpoint, "optimizer.bin"))
+    with pytest.raises(CheckpointError, match=r"\(FSDP, FULL_STATE_DICT\) holds no optimizer.bin"):
+        trainer_resumed(checkpoint, str(tmp_path / "out"), FSDP2_STEPS, FSDP2_STEPS)
 
 
 def test_the_training_loop_starts_from_an_fsdp2_checkpoint_then_resumes_its_own(saved, tmp_path, capsys):

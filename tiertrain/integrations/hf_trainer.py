@@ -394,6 +394,9 @@ class TiertrainTrainer(Trainer):
                 engine.load_deepspeed_checkpoint(resume_from_checkpoint)  # (saved by Trainer with DeepSpeed)
             elif os.path.isfile(os.path.join(resume_from_checkpoint, "pytorch_model_fsdp_0", ".metadata")):
                 engine.load_dcp_checkpoint(resume_from_checkpoint)  # (saved by Trainer with FSDP, sharded)
+            elif os.path.isfile(os.path.join(resume_from_checkpoint, trainer_checkpoint.FSDP_FULL_FILES[0])):
+                engine.enter_load("train(resume_from_checkpoint=...)")  # (saved by Trainer with FSDP, whole)
+                trainer_checkpoint.load_full_state_dicts_into(engine, resume_from_checkpoint)
             elif os.path.isfile(os.path.join(resume_from_checkpoint, trainer_checkpoint.OPTIMIZER_FILE)):
                 engine.enter_load("train(resume_from_checkpoint=...)")  # (saved by Trainer on its own)
                 trainer_checkpoint.load_into(engine, resume_from_checkpoint, list(self._decay_split()))
@@ -401,9 +404,9 @@ class TiertrainTrainer(Trainer):
                 raise ConfigError(f"resume_from_checkpoint={resume_from_checkpoint!r} has no {ENGINE_CHECKPOINT}/ "
                                   f"directory (saved by TiertrainTrainer with save_only_model=False), no DeepSpeed "
                                   f"checkpoint ('latest' naming its global_step directory, saved by Trainer "
-                                  f"with DeepSpeed), no pytorch_model_fsdp_0/ (saved by Trainer with FSDP's "
-                                  f"SHARDED_STATE_DICT) and no {trainer_checkpoint.OPTIMIZER_FILE} (saved by "
-                                  f"Trainer on its own)")
+                                  f"with DeepSpeed), no pytorch_model_fsdp_0/ or pytorch_model_fsdp.bin (saved by "
+                                  f"Trainer with FSDP's SHARDED_STATE_DICT or FULL_STATE_DICT) and no "
+                                  f"{trainer_checkpoint.OPTIMIZER_FILE} (saved by Trainer on its own)")
             taken = engine.steps + engine.skipped_steps  # (the Trainer counts fp16 overflow skips as steps)
             if taken != self.state.global_step:
                 raise ConfigError(f"resume_from_checkpoint={resume_from_checkpoint!r}: the engine's checkpoint is at "

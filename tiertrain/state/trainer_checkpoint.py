@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 
 OPTIMIZER_FILE = "optimizer.pt"
 """The Trainer's optimizer state file in checkpoint-N/."""
+FSDP_FULL_FILES = ("pytorch_model_fsdp.bin", "optimizer.bin")
+"""What the Trainer saves under FSDP with FULL_STATE_DICT (FSDP1's default; Accelerate's
+save_fsdp_model and save_fsdp_optimizer, written by rank 0): the model's state dict and the
+optimizer's, keyed by parameter name, each whole."""
 
 
 def _loaded(path: str, load):
@@ -137,4 +141,20 @@ def load_into(engine: "TrainingCore", directory: str, groups: list[list[str]]) -
     return load_items(engine, directory, [NestedState(directory, state)], where)
 
 
-__all__ = ["OPTIMIZER_FILE", "load_into", "model_named", "named_state", "weights"]
+def load_full_state_dicts_into(engine: "TrainingCore", directory: str) -> dict:
+    """Load the FSDP_FULL_FILES of a Trainer's checkpoint-N/ into the engine's parts (the
+    optimizer's state found by name, as in a DCP checkpoint); returns {}."""
+    directory = os.fspath(directory)
+    where = f"the Trainer checkpoint {directory!r} (FSDP, FULL_STATE_DICT)"
+    if not os.path.lexists(os.path.join(directory, FSDP_FULL_FILES[1])):
+        raise CheckpointError(f"{where} holds no {FSDP_FULL_FILES[1]} (the Trainer saves it unless "
+                              f"save_only_model=True)")
+    model, optimizer = (_loaded(os.path.join(directory, name), _torch_load) for name in FSDP_FULL_FILES)
+    for name, value in zip(FSDP_FULL_FILES, (model, optimizer)):
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{where}: {name} holds a {type(value).__name__}, not a state dict")
+    return load_items(engine, directory, [NestedState(directory, {"model": model, "optimizer": optimizer})], where)
+
+
+__all__ = ["FSDP_FULL_FILES", "OPTIMIZER_FILE", "load_full_state_dicts_into", "load_into", "model_named", "named_state",
+           "weights"]
