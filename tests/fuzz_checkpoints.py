@@ -6,7 +6,8 @@ checkpoint's marker, rank file and held-tensors file, of a safetensors header, a
 checkpoints an engine reads: a torch.distributed.checkpoint directory (``.metadata`` and its
 data file, ``load_dcp_checkpoint``), a DeepSpeed ZeRO checkpoint (``latest``, the model states
 and the optimizer files, ``load_deepspeed_checkpoint``) and transformers' Trainer's own
-(``model.safetensors`` and ``optimizer.pt``, tiertrain/state/trainer_checkpoint.py).
+(``model.safetensors`` and ``optimizer.pt``; under FSDP with FULL_STATE_DICT,
+``pytorch_model_fsdp.bin`` and ``optimizer.bin``: tiertrain/state/trainer_checkpoint.py).
 
 Every case must end, within CASE_LIMIT_S, in a result or in the library's own error
 (CheckpointError, or ValueError for a pretrained file), never in another exception (a raw
@@ -128,12 +129,16 @@ def make_foreign(root: str):
                if n != "lm_head.weight"}, os.path.join(trainer_dir, "model.safetensors"))
     torch.save(opt.state_dict(), os.path.join(trainer_dir, "optimizer.pt"))
     groups = [[n for n, p in model.named_parameters() if p.requires_grad]]
+    full_dir = os.path.join(root, "fsdpfull")  # (as the Trainer saves it under FSDP with FULL_STATE_DICT)
+    os.makedirs(full_dir)
+    torch.save(msd, os.path.join(full_dir, "pytorch_model_fsdp.bin"))
+    torch.save(osd, os.path.join(full_dir, "optimizer.bin"))
     deepspeed_dir = os.path.join(root, "deepspeed")
     shutil.copytree(os.path.join(HERE, "deepspeed_checkpoints", "z2_bf16_w2"), deepspeed_dir,
                     ignore=shutil.ignore_patterns("expected.pt"))
     cfg = make_config(zero={"stage": 2}, precision={"dtype": "fp32"})
     engine = tiertrain.wrap(build_llama(seed=11), cfg, tiertrain.Topology.build(cfg.parallel))
-    return {"dcp": dcp_dir, "deepspeed": deepspeed_dir, "trainer": (trainer_dir, groups)}, engine
+    return {"dcp": dcp_dir, "deepspeed": deepspeed_dir, "trainer": (trainer_dir, groups), "fsdpfull": full_dir}, engine
 
 
 # -- mutations ------------------------------------------------------------------------------
@@ -353,6 +358,8 @@ def _foreign_case(rng: random.Random, pristine: str, scratch: str, outside: str,
         names, where = files.get(kind, [".metadata", "__0_0.distcp"]), scratch
     elif kind.startswith("trainer"):
         names, where = ["model.safetensors", "optimizer.pt"], scratch
+    elif kind.startswith("fsdpfull"):
+        names, where = ["pytorch_model_fsdp.bin", "optimizer.bin"], scratch
     else:
         where = os.path.join(scratch, "global_step3")
         if kind == "deepspeed-latest":
@@ -391,7 +398,7 @@ def run_case(rng: random.Random, pristine, scratch: str, outside: str, findings:
     kind = rng.choice(["marker", "marker-text", "rank", "held", "held-header", "special",
                        "pretrained", "pretrained-header", "pretrained-special", "dcp-metadata", "dcp-data",
                        "dcp-special", "deepspeed-files", "deepspeed-latest", "deepspeed-special", "trainer-files",
-                       "trainer-special"])
+                       "trainer-special", "fsdpfull-files", "fsdpfull-special"])
     framework = kind.split("-")[0]
     if framework in foreign:
         trainer_dir, groups = foreign["trainer"]
@@ -399,7 +406,8 @@ def run_case(rng: random.Random, pristine, scratch: str, outside: str, findings:
                                  outside, kind)
         read = {"dcp": lambda: llama.load_dcp_checkpoint(scratch),
                 "deepspeed": lambda: llama.load_deepspeed_checkpoint(scratch),
-                "trainer": lambda: trainer_checkpoint.load_into(llama, scratch, groups)}[framework]
+                "trainer": lambda: trainer_checkpoint.load_into(llama, scratch, groups),
+                "fsdpfull": lambda: trainer_checkpoint.load_full_state_dicts_into(llama, scratch)}[framework]
         refusal = CheckpointError
     elif kind.startswith("pretrained"):
         _pretrained_case(rng, pretrained, scratch, outside, kind)
@@ -423,7 +431,7 @@ def run_case(rng: random.Random, pristine, scratch: str, outside: str, findings:
         findings.accepted += 1
         if kind.startswith("pretrained"):
             _check_loaded_bytes(engine, inputs, findings, what)
-        elif kind.startswith("dcp") or kind.startswith("trainer"):
+        elif kind.startswith(("dcp", "trainer", "fsdpfull")):
             _check_loaded_bytes(llama, inputs, findings, what, trained_only=True)
         elif kind.startswith("deepspeed"):
             _check_deepspeed_bytes(llama, scratch, inputs, findings, what)
