@@ -6,7 +6,7 @@ checkpoint's marker, rank file and held-tensors file, of a safetensors header, a
 checkpoints an engine reads: a torch.distributed.checkpoint directory (``.metadata`` and its
 data file, ``load_dcp_checkpoint``), a DeepSpeed ZeRO checkpoint (``latest``, the model states
 and the optimizer files, ``load_deepspeed_checkpoint``) and transformers' Trainer's own
-(``model.safetensors`` and ``optimizer.pt``; under FSDP with FULL_STATE_DICT,
+(``model.safetensors``, ``optimizer.pt`` and ``scaler.pt``; under FSDP with FULL_STATE_DICT,
 ``pytorch_model_fsdp.bin`` and ``optimizer.bin``: tiertrain/state/trainer_checkpoint.py).
 
 Every case must end, within CASE_LIMIT_S, in a result or in the library's own error
@@ -128,6 +128,7 @@ def make_foreign(root: str):
     save_file({n: v.detach().clone().contiguous() for n, v in model.state_dict().items()
                if n != "lm_head.weight"}, os.path.join(trainer_dir, "model.safetensors"))
     torch.save(opt.state_dict(), os.path.join(trainer_dir, "optimizer.pt"))
+    torch.save(torch.amp.GradScaler("cpu").state_dict(), os.path.join(trainer_dir, "scaler.pt"))
     groups = [[n for n, p in model.named_parameters() if p.requires_grad]]
     full_dir = os.path.join(root, "fsdpfull")  # (as the Trainer saves it under FSDP with FULL_STATE_DICT)
     os.makedirs(full_dir)
@@ -357,7 +358,7 @@ def _foreign_case(rng: random.Random, pristine: str, scratch: str, outside: str,
         files = {"dcp-metadata": [".metadata"], "dcp-data": [n for n in os.listdir(scratch) if n != ".metadata"]}
         names, where = files.get(kind, [".metadata", "__0_0.distcp"]), scratch
     elif kind.startswith("trainer"):
-        names, where = ["model.safetensors", "optimizer.pt"], scratch
+        names, where = ["model.safetensors", "optimizer.pt", "scaler.pt"], scratch
     elif kind.startswith("fsdpfull"):
         names, where = ["pytorch_model_fsdp.bin", "optimizer.bin"], scratch
     else:
@@ -406,8 +407,8 @@ def run_case(rng: random.Random, pristine, scratch: str, outside: str, findings:
                                  outside, kind)
         read = {"dcp": lambda: llama.load_dcp_checkpoint(scratch),
                 "deepspeed": lambda: llama.load_deepspeed_checkpoint(scratch),
-                "trainer": lambda: trainer_checkpoint.load_into(llama, scratch, groups),
-                "fsdpfull": lambda: trainer_checkpoint.load_full_state_dicts_into(llama, scratch)}[framework]
+                "trainer": lambda: trainer_checkpoint.load(llama, scratch, groups, 1),
+                "fsdpfull": lambda: trainer_checkpoint.load(llama, scratch, groups, 1)}[framework]
         refusal = CheckpointError
     elif kind.startswith("pretrained"):
         _pretrained_case(rng, pretrained, scratch, outside, kind)

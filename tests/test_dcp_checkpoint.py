@@ -337,6 +337,27 @@ def _named_state(model, opt) -> dict:
     return {"model": msd, "optim": osd}
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_client_lr_scheduler_continues_from_the_loaded_step(stage, tmp_path):
+    """wrap(lr_scheduler=) builds the scheduler at step 0; the load moves it to the saved step,
+    as if stepped once per update the saved run applied."""
+    import functools
+
+    model, opt = _plain_run()
+    opt.step()  # (a second update: Adam's step is 2)
+    path = _save(tmp_path / "run", _named_state(model, opt))
+    config = make_config(zero={"stage": stage}, precision={"dtype": "fp32"}, optimizer={"lr": 1.0})
+    scheduler = functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda step: 0.1 * (step + 1))
+    engine = tiertrain.wrap(build_llama(seed=11), config, tiertrain.Topology.build(config.parallel),
+                            optimizer=functools.partial(torch.optim.AdamW, lr=1.0), lr_scheduler=scheduler)
+    assert engine.learning_rate() == pytest.approx(0.1)
+    engine.load_dcp_checkpoint(path)
+    assert engine.steps == 2 and engine.learning_rate() == pytest.approx(0.3)
+    engine.train_batch(iter([batches(1)[0]]))
+    assert engine.learning_rate() == pytest.approx(0.4)
+    engine.close()
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_a_half_precision_engine_computes_with_the_loaded_values(stage, dtype, tmp_path):
@@ -546,6 +567,7 @@ def test_trainer_resumes_a_checkpoint_that_trainer_saved_with_fsdp(saved, layout
     shutil.copytree(os.path.join(out, layout, "checkpoint-3"), checkpoint)
     trainer = trainer_resumed(checkpoint, str(tmp_path / "out"), FSDP2_STEPS, FSDP2_STEPS)
     assert trainer.state.global_step == FSDP2_STEPS == trainer.engine.steps
+    assert trainer.engine.learning_rate() == 0.0  # (the linear schedule at its end, not at its start)
     params = trainer.engine.full_state_dict()
     for name, value in expected["masters"].items():
         assert torch.equal(params[name], value), name

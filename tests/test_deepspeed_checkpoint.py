@@ -425,6 +425,7 @@ def test_trainer_resumes_a_checkpoint_that_trainer_saved_with_deepspeed(tmp_path
     for steps in (DEEPSPEED_STEPS, DEEPSPEED_STEPS + 1):
         trainer = trainer_resumed(checkpoint, str(tmp_path / "out"), steps, DEEPSPEED_STEPS)
         assert trainer.state.global_step == steps == trainer.engine.steps
+        assert trainer.engine.learning_rate() == 0.0  # (the linear schedule's end: it went on from DeepSpeed's step)
         params = trainer.engine.full_state_dict()
         if steps == DEEPSPEED_STEPS:  # (nothing left to train: the engine holds DeepSpeed's masters)
             for name, value in expected["masters"].items():

@@ -77,13 +77,16 @@ class _Loaded(transformers.TrainerCallback):
             self.state = {getattr(view, SLOT_NAME): (pieces[getattr(view, SLOT_NAME)],
                                                      {k: v.clone() for k, v in st.items()})
                           for view, st in engine.update.optimizer.state.items()}
-            self.steps = engine.steps
+            self.steps, self.skipped = engine.steps, engine.skipped_steps
+            self.scaler = dict(engine.scaler.state_dict())
+            self.lr = engine.learning_rate()
 
 
-def _resumed(checkpoint: str, out: str, steps: int, trainer_cls=None, build=build_llama):
+def _resumed(checkpoint: str, out: str, steps: int, trainer_cls=None, build=build_llama, **kwargs):
     from tiertrain.integrations.hf_trainer import TiertrainTrainer
 
-    trainer = (trainer_cls or TiertrainTrainer)(model=_seeded(build, 11), args=_args(out, steps, save_strategy="no"),
+    trainer = (trainer_cls or TiertrainTrainer)(model=_seeded(build, 11),
+                                                args=_args(out, steps, save_strategy="no", **kwargs),
                                                 train_dataset=_samples())
     loaded = _Loaded(trainer)
     trainer.add_callback(loaded)
@@ -91,10 +94,21 @@ def _resumed(checkpoint: str, out: str, steps: int, trainer_cls=None, build=buil
     return trainer, loaded
 
 
+def _lr_after(updates: int, max_steps: int) -> float:
+    """The Trainer's default schedule (linear, no warmup) after that many updates."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    scheduler = transformers.get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=max_steps)
+    for _ in range(updates):
+        optimizer.step()
+        scheduler.step()
+    return scheduler.get_last_lr()[0]
+
+
 def _check_resumed(loaded, trainer, weights: dict, expected: dict) -> None:
-    """The engine started from these weights and, for every parameter, the expected state, bit
-    for bit; then trained on."""
+    """The engine started from these weights, the schedule at the saved step and, for every
+    parameter, the expected state, bit for bit; then trained on."""
     assert loaded.steps == STEPS and trainer.state.global_step == STEPS + 1 == trainer.engine.steps
+    assert loaded.lr == pytest.approx(_lr_after(STEPS, STEPS + 1), rel=1e-12)
     assert set(weights) <= set(loaded.values)
     for name, value in weights.items():
         assert torch.equal(loaded.values[name], value.float()), name
@@ -165,3 +179,60 @@ def test_experts_that_do_not_fit_the_conversion_are_refused_naming_the_tensors(t
                                               r"\['model.layers.0.block_sparse_moe.experts.0.w1.weight'.* into "
                                               r"'model.layers.0.mlp.experts.gate_up_proj' failed"):
         model_named(weights, model, "the checkpoint X")
+
+
+def _overflowed_scaler_state() -> dict:
+    """A GradScaler's state after 2 steps skipped on overflow, then 3 good ones (scaler.pt)."""
+    scaler = torch.amp.GradScaler("cpu")
+    p = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([p], lr=0.1)
+    for bad in (True, True, False, False, False):
+        scaler.scale(p.sum()).backward()
+        if bad:
+            p.grad.fill_(float("inf"))
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    return scaler.state_dict()
+
+
+def _skipping(saved, tmp_path, global_step: int, scaler_state) -> str:
+    """checkpoint-3 as an fp16 run leaves it after its GradScaler skipped global_step - 3 steps:
+    Adam took 3, trainer_state.json counts global_step, scaler.pt holds the scaler's state."""
+    import json
+
+    checkpoint = str(tmp_path / f"checkpoint-{global_step}")
+    shutil.copytree(saved[0], checkpoint)
+    state_file = os.path.join(checkpoint, "trainer_state.json")
+    with open(state_file) as f:
+        state = json.load(f)
+    with open(state_file, "w") as f:
+        json.dump({**state, "global_step": global_step}, f)
+    torch.save(scaler_state, os.path.join(checkpoint, "scaler.pt"))
+    return checkpoint
+
+
+def test_steps_an_fp16_runs_scaler_skipped_continue_as_skipped_steps_with_its_loss_scale(saved, tmp_path):
+    """The Trainer counts a step its GradScaler skipped on overflow (global_step) and neither
+    Adam nor the schedule do: the engine continues at Adam's step, those steps skipped, the
+    schedule where the Trainer's left it, the loss scale from scaler.pt."""
+    scaler_state = _overflowed_scaler_state()
+    assert scaler_state["scale"] == 2.0 ** 14 and scaler_state["_growth_tracker"] == 3
+    checkpoint = _skipping(saved, tmp_path, STEPS + 2, scaler_state)
+    trainer, loaded = _resumed(checkpoint, str(tmp_path / "out"), STEPS + 3, fp16=True)
+    assert (loaded.steps, loaded.skipped) == (STEPS, 2)
+    assert loaded.scaler["scale"] == 2.0 ** 14 and loaded.scaler["good_steps"] == 3
+    scheduler = torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True)
+    assert scheduler["last_epoch"] == STEPS  # (the Trainer's scheduler did not step on the skipped steps)
+    assert loaded.lr == pytest.approx(_lr_after(STEPS, STEPS + 3), rel=1e-12)
+    assert trainer.state.global_step == STEPS + 3 == trainer.engine.steps + trainer.engine.skipped_steps
+    trainer.close()
+
+
+def test_a_step_count_below_adams_or_a_scaler_file_of_something_else_is_refused_by_name(saved, tmp_path):
+    checkpoint = _skipping(saved, tmp_path, STEPS - 1, {})
+    with pytest.raises(CheckpointError, match=rf"Adam took {STEPS} steps but the run counted {STEPS - 1}"):
+        _resumed(checkpoint, str(tmp_path / "a"), STEPS)
+    checkpoint = _skipping(saved, tmp_path, STEPS, {"scale": float("nan"), "_growth_tracker": 0})
+    with pytest.raises(CheckpointError, match=r"scaler.pt' is not a GradScaler's state"):
+        _resumed(checkpoint, str(tmp_path / "b"), STEPS + 1)

@@ -392,14 +392,10 @@ class TiertrainTrainer(Trainer):
                 engine.load_checkpoint(path)
             elif os.path.isfile(os.path.join(resume_from_checkpoint, "latest")):
                 engine.load_deepspeed_checkpoint(resume_from_checkpoint)  # (saved by Trainer with DeepSpeed)
-            elif os.path.isfile(os.path.join(resume_from_checkpoint, "pytorch_model_fsdp_0", ".metadata")):
-                engine.load_dcp_checkpoint(resume_from_checkpoint)  # (saved by Trainer with FSDP, sharded)
-            elif os.path.isfile(os.path.join(resume_from_checkpoint, trainer_checkpoint.FSDP_FULL_FILES[0])):
-                engine.enter_load("train(resume_from_checkpoint=...)")  # (saved by Trainer with FSDP, whole)
-                trainer_checkpoint.load_full_state_dicts_into(engine, resume_from_checkpoint)
-            elif os.path.isfile(os.path.join(resume_from_checkpoint, trainer_checkpoint.OPTIMIZER_FILE)):
-                engine.enter_load("train(resume_from_checkpoint=...)")  # (saved by Trainer on its own)
-                trainer_checkpoint.load_into(engine, resume_from_checkpoint, list(self._decay_split()))
+            elif trainer_checkpoint.saved_by_trainer(resume_from_checkpoint):  # (on its own, or with FSDP)
+                engine.enter_load("train(resume_from_checkpoint=...)")
+                trainer_checkpoint.load(engine, resume_from_checkpoint, list(self._decay_split()),
+                                        self.state.global_step)
             else:
                 raise ConfigError(f"resume_from_checkpoint={resume_from_checkpoint!r} has no {ENGINE_CHECKPOINT}/ "
                                   f"directory (saved by TiertrainTrainer with save_only_model=False), no DeepSpeed "

@@ -300,13 +300,17 @@ def _aliases(engine: "TrainingCore") -> dict[str, list[str]]:
 def load_into(engine: "TrainingCore", path: str | os.PathLike) -> dict:
     """Load the DCP checkpoint at path into the engine's parts; returns {} (the saved dict's
     other items stay in the files: read them with torch.distributed.checkpoint). The counters
-    continue from Adam's step (so does the config's learning-rate schedule); the optimizer's
-    hyper-parameters and the RNG stay this engine's."""
+    continue from Adam's step (so does the schedule: the config's, or a client lr_scheduler
+    stepped once per update applied); the optimizer's hyper-parameters and the RNG stay this
+    engine's."""
     return load_items(engine, os.fspath(path), open_checkpoints(path), f"the DCP checkpoint {os.fspath(path)!r}")
 
 
-def load_items(engine: "TrainingCore", path: str, checkpoints: list, where: str) -> dict:
-    """load_into of the items of checkpoints (DcpCheckpoint or NestedState) found at path."""
+def load_items(engine: "TrainingCore", path: str, checkpoints: list, where: str, counted: int | None = None,
+               loss_scale: dict | None = None) -> dict:
+    """load_into of the items of checkpoints (DcpCheckpoint or NestedState) found at path.
+    counted: the steps the saving run counted, fp16 steps skipped on overflow included (Adam's
+    step leaves them out); loss_scale: its loss scaler's state, as tiertrain's scaler keeps it."""
     shards = engine.shard_description()
     check_reshardable_format(shards, where)
     check_adam(engine.update, where, "the checkpoint's")
@@ -323,9 +327,15 @@ def load_items(engine: "TrainingCore", path: str, checkpoints: list, where: str)
     whole_model = engine.topology.size("pp") == 1
     model = DcpModel(path, checkpoints, _aliases(engine), trained, frozen, buffers, whole_model, transient)
     replicated = {name: parts[name].state_dict() for name in REPLICATED_PARTS if name in parts}
-    replicated["train_state"] = {"micro_steps": model.steps * engine.config.batch.grad_accum_steps,
-                                 "steps": model.steps, "skipped_steps": 0}
+    skipped = 0 if counted is None else counted - model.steps
+    if skipped < 0:
+        raise CheckpointError(f"{where}: Adam took {model.steps} steps but the run counted {counted}: a checkpoint "
+                              f"of another run than its step count's")
+    replicated["train_state"] = {"micro_steps": (model.steps + skipped) * engine.config.batch.grad_accum_steps,
+                                 "steps": model.steps, "skipped_steps": skipped}
     replicated["update"] = {"schedule": engine.update.schedule.state_dict()}
+    if loss_scale is not None and "scaler" in parts and getattr(parts["scaler"], "enabled", False):
+        replicated["scaler"] = {**replicated["scaler"], **loss_scale, "overflows": skipped}
     kept = frozen_kept(engine, model, "the trainable parameters alone")
     if kept:
         parts = {name: part for name, part in parts.items() if name != "frozen"}
@@ -336,6 +346,7 @@ def load_items(engine: "TrainingCore", path: str, checkpoints: list, where: str)
     if "buffers" in parts:
         check_buffers(parts["buffers"].named(), model)
     extra = load_run(parts, run, engine.topology.rank, shards, engine.update, 1, 0)
+    engine.update.schedule.fast_forward(model.steps)  # (a client lr_scheduler: built afresh, at step 0)
     copy_held(held)
     return extra
 

@@ -75,8 +75,9 @@ class DeepSpeedRun(ForeignRun):
 def load_into(engine: "TrainingCore", directory: str | os.PathLike, tag: str | None = None) -> dict:
     """Load the DeepSpeed checkpoint into the engine's parts (every rank reads the files it
     needs, memory-mapped); returns its client state. The counters continue from DeepSpeed's
-    global step (so does the config's learning-rate schedule), an fp16 engine's loss scale from
-    DeepSpeed's dynamic one; the optimizer's hyper-parameters and the RNG stay this engine's."""
+    global step (so does the schedule: the config's, or a client lr_scheduler stepped once per
+    update applied), an fp16 engine's loss scale from DeepSpeed's dynamic one; the optimizer's
+    hyper-parameters and the RNG stay this engine's."""
     try:
         checkpoint = DeepSpeedCheckpoint(directory, tag)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
@@ -106,6 +107,7 @@ def load_into(engine: "TrainingCore", directory: str | os.PathLike, tag: str | N
     if "buffers" in parts:
         check_buffers(parts["buffers"].named(), checkpoint)
     extra = load_run(parts, run, engine.topology.rank, shards, engine.update, checkpoint.world, 0)
+    engine.update.schedule.fast_forward(applied)  # (a client lr_scheduler: built afresh, at step 0)
     copy_held(held)
     return extra
 

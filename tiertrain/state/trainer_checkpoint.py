@@ -12,17 +12,25 @@ memory (a mixture of experts' stacked experts, one tensor per expert on disk) is
 by transformers' own mapping (tiertrain/state/hf_conversion.py), as ``from_pretrained`` would.
 The Trainer's own resume does not (it calls ``load_state_dict(strict=False)`` on the disk's
 names and logs the experts and router as missing); docs/hf_trainer.md.
+
+The Trainer's checkpoints under FSDP are read here too: ``pytorch_model_fsdp_0/`` and
+``optimizer_0/`` (SHARDED_STATE_DICT, DCP directories) and ``pytorch_model_fsdp.bin`` with
+``optimizer.bin`` (FULL_STATE_DICT, the state dicts whole, keyed by name). In every layout the
+Trainer's global step counts the fp16 steps its GradScaler skipped on overflow, which Adam's
+step leaves out: they continue as the engine's skipped steps, and its loss scale from
+``scaler.pt``.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import TYPE_CHECKING
 
 import torch
 
 from .checkpoint import CheckpointError
-from .dcp_checkpoint import load_items
+from .dcp_checkpoint import load_items, open_checkpoints
 from .dcp_files import NestedState
 from .hf_conversion import checkpoint_view
 from ..errors import said
@@ -36,6 +44,10 @@ FSDP_FULL_FILES = ("pytorch_model_fsdp.bin", "optimizer.bin")
 """What the Trainer saves under FSDP with FULL_STATE_DICT (FSDP1's default; Accelerate's
 save_fsdp_model and save_fsdp_optimizer, written by rank 0): the model's state dict and the
 optimizer's, keyed by parameter name, each whole."""
+FSDP_SHARDED_DIRECTORY = "pytorch_model_fsdp_0"
+"""The model's DCP directory the Trainer saves under FSDP with SHARDED_STATE_DICT (beside optimizer_0/)."""
+SCALER_FILE = "scaler.pt"
+"""The Trainer's GradScaler state (fp16 runs): torch.amp.GradScaler.state_dict()."""
 
 
 def _loaded(path: str, load):
@@ -125,10 +137,45 @@ def named_state(saved: dict, groups: list[list[str]], where: str) -> dict[str, d
     return {names[int(i)]: state for i, state in saved["state"].items()}
 
 
-def load_into(engine: "TrainingCore", directory: str, groups: list[list[str]]) -> dict:
-    """Load the Trainer's checkpoint-N/ into the engine's parts, its optimizer state named by
-    groups (the parameter names of the Trainer's param groups, in order); returns {}."""
+def loss_scale(directory: str) -> dict | None:
+    """The GradScaler's state in scaler.pt as tiertrain's scaler keeps it (the scale, the good
+    steps since it last changed), or None without one (bf16 and fp32 runs, a disabled scaler)."""
+    path = os.path.join(directory, SCALER_FILE)
+    if not os.path.lexists(path):
+        return None
+    state = _loaded(path, _torch_load)
+    if state == {}:  # (a disabled GradScaler's)
+        return None
+    scale, good = (state.get(k) if isinstance(state, dict) else None for k in ("scale", "_growth_tracker"))
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0 or \
+            not isinstance(good, int) or good < 0:
+        raise CheckpointError(f"{path!r} is not a GradScaler's state (a positive finite 'scale' and a count "
+                              f"'_growth_tracker'): {state!r:.200}")
+    return {"scale": float(scale), "good_steps": good, "consecutive_skips": 0}
+
+
+def saved_by_trainer(directory: str) -> bool:
+    """Whether directory holds a checkpoint this module reads: the Trainer's own, or its
+    checkpoint under FSDP, sharded or whole."""
+    return any(os.path.isfile(os.path.join(directory, *name)) for name in
+               [(FSDP_SHARDED_DIRECTORY, ".metadata"), (FSDP_FULL_FILES[0],), (OPTIMIZER_FILE,)])
+
+
+def load(engine: "TrainingCore", directory: str | os.PathLike, groups: list[list[str]], global_step: int) -> dict:
+    """Load the Trainer's checkpoint-N/ (saved_by_trainer) into the engine's parts; groups: the
+    parameter names of the Trainer's param groups, in order (what optimizer.pt's numbers name);
+    global_step: trainer_state.json's. Returns {}."""
     directory = os.fspath(directory)
+    counts = {"counted": global_step, "loss_scale": loss_scale(directory)}
+    if os.path.isfile(os.path.join(directory, FSDP_SHARDED_DIRECTORY, ".metadata")):
+        where = f"the Trainer checkpoint {directory!r} (FSDP, SHARDED_STATE_DICT)"
+        return load_items(engine, directory, open_checkpoints(directory), where, **counts)
+    if os.path.isfile(os.path.join(directory, FSDP_FULL_FILES[0])):
+        return _load_full_state_dicts(engine, directory, counts)
+    return _load_own(engine, directory, groups, counts)
+
+
+def _load_own(engine: "TrainingCore", directory: str, groups: list[list[str]], counts: dict) -> dict:
     where = f"the Trainer checkpoint {directory!r}"
     path = os.path.join(directory, OPTIMIZER_FILE)
     if not os.path.lexists(path):
@@ -138,13 +185,10 @@ def load_into(engine: "TrainingCore", directory: str, groups: list[list[str]]) -
         raise CheckpointError(f"{path!r} is not a torch optimizer's state dict (no 'state' and 'param_groups')")
     model = model_named(weights(directory), engine.module, where)
     state = {"model": model, "optimizer": {"state": named_state(saved, groups, where)}}
-    return load_items(engine, directory, [NestedState(directory, state)], where)
+    return load_items(engine, directory, [NestedState(directory, state)], where, **counts)
 
 
-def load_full_state_dicts_into(engine: "TrainingCore", directory: str) -> dict:
-    """Load the FSDP_FULL_FILES of a Trainer's checkpoint-N/ into the engine's parts (the
-    optimizer's state found by name, as in a DCP checkpoint); returns {}."""
-    directory = os.fspath(directory)
+def _load_full_state_dicts(engine: "TrainingCore", directory: str, counts: dict) -> dict:
     where = f"the Trainer checkpoint {directory!r} (FSDP, FULL_STATE_DICT)"
     if not os.path.lexists(os.path.join(directory, FSDP_FULL_FILES[1])):
         raise CheckpointError(f"{where} holds no {FSDP_FULL_FILES[1]} (the Trainer saves it unless "
@@ -153,8 +197,9 @@ def load_full_state_dicts_into(engine: "TrainingCore", directory: str) -> dict:
     for name, value in zip(FSDP_FULL_FILES, (model, optimizer)):
         if not isinstance(value, dict):
             raise CheckpointError(f"{where}: {name} holds a {type(value).__name__}, not a state dict")
-    return load_items(engine, directory, [NestedState(directory, {"model": model, "optimizer": optimizer})], where)
+    state = NestedState(directory, {"model": model, "optimizer": optimizer})
+    return load_items(engine, directory, [state], where, **counts)
 
 
-__all__ = ["FSDP_FULL_FILES", "OPTIMIZER_FILE", "load_full_state_dicts_into", "load_into", "model_named", "named_state",
-           "weights"]
+__all__ = ["FSDP_FULL_FILES", "FSDP_SHARDED_DIRECTORY", "OPTIMIZER_FILE", "SCALER_FILE", "load", "loss_scale",
+           "model_named", "named_state", "saved_by_trainer", "weights"]

@@ -22,6 +22,7 @@ part) and ``close``.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -314,6 +315,17 @@ class GroupSchedule:
             self.holder.step()
         self.scheduler.step()
         self._show()
+
+    def fast_forward(self, updates: int) -> None:
+        """Where the scheduler would be after ``updates`` updates applied since it was built: a
+        run moved from another framework (tiertrain/state/foreign.py) continues its schedule
+        where that run's left it, not from its first step."""
+        if self.scheduler is None:
+            return
+        with warnings.catch_warnings():  # (torch's, when the holder itself never stepped yet)
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            for _ in range(updates):
+                self.advance()
 
     def state_dict(self) -> dict | None:
         """Each group's hyper-parameters and the scheduler's state (None on the default path)."""
