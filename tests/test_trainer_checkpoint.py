@@ -50,7 +50,7 @@ def _trained(build, out: str) -> tuple[str, dict]:
                                                                        save_steps=STEPS), train_dataset=_samples())
     trainer.train()
     checkpoint = os.path.join(out, f"checkpoint-{STEPS}")
-    assert {"model.safetensors", "optimizer.pt"} <= set(os.listdir(checkpoint))
+    assert "optimizer.pt" in os.listdir(checkpoint)
     again = transformers.Trainer(model=_seeded(build, 11), args=_args(out, STEPS), train_dataset=_samples())
     optimizer = again.create_optimizer()
     optimizer.load_state_dict(torch.load(os.path.join(checkpoint, "optimizer.pt"), weights_only=True))
@@ -236,3 +236,47 @@ def test_a_step_count_below_adams_or_a_scaler_file_of_something_else_is_refused_
     checkpoint = _skipping(saved, tmp_path, STEPS, {"scale": float("nan"), "_growth_tracker": 0})
     with pytest.raises(CheckpointError, match=r"scaler.pt' is not a GradScaler's state"):
         _resumed(checkpoint, str(tmp_path / "b"), STEPS + 1)
+
+
+def _lora():
+    """build_llama's model (the same base weights whatever the seed, as from_pretrained gives
+    them) with peft's LoRA adapters on q_proj and v_proj, initialised from the caller's seed."""
+    import peft
+
+    seed = torch.initial_seed()
+    base = build_llama()
+    torch.manual_seed(seed)
+    return peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+
+
+def test_a_peft_adapter_checkpoint_resumes_its_adapters_and_their_moments(tmp_path):
+    """The Trainer saves a peft model's adapter alone (adapter_model.safetensors, the adapter's
+    name taken out of each tensor's name) beside optimizer.pt: the engine starts from the
+    adapter as peft's own loader places it, with the Trainer's moments; the base weights stay
+    the model's own, as said."""
+    import peft
+    from safetensors.torch import load_file
+
+    from tiertrain.state.foreign import FrozenKeptWarning
+
+    checkpoint, expected = _trained(_lora, str(tmp_path / "saved"))
+    assert "adapter_model.safetensors" in os.listdir(checkpoint) and "model.safetensors" not in os.listdir(checkpoint)
+    reference = _seeded(_lora, 5)
+    peft.set_peft_model_state_dict(reference, load_file(os.path.join(checkpoint, "adapter_model.safetensors")))
+    adapters = {n: p.detach() for n, p in reference.named_parameters() if p.requires_grad}
+    with pytest.warns(FrozenKeptWarning, match="holds no frozen parameter"):
+        trainer, loaded = _resumed(checkpoint, str(tmp_path / "resumed"), STEPS + 1, build=_lora)
+    _check_resumed(loaded, trainer, adapters, expected)
+    trainer.close()
+    with pytest.raises(CheckpointError, match=r"holds a peft adapter \(adapter_model.safetensors\) but the model is a "
+                                              r"LlamaForCausalLM"):
+        _resumed(checkpoint, str(tmp_path / "plain"), STEPS + 1)
+
+    def query_only():
+        import peft
+
+        return peft.get_peft_model(build_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+
+    with pytest.raises(CheckpointError, match=r"the adapter's tensors \['base_model.model.model.layers.0.self_attn.v_proj"
+                                              r".lora_A.weight'.* are none of this peft model's"):
+        _resumed(checkpoint, str(tmp_path / "other"), STEPS + 1, build=query_only)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,6 +47,8 @@ save_fsdp_model and save_fsdp_optimizer, written by rank 0): the model's state d
 optimizer's, keyed by parameter name, each whole."""
 FSDP_SHARDED_DIRECTORY = "pytorch_model_fsdp_0"
 """The model's DCP directory the Trainer saves under FSDP with SHARDED_STATE_DICT (beside optimizer_0/)."""
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+"""What the Trainer saves of a peft model (PeftModel.save_pretrained) in place of the model's weights."""
 SCALER_FILE = "scaler.pt"
 """The Trainer's GradScaler state (fp16 runs): torch.amp.GradScaler.state_dict()."""
 
@@ -65,6 +68,15 @@ def _torch_load(path: str):
     return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
+def _load_weights(path: str) -> dict[str, torch.Tensor]:
+    """A weights file by its kind: safetensors, else torch's."""
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return _torch_load(path)
+
+
 def _shard_files(index: str) -> list[str]:
     with open(index) as f:
         return sorted(set(json.load(f)["weight_map"].values()))
@@ -81,9 +93,9 @@ def weights(directory: str) -> dict[str, torch.Tensor]:
         if any(not isinstance(name, str) or os.path.basename(name) != name for name in files):
             raise CheckpointError(f"{index!r} names shard files outside its directory: {files}")
         return {k: v for name in files for k, v in _loaded(os.path.join(directory, name), load_file).items()}
-    for name, load in (("model.safetensors", load_file), ("pytorch_model.bin", _torch_load)):
+    for name in ("model.safetensors", "pytorch_model.bin"):
         if os.path.lexists(os.path.join(directory, name)):
-            return _loaded(os.path.join(directory, name), load)
+            return _loaded(os.path.join(directory, name), _load_weights)
     raise CheckpointError(f"{directory!r} holds no model weights (model.safetensors, its index, or "
                           f"pytorch_model.bin)")
 
@@ -119,6 +131,29 @@ def model_named(values: dict[str, torch.Tensor], module: torch.nn.Module, where:
         return values
     with torch.no_grad():
         return {name: view.read(name) for name in view.keys()}
+
+
+def adapter_named(values: dict[str, torch.Tensor], module: torch.nn.Module, where: str) -> dict[str, torch.Tensor]:
+    """A peft adapter's saved tensors under the module's own names. peft saves them under the
+    names its get_peft_model_state_dict gives (the adapter's name taken out: ``lora_A.weight``
+    for ``lora_A.default.weight``); that function itself, run over the module's names, says
+    which is which."""
+    peft = sys.modules.get("peft")
+    if peft is None or not isinstance(module, peft.PeftModel):
+        raise CheckpointError(f"{where} holds a peft adapter ({ADAPTER_FILES[0]}) but the model is a "
+                              f"{type(module).__name__}: apply the same peft config (peft.get_peft_model) as the "
+                              f"saving run")
+    from peft import get_peft_model_state_dict
+
+    markers = {name: torch.empty(0) for name, _ in [*module.named_parameters(), *module.named_buffers()]}
+    by_id = {id(t): name for name, t in markers.items()}
+    saved_as = {saved: by_id[id(t)] for saved, t in get_peft_model_state_dict(module, state_dict=markers).items()
+                if id(t) in by_id}
+    unknown = sorted(set(values) - set(saved_as))
+    if unknown:
+        raise CheckpointError(f"{where}: the adapter's tensors {unknown[:5]} are none of this peft model's (it saves "
+                              f"{sorted(saved_as)[:5]}...): a checkpoint of another adapter config")
+    return {saved_as[k]: v for k, v in values.items()}
 
 
 def named_state(saved: dict, groups: list[list[str]], where: str) -> dict[str, dict]:
@@ -183,7 +218,12 @@ def _load_own(engine: "TrainingCore", directory: str, groups: list[list[str]], c
     saved = _loaded(path, _torch_load)
     if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
         raise CheckpointError(f"{path!r} is not a torch optimizer's state dict (no 'state' and 'param_groups')")
-    model = model_named(weights(directory), engine.module, where)
+    adapter = next((os.path.join(directory, n) for n in ADAPTER_FILES if os.path.lexists(os.path.join(directory, n))),
+                   None)
+    if adapter is None:
+        model = model_named(weights(directory), engine.module, where)
+    else:
+        model = adapter_named(_loaded(adapter, _load_weights), engine.module, where)
     state = {"model": model, "optimizer": {"state": named_state(saved, groups, where)}}
     return load_items(engine, directory, [NestedState(directory, state)], where, **counts)
 
@@ -201,5 +241,5 @@ def _load_full_state_dicts(engine: "TrainingCore", directory: str, counts: dict)
     return load_items(engine, directory, [state], where, **counts)
 
 
-__all__ = ["FSDP_FULL_FILES", "FSDP_SHARDED_DIRECTORY", "OPTIMIZER_FILE", "SCALER_FILE", "load", "loss_scale",
-           "model_named", "named_state", "saved_by_trainer", "weights"]
+__all__ = ["ADAPTER_FILES", "FSDP_FULL_FILES", "FSDP_SHARDED_DIRECTORY", "OPTIMIZER_FILE", "SCALER_FILE", "load", "loss_scale",
+           "adapter_named", "model_named", "named_state", "saved_by_trainer", "weights"]
