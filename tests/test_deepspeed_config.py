@@ -93,6 +93,29 @@ def test_unhonourable_keys_are_refused_all_at_once_by_name():
         from_deepspeed({"train_micro_batch_size_per_gpu": -1})
 
 
+def test_malformed_values_and_files_are_named_not_raised_raw(tmp_path):
+    """What tests/fuzz_configs.py found raised a raw error (or allocated without bound)."""
+    for section in ("optimizer", "scheduler"):
+        with pytest.raises(ConfigError, match=rf"DeepSpeed {section}.params=\[1\] is invalid: expected an object"):
+            from_deepspeed({section: {"type": "AdamW" if section == "optimizer" else "WarmupLR", "params": [1]}})
+    with pytest.raises(ConfigError, match=r"fp16.initial_scale_power=1180591620717411303424 is invalid: expected an "
+                                          r"integer >= 0 and <= 127"):
+        from_deepspeed({"fp16": {"enabled": True, "initial_scale_power": 2 ** 70}})
+    files = {"nested.json": b"[" * 100_000, "binary.json": b'{"fp16": "\xff"}', "folder.json": None}
+    for name, content in files.items():
+        path = tmp_path / name
+        if content is None:
+            path.mkdir()
+        else:
+            path.write_bytes(content)
+        with pytest.raises(ConfigError, match=rf"--deepspeed='{path}' (nests its values|is not valid JSON|cannot be "
+                                              rf"read)"):
+            load_train_config(None, [], deepspeed=str(path))
+    (tmp_path / "nested.yaml").write_text("a: " + "[" * 100_000)
+    with pytest.raises(ConfigError, match=r"nested.yaml' (nests its values deeper|is not valid YAML)"):
+        load_train_config(str(tmp_path / "nested.yaml"), [])
+
+
 def test_a_key_asking_for_what_tiertrain_always_does_has_no_effect_and_another_value_is_refused():
     """communication_data_type "fp32" (written out in many configs) is what tiertrain does: it
     was refused as if it asked for something else."""

@@ -708,6 +708,8 @@ def read_file(path: str) -> dict:
     except (yaml.YAMLError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         kind = "TOML" if ext == ".toml" else "YAML"
         raise ConfigError(f"config file {path!r} is not valid {kind}: {' '.join(str(e).split())}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path!r} nests its values deeper than a config's few levels") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path!r} must hold a table at the top level")
     return data

@@ -82,8 +82,12 @@ def read_deepspeed(source: str | os.PathLike | dict) -> dict:
             data = json.load(f)
     except FileNotFoundError:
         raise ConfigError(f"--deepspeed={path!r} does not exist: expected a DeepSpeed JSON config") from None
-    except json.JSONDecodeError as e:
+    except OSError as e:
+        raise ConfigError(f"--deepspeed={path!r} cannot be read: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"--deepspeed={path!r} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"--deepspeed={path!r} nests its values deeper than a JSON config's few levels") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--deepspeed={path!r} holds a {type(data).__name__}, expected a JSON object of config keys")
     return data
@@ -123,23 +127,28 @@ def _auto(value: Any) -> bool:
     return isinstance(value, str) and value == AUTO
 
 
-def _number(key: str, value: Any, integer: bool = False, minimum: float | None = 0) -> float | int:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and integer:
-        ok = float(value).is_integer()
-    if not ok or (minimum is not None and value < minimum):
+def _number(key: str, value: Any, integer: bool = False, minimum: float | None = 0,
+            maximum: float | None = None) -> float | int:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    try:
+        ok = ok and math.isfinite(value) and (not integer or float(value).is_integer())
+    except OverflowError:  # (an integer beyond any float)
+        ok = False
+    if not ok or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         kind = "an integer" if integer else "a number"
+        bounds = [f">= {minimum}"] * (minimum is not None) + [f"<= {maximum}"] * (maximum is not None)
         raise ConfigError(f"DeepSpeed {key}={value!r} is invalid: expected {kind}"
-                          + (f" >= {minimum}" if minimum is not None else "") + ' or "auto"')
+                          + (f" {' and '.join(bounds)}" if bounds else "") + ' or "auto"')
     return int(value) if integer else float(value)
 
 
-def _mapped(path: str, integer: bool = False, minimum: float | None = 0, convert=None, note: str = ""):
+def _mapped(path: str, integer: bool = False, minimum: float | None = 0, convert=None, note: str = "",
+            maximum: float | None = None):
     def handle(t: Translation, key: str, value: Any) -> None:
         if _auto(value):
             t.fates.append((key, f"auto: tiertrain's {path}"))
             return
-        number = _number(key, value, integer, minimum)
+        number = _number(key, value, integer, minimum, maximum)
         t.set(key, path, convert(number) if convert else number, note)
     return handle
 
@@ -204,8 +213,9 @@ def _fp16(t: Translation, key: str, value: Any) -> None:
             else:
                 t.no_effect(name, "0: dynamic loss scaling, tiertrain's")
         elif sub == "initial_scale_power":
+            # (2 ** 128 and above is no fp32 number: every scaled loss would overflow)
             _mapped("precision.loss_scale.initial_scale", integer=True, convert=lambda p: float(2 ** p),
-                    note="2 ** initial_scale_power")(t, name, v)
+                    note="2 ** initial_scale_power", maximum=127)(t, name, v)
         elif sub == "loss_scale_window":
             _mapped("precision.loss_scale.growth_interval", integer=True, minimum=1)(t, name, v)
         elif sub == "hysteresis":
@@ -222,11 +232,21 @@ def _fp16(t: Translation, key: str, value: Any) -> None:
             t.refuse(name, "not an fp16 key tiertrain knows")
 
 
+def _params(key: str, value: dict) -> dict:
+    """The section's "params" object ({} where absent or null)."""
+    params = value.get("params")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"DeepSpeed {key}.params={params!r} is invalid: expected an object of parameters")
+    return params
+
+
 def _optimizer(t: Translation, key: str, value: Any) -> None:
     if not isinstance(value, dict):
         raise ConfigError(f"DeepSpeed {key}={value!r} is invalid: expected an object with type and params")
     kind = str(value.get("type", "")).lower()
-    params = value.get("params") or {}
+    params = _params(key, value)
     adamw = kind == "adamw" or (kind in ("adam", "cpuadam", "fusedadam") and params.get("adam_w_mode", True))
     if kind == "muon":
         t.refuse(f"{key}.type", f"{value.get('type')!r}: pass Muon in code, with AdamW for the parameters that are "
@@ -268,7 +288,7 @@ def _scheduler(t: Translation, key: str, value: Any) -> None:
     ratio, linear or log, then constant, linear or cosine decay)."""
     if not isinstance(value, dict):
         raise ConfigError(f"DeepSpeed {key}={value!r} is invalid: expected an object with type and params")
-    kind, params = value.get("type"), value.get("params") or {}
+    kind, params = value.get("type"), _params(key, value)
     if kind not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
         t.refuse(f"{key}.type", f"{kind!r}: tiertrain maps WarmupLR, WarmupDecayLR and WarmupCosineLR; another "
                                 f"schedule is passed in code (lr_scheduler=)")

@@ -1,0 +1,244 @@
+"""A fuzzer of the configs users bring: DeepSpeed JSON configs (tests/deepspeed_configs/, as a
+dict and as a file's text) translated by ``tiertrain train --deepspeed`` and by the Trainer
+integration (``TrainingArguments`` + ``deepspeed=``), and tiertrain's own config (a dict, as a
+YAML file gives it, and ``--section.key=value`` overrides), each with values replaced by
+others of every JSON type (negative, huge, NaN, infinite, empty, nested), keys removed or
+added.
+
+Every case must end in a config or in ``ConfigError`` naming the bad value, never in another
+exception (a raw traceback for the user) or an unbounded computation (each case runs under an
+address-space limit, so a value that makes the translation allocate without bound is found
+as a MemoryError).
+
+    python tests/fuzz_configs.py --cases 20000 --seed 3     # a longer run than CI's
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import glob
+import json
+import os
+import random
+import resource
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+VALUES = [None, True, False, 0, 1, -1, 2, 3, 7, 0.5, -0.5, 1e30, float("nan"), float("inf"), -float("inf"),
+          2 ** 70, -2 ** 70, "auto", "", "x", "true", "1e-3", "cpu", "nvme", "none", "bf16", "fp16", "all",
+          "linear", "cosine", "1f1b", "ring", [], [1], [0.9, 0.99], ["a", "b", "c"], {}, {"a": 1}, {"enabled": True}]
+"""What a mutation puts in place of a value (a deep copy of one)."""
+SECTION_KEYS = ["enabled", "type", "params", "device", "stage", "lr", "pin_memory", "x"]
+MEMORY_LIMIT = 6 << 30
+"""The address space a case may add to the process's (bytes): a translation that allocates
+beyond it is a finding."""
+
+
+@dataclass
+class Findings:
+    cases: int = 0
+    accepted: int = 0
+    refused: int = 0
+    raw: dict = field(default_factory=dict)
+    """Where a raw exception came from (its type and the library's last frame) -> one case."""
+    seconds: float = 0.0
+
+    def failures(self) -> list[str]:
+        return [f"{where}: {case}" for where, case in self.raw.items()]
+
+
+def _paths(d: dict, prefix: tuple = ()):
+    for k, v in d.items():
+        yield prefix + (k,)
+        if isinstance(v, dict):
+            yield from _paths(v, prefix + (k,))
+
+
+def mutated(rng: random.Random, config: dict) -> dict:
+    """The config with 1-4 values replaced, keys removed or keys added to a section."""
+    config = copy.deepcopy(config)
+    for _ in range(rng.randint(1, 4)):
+        paths = list(_paths(config))
+        if not paths:
+            config["x"] = 1
+            continue
+        *above, last = rng.choice(paths)
+        target = config
+        for k in above:
+            target = target[k]
+        op = rng.random()
+        if op < 0.7:
+            target[last] = copy.deepcopy(rng.choice(VALUES))
+        elif op < 0.85:
+            del target[last]
+        elif isinstance(target[last], dict):
+            target[last][rng.choice(SECTION_KEYS)] = copy.deepcopy(rng.choice(VALUES))
+    return config
+
+
+def mutated_text(rng: random.Random, text: str) -> bytes:
+    """A config file's text with characters changed, removed, bytes that are no UTF-8, or
+    nesting without end."""
+    op = rng.random()
+    if op < 0.35:
+        i = rng.randrange(len(text))
+        return (text[:i] + rng.choice('{}[]",:0-eE.\\ xn=#\n\t') + text[i + 1:]).encode()
+    if op < 0.6:
+        i, j = sorted(rng.randrange(len(text)) for _ in range(2))
+        return (text[:i] + text[j:]).encode()
+    if op < 0.75:
+        i = rng.randrange(len(text))
+        return text[:i].encode() + bytes([rng.choice([0x80, 0xff, 0xc3, 0x00])]) + text[i:].encode()
+    depth = rng.choice([100, 10_000, 200_000])
+    return rng.choice(["[" * depth + "]" * depth, '{"a":' * depth + "1" + "}" * depth, "[" * depth,
+                       "a:\n" + "".join(" " * i + "- \n" for i in range(0, min(depth, 3000), 2)),
+                       "a = " + "[" * depth]).encode()
+
+
+def _toml(config: dict) -> str:
+    """tiertrain's config as TOML (tables of scalars and lists; null values left out)."""
+    lines = [f"{k} = {json.dumps(v)}" for k, v in config.items() if v is not None and not isinstance(v, dict)]
+    for section, values in config.items():
+        if not isinstance(values, dict):
+            continue
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items() if v is not None and not isinstance(v, dict)]
+    return "\n".join(lines) + "\n"
+
+
+def _deepspeed_configs() -> list[dict]:
+    return [json.load(open(p)) for p in sorted(glob.glob(os.path.join(HERE, "deepspeed_configs", "*.json")))]
+
+
+class _Surfaces:
+    """Where a user's config enters, each a function of the mutated config."""
+
+    def __init__(self, scratch: str):
+        from tiertrain.config import to_dict
+        from tiertrain.train import TrainConfig
+
+        self.scratch = scratch
+        self.deepspeed = _deepspeed_configs()
+        self.own = to_dict(TrainConfig())
+        self.arguments = None
+        try:
+            import transformers
+
+            self.arguments = transformers.TrainingArguments(output_dir=os.path.join(scratch, "out"), report_to="none",
+                                                            use_cpu=True)
+        except ImportError:
+            pass
+
+    def case(self, rng: random.Random):
+        """(what the case is, a function raising ConfigError or returning)."""
+        from tiertrain.cli.common import load_with_deepspeed
+        from tiertrain.config import from_dict, merge, parse_overrides, to_dict
+        from tiertrain.train import TrainConfig
+
+        kind = rng.choice(["deepspeed-cli", "deepspeed-trainer", "deepspeed-text", "own-dict", "own-overrides",
+                           "own-file"])
+        if kind == "deepspeed-trainer" and self.arguments is None:
+            kind = "deepspeed-cli"
+        if kind.startswith("deepspeed"):
+            config = mutated(rng, rng.choice(self.deepspeed))
+            if kind == "deepspeed-cli":
+                return config, lambda: load_with_deepspeed(None, [], config)
+            if kind == "deepspeed-trainer":
+                from tiertrain.integrations.hf_arguments import config_from_training_arguments, deepspeed_schedule
+
+                def trainer():
+                    config_from_training_arguments(self.arguments, deepspeed=config)
+                    deepspeed_schedule(config, self.arguments, 100)
+                return config, trainer
+            path = os.path.join(self.scratch, "ds.json")
+            text = mutated_text(rng, json.dumps(rng.choice(self.deepspeed)))
+            with open(path, "wb") as f:
+                f.write(text)
+            return repr(text[:300]), lambda: load_with_deepspeed(None, [], path)
+        config = mutated(rng, self.own)
+        if kind == "own-file":
+            import yaml
+
+            path = os.path.join(self.scratch, rng.choice(["c.yaml", "c.toml"]))
+            text = yaml.safe_dump(self.own) if path.endswith(".yaml") else _toml(self.own)
+            with open(path, "wb") as f:
+                f.write(mutated_text(rng, text))
+            return path, lambda: load_with_deepspeed(path, [], None)
+        if kind == "own-dict":
+            return config, lambda: from_dict(TrainConfig, config).validate()
+        overrides = []
+        for path in _paths(config):
+            value = config
+            for k in path:
+                value = value[k]
+            if not isinstance(value, dict) and rng.random() < 0.05:
+                overrides.append(f"--{'.'.join(path)}={value}")
+        return overrides, lambda: from_dict(TrainConfig, merge(to_dict(TrainConfig()),
+                                                               parse_overrides(overrides))).validate()
+
+
+def run_case(rng: random.Random, surfaces: _Surfaces, findings: Findings) -> None:
+    from tiertrain.config import ConfigError
+
+    what, translate = surfaces.case(rng)
+    findings.cases += 1
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            translate()
+        findings.accepted += 1
+    except ConfigError:
+        findings.refused += 1
+    except Exception as e:  # noqa: BLE001 - what the fuzzer looks for
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if f"{os.sep}tiertrain{os.sep}" in f.filename]
+        where = f"{type(e).__name__} at " + (f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}"
+                                             if frames else "the caller")
+        findings.raw.setdefault(where, f"{str(e)[:200]!r} from {json.dumps(what, default=repr)[:400]}")
+
+
+def fuzz(cases: int, seed: int, budget_s: float) -> Findings:
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as f:  # (the process's address space now, in pages: a pytest run's is large)
+        now = int(f.read().split()[0]) * resource.getpagesize()
+    limit = now + MEMORY_LIMIT if hard == resource.RLIM_INFINITY else min(now + MEMORY_LIMIT, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        with tempfile.TemporaryDirectory(prefix="tiertrain-fuzz-configs-") as scratch:
+            surfaces = _Surfaces(scratch)
+            rng = random.Random(seed)
+            findings = Findings()
+            start = time.monotonic()
+            while findings.cases < cases and time.monotonic() - start < budget_s:
+                run_case(rng, surfaces, findings)
+            findings.seconds = time.monotonic() - start
+            return findings
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", type=int, default=10_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-s", type=float, default=600.0)
+    args = p.parse_args(argv)
+    f = fuzz(args.cases, args.seed, args.budget_s)
+    print(f"{f.cases} cases in {f.seconds:.0f} s: {f.accepted} accepted, {f.refused} refused; "
+          f"{len(f.raw)} kinds of raw error")
+    for line in f.failures()[:50]:
+        print("  " + line)
+    if f.cases < args.cases:
+        print(f"only {f.cases} of {args.cases} cases within --budget-s {args.budget_s:g}")
+        return 1
+    return 1 if f.failures() else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(HERE))
+    sys.exit(main())
