@@ -1,11 +1,12 @@
 """A fuzzer of the configs users bring: DeepSpeed JSON configs (tests/deepspeed_configs/, as a
 dict and as a file's text) translated by ``tiertrain train --deepspeed`` and by the Trainer
-integration (``TrainingArguments`` + ``deepspeed=``), and tiertrain's own config (a dict, as a
-YAML file gives it, and ``--section.key=value`` overrides), each with values replaced by
-others of every JSON type (negative, huge, NaN, infinite, empty, nested), keys removed or
-added.
+integration (``TrainingArguments`` + ``deepspeed=``), tiertrain's own config (a dict, YAML and
+TOML files, ``--section.key=value`` overrides), and a Hugging Face ``config.json`` read by the
+estimator (``--hf-config``), each with values replaced by others of every JSON type (negative,
+huge, NaN, infinite, empty, nested), keys removed or added.
 
-Every case must end in a config or in ``ConfigError`` naming the bad value, never in another
+Every case must end in a result or in the library's error naming the bad value (ConfigError;
+ValueError for a Hugging Face config), never in another
 exception (a raw traceback for the user) or an unbounded computation (each case runs under an
 address-space limit, so a value that makes the translation allocate without bound is found
 as a MemoryError).
@@ -130,21 +131,38 @@ class _Surfaces:
         try:
             import transformers
 
+            transformers.logging.set_verbosity_error()  # (its notes on each odd config)
             self.arguments = transformers.TrainingArguments(output_dir=os.path.join(scratch, "out"), report_to="none",
                                                             use_cpu=True)
+            small = dict(vocab_size=64, num_attention_heads=4)
+            self.hf_configs = [
+                transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_key_value_heads=2, **small).to_dict(),
+                transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, **small).to_dict(),
+                transformers.T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8).to_dict()]
         except ImportError:
             pass
 
-    def case(self, rng: random.Random):
+    def case(self, rng: random.Random):  # noqa: C901 - one branch per surface
         """(what the case is, a function raising ConfigError or returning)."""
         from tiertrain.cli.common import load_with_deepspeed
         from tiertrain.config import from_dict, merge, parse_overrides, to_dict
         from tiertrain.train import TrainConfig
 
         kind = rng.choice(["deepspeed-cli", "deepspeed-trainer", "deepspeed-text", "own-dict", "own-overrides",
-                           "own-file"])
-        if kind == "deepspeed-trainer" and self.arguments is None:
+                           "own-file", "hf-config"])
+        if kind in ("deepspeed-trainer", "hf-config") and self.arguments is None:
             kind = "deepspeed-cli"
+        if kind == "hf-config":
+            from tiertrain.estimate.modules import dims_of_hf_config
+
+            config = copy.deepcopy(rng.choice(self.hf_configs))
+            for _ in range(rng.randint(1, 2)):
+                config[rng.choice(sorted(config))] = copy.deepcopy(rng.choice(VALUES))
+            path = os.path.join(self.scratch, "config.json")
+            with open(path, "w") as f:
+                json.dump(config, f)
+            return config, lambda: dims_of_hf_config(path, seq_len=16)
         if kind.startswith("deepspeed"):
             config = mutated(rng, rng.choice(self.deepspeed))
             if kind == "deepspeed-cli":
@@ -187,13 +205,14 @@ def run_case(rng: random.Random, surfaces: _Surfaces, findings: Findings) -> Non
     from tiertrain.config import ConfigError
 
     what, translate = surfaces.case(rng)
+    refusal = ValueError if isinstance(what, dict) and "model_type" in what else ConfigError
     findings.cases += 1
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             translate()
         findings.accepted += 1
-    except ConfigError:
+    except refusal:
         findings.refused += 1
     except Exception as e:  # noqa: BLE001 - what the fuzzer looks for
         frames = [f for f in traceback.extract_tb(e.__traceback__) if f"{os.sep}tiertrain{os.sep}" in f.filename]

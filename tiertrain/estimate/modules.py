@@ -378,6 +378,9 @@ def load_hf_config(path_or_config: Any):
     except (ValueError, KeyError) as e:
         raise ValueError(f"--hf-config {path!r}: model_type {data['model_type']!r} is unknown to transformers "
                          f"({e})") from None
+    except Exception as e:  # (transformers' own checks of the values: TypeError, its validation errors)
+        raise ValueError(f"--hf-config {path!r} is not a config transformers accepts ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:300]})") from None
 
 
 def _kind(config: Any) -> str:
@@ -484,8 +487,15 @@ def dims_of_hf_config(path_or_config: Any, seq_len: int | None = None) -> HFMode
     tokens per sequence (None: the config's max_position_embeddings / n_positions)."""
     config = load_hf_config(path_or_config)
     source = os.fspath(path_or_config) if isinstance(path_or_config, (str, os.PathLike)) else type(config).__name__
-    _spec(config)  # an unsupported family fails before building anything
-    return _dims(config, build_meta_model(config), seq_len, None, source)
+    try:
+        _spec(config)  # an unsupported family fails before building anything
+        module = build_meta_model(config)
+    except ValueError:
+        raise
+    except Exception as e:  # (sizes of no model: zero heads, a string width, a negative dimension)
+        raise ValueError(f"hf config {source!r} describes no model transformers can build ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:300]}): its sizes must be positive integers") from None
+    return _dims(config, module, seq_len, None, source)
 
 
 def dims_of_module(module: nn.Module, seq_len: int) -> HFModelDims:
