@@ -174,7 +174,8 @@ def test_plain_module_and_bad_inputs_raise_clearly(tmp_path):
         dims_of_hf_config(CONFIGS["gpt2"], 0)
     bert = transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                    vocab_size=64).to_dict()
-    for change, raised in (({"num_attention_heads": 0}, "ZeroDivisionError"), ({"intermediate_size": -64}, "RuntimeError")):
+    for change, raised in (({"num_attention_heads": 0}, "ZeroDivisionError"),
+                           ({"intermediate_size": -64}, "RuntimeError")):
         (tmp_path / "z.json").write_text(json.dumps({**bert, **change}))
         with pytest.raises(ValueError, match=rf"describes no model transformers can build \({raised}: .*\): its sizes"):
             dims_of_hf_config(tmp_path / "z.json")

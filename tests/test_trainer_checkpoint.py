@@ -277,6 +277,6 @@ def test_a_peft_adapter_checkpoint_resumes_its_adapters_and_their_moments(tmp_pa
 
         return peft.get_peft_model(build_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"]))
 
-    with pytest.raises(CheckpointError, match=r"the adapter's tensors \['base_model.model.model.layers.0.self_attn.v_proj"
-                                              r".lora_A.weight'.* are none of this peft model's"):
+    with pytest.raises(CheckpointError, match=r"the adapter's tensors \['base_model.model.model.layers.0.self_attn."
+                                              r"v_proj.lora_A.weight'.* are none of this peft model's"):
         _resumed(checkpoint, str(tmp_path / "other"), STEPS + 1, build=query_only)

@@ -33,8 +33,8 @@ reduced over the data-parallel ranks during backward); ``optimizer.step()`` is `
 ``no_grad``; ``save_model`` is the engine's collective ``save_pretrained``; the checkpoints of
 ``save_steps`` hold that export plus ``engine.save_checkpoint`` (optimizer, schedule, RNG), which
 ``train(resume_from_checkpoint=...)`` loads (as it loads a checkpoint that Trainer saved with
-DeepSpeed: ``engine.load_deepspeed_checkpoint``; with FSDP: ``engine.load_dcp_checkpoint``; or on
-its own: tiertrain/state/trainer_checkpoint.py). Accelerate still shards the data loaders and
+DeepSpeed: ``engine.load_deepspeed_checkpoint``; with FSDP, sharded or whole, or on its own, a
+peft run's too: tiertrain/state/trainer_checkpoint.py). Accelerate still shards the data loaders and
 gathers metrics over the existing process group; it never wraps the model (no DDP) and never
 autocasts (the engine's ``precision.dtype`` is the compute dtype).
 

@@ -1,6 +1,7 @@
-"""A checkpoint transformers' Trainer saved on its own (no DeepSpeed, no FSDP): ``checkpoint-N/``
-holding the model's weights (``model.safetensors``, sharded beside its index, or
-``pytorch_model.bin``) and ``optimizer.pt``, torch's optimizer state dict, which keys each
+"""The checkpoints transformers' Trainer saves without tiertrain (DeepSpeed's excepted:
+tiertrain/state/deepspeed_checkpoint.py). On its own, ``checkpoint-N/`` holds the model's
+weights (``model.safetensors``, sharded beside its index, or ``pytorch_model.bin``; a peft
+model's adapter alone) and ``optimizer.pt``, torch's optimizer state dict, which keys each
 parameter's state by its number in the optimizer's param groups and so names no parameter.
 The Trainer builds those groups by a rule (``Trainer.create_optimizer``: the parameters it
 decays, then the others, each in the model's order), so given the rule's groups the numbers
@@ -241,5 +242,5 @@ def _load_full_state_dicts(engine: "TrainingCore", directory: str, counts: dict)
     return load_items(engine, directory, [state], where, **counts)
 
 
-__all__ = ["ADAPTER_FILES", "FSDP_FULL_FILES", "FSDP_SHARDED_DIRECTORY", "OPTIMIZER_FILE", "SCALER_FILE", "load", "loss_scale",
-           "adapter_named", "model_named", "named_state", "saved_by_trainer", "weights"]
+__all__ = ["ADAPTER_FILES", "FSDP_FULL_FILES", "FSDP_SHARDED_DIRECTORY", "OPTIMIZER_FILE", "SCALER_FILE",
+           "adapter_named", "load", "loss_scale", "model_named", "named_state", "saved_by_trainer", "weights"]
