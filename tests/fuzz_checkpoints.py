@@ -20,7 +20,6 @@ memory).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -489,22 +488,12 @@ def fuzz(cases: int, seed: int, budget_s: float, root: str | None = None) -> Fin
             shutil.rmtree(root, ignore_errors=True)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", type=int, default=10_000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget-s", type=float, default=600.0)
-    args = p.parse_args(argv)
-    f = fuzz(args.cases, args.seed, args.budget_s)
-    print(f"{f.cases} cases in {f.seconds:.0f} s: {f.accepted} accepted, {f.refused} refused; "
-          f"{len(f.hangs)} hangs, {len(f.raw)} raw errors, {len(f.outside)} reads outside, {len(f.leaked)} leaks")
-    for line in f.failures()[:50]:
-        print("  " + line)
-    if f.cases < args.cases:
-        print(f"only {f.cases} of {args.cases} cases within --budget-s {args.budget_s:g}")
-        return 1
-    return 1 if f.failures() else 0
+def _summary(f: Findings) -> str:
+    return (f"{f.accepted} accepted, {f.refused} refused; {len(f.hangs)} hangs, {len(f.raw)} raw errors, "
+            f"{len(f.outside)} reads outside, {len(f.leaked)} leaks")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fuzzing import main
+
+    sys.exit(main(__doc__.splitlines()[0], fuzz, _summary))

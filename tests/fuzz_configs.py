@@ -15,7 +15,6 @@ as a MemoryError).
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import glob
 import json
@@ -118,7 +117,8 @@ def _deepspeed_configs() -> list[dict]:
 
 
 class _Surfaces:
-    """Where a user's config enters, each a function of the mutated config."""
+    """Where a user's config enters: one method per entry point, each returning (what the case
+    is, a function that translates it, the error it may raise instead)."""
 
     def __init__(self, scratch: str):
         from tiertrain.config import to_dict
@@ -127,69 +127,67 @@ class _Surfaces:
         self.scratch = scratch
         self.deepspeed = _deepspeed_configs()
         self.own = to_dict(TrainConfig())
-        self.arguments = None
+        self.entries = [self.deepspeed_cli, self.deepspeed_file, self.own_dict, self.own_overrides, self.own_file]
         try:
             import transformers
-
-            transformers.logging.set_verbosity_error()  # (its notes on each odd config)
-            self.arguments = transformers.TrainingArguments(output_dir=os.path.join(scratch, "out"), report_to="none",
-                                                            use_cpu=True)
-            small = dict(vocab_size=64, num_attention_heads=4)
-            self.hf_configs = [
-                transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_key_value_heads=2, **small).to_dict(),
-                transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, **small).to_dict(),
-                transformers.T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8).to_dict()]
         except ImportError:
-            pass
+            return
+        transformers.logging.set_verbosity_error()  # (its notes on each odd config)
+        self.arguments = transformers.TrainingArguments(output_dir=os.path.join(scratch, "out"), report_to="none",
+                                                        use_cpu=True)
+        small = dict(vocab_size=64, num_attention_heads=4)
+        self.hf_configs = [
+            transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2,
+                                     **small).to_dict(),
+            transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, **small).to_dict(),
+            transformers.T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8).to_dict()]
+        self.entries += [self.deepspeed_trainer, self.hf_config]
 
-    def case(self, rng: random.Random):  # noqa: C901 - one branch per surface
-        """(what the case is, a function raising ConfigError or returning)."""
+    def deepspeed_cli(self, rng: random.Random):
+        """tiertrain train --deepspeed, given the config as a dict."""
         from tiertrain.cli.common import load_with_deepspeed
-        from tiertrain.config import from_dict, merge, parse_overrides, to_dict
+        from tiertrain.config import ConfigError
+
+        config = mutated(rng, rng.choice(self.deepspeed))
+        return config, lambda: load_with_deepspeed(None, [], config), ConfigError
+
+    def deepspeed_trainer(self, rng: random.Random):
+        """TrainingArguments with a DeepSpeed config, as TiertrainTrainer translates it."""
+        from tiertrain.config import ConfigError
+        from tiertrain.integrations.hf_arguments import config_from_training_arguments, deepspeed_schedule
+
+        config = mutated(rng, rng.choice(self.deepspeed))
+
+        def translate():
+            config_from_training_arguments(self.arguments, deepspeed=config)
+            deepspeed_schedule(config, self.arguments, 100)
+        return config, translate, ConfigError
+
+    def deepspeed_file(self, rng: random.Random):
+        """tiertrain train --deepspeed FILE, the file's text mutated."""
+        from tiertrain.cli.common import load_with_deepspeed
+        from tiertrain.config import ConfigError
+
+        path = os.path.join(self.scratch, "ds.json")
+        text = mutated_text(rng, json.dumps(rng.choice(self.deepspeed)))
+        with open(path, "wb") as f:
+            f.write(text)
+        return repr(text[:300]), lambda: load_with_deepspeed(None, [], path), ConfigError
+
+    def own_dict(self, rng: random.Random):
+        """tiertrain's config as a dict (what a YAML file gives)."""
+        from tiertrain.config import ConfigError, from_dict
         from tiertrain.train import TrainConfig
 
-        kind = rng.choice(["deepspeed-cli", "deepspeed-trainer", "deepspeed-text", "own-dict", "own-overrides",
-                           "own-file", "hf-config"])
-        if kind in ("deepspeed-trainer", "hf-config") and self.arguments is None:
-            kind = "deepspeed-cli"
-        if kind == "hf-config":
-            from tiertrain.estimate.modules import dims_of_hf_config
-
-            config = copy.deepcopy(rng.choice(self.hf_configs))
-            for _ in range(rng.randint(1, 2)):
-                config[rng.choice(sorted(config))] = copy.deepcopy(rng.choice(VALUES))
-            path = os.path.join(self.scratch, "config.json")
-            with open(path, "w") as f:
-                json.dump(config, f)
-            return config, lambda: dims_of_hf_config(path, seq_len=16)
-        if kind.startswith("deepspeed"):
-            config = mutated(rng, rng.choice(self.deepspeed))
-            if kind == "deepspeed-cli":
-                return config, lambda: load_with_deepspeed(None, [], config)
-            if kind == "deepspeed-trainer":
-                from tiertrain.integrations.hf_arguments import config_from_training_arguments, deepspeed_schedule
-
-                def trainer():
-                    config_from_training_arguments(self.arguments, deepspeed=config)
-                    deepspeed_schedule(config, self.arguments, 100)
-                return config, trainer
-            path = os.path.join(self.scratch, "ds.json")
-            text = mutated_text(rng, json.dumps(rng.choice(self.deepspeed)))
-            with open(path, "wb") as f:
-                f.write(text)
-            return repr(text[:300]), lambda: load_with_deepspeed(None, [], path)
         config = mutated(rng, self.own)
-        if kind == "own-file":
-            import yaml
+        return config, lambda: from_dict(TrainConfig, config).validate(), ConfigError
 
-            path = os.path.join(self.scratch, rng.choice(["c.yaml", "c.toml"]))
-            text = yaml.safe_dump(self.own) if path.endswith(".yaml") else _toml(self.own)
-            with open(path, "wb") as f:
-                f.write(mutated_text(rng, text))
-            return path, lambda: load_with_deepspeed(path, [], None)
-        if kind == "own-dict":
-            return config, lambda: from_dict(TrainConfig, config).validate()
+    def own_overrides(self, rng: random.Random):
+        """--section.key=value overrides of tiertrain's config."""
+        from tiertrain.config import ConfigError, from_dict, merge, parse_overrides, to_dict
+        from tiertrain.train import TrainConfig
+
+        config = mutated(rng, self.own)
         overrides = []
         for path in _paths(config):
             value = config
@@ -198,14 +196,36 @@ class _Surfaces:
             if not isinstance(value, dict) and rng.random() < 0.05:
                 overrides.append(f"--{'.'.join(path)}={value}")
         return overrides, lambda: from_dict(TrainConfig, merge(to_dict(TrainConfig()),
-                                                               parse_overrides(overrides))).validate()
+                                                               parse_overrides(overrides))).validate(), ConfigError
+
+    def own_file(self, rng: random.Random):
+        """tiertrain train --config FILE, a YAML or TOML file's text mutated."""
+        import yaml
+
+        from tiertrain.cli.common import load_with_deepspeed
+        from tiertrain.config import ConfigError
+
+        path = os.path.join(self.scratch, rng.choice(["c.yaml", "c.toml"]))
+        text = yaml.safe_dump(self.own) if path.endswith(".yaml") else _toml(self.own)
+        with open(path, "wb") as f:
+            f.write(mutated_text(rng, text))
+        return path, lambda: load_with_deepspeed(path, [], None), ConfigError
+
+    def hf_config(self, rng: random.Random):
+        """tiertrain estimate --hf-config config.json, a few of its values replaced."""
+        from tiertrain.estimate.modules import dims_of_hf_config
+
+        config = copy.deepcopy(rng.choice(self.hf_configs))
+        for _ in range(rng.randint(1, 2)):
+            config[rng.choice(sorted(config))] = copy.deepcopy(rng.choice(VALUES))
+        path = os.path.join(self.scratch, "config.json")
+        with open(path, "w") as f:
+            json.dump(config, f)
+        return config, lambda: dims_of_hf_config(path, seq_len=16), ValueError
 
 
 def run_case(rng: random.Random, surfaces: _Surfaces, findings: Findings) -> None:
-    from tiertrain.config import ConfigError
-
-    what, translate = surfaces.case(rng)
-    refusal = ValueError if isinstance(what, dict) and "model_type" in what else ConfigError
+    what, translate, refusal = rng.choice(surfaces.entries)(rng)
     findings.cases += 1
     try:
         with warnings.catch_warnings():
@@ -241,23 +261,12 @@ def fuzz(cases: int, seed: int, budget_s: float) -> Findings:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", type=int, default=10_000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget-s", type=float, default=600.0)
-    args = p.parse_args(argv)
-    f = fuzz(args.cases, args.seed, args.budget_s)
-    print(f"{f.cases} cases in {f.seconds:.0f} s: {f.accepted} accepted, {f.refused} refused; "
-          f"{len(f.raw)} kinds of raw error")
-    for line in f.failures()[:50]:
-        print("  " + line)
-    if f.cases < args.cases:
-        print(f"only {f.cases} of {args.cases} cases within --budget-s {args.budget_s:g}")
-        return 1
-    return 1 if f.failures() else 0
+def _summary(f: Findings) -> str:
+    return f"{f.accepted} accepted, {f.refused} refused; {len(f.raw)} kinds of raw error"
 
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(HERE))
-    sys.exit(main())
+    from fuzzing import main
+
+    sys.exit(main(__doc__.splitlines()[0], fuzz, _summary))

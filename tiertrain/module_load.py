@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from .errors import TiertrainError, listing
-from .unit_values import write_into_units
+from .unit_values import ValuesInMemory, write_into_units
 from .zero.construct import full_shape
 
 if TYPE_CHECKING:
@@ -38,19 +38,6 @@ class LoadedValuesDifferError(TiertrainError, RuntimeError):
     """Data-parallel ranks gave model.load_state_dict() different parameters or values."""
 
     exit_code = 1
-
-
-class _Values:
-    """The state dict's values the engine took, as a ValueSource (tiertrain/unit_values.py)."""
-
-    def __init__(self, values: dict[str, torch.Tensor]):
-        self.values = values
-
-    def read(self, key: str) -> torch.Tensor:
-        return self.values[key].detach()
-
-    def read_flat(self, key: str, shape: tuple[int, ...], start: int, end: int) -> torch.Tensor:
-        return self.values[key].detach().reshape(-1)[start:end]
 
 
 def _digest(text: str) -> int:
@@ -137,7 +124,7 @@ class ModuleLoad:
         self._check_same_on_every_rank(taken)
         with torch.no_grad():
             write_into_units(engine, {name: key for name, key, _ in taken},
-                             _Values({key: value for _, key, value in taken}))
+                             ValuesInMemory({key: value for _, key, value in taken}))
 
     def _check_same_on_every_rank(self, taken: list[tuple[str, str, torch.Tensor]]) -> None:
         """Raise LoadedValuesDifferError on every rank unless every data-parallel rank loads

@@ -28,6 +28,26 @@ class ValueSource(Protocol):
         """Elements [start, end) of the row-major flattened tensor of this shape."""
 
 
+class ValuesInMemory:
+    """A ValueSource of tensors in memory, by name (a state dict's values); also tells its keys
+    and each value's shape, as a checkpoint reader does (tiertrain/state/hf_conversion.py)."""
+
+    def __init__(self, values: dict[str, torch.Tensor]):
+        self.values = values
+
+    def keys(self) -> list[str]:
+        return list(self.values)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.values[key].shape)
+
+    def read(self, key: str) -> torch.Tensor:
+        return self.values[key].detach()
+
+    def read_flat(self, key: str, shape: tuple[int, ...], start: int, end: int) -> torch.Tensor:
+        return self.values[key].detach().reshape(-1)[start:end]
+
+
 def write_into_units(engine: "TrainingCore", keys: dict[str, str], source: ValueSource) -> set[str]:
     """Write the value of each layout parameter named in ``keys`` (slot name → the source's
     key) into its unit on this rank; returns the names of every parameter the layout holds
@@ -116,4 +136,4 @@ class MasterShards:
         return shard if self._read_one is not None else shard.detach().clone()
 
 
-__all__ = ["MasterShards", "ValueSource", "write_into_units"]
+__all__ = ["MasterShards", "ValueSource", "ValuesInMemory", "write_into_units"]

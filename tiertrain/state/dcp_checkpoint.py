@@ -23,8 +23,8 @@ import torch
 
 from .checkpoint import CheckpointError
 from .dcp_files import METADATA, DcpCheckpoint, DcpItem
-from .foreign import ForeignRun, check_adam, check_buffers, copy_held, frozen_kept, held_frozen
-from .reshard import REPLICATED_PARTS, check_reshardable_format, compare_models, load_run
+from .foreign import ForeignRun, check_adam, check_buffers, copy_held, frozen_kept, held_frozen, replicated_at
+from .reshard import check_reshardable_format, compare_models, load_run
 from .saved_run import MASTER
 from .shard_layout import _unit_of, parameter_slots
 from ..update.state_format import TorchOptimizerState
@@ -326,16 +326,11 @@ def load_items(engine: "TrainingCore", path: str, checkpoints: list, where: str,
     transient = {n for module in engine.named_modules_of_state() for n, _ in module.named_buffers()} - set(buffers)
     whole_model = engine.topology.size("pp") == 1
     model = DcpModel(path, checkpoints, _aliases(engine), trained, frozen, buffers, whole_model, transient)
-    replicated = {name: parts[name].state_dict() for name in REPLICATED_PARTS if name in parts}
     skipped = 0 if counted is None else counted - model.steps
     if skipped < 0:
         raise CheckpointError(f"{where}: Adam took {model.steps} steps but the run counted {counted}: a checkpoint "
                               f"of another run than its step count's")
-    replicated["train_state"] = {"micro_steps": (model.steps + skipped) * engine.config.batch.grad_accum_steps,
-                                 "steps": model.steps, "skipped_steps": skipped}
-    replicated["update"] = {"schedule": engine.update.schedule.state_dict()}
-    if loss_scale is not None and "scaler" in parts and getattr(parts["scaler"], "enabled", False):
-        replicated["scaler"] = {**replicated["scaler"], **loss_scale, "overflows": skipped}
+    replicated = replicated_at(engine, parts, model.steps, skipped, loss_scale)
     kept = frozen_kept(engine, model, "the trainable parameters alone")
     if kept:
         parts = {name: part for name, part in parts.items() if name != "frozen"}

@@ -15,8 +15,9 @@ import torch
 
 from .checkpoint import CheckpointError
 from .deepspeed_files import DEEPSPEED_OBJECTS, DeepSpeedCheckpoint
-from .foreign import ForeignRun, FrozenKeptWarning, check_adam, check_buffers, copy_held, frozen_kept, held_frozen
-from .reshard import REPLICATED_PARTS, check_reshardable_format, compare_models, load_run
+from .foreign import (ForeignRun, FrozenKeptWarning, check_adam, check_buffers, copy_held, frozen_kept, held_frozen,
+                      replicated_at)
+from .reshard import check_reshardable_format, compare_models, load_run
 from .shard_layout import _unit_of, parameter_slots
 from ..update.state_format import TorchOptimizerState
 
@@ -88,14 +89,9 @@ def load_into(engine: "TrainingCore", directory: str | os.PathLike, tag: str | N
     check_reshardable_format(shards, where)
     check_adam(engine.update, where, "DeepSpeed's")
     parts = engine.checkpoint_parts()
-    replicated = {name: parts[name].state_dict() for name in REPLICATED_PARTS if name in parts}
     # (DeepSpeed's global_steps counts the fp16 steps skipped on overflow too)
     applied = checkpoint.global_steps - checkpoint.skipped_steps
-    replicated["train_state"] = {"micro_steps": checkpoint.global_steps * engine.config.batch.grad_accum_steps,
-                                 "steps": applied, "skipped_steps": checkpoint.skipped_steps}
-    replicated["update"] = {"schedule": engine.update.schedule.state_dict()}
-    if "scaler" in parts and getattr(parts["scaler"], "enabled", False) and checkpoint.loss_scale is not None:
-        replicated["scaler"] = {**replicated["scaler"], **checkpoint.loss_scale}
+    replicated = replicated_at(engine, parts, applied, checkpoint.skipped_steps, checkpoint.loss_scale)
     sharded = {slot.name for _, slot in parameter_slots(shards, "frozen")}
     run = DeepSpeedRun(checkpoint, replicated, [n for n in checkpoint.frozen_shapes if n in sharded])
     kept = frozen_kept(engine, checkpoint, "exclude_frozen_parameters=True")

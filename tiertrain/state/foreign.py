@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .checkpoint import CheckpointError
+from .reshard import REPLICATED_PARTS
 from .saved_run import MASTER, _SavedRun, _slice
 from ..optimizer_list import OptimizerList
 from ..update.state_format import TorchOptimizerState
@@ -50,6 +51,22 @@ class ForeignRun(_SavedRun):
 
     def state(self, piece) -> dict | None:
         return self.state_values(piece, piece.lo, piece.hi)
+
+
+def replicated_at(engine: "TrainingCore", parts: dict, applied: int, skipped: int,
+                  loss_scale: dict | None) -> dict:
+    """What every rank restores of a foreign run beside its shards: this engine's own parts (the
+    RNG), the counters at the saved run's updates applied and fp16 steps skipped on overflow,
+    the schedule as built (a client lr_scheduler is moved to the saved step once the run is
+    loaded: GroupSchedule.fast_forward), and an fp16 engine's loss scale from the saved run's
+    (loss_scale: as tiertrain's scaler keeps it; None: this engine's own)."""
+    replicated = {name: parts[name].state_dict() for name in REPLICATED_PARTS if name in parts}
+    replicated["train_state"] = {"micro_steps": (applied + skipped) * engine.config.batch.grad_accum_steps,
+                                 "steps": applied, "skipped_steps": skipped}
+    replicated["update"] = {"schedule": engine.update.schedule.state_dict()}
+    if loss_scale is not None and "scaler" in parts and getattr(parts["scaler"], "enabled", False):
+        replicated["scaler"] = {**replicated["scaler"], **loss_scale, "overflows": skipped}
+    return replicated
 
 
 def check_adam(update: Any, where: str, whose: str) -> None:

@@ -36,6 +36,7 @@ from .dcp_checkpoint import load_items, open_checkpoints
 from .dcp_files import NestedState
 from .hf_conversion import checkpoint_view
 from ..errors import said
+from ..unit_values import ValuesInMemory
 
 if TYPE_CHECKING:
     from ..training_core import TrainingCore
@@ -101,29 +102,10 @@ def weights(directory: str) -> dict[str, torch.Tensor]:
                           f"pytorch_model.bin)")
 
 
-class _InMemory:
-    """Weights by name, read as hf_conversion reads a checkpoint's files."""
-
-    def __init__(self, values: dict[str, torch.Tensor]):
-        self.values = values
-
-    def keys(self) -> list[str]:
-        return list(self.values)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.values[key].shape)
-
-    def read(self, key: str) -> torch.Tensor:
-        return self.values[key]
-
-    def read_flat(self, key: str, shape: tuple[int, ...], start: int, end: int) -> torch.Tensor:
-        return self.values[key].reshape(-1)[start:end]
-
-
 def model_named(values: dict[str, torch.Tensor], module: torch.nn.Module, where: str) -> dict[str, torch.Tensor]:
     """The saved weights under the module's own names: converted as from_pretrained converts
     them where the module's family is kept otherwise in memory, else as they are."""
-    raw = _InMemory(values)
+    raw = ValuesInMemory(values)
     try:
         view = checkpoint_view(raw, module, where)
     except ValueError as e:  # (tensors that do not fit the family's conversion)
