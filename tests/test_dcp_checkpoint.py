@@ -5,7 +5,9 @@ any layout and tier, with each parameter's value, Adam's moments and step, the f
 buffers. The checkpoints are written here by a real FSDP2 run (``fully_shard``, 2 gloo ranks)."""
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import math
 import os
 import pickle
@@ -25,7 +27,8 @@ from tiertrain.update.protocol import SLOT_NAME
 
 from deepspeed_models import build_llama, no_decay
 from foreign_runs import batches, continued, engine_config, train_on, trainer_resumed
-from reference import Oracle, global_batches, make_config, make_model, rank_slices, rel_distances, tp_gathered
+from reference import (Oracle, global_batches, make_config, make_model, rank_slices, reference_train, rel_distances,
+                       tp_gathered)
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
@@ -309,6 +312,110 @@ def test_a_tensor_parallel_engine_takes_each_rank_its_slice_of_values_and_moment
         oracle.check(losses, params, f"a GPT saved with DCP moved to tp=2, rank {rank}")
 
 
+def _adafactor(params):
+    from transformers.optimization import Adafactor
+
+    return Adafactor(params, lr=1e-2, scale_parameter=False, relative_step=False)  # (as the Trainer's optim builds it)
+
+
+def _decay_groups() -> list[dict]:
+    trained = [n for n, p in build_llama().named_parameters() if p.requires_grad]
+    return [{"params": [n for n in trained if not no_decay(n)], "weight_decay": 0.01},
+            {"params": [n for n in trained if no_decay(n)], "weight_decay": 0.0}]
+
+
+def _muon_groups() -> list[dict]:
+    """Muon for the hidden matrices, as its documentation asks; the embeddings and gains go to AdamW."""
+    trained = [(n, p) for n, p in build_llama().named_parameters() if p.requires_grad]
+    return [{"params": [n for n, p in trained if p.dim() == 2 and "embed" not in n and "lm_head" not in n]}]
+
+
+def _rest_groups() -> list[dict]:
+    hidden = set(_muon_groups()[0]["params"])
+    return [{"params": [n for n, p in build_llama().named_parameters() if p.requires_grad and n not in hidden]}]
+
+
+OTHER_OPTIMIZERS = {
+    # name: ([(an optimizer factory over param groups, its groups by name)], what the engine does with them)
+    "Adafactor": ([(_adafactor, _decay_groups)], "steps each parameter whole on one rank: its second moment factored"),
+    "RMSprop": ([(functools.partial(torch.optim.RMSprop, lr=1e-3, momentum=0.5, centered=True), _decay_groups)],
+                "elementwise"),
+    "Muon+AdamW": ([(functools.partial(torch.optim.Muon, lr=1e-2), _muon_groups),
+                    (functools.partial(torch.optim.AdamW, lr=1e-3), _rest_groups)],
+                   "two optimizers; Muon orthogonalises each matrix whole, AdamW steps the rest by element"),
+}
+OTHER_MOVES = [("Adafactor", 3, "none", 2), ("Adafactor", 2, "cpu", 1), ("RMSprop", 2, "cpu", 2),
+               ("Muon+AdamW", 3, "cpu", 2)]
+
+
+def _other_config(stage: int, tier: str, dp: int):
+    return make_config(zero={"stage": stage, "offload_optimizer": tier}, precision={"dtype": "fp32"},
+                       parallel={"dp": dp}, batch={"micro_batch_size": 4 // dp}, optimizer={"grad_clip": 1.0})
+
+
+class _Together:
+    """Plain PyTorch's way to step two optimizers over disjoint parameters: one after the other."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def step(self):
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none=True):
+        for part in self.parts:
+            part.zero_grad(set_to_none)
+
+
+def _plain_optimizers(optimizer: str, model) -> list[torch.optim.Optimizer]:
+    params = dict(model.named_parameters())
+    return [build([{**g, "params": [params[n] for n in g["params"]]} for g in groups()])
+            for build, groups in OTHER_OPTIMIZERS[optimizer][0]]
+
+
+def _other_moved(rank, world, optimizer, stage, tier, path, data):
+    config = _other_config(stage, tier, world)
+    parts = [(build, groups()) for build, groups in OTHER_OPTIMIZERS[optimizer][0]]
+    engine = tiertrain.wrap(build_llama(seed=11), config, tiertrain.Topology.build(config.parallel), optimizer=parts)
+    engine.load_dcp_checkpoint(path)
+    assert engine.steps == 2
+    return train_on(engine, rank, world, data)
+
+
+@pytest.mark.parametrize("optimizer,stage,tier,dp", OTHER_MOVES,
+                         ids=[f"{m[0]}-stage{m[1]}-{m[2]}-dp{m[3]}" for m in OTHER_MOVES])
+def test_a_run_with_another_optimizer_continues_with_its_state_as_plain_pytorch_continues_it(optimizer, stage, tier,
+                                                                                             dp, tmp_path):
+    """Not only Adam's: whatever state the run's optimizers keep (Adafactor's factored second
+    moment, stepped whole; RMSprop's averages, cut with the shards; Muon's momentum beside
+    AdamW's moments) loads into an engine built with the same optimizers and goes on as their
+    own load_state_dict goes on."""
+    model = build_llama()
+    optimizers = _plain_optimizers(optimizer, model)
+    for batch in batches(2, seed=5):
+        model(**batch).loss.backward()
+        _Together(optimizers).step()
+        _Together(optimizers).zero_grad()
+    path = _save(tmp_path / "run", _named_state(model, optimizers))
+    saved = [o.state_dict() for o in optimizers]
+
+    def reference(m, config, data):
+        def optimizers_loaded(replica):
+            parts = _plain_optimizers(optimizer, replica)
+            for part, state in zip(parts, saved):
+                part.load_state_dict(copy.deepcopy(state))  # (torch's own load; of a copy: it may keep the tensors)
+            return _Together(parts)
+
+        return reference_train(m, config, data, build_optimizer=optimizers_loaded, lr_scheduler=None)
+
+    data = batches(2, seed=8)
+    oracle = Oracle.run(reference, model, _other_config(stage, tier, dp), data)
+    args = (optimizer, stage, tier, str(path), data)
+    runs = [_other_moved(0, 1, *args)] if dp == 1 else run_distributed(_other_moved, dp, *args, timeout=120)
+    oracle.check(*runs[0], f"{optimizer} ({OTHER_OPTIMIZERS[optimizer][1]}) moved to stage {stage}, {tier}, dp {dp}")
+
+
 def _plain_run(model=None, optimizer=torch.optim.AdamW):
     """A model and its optimizer after one step, in one process."""
     model = model or build_llama()
@@ -427,13 +534,21 @@ def test_optimizer_state_by_number_or_of_another_rule_or_absent_is_refused_by_na
     cases = [({"model": model.state_dict(), "optim": opt.state_dict()}, r"by parameter number .*get_optimizer_state"),
              ({"model": model.state_dict()}, r"no optimizer state .*load_pretrained")]
     model_sgd, sgd = _plain_run(optimizer=lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9))
-    cases.append((_named_state(model_sgd, sgd), r"state of .* is \['momentum_buffer'\].*Adam/AdamW"))
+    cases.append((_named_state(model_sgd, sgd), r"state of .* is \['momentum_buffer'\]; this engine's optimizer "
+                                               r"AdamW \(the default\) keeps \['exp_avg', 'exp_avg_sq', 'step'\] "
+                                               r"for a [12]-D parameter"))
     for k, (state, named) in enumerate(cases):
         path = _save(tmp_path / str(k), state)
         engine = _engine()
         with pytest.raises(CheckpointError, match=named):
             engine.load_dcp_checkpoint(path)
         engine.close()
+    # SGD's momentum loads into SGD, but SGD counts no steps: nothing in the DCP says how many there were.
+    engine = _engine(optimizer=lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9))
+    with pytest.raises(CheckpointError, match=r"counts no steps \(SGD keeps no step\).*TiertrainTrainer reads "
+                                              r"trainer_state.json"):
+        engine.load_dcp_checkpoint(str(tmp_path / "2"))
+    engine.close()
 
 
 def test_a_wrappers_prefix_and_an_old_non_persistent_buffer_are_taken_in_stride(tmp_path):
@@ -466,7 +581,8 @@ def test_another_model_or_engine_optimizer_is_refused_by_name(tmp_path):
     for kwargs, named in [({"model": wider}, r"'model.norm.weight'.* shape \(16,\), this model has shape \(17,\)"),
                           ({"model": extra}, r"model.layers.1.mlp.down_proj.bias' is missing"),
                           ({"model": smaller}, r"model values \['model.layers.1.post_attention_layernorm.weight'\]"),
-                          ({"optimizer": lambda params: torch.optim.SGD(params, lr=0.1)}, r"Adam/AdamW.*is SGD")]:
+                          ({"optimizer": lambda params: torch.optim.SGD(params, lr=0.1)},
+                           r"is \['exp_avg', 'exp_avg_sq', 'step'\]; this engine's optimizer SGD keeps \[\]")]:
         engine = _engine(**kwargs)
         with pytest.raises(CheckpointError, match=named):
             engine.load_dcp_checkpoint(path)

@@ -279,8 +279,10 @@ def test_reference_groups_are_the_trainers_decay_split():
 REFUSED = [
     # (TrainingArguments keywords, or attributes set after construction, the name the error must give)
     (dict(fsdp="full_shard"), "fsdp"),
-    (dict(optim="sgd"), "optim"),
-    (dict(optim="adafactor"), "optim"),
+    (dict(optim="lion_32bit"), "optim"),  # (the Trainer's optims that need another package, or the model)
+    (dict(optim="galore_adamw"), "optim"),
+    (dict(optim="sgd", optim_args="momentun=0.9"), "optim_args"),  # (a key the Trainer would ignore unseen)
+    (dict(optim="adafactor", optim_args="beta1=0.9"), "optim_args"),  # (the Trainer reads none for adafactor)
     (dict(activation_checkpointing=True), "activation_checkpointing"),
     (dict(auto_find_batch_size=True), "auto_find_batch_size"),
     (dict(bf16_full_eval=True, use_cpu=True), "bf16_full_eval"),
@@ -410,6 +412,14 @@ def test_a_deepspeed_config_sets_zero_and_the_schedule_its_auto_values_the_train
     del ds["gradient_clipping"], ds["optimizer"]["params"]["lr"]
     config = config_from_training_arguments(args, None, ds)
     assert config.optimizer.grad_clip == 0.0 and config.zero.stage == 2
+    # optim naming another optimizer than the config's block: with DeepSpeed the block would win, unseen.
+    other = copy.copy(args)
+    other.optim = "adafactor"
+    with pytest.raises(ConfigError, match=r"TrainingArguments\(optim='adafactor'\).*optimizer block names the "
+                                          r"optimizer too"):
+        config_from_training_arguments(other, None, ds)
+    del ds["optimizer"]
+    assert config_from_training_arguments(other, None, ds).zero.stage == 2
 
 
 def test_conflicting_and_unsupported_trainer_inputs_are_refused(tmp_path):

@@ -43,15 +43,16 @@ def _seeded(build, seed: int):
     return build()
 
 
-def _trained(build, out: str) -> tuple[str, dict]:
+def _trained(build, out: str, **kwargs) -> tuple[str, dict]:
     """(checkpoint-3 of a plain Trainer run of build's model, {name: the state Trainer's own
-    resume gives it})."""
+    resume gives it}); kwargs: more TrainingArguments (optim)."""
     trainer = transformers.Trainer(model=_seeded(build, 0), args=_args(out, STEPS, save_strategy="steps",
-                                                                       save_steps=STEPS), train_dataset=_samples())
+                                                                       save_steps=STEPS, **kwargs),
+                                   train_dataset=_samples())
     trainer.train()
     checkpoint = os.path.join(out, f"checkpoint-{STEPS}")
     assert "optimizer.pt" in os.listdir(checkpoint)
-    again = transformers.Trainer(model=_seeded(build, 11), args=_args(out, STEPS), train_dataset=_samples())
+    again = transformers.Trainer(model=_seeded(build, 11), args=_args(out, STEPS, **kwargs), train_dataset=_samples())
     optimizer = again.create_optimizer()
     optimizer.load_state_dict(torch.load(os.path.join(checkpoint, "optimizer.pt"), weights_only=True))
     state = {n: optimizer.state[p] for n, p in again.model.named_parameters() if p in optimizer.state}
@@ -73,21 +74,26 @@ class _Loaded(transformers.TrainerCallback):
         if self.values is None:
             engine = self.trainer.engine
             self.values = {n: v.clone() for n, v in engine.full_state_dict().items()}
+            if engine.update.state_format.TAG == "nvme_stream":  # (no torch optimizer: the stream's own state)
+                self.stream = engine.update.state_dict()["optimizer"]
+                return
             pieces = {p.name: (p.lo, p.hi) for p in unit_pieces(0, engine.shard_description(), "units")}
             self.state = {getattr(view, SLOT_NAME): (pieces[getattr(view, SLOT_NAME)],
-                                                     {k: v.clone() for k, v in st.items()})
+                                                     {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()})
                           for view, st in engine.update.optimizer.state.items()}
             self.steps, self.skipped = engine.steps, engine.skipped_steps
             self.scaler = dict(engine.scaler.state_dict())
             self.lr = engine.learning_rate()
 
 
-def _resumed(checkpoint: str, out: str, steps: int, trainer_cls=None, build=build_llama, **kwargs):
+def _resumed(checkpoint: str, out: str, steps: int, trainer_cls=None, build=build_llama, tiertrain_config=None,
+             optimizer_cls_and_kwargs=None, **kwargs):
     from tiertrain.integrations.hf_trainer import TiertrainTrainer
 
     trainer = (trainer_cls or TiertrainTrainer)(model=_seeded(build, 11),
                                                 args=_args(out, steps, save_strategy="no", **kwargs),
-                                                train_dataset=_samples())
+                                                train_dataset=_samples(), tiertrain_config=tiertrain_config,
+                                                optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
     loaded = _Loaded(trainer)
     trainer.add_callback(loaded)
     trainer.train(resume_from_checkpoint=checkpoint)
@@ -146,6 +152,103 @@ def test_a_mixture_of_experts_checkpoint_resumes_its_experts_as_from_pretrained_
     reference = type(build()).from_pretrained(checkpoint).state_dict()
     trainer, loaded = _resumed(checkpoint, str(tmp_path / "resumed"), STEPS + 1, build=build)
     _check_resumed(loaded, trainer, {n: reference[n] for n in in_memory}, expected)
+    trainer.close()
+
+
+OTHER_OPTIMS = {"adafactor": None, "sgd": "momentum=0.9,nesterov=True", "rmsprop": "momentum=0.5,centered=True",
+                "adagrad": "lr_decay=0.01"}
+"""The Trainer's other optims TiertrainTrainer builds (as the Trainer does), with optim_args it reads."""
+
+
+@pytest.mark.parametrize("optim", sorted(OTHER_OPTIMS))
+def test_a_run_with_another_of_the_trainers_optimizers_resumes_with_that_optimizers_state(optim, tmp_path):
+    """Trained with optim adafactor, sgd, rmsprop or adagrad, the run continues under
+    TiertrainTrainer with the same arguments: the engine steps the optimizer the Trainer builds,
+    and every parameter starts from the state the Trainer's own resume gives it (Adafactor's
+    factored moments and its step as a number, SGD's momentum and no step), bit for bit."""
+    from safetensors.torch import load_file
+
+    kwargs = {"optim": optim, "optim_args": OTHER_OPTIMS[optim]}
+    checkpoint, expected = _trained(build_llama, str(tmp_path / "saved"), **kwargs)
+    trainer, loaded = _resumed(checkpoint, str(tmp_path / "resumed"), STEPS + 1, **kwargs)
+    built, options = transformers.Trainer.get_optimizer_cls_and_kwargs(trainer.args)
+    assert type(trainer.engine.update.optimizer) is built and built.__name__.lower() == optim
+    assert {k: g[k] for g in trainer.engine.update.optimizer.param_groups for k in options if k != "lr"} == \
+        {k: v for k, v in options.items() if k != "lr"}
+    assert loaded.steps == STEPS and trainer.state.global_step == STEPS + 1 == trainer.engine.steps
+    assert loaded.lr == pytest.approx(_lr_after(STEPS, STEPS + 1), rel=1e-12)
+    for name, value in load_file(os.path.join(checkpoint, "model.safetensors")).items():
+        assert torch.equal(loaded.values[name], value), name
+    assert set(loaded.state) == set(expected)
+    assert len(expected) == sum(p.requires_grad for p in build_llama().parameters())
+    for name, ((lo, hi), state) in loaded.state.items():
+        assert set(state) == set(expected[name]), name
+        for key, value in expected[name].items():
+            if not torch.is_tensor(value):
+                assert type(state[key]) is type(value) and state[key] == value, (name, key)
+            elif value.shape == loaded.values[name].shape and value.dim():  # (per element: this piece's)
+                assert torch.equal(state[key].reshape(-1), value.reshape(-1)[lo:hi]), (name, key)
+            else:
+                assert torch.equal(state[key], value) and state[key].dtype == value.dtype, (name, key)
+    trainer.close()
+
+
+def test_sgds_momentum_resumes_into_the_nvme_tiers_stream(tmp_path):
+    """On the NVMe tier the optimizer state lives in the stream's slots (by the optimizer's own
+    names): SGD's momentum fills its one slot, the stream's step count is the run's."""
+    from tiertrain.config import Config, from_dict
+
+    kwargs = {"optim": "sgd", "optim_args": "momentum=0.9"}
+    checkpoint, expected = _trained(build_llama, str(tmp_path / "saved"), **kwargs)
+    config = from_dict(Config, {"zero": {"stage": 2, "offload_optimizer": "nvme", "nvme_path": str(tmp_path / "swap")}})
+    trainer, loaded = _resumed(checkpoint, str(tmp_path / "resumed"), STEPS + 1, tiertrain_config=config, **kwargs)
+    stream = loaded.stream
+    assert stream["state_names"] == ["momentum_buffer"] and stream["step"] == STEPS
+    pieces = unit_pieces(0, trainer.engine.shard_description(), "units")
+    assert {p.name for p in pieces} == set(expected)
+    for p in pieces:
+        slot = stream["shards"][p.unit]["exp_avg"][p.start:p.start + p.hi - p.lo]  # (the first slot's name)
+        assert torch.equal(slot, expected[p.name]["momentum_buffer"].reshape(-1)[p.lo:p.hi]), p.name
+    assert trainer.state.global_step == STEPS + 1 == trainer.engine.steps
+    trainer.close()
+
+
+def test_a_checkpoint_of_another_optimizer_or_other_settings_is_refused_naming_both(saved, tmp_path):
+    """AdamW's moments are no SGD momentum, nor amsgrad's maximum: refused before anything loads,
+    naming what the checkpoint holds and what this engine's optimizer keeps."""
+    checkpoint, _ = saved
+    with pytest.raises(CheckpointError, match=r"state of '.*' is \['exp_avg', 'exp_avg_sq', 'step'\]; this engine's "
+                                              r"optimizer SGD keeps \['momentum_buffer'\] for a [12]-D parameter"):
+        _resumed(checkpoint, str(tmp_path / "a"), STEPS + 1, optim="sgd", optim_args="momentum=0.9")
+    amsgrad = (torch.optim.AdamW, {"lr": 1e-3, "amsgrad": True})
+    with pytest.raises(CheckpointError, match=r"this engine's optimizer AdamW keeps \['exp_avg', 'exp_avg_sq', "
+                                              r"'max_exp_avg_sq', 'step'\]"):
+        _resumed(checkpoint, str(tmp_path / "b"), STEPS + 1, optimizer_cls_and_kwargs=amsgrad)
+
+
+def test_a_factored_state_of_another_shape_than_the_parameters_is_refused(tmp_path):
+    """Adafactor keeps a matrix's second moment as a row and a column factor, not per element:
+    their shapes follow the parameter's, and one that does not is refused naming both."""
+    checkpoint, _ = _trained(build_llama, str(tmp_path / "saved"), optim="adafactor")
+    path = os.path.join(checkpoint, "optimizer.pt")
+    saved = torch.load(path, weights_only=True)
+    row = saved["state"][0]["exp_avg_sq_row"]
+    saved["state"][0]["exp_avg_sq_row"] = row[:-1].clone()
+    torch.save(saved, path)
+    with pytest.raises(CheckpointError, match=rf"state 'exp_avg_sq_row' of '.*' has shape \({row.numel() - 1},\); "
+                                              rf"Adafactor keeps it for this \({row.numel()}, \d+\) parameter with "
+                                              rf"shape \({row.numel()},\)"):
+        _resumed(checkpoint, str(tmp_path / "resumed"), STEPS + 1, optim="adafactor")
+
+
+def test_a_run_whose_optimizer_keeps_no_state_resumes_at_its_step(tmp_path):
+    """SGD without momentum saves no state at all: the values and the step count (the Trainer's
+    global step, SGD counting none) are what resumes."""
+    checkpoint, expected = _trained(build_llama, str(tmp_path / "saved"), optim="sgd")
+    assert expected == {}
+    trainer, loaded = _resumed(checkpoint, str(tmp_path / "resumed"), STEPS + 1, optim="sgd")
+    assert loaded.state == {} and loaded.steps == STEPS and trainer.engine.steps == STEPS + 1
+    assert loaded.lr == pytest.approx(_lr_after(STEPS, STEPS + 1), rel=1e-12)
     trainer.close()
 
 
@@ -229,9 +332,9 @@ def test_steps_an_fp16_runs_scaler_skipped_continue_as_skipped_steps_with_its_lo
     trainer.close()
 
 
-def test_a_step_count_below_adams_or_a_scaler_file_of_something_else_is_refused_by_name(saved, tmp_path):
+def test_a_step_count_below_the_optimizers_or_a_scaler_file_of_something_else_is_refused_by_name(saved, tmp_path):
     checkpoint = _skipping(saved, tmp_path, STEPS - 1, {})
-    with pytest.raises(CheckpointError, match=rf"Adam took {STEPS} steps but the run counted {STEPS - 1}"):
+    with pytest.raises(CheckpointError, match=rf"the optimizer took {STEPS} steps but the run counted {STEPS - 1}"):
         _resumed(checkpoint, str(tmp_path / "a"), STEPS)
     checkpoint = _skipping(saved, tmp_path, STEPS, {"scale": float("nan"), "_growth_tracker": 0})
     with pytest.raises(CheckpointError, match=r"scaler.pt' is not a GradScaler's state"):

@@ -100,6 +100,8 @@ def build_parts(engine: "TrainingCore", model: nn.Module, plan: GradientPlan, up
 
     engine._norm_grads, engine._partial_grads = gradient_views(engine.flat, run.gradient_pieces)
     engine.scaler = DynamicLossScaler(config.precision.loss_scale, enabled=run.scales_loss)
+    engine.client_optimizer = client
+    """The optimizer the user brought (tiertrain/optim.py ClientOptimizer); None: the default AdamW."""
     engine.update = update_factory(UpdateContext(
         engine.flat, config, topology, engine.reducer, engine.swapper, lazy_zero=run.lazy_zero,
         global_gradient_changes=run.global_gradient_changes,

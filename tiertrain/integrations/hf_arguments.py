@@ -10,11 +10,18 @@ from typing import Any
 
 from ..config import Config, ConfigError
 
-__all__ = ["SUPPORTED_OPTIMS", "check_training_arguments", "config_from_training_arguments",
+__all__ = ["SUPPORTED_OPTIMS", "TRAINER_OPTIMS", "check_training_arguments", "config_from_training_arguments",
            "deepspeed_schedule"]
 
 SUPPORTED_OPTIMS = {"adamw_torch": "auto", "adamw_torch_fused": "fused"}
 """TrainingArguments.optim values the engine builds (torch AdamW), with the kernel each maps to."""
+
+TRAINER_OPTIMS = {"adafactor": (), "sgd": ("momentum", "dampening", "weight_decay", "nesterov"),
+                  "adagrad": ("lr_decay", "weight_decay", "eps"),
+                  "rmsprop": ("momentum", "alpha", "eps", "weight_decay", "centered")}
+"""TrainingArguments.optim values built as the Trainer builds them (its get_optimizer_cls_and_kwargs:
+transformers' Adafactor, torch's SGD, Adagrad and RMSprop) and stepped by the engine as an optimizer
+the user brought (tiertrain/optim.py), with the optim_args keys the Trainer reads for each."""
 
 _NEEDS_METRICS = ("reduce_lr_on_plateau", "greedy")
 
@@ -41,13 +48,7 @@ def check_training_arguments(args) -> None:
         if getattr(args, name, False):
             _refuse(name, True, f"set {name}=False and use tiertrain_config.activations.checkpoint_every=1 "
                     f"(the engine's activation checkpointing, which gathers stage-3 parameters again)")
-    optim = _value(args.optim)
-    if optim not in SUPPORTED_OPTIMS:
-        _refuse("optim", optim, f"valid: {', '.join(repr(o) for o in SUPPORTED_OPTIMS)} (torch AdamW), or pass "
-                f"optimizer_cls_and_kwargs=(cls, kwargs) with a torch optimizer (torch.optim.Adafactor, ...)")
-    if args.optim_args:
-        _refuse("optim_args", args.optim_args, "set optim_args=None (torch AdamW takes its settings from "
-                "learning_rate, adam_beta1, adam_beta2, adam_epsilon and weight_decay)")
+    _check_optim(_value(args.optim), args.optim_args)
     if _value(args.lr_scheduler_type) in _NEEDS_METRICS:
         _refuse("lr_scheduler_type", _value(args.lr_scheduler_type), "the engine steps its scheduler at each update, "
                 "without metrics; valid: linear, cosine, cosine_with_restarts, polynomial, constant, "
@@ -66,6 +67,26 @@ def check_training_arguments(args) -> None:
                 True if args.load_best_model_at_end else "best",
                 "not supported yet: set load_best_model_at_end=False and save_strategy='steps', and load the best "
                 "checkpoint-N yourself (AutoModel*.from_pretrained)")
+
+
+def _check_optim(optim: str, optim_args: str | None) -> None:
+    """ConfigError for an optim the engine does not build, or optim_args the Trainer would
+    ignore (it reads them only for some optims, and only some keys: a typo would pass unseen)."""
+    if optim not in SUPPORTED_OPTIMS and optim not in TRAINER_OPTIMS:
+        _refuse("optim", optim, f"valid: {', '.join(repr(o) for o in [*SUPPORTED_OPTIMS, *TRAINER_OPTIMS])}, or pass "
+                f"optimizer_cls_and_kwargs=(cls, kwargs) with a torch optimizer (torch.optim.Adafactor, ...)")
+    if not optim_args:
+        return
+    read = TRAINER_OPTIMS.get(optim, ())
+    if not read:
+        _refuse("optim_args", optim_args, f"the Trainer reads no optim_args for optim={optim!r} (it takes its "
+                f"settings from learning_rate, adam_beta1, adam_beta2, adam_epsilon and weight_decay): set "
+                f"optim_args=None")
+    pairs = [p.split("=") for p in optim_args.replace(" ", "").split(",")]
+    bad = [p for p in pairs if len(p) != 2 or p[0] not in read]
+    if bad:
+        _refuse("optim_args", optim_args, f"{'='.join(bad[0])!r} is not key=value with a key the Trainer reads for "
+                f"optim={optim!r}; valid keys: {', '.join(read)}")
 
 
 def _field(config: Any, path: str) -> Any:
@@ -98,6 +119,12 @@ def config_from_training_arguments(args, base: Config | None = None, deepspeed=N
     transformers checks them. Validated."""
     check_training_arguments(args)
     deepspeed = deepspeed if deepspeed is not None else (args.deepspeed or None)
+    if deepspeed is not None and _value(args.optim) in TRAINER_OPTIMS:
+        from ..deepspeed_config import read_deepspeed
+
+        if "optimizer" in read_deepspeed(deepspeed):
+            _refuse("optim", _value(args.optim), "the DeepSpeed config's optimizer block names the optimizer too (with "
+                    "DeepSpeed the block wins and optim is ignored): remove the block, or use optim='adamw_torch'")
     config = copy.deepcopy(base) if base is not None else Config()
     defaults = Config()
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
@@ -107,7 +134,8 @@ def config_from_training_arguments(args, base: Config | None = None, deepspeed=N
         ("optimizer.eps", float(args.adam_epsilon), "adam_epsilon"),
         ("optimizer.weight_decay", float(args.weight_decay), "weight_decay"),
         ("optimizer.grad_clip", float(args.max_grad_norm), "max_grad_norm"),
-        ("optimizer.impl", SUPPORTED_OPTIMS[_value(args.optim)], "optim"),
+        *([("optimizer.impl", SUPPORTED_OPTIMS[_value(args.optim)], "optim")] if _value(args.optim) in SUPPORTED_OPTIMS
+          else []),
         ("batch.micro_batch_size", int(args.per_device_train_batch_size), "per_device_train_batch_size"),
         ("batch.grad_accum_steps", int(args.gradient_accumulation_steps), "gradient_accumulation_steps"),
         ("precision.dtype", dtype, "bf16, fp16"),

@@ -46,8 +46,9 @@ per_device_train_batch_size → batch.micro_batch_size; gradient_accumulation_st
 batch.grad_accum_steps; bf16/fp16 → precision.dtype; lr_scheduler_type, warmup_steps,
 lr_scheduler_kwargs, max_steps/num_train_epochs → the Trainer's own scheduler
 (``transformers.get_scheduler``), stepped by the engine once per update applied; optim
-adamw_torch/adamw_torch_fused → torch AdamW; ``optimizer_cls_and_kwargs=(cls, kwargs)`` → that
-optimizer over the same groups (tiertrain/optim.py; docs/optimizers.md). seed,
+adamw_torch/adamw_torch_fused → torch AdamW; optim adafactor/sgd/adagrad/rmsprop (with the
+optim_args the Trainer reads) and ``optimizer_cls_and_kwargs=(cls, kwargs)`` → that optimizer,
+as the Trainer builds it, over the same groups (tiertrain/optim.py; docs/optimizers.md). seed,
 logging_steps, eval_strategy/eval_steps, save_strategy/save_steps, save_total_limit,
 output_dir, callbacks, report_to work as in the Trainer. What tiertrain_config may set: zero,
 activations, parallel.dp and precision.loss_scale; a field TrainingArguments also sets must be
@@ -73,8 +74,8 @@ Limits
   (tiertrain.compiling.compile_blocks, docs/compile.md), not the whole model.
 * Refused with a ConfigError naming the argument and what is valid: fsdp,
   parallelism_config, activation_checkpointing/gradient_checkpointing (use
-  tiertrain_config.activations), optim other than adamw_torch/adamw_torch_fused, optim_args,
-  lr_scheduler_type reduce_lr_on_plateau/greedy, auto_find_batch_size, use_liger_kernel,
+  tiertrain_config.activations), an optim the engine does not build, optim_args the Trainer
+  would ignore, lr_scheduler_type reduce_lr_on_plateau/greedy, auto_find_batch_size, use_liger_kernel,
   bf16_full_eval/fp16_full_eval, load_best_model_at_end, save_strategy="best", more than one GPU
   per process (DataParallel), model_init and hyper-parameter search, ``optimizers=(...)``
   (use optimizer_cls_and_kwargs), tiertrain_config with parallel.tp or parallel.pp > 1 or
@@ -110,7 +111,7 @@ from ..config import Config, ConfigError
 from ..state import trainer_checkpoint
 from ..topology import Topology
 from ..wrapping import wrap
-from .hf_arguments import (SUPPORTED_OPTIMS, _refuse, check_training_arguments,
+from .hf_arguments import (SUPPORTED_OPTIMS, TRAINER_OPTIMS, _refuse, check_training_arguments,
                            config_from_training_arguments, deepspeed_schedule)
 
 try:
@@ -350,9 +351,10 @@ class TiertrainTrainer(Trainer):
         groups = [{"params": decayed, "weight_decay": self.args.weight_decay}, {"params": other, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
         optimizer = None
-        if self.optimizer_cls_and_kwargs is not None:
-            cls, options = self.optimizer_cls_and_kwargs
-            optimizer = functools.partial(cls, **options)  # (as Trainer.create_optimizer builds it)
+        if self.optimizer_cls_and_kwargs is not None or getattr(self.args.optim, "value", self.args.optim) in \
+                TRAINER_OPTIMS:  # (as Trainer.create_optimizer builds it)
+            cls, options = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, model)
+            optimizer = functools.partial(cls, **options)
         schedule = deepspeed_schedule(self.deepspeed_config, self.args, max_steps)
         scheduler = (functools.partial(_hf_scheduler, args=self.args, max_steps=max_steps) if schedule is None
                      else functools.partial(_tiertrain_scheduler, schedule=schedule))

@@ -1,7 +1,8 @@
 """A torch.distributed.checkpoint (DCP) checkpoint of an FSDP2 run (read by
 tiertrain/state/dcp_files.py) loaded into an engine of any layout: each trained parameter's
-value as its fp32 master, Adam's moments and step, the frozen values, the buffers and the step
-count, so a run moved from FSDP2 (torchtitan, Accelerate, transformers' Trainer) continues
+value as its fp32 master, the optimizer's state (Adam's moments and step, or whatever the
+engine's optimizer keeps: tiertrain/state/optimizer_state.py), the frozen values, the buffers
+and the step count, so a run moved from FSDP2 (torchtitan, Accelerate, transformers' Trainer) continues
 where it stopped instead of restarting its optimizer (docs/migrate-fsdp2.md).
 
 Where the values are is found, not assumed: the saved dict nests the model's state dict
@@ -17,24 +18,20 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .checkpoint import CheckpointError
 from .dcp_files import METADATA, DcpCheckpoint, DcpItem
-from .foreign import ForeignRun, check_adam, check_buffers, copy_held, frozen_kept, held_frozen, replicated_at
+from .foreign import ForeignRun, check_buffers, copy_held, frozen_kept, held_frozen, replicated_at
+from .optimizer_state import OptimizerStateKeys, saved_count, saved_per_element
 from .reshard import check_reshardable_format, compare_models, load_run
-from .saved_run import MASTER
 from .shard_layout import _unit_of, parameter_slots
 from ..update.state_format import TorchOptimizerState
 
 if TYPE_CHECKING:
     from ..training_core import TrainingCore
-
-ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
-"""The per-parameter state of torch's Adam/AdamW, which a loaded checkpoint must hold."""
-
 
 def open_checkpoints(path: str | os.PathLike) -> list[DcpCheckpoint]:
     """The DCP directory at path, or the DCP directories directly inside it (a transformers
@@ -60,7 +57,7 @@ class DcpModel:
 
     def __init__(self, path: str, checkpoints: list[DcpCheckpoint], aliases: dict[str, list[str]],
                  trained: list[str], frozen: list[str], buffers: list[str], whole_model: bool,
-                 transient: set[str] = frozenset()):
+                 kept: OptimizerStateKeys, transient: set[str] = frozenset()):
         self.directory = path
         self._items: dict[str, tuple[DcpCheckpoint, DcpItem]] = {}
         for c in checkpoints:
@@ -79,9 +76,12 @@ class DcpModel:
         self.buffers = {n: self._whole(self._value_key[n]) for n in buffers if n in self._value_key}
         if whole_model:
             self._refuse_unknown(prefix, set(trained) | set(frozen) | set(buffers) | set(transient))
+        self.kept = kept
         self._state = self._optimizer_state(trained)
-        self._steps = {n: self._saved_step(n) for n in self._state}
-        self.steps = max(self._steps.values(), default=0)
+        self._steps = {n: self._saved_step(n) for n in self._state if "step" in self._state[n]}
+        self.steps = max(self._steps.values()) if self._steps else None
+        """The most updates a parameter took (its optimizer's step); None where the optimizer
+        counts none (SGD)."""
 
     def _item(self, key: str) -> DcpItem:
         return self._items[key][1]
@@ -183,6 +183,8 @@ class DcpModel:
                 raise CheckpointError(f"{self.directory!r}: the optimizer state of {name!r} is not where the "
                                       f"other parameters' is")
             out[name] = by_place
+        if not out and all(self.kept.expected(n, len(self.shapes[n])) == {} for n in trained if n in self.shapes):
+            return {}  # (an optimizer that keeps no state: SGD without momentum)
         if not out:
             numbered = sorted(n for n in index if n.isdigit())
             if numbered:
@@ -191,7 +193,7 @@ class DcpModel:
                                       f"save it by name: torch.distributed.checkpoint.state_dict."
                                       f"get_optimizer_state_dict(model, optimizer)")
             raise CheckpointError(f"{self.directory!r} holds no optimizer state for this model's parameters (no "
-                                  f"item '...state.<parameter name>.exp_avg', as get_optimizer_state_dict saves it)"
+                                  f"item '...state.<parameter name>.<state>', as get_optimizer_state_dict saves it)"
                                   f"; a model's weights alone load through tiertrain.load_pretrained from a "
                                   f"safetensors export (torch.distributed.checkpoint.format_utils.dcp_to_torch_save)")
         if len(places) > 1:
@@ -199,42 +201,42 @@ class DcpModel:
         place = next(iter(places))
         state = {name: by_place[place] for name, by_place in out.items()}
         for name, keys in state.items():
-            if set(keys) != set(ADAM_STATE):
-                raise CheckpointError(f"{self.directory!r}: the optimizer state of {name!r} is {sorted(keys)}; this "
-                                      f"version loads torch's Adam/AdamW state {sorted(ADAM_STATE)} (no amsgrad)")
-            for key in ("exp_avg", "exp_avg_sq"):
-                c, item_key = keys[key]
-                shape = c.tensors[item_key].shape if item_key in c.tensors else None
-                if shape != self.shapes.get(name):
-                    raise CheckpointError(f"{self.directory!r}: {key} of {name!r} has shape {shape}, the "
-                                          f"parameter {self.shapes.get(name)}")
+            saved = {key: (c.tensors[k].shape if k in c.tensors else None) for key, (c, k) in keys.items()}
+            self.kept.check(repr(self.directory), name, self.shapes[name], saved)
         return state
 
     def has_state(self, name: str) -> bool:
         return name in self._state
 
-    def step(self, name: str) -> int:
-        """The parameter's Adam step (the number of updates it took)."""
-        return self._steps[name]
-
     def _saved_step(self, name: str) -> int:
-        c, key = self._state[name]["step"]
-        value = c.whole(key) if key in c.tensors else c.object(key)
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or value != int(value) or value < 0:
-            raise CheckpointError(f"{self.directory!r}: the Adam step of {name!r} is {value!r}, not a count")
-        return int(value)
+        return saved_count(self._whole_state(name, "step"), repr(self.directory), name)
+
+    def _whole_state(self, name: str, key: str) -> Any:
+        """The parameter's state key whole: a tensor in its saved dtype, or the number saved."""
+        c, item_key = self._state[name][key]
+        return c.whole(item_key) if item_key in c.tensors else c.object(item_key)
+
+    def state_values(self, name: str, a: int, b: int) -> dict[str, Any]:
+        """The parameter's optimizer state as its optimizer keeps it: each per-element value's
+        elements [a, b) (in fp32), the others whole, the step in the optimizer's own form."""
+        shape = self.shapes[name]
+        out: dict[str, Any] = {}
+        for key, (c, item_key) in self._state[name].items():
+            if key == "step":
+                out[key] = self.kept.step_as_kept(name, len(shape), self._steps[name])
+            elif item_key in c.tensors and saved_per_element(c.tensors[item_key].shape, shape):
+                out[key] = c.read(item_key, a, b).float()
+            else:
+                value = self._whole_state(name, key)
+                out[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        return out
 
     # -- values --
 
-    def read(self, name: str, key: str, a: int, b: int) -> torch.Tensor:
-        """Elements [a, b) of the parameter's value (key MASTER or "frozen") or of its state key."""
-        if key in (MASTER, "frozen"):
-            item_key = self._value_key[name]
-            return self._items[item_key][0].read(item_key, a, b)
-        checkpoint, item_key = self._state[name][key]
-        return checkpoint.read(item_key, a, b)
+    def read(self, name: str, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of the parameter's value (trained or frozen)."""
+        item_key = self._value_key[name]
+        return self._items[item_key][0].read(item_key, a, b)
 
     def frozen_value(self, name: str) -> torch.Tensor:
         return self._whole(self._value_key[name])
@@ -273,7 +275,7 @@ class DcpRun(ForeignRun):
         super().__init__(model.directory, [layout], {**replicated, "buffers": model.buffers, "extra": {}})
 
     def values(self, key: str, piece, a: int, b: int) -> torch.Tensor:
-        value = self.model.read(piece.name, key, a, b)
+        value = self.model.read(piece.name, a, b)
         return value if key == "frozen" else value.float()
 
     def frozen_dtype(self) -> torch.dtype:
@@ -282,8 +284,7 @@ class DcpRun(ForeignRun):
     def state_values(self, piece, a: int, b: int) -> dict | None:
         if not self.model.has_state(piece.name):
             return None  # (never stepped)
-        return {"step": torch.tensor(float(self.model.step(piece.name))),
-                **{key: self.model.read(piece.name, key, a, b).float() for key in ("exp_avg", "exp_avg_sq")}}
+        return self.model.state_values(piece.name, a, b)
 
 
 # -- into an engine --------------------------------------------------------------------------
@@ -300,7 +301,7 @@ def _aliases(engine: "TrainingCore") -> dict[str, list[str]]:
 def load_into(engine: "TrainingCore", path: str | os.PathLike) -> dict:
     """Load the DCP checkpoint at path into the engine's parts; returns {} (the saved dict's
     other items stay in the files: read them with torch.distributed.checkpoint). The counters
-    continue from Adam's step (so does the schedule: the config's, or a client lr_scheduler
+    continue from the optimizer's step (so does the schedule: the config's, or a client lr_scheduler
     stepped once per update applied); the optimizer's hyper-parameters and the RNG stay this
     engine's."""
     return load_items(engine, os.fspath(path), open_checkpoints(path), f"the DCP checkpoint {os.fspath(path)!r}")
@@ -309,11 +310,11 @@ def load_into(engine: "TrainingCore", path: str | os.PathLike) -> dict:
 def load_items(engine: "TrainingCore", path: str, checkpoints: list, where: str, counted: int | None = None,
                loss_scale: dict | None = None) -> dict:
     """load_into of the items of checkpoints (DcpCheckpoint or NestedState) found at path.
-    counted: the steps the saving run counted, fp16 steps skipped on overflow included (Adam's
-    step leaves them out); loss_scale: its loss scaler's state, as tiertrain's scaler keeps it."""
+    counted: the steps the saving run counted, fp16 steps skipped on overflow included (the
+    optimizer's step leaves them out; SGD keeps none); loss_scale: its loss scaler's state, as
+    tiertrain's scaler keeps it."""
     shards = engine.shard_description()
     check_reshardable_format(shards, where)
-    check_adam(engine.update, where, "the checkpoint's")
     parts = engine.checkpoint_parts()
     copies = shards["copies"]
     trained = list(dict.fromkeys(copies.get(s.name, s.name) for _, s in parameter_slots(shards, "units")))
@@ -325,12 +326,19 @@ def load_items(engine: "TrainingCore", path: str, checkpoints: list, where: str,
     # (a non-persistent buffer an older version of the model saved is no unknown value: it is left)
     transient = {n for module in engine.named_modules_of_state() for n, _ in module.named_buffers()} - set(buffers)
     whole_model = engine.topology.size("pp") == 1
-    model = DcpModel(path, checkpoints, _aliases(engine), trained, frozen, buffers, whole_model, transient)
-    skipped = 0 if counted is None else counted - model.steps
+    kept_state = OptimizerStateKeys(engine)
+    model = DcpModel(path, checkpoints, _aliases(engine), trained, frozen, buffers, whole_model, kept_state,
+                     transient)
+    steps = model.steps if model.steps is not None else counted
+    if steps is None:
+        raise CheckpointError(f"{where}: its optimizer state counts no steps ({kept_state.name} keeps no step) and "
+                              f"nothing else read here says how many updates the run took; resume it through the "
+                              f"trainer that saved it with its step count (TiertrainTrainer reads trainer_state.json)")
+    skipped = 0 if counted is None else counted - steps
     if skipped < 0:
-        raise CheckpointError(f"{where}: Adam took {model.steps} steps but the run counted {counted}: a checkpoint "
-                              f"of another run than its step count's")
-    replicated = replicated_at(engine, parts, model.steps, skipped, loss_scale)
+        raise CheckpointError(f"{where}: the optimizer took {steps} steps but the run counted {counted}: a "
+                              f"checkpoint of another run than its step count's")
+    replicated = replicated_at(engine, parts, steps, skipped, loss_scale)
     kept = frozen_kept(engine, model, "the trainable parameters alone")
     if kept:
         parts = {name: part for name, part in parts.items() if name != "frozen"}
@@ -341,7 +349,7 @@ def load_items(engine: "TrainingCore", path: str, checkpoints: list, where: str,
     if "buffers" in parts:
         check_buffers(parts["buffers"].named(), model)
     extra = load_run(parts, run, engine.topology.rank, shards, engine.update, 1, 0)
-    engine.update.schedule.fast_forward(model.steps)  # (a client lr_scheduler: built afresh, at step 0)
+    engine.update.schedule.fast_forward(steps)  # (a client lr_scheduler: built afresh, at step 0)
     copy_held(held)
     return extra
 

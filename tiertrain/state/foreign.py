@@ -1,7 +1,8 @@
 """What every load of another framework's checkpoint into an engine checks and does, whatever
 the files (DeepSpeed's: tiertrain/state/deepspeed_checkpoint.py; torch.distributed.checkpoint's:
-tiertrain/state/dcp_checkpoint.py): the engine's optimizer keeps Adam's moments, every buffer has
-a value, frozen parameters come from the checkpoint or are kept (said), and those the engine's
+tiertrain/state/dcp_checkpoint.py): the engine's optimizer keeps the saved state (DeepSpeed's
+Adam moments: check_adam; a DCP run's: tiertrain/state/optimizer_state.py), every buffer has a
+value, frozen parameters come from the checkpoint or are kept (said), and those the engine's
 module holds whole are copied in. A checkpoint here is anything with ``directory``, ``shapes``
 (trained name -> shape), ``frozen_shapes``, ``frozen_value(name)`` and ``buffers``.
 """
@@ -25,9 +26,9 @@ if TYPE_CHECKING:
 class ForeignRun(_SavedRun):
     """Another framework's checkpoint seen as a tiertrain run (what tiertrain/state/reshard.py
     rebuilds any layout from): a subclass reads ranges of values (``values``: MASTER or
-    "frozen") and of Adam's state (``state_values``), and says its frozen values' dtype. The optimizer's hyper-parameters are the
-    loading run's own (param_group: None); the replicated parts are the ones given; nothing is
-    held one update behind."""
+    "frozen") and of the optimizer's state (``state_values``), and says its frozen values'
+    dtype. The optimizer's hyper-parameters are the loading run's own (param_group: None); the
+    replicated parts are the ones given; nothing is held one update behind."""
 
     def __init__(self, directory: str, layouts: list[dict], replicated: dict):
         super().__init__(directory, {"shards": layouts}, prefer=0, verified=True)

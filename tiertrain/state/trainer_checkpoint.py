@@ -17,7 +17,7 @@ names and logs the experts and router as missing); docs/hf_trainer.md.
 The Trainer's checkpoints under FSDP are read here too: ``pytorch_model_fsdp_0/`` and
 ``optimizer_0/`` (SHARDED_STATE_DICT, DCP directories) and ``pytorch_model_fsdp.bin`` with
 ``optimizer.bin`` (FULL_STATE_DICT, the state dicts whole, keyed by name). In every layout the
-Trainer's global step counts the fp16 steps its GradScaler skipped on overflow, which Adam's
+Trainer's global step counts the fp16 steps its GradScaler skipped on overflow, which the optimizer's
 step leaves out: they continue as the engine's skipped steps, and its loss scale from
 ``scaler.pt``.
 """

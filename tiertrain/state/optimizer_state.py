@@ -1,0 +1,140 @@
+"""The optimizer state a checkpoint of another framework must hold for the engine loading it:
+for each trained parameter, the keys the engine's optimizer keeps and which of them hold one
+value per element (read by range, so they reshard) — Adam's moments and step for the default
+AdamW, and for an optimizer the user brought (``wrap(optimizer=...)``, TiertrainTrainer's
+``optim``) whatever it keeps: SGD's momentum, RMSprop's square average, Adafactor's factored
+rows and columns. Found by doing, not by name: a copy of the optimizer, with the parameter's
+group's hyper-parameters, steps once on a small tensor of the parameter's rank, and what it
+then keeps is the expectation. A checkpoint of another optimizer (or other settings of it:
+amsgrad, momentum) is refused naming both, before anything is loaded.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .checkpoint import CheckpointError
+from ..update.state_format import NVMeStreamState
+
+if TYPE_CHECKING:
+    from ..training_core import TrainingCore
+
+PROBE_DIMS = (3, 4, 5, 6, 7)
+"""The probe tensor's sizes, first ndim of them (distinct, so no factored state of it has the
+tensor's own shape)."""
+
+
+def _probed(build: Callable, options: list[dict], group: int, ndim: int) -> dict[str, Any] | None:
+    """What build's optimizer keeps for a parameter of ndim dimensions in group after one step:
+    {key: the value}; None where it cannot step such a tensor (Muon: matrices only). Every
+    group is built (a list of optimizers routes groups by their place), the others over an
+    empty matrix without a gradient, as ClientOptimizer.stand_in builds them."""
+    shape = PROBE_DIMS[:ndim]
+    param = torch.randn(shape, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
+    groups = [{"params": [param if i == group else torch.empty(0, 0)], **o} for i, o in enumerate(options)]
+    try:
+        optimizer = build(groups)
+        param.grad = torch.randn(shape, generator=torch.Generator().manual_seed(6))
+        optimizer.step()
+    except Exception:  # (this optimizer does not take such a tensor: the saved keys are taken as they are)
+        return None
+    return dict(optimizer.state.get(param, {}))
+
+
+def _shape_for(value: Any, probe_shape: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape the optimizer keeps this state in for a parameter of shape, from the value it
+    kept for the probe (None: a number). Each of the value's sizes is one of the probe's (they
+    are distinct: the parameter's size along that dimension, as Adafactor's row and column
+    factors are) or stays as it is (1, a scalar's ())."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    return tuple(shape[probe_shape.index(n)] if n in probe_shape else n for n in value.shape)
+
+
+def per_element(value: Any, shape: tuple[int, ...]) -> bool:
+    """Whether an optimizer state value holds one value per element of a parameter of shape."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == tuple(shape)
+
+
+class OptimizerStateKeys:
+    """The state the engine's optimizer keeps for each trained parameter (see the module
+    docstring), probed once per param group and parameter rank."""
+
+    def __init__(self, engine: "TrainingCore"):
+        client = engine.client_optimizer
+        if client is None:  # (the default AdamW keeps torch AdamW's state, whatever its kernel)
+            self.name = "AdamW (the default)"
+            self._build: Callable = torch.optim.AdamW
+            self._options: list[dict] = [{}]
+            self._group_of: Callable[[str], int] = lambda name: 0
+        else:
+            self.name = client.name
+            self._build, self._options = client.build, client.options()
+            self._group_of = client.group_index().__getitem__
+        self._probes: dict[tuple[int, int], dict | None] = {}
+        fmt = engine.update.state_format
+        self.stream_slots = tuple(fmt.state_names) if isinstance(fmt, NVMeStreamState) else None
+        """The NVMe stream's state slots (by the optimizer's names), which the saved per-element
+        state must fill; None for an optimizer in memory."""
+
+    def expected(self, name: str, ndim: int) -> dict[str, Any] | None:
+        """{key: a value of the kind the optimizer keeps} for trained parameter name of ndim
+        dimensions, or None where the probe could not step such a tensor."""
+        group = self._group_of(name)
+        if (group, ndim) not in self._probes:
+            self._probes[(group, ndim)] = _probed(self._build, self._options, group, ndim)
+        return self._probes[(group, ndim)]
+
+    def check(self, where: str, name: str, shape: tuple[int, ...], saved: dict[str, tuple[int, ...] | None]) -> None:
+        """CheckpointError unless the saved state of trained parameter name (saved: {key: its
+        tensor's shape, or None for a number}) is the state this optimizer keeps for it."""
+        probe = self.expected(name, len(shape))
+        if self.stream_slots is not None:
+            kept = {key for key, value in saved.items() if saved_per_element(value, shape)}
+            if not kept <= set(self.stream_slots):
+                raise CheckpointError(f"{where}: the optimizer state of {name!r} holds {sorted(saved)}; this engine's "
+                                      f"NVMe optimizer keeps {list(self.stream_slots)}")
+        if probe is None:
+            return
+        if set(saved) != set(probe):
+            raise CheckpointError(f"{where}: the optimizer state of {name!r} is {sorted(saved)}; this engine's "
+                                  f"optimizer {self.name} keeps {sorted(probe)} for a {len(shape)}-D parameter with "
+                                  f"its group's settings: resume with the optimizer and settings the checkpoint was "
+                                  f"saved with")
+        probe_shape = PROBE_DIMS[:len(shape)]
+        for key, value in probe.items():
+            want = _shape_for(value, probe_shape, shape)
+            if key == "step" and want in (None, ()) and saved[key] in (None, ()):
+                continue  # (a count either way: step_as_kept gives it the optimizer's form)
+            if want != (None if saved[key] is None else tuple(saved[key])):
+                kept = "a number" if want is None else f"shape {want}"
+                raise CheckpointError(f"{where}: the optimizer state {key!r} of {name!r} "
+                                      f"{'is a number' if saved[key] is None else f'has shape {tuple(saved[key])}'}; "
+                                      f"{self.name} keeps it for this {tuple(shape)} parameter with {kept}")
+
+    def step_as_kept(self, name: str, ndim: int, count: int) -> Any:
+        """A saved step count in the form the optimizer keeps its own (a float tensor, an int)."""
+        like = (self.expected(name, ndim) or {}).get("step")
+        if isinstance(like, torch.Tensor):
+            return torch.tensor(float(count), dtype=like.dtype)
+        return type(like)(count) if isinstance(like, (int, float)) else torch.tensor(float(count))
+
+
+def saved_per_element(saved: tuple[int, ...] | None, shape: tuple[int, ...]) -> bool:
+    """Whether a saved state value of that shape (None: a number) is per element of a parameter
+    of shape."""
+    return saved is not None and len(shape) > 0 and tuple(saved) == tuple(shape)
+
+
+def saved_count(value: Any, where: str, name: str) -> int:
+    """A saved step (a tensor of one element, a number) as a count; CheckpointError otherwise."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value != int(value) or value < 0:
+        raise CheckpointError(f"{where}: the optimizer step of {name!r} is {value!r}, not a count")
+    return int(value)
+
+
+__all__ = ["OptimizerStateKeys", "per_element", "saved_count", "saved_per_element"]
