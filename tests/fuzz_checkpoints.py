@@ -7,7 +7,8 @@ checkpoints an engine reads: a torch.distributed.checkpoint directory (``.metada
 data file, ``load_dcp_checkpoint``), a DeepSpeed ZeRO checkpoint (``latest``, the model states
 and the optimizer files, ``load_deepspeed_checkpoint``) and transformers' Trainer's own
 (``model.safetensors``, ``optimizer.pt`` and ``scaler.pt``; under FSDP with FULL_STATE_DICT,
-``pytorch_model_fsdp.bin`` and ``optimizer.bin``: tiertrain/state/trainer_checkpoint.py).
+``pytorch_model_fsdp.bin`` and ``optimizer.bin``: tiertrain/state/trainer_checkpoint.py), also
+of a run with transformers' Adafactor (state not per element) into an engine stepping it.
 
 Every case must end, within CASE_LIMIT_S, in a result or in the library's own error
 (CheckpointError, or ValueError for a pretrained file), never in another exception (a raw
@@ -20,6 +21,7 @@ memory).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -138,7 +140,24 @@ def make_foreign(root: str):
                     ignore=shutil.ignore_patterns("expected.pt"))
     cfg = make_config(zero={"stage": 2}, precision={"dtype": "fp32"})
     engine = tiertrain.wrap(build_llama(seed=11), cfg, tiertrain.Topology.build(cfg.parallel))
-    return {"dcp": dcp_dir, "deepspeed": deepspeed_dir, "trainer": (trainer_dir, groups), "fsdpfull": full_dir}, engine
+    # The Trainer's checkpoint of a run with transformers' Adafactor (optim="adafactor"): state that
+    # is not per element (row and column factors, a number as its step), into an engine stepping it whole.
+    from transformers.optimization import Adafactor
+
+    adafactor = functools.partial(Adafactor, lr=1e-3, scale_parameter=False, relative_step=False)
+    model = build_llama()
+    opt = adafactor([p for p in model.parameters() if p.requires_grad])
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    adafactor_dir = os.path.join(root, "adafactor")
+    os.makedirs(adafactor_dir)
+    save_file({n: v.detach().clone().contiguous() for n, v in model.state_dict().items()
+               if n != "lm_head.weight"}, os.path.join(adafactor_dir, "model.safetensors"))
+    torch.save(opt.state_dict(), os.path.join(adafactor_dir, "optimizer.pt"))
+    adafactor_engine = tiertrain.wrap(build_llama(seed=11), cfg, tiertrain.Topology.build(cfg.parallel),
+                                      optimizer=adafactor)
+    return ({"dcp": dcp_dir, "deepspeed": deepspeed_dir, "trainer": (trainer_dir, groups), "fsdpfull": full_dir,
+             "adafactor": (adafactor_dir, groups)}, {"adam": engine, "adafactor": adafactor_engine})
 
 
 # -- mutations ------------------------------------------------------------------------------
@@ -356,8 +375,9 @@ def _foreign_case(rng: random.Random, pristine: str, scratch: str, outside: str,
     if kind.startswith("dcp"):
         files = {"dcp-metadata": [".metadata"], "dcp-data": [n for n in os.listdir(scratch) if n != ".metadata"]}
         names, where = files.get(kind, [".metadata", "__0_0.distcp"]), scratch
-    elif kind.startswith("trainer"):
-        names, where = ["model.safetensors", "optimizer.pt", "scaler.pt"], scratch
+    elif kind.startswith(("trainer", "adafactor")):
+        names, where = [n for n in ["model.safetensors", "optimizer.pt", "scaler.pt"] if os.path.exists(
+            os.path.join(scratch, n))], scratch
     elif kind.startswith("fsdpfull"):
         names, where = ["pytorch_model_fsdp.bin", "optimizer.bin"], scratch
     else:
@@ -391,23 +411,28 @@ def run_case(rng: random.Random, pristine, scratch: str, outside: str, findings:
 
     from tiertrain.state import trainer_checkpoint
 
-    (directory, pretrained, engine), (foreign, llama) = pristine
+    (directory, pretrained, engine), (foreign, engines) = pristine
+    llama = engines["adam"]
     shutil.rmtree(scratch, ignore_errors=True)
     out = scratch + "-out"
     shutil.rmtree(out, ignore_errors=True)
     kind = rng.choice(["marker", "marker-text", "rank", "held", "held-header", "special",
                        "pretrained", "pretrained-header", "pretrained-special", "dcp-metadata", "dcp-data",
                        "dcp-special", "deepspeed-files", "deepspeed-latest", "deepspeed-special", "trainer-files",
-                       "trainer-special", "fsdpfull-files", "fsdpfull-special"])
+                       "trainer-special", "fsdpfull-files", "fsdpfull-special", "adafactor-files",
+                       "adafactor-special"])
     framework = kind.split("-")[0]
     if framework in foreign:
-        trainer_dir, groups = foreign["trainer"]
-        step_dir = _foreign_case(rng, trainer_dir if framework == "trainer" else foreign[framework], scratch,
-                                 outside, kind)
+        groups = foreign["trainer"][1]
+        source = foreign[framework][0] if framework in ("trainer", "adafactor") else foreign[framework]
+        step_dir = _foreign_case(rng, source, scratch, outside, kind)
+        if framework == "adafactor":
+            llama = engines["adafactor"]
         read = {"dcp": lambda: llama.load_dcp_checkpoint(scratch),
                 "deepspeed": lambda: llama.load_deepspeed_checkpoint(scratch),
                 "trainer": lambda: trainer_checkpoint.load(llama, scratch, groups, 1),
-                "fsdpfull": lambda: trainer_checkpoint.load(llama, scratch, groups, 1)}[framework]
+                "fsdpfull": lambda: trainer_checkpoint.load(llama, scratch, groups, 1),
+                "adafactor": lambda: trainer_checkpoint.load(llama, scratch, groups, 1)}[framework]
         refusal = CheckpointError
     elif kind.startswith("pretrained"):
         _pretrained_case(rng, pretrained, scratch, outside, kind)
@@ -431,7 +456,7 @@ def run_case(rng: random.Random, pristine, scratch: str, outside: str, findings:
         findings.accepted += 1
         if kind.startswith("pretrained"):
             _check_loaded_bytes(engine, inputs, findings, what)
-        elif kind.startswith(("dcp", "trainer", "fsdpfull")):
+        elif kind.startswith(("dcp", "trainer", "fsdpfull", "adafactor")):
             _check_loaded_bytes(llama, inputs, findings, what, trained_only=True)
         elif kind.startswith("deepspeed"):
             _check_deepspeed_bytes(llama, scratch, inputs, findings, what)
