@@ -543,11 +543,25 @@ def test_optimizer_state_by_number_or_of_another_rule_or_absent_is_refused_by_na
         with pytest.raises(CheckpointError, match=named):
             engine.load_dcp_checkpoint(path)
         engine.close()
-    # SGD's momentum loads into SGD, but SGD counts no steps: nothing in the DCP says how many there were.
-    engine = _engine(optimizer=lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9))
-    with pytest.raises(CheckpointError, match=r"counts no steps \(SGD keeps no step\).*TiertrainTrainer reads "
-                                              r"trainer_state.json"):
+    # SGD's momentum loads into SGD, but SGD counts no steps: nothing in the DCP says how many there were
+    # ... unless the saved dict records it as torchtitan does (train_state.step).
+    def sgd_engine():
+        return _engine(optimizer=lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9))
+
+    engine = sgd_engine()
+    with pytest.raises(CheckpointError, match=r"counts no steps \(SGD keeps no step\).*train_state.step.*"
+                                              r"TiertrainTrainer reads trainer_state.json"):
         engine.load_dcp_checkpoint(str(tmp_path / "2"))
+    engine.close()
+    titan = _save(tmp_path / "titan", {**_named_state(model_sgd, sgd), "train_state": {"step": torch.tensor(1)}})
+    engine = sgd_engine()
+    engine.load_dcp_checkpoint(titan)
+    assert engine.steps == 1
+    momentum = {n: sgd.state[p]["momentum_buffer"] for n, p in model_sgd.named_parameters() if p.requires_grad}
+    for view, state in engine.update.optimizer.state.items():
+        name = getattr(view, SLOT_NAME)
+        assert torch.equal(state["momentum_buffer"].reshape(-1), momentum[name].reshape(-1)), name
+    assert len(engine.update.optimizer.state) == len(momentum)
     engine.close()
 
 

@@ -208,6 +208,17 @@ class DcpModel:
     def has_state(self, name: str) -> bool:
         return name in self._state
 
+    def recorded_steps(self) -> int | None:
+        """The run's step count where the saved dict records one beside the model (torchtitan's
+        ``train_state.step``); None where none is."""
+        found = [(c, key) for c in self.checkpoints for key, path in [*((k, i.path) for k, i in c.tensors.items()),
+                                                                       *c.objects.items()]
+                 if tuple(map(str, path[-2:])) == ("train_state", "step")]
+        if len(found) != 1:
+            return None
+        c, key = found[0]
+        return saved_count(c.whole(key) if key in c.tensors else c.object(key), repr(self.directory), "train_state")
+
     def _saved_step(self, name: str) -> int:
         return saved_count(self._whole_state(name, "step"), repr(self.directory), name)
 
@@ -329,11 +340,12 @@ def load_items(engine: "TrainingCore", path: str, checkpoints: list, where: str,
     kept_state = OptimizerStateKeys(engine)
     model = DcpModel(path, checkpoints, _aliases(engine), trained, frozen, buffers, whole_model, kept_state,
                      transient)
-    steps = model.steps if model.steps is not None else counted
+    steps = next((n for n in (model.steps, counted, model.recorded_steps()) if n is not None), None)
     if steps is None:
         raise CheckpointError(f"{where}: its optimizer state counts no steps ({kept_state.name} keeps no step) and "
-                              f"nothing else read here says how many updates the run took; resume it through the "
-                              f"trainer that saved it with its step count (TiertrainTrainer reads trainer_state.json)")
+                              f"nothing else read here says how many updates the run took (no 'train_state.step', "
+                              f"as torchtitan saves it); resume it through the trainer that saved it with its step "
+                              f"count (TiertrainTrainer reads trainer_state.json)")
     skipped = 0 if counted is None else counted - steps
     if skipped < 0:
         raise CheckpointError(f"{where}: the optimizer took {steps} steps but the run counted {counted}: a "
