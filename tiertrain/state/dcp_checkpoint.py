@@ -340,7 +340,7 @@ def load_items(engine: "TrainingCore", path: str, checkpoints: list, where: str,
     kept_state = OptimizerStateKeys(engine)
     model = DcpModel(path, checkpoints, _aliases(engine), trained, frozen, buffers, whole_model, kept_state,
                      transient)
-    steps = next((n for n in (model.steps, counted, model.recorded_steps()) if n is not None), None)
+    steps = model.steps if model.steps is not None else counted if counted is not None else model.recorded_steps()
     if steps is None:
         raise CheckpointError(f"{where}: its optimizer state counts no steps ({kept_state.name} keeps no step) and "
                               f"nothing else read here says how many updates the run took (no 'train_state.step', "
