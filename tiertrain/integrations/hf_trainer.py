@@ -111,7 +111,7 @@ from ..config import Config, ConfigError
 from ..state import trainer_checkpoint
 from ..topology import Topology
 from ..wrapping import wrap
-from .hf_arguments import (SUPPORTED_OPTIMS, TRAINER_OPTIMS, _refuse, check_training_arguments,
+from .hf_arguments import (SUPPORTED_OPTIMS, TRAINER_OPTIMS, _refuse, _value, check_training_arguments,
                            config_from_training_arguments, deepspeed_schedule)
 
 try:
@@ -351,8 +351,8 @@ class TiertrainTrainer(Trainer):
         groups = [{"params": decayed, "weight_decay": self.args.weight_decay}, {"params": other, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
         optimizer = None
-        if self.optimizer_cls_and_kwargs is not None or getattr(self.args.optim, "value", self.args.optim) in \
-                TRAINER_OPTIMS:  # (as Trainer.create_optimizer builds it)
+        if self.optimizer_cls_and_kwargs is not None or _value(self.args.optim) in TRAINER_OPTIMS:
+            # (as Trainer.create_optimizer builds it)
             cls, options = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, model)
             optimizer = functools.partial(cls, **options)
         schedule = deepspeed_schedule(self.deepspeed_config, self.args, max_steps)

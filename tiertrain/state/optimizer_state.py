@@ -1,12 +1,13 @@
 """The optimizer state a checkpoint of another framework must hold for the engine loading it:
-for each trained parameter, the keys the engine's optimizer keeps and which of them hold one
-value per element (read by range, so they reshard) — Adam's moments and step for the default
-AdamW, and for an optimizer the user brought (``wrap(optimizer=...)``, TiertrainTrainer's
-``optim``) whatever it keeps: SGD's momentum, RMSprop's square average, Adafactor's factored
-rows and columns. Found by doing, not by name: a copy of the optimizer, with the parameter's
-group's hyper-parameters, steps once on a small tensor of the parameter's rank, and what it
-then keeps is the expectation. A checkpoint of another optimizer (or other settings of it:
-amsgrad, momentum) is refused naming both, before anything is loaded.
+for each trained parameter, the keys the engine's optimizer keeps, the shape of each (one value
+per element, read by range so that it reshards; or sized by some of the parameter's dimensions,
+as Adafactor's row and column factors are; or a number) and the form of its step — Adam's
+moments and step for the default AdamW, and for an optimizer the user brought
+(``wrap(optimizer=...)``, TiertrainTrainer's ``optim``) whatever it keeps: SGD's momentum,
+RMSprop's square average, Adafactor's factors. Found by doing, not by name: a copy of the
+optimizer, with the parameter's group's hyper-parameters, steps once on a small tensor of the
+parameter's rank, and what it then keeps is the expectation. A checkpoint of another optimizer
+(or other settings of it: amsgrad, momentum) is refused naming both, before anything is loaded.
 """
 from __future__ import annotations
 
@@ -51,11 +52,6 @@ def _shape_for(value: Any, probe_shape: tuple[int, ...], shape: tuple[int, ...])
     if not isinstance(value, torch.Tensor):
         return None
     return tuple(shape[probe_shape.index(n)] if n in probe_shape else n for n in value.shape)
-
-
-def per_element(value: Any, shape: tuple[int, ...]) -> bool:
-    """Whether an optimizer state value holds one value per element of a parameter of shape."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == tuple(shape)
 
 
 class OptimizerStateKeys:
@@ -109,10 +105,10 @@ class OptimizerStateKeys:
             if key == "step" and want in (None, ()) and saved[key] in (None, ()):
                 continue  # (a count either way: step_as_kept gives it the optimizer's form)
             if want != (None if saved[key] is None else tuple(saved[key])):
-                kept = "a number" if want is None else f"shape {want}"
+                form = "a number" if want is None else f"shape {want}"
                 raise CheckpointError(f"{where}: the optimizer state {key!r} of {name!r} "
                                       f"{'is a number' if saved[key] is None else f'has shape {tuple(saved[key])}'}; "
-                                      f"{self.name} keeps it for this {tuple(shape)} parameter with {kept}")
+                                      f"{self.name} keeps it for this {tuple(shape)} parameter with {form}")
 
     def step_as_kept(self, name: str, ndim: int, count: int) -> Any:
         """A saved step count in the form the optimizer keeps its own (a float tensor, an int)."""
@@ -137,4 +133,4 @@ def saved_count(value: Any, where: str, name: str) -> int:
     return int(value)
 
 
-__all__ = ["OptimizerStateKeys", "per_element", "saved_count", "saved_per_element"]
+__all__ = ["OptimizerStateKeys", "saved_count", "saved_per_element"]
