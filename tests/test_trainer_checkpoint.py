@@ -82,6 +82,7 @@ class _Loaded(transformers.TrainerCallback):
                                                      {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()})
                           for view, st in engine.update.optimizer.state.items()}
             self.steps, self.skipped = engine.steps, engine.skipped_steps
+            self.rng = torch.get_rng_state()
             self.scaler = dict(engine.scaler.state_dict())
             self.lr = engine.learning_rate()
 
@@ -133,6 +134,8 @@ def test_a_plain_trainer_checkpoint_resumes_with_its_values_moments_and_step(sav
     checkpoint, expected = saved
     trainer, loaded = _resumed(checkpoint, str(tmp_path), STEPS + 1)
     _check_resumed(loaded, trainer, load_file(os.path.join(checkpoint, "model.safetensors")), expected)
+    # (and the RNG the first step draws from is the saved one, rng_state.pth, as the Trainer restores it)
+    assert torch.equal(loaded.rng, torch.load(os.path.join(checkpoint, "rng_state.pth"), weights_only=False)["cpu"])
     trainer.close()
 
 
