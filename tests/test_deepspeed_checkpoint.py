@@ -402,7 +402,8 @@ def test_a_misread_layout_fails_on_deepspeeds_own_fragment_record(tmp_path):
 
 def test_another_optimizer_or_model_is_refused_by_name():
     engine = _engine(lambda m: torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1, momentum=0.9))
-    with pytest.raises(CheckpointError, match="moments of DeepSpeed's Adam/AdamW.*is SGD"):
+    with pytest.raises(CheckpointError, match=r"is \['exp_avg', 'exp_avg_sq', 'step'\]; this engine's optimizer SGD "
+                                              r"keeps \['momentum_buffer'\]"):
         engine.load_deepspeed_checkpoint(os.path.join(HERE, "z2_bf16_w2"))
     engine.close()
     config = _config(2, "none", 1, "/unused")

@@ -15,8 +15,8 @@ import torch
 
 from .checkpoint import CheckpointError
 from .deepspeed_files import DEEPSPEED_OBJECTS, DeepSpeedCheckpoint
-from .foreign import (ForeignRun, FrozenKeptWarning, check_adam, check_buffers, copy_held, frozen_kept, held_frozen,
-                      replicated_at)
+from .foreign import ForeignRun, FrozenKeptWarning, check_buffers, copy_held, frozen_kept, held_frozen, replicated_at
+from .optimizer_state import OptimizerStateKeys
 from .reshard import check_reshardable_format, compare_models, load_run
 from .shard_layout import _unit_of, parameter_slots
 from ..update.state_format import TorchOptimizerState
@@ -87,7 +87,9 @@ def load_into(engine: "TrainingCore", directory: str | os.PathLike, tag: str | N
     where = f"the DeepSpeed checkpoint {checkpoint.directory!r}"
     shards = engine.shard_description()
     check_reshardable_format(shards, where)
-    check_adam(engine.update, where, "DeepSpeed's")
+    kept_state = OptimizerStateKeys(engine)
+    for name, shape in checkpoint.shapes.items():  # (what this module reads of DeepSpeed's: Adam's state)
+        kept_state.check(where, name, shape, {"exp_avg": shape, "exp_avg_sq": shape, "step": ()})
     parts = engine.checkpoint_parts()
     # (DeepSpeed's global_steps counts the fp16 steps skipped on overflow too)
     applied = checkpoint.global_steps - checkpoint.skipped_steps

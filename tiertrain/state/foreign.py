@@ -1,9 +1,8 @@
 """What every load of another framework's checkpoint into an engine checks and does, whatever
 the files (DeepSpeed's: tiertrain/state/deepspeed_checkpoint.py; torch.distributed.checkpoint's:
-tiertrain/state/dcp_checkpoint.py): the engine's optimizer keeps the saved state (DeepSpeed's
-Adam moments: check_adam; a DCP run's: tiertrain/state/optimizer_state.py), every buffer has a
-value, frozen parameters come from the checkpoint or are kept (said), and those the engine's
-module holds whole are copied in. A checkpoint here is anything with ``directory``, ``shapes``
+tiertrain/state/dcp_checkpoint.py): the engine's optimizer keeps the saved state (checked by
+tiertrain/state/optimizer_state.py), every buffer has a value, frozen parameters come from the
+checkpoint or are kept (said), and those the engine's module holds whole are copied in. A checkpoint here is anything with ``directory``, ``shapes``
 (trained name -> shape), ``frozen_shapes``, ``frozen_value(name)`` and ``buffers``.
 """
 from __future__ import annotations
@@ -16,8 +15,6 @@ import torch
 from .checkpoint import CheckpointError
 from .reshard import REPLICATED_PARTS
 from .saved_run import MASTER, _SavedRun, _slice
-from ..optimizer_list import OptimizerList
-from ..update.state_format import TorchOptimizerState
 
 if TYPE_CHECKING:
     from ..training_core import TrainingCore
@@ -68,25 +65,6 @@ def replicated_at(engine: "TrainingCore", parts: dict, applied: int, skipped: in
     if loss_scale is not None and "scaler" in parts and getattr(parts["scaler"], "enabled", False):
         replicated["scaler"] = {**replicated["scaler"], **loss_scale, "overflows": skipped}
     return replicated
-
-
-def check_adam(update: Any, where: str, whose: str) -> None:
-    """The engine's optimizer keeps Adam's two moments and step, as the checkpoint's (``whose``
-    Adam/AdamW) did: torch's Adam or AdamW (without amsgrad) in memory, or the NVMe stream under
-    AdamW's names."""
-    fmt = update.state_format
-    if isinstance(fmt, TorchOptimizerState):
-        optimizer = update.optimizer
-        parts = optimizer.parts if isinstance(optimizer, OptimizerList) else [optimizer]
-        other = [type(p).__name__ for p in parts if not isinstance(p, (torch.optim.Adam, torch.optim.AdamW))]
-        amsgrad = any(g.get("amsgrad") for p in parts for g in p.param_groups)
-        if other or amsgrad:
-            raise CheckpointError(f"{where}: it holds the moments of {whose} Adam/AdamW; this engine's optimizer "
-                                  f"is {other[0] if other else 'AdamW with amsgrad=True'}: use tiertrain's AdamW "
-                                  f"(the default optimizer) or torch's Adam/AdamW without amsgrad")
-    elif tuple(fmt.state_names) != ("exp_avg", "exp_avg_sq"):
-        raise CheckpointError(f"{where}: it holds the moments of {whose} Adam/AdamW; this engine's NVMe optimizer "
-                              f"keeps {list(fmt.state_names)}")
 
 
 class FrozenKeptWarning(UserWarning):
@@ -170,5 +148,5 @@ def copy_held(held: dict) -> None:
             param.copy_(value)
 
 
-__all__ = ["ForeignRun", "FrozenKeptWarning", "check_adam", "check_buffers", "copy_held", "frozen_kept", "frozen_of",
+__all__ = ["ForeignRun", "FrozenKeptWarning", "check_buffers", "copy_held", "frozen_kept", "frozen_of",
            "held_frozen"]
