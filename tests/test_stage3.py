@@ -179,7 +179,8 @@ def _gather_on_rank1(engine, step, rank):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("hook, mine, theirs", [
     (_skip_backward_on_rank1, "the start of a forward pass", "the start of a backward pass"),
-    (_gather_on_rank1, "gathered_parameters() of unit 'model.blocks.0'", "the start of a forward pass"),
+    (_gather_on_rank1, "the gather of unit 'model.blocks.0' outside the engine's passes (gathered_parameters(), "
+                       "or the model called directly: evaluation, generate)", "the start of a forward pass"),
 ])
 def test_different_passes_on_some_ranks_fail_together(hook, mine, theirs):
     """What a segment is (a forward, a backward, a fetch outside them) is agreed by every rank."""

@@ -21,6 +21,7 @@ from .zero.agreement import Event
 from .zero.construct import forget_partition, gather_partitioned, is_partitioned
 from .zero.flat import NVME_READ_AHEAD, SWAP_BLOCK_BYTES, FlatParameters, Placement, swap_pool_bytes
 from .zero.layout import ROOT, FlatLayout
+from .zero.lockstep import generate_in_lockstep, refuse_layerdrop
 from .zero.plan import GradientPieces, GradientPlan
 from .zero.reducer import GradientReducer
 from .zero.stage3 import ParameterFetcher
@@ -40,6 +41,9 @@ def build_parts(engine: "TrainingCore", model: nn.Module, plan: GradientPlan, up
     plan's choice (engine.plan: tiertrain/run_plan.py)."""
     config, topology, run = engine.config, engine.topology, engine.plan
     stage = run.stage
+    in_lockstep = stage.partitions_parameters and engine.comm.size > 1  # (zero/lockstep.py)
+    if in_lockstep:
+        refuse_layerdrop(model, engine.comm.size)
     named, engine.layout, engine.launch_when_ready = plan.named, plan.layout, plan.launch_when_ready
     cast_buffers_and_frozen(engine, model, {n for n, _ in plan.frozen})
     engine.buffers = ModuleBuffers(engine.named_modules_of_state())
@@ -75,6 +79,8 @@ def build_parts(engine: "TrainingCore", model: nn.Module, plan: GradientPlan, up
             max_live_bytes=int(config.zero.max_live_mb * 2**20), check=config.zero.stage3_check,
             frozen_of=frozen_of)
         engine.fetcher.before_outside = engine._before_outside_forward
+    if in_lockstep:
+        engine._on_close.append(generate_in_lockstep(model))
     if stage.partitions_parameters:
         # Backward completes blocks last-first, then the root (embeddings are used first
         # in forward, so their gradients come last), then the persistent small parameters.

@@ -121,7 +121,8 @@ class CollectiveAgreement:
             return "retrace()"
         label = self.unit_label(index)
         if event == Event.OUTSIDE:
-            return f"gathered_parameters() of unit '{label}'"
+            return (f"the gather of unit '{label}' outside the engine's passes (gathered_parameters(), or the model "
+                    f"called directly: evaluation, generate)")
         return f"{_UNIT_EVENT_WORDING.get(event, 'collective')} unit '{label}'"
 
     def open(self, event: Event, index: int = 0, key: tuple | None = None) -> None:
