@@ -7,6 +7,8 @@ Six kernels step the same fp32 tensors:
 * tiertrain's pass: AdamW, the clip factor and the bf16 copy in one loop of C, its copy stored
   around the cache (non-temporal stores);
 * the same C pass without the copy (the kernel a piece without a compute copy takes);
+* the C pass into second buffers, the inputs left as they were (the overlapped step's
+  speculative update, zero.overlap_cpu_step): its new values streamed to those buffers;
 * the C pass as it runs on an accelerator host, where the copy lives on the device: called a
   chunk at a time, writing each chunk's copy into the next of a few buffers (CHUNK and SLOTS of
   tiertrain/zero/upload.py; the buffers' copies to the device, which the copy engine runs
@@ -109,6 +111,8 @@ def main() -> None:
     hoisted = hyperparameters(LR, BETA1, BETA2, EPS, DECAY, STEP, CLIP)
     lib, c_build_s = native()
     c_cast, c_plain = (native_adamw.Kernel(lib, dtype, into=False) for dtype in (torch.bfloat16, None))
+    c_into = native_adamw.Kernel(lib, torch.bfloat16, into=True)
+    second = [torch.zeros(n) for _ in range(3)]  # (touched once: the step reuses its second buffers)
     i_cast, i_cast_s = compiled(hoisted, cast=True)
     i_plain, _ = compiled(hoisted, cast=False)
     tensors = (param, grad, exp_avg, exp_avg_sq)
@@ -118,6 +122,8 @@ def main() -> None:
     kernels = {
         "tiertrain's pass (AdamW + clip + bf16 copy), C": functools.partial(c_cast, *tensors, out, hoisted),
         "the C pass without the bf16 copy": functools.partial(c_plain, *tensors, hoisted),
+        "the C pass into second buffers (the overlapped step's speculation), with the bf16 copy":
+            functools.partial(c_into, *tensors, *second, out, hoisted),
         f"the C pass, its bf16 copy in {CHUNK >> 20} Mi-element chunks into {SLOTS} buffers (accelerator host)":
             in_chunks(c_cast, tensors, hoisted, [torch.empty(CHUNK, dtype=torch.bfloat16) for _ in range(SLOTS)]),
         "the replaced pass, torch.compile (AdamW + clip + bf16 copy)":

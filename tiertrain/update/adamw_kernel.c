@@ -5,7 +5,8 @@
  * Built with the host's own instruction set (-march=native). The update is bound by memory
  * traffic, 28 bytes per element; the compute copy adds 2. Its stores go around the cache
  * (non-temporal) with AVX-512 or AVX2: a plain store first reads the destination's cache
- * line, 2 bytes more per element. The bf16 rounding is ATen's, in integer arithmetic (the
+ * line, 2 bytes more per element; so do the new values written into second buffers (the
+ * overlapped step's speculation), 12 bytes more per element. The bf16 rounding is ATen's, in integer arithmetic (the
  * bits torch's .to() gives): AVX512_BF16's VCVTNEPS2BF16 measured no faster on an AMD Zen 4,
  * and it flushes subnormals. The threads are an OpenMP team, each updating one contiguous range.
  * docs/concepts.md#the-cpu-update-in-one-pass has the measurements.
@@ -132,7 +133,7 @@ static inline void stream_copy(uint16_t *out, const vec *x, int kind) {
 
 #ifdef LANES
 static inline vec update_lanes(const float *p, const float *g, const float *m, const float *v, float *p_out,
-                               float *m_out, float *v_out, const vec *h) {
+                               float *m_out, float *v_out, const vec *h, int stream) {
     /* ADAMW_ELEMENT's operations, in its order, on LANES elements */
     vec g_ = V(mul_ps)(V(loadu_ps)(g), h[7]);
     vec p_ = V(mul_ps)(V(loadu_ps)(p), h[0]);
@@ -141,9 +142,15 @@ static inline vec update_lanes(const float *p, const float *g, const float *m, c
     vec v_ = V(add_ps)(V(mul_ps)(V(loadu_ps)(v), h[2]), V(mul_ps)(V(mul_ps)(h[3], g_), g_));
     vec d_ = V(add_ps)(V(mul_ps)(V(sqrt_ps)(v_), h[4]), h[5]);
     p_ = V(sub_ps)(p_, V(div_ps)(V(mul_ps)(h[6], m_), d_));
-    V(storeu_ps)(p_out, p_);
-    V(storeu_ps)(m_out, m_);
-    V(storeu_ps)(v_out, v_);
+    if (stream) { /* outputs apart from the inputs: not in the cache, and not read again by this pass */
+        V(stream_ps)(p_out, p_);
+        V(stream_ps)(m_out, m_);
+        V(stream_ps)(v_out, v_);
+    } else {
+        V(storeu_ps)(p_out, p_);
+        V(storeu_ps)(m_out, m_);
+        V(storeu_ps)(v_out, v_);
+    }
     return p_;
 }
 
@@ -161,11 +168,14 @@ static int64_t update_vectors(float *p, const float *g, float *m, float *v, floa
         }
     vec hv[8];
     for (int k = 0; k < 8; ++k) hv[k] = V(set1_ps)(h[k]);
+    /* Into separate outputs, each 64-byte aligned here (and so at every 32 elements after): streamed,
+     * which saves the read of each destination line a plain store makes (12 bytes per element). */
+    int stream = p_out != p && !(((uintptr_t)(p_out + i) | (uintptr_t)(m_out + i) | (uintptr_t)(v_out + i)) & 63);
     for (; i + 32 <= n; i += 32) {
         vec x[32 / LANES];
         for (int k = 0; k < 32 / LANES; ++k) {
             int64_t j = i + LANES * k;
-            x[k] = update_lanes(p + j, g + j, m + j, v + j, p_out + j, m_out + j, v_out + j, hv);
+            x[k] = update_lanes(p + j, g + j, m + j, v + j, p_out + j, m_out + j, v_out + j, hv, stream);
         }
         if (kind != OUT_NONE) stream_copy((uint16_t *)out + i, x, kind);
     }
