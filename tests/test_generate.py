@@ -100,17 +100,6 @@ def test_generate_at_stage_3_gives_the_plain_models_tokens_though_ranks_stop_apa
 
 # -- Seq2SeqTrainer ---------------------------------------------------------------------------------
 
-class _List(torch.utils.data.Dataset):
-    def __init__(self, items):
-        self.items = items
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
-
-
 def _pairs(n: int, seed: int) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -135,16 +124,16 @@ def _seq2seq_predict(rank, world, root):
             report_to="none", disable_tqdm=True, save_strategy="no", predict_with_generate=True,
             generation_max_length=9, use_cpu=True, **extra)
 
-    trainer = Seq2SeqTiertrainTrainer(model=_build("t5"), args=args(max_steps=2), train_dataset=_List(_pairs(8, 1)),
+    trainer = Seq2SeqTiertrainTrainer(model=_build("t5"), args=args(max_steps=2), train_dataset=_pairs(8, 1),
                                       tiertrain_config=from_dict(Config, {"zero": {"stage": 3}}))
     trainer.train()
-    got = trainer.predict(_List(_pairs(6, 2))).predictions
+    got = trainer.predict(_pairs(6, 2)).predictions
     values = trainer.engine.full_state_dict()
     trainer.close()
     plain = _build("t5")
     _, unexpected = plain.load_state_dict(values, strict=False)  # (the tied copies are not listed)
     assert not unexpected
-    want = transformers.Seq2SeqTrainer(model=plain, args=args()).predict(_List(_pairs(6, 2))).predictions
+    want = transformers.Seq2SeqTrainer(model=plain, args=args()).predict(_pairs(6, 2)).predictions
     return got, want
 
 
