@@ -13,10 +13,6 @@ record the order in which units run; later steps use that trace to prefetch the 
 all-gathers (asynchronously, within a byte budget) while the current unit computes, in
 forward order during forward and in the recorded backward order during backward.
 
-A forward outside the engine (evaluation, generation) gathers each unit around its module,
-and the root's unit around any submodule that holds its parameters, for the callers that
-reach them without the root (an encoder-decoder's ``get_encoder()``, a peft model's base model).
-
 Collective agreement (every rank issuing the same collectives in the same order) is checked
 by tiertrain/zero/agreement.py: the fetcher reports each unit's events to it and asks it
 before each collective. Prefetch needs no check of its own: it is a function of the trace
@@ -147,46 +143,6 @@ class ParameterFetcher:
             self._handles.append(module.register_forward_pre_hook(pre))
             self._handles.append(module.register_forward_hook(torch.compiler.disable(self._make_post_forward(index)),
                                                               with_kwargs=True))
-        for module, index in self._outside_entries(unit_modules).items():
-            self._handles.append(module.register_forward_pre_hook(torch.compiler.disable(
-                lambda module, args, index=index: None if self._inside() else self._outside_pre(index))))
-            self._handles.append(module.register_forward_hook(torch.compiler.disable(
-                lambda module, args, output, index=index: self._outside_entry_post(index, output))))
-
-    def _outside_entries(self, unit_modules: dict[int, nn.Module]) -> dict[nn.Module, int]:
-        """The submodules through which a forward outside the engine can reach a top unit's
-        parameters without calling the unit's module (the model root, for the embeddings, final
-        norm and head): those that hold such parameters, or hold modules that do, outside every
-        other unit's module. transformers calls them so: generate() runs an encoder-decoder's
-        ``get_encoder()``, a wrapper its base model, a script ``get_input_embeddings()``."""
-        hooked = set(map(id, unit_modules.values()))
-        contained = {id(sub) for m in unit_modules.values() for sub in m.modules() if sub is not m}
-        entries: dict[nn.Module, int] = {}
-        for key, top in unit_modules.items():
-            if id(top) in contained:
-                continue
-            units = set(self._with_frozen(key))
-            holds: dict[int, bool] = {}
-
-            def reaches(module: nn.Module) -> bool:  # (memoised: a shared module is visited once)
-                if id(module) not in holds:
-                    holds[id(module)] = False
-                    own = any(self.flat.unit_of.get(p, (None,))[0] in units for p in module.parameters(recurse=False))
-                    inner = [reaches(c) for c in module.children() if id(c) not in hooked]
-                    holds[id(module)] = own or any(inner)
-                return holds[id(module)]
-
-            reaches(top)
-            entries.update({m: key for m in top.modules() if m is not top and id(m) not in hooked and holds.get(id(m))})
-        return entries
-
-    def _inside(self) -> bool:
-        """Inside the engine's forward or backward (a recomputation included)."""
-        return self._engine_forward or self._in_backward or recomputing()
-
-    def _outside_entry_post(self, index: int, output: Any) -> None:
-        if self._outside and self._outside[-1][0] == index and not self._inside():
-            self._outside_post(index, output)
 
     # -- collective agreement --------------------------------------------------------
 
