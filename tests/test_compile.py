@@ -18,7 +18,10 @@ Face Llama at stage 3, with and without activation checkpointing (whole-block an
 4. Numerics: the compiled run trains bit for bit as the same engine uncompiled (the counting
    backend runs the captured graphs as they are; the uncompiled engine equals single-process
    PyTorch within the float64 oracle's bound elsewhere in the suite).
-5. ``.compile()`` of a module whose blocks are checkpointed is refused, naming the block and the
+5. Evaluation between steps (the model called directly under ``torch.no_grad()``, which at
+   stage 3 gathers its units outside the engine) gives the uncompiled model's logits, and the
+   next training step compiles nothing again.
+6. ``.compile()`` of a module whose blocks are checkpointed is refused, naming the block and the
    fix: torch's checkpoint would run the block outside the compiled call, silently eagerly.
 
 The graphs are counted by a backend of our own (the public ``backend=`` argument of
@@ -120,15 +123,19 @@ def _train(rank, world, name, stage, activations, form, backend):
     cfg = make_config(zero={"stage": stage}, activations=activations,
                       batch={"micro_batch_size": 2, "grad_accum_steps": 1}, optimizer={"eps": 1e-3})
     engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
-    per_step, losses = [], []
+    per_step, losses, evaluated = [], [], []
     for batch in _batches(name):
         graphs, runs = (backend.graphs, backend.runs) if backend else (0, 0)
-        losses.append(engine.train_batch(rank_slices(batch, rank, world, 2, 1)))
+        mine = list(rank_slices(batch, rank, world, 2, 1))
+        losses.append(engine.train_batch(iter(mine)))
         if backend:
             per_step.append((backend.graphs - graphs, backend.runs - runs))
+        with torch.no_grad():
+            out = model(input_ids=torch.cat([b["input_ids"] for b in mine]))
+        evaluated.append(out if isinstance(out, torch.Tensor) else out.logits)
     params = engine.full_state_dict()
     engine.close()
-    return losses, params, per_step, n_blocks
+    return (losses, evaluated), params, per_step, n_blocks
 
 
 def _every_case(rank, world):
@@ -149,7 +156,8 @@ def test_every_form_runs_one_graph_per_block_call_compiles_once_and_trains_as_ea
         for case, (eager, compiled_run) in zip(CASES, by_case, strict=True):
             name, stage, activations, form = case
             losses, params, per_step, n_blocks = compiled_run
-            assert losses == eager[0], case
+            assert losses[0] == eager[0][0], case
+            assert all(torch.equal(a, b) for a, b in zip(losses[1], eager[0][1], strict=True)), case  # (evaluation)
             assert params.keys() == eager[1].keys(), case  # (no _orig_mod in the names)
             assert all(torch.equal(params[n], eager[1][n]) for n in params), case
             settled = 2 if stage == 3 else 1  # (stage 3 records its first forward eagerly)

@@ -1,11 +1,15 @@
-"""Generation and LayerDrop at ZeRO stage 3 (tiertrain/zero/lockstep.py).
+"""Generation and LayerDrop at ZeRO stage 3 (tiertrain/zero/lockstep.py, zero/stage3.py).
 
 At stage 3 every forward gathers each unit from every rank's shard, so every rank must run it:
 
-* ``model.generate()`` on each rank's own prompt, the ranks stopping at different lengths,
-  gives the tokens a plain model with the engine's values gives (a Llama, on the device and on
-  the CPU parameter tier); training goes on afterwards as before. Before, the rank that finished
-  first left its peers in a gather (CollectiveMismatchError).
+* ``model.generate()`` on each rank's own prompt, the ranks stopping at different lengths
+  (as their sequences end), gives the tokens a plain model with the engine's values gives,
+  for a decoder (Llama), an encoder-decoder (T5, whose generate() calls ``get_encoder()``: the
+  shared embedding lives in the model root's unit) and a peft LoRA model; on the CPU parameter
+  tier too; training goes on afterwards as before. Before, the rank that finished first left
+  its peers in a gather (CollectiveMismatchError), and T5's encoder read a released embedding.
+* transformers' ``Seq2SeqTrainer`` with ``predict_with_generate``, on TiertrainTrainer,
+  predicts what the plain model generates.
 * A model that drops layers at random (LayerDrop: wav2vec2's default ``layerdrop=0.1``,
   BART's ``encoder_layerdrop``) is refused at stage 3 over several ranks, naming the setting;
   it trains at stage 2 and on one rank, where a rank may skip its own layers.
@@ -13,16 +17,18 @@ At stage 3 every forward gathers each unit from every rank's shard, so every ran
 from __future__ import annotations
 
 import math
+import tempfile
 
 import pytest
 import torch
 
 import tiertrain
 from reference import make_config, rank_slices
-from tiertrain.config import ConfigError
+from tiertrain.config import Config, ConfigError, from_dict
 from tiertrain.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
 import zoo  # noqa: E402
 
 WORLD, MICRO = 2, 2
@@ -30,7 +36,14 @@ NEW_TOKENS = (3, 7)
 """Each rank's max_new_tokens: rank 0 stops first and must keep stepping with rank 1."""
 
 
-FAMILIES = {"llama": zoo.llama_gqa}
+def _peft_llama():
+    base = zoo.llama_gqa()
+    base.loss_function = zoo.causal_lm_loss
+    torch.manual_seed(1)
+    return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+FAMILIES = {"llama": zoo.llama_gqa, "t5": zoo.t5, "peft-lora": _peft_llama}
 
 
 def _build(family: str):
@@ -39,7 +52,7 @@ def _build(family: str):
 
 
 def _batches(family: str) -> list[dict]:
-    return zoo.batches("llama-gqa", 2, MICRO * WORLD)
+    return zoo.batches("t5" if family == "t5" else "llama-gqa", 2, MICRO * WORLD)
 
 
 def _prompt(rank: int) -> torch.Tensor:
@@ -69,7 +82,7 @@ def _train_two_steps(rank, world, family, tier):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("family,tier", [("llama", "none"), ("llama", "cpu")])
+@pytest.mark.parametrize("family,tier", [("llama", "none"), ("t5", "none"), ("peft-lora", "none"), ("t5", "cpu")])
 def test_generate_at_stage_3_gives_the_plain_models_tokens_though_ranks_stop_apart(family, tier):
     results = run_distributed(_generate_between_steps, WORLD, family, tier, timeout=120)
     plain = _build(family)
@@ -83,6 +96,54 @@ def test_generate_at_stage_3_gives_the_plain_models_tokens_though_ranks_stop_apa
         assert torch.equal(got["tokens"], want), f"rank {rank}: {got['tokens'].tolist()} != {want.tolist()}"
         assert got["next loss"] == uninterrupted[rank][1], f"rank {rank}: training goes on bit for bit"
     assert results[0]["tokens"].shape[1] < results[1]["tokens"].shape[1], "(the ranks stopped at different lengths)"
+
+
+# -- Seq2SeqTrainer ---------------------------------------------------------------------------------
+
+def _pairs(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(2, zoo.VOCAB, (8,), generator=g)
+        out.append({"input_ids": x, "attention_mask": torch.ones(8, dtype=torch.long),
+                    "labels": (5 * x + 3) % zoo.VOCAB})
+    return out
+
+
+def _seq2seq_predict(rank, world, root):
+    """The Seq2SeqTrainer on tiertrain trains 2 steps and predicts; then transformers' own
+    Seq2SeqTrainer predicts with those values, on these ranks (its gathering and padding)."""
+    from tiertrain.integrations.hf_trainer import TiertrainTrainer
+
+    class Seq2SeqTiertrainTrainer(TiertrainTrainer, transformers.Seq2SeqTrainer):
+        pass
+
+    def args(**extra):
+        return transformers.Seq2SeqTrainingArguments(
+            output_dir=root, per_device_train_batch_size=MICRO, per_device_eval_batch_size=2, learning_rate=1e-3,
+            report_to="none", disable_tqdm=True, save_strategy="no", predict_with_generate=True,
+            generation_max_length=9, use_cpu=True, **extra)
+
+    trainer = Seq2SeqTiertrainTrainer(model=_build("t5"), args=args(max_steps=2), train_dataset=_pairs(8, 1),
+                                      tiertrain_config=from_dict(Config, {"zero": {"stage": 3}}))
+    trainer.train()
+    got = trainer.predict(_pairs(6, 2)).predictions
+    values = trainer.engine.full_state_dict()
+    trainer.close()
+    plain = _build("t5")
+    _, unexpected = plain.load_state_dict(values, strict=False)  # (the tied copies are not listed)
+    assert not unexpected
+    want = transformers.Seq2SeqTrainer(model=plain, args=args()).predict(_pairs(6, 2)).predictions
+    return got, want
+
+
+@pytest.mark.timeout(150)
+def test_seq2seq_trainer_predicts_with_generate_what_transformers_own_predicts():
+    with tempfile.TemporaryDirectory() as root:
+        results = run_distributed(_seq2seq_predict, WORLD, root, timeout=120)
+    for rank, (got, want) in enumerate(results):
+        assert got.shape == want.shape and (got == want).all(), f"rank {rank}: {got.tolist()} != {want.tolist()}"
+        assert (want[:, 1] > 0).any(), "(some prediction is more than padding)"
 
 
 # -- LayerDrop -------------------------------------------------------------------------------------

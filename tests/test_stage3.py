@@ -285,6 +285,18 @@ def _forward_outside_the_engine(rank, world, tiers, check, swap):
     except RuntimeError as e:
         out["backward"] = str(e)
     out["released after"] = all(p.untyped_storage().size() == 0 for p in model.blocks[1].parameters())
+
+    def fail(module, args):
+        raise ValueError("the user's own hook fails")
+
+    failing = model.blocks[1].register_forward_pre_hook(fail)
+    with torch.no_grad(), pytest.raises(ValueError, match="own hook fails"):
+        model(**held_out)
+    failing.remove()
+    out["released after a failed forward"] = [u.unit.label for u in engine.flat.all_units
+                                              if u.gathered and not u.unit.resident]
+    with torch.no_grad():
+        out["model(x) after a failed forward"] = float(model(**held_out))
     out["next step"] = engine.train_batch(rank_slices(batches[1], rank, world, 2, 1))
     return out
 
@@ -302,11 +314,13 @@ def test_a_forward_outside_the_engine_gathers_unit_by_unit(tmp_path, tiers, chec
     """Issue 34, item 5: model(x) after training, outside the engine, raised "ranks executed
     different modules" (a wrong diagnosis); the only way was gathered_parameters(), which
     gathers the whole model. Now each unit is gathered around its module, as DeepSpeed's
-    ZeRO-3 inference does, and released after; a backward through such a forward is refused
+    ZeRO-3 inference does, and released after (also when the forward raises midway); a backward through such a forward is refused
     by name; training goes on as if it had not happened."""
     expected = run_distributed(_uninterrupted, 2, timeout=60)
     for rank, out in enumerate(run_distributed(_forward_outside_the_engine, 2, tiers, check, str(tmp_path), timeout=60)):
         assert out["model(x) under no_grad"] == out["engine.evaluate"] == out["model(x) with grad"]
         assert "a forward run outside the engine at ZeRO stage 3" in out["backward"]
         assert out["released after"], "the units are released after an outside forward"
+        assert out["released after a failed forward"] == [], "and after one that raised midway"
+        assert out["model(x) after a failed forward"] == out["engine.evaluate"]
         assert out["next step"] == expected[rank][1], "training continues bit for bit"

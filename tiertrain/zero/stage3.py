@@ -13,6 +13,13 @@ record the order in which units run; later steps use that trace to prefetch the 
 all-gathers (asynchronously, within a byte budget) while the current unit computes, in
 forward order during forward and in the recorded backward order during backward.
 
+A forward outside the engine (evaluation, generation) gathers each unit around its module,
+and the root's unit around any submodule that holds its parameters, for the callers that
+reach them without the root (an encoder-decoder's ``get_encoder()``, a peft model's base
+model), and releases them when the module ends, by an exception too. Those hooks are present
+only between the engine's forwards: the engine's own forward never needs them, and under
+``torch.compile`` each hook would split the compiled graph.
+
 Collective agreement (every rank issuing the same collectives in the same order) is checked
 by tiertrain/zero/agreement.py: the fetcher reports each unit's events to it and asks it
 before each collective. Prefetch needs no check of its own: it is a function of the trace
@@ -132,7 +139,7 @@ class ParameterFetcher:
         self._depth = 0  # unit forwards in progress
         self._backward_begun: set[int] = set()  # units whose backward began, grads not yet done
         self._engine_forward = False  # inside the engine's own forward (begin_forward .. end_forward)
-        self._outside: list[tuple[int, list[int]]] = []  # units an outside forward gathered, innermost last
+        self._outside: list[tuple[nn.Module, list[int]]] = []  # modules called outside, the units they gathered
         self.before_outside = None
         """Called when a forward outside the engine begins (the engine settles its update)."""
         self._handles = []
@@ -143,6 +150,85 @@ class ParameterFetcher:
             self._handles.append(module.register_forward_pre_hook(pre))
             self._handles.append(module.register_forward_hook(torch.compiler.disable(self._make_post_forward(index)),
                                                               with_kwargs=True))
+        self._entries = self._outside_entries(unit_modules)
+        self._unit_modules = list(unit_modules.values())
+        self._outside_handles: list = []
+        self._install_outside_hooks()
+
+    # -- forwards outside the engine ------------------------------------------------------
+
+    def _outside_entries(self, unit_modules: dict[int, nn.Module]) -> dict[nn.Module, int]:
+        """The submodules through which a forward outside the engine can reach a top unit's
+        parameters without calling the unit's module (the model root, for the embeddings, final
+        norm and head): those that hold such parameters, or hold modules that do, outside every
+        other unit's module. transformers calls them so: generate() runs an encoder-decoder's
+        ``get_encoder()``, a wrapper its base model, a script ``get_input_embeddings()``."""
+        hooked = set(map(id, unit_modules.values()))
+        contained = {id(sub) for m in unit_modules.values() for sub in m.modules() if sub is not m}
+        entries: dict[nn.Module, int] = {}
+        for key, top in unit_modules.items():
+            if id(top) in contained:
+                continue
+            units = set(self._with_frozen(key))
+            holds: dict[int, bool] = {}
+
+            def reaches(module: nn.Module) -> bool:  # (memoised: a shared module is visited once)
+                if id(module) not in holds:
+                    holds[id(module)] = False
+                    own = any(self.flat.unit_of.get(p, (None,))[0] in units for p in module.parameters(recurse=False))
+                    inner = [reaches(c) for c in module.children() if id(c) not in hooked]
+                    holds[id(module)] = own or any(inner)
+                return holds[id(module)]
+
+            reaches(top)
+            entries.update({m: key for m in top.modules() if m is not top and id(m) not in hooked and holds.get(id(m))})
+        return entries
+
+    def _install_outside_hooks(self) -> None:
+        """The hooks of forwards outside the engine: each entry module gathers its unit around
+        itself, and every module called outside releases what it gathered when it ends, also by
+        an exception (``always_call``: the next forward finds nothing left gathered)."""
+        if self._outside_handles:
+            return
+        pre = torch.compiler.disable(self._entry_pre)
+        post = torch.compiler.disable(self._outside_post)
+        for module in self._entries:
+            self._outside_handles.append(module.register_forward_pre_hook(pre))
+        for module in [*self._entries, *self._unit_modules]:
+            self._outside_handles.append(module.register_forward_hook(post, always_call=True))
+
+    def _remove_outside_hooks(self) -> None:
+        for h in self._outside_handles:
+            h.remove()
+        self._outside_handles.clear()
+
+    def _entry_pre(self, module: nn.Module, args: Any) -> None:
+        if not (self._engine_forward or self._in_backward or recomputing()):
+            self._outside_pre(module, self._entries[module])
+
+    def _outside_pre(self, module: nn.Module, index: int) -> None:
+        """A forward outside the engine (the user's own evaluation, ``model(x)`` between steps),
+        as DeepSpeed's ZeRO-3 inference: gather the unit (each gather agreed by every rank, as
+        gathered_parameters' are), released after the module; nothing is traced."""
+        if not self._outside and self.before_outside is not None:
+            self.before_outside()
+        gathered = []
+        for i in self._with_frozen(index):
+            if not self.flat.all_units[i].gathered:
+                self.agreement.open(Event.OUTSIDE, i)
+                self.flat.gather(i)
+                gathered.append(i)
+        self._outside.append((module, gathered))
+
+    def _outside_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._outside or self._outside[-1][0] is not module:
+            return  # (not called outside the engine)
+        _, gathered = self._outside.pop()
+        for i in gathered:
+            self.flat.release(i)
+        for t in tensors_in(output):
+            if t.requires_grad:
+                t.register_hook(_outside_backward)
 
     # -- collective agreement --------------------------------------------------------
 
@@ -246,8 +332,10 @@ class ParameterFetcher:
     def end_forward(self) -> None:
         """The engine's forward is over: a module called now runs outside it (see _outside_pre)."""
         self._engine_forward = False
+        self._install_outside_hooks()
 
     def begin_forward(self) -> None:
+        self._remove_outside_hooks()  # (the engine's forward needs none: see the module docstring)
         self._engine_forward = True
         self._position = -1
         self._in_backward = False
@@ -306,40 +394,17 @@ class ParameterFetcher:
                 self.fetch(index)
                 return
             if not self._engine_forward and not self._in_backward:
-                self._outside_pre(index)
+                self._outside_pre(module, index)
                 return
             self.agreement.log(Event.VISIT, index)  # first: every run is an event
             self._depth += 1
             self._visit(index, backward=False)
         return hook
 
-    def _outside_pre(self, index: int) -> None:
-        """A forward outside the engine (the user's own evaluation, ``model(x)`` between steps),
-        as DeepSpeed's ZeRO-3 inference: gather the unit (each gather agreed by every rank, as
-        gathered_parameters' are), released after the module; nothing is traced."""
-        if not self._outside and self.before_outside is not None:
-            self.before_outside()
-        gathered = []
-        for i in self._with_frozen(index):
-            if not self.flat.all_units[i].gathered:
-                self.agreement.open(Event.OUTSIDE, i)
-                self.flat.gather(i)
-                gathered.append(i)
-        self._outside.append((index, gathered))
-
-    def _outside_post(self, index: int, output: Any) -> None:
-        _, gathered = self._outside.pop()
-        for i in gathered:
-            self.flat.release(i)
-        for t in tensors_in(output):
-            if t.requires_grad:
-                t.register_hook(_outside_backward)
-
     def _make_post_forward(self, index: int):
         def hook(module, args, kwargs, output):
-            if self._outside and self._outside[-1][0] == index and not recomputing():
-                self._outside_post(index, output)
-                return
+            if self._outside and self._outside[-1][0] is module and not recomputing():
+                return  # (a forward outside the engine: _outside_post)
             if not recomputing():
                 self.agreement.log(Event.RELEASE, index)
                 self._depth -= 1
@@ -423,5 +488,6 @@ class ParameterFetcher:
             self.flat.release(u.unit.index)
 
     def remove(self) -> None:
+        self._remove_outside_hooks()
         for h in self._handles:
             h.remove()
