@@ -48,11 +48,17 @@ def test_the_files_hold_what_deepspeeds_own_converters_find(name):
 @pytest.mark.skipif(not os.environ.get("TIERTRAIN_TEST_DEEPSPEED"),
                     reason="writes checkpoints with the deepspeed package (the CI's last step installs it)")
 def test_checkpoints_deepspeed_writes_now_read_as_the_committed_ones(tmp_path):
-    """The installed DeepSpeed's format, not only the committed files': written afresh, read the same."""
+    """The installed DeepSpeed's format, not only the committed files': written afresh, read the same
+    (and the universal checkpoints its converter makes of them: tests/test_deepspeed_universal.py)."""
+    from test_deepspeed_universal import CONVERTED, check_read
+
     subprocess.run([sys.executable, os.path.join(HERE, "make.py"), str(tmp_path)], check=True, timeout=900,
                    env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True)
     for name in SAVED:
         _check_read(os.path.join(tmp_path, name))
+    for name in CONVERTED:
+        expected = torch.load(os.path.join(tmp_path, name, "expected.pt"), weights_only=True)
+        check_read(os.path.join(tmp_path, f"{name}_universal"), expected)
 
 
 def _check_read(directory: str) -> None:

@@ -419,7 +419,7 @@ class CheckpointConfig:
     overwrite: bool = False
     """With resume=false: delete the checkpoints already in dir before the first step (without it such a run is refused, so that an older run's checkpoints are never lost or resumed by mistake)."""
     from_deepspeed: str = ""
-    """A DeepSpeed ZeRO checkpoint directory (the tag its 'latest' names) that a run not resuming starts from: fp32 masters, Adam's moments and step, the step count (engine.load_deepspeed_checkpoint). A checkpoint in dir to resume comes first; the data stream starts at its beginning."""
+    """A DeepSpeed ZeRO checkpoint directory (the tag its 'latest' names; or a universal checkpoint, ds_to_universal's: the tag its 'latest_universal' names) that a run not resuming starts from: fp32 masters, Adam's moments and step, the step count (engine.load_deepspeed_checkpoint). A checkpoint in dir to resume comes first; the data stream starts at its beginning."""
     from_dcp: str = ""
     """A torch.distributed.checkpoint directory of an FSDP2 run (or one holding such directories: a Trainer's checkpoint-N) that a run not resuming starts from: each parameter's value, Adam's moments and step, the step count (engine.load_dcp_checkpoint). A checkpoint in dir to resume comes first; the data stream starts at its beginning."""
     async_save: bool = False

@@ -9,11 +9,18 @@ of transformers' Trainer) trained 3 steps by DeepSpeed on CPU ranks over gloo, c
 bf16 on 2 ranks, stage 2 in fp16 (dynamic loss scale from 2^8) on 2 and in fp32 on 1. Beside
 each, ``expected.pt``: every trained parameter's fp32 master (DeepSpeed's
 ``safe_get_full_fp32_param``) and Adam moments (its universal-checkpoint converter), the frozen
-values and buffers, and the optimizer's step: what a reader of the files must find.
+values and buffers, and the optimizer's step: what a reader of the files must find. Of the runs
+in UNIVERSAL, ``OUT/<name>_universal``: DeepSpeed's universal checkpoint of it (ds_to_universal:
+``latest_universal`` and ``global_step3_universal/``), read against the same expected.pt.
+
+    DS_ACCELERATOR=cpu python tests/deepspeed_checkpoints/make.py --universal-only [OUT]
+
+writes only the universal checkpoints, of the runs already in OUT.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,6 +34,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from deepspeed_models import build_llama, no_decay  # noqa: E402
 
+UNIVERSAL = ("z3_bf16_w2", "z2_fp16_w2")
+"""The runs also written as universal checkpoints (stage 3's per-rank model states; fp16's loss scale)."""
 RUNS = {"z1_bf16_w2": (1, "bf16", 2), "z2_bf16_w2": (2, "bf16", 2), "z3_bf16_w2": (3, "bf16", 2),
         "z2_fp32_w1": (2, "fp32", 1), "z2_fp16_w2": (2, "fp16", 2)}
 
@@ -72,37 +81,49 @@ def _run(rank: int, world: int, stage: int, dtype: str, out: str, port: int) -> 
     dist.barrier()
 
 
-def _add_moments(directory: str) -> None:
+def _universal(directory: str, out: str) -> None:
+    """DeepSpeed's universal checkpoint of the run in directory, written to out/global_step3_universal."""
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    os.path.join(directory, "global_step3"), "--output_folder",
+                    os.path.join(out, "global_step3_universal"), "--num_extract_workers", "1",
+                    "--num_merge_workers", "1", "--inject_missing_state"], check=True, capture_output=True)
+
+
+def _add_moments(directory: str, universal: str) -> None:
     """expected.pt gets each trained parameter's Adam moments and step whole, as DeepSpeed's
     universal-checkpoint converter (ds_to_universal) writes them (its own accessor for a
     parameter's optimizer state, safe_get_full_optimizer_state, finds none for the second
     param group's parameters at ZeRO-1/2 in this version)."""
-    with tempfile.TemporaryDirectory() as universal:
-        subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                        os.path.join(directory, "global_step3"), "--output_folder", universal,
-                        "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
-                       check=True, capture_output=True)
-        path = os.path.join(directory, "expected.pt")
-        expected = torch.load(path, weights_only=True)
-        for key in ("exp_avg", "exp_avg_sq"):
-            expected[key] = {}
-            for name in expected["masters"]:
-                value = torch.load(os.path.join(universal, "zero", name, f"{key}.pt"), weights_only=False)
-                expected[key][name] = value["param"] if isinstance(value, dict) else value
-        torch.save(expected, path)
+    path = os.path.join(directory, "expected.pt")
+    expected = torch.load(path, weights_only=True)
+    for key in ("exp_avg", "exp_avg_sq"):
+        expected[key] = {}
+        for name in expected["masters"]:
+            value = torch.load(os.path.join(universal, "global_step3_universal", "zero", name, f"{key}.pt"),
+                               weights_only=False)
+            expected[key][name] = value["param"] if isinstance(value, dict) else value
+    torch.save(expected, path)
 
 
-def main(out: str, names: list[str]) -> None:
+def main(out: str, names: list[str], universal_only: bool = False) -> None:
     for k, (name, (stage, dtype, world)) in enumerate(sorted(RUNS.items())):
         if names and name not in names:
             continue
-        mp.spawn(_run, args=(world, stage, dtype, os.path.join(out, name), 29610 + k), nprocs=world)
-        _add_moments(os.path.join(out, name))
+        directory = os.path.join(out, name)
+        if not universal_only:
+            mp.spawn(_run, args=(world, stage, dtype, directory, 29610 + k), nprocs=world)
+        with tempfile.TemporaryDirectory() as converted:
+            universal = directory + "_universal" if name in UNIVERSAL else converted
+            shutil.rmtree(os.path.join(universal, "global_step3_universal"), ignore_errors=True)
+            _universal(directory, universal)
+            if not universal_only:
+                _add_moments(directory, universal)
         for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # (DeepSpeed's own tools: not needed)
-            if os.path.exists(os.path.join(out, name, script)):
-                os.remove(os.path.join(out, name, script))
+            if os.path.exists(os.path.join(directory, script)):
+                os.remove(os.path.join(directory, script))
 
 
 if __name__ == "__main__":
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    main(sys.argv[1] if len(sys.argv) > 1 else HERE, sys.argv[2:])
+    args = [a for a in sys.argv[1:] if a != "--universal-only"]
+    main(args[0] if args else HERE, args[1:], universal_only="--universal-only" in sys.argv)

@@ -270,7 +270,7 @@ class DcpRun(ForeignRun):
     """A DCP checkpoint seen as the tiertrain checkpoint of one rank holding every parameter
     whole, one unit each, read by range."""
 
-    def __init__(self, model: DcpModel, replicated: dict, trained: list[str], frozen: list[str]):
+    def __init__(self, model: DcpModel, replicated: dict, trained: list[str], frozen: list[str], extra: dict):
         self.model = model
 
         def unit(name: str, shape: tuple) -> list:
@@ -283,7 +283,7 @@ class DcpRun(ForeignRun):
         layout = {"state_format": TorchOptimizerState().record(), "shard_rank": 0, "units": units,
                   "frozen": [unit(n, model.frozen_shapes[n]) for n in frozen], "pieces": pieces, "tp": [0, 1],
                   "split": {}, "copies": {}}
-        super().__init__(model.directory, [layout], {**replicated, "buffers": model.buffers, "extra": {}})
+        super().__init__(model.directory, [layout], {**replicated, "buffers": model.buffers, "extra": extra})
 
     def values(self, key: str, piece, a: int, b: int) -> torch.Tensor:
         value = self.model.read(piece.name, a, b)
@@ -319,11 +319,11 @@ def load_into(engine: "TrainingCore", path: str | os.PathLike) -> dict:
 
 
 def load_items(engine: "TrainingCore", path: str, checkpoints: list, where: str, counted: int | None = None,
-               loss_scale: dict | None = None) -> dict:
+               loss_scale: dict | None = None, extra: dict | None = None) -> dict:
     """load_into of the items of checkpoints (DcpCheckpoint or NestedState) found at path.
     counted: the steps the saving run counted, fp16 steps skipped on overflow included (the
     optimizer's step leaves them out; SGD keeps none); loss_scale: its loss scaler's state, as
-    tiertrain's scaler keeps it."""
+    tiertrain's scaler keeps it; extra: the client state to return (default {})."""
     shards = engine.shard_description()
     check_reshardable_format(shards, where)
     parts = engine.checkpoint_parts()
@@ -355,7 +355,7 @@ def load_items(engine: "TrainingCore", path: str, checkpoints: list, where: str,
     if kept:
         parts = {name: part for name, part in parts.items() if name != "frozen"}
     run = DcpRun(model, replicated, [n for n in trained if n in model.shapes],
-                 [n for n in sharded if n in model.frozen_shapes])
+                 [n for n in sharded if n in model.frozen_shapes], extra or {})
     compare_models(run, shards, path, whole_model=whole_model, kinds=("units",) if kept else ("units", "frozen"))
     held = {} if kept else held_frozen(engine, model, set(sharded))
     if "buffers" in parts:

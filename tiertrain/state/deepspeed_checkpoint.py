@@ -15,6 +15,7 @@ import torch
 
 from .checkpoint import CheckpointError
 from .deepspeed_files import DEEPSPEED_OBJECTS, DeepSpeedCheckpoint
+from .deepspeed_universal import load_universal, universal_path
 from .foreign import ForeignRun, FrozenKeptWarning, check_buffers, copy_held, frozen_kept, held_frozen, replicated_at
 from .optimizer_state import OptimizerStateKeys
 from .reshard import check_reshardable_format, compare_models, load_run
@@ -78,7 +79,12 @@ def load_into(engine: "TrainingCore", directory: str | os.PathLike, tag: str | N
     needs, memory-mapped); returns its client state. The counters continue from DeepSpeed's
     global step (so does the schedule: the config's, or a client lr_scheduler stepped once per
     update applied), an fp16 engine's loss scale from DeepSpeed's dynamic one; the optimizer's
-    hyper-parameters and the RNG stay this engine's."""
+    hyper-parameters and the RNG stay this engine's. A universal checkpoint (ds_to_universal's:
+    ``directory/latest_universal``'s tag, the tag given, or directory itself) loads the same way
+    (tiertrain/state/deepspeed_universal.py)."""
+    universal = universal_path(os.fspath(directory), tag)
+    if universal is not None:
+        return load_universal(engine, universal)
     try:
         checkpoint = DeepSpeedCheckpoint(directory, tag)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:

@@ -52,7 +52,8 @@ _WEIGHTS_ONLY = ("its weights alone (not the optimizer state) load through DeepS
 _MODEL_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
                "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
                "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-               "ds_version", "checkpoint_parallel_dimensions", "csr_tensor_module_names", "mp_rank", "iteration"}
+               "ds_version", "checkpoint_parallel_dimensions", "csr_tensor_module_names", "mp_rank", "iteration",
+               "universal_checkpoint_info"}
 """The model-states keys DeepSpeed writes itself; any other key is the client state."""
 
 
@@ -68,7 +69,7 @@ class _Opaque:
         self.state = state
 
 
-def _load(path: str) -> dict:
+def load_file(path: str) -> dict:
     """One DeepSpeed file, memory-mapped (a file in torch's legacy format, which cannot be, read
     whole), with torch's weights-only unpickler; DeepSpeed's objects, and any other class the
     file names (a client state's), read as inert placeholders: the latter said in a warning."""
@@ -90,6 +91,24 @@ def _load(path: str) -> dict:
     return state
 
 
+def client_state_of(model_states: dict) -> dict:
+    """What a model-states file holds beside DeepSpeed's own keys: the client state."""
+    return {k: v for k, v in model_states.items() if k not in _MODEL_KEYS}
+
+
+def loss_scale_of(optimizer_state: dict, skipped_steps: int) -> dict | None:
+    """DeepSpeed's fp16 dynamic loss scale (its optimizer state's ``loss_scaler``) as tiertrain's
+    scaler keeps it (the scale, the good steps since the last overflow, the overflows left
+    before it is lowered), or None where it scaled no loss dynamically (bf16, fp32, a static scale)."""
+    state = getattr(optimizer_state.get("loss_scaler"), "state", None) or {}
+    if not state.get("dynamic") or "cur_scale" not in state:
+        return None
+    return {"scale": float(state["cur_scale"]),
+            "good_steps": int(state.get("cur_iter", 0)) - int(state.get("last_overflow_iter", -1)) - 1,
+            "hysteresis_left": int(state.get("cur_hysteresis", 1)), "overflows": skipped_steps,
+            "consecutive_skips": 0}
+
+
 def _flat(tensor: Any) -> torch.Tensor:
     return tensor.detach().reshape(-1)
 
@@ -106,7 +125,8 @@ class DeepSpeedCheckpoint:
             if not os.path.isfile(latest):
                 tags = sorted(d for d in os.listdir(directory) if os.path.isdir(os.path.join(directory, d))) \
                     if os.path.isdir(directory) else []
-                raise CheckpointError(f"{directory!r} has no 'latest' file naming the DeepSpeed checkpoint's tag: "
+                raise CheckpointError(f"{directory!r} has no 'latest' file naming the DeepSpeed checkpoint's tag (nor a "
+                                      f"'latest_universal' naming a universal checkpoint's): "
                                       f"give tag= (its subdirectories: {tags[:10]})")
             with open(latest) as f:
                 tag = f.read().strip()
@@ -120,7 +140,7 @@ class DeepSpeedCheckpoint:
                                   f"optim_states.pt): tiertrain reads checkpoints of DeepSpeed's ZeRO stages 1-3; "
                                   f"{_WEIGHTS_ONLY}")
         self.world = len(optim_files)
-        self._optim = [_load(p)["optimizer_state_dict"] for p in optim_files]
+        self._optim = [load_file(p)["optimizer_state_dict"] for p in optim_files]
         first = self._optim[0]
         self._flat_key = next((k for k in ("fp32_flat_groups", "single_partition_of_fp32_groups") if k in first), None)
         """Where each rank's flat fp32 buffers are: stage 3's sub-groups, or stages 1-2's partitions."""
@@ -140,7 +160,7 @@ class DeepSpeedCheckpoint:
         if not all(os.path.isfile(p) for p in model_files) or len(model_files) not in (1, self.world):
             raise CheckpointError(f"{self.directory!r}: the model-states files {model_files} do not match its "
                                   f"{self.world} optimizer files")
-        self._model = [_load(p) for p in model_files]
+        self._model = [load_file(p) for p in model_files]
         model = self._model[0]
         dp = model.get("dp_world_size", self.world)
         if dp != self.world:
@@ -148,7 +168,7 @@ class DeepSpeedCheckpoint:
                                   f"{self.world} optimizer files")
         self.global_steps = int(model.get("global_steps", 0))
         self.skipped_steps = int(model.get("skipped_steps", 0))
-        self.client_state = {k: v for k, v in model.items() if k not in _MODEL_KEYS}
+        self.client_state = client_state_of(model)
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.buckets: list[_Bucket] = []
         """What DeepSpeed partitioned as one, in the order of each rank's buffers."""
@@ -161,21 +181,9 @@ class DeepSpeedCheckpoint:
         else:
             self._index_stages12()
         self.frozen_shapes = self._frozen_shapes()
-        self.loss_scale = self._loss_scale()
+        self.loss_scale = loss_scale_of(self._optim[0], self.skipped_steps)
         module = model.get("module") or {}
         self.buffers = {n: module[n] for n in model.get("buffer_names", []) if n in module}
-
-    def _loss_scale(self) -> dict | None:
-        """DeepSpeed's fp16 dynamic loss scale as tiertrain's scaler state keeps it (the scale,
-        the good steps since the last overflow, the overflows left before it is lowered), or
-        None where it scaled no loss dynamically (bf16, fp32, a static scale)."""
-        state = getattr(self._optim[0].get("loss_scaler"), "state", None) or {}
-        if not state.get("dynamic") or "cur_scale" not in state:
-            return None
-        return {"scale": float(state["cur_scale"]),
-                "good_steps": int(state.get("cur_iter", 0)) - int(state.get("last_overflow_iter", -1)) - 1,
-                "hysteresis_left": int(state.get("cur_hysteresis", 1)), "overflows": self.skipped_steps,
-                "consecutive_skips": 0}
 
     # -- the files --
 
@@ -411,4 +419,4 @@ class _Bucket:
     group: int
 
 
-__all__ = ["DEEPSPEED_OBJECTS", "DeepSpeedCheckpoint"]
+__all__ = ["DEEPSPEED_OBJECTS", "DeepSpeedCheckpoint", "client_state_of", "load_file", "loss_scale_of"]
