@@ -75,6 +75,9 @@ class Engine(TrainingCore):
             self.fetcher.begin_forward()
             try:
                 return self._forward(batch)
+            except BaseException:
+                self.fetcher.abandon()  # (a caught failure leaves nothing gathered: the next forward starts afresh)
+                raise
             finally:
                 self.fetcher.end_forward()  # (the model called directly from now on: ParameterFetcher)
 
@@ -149,8 +152,9 @@ class Engine(TrainingCore):
             # 1/dp folded in here makes the reduced sum the data-parallel mean: no pass over the
             # reduced gradients divides them (exact for power-of-two dp, as the scale is).
             (loss.float() * (self.scaler.scale / (self.accum * self.dp))).backward()
-        except BaseException:
+        except BaseException as failure:
             self.update.cancel()
+            self._abandon_window(failure)
             raise
         self.reducer.end_backward()
         if self.fetcher is not None:
@@ -158,6 +162,22 @@ class Engine(TrainingCore):
         self.train_state.micro_steps += 1
         self._boundary_unstepped = boundary
         self.held_gradients.install()  # (p.grad read before step() raises naming it: held_gradients.py)
+
+    def _abandon_window(self, failure: BaseException) -> None:
+        """A backward raised midway (caught, a loop may go on: an out-of-memory batch skipped).
+        Part of its gradients may have been reduced into the window's: none may reach a step,
+        and they cannot be told apart from the earlier micro-batches', so the accumulation
+        window is dropped whole and starts again (the exception says so where it held more)."""
+        self.reducer.abandon(drop_accumulated=True)
+        self.flat.zero_grads(lazy=self.launch_when_ready)
+        if self.fetcher is not None:
+            self.fetcher.abandon()
+        done = self.micro_steps % self.accum
+        self.train_state.micro_steps -= done
+        if done:
+            failure.add_note(f"tiertrain: the accumulation window's gradients were dropped with this backward's (its "
+                             f"{done} earlier micro-batch(es) too: a failed backward's partial gradients cannot be "
+                             f"told apart from theirs); the window starts again at its first micro-batch")
 
     def train_batch(self, batches: Iterator[Any]) -> float:
         """Run grad_accum_steps micro-batches from the iterator and one optimizer step;

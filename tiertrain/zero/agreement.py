@@ -171,6 +171,16 @@ class CollectiveAgreement:
         if self.check == "traced" and not self._recording and self._position != len(self._trace):
             self._deviate(happened)
 
+    def abandon(self) -> None:
+        """The open segment ended early, alike on every rank (a forward or backward that raised
+        and was caught): it counts as complete; one being recorded is recorded again next time."""
+        if self.check != "traced":
+            return
+        if self._recording:
+            self._recordings.pop(self._segment, None)
+            self._trace, self._recording = [], False
+        self._position = len(self._trace)
+
     def forget_recordings(self) -> None:
         """Record every segment kind again from its next segment on (the segment open now,
         a retrace(), stays recorded)."""

@@ -346,6 +346,24 @@ class ParameterFetcher:
         grad = torch.is_grad_enabled()
         self.agreement.open(Event.FORWARD, int(grad), key=(Event.FORWARD, grad))
 
+    def abandon(self) -> None:
+        """The engine's forward or backward raised, alike on every rank (a batch every rank
+        skips, an out-of-memory error every rank catches): wait for the gathers in flight,
+        release every unit and close the pass, so that the next forward starts afresh. (An
+        exception on some ranks only leaves the ranks out of step: the agreement, or the
+        launcher, stops them.)"""
+        for u in self.flat.all_units:
+            self.flat.release(u.unit.index)  # (waits for its gather in flight, if any)
+        self._engine_forward = self._in_backward = False
+        self._depth = 0
+        self._backward_begun.clear()
+        self._open_calls.clear()
+        self._grads_done.clear()
+        if not self.traced:  # (the first pass's partial order: recorded again)
+            self.traces = {False: [], True: []}
+        self.agreement.abandon()
+        self._install_outside_hooks()
+
     def end_backward(self) -> None:
         """The first forward+backward has been traced; later steps prefetch from the traces."""
         if self.traces[False]:

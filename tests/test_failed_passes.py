@@ -1,0 +1,119 @@
+"""A forward or backward that raises, caught by the training loop (an out-of-memory batch skipped,
+as loops written for plain PyTorch do), loses nothing and keeps nothing of the failed pass.
+
+Specification, on 2 gloo ranks failing alike, for ZeRO stages 0-3, the CPU tiers (the step
+overlapped with backward, the delayed update) and NVMe (its step inside backward), with
+buckets small enough that a backward has launched reductions before it fails:
+
+1. After a caught failure the run continues exactly as the run that skipped that batch (bit
+   for bit: losses and every value), and at stage 3 no unit is left gathered. Before, a backward
+   that failed midway left its partial gradients in the next step's (stages 0-2: silently
+   other values), and at stage 3 the next forward stopped with a CollectiveMismatchError that
+   blamed a module order.
+2. The same on the first step at stage 3, whose order is being recorded.
+3. With gradient accumulation, a backward failing in the window's second micro-batch drops the
+   whole window (its partial gradients cannot be told apart from the first micro-batch's), the
+   exception says so in a note, and the run continues as the one that skipped the window.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiertrain
+from reference import global_batches, make_config, make_model, rank_slices
+from tiertrain.testing import run_distributed
+
+WORLD, MICRO = 2, 2
+
+
+class Failure(RuntimeError):
+    """What the model raises once, on every rank (as an out-of-memory error would)."""
+
+
+def _failing_model(where: str):
+    """A model whose block 1 raises once when armed: in its forward, or in its backward."""
+    model = make_model(n_layers=3)
+    armed = {"now": False}
+
+    def fail(*_):
+        if armed["now"]:
+            armed["now"] = False
+            raise Failure(f"block 1's {where} failed")
+
+    if where == "forward":
+        model.blocks[1].register_forward_pre_hook(fail)
+    else:
+        def fail_in_backward(module, args, out):
+            if armed["now"] and out.requires_grad:
+                out.register_hook(fail)
+
+        model.blocks[1].register_forward_hook(fail_in_backward)
+    return model, armed
+
+
+def _run(rank, world, zero, accum, where, fail_at, skip):
+    """Train on 4 global batches; at step fail_at the micro-batch number `fail_at[1]` fails
+    (caught), or with skip that step's batch is not trained at all."""
+    config = make_config(zero={"bucket_mb": 0.001, **zero}, optimizer={"eps": 1e-3},
+                         batch={"micro_batch_size": MICRO, "grad_accum_steps": accum})
+    model, armed = _failing_model(where)
+    engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel))
+    losses, notes = [], []
+    for step, batch in enumerate(global_batches(4, MICRO * world * accum)):
+        if step == fail_at[0] and skip:
+            continue
+        micro = rank_slices(batch, rank, world, MICRO, accum)
+        if step != fail_at[0]:
+            losses.append(engine.train_batch(micro))
+            continue
+        with pytest.raises(Failure) as failed:
+            for k, b in enumerate(micro):
+                armed["now"] = k == fail_at[1]
+                engine.backward(engine(b))
+        notes += getattr(failed.value, "__notes__", [])
+    left = [u.unit.label for u in engine.flat.all_units if u.gathered and not u.unit.resident] \
+        if engine.fetcher is not None else []
+    values = engine.full_state_dict()
+    engine.close()
+    return losses, values, left, notes
+
+
+def _compare(zero, accum=1, where="backward", fail_at=(1, 0)):
+    failed = run_distributed(_run, WORLD, zero, accum, where, fail_at, False, timeout=60)
+    skipped = run_distributed(_run, WORLD, zero, accum, where, fail_at, True, timeout=60)
+    for rank, ((losses, values, left, notes), (want, want_values, _, _)) in enumerate(zip(failed, skipped)):
+        assert losses == want, (rank, losses, want)
+        assert all(torch.equal(values[n], want_values[n]) for n in want_values), rank
+        assert left == [], f"rank {rank}: units left gathered after the failure: {left}"
+    return failed[0][3]
+
+
+STAGES = {"stage0": {"stage": 0}, "stage1": {"stage": 1}, "stage2": {"stage": 2}, "stage3": {"stage": 3},
+          "stage3-cpu-tiers": {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+          "stage2-cpu-overlapped-step": {"stage": 2, "offload_optimizer": "cpu", "overlap_cpu_step": True},
+          "stage3-cpu-delayed-update": {"stage": 3, "offload_optimizer": "cpu", "delayed_update": True,
+                                        "delayed_update_warmup": 0},
+          "stage3-nvme-step-in-backward": {"stage": 3, "offload_optimizer": "nvme"}}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("name", STAGES)
+def test_a_caught_failure_continues_as_the_run_that_skipped_the_batch(name, where, tmp_path):
+    zero = {**STAGES[name], "nvme_path": str(tmp_path)}
+    assert _compare(zero, where=where, fail_at=(2, 0)) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_failure_in_the_first_step_at_stage_3_while_its_order_is_recorded(where):
+    _compare({"stage": 3}, where=where, fail_at=(0, 0))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zero", [{"stage": 2}, {"stage": 3}, {"stage": 1}], ids=lambda z: f"stage{z['stage']}")
+def test_a_backward_failing_mid_window_drops_the_window_and_says_so(zero):
+    notes = _compare(zero, accum=2, fail_at=(1, 1))
+    assert len(notes) == 1 and "accumulation window's gradients were dropped" in notes[0], notes
+    assert "1 earlier micro-batch(es)" in notes[0], notes
