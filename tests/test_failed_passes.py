@@ -14,6 +14,10 @@ buckets small enough that a backward has launched reductions before it fails:
 3. With gradient accumulation, a backward failing in the window's second micro-batch drops the
    whole window (its partial gradients cannot be told apart from the first micro-batch's), the
    exception says so in a note, and the run continues as the one that skipped the window.
+4. A pipeline cannot skip a batch on the stages that failed (the others wait for activations or
+   gradients that never come, and would take the next batch's for them): after a failure in
+   its schedule the engine refuses to train, naming the rank and what to do, within seconds.
+   Before, the ranks hung until the transfers' timeout.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 
 import tiertrain
 from reference import global_batches, make_config, make_model, rank_slices
-from tiertrain.testing import run_distributed
+from tiertrain.testing import RankFailure, run_distributed
 
 WORLD, MICRO = 2, 2
 
@@ -117,3 +121,24 @@ def test_a_backward_failing_mid_window_drops_the_window_and_says_so(zero):
     notes = _compare(zero, accum=2, fail_at=(1, 1))
     assert len(notes) == 1 and "accumulation window's gradients were dropped" in notes[0], notes
     assert "1 earlier micro-batch(es)" in notes[0], notes
+
+
+def _pipeline(rank, world, where):
+    config = make_config(parallel={"pp": 2, "dp": 1}, optimizer={"eps": 1e-3},
+                         batch={"micro_batch_size": MICRO, "grad_accum_steps": 2})
+    model, armed = _failing_model(where)
+    engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel))
+    for step, batch in enumerate(global_batches(3, MICRO * 2)):
+        armed["now"] = step == 1
+        try:
+            engine.train_batch(rank_slices(batch, 0, 1, MICRO, 2))
+        except Failure as e:
+            assert "this pipeline cannot go on" in "".join(e.__notes__)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_pipeline_refuses_to_go_on_after_its_schedule_failed(where):
+    with pytest.raises(RankFailure, match=r"pipeline rank 0 \(global rank 0\) raised Failure in its schedule at "
+                                          r"step 2.*cannot skip a batch on some stages.*last checkpoint"):
+        run_distributed(_pipeline, 2, where, timeout=30)

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.nn as nn
 
+from ..collective_order import CollectiveMismatchError
 from ..config import Config, ConfigError
 from ..engine_contract import StateIO
 from ..models.gpt import GPT
@@ -174,6 +175,8 @@ class PipelineEngine(TrainingCore):
             plan, self._units_of_chunk = pipeline_plan(self.stages, config, topology.size("dp_cp"))
         super().__init__(nn.ModuleList(self.stages), config, topology, lambda dp: plan, update_factory,
                          one_model_fetcher=False, state_io=state_io)
+        self._schedule_failed: str | None = None
+        """Why this engine refuses to train: its schedule raised midway (_refuse_after_failure)."""
         self.pipeline_fetcher: PipelineFetcher | None = None
         """Stage 3: gathers and releases each chunk's units inside the schedule (.zero3)."""
         if chunk_modules is not None:
@@ -192,6 +195,20 @@ class PipelineEngine(TrainingCore):
 
     def named_modules_of_state(self) -> list[nn.Module]:
         return list(self.stages)
+
+    def _refuse_after_failure(self, failure: BaseException) -> None:
+        """The schedule raised midway. The other pipeline stages wait for this one's activations
+        or gradients, which will not come, and would take the next batch's for them: a pipeline
+        cannot skip a batch as one model can (tiertrain.Engine). From now on this engine refuses
+        to train and its collectives are refused (the others' transfers then fail, naming this
+        rank, once its process ends), and the exception says so."""
+        self._schedule_failed = (
+            f"pipeline rank {self.topology.coord('pp')} (global rank {self.topology.rank}) raised "
+            f"{type(failure).__name__} in its schedule at step {self.steps + 1}; its other pipeline stages wait for "
+            f"the activations or gradients it did not send, so this pipeline cannot go on (a pipeline cannot skip a "
+            f"batch on some stages): resume the run from its last checkpoint")
+        self.comm.fail(self._schedule_failed)
+        failure.add_note(f"tiertrain: {self._schedule_failed}; this engine refuses to train from now on")
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model, as at every other layout (issue 34, item 10): every pipeline
@@ -252,7 +269,10 @@ class PipelineEngine(TrainingCore):
     def train_batch(self, batches: Iterator[Any]) -> float:
         """Run grad_accum_steps micro-batches from the iterator through the schedule and one
         optimizer step; returns the mean loss of the micro-batches (on every pipeline rank).
-        Every rank of a pipeline must be given the same micro-batches."""
+        Every rank of a pipeline must be given the same micro-batches. A schedule that raised
+        (caught, a loop may go on) leaves this engine refusing to train: see _refuse_after_failure."""
+        if self._schedule_failed is not None:
+            raise CollectiveMismatchError(self._schedule_failed)
         self._check_model_unchanged()
         micro = [self._to_device(next(batches)) for _ in range(self.accum)]
         if self.buffers and self.module.training and self.config.zero.broadcast_buffers and self.comm.size > 1:
@@ -260,7 +280,11 @@ class PipelineEngine(TrainingCore):
             # the first micro-batch's forward (the schedule interleaves the forwards of several).
             self.buffers.broadcast(self.comm)
         self.reducer.begin(reduce_now=False)
-        loss = self.executor.run(micro, loss_scale=self.scaler.scale / self.dp)  # 1/dp: see Engine.backward
+        try:
+            loss = self.executor.run(micro, loss_scale=self.scaler.scale / self.dp)  # 1/dp: see Engine.backward
+        except BaseException as failure:
+            self._refuse_after_failure(failure)
+            raise
         if self.pipeline_fetcher is not None:
             self.pipeline_fetcher.release_all()  # (each backward released its units already)
         if self._tied_stages:
