@@ -374,7 +374,8 @@ def test_bad_paths_name_the_directory_and_the_expected_files(checkpoints, tmp_pa
         tiertrain.load_pretrained(_build("gpt", 1), "/no/such/dir")
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text("{}")
-    with pytest.raises(FileNotFoundError, match=r"no model\.safetensors or model\.safetensors\.index\.json in "
+    with pytest.raises(FileNotFoundError, match=r"no model\.safetensors, model\.safetensors\.index\.json, "
+                                                r"pytorch_model\.bin or pytorch_model\.bin\.index\.json in "
                                                 r"'.*empty' \(it holds config\.json\)"):
         tiertrain.load_pretrained(_build("gpt", 1), tmp_path / "empty")
     (tmp_path / "broken").mkdir()
@@ -382,9 +383,9 @@ def test_bad_paths_name_the_directory_and_the_expected_files(checkpoints, tmp_pa
     (tmp_path / "broken" / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(FileNotFoundError, match=r"lists shard files missing from .*model-00001-of-"):
         tiertrain.load_pretrained(_build("llama", 1), tmp_path / "broken")
-    torch.save({}, tmp_path / "pytorch_model.bin")
-    with pytest.raises(ValueError, match=r"not a \.safetensors file"):
-        tiertrain.load_pretrained(_build("gpt", 1), tmp_path / "pytorch_model.bin")
+    (tmp_path / "weights.txt").write_text("")
+    with pytest.raises(ValueError, match=r"neither a \.safetensors file nor a torch\.save file"):
+        tiertrain.load_pretrained(_build("gpt", 1), tmp_path / "weights.txt")
 
 
 def test_a_safetensors_header_that_overruns_its_file_is_refused_naming_the_file(tmp_path):

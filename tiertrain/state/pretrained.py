@@ -46,6 +46,7 @@ from ..engine import Engine
 from ..errors import TiertrainError
 from ..io.fileio import unreadable_file
 from .hf_conversion import ConvertedCheckpoint, checkpoint_view
+from .torch_weights import TORCH_INDEX, TORCH_SINGLE, TorchWeights, UnwrappedNames, WeightReads, is_torch_file, unwrapped
 from ..topology import Topology
 from ..unit_values import write_into_units
 from ..zero.construct import full_shape, is_partitioned
@@ -87,7 +88,10 @@ class LoadReport:
     """The checkpoint conversion applied (transformers' mapping of the model's family: experts
     stacked, layers renamed), or 'none' when the checkpoint holds the model's own names."""
     files: list[str] = field(default_factory=list)
-    """The safetensors files of the checkpoint."""
+    """The weight files of the checkpoint (safetensors, or torch.save's: torch_weights.py)."""
+    unwrapped: list[str] = field(default_factory=list)
+    """The wrappers' parts taken off the checkpoint's names (``module. in front``, ``_orig_mod``,
+    ...: torch_weights.UnwrappedNames), or none."""
     bytes_read: int = 0
     """Bytes this rank read from the checkpoint (in the file's dtype)."""
     largest_read: int = 0
@@ -110,49 +114,54 @@ def _weight_file(path: str) -> bool:
     return True
 
 
+def _indexed_files(path: str, index: str) -> list[str]:
+    """The shard files a Hugging Face index (``{"weight_map": {tensor: file}}``) lists."""
+    with open(index) as f:
+        weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"load_pretrained: {index!r} has no 'weight_map' (expected {{tensor name: shard file}})")
+    names = sorted(set(weight_map.values()))
+    absent = [n for n in names if not _weight_file(os.path.join(path, n))]
+    if absent:
+        raise FileNotFoundError(f"load_pretrained: {index!r} lists shard files missing from {path!r}: "
+                                f"{_listing(absent)}")
+    return [os.path.join(path, n) for n in names]
+
+
 def checkpoint_files(path: str | os.PathLike) -> list[str]:
-    """The safetensors files of a checkpoint: ``path`` itself when it is a .safetensors file;
-    in a directory, the shards its ``model.safetensors.index.json`` lists, else
-    ``model.safetensors``."""
+    """The weight files of a checkpoint: ``path`` itself when it is a .safetensors file or a
+    torch.save file (.bin, .pt, .pth: tiertrain/state/torch_weights.py); in a directory, the
+    shards its ``model.safetensors.index.json`` lists, else ``model.safetensors``, else the
+    same of ``pytorch_model.bin`` (safetensors first, as transformers prefers them)."""
     path = os.fspath(path)
     if os.path.isfile(path):
-        if not path.endswith(".safetensors"):
-            raise ValueError(f"load_pretrained: {path!r} is not a .safetensors file; give a Hugging Face "
-                             f"checkpoint directory (with {SINGLE_FILE} or {INDEX_FILE}) or a .safetensors file "
-                             f"(PyTorch .bin checkpoints: re-save with save_pretrained(..., safe_serialization=True))")
+        if not path.endswith(".safetensors") and not is_torch_file(path):
+            raise ValueError(f"load_pretrained: {path!r} is neither a .safetensors file nor a torch.save file (.bin, "
+                             f".pt, .pth); give one, or a Hugging Face checkpoint directory (with {SINGLE_FILE}, "
+                             f"{INDEX_FILE}, {TORCH_SINGLE} or {TORCH_INDEX})")
         return [path]
     if not os.path.isdir(path):
         raise FileNotFoundError(f"load_pretrained: {path!r} does not exist; expected a Hugging Face checkpoint "
-                                f"directory (with {SINGLE_FILE}, or {INDEX_FILE} and its shards) or a .safetensors file")
-    index = os.path.join(path, INDEX_FILE)
-    if _weight_file(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"load_pretrained: {index!r} has no 'weight_map' (expected {{tensor name: shard file}})")
-        names = sorted(set(weight_map.values()))
-        absent = [n for n in names if not _weight_file(os.path.join(path, n))]
-        if absent:
-            raise FileNotFoundError(f"load_pretrained: {index!r} lists shard files missing from {path!r}: "
-                                    f"{_listing(absent)}")
-        return [os.path.join(path, n) for n in names]
-    single = os.path.join(path, SINGLE_FILE)
-    if _weight_file(single):
-        return [single]
+                                f"directory (with {SINGLE_FILE}, or {INDEX_FILE} and its shards) or a weights file")
+    for index, single in ((INDEX_FILE, SINGLE_FILE), (TORCH_INDEX, TORCH_SINGLE)):
+        if _weight_file(os.path.join(path, index)):
+            return _indexed_files(path, os.path.join(path, index))
+        if _weight_file(os.path.join(path, single)):
+            return [os.path.join(path, single)]
     present = sorted(os.listdir(path))
-    raise FileNotFoundError(f"load_pretrained: no {SINGLE_FILE} or {INDEX_FILE} in {path!r} (it holds "
-                            f"{_listing(present) if present else 'nothing'}); expected a Hugging Face checkpoint "
-                            f"saved with save_pretrained(..., safe_serialization=True)")
+    raise FileNotFoundError(f"load_pretrained: no {SINGLE_FILE}, {INDEX_FILE}, {TORCH_SINGLE} or {TORCH_INDEX} in "
+                            f"{path!r} (it holds {_listing(present) if present else 'nothing'}); expected a Hugging "
+                            f"Face checkpoint saved with save_pretrained")
 
 
-class _Checkpoint:
+class _Checkpoint(WeightReads):
     """The open safetensors files (memory-mapped: only the bytes read are touched) and the
     accounting of what was read."""
 
     def __init__(self, files: list[str], stack: ExitStack, report: LoadReport):
         from safetensors import SafetensorError, safe_open
 
-        self.report = report
+        super().__init__(report)
         self._handle: dict[str, Any] = {}
         self._file: dict[str, str] = {}
         for path in files:
@@ -171,26 +180,12 @@ class _Checkpoint:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._handle[key].get_slice(key).get_shape())
 
-    def _count(self, t: torch.Tensor) -> torch.Tensor:
-        nbytes = t.numel() * t.element_size()
-        self.report.bytes_read += nbytes
-        self.report.largest_read = max(self.report.largest_read, nbytes)
-        self.report.reads += 1
-        return t
-
     def read(self, key: str) -> torch.Tensor:
         """The whole tensor."""
         return self._count(self._handle[key].get_tensor(key))
 
-    def read_flat(self, key: str, shape: tuple[int, ...], start: int, end: int) -> torch.Tensor:
-        """Elements [start, end) of the row-major flattened tensor, reading only the rows of
-        the first dimension that hold them (rows start//row .. (end-1)//row)."""
-        if len(shape) == 0:
-            return self.read(key).reshape(-1)[start:end]
-        row = math.prod(shape[1:])
-        r0, r1 = start // row, (end - 1) // row + 1
-        rows = self._count(self._handle[key].get_slice(key)[r0:r1])
-        return rows.reshape(-1)[start - r0 * row:end - r0 * row]
+    def _rows(self, key: str, r0: int, r1: int) -> torch.Tensor:
+        return self._handle[key].get_slice(key)[r0:r1]
 
 
 # -- the model's tensors and their checkpoint names ----------------------------------------------
@@ -319,7 +314,9 @@ def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict:
                     topology: Topology | None = None) -> LoadReport:
     """Load a Hugging Face safetensors checkpoint (a directory with ``model.safetensors``, or
     sharded ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``; or a
-    single ``.safetensors`` file) into ``target``, reading on each rank only what that rank
+    single ``.safetensors`` file), or one torch.save wrote (``pytorch_model.bin``, sharded or
+    not; a script's ``torch.save(model.state_dict(), path)``, also of a DDP-, compile- or
+    FSDP1-wrapped model: tiertrain/state/torch_weights.py) into ``target``, reading on each rank only what that rank
     keeps (see the module docstring), and return what this rank read.
 
     target: an Engine (tiertrain.wrap; every rank calls this, as for any engine operation:
@@ -348,7 +345,13 @@ def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict:
                         f"got {type(target).__name__}")
     report = LoadReport(files=checkpoint_files(path))
     with ExitStack() as stack, torch.no_grad():
-        ckpt = checkpoint_view(_Checkpoint(report.files, stack, report), module)
+        safetensors = all(f.endswith(".safetensors") for f in report.files)
+        raw = _Checkpoint(report.files, stack, report) if safetensors else TorchWeights(report.files, report)
+        raw = unwrapped(raw, {n for n, _ in module.named_parameters(remove_duplicate=False)}
+                        | set(module.state_dict(keep_vars=True)))
+        if isinstance(raw, UnwrappedNames):
+            report.unwrapped = raw.removed
+        ckpt = checkpoint_view(raw, module)
         if isinstance(ckpt, ConvertedCheckpoint):
             report.conversion = (f"transformers' checkpoint conversion of {type(module).__name__}: "
                                  f"{ckpt.converted_count} tensors converted, {ckpt.renamed_count} renamed")
