@@ -49,7 +49,9 @@ def test_the_files_hold_what_deepspeeds_own_converters_find(name):
                     reason="writes checkpoints with the deepspeed package (the CI's last step installs it)")
 def test_checkpoints_deepspeed_writes_now_read_as_the_committed_ones(tmp_path):
     """The installed DeepSpeed's format, not only the committed files': written afresh, read the same
-    (and the universal checkpoints its converter makes of them: tests/test_deepspeed_universal.py)."""
+    (and the universal checkpoints its converter makes of them: tests/test_deepspeed_universal.py;
+    the run with SGD: tests/test_deepspeed_sgd.py)."""
+    from test_deepspeed_sgd import check_read as check_sgd
     from test_deepspeed_universal import CONVERTED, check_read
 
     subprocess.run([sys.executable, os.path.join(HERE, "make.py"), str(tmp_path)], check=True, timeout=900,
@@ -59,6 +61,7 @@ def test_checkpoints_deepspeed_writes_now_read_as_the_committed_ones(tmp_path):
     for name in CONVERTED:
         expected = torch.load(os.path.join(tmp_path, name, "expected.pt"), weights_only=True)
         check_read(os.path.join(tmp_path, f"{name}_universal"), expected)
+    check_sgd(os.path.join(tmp_path, "z2_sgd_w2"))
 
 
 def _check_read(directory: str) -> None:

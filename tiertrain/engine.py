@@ -168,7 +168,7 @@ class Engine(TrainingCore):
         Part of its gradients may have been reduced into the window's: none may reach a step,
         and they cannot be told apart from the earlier micro-batches', so the accumulation
         window is dropped whole and starts again (the exception says so where it held more)."""
-        self.reducer.abandon(drop_accumulated=True)
+        self.reducer.abandon()
         self.flat.zero_grads(lazy=self.launch_when_ready)
         if self.fetcher is not None:
             self.fetcher.abandon()

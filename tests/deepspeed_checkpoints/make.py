@@ -6,7 +6,8 @@ DeepSpeed (a test-time tool, never the library's dependency):
 A tiny Hugging Face Llama (tied embeddings, one frozen MLP, the decay / no-decay param groups
 of transformers' Trainer) trained 3 steps by DeepSpeed on CPU ranks over gloo, clip 1.0, then
 ``engine.save_checkpoint(OUT/<name>, client_state={"epoch": 7})``: ZeRO stages 1, 2 and 3 in
-bf16 on 2 ranks, stage 2 in fp16 (dynamic loss scale from 2^8) on 2 and in fp32 on 1. Beside
+bf16 on 2 ranks, stage 2 in fp16 (dynamic loss scale from 2^8) on 2 and in fp32 on 1, and stage
+2 in bf16 on 2 with torch's SGD (momentum 0.9) as the client optimizer (SGD). Beside
 each, ``expected.pt``: every trained parameter's fp32 master (DeepSpeed's
 ``safe_get_full_fp32_param``) and Adam moments (its universal-checkpoint converter), the frozen
 values and buffers, and the optimizer's step: what a reader of the files must find. Of the runs
@@ -37,14 +38,18 @@ from deepspeed_models import build_llama, no_decay  # noqa: E402
 UNIVERSAL = ("z3_bf16_w2", "z2_fp16_w2")
 """The runs also written as universal checkpoints (stage 3's per-rank model states; fp16's loss scale)."""
 RUNS = {"z1_bf16_w2": (1, "bf16", 2), "z2_bf16_w2": (2, "bf16", 2), "z3_bf16_w2": (3, "bf16", 2),
-        "z2_fp32_w1": (2, "fp32", 1), "z2_fp16_w2": (2, "fp16", 2)}
+        "z2_fp32_w1": (2, "fp32", 1), "z2_fp16_w2": (2, "fp16", 2), "z2_sgd_w2": (2, "bf16", 2)}
+SGD = ("z2_sgd_w2",)
+"""Runs whose optimizer is torch's SGD with momentum, given to deepspeed.initialize (its state:
+momentum_buffer, no step), one param group; expected.pt holds each parameter's momentum as
+DeepSpeed's safe_get_full_optimizer_state gives it."""
 
 
-def _run(rank: int, world: int, stage: int, dtype: str, out: str, port: int) -> None:
+def _run(rank: int, world: int, stage: int, dtype: str, out: str, port: int, sgd: bool = False) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     torch.manual_seed(0)
@@ -57,8 +62,13 @@ def _run(rank: int, world: int, stage: int, dtype: str, out: str, port: int) -> 
               "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 8},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8}},
               "steps_per_print": 10**9}
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config,
-                                                   dist_init_required=False)
+    client = None
+    if sgd:
+        del config["optimizer"]
+        config["zero_allow_untested_optimizer"] = True
+        client = torch.optim.SGD([p for _, p in trained], lr=1e-2, momentum=0.9)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=None if sgd else groups,
+                                                   optimizer=client, config=config, dist_init_required=False)
     g = torch.Generator().manual_seed(100 + rank)
     for _ in range(3):
         ids = torch.randint(0, 64, (2, 8), generator=g)
@@ -75,6 +85,9 @@ def _run(rank: int, world: int, stage: int, dtype: str, out: str, port: int) -> 
         expected["buffers"][name] = b.detach().clone()
     expected["global_steps"] = engine.global_steps
     expected["step"] = 3  # (Adam's count: 3 updates, none skipped: no fp16 overflow here)
+    if sgd:
+        expected["momentum_buffer"] = {n: safe_get_full_optimizer_state(p, "momentum_buffer").clone()
+                                       for n, p in engine.module.named_parameters() if p.requires_grad}
     engine.save_checkpoint(out, client_state={"epoch": 7})
     if rank == 0:
         torch.save(expected, os.path.join(out, "expected.pt"))
@@ -111,16 +124,18 @@ def main(out: str, names: list[str], universal_only: bool = False) -> None:
             continue
         directory = os.path.join(out, name)
         if not universal_only:
-            mp.spawn(_run, args=(world, stage, dtype, directory, 29610 + k), nprocs=world)
+            mp.spawn(_run, args=(world, stage, dtype, directory, 29610 + k, name in SGD), nprocs=world)
+        for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # (DeepSpeed's own tools: not needed)
+            if os.path.exists(os.path.join(directory, script)):
+                os.remove(os.path.join(directory, script))
+        if name in SGD:  # (ds_to_universal converts Adam's state alone)
+            continue
         with tempfile.TemporaryDirectory() as converted:
             universal = directory + "_universal" if name in UNIVERSAL else converted
             shutil.rmtree(os.path.join(universal, "global_step3_universal"), ignore_errors=True)
             _universal(directory, universal)
             if not universal_only:
                 _add_moments(directory, universal)
-        for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # (DeepSpeed's own tools: not needed)
-            if os.path.exists(os.path.join(directory, script)):
-                os.remove(os.path.join(directory, script))
 
 
 if __name__ == "__main__":

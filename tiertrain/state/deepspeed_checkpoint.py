@@ -1,5 +1,6 @@
 """A DeepSpeed ZeRO checkpoint (read by tiertrain/state/deepspeed_files.py) loaded into an engine
-of any layout: each trained parameter's fp32 master and Adam moments and step, the frozen values,
+of any layout: each trained parameter's fp32 master and optimizer state (Adam's moments and step,
+or whatever DeepSpeed's optimizer kept: SGD's momentum), the frozen values,
 the buffers, the step count, an fp16 engine's loss scale and the client state, so a run moved
 from DeepSpeed continues where it stopped instead of restarting its optimizer
 (docs/migrate-deepspeed.md). The DeepSpeed run goes through the resharding path
@@ -32,8 +33,10 @@ class DeepSpeedRun(ForeignRun):
     many shards as DeepSpeed had ranks; of the frozen parameters, those named (the ones the
     loading engine keeps in shards: stage 3's), one unit each."""
 
-    def __init__(self, checkpoint: DeepSpeedCheckpoint, replicated: dict, frozen: list[str]):
+    def __init__(self, checkpoint: DeepSpeedCheckpoint, replicated: dict, frozen: list[str],
+                 kept: OptimizerStateKeys):
         self.checkpoint = checkpoint
+        self.kept = kept
         world = checkpoint.world
         slots = [[[s.name, s.offset, s.numel, list(s.shape)] for s in b.slots] for b in checkpoint.buckets]
         units = [[f"deepspeed {k}", b.shard * world, world, slots[k]] for k, b in enumerate(checkpoint.buckets)]
@@ -68,8 +71,10 @@ class DeepSpeedRun(ForeignRun):
     def state_values(self, piece, a: int, b: int) -> dict | None:
         rank, offset = self._at(piece, a)
         c = self.checkpoint
-        return {"step": torch.tensor(float(c.step_at(rank, offset))),
-                **{key: c.read(rank, key, offset, b - a) for key in ("exp_avg", "exp_avg_sq")}}
+        state = {key: c.read(rank, key, offset, b - a) for key in c.state_keys}
+        if c.counts_steps:
+            state["step"] = self.kept.step_as_kept(piece.name, len(c.shapes[piece.name]), c.step_at(rank, offset))
+        return state
 
 
 # -- into an engine --------------------------------------------------------------------------
@@ -94,14 +99,15 @@ def load_into(engine: "TrainingCore", directory: str | os.PathLike, tag: str | N
     shards = engine.shard_description()
     check_reshardable_format(shards, where)
     kept_state = OptimizerStateKeys(engine)
-    for name, shape in checkpoint.shapes.items():  # (what this module reads of DeepSpeed's: Adam's state)
-        kept_state.check(where, name, shape, {"exp_avg": shape, "exp_avg_sq": shape, "step": ()})
+    for name, shape in checkpoint.shapes.items():  # (the engine's optimizer must keep what DeepSpeed's kept)
+        kept_state.check(where, name, shape, {**{key: shape for key in checkpoint.state_keys},
+                                              **({"step": ()} if checkpoint.counts_steps else {})})
     parts = engine.checkpoint_parts()
     # (DeepSpeed's global_steps counts the fp16 steps skipped on overflow too)
     applied = checkpoint.global_steps - checkpoint.skipped_steps
     replicated = replicated_at(engine, parts, applied, checkpoint.skipped_steps, checkpoint.loss_scale)
     sharded = {slot.name for _, slot in parameter_slots(shards, "frozen")}
-    run = DeepSpeedRun(checkpoint, replicated, [n for n in checkpoint.frozen_shapes if n in sharded])
+    run = DeepSpeedRun(checkpoint, replicated, [n for n in checkpoint.frozen_shapes if n in sharded], kept_state)
     kept = frozen_kept(engine, checkpoint, "exclude_frozen_parameters=True")
     if kept:
         parts = {name: part for name, part in parts.items() if name != "frozen"}

@@ -16,7 +16,9 @@ What DeepSpeed's ``engine.save_checkpoint`` writes (``<dir>/<tag>/``, the tag in
   ranks' partitions joined in rank order. Stage 3 (§5.3): per rank its flat fp32 sub-groups
   (``fp32_flat_groups``), joined, hold every parameter's part in turn: ceil(numel / world)
   elements of each, rank r's part being elements [r·n, (r+1)·n) of the parameter. The optimizer
-  state (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``) is cut as those flat buffers are.
+  state is cut as those flat buffers are: one value per element of each (Adam's ``exp_avg`` and
+  ``exp_avg_sq``, SGD's ``momentum_buffer``, Lion's ``exp_avg``, ...) and, where the optimizer
+  counts them, the ``step`` of each buffer.
 
 DeepSpeed pickles some of its own objects there (its loss scaler, the ZeRO stage enum, fragment
 addresses): they are read as inert placeholders, so reading needs no DeepSpeed installed and runs
@@ -182,6 +184,7 @@ class DeepSpeedCheckpoint:
             self._index_stages12()
         self.frozen_shapes = self._frozen_shapes()
         self.loss_scale = loss_scale_of(self._optim[0], self.skipped_steps)
+        self.state_keys, self.counts_steps = self._state_keys()
         module = model.get("module") or {}
         self.buffers = {n: module[n] for n in model.get("buffer_names", []) if n in module}
 
@@ -233,6 +236,21 @@ class DeepSpeedCheckpoint:
             return state
         raise CheckpointError(f"{self.directory!r}: rank {rank}'s optimizer state is {type(state).__name__}, not a "
                               f"torch optimizer's state_dict")
+
+    def _state_keys(self) -> tuple[tuple[str, ...], bool]:
+        """The optimizer state of each element (the keys holding one value per element of
+        their buffer, alike in every buffer of every rank) and whether a step is kept."""
+        found: set[tuple[str, ...]] = set()
+        steps = set()
+        for rank in range(self.world):
+            for state, buffer in zip(self._moments(rank), self._optim[rank][self._flat_key]):
+                found.add(tuple(sorted(k for k, v in state.items()
+                                       if isinstance(v, torch.Tensor) and v.numel() == buffer.numel() > 1)))
+                steps.add("step" in state)
+        if len(found) > 1 or len(steps) > 1:
+            raise CheckpointError(f"{self.directory!r}: its flat buffers keep different optimizer states "
+                                  f"{sorted(found)} (steps kept: {sorted(steps)}): not one optimizer's state")
+        return (next(iter(found)) if found else ()), (steps == {True})
 
     # -- where each parameter lies --
 
@@ -316,13 +334,12 @@ class DeepSpeedCheckpoint:
         missing = [i for i, s in enumerate(states) if key not in s]
         if missing:
             have = sorted(k for k in states[missing[0]] if k != "step")
-            raise CheckpointError(f"{self.directory!r}: rank {rank}'s optimizer state holds {have}, not {key!r}: "
-                                  f"tiertrain reads the moments of DeepSpeed's Adam and AdamW")
+            raise CheckpointError(f"{self.directory!r}: rank {rank}'s optimizer state holds {have}, not {key!r}")
         return [_flat(s[key]) for s in states]
 
     def read(self, rank: int, key: str, offset: int, numel: int) -> torch.Tensor:
         """Elements [offset, offset + numel) of rank's buffers joined: of its fp32 masters (key
-        "master") or of its optimizer state `key` ("exp_avg", "exp_avg_sq")."""
+        "master") or of its optimizer state `key` (one of state_keys)."""
         out = torch.empty(numel, dtype=torch.float32)
         at = 0  # (where each buffer starts in the rank's buffers joined)
         for buffer in self._buffers_of(rank, key):
@@ -336,8 +353,8 @@ class DeepSpeedCheckpoint:
         return out
 
     def value(self, name: str, key: str = "master") -> torch.Tensor:
-        """Parameter name's fp32 master ("master") or optimizer state ("exp_avg", "exp_avg_sq"),
-        whole and flat."""
+        """Parameter name's fp32 master ("master") or optimizer state (one of state_keys), whole
+        and flat."""
         out = torch.empty(math.prod(self.shapes[name]), dtype=torch.float32)
         for rank, offset, lo, hi in self._where[name]:
             out[lo:hi] = self.read(rank, key, offset, hi - lo)

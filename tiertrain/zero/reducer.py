@@ -496,16 +496,14 @@ class GradientReducer:
             self._buckets.clear()
         self._trim_spares()
 
-    def abandon(self, drop_accumulated: bool) -> None:
+    def abandon(self) -> None:
         """A backward raised midway: complete the collectives it launched (every rank launched
-        the same ones before it) and land them, and forget its counts. drop_accumulated: free
-        the accumulating buckets too (they hold only that backward's partial sums: the caller
-        marks the gradients stale, so that no part of that backward reaches a step)."""
+        the same ones before it) and land them, then drop the window's accumulating buckets
+        and counts (the caller marks the gradients stale: nothing of the window reaches a step)."""
         self.wait()
-        if drop_accumulated:
-            for bucket in self._buckets.values():
-                self._free_bucket(bucket)
-            self._buckets.clear()
+        for bucket in self._buckets.values():
+            self._free_bucket(bucket)
+        self._buckets.clear()
         self._reset_counts()
         self.used.clear()
 
