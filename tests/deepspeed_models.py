@@ -20,3 +20,13 @@ def build_llama(seed: int = 0) -> torch.nn.Module:
 def no_decay(name: str) -> bool:
     """Biases and normalisation weights: transformers' Trainer's no-decay group."""
     return name.endswith("bias") or "norm" in name
+
+
+def as_deepspeed_left_it(expected: dict) -> torch.nn.Module:
+    """The model holding a DeepSpeed run's fp32 masters and frozen values (its expected.pt, as
+    tests/deepspeed_checkpoints/make.py writes it): the reference's start."""
+    model = build_llama()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(expected["masters"][n] if p.requires_grad else expected["frozen"][n].float())
+    return model

@@ -22,7 +22,7 @@ from tiertrain.state.shard_layout import unit_pieces
 from tiertrain.testing import run_distributed
 from tiertrain.update.protocol import SLOT_NAME
 
-from deepspeed_models import build_llama
+from deepspeed_models import as_deepspeed_left_it, build_llama
 from foreign_runs import batches, continued, engine_config, train_on, trainer_resumed
 from reference import Oracle, make_config, rel_distances
 
@@ -97,12 +97,7 @@ def _continued(model, config, batches, expected: dict | None):
 
 def _deepspeeds_model(name: str) -> torch.nn.Module:
     """The model as DeepSpeed left it (its fp32 masters and frozen values), for the reference."""
-    expected = _expected(name)
-    model = build_llama()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(expected["masters"][n] if p.requires_grad else expected["frozen"][n].float())
-    return model
+    return as_deepspeed_left_it(_expected(name))
 
 
 def _train_moved(rank, world, name, stage, tier, directory, batches):

@@ -21,7 +21,7 @@ from tiertrain.errors import CheckpointError
 from tiertrain.state.deepspeed_universal import UniversalCheckpoint, universal_path
 from tiertrain.testing import run_distributed
 
-from deepspeed_models import build_llama
+from deepspeed_models import as_deepspeed_left_it, build_llama
 from foreign_runs import batches, continued, engine_config, train_on
 from reference import Oracle, make_config
 
@@ -65,12 +65,7 @@ def test_the_files_hold_the_values_of_the_run_deepspeed_converted(run):
 
 def _deepspeeds_model(run: str) -> torch.nn.Module:
     """The model as DeepSpeed left it (its fp32 masters and frozen values), for the reference."""
-    expected = _expected(run)
-    model = build_llama()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(expected["masters"][n] if p.requires_grad else expected["frozen"][n].float())
-    return model
+    return as_deepspeed_left_it(_expected(run))
 
 
 def _train_moved(rank, world, run, stage, tier, directory, batches):

@@ -163,16 +163,14 @@ class _Checkpoint(WeightReads):
 
         super().__init__(report)
         self._handle: dict[str, Any] = {}
-        self._file: dict[str, str] = {}
         for path in files:
             try:  # (the library checks the header against the file: offsets, dtypes, shapes)
                 handle = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
             except (SafetensorError, OSError) as e:
                 raise ValueError(f"load_pretrained: {path!r} is not a valid safetensors file: {e}") from None
             for key in handle.keys():
-                if key in self._file:
-                    raise ValueError(f"load_pretrained: tensor {key!r} is in both {self._file[key]!r} and {path!r}")
-                self._handle[key], self._file[key] = handle, path
+                self._place(key, path)
+                self._handle[key] = handle
 
     def keys(self) -> list[str]:
         return list(self._handle)

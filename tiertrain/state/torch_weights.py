@@ -33,6 +33,13 @@ class WeightReads:
 
     def __init__(self, report):
         self.report = report
+        self._file: dict[str, str] = {}  # tensor name -> the file holding it
+
+    def _place(self, key: str, path: str) -> None:
+        """Tensor key is in file path (once in the checkpoint: a second file holding it is refused)."""
+        if key in self._file:
+            raise ValueError(f"load_pretrained: tensor {key!r} is in both {self._file[key]!r} and {path!r}")
+        self._file[key] = path
 
     def _count(self, t: torch.Tensor) -> torch.Tensor:
         nbytes = t.numel() * t.element_size()
@@ -82,7 +89,6 @@ class TorchWeights(WeightReads):
     def __init__(self, files: list[str], report):
         super().__init__(report)
         self._tensors: dict[str, torch.Tensor] = {}
-        self._file: dict[str, str] = {}
         self.nested = ""
         """Where the tensors were in a file's dict ("state_dict", ...), or "" at its top."""
         for path in files:
@@ -96,9 +102,8 @@ class TorchWeights(WeightReads):
                                  f"model's state dict alone (torch.save(model.state_dict(), path))") from None
             tensors, self.nested = _state_dict_in(saved, path)
             for key, value in tensors.items():
-                if key in self._file:
-                    raise ValueError(f"load_pretrained: tensor {key!r} is in both {self._file[key]!r} and {path!r}")
-                self._tensors[key], self._file[key] = value, path
+                self._place(key, path)
+                self._tensors[key] = value
 
     def keys(self) -> list[str]:
         return list(self._tensors)
