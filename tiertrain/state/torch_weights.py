@@ -65,16 +65,16 @@ class WeightReads:
         return rows.reshape(-1)[start - r0 * row:end - r0 * row]
 
 
-def _state_dict_in(saved: Any, path: str) -> tuple[dict[str, torch.Tensor], str]:
-    """The tensors by name in what a file holds, and where in it they were ("" at the top)."""
+def _state_dict_in(saved: Any, path: str) -> dict[str, torch.Tensor]:
+    """The tensors by name in what a file holds: all of it, or its one entry under NESTED that is."""
     def tensors_only(d: Any) -> bool:
         return isinstance(d, dict) and bool(d) and all(isinstance(v, torch.Tensor) for v in d.values())
 
     if tensors_only(saved):
-        return saved, ""
+        return saved
     found = [k for k in NESTED if isinstance(saved, dict) and tensors_only(saved.get(k))]
     if len(found) == 1:
-        return saved[found[0]], found[0]
+        return saved[found[0]]
     what = f"a dict with keys {sorted(map(str, saved))[:10]}" if isinstance(saved, dict) else type(saved).__name__
     raise ValueError(f"load_pretrained: {path!r} holds {what}, not a state dict (tensor names -> tensors)"
                      + (f" nor one under exactly one of {list(NESTED)}" if isinstance(saved, dict) else "")
@@ -89,8 +89,6 @@ class TorchWeights(WeightReads):
     def __init__(self, files: list[str], report):
         super().__init__(report)
         self._tensors: dict[str, torch.Tensor] = {}
-        self.nested = ""
-        """Where the tensors were in a file's dict ("state_dict", ...), or "" at its top."""
         for path in files:
             with open(path, "rb") as f:
                 zipped = f.read(4) == b"PK\x03\x04"
@@ -100,8 +98,7 @@ class TorchWeights(WeightReads):
                 raise ValueError(f"load_pretrained: {path!r} cannot be read with torch.load(weights_only=True), "
                                  f"which runs no code of the file ({type(e).__name__}: {str(e)[:300]}); save the "
                                  f"model's state dict alone (torch.save(model.state_dict(), path))") from None
-            tensors, self.nested = _state_dict_in(saved, path)
-            for key, value in tensors.items():
+            for key, value in _state_dict_in(saved, path).items():
                 self._place(key, path)
                 self._tensors[key] = value
 
