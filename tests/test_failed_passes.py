@@ -14,7 +14,10 @@ buckets small enough that a backward has launched reductions before it fails:
 3. With gradient accumulation, a backward failing in the window's second micro-batch drops the
    whole window (its partial gradients cannot be told apart from the first micro-batch's), the
    exception says so in a note, and the run continues as the one that skipped the window.
-4. A pipeline cannot skip a batch on the stages that failed (the others wait for activations or
+4. A failure on one rank only leaves the ranks out of step: they stop with a
+   CollectiveMismatchError, whose message on the rank that failed says it dropped a failed pass
+   (where that rank is the one to find the mismatch: a rank with a batch fewer may find none).
+5. A pipeline cannot skip a batch on the stages that failed (the others wait for activations or
    gradients that never come, and would take the next batch's for them): after a failure in
    its schedule the engine refuses to train, naming the rank and what to do, within seconds.
    Before, the ranks hung until the transfers' timeout.
@@ -26,6 +29,7 @@ import torch
 
 import tiertrain
 from reference import global_batches, make_config, make_model, rank_slices
+from tiertrain.collective_order import CollectiveMismatchError
 from tiertrain.testing import RankFailure, run_distributed
 
 WORLD, MICRO = 2, 2
@@ -121,6 +125,31 @@ def test_a_backward_failing_mid_window_drops_the_window_and_says_so(zero):
     notes = _compare(zero, accum=2, fail_at=(1, 1))
     assert len(notes) == 1 and "accumulation window's gradients were dropped" in notes[0], notes
     assert "1 earlier micro-batch(es)" in notes[0], notes
+
+
+def _one_rank_fails(rank, world, zero, where):
+    config = make_config(zero={"bucket_mb": 0.001, **zero}, optimizer={"eps": 1e-3},
+                         batch={"micro_batch_size": MICRO})
+    model, armed = _failing_model(where)
+    engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel))
+    try:
+        for step, batch in enumerate(global_batches(4, MICRO * world)):
+            armed["now"] = step == 1 and rank == 0
+            try:
+                engine.train_batch(rank_slices(batch, rank, world, MICRO, 1))
+            except Failure:
+                pass
+    except CollectiveMismatchError as e:
+        return str(e)
+    return "no mismatch"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("zero,where", [({"stage": 2}, "backward"), ({"stage": 3}, "forward")])
+def test_a_failure_on_one_rank_only_stops_the_ranks_and_says_what_that_rank_dropped(zero, where):
+    failed, peer = run_distributed(_one_rank_fails, 2, zero, where, timeout=45)
+    assert f"This rank dropped a failed pass before (its {where} of micro-batch 2 raised Failure)" in failed, failed
+    assert "different" in peer and "dropped a failed pass" not in peer, peer
 
 
 def _pipeline(rank, world, where):

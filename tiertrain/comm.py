@@ -162,6 +162,9 @@ class Collectives:
         with a timeout expires, so there a wait takes the whole timeout at once."""
         self.broken: str | None = None
         """Set by :meth:`fail`: this rank left the group's common sequence of collectives."""
+        self.caught: str | None = None
+        """A failed pass this rank dropped since its last whole backward (the engine's, caught by
+        the loop): named in a mismatch, which follows when its peers did not fail alike."""
 
     def fail(self, reason: str) -> None:
         """Mark this rank as out of step with its group (it skipped, added or reordered a
@@ -195,6 +198,13 @@ class Collectives:
             return None
         return self._mismatch(f"waits in collective #{number}", what, *found)
 
+    def _caught_note(self) -> str:
+        """What a mismatch message adds when this rank dropped a failed pass (``caught``)."""
+        if not self.caught:
+            return ""
+        return (f" This rank dropped a failed pass before ({self.caught}): a pass skipped on some ranks only "
+                f"leaves them out of step.")
+
     def _mismatch(self, doing: str, what: str, peer: int, theirs: str, their_number: int) -> CollectiveMismatchError:
         """The one-line error for ranks at one collective number in different collectives (or
         a peer done with the group): both ranks and what each is in. Marks this rank out of
@@ -206,7 +216,7 @@ class Collectives:
             where = f"rank {ranks[peer]} in its collective #{their_number} ({theirs})"
         message = (f"rank {ranks[self.rank]} {doing} of the group of ranks {ranks} ({what}), {where}: the ranks "
                    f"run different code — unequal numbers of batches or steps per rank, or a branch one rank took "
-                   f"alone")
+                   f"alone." + self._caught_note())
         self.fail(message)
         return CollectiveMismatchError(message)
 
@@ -449,7 +459,7 @@ class Collectives:
                 f"rank {self.rank} issued {describe(code)} but other ranks of its group issued "
                 f"{describe(lo) if lo != code else describe(hi)}: ranks executed different modules "
                 f"(a branch taken on some ranks only?). Under ZeRO-3 every rank must run the same "
-                f"sequence of partitioned modules in forward and backward."
+                f"sequence of partitioned modules in forward and backward." + self._caught_note()
             )
         if hi_digest != digest or lo_digest != digest:
             raise CollectiveMismatchError(
@@ -457,5 +467,5 @@ class Collectives:
                 f"the sequences of partitioned modules they ran before it differ (digest {digest} here, "
                 f"{hi_digest if hi_digest != digest else lo_digest} on another rank): ranks executed "
                 f"different modules (a branch taken on some ranks only?). Under ZeRO-3 every rank must run "
-                f"the same sequence of partitioned modules in forward and backward."
+                f"the same sequence of partitioned modules in forward and backward." + self._caught_note()
             )

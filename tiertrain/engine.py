@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+from .collective_order import CollectiveMismatchError, CollectiveTimeout, PeerLost
 from .config import Config, ConfigError
 from .engine_contract import LossFn, StateIO, default_loss
 from .in_place_edits import refuse_in_place_edits
@@ -70,16 +71,20 @@ class Engine(TrainingCore):
         """Forward one micro-batch; returns the (unscaled) loss."""
         with span("forward"):
             self.update.cancel()  # (a forward before step() sees the parameters before it)
-            if self.fetcher is None:
-                return self._forward(batch)
-            self.fetcher.begin_forward()
+            if self.fetcher is not None:
+                self.fetcher.begin_forward()
             try:
                 return self._forward(batch)
-            except BaseException:
-                self.fetcher.abandon()  # (a caught failure leaves nothing gathered: the next forward starts afresh)
+            except BaseException as failure:
+                if self._recoverable(failure):  # (caught, it leaves nothing gathered: the next forward starts afresh)
+                    if self.fetcher is not None:
+                        self.fetcher.abandon()
+                    self.comm.caught = f"its forward of micro-batch {self.micro_steps + 1} raised " \
+                                       f"{type(failure).__name__}"
                 raise
             finally:
-                self.fetcher.end_forward()  # (the model called directly from now on: ParameterFetcher)
+                if self.fetcher is not None:
+                    self.fetcher.end_forward()  # (the model called directly from now on: ParameterFetcher)
 
     def _forward(self, batch: Any) -> torch.Tensor:
         self._check_model_unchanged()
@@ -157,17 +162,28 @@ class Engine(TrainingCore):
             self._abandon_window(failure)
             raise
         self.reducer.end_backward()
+        self.comm.caught = None  # (the ranks ran a whole backward together since)
         if self.fetcher is not None:
             self.fetcher.end_backward()
         self.train_state.micro_steps += 1
         self._boundary_unstepped = boundary
         self.held_gradients.install()  # (p.grad read before step() raises naming it: held_gradients.py)
 
+    def _recoverable(self, failure: BaseException) -> bool:
+        """Whether the ranks may still be in step after this failure of a pass: not when it was
+        the collectives' own (a mismatch, a timeout, a lost peer) or left this rank out of step:
+        then there is nothing to recover, and waiting for its collectives in flight could hang."""
+        return self.comm.broken is None and not isinstance(failure, (CollectiveMismatchError, CollectiveTimeout,
+                                                                     PeerLost))
+
     def _abandon_window(self, failure: BaseException) -> None:
         """A backward raised midway (caught, a loop may go on: an out-of-memory batch skipped).
         Part of its gradients may have been reduced into the window's: none may reach a step,
         and they cannot be told apart from the earlier micro-batches', so the accumulation
         window is dropped whole and starts again (the exception says so where it held more)."""
+        if not self._recoverable(failure):
+            return
+        self.comm.caught = f"its backward of micro-batch {self.micro_steps + 1} raised {type(failure).__name__}"
         self.reducer.abandon()
         self.flat.zero_grads(lazy=self.launch_when_ready)
         if self.fetcher is not None:
