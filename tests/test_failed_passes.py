@@ -1,7 +1,8 @@
 """A forward or backward that raises, caught by the training loop (an out-of-memory batch skipped,
 as loops written for plain PyTorch do), loses nothing and keeps nothing of the failed pass.
 
-Specification, on 2 gloo ranks failing alike, for ZeRO stages 0-3, the CPU tiers (the step
+Specification, on 2 gloo ranks failing alike, for ZeRO stages 0-3 (our GPT; a Hugging Face
+Llama at stages 2 and 3), the CPU tiers (the step
 overlapped with backward, the delayed update) and NVMe (its step inside backward), with
 buckets small enough that a backward has launched reductions before it fails:
 
@@ -32,6 +33,9 @@ from reference import global_batches, make_config, make_model, rank_slices
 from tiertrain.collective_order import CollectiveMismatchError
 from tiertrain.testing import RankFailure, run_distributed
 
+transformers = pytest.importorskip("transformers")
+import zoo  # noqa: E402
+
 WORLD, MICRO = 2, 2
 
 
@@ -39,9 +43,15 @@ class Failure(RuntimeError):
     """What the model raises once, on every rank (as an out-of-memory error would)."""
 
 
-def _failing_model(where: str):
-    """A model whose block 1 raises once when armed: in its forward, or in its backward."""
-    model = make_model(n_layers=3)
+def _failing_model(where: str, family: str = "gpt"):
+    """A model whose block 1 raises once when armed: in its forward, or in its backward (our
+    GPT, or a Hugging Face Llama: its decoder layer 1)."""
+    if family == "gpt":
+        model = make_model(n_layers=3)
+        block = model.blocks[1]
+    else:
+        model = zoo.build("llama-gqa")
+        block = model.model.layers[1]
     armed = {"now": False}
 
     def fail(*_):
@@ -50,25 +60,28 @@ def _failing_model(where: str):
             raise Failure(f"block 1's {where} failed")
 
     if where == "forward":
-        model.blocks[1].register_forward_pre_hook(fail)
+        block.register_forward_pre_hook(fail)
     else:
         def fail_in_backward(module, args, out):
+            out = out[0] if isinstance(out, tuple) else out
             if armed["now"] and out.requires_grad:
                 out.register_hook(fail)
 
-        model.blocks[1].register_forward_hook(fail_in_backward)
+        block.register_forward_hook(fail_in_backward)
     return model, armed
 
 
-def _run(rank, world, zero, accum, where, fail_at, skip):
+def _run(rank, world, zero, accum, where, fail_at, skip, family="gpt"):
     """Train on 4 global batches; at step fail_at the micro-batch number `fail_at[1]` fails
     (caught), or with skip that step's batch is not trained at all."""
     config = make_config(zero={"bucket_mb": 0.001, **zero}, optimizer={"eps": 1e-3},
                          batch={"micro_batch_size": MICRO, "grad_accum_steps": accum})
-    model, armed = _failing_model(where)
+    model, armed = _failing_model(where, family)
     engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel))
     losses, notes = [], []
-    for step, batch in enumerate(global_batches(4, MICRO * world * accum)):
+    batches = global_batches(4, MICRO * world * accum) if family == "gpt" else \
+        zoo.batches("llama-gqa", 4, MICRO * world * accum)
+    for step, batch in enumerate(batches):
         if step == fail_at[0] and skip:
             continue
         micro = rank_slices(batch, rank, world, MICRO, accum)
@@ -87,9 +100,9 @@ def _run(rank, world, zero, accum, where, fail_at, skip):
     return losses, values, left, notes
 
 
-def _compare(zero, accum=1, where="backward", fail_at=(1, 0)):
-    failed = run_distributed(_run, WORLD, zero, accum, where, fail_at, False, timeout=60)
-    skipped = run_distributed(_run, WORLD, zero, accum, where, fail_at, True, timeout=60)
+def _compare(zero, accum=1, where="backward", fail_at=(1, 0), family="gpt"):
+    failed = run_distributed(_run, WORLD, zero, accum, where, fail_at, False, family, timeout=60)
+    skipped = run_distributed(_run, WORLD, zero, accum, where, fail_at, True, family, timeout=60)
     for rank, ((losses, values, left, notes), (want, want_values, _, _)) in enumerate(zip(failed, skipped)):
         assert losses == want, (rank, losses, want)
         assert all(torch.equal(values[n], want_values[n]) for n in want_values), rank
@@ -111,6 +124,13 @@ STAGES = {"stage0": {"stage": 0}, "stage1": {"stage": 1}, "stage2": {"stage": 2}
 def test_a_caught_failure_continues_as_the_run_that_skipped_the_batch(name, where, tmp_path):
     zero = {**STAGES[name], "nvme_path": str(tmp_path)}
     assert _compare(zero, where=where, fail_at=(2, 0)) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("zero", [{"stage": 2}, {"stage": 3}], ids=lambda z: f"stage{z['stage']}")
+def test_a_hugging_face_llama_continues_as_the_run_that_skipped_the_batch(zero, where):
+    _compare(zero, where=where, fail_at=(2, 0), family="llama")
 
 
 @pytest.mark.timeout(120)
