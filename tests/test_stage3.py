@@ -314,8 +314,9 @@ def test_a_forward_outside_the_engine_gathers_unit_by_unit(tmp_path, tiers, chec
     """Issue 34, item 5: model(x) after training, outside the engine, raised "ranks executed
     different modules" (a wrong diagnosis); the only way was gathered_parameters(), which
     gathers the whole model. Now each unit is gathered around its module, as DeepSpeed's
-    ZeRO-3 inference does, and released after (also when the forward raises midway); a backward through such a forward is refused
-    by name; training goes on as if it had not happened."""
+    ZeRO-3 inference does, and released after (also when the forward raises midway); a
+    backward through such a forward is refused by name; training goes on as if it had not
+    happened."""
     expected = run_distributed(_uninterrupted, 2, timeout=60)
     for rank, out in enumerate(run_distributed(_forward_outside_the_engine, 2, tiers, check, str(tmp_path), timeout=60)):
         assert out["model(x) under no_grad"] == out["engine.evaluate"] == out["model(x) with grad"]

@@ -93,6 +93,21 @@ def load_file(path: str) -> dict:
     return state
 
 
+def rank_files(directory: str, kind: str) -> list[str]:
+    """The ``*zero_pp_rank_R_mp_rank_00_<kind>.pt`` files in directory, in rank order; ranks
+    missing from 0..n-1, or a rank's two files, are refused."""
+    found = {}
+    for path in glob.glob(os.path.join(directory, f"*zero_pp_rank_*_mp_rank_00_{kind}.pt")):
+        rank = int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(path)).group(1))
+        if rank in found:
+            raise CheckpointError(f"{directory!r} holds two {kind} files of rank {rank}: {found[rank]!r} and {path!r}")
+        found[rank] = path
+    if sorted(found) != list(range(len(found))):
+        raise CheckpointError(f"{directory!r}: the {kind} files are of ranks {sorted(found)}, "
+                              f"not 0..{len(found) - 1}: some are missing")
+    return [found[r] for r in range(len(found))]
+
+
 def client_state_of(model_states: dict) -> dict:
     """What a model-states file holds beside DeepSpeed's own keys: the client state."""
     return {k: v for k, v in model_states.items() if k not in _MODEL_KEYS}
@@ -127,8 +142,8 @@ class DeepSpeedCheckpoint:
             if not os.path.isfile(latest):
                 tags = sorted(d for d in os.listdir(directory) if os.path.isdir(os.path.join(directory, d))) \
                     if os.path.isdir(directory) else []
-                raise CheckpointError(f"{directory!r} has no 'latest' file naming the DeepSpeed checkpoint's tag (nor a "
-                                      f"'latest_universal' naming a universal checkpoint's): "
+                raise CheckpointError(f"{directory!r} has no 'latest' file naming the DeepSpeed checkpoint's tag "
+                                      f"(nor a 'latest_universal' naming a universal checkpoint's): "
                                       f"give tag= (its subdirectories: {tags[:10]})")
             with open(latest) as f:
                 tag = f.read().strip()
@@ -206,17 +221,7 @@ class DeepSpeedCheckpoint:
                                   f"tiertrain does not read; {_WEIGHTS_ONLY}")
 
     def _rank_files(self, kind: str) -> list[str]:
-        found = {}
-        for path in glob.glob(os.path.join(self.directory, f"*zero_pp_rank_*_mp_rank_00_{kind}.pt")):
-            rank = int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(path)).group(1))
-            if rank in found:
-                raise CheckpointError(f"{self.directory!r} holds two {kind} files of rank {rank}: "
-                                      f"{found[rank]!r} and {path!r}")
-            found[rank] = path
-        if sorted(found) != list(range(len(found))):
-            raise CheckpointError(f"{self.directory!r}: the {kind} files are of ranks {sorted(found)}, "
-                                  f"not 0..{len(found) - 1}: some are missing")
-        return [found[r] for r in range(len(found))]
+        return rank_files(self.directory, kind)
 
     def _param_shapes(self) -> list[dict[str, tuple[int, ...]]]:
         groups = self._model[0].get("param_shapes")
@@ -436,4 +441,4 @@ class _Bucket:
     group: int
 
 
-__all__ = ["DEEPSPEED_OBJECTS", "DeepSpeedCheckpoint", "client_state_of", "load_file", "loss_scale_of"]
+__all__ = ["DEEPSPEED_OBJECTS", "DeepSpeedCheckpoint", "client_state_of", "load_file", "loss_scale_of", "rank_files"]

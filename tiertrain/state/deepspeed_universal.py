@@ -23,7 +23,6 @@ from __future__ import annotations
 import glob
 import math
 import os
-import re
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,7 +30,7 @@ import torch
 from .checkpoint import CheckpointError
 from .dcp_checkpoint import load_items
 from .dcp_files import NestedState
-from .deepspeed_files import client_state_of, load_file, loss_scale_of
+from .deepspeed_files import client_state_of, load_file, loss_scale_of, rank_files
 
 if TYPE_CHECKING:
     from ..training_core import TrainingCore
@@ -75,8 +74,9 @@ def _value(path: str, name: str, shape: tuple | None) -> Any:
     saved = load_file(path)
     value = saved.get("param") if isinstance(saved, dict) else saved
     if not isinstance(value, (torch.Tensor, int, float)):
-        raise CheckpointError(f"{path!r} holds {type(saved).__name__} {sorted(saved) if isinstance(saved, dict) else ''}"
-                              f", not parameter {name!r}'s value ({{'param': tensor}}, as ds_to_universal writes it)")
+        keys = sorted(saved) if isinstance(saved, dict) else ""
+        raise CheckpointError(f"{path!r} holds {type(saved).__name__} {keys}, not parameter {name!r}'s value "
+                              f"({{'param': tensor}}, as ds_to_universal writes it)")
     if isinstance(value, torch.Tensor) and shape is not None and value.numel() == math.prod(shape):
         return value.reshape(shape)
     return value
@@ -98,10 +98,9 @@ def _stage3_frozen(path: str, first: dict) -> dict[str, torch.Tensor]:
     each rank's fragment of every frozen parameter (``frozen_param_fragments``), joined in rank
     order (``first``: rank 0's file, read)."""
     shapes = first.get("frozen_param_shapes") or {}
-    files = glob.glob(os.path.join(path, "zero_pp_rank_*_mp_rank_00_model_states.pt"))
-    if not shapes or not files:
+    ranked = rank_files(path, "model_states")
+    if not shapes or not ranked:
         return {}
-    ranked = sorted(files, key=lambda f: int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(f)).group(1)))
     parts = [first.get("frozen_param_fragments") or {}] + [load_file(f).get("frozen_param_fragments") or {}
                                                             for f in ranked[1:]]
     out = {}

@@ -46,7 +46,8 @@ from ..engine import Engine
 from ..errors import TiertrainError
 from ..io.fileio import unreadable_file
 from .hf_conversion import ConvertedCheckpoint, checkpoint_view
-from .torch_weights import TORCH_INDEX, TORCH_SINGLE, TorchWeights, UnwrappedNames, WeightReads, is_torch_file, unwrapped
+from .torch_weights import (TORCH_INDEX, TORCH_SINGLE, TorchWeights, UnwrappedNames, WeightReads, is_torch_file,
+                            unwrapped)
 from ..topology import Topology
 from ..unit_values import write_into_units
 from ..zero.construct import full_shape, is_partitioned
