@@ -15,9 +15,11 @@ buckets small enough that a backward has launched reductions before it fails:
 3. With gradient accumulation, a backward failing in the window's second micro-batch drops the
    whole window (its partial gradients cannot be told apart from the first micro-batch's), the
    exception says so in a note, and the run continues as the one that skipped the window.
-4. A failure on one rank only leaves the ranks out of step: they stop with a
-   CollectiveMismatchError, whose message on the rank that failed says it dropped a failed pass
-   (where that rank is the one to find the mismatch: a rank with a batch fewer may find none).
+4. A failure on one rank only leaves the ranks out of step: they stop at their next collective
+   with a CollectiveMismatchError, whose message on each rank says how many failed passes each
+   rank dropped, and which. Before, where the dropped pass issued no collective (a forward
+   at stages 0-2), the ranks went on pairing each step with the peer's step of another batch,
+   found out only at the end of the run.
 5. A pipeline cannot skip a batch on the stages that failed (the others wait for activations or
    gradients that never come, and would take the next batch's for them): after a failure in
    its schedule the engine refuses to train, naming the rank and what to do, within seconds.
@@ -152,24 +154,31 @@ def _one_rank_fails(rank, world, zero, where):
                          batch={"micro_batch_size": MICRO})
     model, armed = _failing_model(where)
     engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel))
-    try:
-        for step, batch in enumerate(global_batches(4, MICRO * world)):
-            armed["now"] = step == 1 and rank == 0
-            try:
-                engine.train_batch(rank_slices(batch, rank, world, MICRO, 1))
-            except Failure:
-                pass
-    except CollectiveMismatchError as e:
-        return str(e)
-    return "no mismatch"
+    for step, batch in enumerate(global_batches(4, MICRO * world)):
+        armed["now"] = step == 1 and rank == 0
+        try:
+            engine.train_batch(rank_slices(batch, rank, world, MICRO, 1))
+        except Failure:
+            pass
+        except CollectiveMismatchError as e:
+            return step, str(e)
+    return None, "no mismatch"
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("zero,where", [({"stage": 2}, "backward"), ({"stage": 3}, "forward")])
-def test_a_failure_on_one_rank_only_stops_the_ranks_and_says_what_that_rank_dropped(zero, where):
-    failed, peer = run_distributed(_one_rank_fails, 2, zero, where, timeout=45)
-    assert f"This rank dropped a failed pass before (its {where} of micro-batch 2 raised Failure)" in failed, failed
-    assert "different" in peer and "dropped a failed pass" not in peer, peer
+@pytest.mark.parametrize("zero,where", [({"stage": 0}, "forward"), ({"stage": 1}, "forward"), ({"stage": 2}, "forward"),
+                                        ({"stage": 2}, "backward"), ({"stage": 3}, "forward")])
+def test_a_failure_on_one_rank_only_stops_the_ranks_at_once_and_says_what_that_rank_dropped(zero, where):
+    (failed_at, failed), (peer_at, peer) = run_distributed(_one_rank_fails, 2, zero, where, timeout=45)
+    said = (f"The ranks dropped different numbers of failed passes (a forward or backward that raised, caught by "
+            f"the loop; rank 0 dropped 1 (the last: its {where} of micro-batch 2 raised Failure), rank 1 dropped "
+            f"none); a pass skipped "
+            f"on some ranks only leaves the ranks out of step")
+    assert said in failed and said in peer, (failed, peer)
+    # At the first collective after the dropped pass, not at the end of the run: the forward
+    # dropped at stages 0-2 issues none, and the sizes would pair each step with the peer's
+    # step of the batch before (the data silently mixed).
+    assert failed_at == 2 and peer_at == 1, (failed_at, peer_at)
 
 
 def _pipeline(rank, world, where):

@@ -170,6 +170,7 @@ class Arrivals:
 
     SLOT = "tiertrain/slot/"
     POSITION = "tiertrain/at/"
+    DROPPED = "tiertrain/dropped/"
     SLOTS = 1024
     """Slots reused in turn. A rank SLOTS collectives ahead of a peer (async collectives
     never waited for) makes that peer find a newer number in its slot: the check is skipped
@@ -251,16 +252,25 @@ class Arrivals:
             return None
         return int(peer), theirs, number - 1 if theirs == self.FINISHED else number
 
-    def _stored_positions(self, ranks) -> dict[int, tuple[int, str]]:
+    def _stored_positions(self, ranks, prefix: str = POSITION) -> dict[int, tuple[int, str]]:
         """{group rank: (collectives it issued, what the last one was)}; (0, "") for a rank
-        that issued none."""
+        that issued none. (With prefix DROPPED: the failed passes it dropped, the last one.)"""
         out = {}
         for r in ranks:
-            key = f"{self.POSITION}{r}"
+            key = f"{prefix}{r}"
             value = self.store.get(key).decode(errors="replace") if self.store.check([key]) else ""
             count, _, what = value.partition("|")
             out[r] = (int(count) if count.isdigit() else 0, what)
         return out
+
+    def note_dropped(self, count: int, last: str) -> None:
+        """Record that this rank dropped ``count`` failed passes so far, the last one ``last``
+        (Collectives.drop_pass): named in its peers' mismatch messages."""
+        self.store.set(f"{self.DROPPED}{self.rank}", f"{count}|{last}")
+
+    def dropped(self) -> dict[int, tuple[int, str]]:
+        """Every group rank's (failed passes dropped, the last one): (0, "") for none."""
+        return self._stored_positions(range(self.size), self.DROPPED)
 
     def positions(self) -> dict[int, tuple[int, str]]:
         """Every group rank's (collectives issued, what the last one was)."""

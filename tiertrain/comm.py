@@ -162,9 +162,27 @@ class Collectives:
         with a timeout expires, so there a wait takes the whole timeout at once."""
         self.broken: str | None = None
         """Set by :meth:`fail`: this rank left the group's common sequence of collectives."""
-        self.caught: str | None = None
-        """A failed pass this rank dropped since its last whole backward (the engine's, caught by
-        the loop): named in a mismatch, which follows when its peers did not fail alike."""
+        self.dropped: list[str] = []
+        """The failed passes this rank dropped in this run (drop_pass), each said in a few
+        words. Their number is part of the description of every later collective, so that
+        ranks which dropped different numbers stop at their next collective, also where the
+        sizes would pair it with a peer's collective of another batch."""
+
+    def drop_pass(self, description: str) -> None:
+        """Record that this rank dropped a failed pass (``description``: which, for messages;
+        also kept in the group's store, where a peer's mismatch message reads it): its
+        peers must have dropped one too, or the next collective stops the ranks."""
+        self.dropped.append(description)
+        if self.arrivals is not None:
+            try:
+                self.arrivals.note_dropped(len(self.dropped), description)
+            except Exception:  # noqa: BLE001 - the store is gone: this rank's own message still names it
+                pass
+
+    def _described(self, what: str) -> str:
+        """``what`` as the ranks compare it: with the number of failed passes dropped, if any."""
+        n = len(self.dropped)
+        return what if not n else f"{what}, after {n} failed pass{'es' if n > 1 else ''} dropped"
 
     def fail(self, reason: str) -> None:
         """Mark this rank as out of step with its group (it skipped, added or reordered a
@@ -181,6 +199,7 @@ class Collectives:
         """A Work whose timeout says what this rank waited for and which ranks never issued it,
         and which fails within seconds when the ranks wait in different collectives."""
         started = time.monotonic()
+        what = self._described(what)
         check = None
         if number is not None and self.waits_in_slices:
             check = lambda: self._different_collective(what, number)  # noqa: E731
@@ -198,12 +217,22 @@ class Collectives:
             return None
         return self._mismatch(f"waits in collective #{number}", what, *found)
 
-    def _caught_note(self) -> str:
-        """What a mismatch message adds when this rank dropped a failed pass (``caught``)."""
-        if not self.caught:
+    def _dropped_note(self) -> str:
+        """What a mismatch message adds when the ranks dropped different numbers of failed
+        passes: each rank's number and its last (from the group's store where it answers)."""
+        dropped = {self.rank: (len(self.dropped), self.dropped[-1] if self.dropped else "")}
+        try:
+            dropped = {**self.arrivals.dropped(), **dropped} if self.arrivals is not None else dropped
+        except Exception:  # noqa: BLE001 - the store is gone: this rank's own count
+            pass
+        if all(n == len(self.dropped) for n, _ in dropped.values()) and (len(dropped) > 1 or not self.dropped):
             return ""
-        return (f" This rank dropped a failed pass before ({self.caught}): a pass skipped on some ranks only "
-                f"leaves them out of step.")
+        ranks = dist.get_process_group_ranks(self.group)
+        said = ", ".join(f"rank {ranks[r]} dropped {n or 'none'}" + (f" (the last: {last})" if last else "")
+                         for r, (n, last) in sorted(dropped.items()))
+        return (f" The ranks dropped different numbers of failed passes (a forward or backward that raised, caught "
+                f"by the loop; {said}); a pass skipped on some ranks only leaves the ranks out of step: skip it "
+                f"on every rank or on none, or resume from the last checkpoint.")
 
     def _mismatch(self, doing: str, what: str, peer: int, theirs: str, their_number: int) -> CollectiveMismatchError:
         """The one-line error for ranks at one collective number in different collectives (or
@@ -216,7 +245,7 @@ class Collectives:
             where = f"rank {ranks[peer]} in its collective #{their_number} ({theirs})"
         message = (f"rank {ranks[self.rank]} {doing} of the group of ranks {ranks} ({what}), {where}: the ranks "
                    f"run different code — unequal numbers of batches or steps per rank, or a branch one rank took "
-                   f"alone." + self._caught_note())
+                   f"alone." + self._dropped_note())
         self.fail(message)
         return CollectiveMismatchError(message)
 
@@ -226,6 +255,7 @@ class Collectives:
         CollectiveMismatchError instead of issuing it. None when the group keeps no count."""
         if self.arrivals is None or not self.arrivals.enabled:
             return None
+        what = self._described(what)
         try:
             number, different = self.arrivals.issue(what)
         except Exception:  # noqa: BLE001 - the store went away: keep training, lose the checks
@@ -459,7 +489,7 @@ class Collectives:
                 f"rank {self.rank} issued {describe(code)} but other ranks of its group issued "
                 f"{describe(lo) if lo != code else describe(hi)}: ranks executed different modules "
                 f"(a branch taken on some ranks only?). Under ZeRO-3 every rank must run the same "
-                f"sequence of partitioned modules in forward and backward." + self._caught_note()
+                f"sequence of partitioned modules in forward and backward." + self._dropped_note()
             )
         if hi_digest != digest or lo_digest != digest:
             raise CollectiveMismatchError(
@@ -467,5 +497,5 @@ class Collectives:
                 f"the sequences of partitioned modules they ran before it differ (digest {digest} here, "
                 f"{hi_digest if hi_digest != digest else lo_digest} on another rank): ranks executed "
                 f"different modules (a branch taken on some ranks only?). Under ZeRO-3 every rank must run "
-                f"the same sequence of partitioned modules in forward and backward." + self._caught_note()
+                f"the same sequence of partitioned modules in forward and backward." + self._dropped_note()
             )

@@ -79,8 +79,8 @@ class Engine(TrainingCore):
                 if self._recoverable(failure):  # (caught, it leaves nothing gathered: the next forward starts afresh)
                     if self.fetcher is not None:
                         self.fetcher.abandon()
-                    self.comm.caught = f"its forward of micro-batch {self.micro_steps + 1} raised " \
-                                       f"{type(failure).__name__}"
+                    self.comm.drop_pass(f"its forward of micro-batch {self.micro_steps + 1} raised "
+                                        f"{type(failure).__name__}")
                 raise
             finally:
                 if self.fetcher is not None:
@@ -162,7 +162,6 @@ class Engine(TrainingCore):
             self._abandon_window(failure)
             raise
         self.reducer.end_backward()
-        self.comm.caught = None  # (the ranks ran a whole backward together since)
         if self.fetcher is not None:
             self.fetcher.end_backward()
         self.train_state.micro_steps += 1
@@ -183,11 +182,11 @@ class Engine(TrainingCore):
         window is dropped whole and starts again (the exception says so where it held more)."""
         if not self._recoverable(failure):
             return
-        self.comm.caught = f"its backward of micro-batch {self.micro_steps + 1} raised {type(failure).__name__}"
-        self.reducer.abandon()
+        self.reducer.abandon()  # (its collectives in flight, issued before the pass was dropped)
         self.flat.zero_grads(lazy=self.launch_when_ready)
         if self.fetcher is not None:
             self.fetcher.abandon()
+        self.comm.drop_pass(f"its backward of micro-batch {self.micro_steps + 1} raised {type(failure).__name__}")
         done = self.micro_steps % self.accum
         self.train_state.micro_steps -= done
         if done:
