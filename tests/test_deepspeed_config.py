@@ -80,10 +80,10 @@ def test_unhonourable_keys_are_refused_all_at_once_by_name():
     with pytest.raises(ConfigError) as caught:
         from_deepspeed({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}},
                         "zero_optimization": {"stage": 3, "zero_quantized_weights": True},
-                        "fp16": {"enabled": True, "loss_scale": 128},
+                        "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
                         "train_batch_sise": 8})
     message = str(caught.value)
-    for key in ("optimizer.type", "zero_optimization.zero_quantized_weights", "fp16.loss_scale",
+    for key in ("optimizer.type", "zero_optimization.zero_quantized_weights", "fp16.fp16_master_weights_and_grads",
                 "train_batch_sise"):
         assert key in message, (key, message)
     assert "docs/deepspeed.md" in message
@@ -91,6 +91,16 @@ def test_unhonourable_keys_are_refused_all_at_once_by_name():
         from_deepspeed({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
     with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu=-1 is invalid"):
         from_deepspeed({"train_micro_batch_size_per_gpu": -1})
+
+
+def test_a_static_fp16_loss_scale_is_kept_for_the_run_as_deepspeed_keeps_it():
+    translated = from_deepspeed({"fp16": {"enabled": True, "loss_scale": 128, "initial_scale_power": 12,
+                                          "hysteresis": 4}})
+    assert translated.values["precision"]["loss_scale"] == {"initial_scale": 128.0, "dynamic": False}
+    fates = dict(translated.fates)
+    assert "no effect: the loss scale is static (fp16.loss_scale=128)" in fates["fp16.hysteresis"]
+    assert from_deepspeed({"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12}}).values[
+        "precision"]["loss_scale"] == {"initial_scale": 2.0**12}
 
 
 def test_malformed_values_and_files_are_named_not_raised_raw(tmp_path):

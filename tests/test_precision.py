@@ -1,5 +1,6 @@
 """fp16 loss scaling: an overflow anywhere skips the step on every rank, lowers the scale
-after `hysteresis` overflows, and never lets inf/NaN reach the parameters."""
+after `hysteresis` overflows, and never lets inf/NaN reach the parameters. A static scale
+(DeepSpeed's fp16.loss_scale) never moves, and overflowing steps are still skipped."""
 from __future__ import annotations
 
 import pytest
@@ -12,9 +13,10 @@ from tiertrain.precision import DynamicLossScaler
 from tiertrain.testing import run_distributed
 
 
-def _poison_step(rank, world, stage, bad_value, hysteresis):
-    cfg = make_config(zero={"stage": stage}, precision={"dtype": "fp16", "loss_scale": {"hysteresis": hysteresis}},
-                      batch={"micro_batch_size": 2})
+def _poison_step(rank, world, stage, bad_value, hysteresis, dynamic=True):
+    cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2},
+                      precision={"dtype": "fp16", "loss_scale": {"hysteresis": hysteresis, "dynamic": dynamic,
+                                                                 "growth_interval": 1}})
     topology = tiertrain.Topology.build(cfg.parallel)
     model = make_model()
     engine = tiertrain.wrap(model, cfg, topology)
@@ -68,3 +70,20 @@ def test_scaler_grows_after_growth_interval_and_respects_min_scale():
     for _ in range(5):
         scaler.update(overflow=True)
     assert scaler.scale == 2.0
+
+
+@pytest.mark.timeout(60)
+def test_a_static_scale_skips_the_overflowing_step_and_never_moves():
+    for r in run_distributed(_poison_step, 2, 2, float("inf"), 1, False, timeout=50):
+        assert r["stepped"] is False and r["unchanged"] and r["finite"] and r["skipped"] == 1
+        assert r["scale_before"] == r["scale_after"] == 2.0**16, "a good step (growth_interval 1) and an overflow"
+        assert r["recovered"]
+
+
+def test_a_static_scale_is_the_configs_also_after_a_resume():
+    scaler = DynamicLossScaler(LossScaleConfig(initial_scale=128.0, growth_interval=1, hysteresis=1, dynamic=False))
+    for overflow in (False, True, True, False):
+        scaler.update(overflow=overflow)
+    assert scaler.scale == 128.0
+    scaler.load_state_dict({**scaler.state_dict(), "scale": 2.0**16})  # (a run saved with another scale)
+    assert scaler.scale == 128.0 and scaler.state.consecutive_skips == 0

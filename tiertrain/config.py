@@ -95,6 +95,8 @@ class LossScaleConfig:
     """Overflowing steps tolerated (each skipped) before the scale is lowered; 1 lowers at once."""
     min_scale: float = 1.0
     """The scale never falls below this."""
+    dynamic: bool = True
+    """Whether the scale moves (grows, backs off); false keeps initial_scale for the whole run, also after a resume (DeepSpeed's static fp16.loss_scale), and a step whose gradients overflow is still skipped."""
 
     def validate(self, path: str = "precision.loss_scale") -> None:
         _check_positive(f"{path}.initial_scale", self.initial_scale)

@@ -201,6 +201,8 @@ def _fp16(t: Translation, key: str, value: Any) -> None:
         t.fates.append((f"{key}.enabled", "auto: tiertrain's precision.dtype"))
     elif on:
         t.set(f"{key}.enabled", "precision.dtype", key, "fp32 masters and optimizer state, as DeepSpeed")
+    scale = value.get("loss_scale", 0)
+    static = key == "fp16" and on and not _auto(scale) and _number(f"{key}.loss_scale", scale) != 0
     for sub, v in value.items():
         name = f"{key}.{sub}"
         if sub == "enabled":
@@ -208,10 +210,13 @@ def _fp16(t: Translation, key: str, value: Any) -> None:
         if key == "bf16" or not on:
             t.no_effect(name, f"{key} is not enabled" if not on else "bf16 needs no loss scaling")
         elif sub == "loss_scale":
-            if not _auto(v) and _number(name, v) != 0:
-                t.refuse(name, f"{v!r}: a static loss scale; tiertrain's fp16 scale is dynamic (loss_scale 0)")
+            if static:  # (DeepSpeed's ZeRO still skips a step whose gradients overflow; the scale stays)
+                t.set(name, "precision.loss_scale.initial_scale", float(v), "a static scale")
+                t.set(name, "precision.loss_scale.dynamic", False, "overflowing steps skipped, the scale kept")
             else:
                 t.no_effect(name, "0: dynamic loss scaling, tiertrain's")
+        elif static and sub in ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
+            t.no_effect(name, f"the loss scale is static ({key}.loss_scale={scale!r}), as in DeepSpeed")
         elif sub == "initial_scale_power":
             # (2 ** 128 and above is no fp32 number: every scaled loss would overflow)
             _mapped("precision.loss_scale.initial_scale", integer=True, convert=lambda p: float(2 ** p),

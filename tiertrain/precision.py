@@ -56,7 +56,8 @@ class DynamicLossScaler:
     the step. A step whose gradients hold inf/NaN anywhere (on any rank: the caller reduces
     the overflow flag first) is skipped, and after ``hysteresis`` such steps the scale is
     multiplied by ``backoff_factor``. ``growth_interval`` good steps in a row multiply it by
-    ``growth_factor``.
+    ``growth_factor``. A static scale (``config.dynamic`` false, DeepSpeed's fp16.loss_scale)
+    never moves; overflowing steps are skipped all the same, as DeepSpeed's ZeRO does.
     """
 
     def __init__(self, config: LossScaleConfig, enabled: bool = True):
@@ -75,7 +76,7 @@ class DynamicLossScaler:
         # Counted in every dtype: a bf16/fp32 run whose gradients stay non-finite skips its
         # steps as well, and precision.max_consecutive_skips must be able to stop it.
         s.consecutive_skips = s.consecutive_skips + 1 if overflow else 0
-        if not self.enabled:
+        if not self.enabled or not c.dynamic:
             return
         if overflow:
             s.overflows += 1
@@ -95,6 +96,8 @@ class DynamicLossScaler:
 
     def load_state_dict(self, state: dict) -> None:
         self.state = ScalerState(**state)
+        if self.enabled and not self.config.dynamic:
+            self.state.scale = self.config.initial_scale  # (a static scale is the config's, whatever the run's was)
 
 
 class NonFiniteError(TiertrainError, RuntimeError):
