@@ -62,6 +62,7 @@ def test_checkpoints_deepspeed_writes_now_read_as_the_committed_ones(tmp_path):
         expected = torch.load(os.path.join(tmp_path, name, "expected.pt"), weights_only=True)
         check_read(os.path.join(tmp_path, f"{name}_universal"), expected)
     check_sgd(os.path.join(tmp_path, "z2_sgd_w2"))
+    check_stage0_refused_and_its_weights_load(os.path.join(tmp_path, "z0_fp16_w2"))
 
 
 def _check_read(directory: str) -> None:
@@ -351,6 +352,27 @@ def test_tensor_and_pipeline_parallel_checkpoints_are_refused_by_name(tmp_path):
         open(os.path.join(target, "global_step3", extra), "wb").close()
         with pytest.raises(CheckpointError, match=f"{what} DeepSpeed checkpoint"):
             DeepSpeedCheckpoint(target)
+
+
+def check_stage0_refused_and_its_weights_load(directory: str) -> None:
+    """Without ZeRO, DeepSpeed keeps the optimizer state by index with no record of which
+    parameter each index was: refused, naming the file whose module values load_pretrained reads."""
+    with pytest.raises(CheckpointError, match=r"without ZeRO \(stage 0\).*param_shapes is None.*load_pretrained") as e:
+        DeepSpeedCheckpoint(directory)
+    path = os.path.join(directory, "global_step3", "mp_rank_00_model_states.pt")
+    assert repr(path) in str(e.value), str(e.value)
+    config = make_config(batch={"micro_batch_size": 2})
+    engine = tiertrain.wrap(build_llama(seed=11), config, tiertrain.Topology.build(config.parallel))
+    report = tiertrain.load_pretrained(engine, path)
+    expected = torch.load(os.path.join(directory, "expected.pt"), weights_only=True)
+    assert not report.missing and not report.unexpected, report
+    state = engine.full_state_dict()
+    for name, master in {**expected["masters"], **expected["frozen"]}.items():
+        assert torch.equal(state[name], master.half().float()), name  # (the fp16 module: masters rounded)
+
+
+def test_a_run_without_zero_is_refused_naming_how_its_weights_load():
+    check_stage0_refused_and_its_weights_load(os.path.join(HERE, "z0_fp16_w2"))
 
 
 def test_a_file_that_is_no_deepspeed_checkpoint_is_named(tmp_path):

@@ -7,9 +7,10 @@ A tiny Hugging Face Llama (tied embeddings, one frozen MLP, the decay / no-decay
 of transformers' Trainer) trained 3 steps by DeepSpeed on CPU ranks over gloo, clip 1.0, then
 ``engine.save_checkpoint(OUT/<name>, client_state={"epoch": 7})``: ZeRO stages 1, 2 and 3 in
 bf16 on 2 ranks, stage 2 in fp16 (dynamic loss scale from 2^8) on 2 and in fp32 on 1, and stage
-2 in bf16 on 2 with torch's SGD (momentum 0.9) as the client optimizer (SGD). Beside
-each, ``expected.pt``: every trained parameter's fp32 master (DeepSpeed's
-``safe_get_full_fp32_param``) and Adam moments (its universal-checkpoint converter), the frozen
+2 in bf16 on 2 with torch's SGD (momentum 0.9) as the client optimizer (SGD), and without ZeRO
+(stage 0) in fp16 on 2 (read for its weights alone). Beside each, ``expected.pt``: every trained parameter's fp32
+master (DeepSpeed's ``safe_get_full_fp32_param``; at stage 0, which it does not serve, DeepSpeed's
+optimizer in memory) and Adam moments (its universal-checkpoint converter), the frozen
 values and buffers, and the optimizer's step: what a reader of the files must find. Of the runs
 in UNIVERSAL, ``OUT/<name>_universal``: DeepSpeed's universal checkpoint of it (ds_to_universal:
 ``latest_universal`` and ``global_step3_universal/``), read against the same expected.pt.
@@ -38,7 +39,8 @@ from deepspeed_models import build_llama, no_decay  # noqa: E402
 UNIVERSAL = ("z3_bf16_w2", "z2_fp16_w2")
 """The runs also written as universal checkpoints (stage 3's per-rank model states; fp16's loss scale)."""
 RUNS = {"z1_bf16_w2": (1, "bf16", 2), "z2_bf16_w2": (2, "bf16", 2), "z3_bf16_w2": (3, "bf16", 2),
-        "z2_fp32_w1": (2, "fp32", 1), "z2_fp16_w2": (2, "fp16", 2), "z2_sgd_w2": (2, "bf16", 2)}
+        "z2_fp32_w1": (2, "fp32", 1), "z2_fp16_w2": (2, "fp16", 2), "z2_sgd_w2": (2, "bf16", 2),
+        "z0_fp16_w2": (0, "fp16", 2)}
 SGD = ("z2_sgd_w2",)
 """Runs whose optimizer is torch's SGD with momentum, given to deepspeed.initialize (its state:
 momentum_buffer, no step), one param group; expected.pt holds each parameter's momentum as
@@ -75,8 +77,12 @@ def _run(rank: int, world: int, stage: int, dtype: str, out: str, port: int, sgd
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
     expected = {"masters": {}, "exp_avg": {}, "exp_avg_sq": {}, "frozen": {}, "buffers": {}}
+    unpartitioned = _unpartitioned(engine) if stage == 0 else {}
     for name, p in engine.module.named_parameters():
-        if p.requires_grad:
+        if p.requires_grad and stage == 0:
+            for key in ("masters", "exp_avg", "exp_avg_sq"):
+                expected[key][name] = unpartitioned[key][p].clone()
+        elif p.requires_grad:
             expected["masters"][name] = safe_get_full_fp32_param(p).clone()
         else:
             with deepspeed.zero.GatheredParameters([p]):
@@ -92,6 +98,21 @@ def _run(rank: int, world: int, stage: int, dtype: str, out: str, port: int, sgd
     if rank == 0:
         torch.save(expected, os.path.join(out, "expected.pt"))
     dist.barrier()
+
+
+def _unpartitioned(engine) -> dict:
+    """Without ZeRO (stage 0), from DeepSpeed's FP16_Optimizer in memory: each trained
+    parameter's piece of its param group's flat fp32 buffer (the master) and of that buffer's
+    Adam moments."""
+    optimizer = engine.optimizer
+    out = {"masters": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat):
+        state, at = optimizer.optimizer.state[flat], 0
+        for p in params:
+            for key, buffer in (("masters", flat), ("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])):
+                out[key][p] = buffer.detach()[at:at + p.numel()].view(p.shape)
+            at += p.numel()
+    return out
 
 
 def _universal(directory: str, out: str) -> None:
@@ -128,7 +149,7 @@ def main(out: str, names: list[str], universal_only: bool = False) -> None:
         for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # (DeepSpeed's own tools: not needed)
             if os.path.exists(os.path.join(directory, script)):
                 os.remove(os.path.join(directory, script))
-        if name in SGD:  # (ds_to_universal converts Adam's state alone)
+        if name in SGD or stage == 0:  # (ds_to_universal converts Adam's state of ZeRO's files alone)
             continue
         with tempfile.TemporaryDirectory() as converted:
             universal = directory + "_universal" if name in UNIVERSAL else converted

@@ -153,6 +153,7 @@ class DeepSpeedCheckpoint:
         self._refuse_other_layouts()
         optim_files = self._rank_files("optim_states")
         if not optim_files:
+            self._refuse_stage0()
             raise CheckpointError(f"{self.directory!r} holds no ZeRO optimizer files (*zero_pp_rank_R_mp_rank_00_"
                                   f"optim_states.pt): tiertrain reads checkpoints of DeepSpeed's ZeRO stages 1-3; "
                                   f"{_WEIGHTS_ONLY}")
@@ -219,6 +220,21 @@ class DeepSpeedCheckpoint:
         if experts:
             raise CheckpointError(f"{self.directory!r} holds DeepSpeed MoE expert files ({experts[0]}), which "
                                   f"tiertrain does not read; {_WEIGHTS_ONLY}")
+
+    def _refuse_stage0(self) -> None:
+        """A run without ZeRO (stage 0) keeps its optimizer state in the model-states file, as
+        torch's state_dict by index: the file does not say which parameter each index was
+        (param_shapes is None), and neither shapes (a frozen layer, equal matrices in two
+        groups) nor values tell it in general. Its weights are the module's values."""
+        path = os.path.join(self.directory, "mp_rank_00_model_states.pt")
+        model = load_file(path) if os.path.isfile(path) else {}
+        if model.get("optimizer") is None or model.get("param_shapes") is not None:
+            return
+        raise CheckpointError(f"{self.directory!r} is a DeepSpeed checkpoint without ZeRO (stage 0): its optimizer "
+                              f"state is kept by index, with no record of which parameter each index was "
+                              f"(param_shapes is None), so it cannot be moved; its weights load with "
+                              f"tiertrain.load_pretrained(engine, {path!r}) (the module's values: of a 16-bit run, "
+                              f"in the compute dtype, not the fp32 masters), the optimizer starting afresh")
 
     def _rank_files(self, kind: str) -> list[str]:
         return rank_files(self.directory, kind)
