@@ -137,6 +137,7 @@ def test_checkpoint_resume_continues_the_same_run(tmp_path):
 @pytest.mark.parametrize("args, field", [
     (["--zero.stage", "7"], "zero.stage"),
     (["--model.hidden", "30", "--model.n_heads", "4"], "model.hidden"),
+    (["--model.hidden", str(10**18 + 1), "--model.n_heads", "4"], "expected a divisor of hidden, e.g. 1, 101, 9901"),
     (["--steps", "0"], "steps"),
     (["--zero.nope", "1"], "zero.nope"),
     (["--batch.global_batch_size", "5"], "batch.global_batch_size"),

@@ -2,7 +2,8 @@
 and ``tiertrain config --from-deepspeed ds.json`` translate every key to its tiertrain
 counterpart, say which have no effect and why, and refuse by name, all at once, the keys that
 cannot be honoured. tests/deepspeed_configs/ holds the ZeRO-2 and ZeRO-3 offload configs of
-the transformers documentation ("auto" values) and an explicit one in DeepSpeed's own terms."""
+the transformers documentation ("auto" values), an explicit one in DeepSpeed's own terms, and
+``like_*.json``: configs written after those axolotl, LLaMA-Factory and DeepSpeed-Chat ship."""
 from __future__ import annotations
 
 import json
@@ -74,6 +75,22 @@ def test_warmup_decay_follows_deepspeeds_formula_its_ramp_one_step_earlier():
     assert all(math.isclose(ours[s], theirs[s + 1], rel_tol=1e-12) for s in range(9)), "the ramp, one step earlier"
     assert all(math.isclose(ours[s], theirs[s], rel_tol=1e-12, abs_tol=1e-15) for s in range(10, 100)), \
         "the linear decay to 0 at total_num_steps"
+
+
+@pytest.mark.parametrize("name", ["like_axolotl_z3.json", "like_llamafactory_z3_offload.json", "like_dschat_step1.json",
+                                  "like_dschat_fp16_static.json"])
+def test_configs_as_fine_tuning_projects_ship_them_translate(name):
+    """Sections switched off (DeepSpeed-Chat's hybrid_engine with enabled false) and the values
+    tiertrain always has (Adam's bias_correction true) have no effect; they used to be refused."""
+    cfg = load_train_config(None, [], deepspeed=_path(name))
+    fates = dict(from_deepspeed(_path(name)).fates)
+    assert cfg.zero.stage == json.load(open(_path(name)))["zero_optimization"]["stage"]
+    if "hybrid_engine" in fates:
+        assert fates["hybrid_engine"].startswith("no effect: not enabled"), fates["hybrid_engine"]
+    with pytest.raises(ConfigError, match=r"hybrid_engine: \{'enabled': True.*not implemented"):
+        from_deepspeed({"hybrid_engine": {"enabled": True, "max_out_tokens": 512}})
+    with pytest.raises(ConfigError, match=r"optimizer.params.bias_correction: False: tiertrain's AdamW always"):
+        from_deepspeed({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}})
 
 
 def test_unhonourable_keys_are_refused_all_at_once_by_name():
@@ -206,7 +223,10 @@ def test_every_key_of_the_documented_configs_has_a_stated_fate():
         keys = [k for k, v in ds.items() if not isinstance(v, dict) or k in ("wandb", "tensorboard")]
         keys += [f"{k}.{sub}" for k, v in ds.items() if isinstance(v, dict) and k not in ("optimizer", "scheduler")
                  for sub in v if not isinstance(v[sub], dict)]
-        missing = [k for k in keys if not any(f == k or f.startswith(k + ".") for f in fates)]
+        # (a section without effect as a whole, such as comms_logger, states the fate of its keys)
+        whole = {f for f, fate in fates.items() if "." not in f and fate.startswith("no effect")}
+        missing = [k for k in keys if not any(f == k or f.startswith(k + ".") for f in fates)
+                   and k.split(".")[0] not in whole]
         assert not missing, f"{name}: no fate for {missing}"
 
 

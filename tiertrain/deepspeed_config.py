@@ -160,9 +160,13 @@ def _no_effect(why: str):
 def _refuse_unless(default: Any, why: str, same: tuple = ()):
     """Refuse the key unless it holds default (or "auto"), or a value in ``same``: what
     tiertrain always does (e.g. communication_data_type "fp32")."""
+    section = isinstance(default, dict) and default.get("enabled") is False
+
     def handle(t: Translation, key: str, value: Any) -> None:
         if value == default or _auto(value):
             t.no_effect(key, f"{value!r}, the default (tiertrain: the same)")
+        elif section and isinstance(value, dict) and value.get("enabled", False) is False:
+            t.no_effect(key, "not enabled (its other keys configure what is off)")
         elif value in same:
             t.no_effect(key, f"{value!r}: tiertrain always does it ({why})")
         else:
@@ -282,6 +286,8 @@ def _optimizer(t: Translation, key: str, value: Any) -> None:
                 raise ConfigError(f"DeepSpeed {name}={v!r} is invalid: expected [beta1, beta2]")
         elif sub in ("adam_w_mode", "torch_adam", "fp32_optimizer_states"):
             t.no_effect(name, f"{v!r}: the update is AdamW with fp32 state either way")
+        elif sub == "bias_correction":
+            _refuse_unless(True, "tiertrain's AdamW always corrects the moments' bias")(t, name, v)
         elif sub == "amsgrad":
             _refuse_unless(False, "tiertrain's AdamW has no AMSGrad")(t, name, v)
         else:

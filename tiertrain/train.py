@@ -132,7 +132,8 @@ class TrainConfig(LoopConfig):
                 and hidden % heads:
             # Named here rather than by GPTConfig, which blames hidden for what is usually a
             # head count chosen without the width in mind (hidden is the default 192).
-            divisors = [d for d in range(1, hidden + 1) if hidden % d == 0][:12]
+            # (the examples among the first 10^5 candidates: a hidden of 10^18 must not take hours)
+            divisors = [d for d in range(1, min(hidden, 10**5) + 1) if hidden % d == 0][:12]
             raise ConfigError(f"model.n_heads={heads} is invalid with model.hidden={hidden}: expected a divisor "
                               f"of hidden, e.g. {', '.join(map(str, divisors))} (or a hidden divisible by {heads})")
         try:
