@@ -283,7 +283,6 @@ REFUSED = [
     (dict(optim="galore_adamw"), "optim"),
     (dict(optim="sgd", optim_args="momentun=0.9"), "optim_args"),  # (a key the Trainer would ignore unseen)
     (dict(optim="adafactor", optim_args="beta1=0.9"), "optim_args"),  # (the Trainer reads none for adafactor)
-    (dict(activation_checkpointing=True), "activation_checkpointing"),
     (dict(auto_find_batch_size=True), "auto_find_batch_size"),
     (dict(bf16_full_eval=True, use_cpu=True), "bf16_full_eval"),
     (dict(load_best_model_at_end=True, metric_for_best_model="loss", eval_strategy="steps", save_strategy="steps"),
@@ -350,6 +349,44 @@ def test_torch_compile_compiles_each_block_and_trains_as_eager(tmp_path, environ
     assert losses == eager_losses
     assert params.keys() == eager_params.keys()  # (the parameter names are the model's own)
     assert all(torch.equal(params[n], eager_params[n]) for n in params)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kwargs", [{}, {"every_n_layers": 2, "use_reentrant": True}],
+                         ids=["every-layer", "every-2nd-reentrant"])  # (offload: pinned memory, a GPU's)
+def test_the_models_own_activation_checkpointing_recomputes_and_trains_the_same(tmp_path, environ_kept, kwargs):
+    """TrainingArguments(activation_checkpointing=True) at stage 3: the Trainer enables the
+    model's checkpointing, each checkpointed layer runs again in backward (its parameters
+    gathered again), and training is bit for bit the trainer's without it. Beside the engine's
+    own checkpointing (activations.checkpoint_every) it is refused: each layer would be
+    recomputed twice."""
+    data = _samples(STEPS * 2, seed=1)
+    stage3 = from_dict(Config, {"zero": {"stage": 3}})
+
+    def train(directory, **extra):
+        model = _model()
+        calls = []
+        for i, layer in enumerate(model.model.layers):
+            layer.mlp.register_forward_pre_hook(lambda module, args, i=i: calls.append(i))
+        args = _args(str(tmp_path / directory), 2, 1, use_cpu=True, **extra)
+        trainer = TiertrainTrainer(model=model, args=args, train_dataset=_List(data), tiertrain_config=stage3)
+        trainer.train()
+        params = trainer.engine.full_state_dict()
+        trainer.engine.close()
+        return _losses(trainer), params, [calls.count(i) for i in range(len(model.model.layers))]
+
+    plain_losses, plain_params, plain_calls = train("plain")
+    losses, params, calls = train("checkpointed", activation_checkpointing=True,
+                                  activation_checkpointing_kwargs=kwargs)
+    every = kwargs.get("every_n_layers", 1)  # (layer i checkpointed where i % every == 0: run again in backward)
+    assert plain_calls == [STEPS, STEPS] and calls == [STEPS * (1 + (i % every == 0)) for i in range(2)], calls
+    assert losses == plain_losses
+    assert all(torch.equal(params[n], plain_params[n]) for n in plain_params)
+    both = from_dict(Config, {"zero": {"stage": 3}, "activations": {"checkpoint_every": 1}})
+    args = _args(str(tmp_path / "both"), 2, 1, use_cpu=True, gradient_checkpointing=True)
+    with pytest.raises(ConfigError, match=r"TrainingArguments\(activation_checkpointing=True\).*"
+                                          r"activations.checkpoint_every=1 checkpoints the layers too"):
+        TiertrainTrainer(model=_model(), args=args, train_dataset=_List(data), tiertrain_config=both)
 
 
 def test_an_epoch_that_ends_inside_an_accumulation_window_is_refused(tmp_path):

@@ -44,10 +44,6 @@ def check_training_arguments(args) -> None:
     if getattr(args, "parallelism_config", None) is not None:
         _refuse("parallelism_config", args.parallelism_config, "set it to None; the engine's data parallelism "
                 "spans every rank (tiertrain_config.parallel)")
-    for name in ("activation_checkpointing", "gradient_checkpointing"):
-        if getattr(args, name, False):
-            _refuse(name, True, f"set {name}=False and use tiertrain_config.activations.checkpoint_every=1 "
-                    f"(the engine's activation checkpointing, which gathers stage-3 parameters again)")
     _check_optim(_value(args.optim), args.optim_args)
     if _value(args.lr_scheduler_type) in _NEEDS_METRICS:
         _refuse("lr_scheduler_type", _value(args.lr_scheduler_type), "the engine steps its scheduler at each update, "
@@ -154,6 +150,13 @@ def config_from_training_arguments(args, base: Config | None = None, deepspeed=N
         if getattr(config, section) != getattr(defaults, section):
             raise ConfigError(f"tiertrain_config.{section}={getattr(config, section)!r} is not used by "
                               f"TiertrainTrainer: TrainingArguments' {instead} apply; leave {section} at its defaults")
+    checkpointing = next((n for n in ("activation_checkpointing", "gradient_checkpointing") if getattr(args, n, False)),
+                         None)
+    if checkpointing and config.activations.checkpoint_every:
+        _refuse(checkpointing, True, f"tiertrain_config.activations.checkpoint_every="
+                f"{config.activations.checkpoint_every} checkpoints the layers too (each would be recomputed "
+                f"twice): choose one, the model's own (transformers' activation_checkpointing_enable, which the "
+                f"Trainer calls) or the engine's")
     if config.parallel.tp != 1 or config.parallel.pp != 1:
         raise ConfigError(f"tiertrain_config.parallel tp={config.parallel.tp}, pp={config.parallel.pp} is not "
                           f"supported by TiertrainTrainer: the Trainer's data loaders give every rank its own "

@@ -72,9 +72,12 @@ Limits
   compute_loss_func, label smoothing, compute_metrics (with eval logits).
 * torch_compile (with torch_compile_backend/mode) compiles each block's forward
   (tiertrain.compiling.compile_blocks, docs/compile.md), not the whole model.
+* activation_checkpointing / gradient_checkpointing (with their kwargs: every_n_layers,
+  offload, use_reentrant) is the model's own, as the Trainer enables it: a checkpointed layer's
+  recompute in backward gathers its stage-3 parameters again, as its forward did (the same
+  values as without it). Not together with tiertrain_config.activations.checkpoint_every.
 * Refused with a ConfigError naming the argument and what is valid: fsdp,
-  parallelism_config, activation_checkpointing/gradient_checkpointing (use
-  tiertrain_config.activations), an optim the engine does not build, optim_args the Trainer
+  parallelism_config, an optim the engine does not build, optim_args the Trainer
   would ignore, lr_scheduler_type reduce_lr_on_plateau/greedy, auto_find_batch_size, use_liger_kernel,
   bf16_full_eval/fp16_full_eval, load_best_model_at_end, save_strategy="best", more than one GPU
   per process (DataParallel), model_init and hyper-parameter search, ``optimizers=(...)``
