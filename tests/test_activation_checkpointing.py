@@ -297,6 +297,20 @@ def test_bad_input_is_named():
         _checkpointed(model.blocks, 1, "none", blocks=["0", "1"])
 
 
+def test_a_model_checkpointing_its_own_layers_is_not_checkpointed_again():
+    """transformers' gradient_checkpointing_enable() and the engine's checkpointing together
+    would recompute each layer twice: refused, naming both ways out."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2))
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ConfigError, match=r"checkpoint_every=1: this LlamaForCausalLM checkpoints its layers already"
+                                          r".*gradient_checkpointing_disable\(\), or activations.checkpoint_every=0"):
+        _checkpointed(model, 1, "none")
+    model.gradient_checkpointing_disable()
+    _checkpointed(model, 1, "none")
+
+
 def test_memory_is_found_from_a_module_holding_checkpointed_blocks():
     """A pipeline stage holds some blocks of a checkpointed model, not the model."""
     model = _checkpointed(make_model(), 1, "cpu")

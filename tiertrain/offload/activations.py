@@ -480,6 +480,11 @@ def apply_activation_checkpointing(model: nn.Module, config: ActivationConfig,
     if again:
         raise RuntimeError(f"blocks {again} are already checkpointed (by an earlier apply_activation_checkpointing "
                            f"on a module that contains them); call .remove() on that handle first")
+    if k > 0 and getattr(model, "is_gradient_checkpointing", False) is True:
+        raise ConfigError(f"activations.checkpoint_every={k}: this {type(model).__name__} checkpoints its layers "
+                          f"already (transformers' gradient_checkpointing_enable / activation_checkpointing_enable: "
+                          f"is_gradient_checkpointing is True), so each would be recomputed twice; keep one: "
+                          f"model.gradient_checkpointing_disable(), or activations.checkpoint_every=0")
     if k > len(names):
         shown = names if len(names) <= 4 else names[:2] + ["…"] + names[-1:]
         raise ConfigError(f"activations.checkpoint_every={k} is invalid: the model has {len(names)} "
