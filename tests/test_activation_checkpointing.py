@@ -299,7 +299,8 @@ def test_bad_input_is_named():
 
 def test_a_model_checkpointing_its_own_layers_is_not_checkpointed_again():
     """transformers' gradient_checkpointing_enable() and the engine's checkpointing together
-    would recompute each layer twice: refused, naming both ways out."""
+    would put two checkpoints around each layer (with use_reentrant=True, each recomputed
+    twice): refused, naming both ways out."""
     transformers = pytest.importorskip("transformers")
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2))

@@ -358,8 +358,8 @@ def test_the_models_own_activation_checkpointing_recomputes_and_trains_the_same(
     """TrainingArguments(activation_checkpointing=True) at stage 3: the Trainer enables the
     model's checkpointing, each checkpointed layer runs again in backward (its parameters
     gathered again), and training is bit for bit the trainer's without it. Beside the engine's
-    own checkpointing (activations.checkpoint_every) it is refused: each layer would be
-    recomputed twice."""
+    own checkpointing (activations.checkpoint_every) it is refused: two checkpoints around each
+    layer."""
     data = _samples(STEPS * 2, seed=1)
     stage3 = from_dict(Config, {"zero": {"stage": 3}})
 

@@ -154,9 +154,9 @@ def config_from_training_arguments(args, base: Config | None = None, deepspeed=N
                          None)
     if checkpointing and config.activations.checkpoint_every:
         _refuse(checkpointing, True, f"tiertrain_config.activations.checkpoint_every="
-                f"{config.activations.checkpoint_every} checkpoints the layers too (each would be recomputed "
-                f"twice): choose one, the model's own (transformers' activation_checkpointing_enable, which the "
-                f"Trainer calls) or the engine's")
+                f"{config.activations.checkpoint_every} checkpoints the layers too (two checkpoints around "
+                f"each layer; with use_reentrant=True each recomputed twice): choose one, the model's own "
+                f"(transformers' activation_checkpointing_enable, which the Trainer calls) or the engine's")
     if config.parallel.tp != 1 or config.parallel.pp != 1:
         raise ConfigError(f"tiertrain_config.parallel tp={config.parallel.tp}, pp={config.parallel.pp} is not "
                           f"supported by TiertrainTrainer: the Trainer's data loaders give every rank its own "
