@@ -125,6 +125,8 @@ def test_malformed_values_and_files_are_named_not_raised_raw(tmp_path):
     for section in ("optimizer", "scheduler"):
         with pytest.raises(ConfigError, match=rf"DeepSpeed {section}.params=\[1\] is invalid: expected an object"):
             from_deepspeed({section: {"type": "AdamW" if section == "optimizer" else "WarmupLR", "params": [1]}})
+    with pytest.raises(ConfigError, match=r"DeepSpeed tensorboard.job_name=7 is invalid: expected a string"):
+        from_deepspeed({"tensorboard": {"enabled": True, "output_path": "runs", "job_name": 7}})
     with pytest.raises(ConfigError, match=r"fp16.initial_scale_power=1180591620717411303424 is invalid: expected an "
                                           r"integer >= 0 and <= 127"):
         from_deepspeed({"fp16": {"enabled": True, "initial_scale_power": 2 ** 70}})

@@ -345,6 +345,10 @@ def _monitor(path: str, project: bool):
         if not isinstance(value, dict) or not value.get("enabled"):
             t.no_effect(key, "not enabled")
             return
+        names = ("project",) if project else ("output_path", "job_name")
+        for name in names:
+            if not isinstance(value.get(name, ""), str):
+                raise ConfigError(f"DeepSpeed {key}.{name}={value[name]!r} is invalid: expected a string")
         if project:
             t.set(key, path, value.get("project") or "tiertrain")
         else:
