@@ -285,8 +285,6 @@ REFUSED = [
     (dict(optim="adafactor", optim_args="beta1=0.9"), "optim_args"),  # (the Trainer reads none for adafactor)
     (dict(auto_find_batch_size=True), "auto_find_batch_size"),
     (dict(bf16_full_eval=True, use_cpu=True), "bf16_full_eval"),
-    (dict(load_best_model_at_end=True, metric_for_best_model="loss", eval_strategy="steps", save_strategy="steps"),
-     "load_best_model_at_end"),
 ]
 
 
@@ -387,6 +385,52 @@ def test_the_models_own_activation_checkpointing_recomputes_and_trains_the_same(
     with pytest.raises(ConfigError, match=r"TrainingArguments\(activation_checkpointing=True\).*"
                                           r"activations.checkpoint_every=1 checkpoints the layers too"):
         TiertrainTrainer(model=_model(), args=args, train_dataset=_List(data), tiertrain_config=both)
+
+
+class _Scores:
+    """compute_metrics whose score peaks at the second evaluation (the best checkpoint is then
+    neither the first nor the last)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, prediction) -> dict:
+        self.calls += 1
+        return {"score": [0.0, 5.0, 1.0, 0.0][self.calls - 1]}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("save_strategy,limit", [("steps", 1), ("best", None)])
+def test_the_best_checkpoint_is_kept_and_loaded_at_the_end_as_the_trainer_does(tmp_path, save_strategy, limit):
+    """metric_for_best_model with load_best_model_at_end: trainer_state's best_model_checkpoint,
+    the checkpoints left after rotation (save_total_limit=1 keeps the best) or saved at each new
+    best (save_strategy="best") are transformers' own Trainer's, and at the end the engine holds
+    the best checkpoint's weights. Before, best_model_checkpoint stayed None (the rotation could
+    delete the best) and load_best_model_at_end was refused."""
+    data = _samples(STEPS * 2, seed=1)
+    stage3 = from_dict(Config, {"zero": {"stage": 3}})
+    extra = dict(use_cpu=True, eval_strategy="steps", eval_steps=1, save_strategy=save_strategy, save_steps=1,
+                 save_total_limit=limit, metric_for_best_model="score", greater_is_better=True,
+                 load_best_model_at_end=True)
+
+    def train(cls, directory, **kwargs):
+        trainer = cls(model=_model(), args=_args(str(tmp_path / directory), 2, 1, **extra),
+                      train_dataset=_List(data), eval_dataset=_List(EVAL), compute_metrics=_Scores(), **kwargs)
+        trainer.train()
+        return trainer, sorted(os.listdir(tmp_path / directory))
+
+    theirs, their_checkpoints = train(transformers.Trainer, "theirs")
+    ours, our_checkpoints = train(TiertrainTrainer, "ours", tiertrain_config=stage3)
+    assert our_checkpoints == their_checkpoints and "checkpoint-2" in our_checkpoints, our_checkpoints
+    best = str(tmp_path / "ours" / "checkpoint-2")
+    assert ours.state.best_model_checkpoint == best
+    assert theirs.state.best_model_checkpoint == str(tmp_path / "theirs" / "checkpoint-2")
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(best, "model.safetensors"))
+    held = ours.engine.full_state_dict()
+    ours.engine.close()
+    assert all(torch.equal(held[n], saved[n]) for n in saved), "the engine holds the best checkpoint's weights"
 
 
 def test_an_epoch_that_ends_inside_an_accumulation_window_is_refused(tmp_path):

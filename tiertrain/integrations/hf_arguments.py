@@ -58,11 +58,6 @@ def check_training_arguments(args) -> None:
         if getattr(args, name):
             _refuse(name, True, "set it to False: evaluation runs in the engine's precision.dtype (bf16=True or "
                     "fp16=True sets it for training and evaluation)")
-    if args.load_best_model_at_end or _value(args.save_strategy) == "best":
-        _refuse("load_best_model_at_end" if args.load_best_model_at_end else "save_strategy",
-                True if args.load_best_model_at_end else "best",
-                "not supported yet: set load_best_model_at_end=False and save_strategy='steps', and load the best "
-                "checkpoint-N yourself (AutoModel*.from_pretrained)")
 
 
 def _check_optim(optim: str, optim_args: str | None) -> None:

@@ -76,11 +76,14 @@ Limits
   offload, use_reentrant) is the model's own, as the Trainer enables it: a checkpointed layer's
   recompute in backward gathers its stage-3 parameters again, as its forward did (the same
   values as without it). Not together with tiertrain_config.activations.checkpoint_every.
+* metric_for_best_model keeps trainer_state's best_model_checkpoint as the Trainer does (the
+  rotation spares it); load_best_model_at_end loads its weights into the engine at the end;
+  save_strategy="best" saves at each new best.
 * Refused with a ConfigError naming the argument and what is valid: fsdp,
-  parallelism_config, an optim the engine does not build, optim_args the Trainer
-  would ignore, lr_scheduler_type reduce_lr_on_plateau/greedy, auto_find_batch_size, use_liger_kernel,
-  bf16_full_eval/fp16_full_eval, load_best_model_at_end, save_strategy="best", more than one GPU
-  per process (DataParallel), model_init and hyper-parameter search, ``optimizers=(...)``
+  parallelism_config, an optim the engine does not build, optim_args the Trainer would
+  ignore, lr_scheduler_type reduce_lr_on_plateau/greedy, auto_find_batch_size,
+  use_liger_kernel, bf16_full_eval/fp16_full_eval, more than one GPU per process
+  (DataParallel), model_init and hyper-parameter search, ``optimizers=(...)``
   (use optimizer_cls_and_kwargs), tiertrain_config with parallel.tp or parallel.pp > 1 or
   a non-default schedule/checkpoint section, and training through the end of an epoch whose
   batches per rank are not a multiple of gradient_accumulation_steps (the engine steps every
@@ -494,6 +497,7 @@ class TiertrainTrainer(Trainer):
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         self.save_model(output_dir, _internal_call=True)
+        self._note_best_checkpoint(run_dir)
         if not self.args.save_only_model:
             self.engine.save_checkpoint(os.path.join(output_dir, ENGINE_CHECKPOINT),
                                         extra={"global_step": self.state.global_step})
@@ -513,6 +517,26 @@ class TiertrainTrainer(Trainer):
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # (no rank reads or rotates a checkpoint another is still writing)
+
+    def _note_best_checkpoint(self, run_dir: str) -> None:
+        """trainer_state's best_model_checkpoint, as the Trainer keeps it (metric_for_best_model):
+        the checkpoint of the best metric's step where one was saved. The one being saved now
+        counts before it is whole on every rank, so the ranks agree without a barrier."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
+
+        best = self.state.best_global_step
+        if self.args.save_strategy not in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) or not best:
+            return
+        directory = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
+        if best == self.state.global_step or os.path.isdir(directory):
+            self.state.best_model_checkpoint = directory
+
+    def _load_best_model(self) -> None:
+        """load_best_model_at_end (collective): the best checkpoint's weights, which save_model
+        wrote from the fp32 masters, into the engine's masters (tiertrain.load_pretrained)."""
+        from ..state.pretrained import load_pretrained
+
+        load_pretrained(self._ensure_engine(), self.state.best_model_checkpoint)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         pass  # in the engine's checkpoint
