@@ -21,6 +21,7 @@ import json
 import os
 import random
 import resource
+import signal
 import sys
 import tempfile
 import time
@@ -224,9 +225,24 @@ class _Surfaces:
         return config, lambda: dims_of_hf_config(path, seq_len=16), ValueError
 
 
+CASE_S = 10.0
+"""Seconds one case may take (each takes milliseconds): a longer one is reported as a hang
+(a layer count of 2^70 built modules for hours, and the run ended with no report)."""
+
+
+class _Hang(BaseException):
+    """A case ran past CASE_S (raised by the interval timer: not caught as a refusal)."""
+
+
+def _hang(*_):
+    raise _Hang()
+
+
 def run_case(rng: random.Random, surfaces: _Surfaces, findings: Findings) -> None:
     what, translate, refusal = rng.choice(surfaces.entries)(rng)
     findings.cases += 1
+    previous = signal.signal(signal.SIGALRM, _hang)
+    signal.setitimer(signal.ITIMER_REAL, CASE_S)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -234,11 +250,16 @@ def run_case(rng: random.Random, surfaces: _Surfaces, findings: Findings) -> Non
         findings.accepted += 1
     except refusal:
         findings.refused += 1
+    except _Hang:
+        findings.raw.setdefault("a hang", f"past {CASE_S:g} s: {json.dumps(what, default=repr)[:400]}")
     except Exception as e:  # noqa: BLE001 - what the fuzzer looks for
         frames = [f for f in traceback.extract_tb(e.__traceback__) if f"{os.sep}tiertrain{os.sep}" in f.filename]
         where = f"{type(e).__name__} at " + (f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}"
                                              if frames else "the caller")
         findings.raw.setdefault(where, f"{str(e)[:200]!r} from {json.dumps(what, default=repr)[:400]}")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def fuzz(cases: int, seed: int, budget_s: float) -> Findings:

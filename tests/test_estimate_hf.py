@@ -184,6 +184,23 @@ def test_plain_module_and_bad_inputs_raise_clearly(tmp_path):
         dims_of_hf_config(tmp_path / "z.json")
 
 
+def test_a_config_of_no_real_size_is_refused_before_or_while_it_builds(monkeypatch):
+    """Found by the config fuzzer: a layer count of 2^70 built modules for hours. A depth past
+    MAX_LAYERS is refused before building, any other size past MAX_MODULES while it builds."""
+    from tiertrain.estimate import modules
+
+    gpt2 = dict(n_embd=16, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0)
+    with pytest.raises(ValueError, match=r"\{'n_layer': 1180591620717411303424\} exceeds 10000 layers"):
+        dims_of_hf_config(transformers.GPT2Config(**gpt2, n_layer=2 ** 70), 8)
+    with pytest.raises(ValueError, match=r"num_layers': 1180591620717411303424.*exceeds 10000 layers"):
+        dims_of_hf_config(transformers.T5Config(d_model=16, d_ff=32, num_heads=2, d_kv=8, vocab_size=64,
+                                                num_layers=2 ** 70), 8)
+    monkeypatch.setattr(modules, "MAX_MODULES", 100)
+    with pytest.raises(ValueError, match=r"more than 100 modules \(\{'n_layer': 40\}\)"):
+        dims_of_hf_config(transformers.GPT2Config(**gpt2, n_layer=40), 8)
+    assert dims_of_hf_config(transformers.GPT2Config(**gpt2, n_layer=2), 8).n_decoder_layers == 2
+
+
 def _cli(capsys, *args):
     """Run the CLI in this process (importing torch and transformers again per command would
     take most of this file's time budget); (exit status, stdout, stderr)."""

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.nn.modules.module import register_module_module_registration_hook
 
 from ..errors import TiertrainError
 from .activations import ActivationBytes
@@ -392,15 +393,45 @@ def _kind(config: Any) -> str:
     return "decoder"
 
 
+MAX_MODULES = 200_000
+"""Modules a meta model may have. The largest models on the Hub have tens of thousands
+(DeepSeek-V3's 61 layers of 256 experts: about 60 000); a config whose sizes would build more
+(a layer count of 2^70, which the config fuzzer wrote) is refused while it builds, not hours later."""
+
+
+MAX_LAYERS = 10_000
+"""Layers a config may give (the deepest models have a few hundred)."""
+
+
 def build_meta_model(config: Any) -> nn.Module:
     """The model of ``config`` on the meta device (nothing allocated): the LM-head class
-    of its kind (AutoModelForCausalLM / ForMaskedLM / ForSeq2SeqLM)."""
+    of its kind (AutoModelForCausalLM / ForMaskedLM / ForSeq2SeqLM). ValueError past
+    MAX_MODULES modules."""
     import transformers
 
     auto = {"decoder": transformers.AutoModelForCausalLM, "encoder": transformers.AutoModelForMaskedLM,
             "encoder-decoder": transformers.AutoModelForSeq2SeqLM}[_kind(config)]
-    with torch.device("meta"):
-        return auto.from_config(config)
+    layers = {k: v for k, v in vars(config).items()
+              if "layer" in k and isinstance(v, int) and not isinstance(v, bool) and v > MAX_LAYERS}
+    if layers:  # (before building: the module count below would find it only after seconds)
+        raise ValueError(f"the config's {layers} exceeds {MAX_LAYERS} layers: no model of that depth exists")
+    built = 0
+
+    def count(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+        nonlocal built
+        built += 1
+        if built > MAX_MODULES:
+            counts = {k: v for k, v in vars(config).items() if isinstance(v, int) and not isinstance(v, bool)
+                      and ("layer" in k or "expert" in k)}
+            raise ValueError(f"the config describes a model of more than {MAX_MODULES} modules ({counts}): no model "
+                             f"of that size exists; check its layer and expert counts")
+
+    handle = register_module_module_registration_hook(count)
+    try:
+        with torch.device("meta"):
+            return auto.from_config(config)
+    finally:
+        handle.remove()
 
 
 def _spec(config: Any) -> dict[str, Any]:
