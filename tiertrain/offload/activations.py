@@ -483,8 +483,8 @@ def apply_activation_checkpointing(model: nn.Module, config: ActivationConfig,
     if k > 0 and getattr(model, "is_gradient_checkpointing", False) is True:
         raise ConfigError(f"activations.checkpoint_every={k}: this {type(model).__name__} checkpoints its layers "
                           f"already (transformers' gradient_checkpointing_enable / activation_checkpointing_enable: "
-                          f"is_gradient_checkpointing is True): two checkpoints around each layer (with use_reentrant=True "
-                          f"each recomputed twice); keep one: "
+                          f"is_gradient_checkpointing is True): two checkpoints around each layer (with "
+                          f"use_reentrant=True each recomputed twice); keep one: "
                           f"model.gradient_checkpointing_disable(), or activations.checkpoint_every=0")
     if k > len(names):
         shown = names if len(names) <= 4 else names[:2] + ["…"] + names[-1:]
