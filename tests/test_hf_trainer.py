@@ -503,6 +503,23 @@ def test_a_deepspeed_config_sets_zero_and_the_schedule_its_auto_values_the_train
     assert config_from_training_arguments(other, None, ds).zero.stage == 2
 
 
+def test_fp16_scales_the_loss_as_the_trainers_grad_scaler_does(tmp_path):
+    """fp16=True: the Trainer's torch GradScaler grows the scale after 2000 good steps and backs
+    off at every overflow; the engine's scaler takes those values, unless tiertrain_config or a
+    DeepSpeed config (its own semantics) sets the scaling."""
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", fp16=True, use_cpu=True)
+    torch_scaler = torch.amp.GradScaler("cpu")
+    scaling = config_from_training_arguments(args).precision.loss_scale
+    assert (scaling.initial_scale, scaling.growth_factor, scaling.backoff_factor, scaling.growth_interval) == \
+        (torch_scaler.get_scale(), torch_scaler.get_growth_factor(), torch_scaler.get_backoff_factor(),
+         torch_scaler.get_growth_interval())
+    assert scaling.hysteresis == 1 and scaling.dynamic
+    own = config_from_training_arguments(args, from_dict(Config, {"precision": {"loss_scale": {"hysteresis": 3}}}))
+    assert (own.precision.loss_scale.hysteresis, own.precision.loss_scale.growth_interval) == (3, 1000)
+    deepspeed = config_from_training_arguments(args, None, {"fp16": {"enabled": "auto", "hysteresis": 2}})
+    assert (deepspeed.precision.loss_scale.hysteresis, deepspeed.precision.loss_scale.growth_interval) == (2, 1000)
+
+
 def test_conflicting_and_unsupported_trainer_inputs_are_refused(tmp_path):
     args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", learning_rate=1e-3)
     # A config field both set, to different values: neither silently wins.

@@ -140,6 +140,11 @@ def config_from_training_arguments(args, base: Config | None = None, deepspeed=N
         _set_field(config, path, value)
     if deepspeed is not None:
         _apply_deepspeed(config, defaults, deepspeed, {path: (value, arg) for path, value, arg in derived}, dtype)
+    elif dtype == "fp16" and config.precision.loss_scale == defaults.precision.loss_scale:
+        # The Trainer scales fp16 losses with torch's GradScaler: its 2000 good steps before growing, and
+        # a backoff at every overflow (no hysteresis). Its scale may also fall below 1; min_scale stays 1.
+        config.precision.loss_scale.growth_interval = 2000
+        config.precision.loss_scale.hysteresis = 1
     for section, instead in (("schedule", "lr_scheduler_type, warmup_steps and max_steps"),
                              ("checkpoint", "output_dir, save_steps and save_total_limit")):
         if getattr(config, section) != getattr(defaults, section):

@@ -89,7 +89,8 @@ Limits
   batches per rank are not a multiple of gradient_accumulation_steps (the engine steps every
   grad_accum_steps micro-batches; HF would take a short last step).
 * Differs: bf16/fp16 are the engine's compute dtype (parameters and activations in bf16/fp16,
-  fp32 master weights and Adam state, dynamic loss scaling for fp16), not Accelerate's autocast.
+  fp32 master weights and Adam state, dynamic loss scaling for fp16 with GradScaler's growth
+  interval and backoff, but never below 1), not Accelerate's autocast.
   ``trainer.model`` holds only this rank's shards at ZeRO stage 3 while the engine is open: use
   the trainer (evaluate, predict, save_model), or ``trainer.close()`` (collective) to get the
   whole trained model back. Every rank must call train, evaluate, predict, save_model and
