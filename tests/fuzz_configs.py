@@ -241,8 +241,11 @@ def _hang(*_):
 def run_case(rng: random.Random, surfaces: _Surfaces, findings: Findings) -> None:
     what, translate, refusal = rng.choice(surfaces.entries)(rng)
     findings.cases += 1
+    # (an outer timer, pytest-timeout's, shares the one SIGALRM: it is set again afterwards)
+    outer, _ = signal.getitimer(signal.ITIMER_REAL)
+    started = time.monotonic()
     previous = signal.signal(signal.SIGALRM, _hang)
-    signal.setitimer(signal.ITIMER_REAL, CASE_S)
+    signal.setitimer(signal.ITIMER_REAL, min(CASE_S, outer) if outer else CASE_S)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -260,6 +263,8 @@ def run_case(rng: random.Random, surfaces: _Surfaces, findings: Findings) -> Non
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - started), 1e-3))
 
 
 def fuzz(cases: int, seed: int, budget_s: float) -> Findings:
