@@ -16,10 +16,12 @@ buckets small enough that a backward has launched reductions before it fails:
    whole window (its partial gradients cannot be told apart from the first micro-batch's), the
    exception says so in a note, and the run continues as the one that skipped the window.
 4. A failure on one rank only leaves the ranks out of step: they stop at their next collective
-   with a CollectiveMismatchError, whose message on each rank says how many failed passes each
+   with a CollectiveMismatchError, whose message on each rank says how many passes each
    rank dropped, and which. Before, where the dropped pass issued no collective (a forward
    at stages 0-2), the ranks went on pairing each step with the peer's step of another batch,
-   found out only at the end of the run.
+   found out only at the end of the run. A loop that skips the batch on every rank after one
+   rank's failure (an all-reduced flag) goes on: the others' forward with no backward counts
+   as a dropped pass too.
 5. A pipeline cannot skip a batch on the stages that failed (the others wait for activations or
    gradients that never come, and would take the next batch's for them): after a failure in
    its schedule the engine refuses to train, naming the rank and what to do, within seconds.
@@ -170,15 +172,55 @@ def _one_rank_fails(rank, world, zero, where):
                                         ({"stage": 2}, "backward"), ({"stage": 3}, "forward")])
 def test_a_failure_on_one_rank_only_stops_the_ranks_at_once_and_says_what_that_rank_dropped(zero, where):
     (failed_at, failed), (peer_at, peer) = run_distributed(_one_rank_fails, 2, zero, where, timeout=45)
-    said = (f"The ranks dropped different numbers of failed passes (a forward or backward that raised, caught by "
-            f"the loop; rank 0 dropped 1 (the last: its {where} of micro-batch 2 raised Failure), rank 1 dropped "
-            f"none); a pass skipped "
-            f"on some ranks only leaves the ranks out of step")
+    said = (f"The ranks dropped different numbers of passes (a forward or backward that raised, caught by the loop, "
+            f"or a forward with no backward; rank 0 dropped 1 (the last: its {where} of micro-batch 2 raised "
+            f"Failure), rank 1 dropped none); a pass skipped on some ranks only leaves the ranks out of step")
     assert said in failed and said in peer, (failed, peer)
     # At the first collective after the dropped pass, not at the end of the run: the forward
     # dropped at stages 0-2 issues none, and the sizes would pair each step with the peer's
     # step of the batch before (the data silently mixed).
     assert failed_at == 2 and peer_at == 1, (failed_at, peer_at)
+
+
+def _skipped_together(rank, world, zero):
+    """Rank 0's forward fails at step 1; the loop asks every rank (an all-reduce of a flag) and
+    all skip that batch, the others dropping a forward that went well."""
+    import torch.distributed as dist
+
+    config = make_config(zero={"bucket_mb": 0.001, **zero}, optimizer={"eps": 1e-3},
+                         batch={"micro_batch_size": MICRO})
+    model, armed = _failing_model("forward")
+    engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel))
+    losses = []
+    for step, batch in enumerate(global_batches(4, MICRO * world)):
+        armed["now"] = step == 1 and rank == 0
+        b = next(rank_slices(batch, rank, world, MICRO, 1))
+        try:
+            loss, ok = engine(b), 1
+        except Failure:
+            ok = 0
+        flag = torch.tensor([ok])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if not flag.item():
+            continue
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    values = engine.full_state_dict()
+    engine.close()
+    return losses, values
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_batch_skipped_on_every_rank_after_one_ranks_failure_continues(stage):
+    """The ranks that went well drop their pass too (a forward with no backward counts as
+    dropped at the next forward), so the counts agree and the run is the one that skipped it."""
+    together = run_distributed(_skipped_together, WORLD, {"stage": stage}, timeout=45)
+    skipped = run_distributed(_run, WORLD, {"stage": stage}, 1, "forward", (1, 0), True, timeout=45)
+    for (losses, values), (want, want_values, _, _) in zip(together, skipped):
+        assert losses == want, (losses, want)
+        assert all(torch.equal(values[n], want_values[n]) for n in want_values)
 
 
 def _pipeline(rank, world, where):

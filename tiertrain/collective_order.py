@@ -254,7 +254,7 @@ class Arrivals:
 
     def _stored_positions(self, ranks, prefix: str = POSITION) -> dict[int, tuple[int, str]]:
         """{group rank: (collectives it issued, what the last one was)}; (0, "") for a rank
-        that issued none. (With prefix DROPPED: the failed passes it dropped, the last one.)"""
+        that issued none. (With prefix DROPPED: the passes it dropped, the last one.)"""
         out = {}
         for r in ranks:
             key = f"{prefix}{r}"
@@ -264,12 +264,12 @@ class Arrivals:
         return out
 
     def note_dropped(self, count: int, last: str) -> None:
-        """Record that this rank dropped ``count`` failed passes so far, the last one ``last``
+        """Record that this rank dropped ``count`` passes so far, the last one ``last``
         (Collectives.drop_pass): named in its peers' mismatch messages."""
         self.store.set(f"{self.DROPPED}{self.rank}", f"{count}|{last}")
 
     def dropped(self) -> dict[int, tuple[int, str]]:
-        """Every group rank's (failed passes dropped, the last one): (0, "") for none."""
+        """Every group rank's (passes dropped, the last one): (0, "") for none."""
         return self._stored_positions(range(self.size), self.DROPPED)
 
     def positions(self) -> dict[int, tuple[int, str]]:

@@ -163,13 +163,13 @@ class Collectives:
         self.broken: str | None = None
         """Set by :meth:`fail`: this rank left the group's common sequence of collectives."""
         self.dropped: list[str] = []
-        """The failed passes this rank dropped in this run (drop_pass), each said in a few
+        """The passes this rank dropped in this run (drop_pass), each said in a few
         words. Their number is part of the description of every later collective, so that
         ranks which dropped different numbers stop at their next collective, also where the
         sizes would pair it with a peer's collective of another batch."""
 
     def drop_pass(self, description: str) -> None:
-        """Record that this rank dropped a failed pass (``description``: which, for messages;
+        """Record that this rank dropped a pass (``description``: which, for messages;
         also kept in the group's store, where a peer's mismatch message reads it): its
         peers must have dropped one too, or the next collective stops the ranks."""
         self.dropped.append(description)
@@ -180,9 +180,9 @@ class Collectives:
                 pass
 
     def _described(self, what: str) -> str:
-        """``what`` as the ranks compare it: with the number of failed passes dropped, if any."""
+        """``what`` as the ranks compare it: with the number of passes dropped, if any."""
         n = len(self.dropped)
-        return what if not n else f"{what}, after {n} failed pass{'es' if n > 1 else ''} dropped"
+        return what if not n else f"{what}, after {n} pass{'es' if n > 1 else ''} dropped"
 
     def fail(self, reason: str) -> None:
         """Mark this rank as out of step with its group (it skipped, added or reordered a
@@ -218,8 +218,8 @@ class Collectives:
         return self._mismatch(f"waits in collective #{number}", what, *found)
 
     def _dropped_note(self) -> str:
-        """What a mismatch message adds when the ranks dropped different numbers of failed
-        passes: each rank's number and its last (from the group's store where it answers)."""
+        """What a mismatch message adds when the ranks dropped different numbers of passes:
+        each rank's number and its last (from the group's store where it answers)."""
         dropped = {self.rank: (len(self.dropped), self.dropped[-1] if self.dropped else "")}
         try:
             dropped = {**self.arrivals.dropped(), **dropped} if self.arrivals is not None else dropped
@@ -230,9 +230,9 @@ class Collectives:
         ranks = dist.get_process_group_ranks(self.group)
         said = ", ".join(f"rank {ranks[r]} dropped {n or 'none'}" + (f" (the last: {last})" if last else "")
                          for r, (n, last) in sorted(dropped.items()))
-        return (f" The ranks dropped different numbers of failed passes (a forward or backward that raised, caught "
-                f"by the loop; {said}); a pass skipped on some ranks only leaves the ranks out of step: skip it "
-                f"on every rank or on none, or resume from the last checkpoint.")
+        return (f" The ranks dropped different numbers of passes (a forward or backward that raised, caught by the "
+                f"loop, or a forward with no backward; {said}); a pass skipped on some ranks only leaves the ranks "
+                f"out of step: skip it on every rank or on none, or resume from the last checkpoint.")
 
     def _mismatch(self, doing: str, what: str, peer: int, theirs: str, their_number: int) -> CollectiveMismatchError:
         """The one-line error for ranks at one collective number in different collectives (or

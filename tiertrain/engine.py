@@ -61,6 +61,10 @@ class Engine(TrainingCore):
         host, before they move: label_conventions.py); a loss of the user's own reads them its way."""
         self._edits_checked = False
         """The first forward compared the compute copies with the masters (in_place_edits.py)."""
+        self._forward_unbacked = False
+        """The last forward ran with gradients and no backward has come since: at the next
+        forward that pass counts as dropped (Collectives.drop_pass), as a failed one does, so
+        that ranks which all skip a pass (one failed, the others chose to skip it) go on."""
         super().__init__(model, config, topology, lambda dp: plan or default_plan(model, config, dp, unit_modules),
                          update_factory, one_model_fetcher=True, optimizer=optimizer, param_groups=param_groups,
                          lr_scheduler=lr_scheduler, state_io=state_io)
@@ -71,10 +75,14 @@ class Engine(TrainingCore):
         """Forward one micro-batch; returns the (unscaled) loss."""
         with span("forward"):
             self.update.cancel()  # (a forward before step() sees the parameters before it)
+            if self._forward_unbacked:  # (a loop that skipped the pass on this rank because a peer's failed)
+                self.comm.drop_pass(f"its forward of micro-batch {self.micro_steps + 1} had no backward")
             if self.fetcher is not None:
                 self.fetcher.begin_forward()
             try:
-                return self._forward(batch)
+                loss = self._forward(batch)
+                self._forward_unbacked = torch.is_grad_enabled()
+                return loss
             except BaseException as failure:
                 if self._recoverable(failure):  # (caught, it leaves nothing gathered: the next forward starts afresh)
                     if self.fetcher is not None:
@@ -142,6 +150,7 @@ class Engine(TrainingCore):
                 f"gradients add up until engine.step() (as several losses' backwards before one step do); if the "
                 f"loop meant to update, call engine.step() after each engine.backward(). Warned once",
                 RuntimeWarning, stacklevel=3)
+        self._forward_unbacked = False
         self.held_gradients.remove()  # (autograd would add into them)
         self.flat.wait_gathers()
         boundary = (self.micro_steps + 1) % self.accum == 0
