@@ -403,6 +403,12 @@ MAX_LAYERS = 10_000
 """Layers a config may give (the deepest models have a few hundred)."""
 
 
+def _counts(config: Any, *words: str) -> dict[str, int]:
+    """The config's integer fields whose names hold one of ``words`` (its layer or expert counts)."""
+    return {k: v for k, v in vars(config).items()
+            if isinstance(v, int) and not isinstance(v, bool) and any(w in k for w in words)}
+
+
 def build_meta_model(config: Any) -> nn.Module:
     """The model of ``config`` on the meta device (nothing allocated): the LM-head class
     of its kind (AutoModelForCausalLM / ForMaskedLM / ForSeq2SeqLM). ValueError past
@@ -411,8 +417,7 @@ def build_meta_model(config: Any) -> nn.Module:
 
     auto = {"decoder": transformers.AutoModelForCausalLM, "encoder": transformers.AutoModelForMaskedLM,
             "encoder-decoder": transformers.AutoModelForSeq2SeqLM}[_kind(config)]
-    layers = {k: v for k, v in vars(config).items()
-              if "layer" in k and isinstance(v, int) and not isinstance(v, bool) and v > MAX_LAYERS}
+    layers = {k: v for k, v in _counts(config, "layer").items() if v > MAX_LAYERS}
     if layers:  # (before building: the module count below would find it only after seconds)
         raise ValueError(f"the config's {layers} exceeds {MAX_LAYERS} layers: no model of that depth exists")
     built = 0
@@ -421,10 +426,9 @@ def build_meta_model(config: Any) -> nn.Module:
         nonlocal built
         built += 1
         if built > MAX_MODULES:
-            counts = {k: v for k, v in vars(config).items() if isinstance(v, int) and not isinstance(v, bool)
-                      and ("layer" in k or "expert" in k)}
-            raise ValueError(f"the config describes a model of more than {MAX_MODULES} modules ({counts}): no model "
-                             f"of that size exists; check its layer and expert counts")
+            raise ValueError(f"the config describes a model of more than {MAX_MODULES} modules "
+                             f"({_counts(config, 'layer', 'expert')}): no model of that size exists; check its "
+                             f"layer and expert counts")
 
     handle = register_module_module_registration_hook(count)
     try:
