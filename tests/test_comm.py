@@ -47,3 +47,22 @@ def test_reduce_scatter_and_all_gather_match_their_definition(world):
             assert_within_rounding(out, exact[mine], abs_terms[mine], world, f"rank {rank} reduce-scatter")
         assert torch.equal(out, in_place)
         assert torch.equal(gathered, torch.cat([x[:N] for x in inputs]))
+
+
+def test_the_store_query_of_a_diagnosis_runs_where_no_thread_can_start(monkeypatch):
+    """A peer lost under memory pressure (an RLIMIT_AS cap, tests/test_context_parallel_cap.py)
+    left no address space for the query's thread: the diagnosis became "can't start new
+    thread". The query then runs on the caller's thread; otherwise on its own, bounded."""
+    import threading
+    import time
+
+    from tiertrain import comm
+
+    assert comm._within(5, lambda: "mismatch") == "mismatch"
+    assert comm._within(0.05, lambda: time.sleep(1) or "late") is None
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    assert comm._within(5, lambda: "mismatch") == "mismatch"

@@ -118,10 +118,15 @@ its group wait in different collectives (then it fails at once, naming them)."""
 
 def _within(seconds: float, fn):
     """fn()'s result, or None when it has not returned within seconds (it goes on, on a daemon
-    thread, and its result is dropped)."""
+    thread, and its result is dropped). Where no thread can start (the address space used up:
+    a peer lost under memory pressure, or an RLIMIT_AS cap) fn runs here, unbounded: the
+    diagnosis the caller is writing must not become "can't start new thread" instead."""
     result: list = []
     thread = threading.Thread(target=lambda: result.append(fn()), name="comm store query", daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError:
+        return fn()
     thread.join(seconds)
     return result[0] if result else None
 
