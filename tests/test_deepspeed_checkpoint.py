@@ -54,8 +54,9 @@ def test_checkpoints_deepspeed_writes_now_read_as_the_committed_ones(tmp_path):
     from test_deepspeed_sgd import check_read as check_sgd
     from test_deepspeed_universal import CONVERTED, check_read
 
-    subprocess.run([sys.executable, os.path.join(HERE, "make.py"), str(tmp_path)], check=True, timeout=900,
-                   env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True)
+    made = subprocess.run([sys.executable, os.path.join(HERE, "make.py"), str(tmp_path)], timeout=900,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True)
+    assert made.returncode == 0, f"make.py exited with {made.returncode}:\n{made.stderr[-4000:]}"
     for name in SAVED:
         _check_read(os.path.join(tmp_path, name))
     for name in CONVERTED:
