@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -115,6 +116,13 @@ def _unpartitioned(engine) -> dict:
     return out
 
 
+def _free_port() -> int:
+    """A port no process listens on now, for a run's master (a fixed one may be taken)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def _universal(directory: str, out: str) -> None:
     """DeepSpeed's universal checkpoint of the run in directory, written to out/global_step3_universal."""
     subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
@@ -140,12 +148,12 @@ def _add_moments(directory: str, universal: str) -> None:
 
 
 def main(out: str, names: list[str], universal_only: bool = False) -> None:
-    for k, (name, (stage, dtype, world)) in enumerate(sorted(RUNS.items())):
+    for name, (stage, dtype, world) in sorted(RUNS.items()):
         if names and name not in names:
             continue
         directory = os.path.join(out, name)
         if not universal_only:
-            mp.spawn(_run, args=(world, stage, dtype, directory, 29610 + k, name in SGD), nprocs=world)
+            mp.spawn(_run, args=(world, stage, dtype, directory, _free_port(), name in SGD), nprocs=world)
         for script in ("zero_to_fp32.py", "zero_to_torch.py"):  # (DeepSpeed's own tools: not needed)
             if os.path.exists(os.path.join(directory, script)):
                 os.remove(os.path.join(directory, script))
