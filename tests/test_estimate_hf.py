@@ -2,6 +2,7 @@
 
 Tiny configs of each modelled family (GQA Llama, GPT-2, BERT, T5, BART), built from code.
 """
+import dataclasses
 import json
 
 import pytest
@@ -199,6 +200,69 @@ def test_a_config_of_no_real_size_is_refused_before_or_while_it_builds(monkeypat
     with pytest.raises(ValueError, match=r"more than 100 modules \(\{'n_layer': 40\}\)"):
         dims_of_hf_config(transformers.GPT2Config(**gpt2, n_layer=40), 8)
     assert dims_of_hf_config(transformers.GPT2Config(**gpt2, n_layer=2), 8).n_decoder_layers == 2
+
+
+def _meta(cfg, **changes):
+    t = transformers
+    cfg = cfg.__class__.from_dict({**cfg.to_dict(), **changes})
+    auto = t.AutoModelForSeq2SeqLM if cfg.is_encoder_decoder else t.AutoModelForCausalLM
+    with torch.device("meta"):
+        return auto.from_config(cfg)
+
+
+def test_the_models_own_checkpointing_is_read_from_its_layers():
+    """transformers' gradient_checkpointing_enable marks the layers it checkpoints (every_n_layers
+    counts them in order, an encoder-decoder's encoder then decoder): blocks 0, k, 2k, … give
+    k; another pattern counts as evenly spread checkpoints no more numerous than its own."""
+    from tiertrain.estimate.own_checkpointing import own_checkpoint_interval
+
+    llama = _meta(CONFIGS["llama-gqa"], num_hidden_layers=5)
+    assert own_checkpoint_interval(llama) == 0 and dims_of_module(llama, 16).own_checkpointing == 0
+    for every, expected in ((1, 1), (2, 2), (3, 3), (5, 5)):
+        llama.gradient_checkpointing_enable(every_n_layers=every)
+        assert own_checkpoint_interval(llama) == expected
+    llama.gradient_checkpointing_disable()
+    llama.model.layers[1].gradient_checkpointing = True  # one checkpoint, not at block 0
+    assert own_checkpoint_interval(llama) == 5
+    llama.model.layers[3].gradient_checkpointing = True
+    assert own_checkpoint_interval(llama) == 3  # two, spread: blocks 0 and 3
+    t5 = _meta(CONFIGS["t5"])  # 2 + 2 blocks
+    t5.gradient_checkpointing_enable(every_n_layers=2)
+    assert dims_of_module(t5, 16).own_checkpointing == 2
+    assert dims_of_hf_config(CONFIGS["t5"], 16).own_checkpointing == 0
+
+    class Older(torch.nn.Module):  # transformers < 4.52: one flag on the model, every layer checkpointed
+        is_gradient_checkpointing = True
+
+    assert own_checkpoint_interval(Older()) == 1 and own_checkpoint_interval(torch.nn.Linear(2, 2)) == 0
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "t5"])
+def test_a_model_that_checkpoints_itself_is_estimated_with_its_checkpoints_and_planned_without_more(name):
+    """Its blocks keep only their inputs, as with the engine's activations.checkpoint_every
+    (measured in plain PyTorch, an 8-layer Llama, b·s = 4·1024, h = 512, fp32: +645 MB after
+    forward with transformers' checkpointing, +604 MB with the engine's, +2072 MB with none),
+    so the estimate is the one of that interval; the engine refuses to add its own beside it,
+    so the plan never does, even where RAM is short for the model counted whole."""
+    model = _meta(CONFIGS[name])
+    plain = dims_of_module(model, seq_len=64)
+    model.gradient_checkpointing_enable()
+    own = dims_of_module(model, seq_len=64)
+    layout = ZeroLayout(dp=2, stage=3, precision="fp32", micro_batch=2)
+    counted = estimate(own, layout)
+    as_engine = estimate(plain, dataclasses.replace(layout, checkpoint_interval=1))
+    assert [(l.name, l.bytes) for l in counted.lines] == [(l.name, l.bytes) for l in as_engine.lines]
+    assert counted.total() < estimate(plain, layout).total()
+    assert any("checkpoints every 1-th block itself" in n for n in counted.notes)
+    with pytest.raises(ValueError, match="checkpoint_interval=1 is invalid for this model.*checkpoint_interval=0"):
+        estimate(own, dataclasses.replace(layout, checkpoint_interval=1))
+    budget = (counted.total() + estimate(plain, layout).total()) // 2
+    hw = Hardware(ranks_per_node=2, host_memory=int(2 * budget / 0.9))
+    whole = plan(plain, hw, precision="fp32", micro_batch=2, stages=[3])
+    assert whole.fits and whole.config_dict()["activations"]["checkpoint_every"] > 0  # short without them
+    chosen = plan(own, hw, precision="fp32", micro_batch=2, stages=[3])
+    assert chosen.fits and chosen.config_dict()["activations"]["checkpoint_every"] == 0
+    assert chosen.usage["ram"] == counted.total() and any("the engine adds none" in n for n in chosen.notes)
 
 
 def _cli(capsys, *args):

@@ -215,6 +215,40 @@ def test_offload_auto_is_planned_for_any_model_and_wrap_refuses_it():
         tiertrain.wrap(make_model(), config.engine_config(), tiertrain.Topology.build(config.parallel))
 
 
+def _auto_for_a_model_that_checkpoints_itself(rank, world):
+    """The planner's choice for a Llama that checkpoints its own layers, where host RAM lies
+    between what it needs (its checkpoints counted) and what it would need without them."""
+    import dataclasses
+
+    import tiertrain.estimate.probe as probe
+    from tiertrain.estimate.modules import dims_of_module
+    from tiertrain.trainer import plan_for
+
+    config = loop_config(zero={"offload": "auto"}, steps=2)
+    model = _tiny_llama()
+    model.gradient_checkpointing_enable()
+    own = dims_of_module(model, 16)
+    plain = dataclasses.replace(own, own_checkpointing=0)
+    probe.ram_available = lambda: 1 << 40
+    need_own, need_plain = (plan_for(config, d, world).usage["ram"] for d in (own, plain))
+    probe.ram_available = lambda: int((need_own + need_plain) / 2 / 0.9)  # (the plan keeps 10 % in reserve)
+    without_it = plan_for(config, plain, world).config_dict()["activations"]["checkpoint_every"]
+    batches = [{k: v[:, :16] for k, v in b.items()} for b in micro_batches_of(global_batches(2, MICRO), 1)]
+    with Trainer(model, config, batches, loss_fn=llama_loss) as trainer:
+        summary = trainer.fit()
+        return own.own_checkpointing, without_it, trainer.config.activations.checkpoint_every, summary["last_loss"]
+
+
+def test_offload_auto_plans_a_model_that_checkpoints_itself_with_its_checkpoints():
+    """transformers' gradient_checkpointing_enable is the model's own checkpointing: the plan
+    counts it and adds none (the engine refuses two checkpoints around a layer). Before, the
+    planner counted the model's activations whole and, short of RAM, chose
+    activations.checkpoint_every, which wrap then refused."""
+    own, without_it, chosen, loss = run_distributed(_auto_for_a_model_that_checkpoints_itself, 1, timeout=60)[0]
+    assert own == 1 and without_it > 0  # the RAM given is short for the model counted without its checkpoints
+    assert chosen == 0 and math.isfinite(loss)
+
+
 # --------------------------------------------------------------------------- errors
 
 

@@ -19,6 +19,7 @@ from tiertrain.estimate.dims import ModelDims
 from tiertrain.estimate.hardware import RAM, Hardware, Shortfall
 from tiertrain.estimate.layout import ZeroLayout
 from tiertrain.estimate.memory import Estimate, estimate
+from tiertrain.estimate.own_checkpointing import with_own_checkpointing
 from tiertrain.estimate.units import engine_grad_tier, gpt_meta_model
 from tiertrain.tiers import Tier
 
@@ -132,7 +133,8 @@ def predicted_efficiency(lay: ZeroLayout, dims: ModelDims, hw: Hardware) -> dict
         eff = ait * bw / (ait * bw + hw.peak_flops)
         states.append({"state": name, "tier": tier, "ait": ait, "bandwidth": bw, "efficiency": eff,
                        "formula": f"AIT = {f} (ZeRO-Infinity §4.1)" + (f", ×{lay.zero_ranks} ranks (bandwidth-centric)" if part else "")})
-    recompute = 3 / (3 + recomputed_blocks(lay, dims.n_layers) / dims.n_layers)
+    counted, _ = with_own_checkpointing(lay, dims)  # (a model's own checkpoints recompute as the engine's)
+    recompute = 3 / (3 + recomputed_blocks(counted, dims.n_layers) / dims.n_layers)
     transfer = 1.0 / (1.0 + sum(hw.peak_flops / (x["ait"] * x["bandwidth"]) for x in states if x["bandwidth"]))
     return {"peak_flops": hw.peak_flops, "states": states, "recompute_factor": recompute,
             "transfer": transfer, "combined": transfer * recompute}

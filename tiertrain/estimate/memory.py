@@ -32,6 +32,7 @@ from .build_peak import engine_build_peak
 from .dims import ModelDims, module_parameter_sizes
 from .formulas import activation_bytes_head, activation_bytes_per_layer, infinity_awm_bytes, infinity_mswm_bytes
 from .layout import ZeroLayout, engine_model_state_bytes
+from .own_checkpointing import with_own_checkpointing
 from .peak import engine_estimate_lines
 
 __all__ = [
@@ -270,7 +271,10 @@ def estimate(model: ModelSpec, layout: ZeroLayout | None = None, overhead: Any =
     """
     lay = (layout or ZeroLayout()).validate()
     psi, sizes, dims, module = _resolve_model(model)
+    lay, own = with_own_checkpointing(lay, dims)
     est = Estimate(parameters=psi, layout=lay, dims=dims)
+    if own:
+        est.notes.append(own)
     if lay.accounting == "engine" and lay.tp * lay.pp == 1 and (module is not None or dims is not None):
         lines, notes, where = engine_estimate_lines(module, dims, lay, overhead)
         est.lines.extend(lines)

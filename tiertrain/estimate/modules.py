@@ -52,6 +52,7 @@ from torch.nn.modules.module import register_module_module_registration_hook
 
 from ..errors import TiertrainError
 from .activations import ActivationBytes
+from .own_checkpointing import own_checkpoint_interval
 
 __all__ = ["HFModelDims", "dims_of_hf_config", "dims_of_module", "load_hf_config", "SUPPORTED_FAMILIES",
            "build_meta_model"]
@@ -129,6 +130,9 @@ class HFModelDims:
     """BERT's MLM head transform (dense → act → LayerNorm) before the decoder."""
     tie_embeddings: bool = True
     """The output head shares the token-embedding weight."""
+    own_checkpointing: int = 0
+    """k when the model checkpoints blocks 0, k, 2k, … itself (gradient_checkpointing_enable;
+    tiertrain.estimate.own_checkpointing), 0 when it does not."""
     config: Any = field(default=None, repr=False, compare=False)
     """The transformers PretrainedConfig described (None for a hand-built description)."""
     module: Any = field(default=None, repr=False, compare=False)
@@ -172,6 +176,9 @@ class HFModelDims:
                 raise ValueError(f"HFModelDims.{name}={v!r} is invalid: must be an int >= 1")
         if self.n_layers < 1:
             raise ValueError(f"HFModelDims has {self.n_layers} blocks: must have at least one")
+        k = self.own_checkpointing
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.n_layers:
+            raise ValueError(f"HFModelDims.own_checkpointing={k!r} is invalid: must be 0 (none) or 1..{self.n_layers}")
         if self.kind not in SUPPORTED_FAMILIES:
             raise ValueError(f"HFModelDims.kind={self.kind!r} is invalid: must be one of {sorted(SUPPORTED_FAMILIES)}")
         if self.attention not in ("flash", "math", "eager"):
@@ -513,7 +520,7 @@ def _dims(config: Any, module: nn.Module, seq_len: int | None, decoder_seq_len: 
         model_type=config.model_type, kind=_kind(config), vocab=config.vocab_size, seq_len=seq_len,
         decoder_seq_len=decoder_seq_len or seq_len, parameters=sum(p.numel() for p in params),
         trainable_parameters=sum(p.numel() for p in params if p.requires_grad), config=config, module=module,
-        source=source, **spec).validate()
+        source=source, own_checkpointing=own_checkpoint_interval(module), **spec).validate()
 
 
 def dims_of_hf_config(path_or_config: Any, seq_len: int | None = None) -> HFModelDims:

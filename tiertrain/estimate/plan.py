@@ -257,7 +257,8 @@ def plan(dims: "ModelDims | HFModelDims", hardware: Hardware, *, micro_batch: in
                       ranks_per_node=hw.ranks_per_node, bucket_mb=bucket_mb,
                       backend=backend or ("gloo" if hw.shared else "nccl"))
     evaluate = _Evaluator(dims, hw, base, allowed)
-    ks = _checkpoint_options(dims.n_layers) if checkpointing else []
+    own = getattr(dims, "own_checkpointing", 0)
+    ks = _checkpoint_options(dims.n_layers) if checkpointing and not own else []
     tiles = [t for t in tile_factors if t >= 1]
     tiles = sorted(set(tiles)) or [1]
     if hasattr(dims, "meta_model"):
@@ -267,6 +268,9 @@ def plan(dims: "ModelDims | HFModelDims", hardware: Hardware, *, micro_batch: in
     if hw.shared:
         notes.append("no accelerator: the device is host memory, so CPU offload frees nothing; only the NVMe "
                      "tier can relieve it")
+    if own:
+        notes.append(f"the model checkpoints every {own}-th block itself (transformers' gradient_checkpointing_enable):"
+                     f" planned with its checkpoints; the engine adds none (activations.checkpoint_every stays 0)")
     chosen: Candidate | None = None
 
     with_none = [0] + ks
