@@ -214,7 +214,7 @@ def test_the_models_own_checkpointing_is_read_from_its_layers():
     """transformers' gradient_checkpointing_enable marks the layers it checkpoints (every_n_layers
     counts them in order, an encoder-decoder's encoder then decoder): blocks 0, k, 2k, … give
     k; another pattern counts as evenly spread checkpoints no more numerous than its own."""
-    from tiertrain.estimate.own_checkpointing import own_checkpoint_interval
+    from tiertrain.blocks import own_checkpoint_interval
 
     llama = _meta(CONFIGS["llama-gqa"], num_hidden_layers=5)
     assert own_checkpoint_interval(llama) == 0 and dims_of_module(llama, 16).own_checkpointing == 0

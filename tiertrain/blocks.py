@@ -1,13 +1,14 @@
 """The blocks of a model: what activation checkpointing recomputes and ``compile_blocks``
 compiles, one at a time (by default the children of every outermost ``nn.ModuleList``, the
-rule stage 3's default units follow too)."""
+rule stage 3's default units follow too), and which of them the model checkpoints itself."""
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 
 import torch.nn as nn
 
-__all__ = ["model_blocks"]
+__all__ = ["model_blocks", "own_checkpoint_interval"]
 
 
 def model_blocks(model: nn.Module, blocks: Iterable[str | nn.Module] | None = None) -> list[str]:
@@ -56,3 +57,22 @@ def model_blocks(model: nn.Module, blocks: Iterable[str | nn.Module] | None = No
         order = {n: i for i, (n, _) in enumerate(model.named_modules(remove_duplicate=False))}
         chosen.sort(key=lambda n: order.get(n, len(order)))
     return chosen
+
+
+def own_checkpoint_interval(module: nn.Module) -> int:
+    """k when the model checkpoints blocks 0, k, 2k, … itself, 0 when it checkpoints none.
+    transformers marks each block it checkpoints (``gradient_checkpointing`` on every
+    ``GradientCheckpointingLayer``, its ``every_n_layers`` counting those blocks in order);
+    a pattern that is not every k-th block is counted as evenly spread checkpoints no more
+    numerous than its own (never fewer activations kept than the model keeps)."""
+    # (a model of transformers >= 4.52 has imported the class: nothing to import for any other)
+    layer = getattr(sys.modules.get("transformers.modeling_layers"), "GradientCheckpointingLayer", None)
+    flags = [m.gradient_checkpointing is True for m in module.modules() if layer is not None and isinstance(m, layer)]
+    if not flags:  # transformers < 4.52 checkpoints every layer of a model that says it checkpoints
+        return 1 if getattr(module, "is_gradient_checkpointing", False) is True else 0
+    on = [i for i, flag in enumerate(flags) if flag]
+    if not on:
+        return 0
+    n = len(flags)
+    regular = next((k for k in range(1, n + 1) if on == list(range(0, n, k))), None)
+    return regular if regular is not None else -(-n // len(on))

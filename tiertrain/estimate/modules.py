@@ -52,7 +52,7 @@ from torch.nn.modules.module import register_module_module_registration_hook
 
 from ..errors import TiertrainError
 from .activations import ActivationBytes
-from .own_checkpointing import own_checkpoint_interval
+from ..blocks import own_checkpoint_interval
 
 __all__ = ["HFModelDims", "dims_of_hf_config", "dims_of_module", "load_hf_config", "SUPPORTED_FAMILIES",
            "build_meta_model"]

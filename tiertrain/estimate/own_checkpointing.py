@@ -8,33 +8,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch.nn as nn
-
 from ..tiers import Tier
 
-__all__ = ["own_checkpoint_interval", "with_own_checkpointing"]
-
-
-def own_checkpoint_interval(module: nn.Module) -> int:
-    """k when the model checkpoints blocks 0, k, 2k, … itself, 0 when it checkpoints none.
-    transformers marks each block it checkpoints (``gradient_checkpointing`` on every
-    ``GradientCheckpointingLayer``, its ``every_n_layers`` counting those blocks in order);
-    a pattern that is not every k-th block is counted as evenly spread checkpoints no more
-    numerous than its own (never fewer activations kept than the model keeps)."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:  # (transformers < 4.52, or none)
-        GradientCheckpointingLayer = None
-    flags = [m.gradient_checkpointing is True for m in module.modules()
-             if GradientCheckpointingLayer is not None and isinstance(m, GradientCheckpointingLayer)]
-    if not flags:  # transformers < 4.52 checkpoints every layer of a model that says it checkpoints
-        return 1 if getattr(module, "is_gradient_checkpointing", False) is True else 0
-    on = [i for i, flag in enumerate(flags) if flag]
-    if not on:
-        return 0
-    n = len(flags)
-    regular = next((k for k in range(1, n + 1) if on == list(range(0, n, k))), None)
-    return regular if regular is not None else -(-n // len(on))
+__all__ = ["with_own_checkpointing"]
 
 
 def with_own_checkpointing(layout: Any, dims: Any) -> tuple[Any, str | None]:

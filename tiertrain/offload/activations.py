@@ -77,7 +77,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..blocks import model_blocks
+from ..blocks import model_blocks, own_checkpoint_interval
 from ..compiling import compile_checkpointed_block, unwrap_compiled
 from ..config import ACTIVATION_TIERS, ActivationConfig, ConfigError, parse_tier
 from ..device import Copy, DeviceStreams, host_empty, pins_host, pins_host_by_default
@@ -480,12 +480,11 @@ def apply_activation_checkpointing(model: nn.Module, config: ActivationConfig,
     if again:
         raise RuntimeError(f"blocks {again} are already checkpointed (by an earlier apply_activation_checkpointing "
                            f"on a module that contains them); call .remove() on that handle first")
-    if k > 0 and getattr(model, "is_gradient_checkpointing", False) is True:
+    if k > 0 and own_checkpoint_interval(model):
         raise ConfigError(f"activations.checkpoint_every={k}: this {type(model).__name__} checkpoints its layers "
-                          f"already (transformers' gradient_checkpointing_enable / activation_checkpointing_enable: "
-                          f"is_gradient_checkpointing is True): two checkpoints around each layer (with "
-                          f"use_reentrant=True each recomputed twice); keep one: "
-                          f"model.gradient_checkpointing_disable(), or activations.checkpoint_every=0")
+                          f"already (transformers' gradient_checkpointing_enable / activation_checkpointing_enable): "
+                          f"two checkpoints around each layer (with use_reentrant=True each recomputed twice); keep "
+                          f"one: model.gradient_checkpointing_disable(), or activations.checkpoint_every=0")
     if k > len(names):
         shown = names if len(names) <= 4 else names[:2] + ["…"] + names[-1:]
         raise ConfigError(f"activations.checkpoint_every={k} is invalid: the model has {len(names)} "
