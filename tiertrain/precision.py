@@ -6,6 +6,7 @@ forward/backward arithmetic runs in the compute dtype.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -22,6 +23,23 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def compute_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
+
+
+def kept_in_fp32(model: torch.nn.Module, compute: torch.dtype) -> "re.Pattern[str] | None":
+    """The names (parameters, buffers) a Hugging Face model keeps in fp32 when it computes in
+    ``compute``, matched as transformers' from_pretrained(dtype=) matches them: its
+    ``_keep_in_fp32_modules_strict`` at fp16 and bf16 (MoE routers' ``gate.weight`` and
+    ``e_score_correction_bias``), its ``_keep_in_fp32_modules`` at fp16 only (T5's ``wo``),
+    each a pattern searched in the name (``*`` any text), declared by the model or any module in
+    it. None at fp32 or for any other model."""
+    if compute not in (torch.float16, torch.bfloat16):
+        return None
+    names = ["_keep_in_fp32_modules_strict"] + (["_keep_in_fp32_modules"] if compute is torch.float16 else [])
+    # (on the model or any module in it: a pipeline's stages carry their model's)
+    declared = [getattr(m, name, None) for m in model.modules() for name in names]
+    patterns = sorted({p for d in declared if isinstance(d, (list, tuple, set, frozenset)) for p in d
+                       if isinstance(p, str) and p})
+    return re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in patterns)) if patterns else None
 
 
 _DTYPE_WORDS = ("dtype", "scalar type", "Float", "BFloat16", "Half")

@@ -186,6 +186,9 @@ class HFStage(nn.Module):
         super().__init__()
         self.kind = family.kind
         self.hf_config = getattr(model, "config", None)
+        # what the model keeps in fp32 (tiertrain.precision.kept_in_fp32 reads it off the stages)
+        self._keep_in_fp32_modules = getattr(model, "_keep_in_fp32_modules", None)
+        self._keep_in_fp32_modules_strict = getattr(model, "_keep_in_fp32_modules_strict", None)
         self.loss_function = _causal_lm_loss_of(model) if family.kind in ("rotary", "gpt2") else None
         """The model's own causal-LM loss (see _head_loss); None: next_token_loss."""
         self.index, self.num_stages = index, num_stages
