@@ -170,3 +170,36 @@ def test_an_integer_frozen_parameter_keeps_its_dtype_and_values(stage):
     engine.close()
     assert model.table.dtype == torch.int64 and torch.equal(model.table, exact)
     assert report.frozen_params == 16 * 8, "counted in its own dtype"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_frozen_fp32_backbone_at_bf16_is_said_rounded_and_handed_back_in_its_dtype(stage):
+    """Frozen parameters have no fp32 master: given in fp32 to a bf16 run, their values are
+    rounded for it, which a warning names (before: silent, and close() handed them back in
+    bf16 at stages 0-2 beside fp32 adapters, a model whose fp32 forward fails). Given in
+    bf16, nothing is rounded and nothing is said; close() gives them back in bf16."""
+    import warnings
+
+    config = make_config(zero={"stage": stage}, precision={"dtype": "bf16"}, batch={"micro_batch_size": 2})
+    for given in (torch.float32, torch.bfloat16):
+        model = lora_llama(layers=2)
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(given)
+        buffers = {n: b.dtype for n, b in model.named_buffers()}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel))
+        said = [str(w.message) for w in caught if "have no fp32 master" in str(w.message)]
+        engine.train_batch(iter(_batches(1, 1)[0:1]))
+        engine.close()
+        frozen = {n: p.dtype for n, p in model.named_parameters() if not p.requires_grad}
+        assert set(frozen.values()) == {given}, frozen
+        assert {n: b.dtype for n, b in model.named_buffers()} == buffers
+        assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+        if given is torch.float32:
+            assert len(said) == 1 and "'model.embed_tokens.weight'" in said[0] and "torch.float32" in said[0]
+            assert "from_pretrained(dtype=...)" in said[0]
+        else:
+            assert said == []

@@ -6,7 +6,6 @@ with what close() undoes registered on the engine. The engine then only trains w
 """
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,9 +14,9 @@ import torch.nn as nn
 from .buffers import ModuleBuffers
 from .config import Config
 from .device import DeviceStreams, acts_as_accelerator, pins_host
-from .errors import listing
 from .offload.shard_store import shard_store
-from .precision import DynamicLossScaler, kept_in_fp32
+from .module_dtypes import cast_buffers_and_frozen
+from .precision import DynamicLossScaler
 from .update.factory import UpdateContext, UpdateFactory
 from .zero.agreement import Event
 from .zero.construct import forget_partition, gather_partitioned, is_partitioned
@@ -47,7 +46,7 @@ def build_parts(engine: "TrainingCore", model: nn.Module, plan: GradientPlan, up
     if in_lockstep:
         refuse_layerdrop(model, engine.comm.size)
     named, engine.layout, engine.launch_when_ready = plan.named, plan.layout, plan.launch_when_ready
-    cast_buffers_and_frozen(engine, model, {n for n, _ in plan.frozen})
+    cast_buffers_and_frozen(engine, model, {n for n, _ in plan.frozen}, lambda p: initial_value(p, engine))
     engine.buffers = ModuleBuffers(engine.named_modules_of_state())
     """The model's persistent buffers: checkpointed, in full_state_dict, broadcast (zero.broadcast_buffers)."""
     if engine.comm.size > 1:  # (rank 0's, as DDP syncs module states at construction: see initial_value)
@@ -147,50 +146,6 @@ def initial_value(p: nn.Parameter, engine: "TrainingCore") -> torch.Tensor:
         value = value.to(engine.device).contiguous()  # (the backend's device; in place where it is already)
         engine.comm.broadcast(value, 0)
     return value
-
-
-def cast_buffers_and_frozen(engine: "Engine", model: nn.Module, in_layout: set[str]) -> None:
-    """Buffers and frozen parameters the flat units do not hold, in the compute dtype on
-    the device (a small frozen parameter built under partitioned_init gathered whole).
-    Derived buffers (not in the state dict) keep the dtype the model built them in unless
-    precision.cast_derived_buffers: rotary frequencies rounded to bf16 move the cosines of
-    positions below 2048 by up to 1.9 at head dimension 128 (docs/concepts.md, "Buffers and
-    the compute dtype")."""
-    persistent = set(model.state_dict(keep_vars=True))
-    cast_derived = engine.config.precision.cast_derived_buffers
-    fp32 = kept_in_fp32(model, engine.dtype)
-    engine.derived_buffers_kept = []
-    """The floating derived buffers kept in a dtype other than the compute dtype (names)."""
-    engine.kept_in_fp32 = []
-    """The buffers and whole frozen parameters kept in fp32, as the model declares them
-    (precision.kept_in_fp32: an MoE router's correction bias; its values rounded to the compute
-    dtype would route differently and be saved rounded)."""
-
-    def dtype_of(full: str, value: torch.Tensor) -> torch.dtype:
-        if fp32 is not None and value.is_floating_point() and fp32.search(full):
-            engine.kept_in_fp32.append(full)
-            return torch.promote_types(value.dtype, torch.float32)
-        return engine.dtype if value.is_floating_point() else value.dtype
-
-    for prefix, module in model.named_modules():
-        for name, buf in list(module.named_buffers(recurse=False)):
-            full = f"{prefix}.{name}" if prefix else name
-            kept = buf.is_floating_point() and full not in persistent and not cast_derived
-            if kept and buf.dtype != engine.dtype:
-                engine.derived_buffers_kept.append(full)
-            setattr(module, name, buf.to(device=engine.device, dtype=buf.dtype if kept else dtype_of(full, buf)))
-    for name, p in model.named_parameters():
-        if not p.requires_grad and name not in in_layout:
-            value = initial_value(p, engine)
-            forget_partition(p)
-            # (an integer one, a quantized weight or an index table, keeps its dtype and values)
-            p.data = value.to(device=engine.device, dtype=dtype_of(name, value))
-    trained = [n for n, p in model.named_parameters() if p.requires_grad and fp32 is not None and fp32.search(n)]
-    if trained:
-        warnings.warn(f"this {type(model).__name__} keeps {listing(trained)} in fp32 (transformers' "
-                      f"_keep_in_fp32_modules): tiertrain trains them from fp32 master weights, but its forward and "
-                      f"backward read their {engine.dtype} copies, as DeepSpeed's bf16/fp16 and FSDP2's param_dtype "
-                      f"do; set precision.dtype: fp32 to compute with the fp32 values", RuntimeWarning, stacklevel=4)
 
 
 def build_swapper(engine: "Engine"):

@@ -597,4 +597,4 @@ class TrainingCore:
         let_go(self.flat.params.values())
         with torch.no_grad():
             for name, p in self.flat.params.items():
-                p.data = values[name]
+                p.data = values[name].to(self.frozen_dtypes.get(name, torch.float32))  # (module_dtypes.py)
