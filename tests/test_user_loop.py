@@ -231,3 +231,31 @@ def test_the_engine_switches_the_models_mode_as_a_wrapper_does():
     assert engine.eval() is engine and not any(m.training for m in model.modules())
     assert engine.train() is engine and all(m.training for m in model.modules())
     engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_model_without_values_is_refused_by_name_at_wrap(stage):
+    """A lazy module not yet called, or a model on the meta device (torch.device('meta'),
+    accelerate's init_empty_weights), failed deep inside wrap() with torch's "Cannot copy out of
+    meta tensor" or "Can't access the shape of an uninitialized parameter", naming neither
+    the tensor nor the way out. Refused by name; the model is left to wrap once it has values."""
+    config = make_config(zero={"stage": stage})
+    topology = tiertrain.Topology.build(config.parallel)
+
+    def loss(model, batch):
+        return model(batch).square().mean()
+
+    lazy = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.Linear(4, 1))
+    with pytest.raises(ConfigError, match=r"'0\.weight', '0\.bias' are uninitialized.*once on a sample batch"):
+        tiertrain.wrap(lazy, config, topology, loss_fn=loss)
+    lazy(torch.ones(2, 3))
+    tiertrain.wrap(lazy, config, topology, loss_fn=loss).close()
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    with pytest.raises(ConfigError, match=r"'0\.weight', '0\.bias', '1\.weight', '1\.bias' and 3 more are on the "
+                                          r"meta device.*tiertrain\.load_pretrained\(engine, path\)"):
+        tiertrain.wrap(meta, config, topology, loss_fn=loss)
+    meta.to_empty(device="cpu")
+    meta[1].running_mean = torch.empty(4, device="meta")
+    with pytest.raises(ConfigError, match=r"'1\.running_mean' is on the meta device"):
+        tiertrain.wrap(meta, config, topology, loss_fn=loss)

@@ -7,12 +7,13 @@ import functools
 from typing import Any, Callable, Sequence
 
 import torch.nn as nn
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
 from .compiling import unwrap_compiled
 from .config import Config, ConfigError
 from .engine import Engine
 from .engine_contract import LossFn
-from .errors import TiertrainError
+from .errors import TiertrainError, listing
 from .offload.activations import apply_activation_checkpointing, checkpointing_of
 from .optim import OptimizerArg, SchedulerFactory
 from .pipeline.engine import PipelineEngine, pipeline_stages
@@ -42,6 +43,27 @@ def _check_not_held(model: nn.Module | Sequence[nn.Module]) -> None:
             f"the model is already wrapped by an engine that is not closed (it holds {len(names)} of its "
             f"parameters, {names[0]!r} first): call that engine's close(), which hands the model back with its "
             f"trained values, then wrap it again; or wrap a fresh model")
+
+
+def _check_materialized(model: nn.Module | Sequence[nn.Module]) -> None:
+    """A parameter or buffer with a shape but no values failed deep inside with torch's
+    "Cannot copy out of meta tensor" or "Can't access the shape of an uninitialized
+    parameter", naming neither the tensor nor the way out."""
+    modules = [model] if isinstance(model, nn.Module) else list(model)
+    named = [(n, t) for m in modules for n, t in [*m.named_parameters(), *m.named_buffers()]]
+    lazy = [n for n, t in named if isinstance(t, (UninitializedParameter, UninitializedBuffer))]
+    if lazy:
+        raise ConfigError(f"the model's {listing(lazy)} {'is' if len(lazy) == 1 else 'are'} uninitialized (a lazy "
+                          f"module, e.g. nn.LazyLinear, learns its shapes at its first call): call the model once "
+                          f"on a sample batch before wrap()")
+    meta = [n for n, t in named if t.is_meta]
+    if meta:
+        raise ConfigError(f"the model's {listing(meta)} {'is' if len(meta) == 1 else 'are'} on the meta device: "
+                          f"shapes without values (a model built under torch.device('meta') or accelerate's "
+                          f"init_empty_weights). Give it values before wrap(): build it from its config (e.g. "
+                          f"AutoModelForCausalLM.from_config; under tiertrain.partitioned_init at zero.stage 3, "
+                          f"each rank holds only its shard) and load its weights after wrap with "
+                          f"tiertrain.load_pretrained(engine, path), or load it whole (from_pretrained on the CPU)")
 
 
 def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topology, loss_fn: LossFn | None = None,
@@ -89,6 +111,7 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
                           f"supported with pipeline parallelism yet (configure AdamW and schedule in config); "
                           f"they work with parallel.pp=1")
     _check_not_held(model)
+    _check_materialized(model)
     _check_context_parallel(model, config, topology)
     if topology.size("pp") == 1 and activation_shape is not None:
         raise ConfigError("activation_shape is for pipeline parallelism; parallel.pp is 1")
