@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from ..precision import kept_in_fp32
 from .export_groups import converted_items
 from .hf_conversion import SaveGroup
 from ..zero.layout import Slot
@@ -157,6 +158,14 @@ def _model_tensors(engine: "Engine", dtype: torch.dtype) -> list[_Item]:
     trained_outside = [name for name, t in held if isinstance(t, nn.Parameter) and t.requires_grad]
     if trained_outside:
         raise RuntimeError(f"save_pretrained: trained parameter {trained_outside[0]!r} is not in the engine's layout")
+    # What the module holds that the model keeps in fp32 (an MoE router's correction bias, never
+    # trained) is written in fp32, as its own save_pretrained writes it; the units' tensors in
+    # the dtype asked for (one dtype, so that a file's tensors stream in unit order).
+    fp32 = kept_in_fp32(engine.module, dtype)
+
+    def dtype_of(name: str) -> torch.dtype:
+        return torch.float32 if fp32 is not None and fp32.search(name) else dtype
+
     items: list[_Item] = []
     for u in flat.all_units:
         for slot in u.unit.slots:
@@ -167,8 +176,8 @@ def _model_tensors(engine: "Engine", dtype: torch.dtype) -> list[_Item]:
         if t.dtype not in _SAFETENSORS_DTYPE:
             raise TypeError(f"save_pretrained: {name!r} is {t.dtype}, which this export does not write "
                             f"(supported: {sorted(str(d) for d in _SAFETENSORS_DTYPE)})")
-        items.append(_Item(name, tuple(t.shape), dtype if t.is_floating_point() else t.dtype, len(items), None,
-                           value=t))
+        items.append(_Item(name, tuple(t.shape), dtype_of(name) if t.is_floating_point() else t.dtype, len(items),
+                           None, value=t))
     return converted_items(engine.module, items)
 
 
