@@ -538,8 +538,19 @@ def test_conflicting_and_unsupported_trainer_inputs_are_refused(tmp_path):
     assert config.optimizer.weight_decay == 0.0 and config.optimizer.grad_clip == 1.0
     model = _model()
     opt = torch.optim.AdamW(model.parameters())
-    with pytest.raises(ConfigError, match=r"optimizers=\(\.\.\.\)\) is not supported.*optimizer_cls_and_kwargs"):
-        TiertrainTrainer(model=model, args=args, optimizers=(opt, None))
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedulers = {r"StepLR\)\): the engine rebuilds the scheduler.*LambdaLR only": torch.optim.lr_scheduler.StepLR(opt, 2),
+                  "built on another optimizer": transformers.get_constant_schedule(other)}
+    stepped = transformers.get_constant_schedule(opt)
+    stepped.step()
+    schedulers["stepped 1 time"] = stepped
+    for message, scheduler in schedulers.items():
+        with pytest.raises(ConfigError, match=message):
+            TiertrainTrainer(model=model, args=args, optimizers=(opt, scheduler))
+    with pytest.raises(ConfigError, match=r"optimizers=\(\.\.\.\) and optimizer_cls_and_kwargs both"):
+        TiertrainTrainer(model=model, args=args, optimizers=(opt, None), optimizer_cls_and_kwargs=CLIENT_OPTIMIZER)
+    with pytest.raises(ConfigError, match=r"the first must be a torch.optim.Optimizer"):
+        TiertrainTrainer(model=model, args=args, optimizers=("adamw", None))
     with pytest.raises(ConfigError, match=r"model_init=\.\.\.\) is not supported"):
         TiertrainTrainer(model=None, args=args, model_init=_model)
     lazy = copy.copy(args)
@@ -613,3 +624,40 @@ def test_training_arguments_deepspeed_trains_like_the_cli_translation_of_the_sam
     oracle.check(losses, params, f"tiertrain.wrap with `tiertrain train --deepspeed {name}`'s config")
     assert rates == [LR * lr_factor(s, config.schedule) for s in range(STEPS)], rates
     assert lr_factor(0, config.schedule) < lr_factor(1, config.schedule)  # (a warmup, as each file says)
+
+
+@pytest.mark.timeout(120)
+def test_an_optimizer_and_scheduler_built_on_the_model_train_as_with_the_trainer(tmp_path):
+    """Trainer(optimizers=(AdamW(model.parameters()), get_linear_schedule_with_warmup(...))), the
+    tutorials' way (was refused): the engine steps the same AdamW over its shards, from the
+    instance's group and its rate before the scheduler set it to 0, and the same LambdaLR on
+    it. The losses and rates logged are transformers' Trainer's own, the weights within the
+    float64 oracle of plain PyTorch with that optimizer and schedule."""
+    micro = 4
+    data = _samples(STEPS * micro, seed=1)
+    make_optimizer = lambda m: torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS)  # noqa: E731
+    make_scheduler = functools.partial(transformers.get_linear_schedule_with_warmup, num_warmup_steps=WARMUP,
+                                       num_training_steps=STEPS)
+
+    def train(cls, directory, **extra):
+        model = _model()
+        optimizer = make_optimizer(model)
+        trainer = cls(model=model, args=_args(str(tmp_path / directory), micro, 1, use_cpu=True),
+                      train_dataset=_List(data), optimizers=(optimizer, make_scheduler(optimizer)), **extra)
+        trainer.train()
+        lrs = [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e]
+        return _losses(trainer), lrs, trainer
+
+    stage3 = from_dict(Config, {"zero": {"stage": 3}})
+    losses, lrs, ours = train(TiertrainTrainer, "tiertrain", tiertrain_config=stage3)
+    params = ours.engine.full_state_dict()
+    ours.engine.close()
+    hf_losses, hf_lrs, _ = train(transformers.Trainer, "transformers")
+    assert lrs == hf_lrs and len(lrs) == STEPS and lrs[0] == 0.0  # (warmup: the instance's rate was 0 when given)
+    assert losses == pytest.approx(hf_losses, rel=1e-5)
+    batches = [{k: torch.stack([s[k] for s in data[i * micro:(i + 1) * micro]]) for k in ("input_ids", "labels")}
+               for i in range(STEPS)]
+    config = make_config(optimizer={"grad_clip": MAX_GRAD_NORM})
+    oracle = Oracle.run(lambda m: reference_train(m, config, batches, build_optimizer=make_optimizer,
+                                                  lr_scheduler=make_scheduler), _model())
+    oracle.check(losses, params, "TiertrainTrainer(optimizers=(AdamW, LambdaLR))")

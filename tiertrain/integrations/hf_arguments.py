@@ -1,7 +1,8 @@
 """TrainingArguments → tiertrain Config for :class:`~tiertrain.integrations.hf_trainer.TiertrainTrainer`:
 the settings the engine refuses (``check_training_arguments``), the fields TrainingArguments
 decide (``config_from_training_arguments``) and a DeepSpeed config's values and schedule beside
-them (``deepspeed_schedule``). Reads the arguments' fields only: no transformers import here.
+them (``deepspeed_schedule``), and the Trainer's ``optimizers=`` as the engine takes them
+(``client_optimizers``). Reads the arguments' fields only: no transformers import here.
 """
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from typing import Any
 
 from ..config import Config, ConfigError
 
-__all__ = ["SUPPORTED_OPTIMS", "TRAINER_OPTIMS", "check_training_arguments", "config_from_training_arguments",
-           "deepspeed_schedule"]
+__all__ = ["SUPPORTED_OPTIMS", "TRAINER_OPTIMS", "check_training_arguments", "client_optimizers",
+           "config_from_training_arguments", "deepspeed_schedule"]
 
 SUPPORTED_OPTIMS = {"adamw_torch": "auto", "adamw_torch_fused": "fused"}
 """TrainingArguments.optim values the engine builds (torch AdamW), with the kernel each maps to."""
@@ -208,3 +209,48 @@ def deepspeed_schedule(deepspeed, args, max_steps: int):
         schedule.decay_steps = max(0, max_steps - schedule.warmup_steps)
     schedule.validate()
     return schedule
+
+
+def client_optimizers(optimizers, deepspeed=None):
+    """Trainer(optimizers=(optimizer, scheduler)) as the engine takes them: (the optimizer
+    instance or None, a factory of the scheduler over the engine's optimizer or None). The
+    engine steps the instance's class over its shards, from the instance's groups and their
+    rates before any scheduler (tiertrain/optim.py); a scheduler instance is rebuilt on the
+    engine's optimizer, which only a LambdaLR can be (what transformers' get_*_schedule
+    functions return: its lr_lambdas are its whole state). ConfigError otherwise, naming why."""
+    import torch
+
+    if optimizers is None:
+        return None, None
+    if not isinstance(optimizers, (tuple, list)) or len(optimizers) != 2:
+        raise ConfigError(f"TiertrainTrainer(optimizers={optimizers!r}) is invalid: expected (optimizer, scheduler), "
+                          f"either may be None")
+    optimizer, scheduler = optimizers
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"TiertrainTrainer(optimizers=({type(optimizer).__name__}, ...)) is invalid: the first "
+                          f"must be a torch.optim.Optimizer built on the model's parameters")
+    if optimizer is not None and deepspeed is not None:
+        from ..deepspeed_config import read_deepspeed
+
+        blocks = read_deepspeed(deepspeed)
+        if "optimizer" in blocks or (scheduler is not None and "scheduler" in blocks):
+            raise ConfigError("TiertrainTrainer(optimizers=(...)) and the DeepSpeed config's optimizer or scheduler "
+                              "block both name one: remove the block, or pass optimizers=(None, None)")
+    if scheduler is None:
+        return optimizer, None
+    name = type(scheduler).__name__
+    if type(scheduler) is not torch.optim.lr_scheduler.LambdaLR:
+        raise ConfigError(f"TiertrainTrainer(optimizers=(..., {name})): the engine rebuilds the scheduler on its own "
+                          f"optimizer, which it can do for a LambdaLR only (transformers' get_*_schedule_with_warmup); "
+                          f"pass optimizers=(optimizer, None) with TrainingArguments' lr_scheduler_type and "
+                          f"warmup_steps instead")
+    if scheduler.optimizer is not optimizer:
+        raise ConfigError("TiertrainTrainer(optimizers=(optimizer, scheduler)): the scheduler is built on another "
+                          "optimizer than the one given")
+    if scheduler.last_epoch != 0:
+        raise ConfigError(f"TiertrainTrainer(optimizers=(..., {name})): the scheduler was stepped "
+                          f"{scheduler.last_epoch} time(s) already; give one fresh from its constructor")
+    lambdas = list(scheduler.lr_lambdas)
+    one = lambdas[0] if all(f is lambdas[0] for f in lambdas) else None
+    return optimizer, lambda engine_optimizer: torch.optim.lr_scheduler.LambdaLR(
+        engine_optimizer, one if one is not None else lambdas)

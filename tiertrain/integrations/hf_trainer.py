@@ -48,7 +48,9 @@ lr_scheduler_kwargs, max_steps/num_train_epochs → the Trainer's own scheduler
 (``transformers.get_scheduler``), stepped by the engine once per update applied; optim
 adamw_torch/adamw_torch_fused → torch AdamW; optim adafactor/sgd/adagrad/rmsprop (with the
 optim_args the Trainer reads) and ``optimizer_cls_and_kwargs=(cls, kwargs)`` → that optimizer,
-as the Trainer builds it, over the same groups (tiertrain/optim.py; docs/optimizers.md). seed,
+as the Trainer builds it, over the same groups (tiertrain/optim.py; docs/optimizers.md);
+``optimizers=(optimizer, scheduler)`` → that optimizer's class over its own groups and rates, and
+the scheduler (a LambdaLR: transformers' get_*_schedule_with_warmup) rebuilt on the engine's. seed,
 logging_steps, eval_strategy/eval_steps, save_strategy/save_steps, save_total_limit,
 output_dir, callbacks, report_to work as in the Trainer. What tiertrain_config may set: zero,
 activations, parallel.dp and precision.loss_scale; a field TrainingArguments also sets must be
@@ -83,8 +85,8 @@ Limits
   parallelism_config, an optim the engine does not build, optim_args the Trainer would
   ignore, lr_scheduler_type reduce_lr_on_plateau/greedy, auto_find_batch_size,
   use_liger_kernel, bf16_full_eval/fp16_full_eval, more than one GPU per process
-  (DataParallel), model_init and hyper-parameter search, ``optimizers=(...)``
-  (use optimizer_cls_and_kwargs), tiertrain_config with parallel.tp or parallel.pp > 1 or
+  (DataParallel), model_init and hyper-parameter search, ``optimizers=(..., scheduler)`` whose
+  scheduler is not a LambdaLR, tiertrain_config with parallel.tp or parallel.pp > 1 or
   a non-default schedule/checkpoint section, and training through the end of an epoch whose
   batches per rank are not a multiple of gradient_accumulation_steps (the engine steps every
   grad_accum_steps micro-batches; HF would take a short last step).
@@ -119,7 +121,7 @@ from ..state import trainer_checkpoint
 from ..topology import Topology
 from ..wrapping import wrap
 from .hf_arguments import (SUPPORTED_OPTIMS, TRAINER_OPTIMS, _refuse, _value, check_training_arguments,
-                           config_from_training_arguments, deepspeed_schedule)
+                           client_optimizers, config_from_training_arguments, deepspeed_schedule)
 
 try:
     from transformers import Trainer
@@ -289,13 +291,13 @@ class TiertrainTrainer(Trainer):
         if model is None or kwargs.get("model_init") is not None:
             raise ConfigError("TiertrainTrainer(model_init=...) is not supported: pass model= (the engine wraps one "
                               "model once; hyper-parameter search re-creates it)")
-        optimizers = kwargs.get("optimizers", (None, None))
-        if optimizers is not None and any(o is not None for o in optimizers):
-            raise ConfigError("TiertrainTrainer(optimizers=(...)) is not supported: an optimizer and scheduler built "
-                              "on the whole model cannot step the engine's shards; pass "
-                              "optimizer_cls_and_kwargs=(torch.optim.X, {...}) and TrainingArguments' "
-                              "lr_scheduler_type/warmup_steps instead")
         self.deepspeed_config = deepspeed if deepspeed is not None else (args.deepspeed or None)
+        # (stepped by the engine over its shards, the scheduler rebuilt on its optimizer: hf_arguments.py)
+        self._client_optimizer, self._client_scheduler = client_optimizers(kwargs.pop("optimizers", None),
+                                                                           self.deepspeed_config)
+        if self._client_optimizer is not None and kwargs.get("optimizer_cls_and_kwargs") is not None:
+            raise ConfigError("TiertrainTrainer: optimizers=(...) and optimizer_cls_and_kwargs both name the optimizer: "
+                              "pass one")
         self.tiertrain_config = config_from_training_arguments(args, tiertrain_config, self.deepspeed_config)
         _use_the_engines_device(args)
         self.engine = None
@@ -358,12 +360,15 @@ class TiertrainTrainer(Trainer):
         groups = [{"params": decayed, "weight_decay": self.args.weight_decay}, {"params": other, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
         optimizer = None
-        if self.optimizer_cls_and_kwargs is not None or _value(self.args.optim) in TRAINER_OPTIMS:
+        if self._client_optimizer is not None:  # (its own groups, as the Trainer then takes them)
+            optimizer, groups = self._client_optimizer, None
+        elif self.optimizer_cls_and_kwargs is not None or _value(self.args.optim) in TRAINER_OPTIMS:
             # (as Trainer.create_optimizer builds it)
             cls, options = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, model)
             optimizer = functools.partial(cls, **options)
         schedule = deepspeed_schedule(self.deepspeed_config, self.args, max_steps)
-        scheduler = (functools.partial(_hf_scheduler, args=self.args, max_steps=max_steps) if schedule is None
+        scheduler = (self._client_scheduler if self._client_scheduler is not None else
+                     functools.partial(_hf_scheduler, args=self.args, max_steps=max_steps) if schedule is None
                      else functools.partial(_tiertrain_scheduler, schedule=schedule))
         if self.args.torch_compile:  # each block, not the whole model: the engine's hooks stay outside
             compile_blocks(model, backend=self.args.torch_compile_backend, mode=self.args.torch_compile_mode)
