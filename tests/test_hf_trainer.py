@@ -661,3 +661,44 @@ def test_an_optimizer_and_scheduler_built_on_the_model_train_as_with_the_trainer
     oracle = Oracle.run(lambda m: reference_train(m, config, batches, build_optimizer=make_optimizer,
                                                   lr_scheduler=make_scheduler), _model())
     oracle.check(losses, params, "TiertrainTrainer(optimizers=(AdamW, LambdaLR))")
+
+
+def _own_optimizer(trainer_class):
+    """A script's Trainer subclass building its own optimizer, as LLaVA's does: the embeddings
+    at a tenth of the rate, SGD with momentum, and a cosine schedule of its own."""
+
+    class Own(trainer_class):
+        def create_optimizer(self, model=None):
+            named = list(self.model.named_parameters())
+            groups = [{"params": [p for n, p in named if "embed" in n], "lr": LR / 10},
+                      {"params": [p for n, p in named if "embed" not in n]}]
+            self.optimizer = torch.optim.SGD(groups, lr=LR, momentum=0.9)
+            return self.optimizer
+
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            self.lr_scheduler = transformers.get_cosine_schedule_with_warmup(
+                optimizer or self.optimizer, num_warmup_steps=1, num_training_steps=num_training_steps)
+            return self.lr_scheduler
+
+    return Own
+
+
+@pytest.mark.timeout(120)
+def test_a_trainer_subclass_building_its_own_optimizer_trains_with_it(tmp_path):
+    """create_optimizer / create_scheduler overridden: the Trainer's way to customise them
+    (per-group rates, another optimizer). TiertrainTrainer ignored both in silence and trained
+    with its own AdamW and the arguments' schedule; now it calls them as the Trainer does, and
+    the engine steps that optimizer over its shards: the losses and each group's rates logged
+    are transformers' Trainer's with the same subclass (the engine's AdamW: other losses)."""
+    data = _samples(STEPS * 4, seed=1)
+
+    def train(cls, directory, **extra):
+        trainer = _own_optimizer(cls)(model=_model(), args=_args(str(tmp_path / directory), 4, 1, use_cpu=True),
+                                      train_dataset=_List(data), **extra)
+        trainer.train()
+        return _losses(trainer), [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e]
+
+    losses, lrs = train(TiertrainTrainer, "tiertrain", tiertrain_config=from_dict(Config, {"zero": {"stage": 3}}))
+    hf_losses, hf_lrs = train(transformers.Trainer, "transformers")
+    assert lrs == hf_lrs and lrs[1] == pytest.approx(LR / 10)  # (the first group's: the embeddings')
+    assert losses == pytest.approx(hf_losses, rel=1e-5)

@@ -50,7 +50,8 @@ adamw_torch/adamw_torch_fused → torch AdamW; optim adafactor/sgd/adagrad/rmspr
 optim_args the Trainer reads) and ``optimizer_cls_and_kwargs=(cls, kwargs)`` → that optimizer,
 as the Trainer builds it, over the same groups (tiertrain/optim.py; docs/optimizers.md);
 ``optimizers=(optimizer, scheduler)`` → that optimizer's class over its own groups and rates, and
-the scheduler (a LambdaLR: transformers' get_*_schedule_with_warmup) rebuilt on the engine's. seed,
+the scheduler (a LambdaLR: transformers' get_*_schedule_with_warmup) rebuilt on the engine's;
+a subclass's own create_optimizer / create_scheduler → what they build, taken the same way. seed,
 logging_steps, eval_strategy/eval_steps, save_strategy/save_steps, save_total_limit,
 output_dir, callbacks, report_to work as in the Trainer. What tiertrain_config may set: zero,
 activations, parallel.dp and precision.loss_scale; a field TrainingArguments also sets must be
@@ -360,14 +361,15 @@ class TiertrainTrainer(Trainer):
         groups = [{"params": decayed, "weight_decay": self.args.weight_decay}, {"params": other, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
         optimizer = None
-        if self._client_optimizer is not None:  # (its own groups, as the Trainer then takes them)
-            optimizer, groups = self._client_optimizer, None
+        client, client_scheduler = self._scripts_optimizers(max_steps)
+        if client is not None:  # (its own groups, as the Trainer then takes them)
+            optimizer, groups = client, None
         elif self.optimizer_cls_and_kwargs is not None or _value(self.args.optim) in TRAINER_OPTIMS:
             # (as Trainer.create_optimizer builds it)
             cls, options = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, model)
             optimizer = functools.partial(cls, **options)
         schedule = deepspeed_schedule(self.deepspeed_config, self.args, max_steps)
-        scheduler = (self._client_scheduler if self._client_scheduler is not None else
+        scheduler = (client_scheduler if client_scheduler is not None else
                      functools.partial(_hf_scheduler, args=self.args, max_steps=max_steps) if schedule is None
                      else functools.partial(_tiertrain_scheduler, schedule=schedule))
         if self.args.torch_compile:  # each block, not the whole model: the engine's hooks stay outside
@@ -380,6 +382,28 @@ class TiertrainTrainer(Trainer):
         self.optimizer = _EngineOptimizer(self.engine)
         self.lr_scheduler = _EngineScheduler(self.optimizer)
         return self.engine
+
+    def _scripts_optimizers(self, max_steps: int):
+        """(optimizer instance, scheduler factory) the script gives, or (None, None): Trainer(
+        optimizers=...), or its subclass's own create_optimizer / create_scheduler /
+        create_optimizer_and_scheduler, called as the Trainer calls them (before, ignored in
+        silence: the engine's AdamW trained instead). They build on the model's parameters; the
+        engine steps that optimizer's class over its shards (hf_arguments.client_optimizers)."""
+        if self._client_optimizer is not None:
+            return self._client_optimizer, self._client_scheduler
+        own = {name for name in ("create_optimizer", "create_scheduler", "create_optimizer_and_scheduler")
+               if getattr(type(self), name) is not getattr(TiertrainTrainer, name)}
+        if not own:
+            return None, None
+        self.optimizer = self.lr_scheduler = None
+        if "create_optimizer_and_scheduler" in own:
+            self.create_optimizer_and_scheduler(num_training_steps=max_steps)
+        else:
+            self.create_optimizer()
+            if "create_scheduler" in own:
+                self.create_scheduler(num_training_steps=max_steps, optimizer=self.optimizer)
+        return client_optimizers((self.optimizer, self.lr_scheduler if own - {"create_optimizer"} else None),
+                                 self.deepspeed_config)
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
         self._ensure_engine()
