@@ -103,19 +103,24 @@ def test_a_routers_correction_bias_stays_fp32_and_routes_as_the_model_does(stage
         assert torch.equal(out["frozen gate, full"], original_gate)
         assert len(out["warnings"]) == 1 and "'model.layers.1.mlp.gate.weight'" in out["warnings"][0]
         assert "precision.dtype: fp32" in out["warnings"][0]
-    # written in bf16 but for the buffers the model keeps in fp32, as its own save_pretrained
-    # writes them (the trained router weight, from its fp32 master, in the dtype asked for)
-    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
+    # Written in bf16 but for the buffers the model keeps in fp32, as its own save_pretrained
+    # writes them (the trained router weight, from its fp32 master, in the dtype asked for):
+    # by the engine, and offline from the checkpoint.
     from safetensors import safe_open
 
-    written = {}
-    for path in (tmp_path / "hf").glob("*.safetensors"):
-        with safe_open(str(path), "pt") as f:
-            written.update({name: f.get_tensor(name) for name in f.keys()})
-    assert torch.equal(written[ROUTER + ".e_score_correction_bias"], BIAS)
-    assert torch.equal(written[ROUTER + ".weight"], original_gate.to(torch.bfloat16))
-    assert written["model.embed_tokens.weight"].dtype == torch.bfloat16
-    assert torch.equal(exported.get_submodule(ROUTER).e_score_correction_bias, BIAS)
+    from tiertrain.state.consolidate import export_checkpoint
+
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "offline", dtype=torch.bfloat16)
+    for directory in ("hf", "offline"):
+        written = {}
+        for path in (tmp_path / directory).glob("*.safetensors"):
+            with safe_open(str(path), "pt") as f:
+                written.update({name: f.get_tensor(name) for name in f.keys()})
+        assert torch.equal(written[ROUTER + ".e_score_correction_bias"], BIAS), directory
+        assert torch.equal(written[ROUTER + ".weight"], original_gate.to(torch.bfloat16)), directory
+        assert written["model.embed_tokens.weight"].dtype == torch.bfloat16
+        exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / directory, dtype=torch.bfloat16)
+        assert torch.equal(exported.get_submodule(ROUTER).e_score_correction_bias, BIAS)
 
 
 def test_the_rounded_bias_would_route_elsewhere():
