@@ -14,8 +14,8 @@ import torch.nn as nn
 from .buffers import ModuleBuffers
 from .config import Config
 from .device import DeviceStreams, acts_as_accelerator, pins_host
-from .offload.shard_store import shard_store
 from .module_dtypes import cast_buffers_and_frozen
+from .offload.shard_store import shard_store
 from .precision import DynamicLossScaler
 from .update.factory import UpdateContext, UpdateFactory
 from .zero.agreement import Event

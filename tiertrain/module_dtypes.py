@@ -47,15 +47,12 @@ def cast_buffers_and_frozen(engine: "TrainingCore", model: nn.Module, in_layout:
     fp32 = kept_in_fp32(model, engine.dtype)
     engine.derived_buffers_kept = []
     """The floating derived buffers kept in a dtype other than the compute dtype (names)."""
-    engine.kept_in_fp32 = []
-    """The buffers and whole frozen parameters kept in fp32, as the model declares them
-    (precision.kept_in_fp32: an MoE router's correction bias; its values rounded to the compute
-    dtype would route differently and be saved rounded)."""
     given: list[tuple[nn.Module, str, torch.dtype]] = []
 
     def dtype_of(full: str, value: torch.Tensor) -> torch.dtype:
+        # (what the model keeps in fp32, precision.kept_in_fp32: an MoE router's correction bias,
+        # whose values rounded to the compute dtype would route differently and be saved rounded)
         if fp32 is not None and value.is_floating_point() and fp32.search(full):
-            engine.kept_in_fp32.append(full)
             return torch.promote_types(value.dtype, torch.float32)
         return engine.dtype if value.is_floating_point() else value.dtype
 

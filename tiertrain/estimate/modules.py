@@ -50,9 +50,9 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
+from ..blocks import own_checkpoint_interval
 from ..errors import TiertrainError
 from .activations import ActivationBytes
-from ..blocks import own_checkpoint_interval
 
 __all__ = ["HFModelDims", "dims_of_hf_config", "dims_of_module", "load_hf_config", "SUPPORTED_FAMILIES",
            "build_meta_model"]
