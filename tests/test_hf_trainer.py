@@ -702,3 +702,36 @@ def test_a_trainer_subclass_building_its_own_optimizer_trains_with_it(tmp_path):
     hf_losses, hf_lrs = train(transformers.Trainer, "transformers")
     assert lrs == hf_lrs and lrs[1] == pytest.approx(LR / 10)  # (the first group's: the embeddings')
     assert losses == pytest.approx(hf_losses, rel=1e-5)
+
+
+class OwnStep:
+    """A script's training_step, as the Trainer's own is written: the loss divided by the
+    accumulation steps where the model did not normalise it, then accelerator.backward."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        if not (self.model_accepts_loss_kwargs and num_items_in_batch is not None):
+            loss = loss / self.current_gradient_accumulation_steps
+        self.accelerator.backward(loss)
+        return loss.detach()
+
+
+@pytest.mark.timeout(120)
+def test_a_training_step_override_backpropagates_through_the_engine(tmp_path):
+    """A Trainer subclass's own training_step calling accelerator.backward(loss) was refused
+    (the gradients bypassed the engine); now that call runs the engine's backward: with
+    gradient accumulation the losses equal those of transformers' Trainer with the same
+    override, and of TiertrainTrainer's own training_step."""
+    data = _samples(STEPS * 4, seed=1)
+    stage3 = dict(tiertrain_config=from_dict(Config, {"zero": {"stage": 3}}))
+
+    def train(cls, directory, **extra):
+        trainer = cls(model=_model(), args=_args(str(tmp_path / directory), 2, 2, use_cpu=True),
+                      train_dataset=_List(data), **extra)
+        trainer.train()
+        return _losses(trainer)
+
+    own = train(type("Own", (OwnStep, TiertrainTrainer), {}), "own", **stage3)
+    assert own == pytest.approx(train(type("HFOwn", (OwnStep, transformers.Trainer), {}), "hf"), rel=1e-5)
+    assert own == pytest.approx(train(TiertrainTrainer, "plain", **stage3), rel=1e-6)

@@ -378,6 +378,7 @@ class TiertrainTrainer(Trainer):
                            lr_scheduler=scheduler)
         self._engine_max_steps = max_steps
         self._proxy = _EngineModel(self.engine)
+        self.accelerator.backward = self._backward_through_engine  # (a training_step override's call)
         self.model_wrapped = self._proxy
         self.optimizer = _EngineOptimizer(self.engine)
         self.lr_scheduler = _EngineScheduler(self.optimizer)
@@ -482,6 +483,16 @@ class TiertrainTrainer(Trainer):
         engine.backward(loss * accum if scaled_for_ga else loss)
         reported = loss if scaled_for_ga else loss / accum
         return reported.detach().float().to(self.args.device)
+
+    def _backward_through_engine(self, loss: torch.Tensor, **kwargs) -> None:
+        """accelerator.backward as a script's own training_step calls it (before, refused: the
+        gradients bypassed the engine). The Trainer's accelerator accumulates nothing itself
+        (its gradient_accumulation_steps is 1), so the window's gradient is the sum of what it
+        is given; the engine divides by grad_accum_steps, so it is handed the loss times that."""
+        if kwargs:
+            raise ConfigError(f"TiertrainTrainer: accelerator.backward(loss, {', '.join(kwargs)}=...): the engine runs "
+                              f"the backward and takes the loss alone")
+        self.engine.backward(loss * self.current_gradient_accumulation_steps)
 
     def _clip_grad_norm(self, model):
         return None  # the engine clips at optimizer.grad_clip (= max_grad_norm) inside step()
