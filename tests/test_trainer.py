@@ -244,7 +244,7 @@ def test_offload_auto_plans_a_model_that_checkpoints_itself_with_its_checkpoints
     counts it and adds none (the engine refuses two checkpoints around a layer). Before, the
     planner counted the model's activations whole and, short of RAM, chose
     activations.checkpoint_every, which wrap then refused."""
-    own, without_it, chosen, loss = run_distributed(_auto_for_a_model_that_checkpoints_itself, 1, timeout=60)[0]
+    own, without_it, chosen, loss = run_distributed(_auto_for_a_model_that_checkpoints_itself, 1, timeout=45)[0]
     assert own == 1 and without_it > 0  # the RAM given is short for the model counted without its checkpoints
     assert chosen == 0 and math.isfinite(loss)
 
