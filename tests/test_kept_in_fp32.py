@@ -103,22 +103,31 @@ def test_a_routers_correction_bias_stays_fp32_and_routes_as_the_model_does(stage
         assert torch.equal(out["frozen gate, full"], original_gate)
         assert len(out["warnings"]) == 1 and "'model.layers.1.mlp.gate.weight'" in out["warnings"][0]
         assert "precision.dtype: fp32" in out["warnings"][0]
-    # Written in bf16 but for the buffers the model keeps in fp32, as its own save_pretrained
-    # writes them (the trained router weight, from its fp32 master, in the dtype asked for):
-    # by the engine, and offline from the checkpoint.
+    # Written in bf16 but for what the model keeps in fp32, the dtypes transformers' own
+    # save_pretrained writes for the model loaded in bf16 (the trained router weight from its
+    # fp32 master, the correction bias as held): by the engine, and offline from the checkpoint.
     from safetensors import safe_open
 
     from tiertrain.state.consolidate import export_checkpoint
 
     export_checkpoint(tmp_path / "ckpt", tmp_path / "offline", dtype=torch.bfloat16)
-    for directory in ("hf", "offline"):
-        written = {}
+    _deepseek_v3().save_pretrained(tmp_path / "fp32")
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16).save_pretrained(
+        tmp_path / "transformers")
+    saved = {}
+    for directory in ("transformers", "hf", "offline"):
+        saved[directory] = {}
         for path in (tmp_path / directory).glob("*.safetensors"):
             with safe_open(str(path), "pt") as f:
-                written.update({name: f.get_tensor(name) for name in f.keys()})
+                saved[directory].update({name: f.get_tensor(name) for name in f.keys()})
+    dtypes = {name: t.dtype for name, t in saved["transformers"].items()}
+    assert dtypes[ROUTER + ".weight"] == dtypes[ROUTER + ".e_score_correction_bias"] == torch.float32
+    assert dtypes["model.embed_tokens.weight"] == torch.bfloat16
+    for directory in ("hf", "offline"):
+        written = saved[directory]
+        assert {name: t.dtype for name, t in written.items()} == dtypes, directory
         assert torch.equal(written[ROUTER + ".e_score_correction_bias"], BIAS), directory
-        assert torch.equal(written[ROUTER + ".weight"], original_gate.to(torch.bfloat16)), directory
-        assert written["model.embed_tokens.weight"].dtype == torch.bfloat16
+        assert torch.equal(written[ROUTER + ".weight"], original_gate), directory
         exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / directory, dtype=torch.bfloat16)
         assert torch.equal(exported.get_submodule(ROUTER).e_score_correction_bias, BIAS)
 

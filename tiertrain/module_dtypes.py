@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from .errors import listing
-from .precision import kept_in_fp32
+from .precision import kept_in_fp32, named_in
 from .zero.construct import forget_partition
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def cast_buffers_and_frozen(engine: "TrainingCore", model: nn.Module, in_layout:
     def dtype_of(full: str, value: torch.Tensor) -> torch.dtype:
         # (what the model keeps in fp32, precision.kept_in_fp32: an MoE router's correction bias,
         # whose values rounded to the compute dtype would route differently and be saved rounded)
-        if fp32 is not None and value.is_floating_point() and fp32.search(full):
+        if value.is_floating_point() and named_in(fp32, full):
             return torch.promote_types(value.dtype, torch.float32)
         return engine.dtype if value.is_floating_point() else value.dtype
 
@@ -71,7 +71,7 @@ def cast_buffers_and_frozen(engine: "TrainingCore", model: nn.Module, in_layout:
         if not p.requires_grad:
             prefix, _, name = full.rpartition(".")
             module = model.get_submodule(prefix)
-            if rounds(p.dtype, engine.dtype) and not (fp32 is not None and fp32.search(full)):
+            if rounds(p.dtype, engine.dtype) and not named_in(fp32, full):
                 rounded[full] = p.dtype
             if full in in_layout:
                 engine.frozen_dtypes[full] = p.dtype
@@ -89,7 +89,7 @@ def cast_buffers_and_frozen(engine: "TrainingCore", model: nn.Module, in_layout:
                       f"hands back hold their rounded values; load the model in {engine.dtype} "
                       f"(from_pretrained(dtype=...)) to start from those values, or set precision.dtype: fp32",
                       RuntimeWarning, stacklevel=5)
-    trained = [n for n, p in model.named_parameters() if p.requires_grad and fp32 is not None and fp32.search(n)]
+    trained = [n for n, p in model.named_parameters() if p.requires_grad and named_in(fp32, n)]
     if trained:
         warnings.warn(f"this {type(model).__name__} keeps {listing(trained)} in fp32 (transformers' "
                       f"_keep_in_fp32_modules): tiertrain trains them from fp32 master weights, but its forward and "

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..precision import kept_in_fp32
+from ..precision import kept_in_fp32, named_in
 from . import checkpoint
 from .checkpoint import MARKER, CheckpointError, rank_file_name, verified_file
 from .export_files import WITH_MODEL, StreamedFile, remove_stale, write_files_with_model, write_hf_config, write_index
@@ -209,27 +209,28 @@ def _export(step_dir: str, marker: dict, out_dir: str, target: torch.dtype, max_
     # What to write, in the model's order: the layout's parameters (trained, then frozen
     # units; at any tensor- or pipeline-parallel layout, whole: saved_run.global_value), then
     # what the module held whole.
+    hf_model = None
+    if HF_CONFIG in extra_files and info is not None:  # (the run's names are the model's: convert as it saves)
+        with open(os.path.join(step_dir, HF_CONFIG)) as f:
+            hf_model = meta_model(json.load(f))
+    # (what the model keeps in fp32 in fp32, as save_pretrained writes it: a router's weight, its bias)
+    fp32 = kept_in_fp32(hf_model, target) if hf_model is not None else None
     items: list[TensorItem] = []
     sources: dict[str, tuple] = {}
     for kind, layout_name, shape in saved_parameters(run):
         name = layout_name if info is None else info["names"].get(layout_name)
         if name is None:
             continue
-        item = TensorItem(name, tuple(shape), target, len(items), None)
+        dtype = torch.float32 if named_in(fp32, layout_name) else target
+        item = TensorItem(name, tuple(shape), dtype, len(items), None)
         sources[item.name] = ("param", kind, layout_name)
         items.append(item)
-    hf_model = None
-    if HF_CONFIG in extra_files and info is not None:  # (the run's names are the model's: convert as it saves)
-        with open(os.path.join(step_dir, HF_CONFIG)) as f:
-            hf_model = meta_model(json.load(f))
-    # (the buffers the model keeps in fp32 in fp32, as save_pretrained writes them)
-    fp32 = kept_in_fp32(hf_model, target) if hf_model is not None else None
     held = None
     if info is not None and info.get("held") and HELD_TENSORS in extra_files:
         held = _HeldTensors(os.path.join(step_dir, HELD_TENSORS))
         for name in info["held"]:
             saved, shape = held.entry(name)
-            dtype = torch.float32 if fp32 is not None and fp32.search(name) else target
+            dtype = torch.float32 if named_in(fp32, name) else target
             item = TensorItem(name, shape, dtype if saved.is_floating_point else saved, len(items), None)
             sources[item.name] = ("held", name)
             items.append(item)

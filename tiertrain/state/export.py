@@ -100,26 +100,27 @@ class _RankWriter:
         return self.current is not None
 
     def advance(self, unit: int | None, value_of: Callable[[_Item], torch.Tensor] | None) -> None:
-        """Write every pending tensor that is available now: those of this unit (just
-        gathered; value_of cuts them from it) and those the module holds. unit None: the end,
-        when everything left must be written."""
+        """Write every tensor of the open files that is available now: those of this unit (just
+        gathered; value_of cuts them from it) and those the module holds, each at its offset.
+        unit None: the end, when everything left must be written."""
         while self._open_next():
-            item = self.current.pending
-            if item is None:
+            for item in list(self.current.unwritten.values()):
+                if item.unit is None or item.unit == unit:
+                    value = value_of(item) if item.unit is not None else item.value
+                    nbytes = self.current.write(item, value.detach().to(dtype=item.dtype))
+                    self.report.tensors += 1
+                    self.report.bytes_written += nbytes
+                    self.report.largest_write = max(self.report.largest_write, nbytes)
+            if self.current.pending is None:
                 self.current.commit()
                 self.report.written.append(self.current.spec.name)
                 self.current = None
                 continue
-            if item.unit is not None and item.unit != unit:
-                if unit is None or item.unit < unit:
-                    raise RuntimeError(f"save_pretrained: internal error: {item.name} of unit {item.unit} "
-                                       f"was not written when its unit was gathered")
-                return
-            value = value_of(item) if item.unit is not None else item.value
-            nbytes = self.current.write(item, value.detach().to(dtype=item.dtype))
-            self.report.tensors += 1
-            self.report.bytes_written += nbytes
-            self.report.largest_write = max(self.report.largest_write, nbytes)
+            late = next((i for i in self.current.unwritten.values() if unit is None or i.unit < unit), None)
+            if late is not None:
+                raise RuntimeError(f"save_pretrained: internal error: {late.name} of unit {late.unit} "
+                                   f"was not written when its unit was gathered")
+            return
 
     def abort(self) -> None:
         if self.current is not None:
@@ -245,9 +246,13 @@ def save_pretrained(engine: "Engine", directory: str | os.PathLike, dtype: torch
     by_index = engine.flat.all_units
     members = GroupMembers([i for f in mine for i in f.items])
     converted = ConvertedValues(engine.module, [i for f in mine for i in f.items], members.take)
+    # (a unit holding a tensor written in fp32 while the rest is not, what the model keeps in
+    # fp32, is gathered from its fp32 masters)
+    in_fp32 = {m.unit for f in plan.files for i in f.items for m in (i.members or (i,)) if i.dtype == torch.float32}
     with torch.no_grad():
         for index in plan.units:
-            full = _unit_values(engine, by_index[index], target, masters, report, failed)
+            wanted = torch.float32 if index in in_fp32 else target
+            full = _unit_values(engine, by_index[index], wanted, masters, report, failed)
             if not failed:
                 try:
                     cut = _cutter(full)

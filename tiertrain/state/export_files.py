@@ -43,40 +43,55 @@ def _header(items: tuple[_Item, ...]) -> bytes:
 
 class _StreamedFile:
     """One safetensors file written as its tensors become available: the header at once, then
-    each tensor in offset order. Complete or absent (fileio.atomic_write's protocol: a
-    temporary file beside the target, fsynced, renamed over it; removed on failure), but kept
-    open across the units' gathers, which atomic_write's single callback cannot be."""
+    each tensor at its own offset, in whatever order the values come (a file may hold units'
+    tensors of two dtypes: the model's fp32 router weights among bf16 ones, each dtype in the
+    units' order). Complete or absent (fileio.atomic_write's protocol: a temporary file beside
+    the target, fsynced, renamed over it; removed on failure), but kept open across the units'
+    gathers, which atomic_write's single callback cannot be."""
 
     def __init__(self, directory: str, spec: _File):
         self.spec = spec
         self.path = os.path.join(directory, spec.name)
         fd, self.tmp = temporary_beside(directory, f".{spec.name}.", _TEMP_SUFFIX)
         self.f: BinaryIO = os.fdopen(fd, "wb")
-        self.next = 0
-        """The index in spec.items of the next tensor to write."""
+        header = _header(spec.items)
+        self.offsets: dict[int, int] = {}
+        """Where each item's bytes start in the file, by id(item)."""
+        offset = len(header)
+        for item in spec.items:
+            self.offsets[id(item)] = offset
+            offset += item.nbytes
+        self.unwritten: dict[int, _Item] = {id(item): item for item in spec.items}
+        """By id(item), in offset order."""
         try:
-            self.f.write(_header(spec.items))
+            self.f.write(header)
         except BaseException:
             self.abort()
             raise
 
     @property
     def pending(self) -> _Item | None:
-        return self.spec.items[self.next] if self.next < len(self.spec.items) else None
+        """The first tensor (in offset order) not written yet; None once the file is complete."""
+        return next(iter(self.unwritten.values()), None)
 
     def write(self, item: _Item, value: torch.Tensor) -> int:
-        """Append item's value (in item.dtype, on the CPU); returns the bytes written."""
-        if item is not self.pending:
-            raise RuntimeError(f"save_pretrained: internal error: {item.name} written out of order in {self.spec.name}")
+        """Write item's value (in item.dtype, on the CPU) at its offset; returns the bytes written."""
+        if self.unwritten.get(id(item)) is not item:
+            raise RuntimeError(f"save_pretrained: internal error: {item.name} is not a tensor still to write in "
+                               f"{self.spec.name}")
         if tuple(value.shape) != item.shape or value.dtype != item.dtype:
             raise RuntimeError(f"save_pretrained: internal error: {item.name} is {tuple(value.shape)} {value.dtype}, "
                                f"planned {item.shape} {item.dtype}")
         data = value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self.f.seek(self.offsets[id(item)])
         self.f.write(memoryview(data.numpy()))
-        self.next += 1
+        del self.unwritten[id(item)]
         return item.nbytes
 
     def commit(self) -> None:
+        if self.unwritten:
+            raise RuntimeError(f"save_pretrained: internal error: {self.spec.name} committed without "
+                               f"{self.pending.name}")
         self.f.flush()
         os.fsync(self.f.fileno())
         self.f.close()

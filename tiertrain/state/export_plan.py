@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from ..precision import kept_in_fp32
+from ..precision import kept_in_fp32, named_in
 from .export_groups import converted_items
 from .hf_conversion import SaveGroup
 from ..zero.layout import Slot
@@ -97,7 +97,7 @@ class _File:
     rank: int
     items: tuple[_Item, ...]
     """In offset order: descending element size (so each tensor starts aligned to its own
-    element size), then the model's order, in which the units are gathered."""
+    element size), then the model's order (written as the units are gathered, each at its offset)."""
 
 
 @dataclass(frozen=True)
@@ -158,20 +158,19 @@ def _model_tensors(engine: "Engine", dtype: torch.dtype) -> list[_Item]:
     trained_outside = [name for name, t in held if isinstance(t, nn.Parameter) and t.requires_grad]
     if trained_outside:
         raise RuntimeError(f"save_pretrained: trained parameter {trained_outside[0]!r} is not in the engine's layout")
-    # What the module holds that the model keeps in fp32 (an MoE router's correction bias, never
-    # trained) is written in fp32, as its own save_pretrained writes it; the units' tensors in
-    # the dtype asked for (one dtype, so that a file's tensors stream in unit order).
+    # What the model keeps in fp32 (an MoE router's weight, trained from its fp32 master; its
+    # correction bias, held) is written in fp32, as its own save_pretrained writes it.
     fp32 = kept_in_fp32(engine.module, dtype)
 
     def dtype_of(name: str) -> torch.dtype:
-        return torch.float32 if fp32 is not None and fp32.search(name) else dtype
+        return torch.float32 if named_in(fp32, name) else dtype
 
     items: list[_Item] = []
     for u in flat.all_units:
         for slot in u.unit.slots:
             name = names.get(slot.name)
             if name is not None:
-                items.append(_Item(name, slot.shape, dtype, len(items), u.unit.index, slot=slot))
+                items.append(_Item(name, slot.shape, dtype_of(slot.name), len(items), u.unit.index, slot=slot))
     for name, t in held:
         if t.dtype not in _SAFETENSORS_DTYPE:
             raise TypeError(f"save_pretrained: {name!r} is {t.dtype}, which this export does not write "

@@ -11,7 +11,7 @@ from typing import Callable
 import torch.nn as nn
 
 from ..config import Config, ConfigError
-from ..precision import compute_dtype, kept_in_fp32
+from ..precision import compute_dtype, kept_in_fp32, named_in
 from .construct import full_shape, is_partitioned
 from .layout import FlatLayout, bucket_layout, module_layout
 from .stages import ZeroStage
@@ -94,7 +94,7 @@ def default_plan(model: nn.Module, config: Config, dp: int, unit_modules: list[s
     # so does one the model keeps in fp32, precision.kept_in_fp32: a frozen MoE router)
     fp32 = kept_in_fp32(model, compute_dtype(config.precision.dtype))
     frozen = [(n, p) for n, p in model.named_parameters()
-              if not p.requires_grad and p.is_floating_point() and not (fp32 is not None and fp32.search(n))]
+              if not p.requires_grad and p.is_floating_point() and not named_in(fp32, n)]
     zc, stage = config.zero, ZeroStage.of(config)
     if stage.partitions_parameters:
         prefixes = default_unit_modules(model, zc.unit_params) if unit_modules is None else list(unit_modules)
