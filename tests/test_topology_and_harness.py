@@ -107,3 +107,29 @@ def test_harness_turns_a_hang_into_a_fast_failure():
 def test_harness_reports_a_dead_rank():
     with pytest.raises(RankFailure, match="rank 1 failed: ended with exit code 3"):
         run_distributed(_die, 2, timeout=20)
+
+
+
+def _two_thread_ops(rank, world):
+    import sys
+
+    for _ in range(3):
+        (torch.randn(600, 600) @ torch.randn(600, 600)).sum()
+        (torch.randn(3_000_000).exp() * 2).sum()
+    from tiertrain.launch import HEAVY_IMPORTS
+
+    return torch.get_num_threads(), [name for name in HEAVY_IMPORTS if name in sys.modules]
+
+
+@pytest.mark.timeout(60)
+def test_ranks_forked_after_the_preloaded_imports_compute_with_several_threads():
+    """The ranks fork from a forkserver that preloaded tiertrain.launch.HEAVY_IMPORTS (those this
+    process holds: tests/conftest.py imports them). A module that ran a multi-threaded torch op
+    at import would start the OpenMP pool in the server, and a pool started before a fork hangs
+    the child's first parallel region: a rank given two threads computes."""
+    try:
+        (threads, preloaded), = run_distributed(_two_thread_ops, 1, threads=2, timeout=30)
+    except DistributedTimeout:
+        pytest.fail("a rank hung in torch's thread pool: a module of tiertrain.launch.HEAVY_IMPORTS runs a parallel "
+                    "torch op at import; take it out of HEAVY_IMPORTS")
+    assert threads == 2 and preloaded, preloaded

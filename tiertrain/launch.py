@@ -471,7 +471,7 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args, timeout: float = DEF
     method = start_method or ("forkserver" if _cuda_devices() else "fork")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "tiertrain"])
+        ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "tiertrain", *_heavy_imports_held()])
     host = "127.0.0.1"
     # Where the ranks' swappers register the directories they create
     # (tiertrain.io.swap_dir.CLEANUP_ENV): removed below once every rank is gone, however
@@ -486,6 +486,16 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args, timeout: float = DEF
             return _run_workers(ctx, fn, nproc, host, timeout, deadline, cleanup_dir, args, kwargs)
     finally:
         _remove_left_behind(cleanup_dir)
+
+
+HEAVY_IMPORTS = ("transformers.modeling_utils", "transformers.trainer", "peft")
+"""Modules that take a second or more to import (transformers' model base imports its
+generation, integrations and hub code): preloaded into the forkserver when this process holds
+them, since ranks launched from a process that uses them import them too."""
+
+
+def _heavy_imports_held() -> list[str]:
+    return [name for name in HEAVY_IMPORTS if name in sys.modules]
 
 
 def _remove_left_behind(cleanup_dir: str) -> None:
