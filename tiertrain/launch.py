@@ -495,7 +495,10 @@ them, since ranks launched from a process that uses them import them too."""
 
 
 def _heavy_imports_held() -> list[str]:
-    return [name for name in HEAVY_IMPORTS if name in sys.modules]
+    # Not on a CUDA machine: an import that initialised CUDA in the server (accelerate's, say)
+    # would leave every forked rank unable to use it; that is unmeasured there, and the gain
+    # is the CPU test suite's.
+    return [name for name in HEAVY_IMPORTS if name in sys.modules] if not _cuda_devices() else []
 
 
 def _remove_left_behind(cleanup_dir: str) -> None:
