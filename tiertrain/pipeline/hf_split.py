@@ -97,6 +97,8 @@ sides), so the copies stay equal. With the bare :class:`~.executor.PipelineExecu
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 
 import torch
@@ -169,6 +171,14 @@ def _head_loss(stage: "HFStage", logits: torch.Tensor, labels: torch.Tensor) -> 
     if loss_function is not None:
         return loss_function(logits, labels, vocab_size=logits.shape[-1])
     return next_token_loss(logits, labels)
+
+
+@functools.lru_cache(maxsize=None)
+def _no_cache(fn) -> dict:
+    """The keyword argument that tells fn (a transformers mask builder or layer forward) to use
+    no KV cache: ``cache`` where it takes one (transformers 5.2x on), else ``past_key_values``
+    (deprecated there, to be removed in 5.40)."""
+    return {"cache": None} if "cache" in inspect.signature(fn).parameters else {"past_key_values": None}
 
 
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -285,7 +295,8 @@ class HFStage(nn.Module):
                 j = i - le
                 block = self.get_submodule(self._blocks[i])
                 cfg = self._stack_configs[1]
-                mask = create_causal_mask(config=cfg, inputs_embeds=dec, attention_mask=None, past_key_values=None)
+                mask = create_causal_mask(config=cfg, inputs_embeds=dec, attention_mask=None,
+                                          **_no_cache(create_causal_mask))
                 cross = create_bidirectional_mask(config=cfg, inputs_embeds=dec, attention_mask=None,
                                                   encoder_hidden_states=enc)
                 # (the cross-attention's position bias is zero, made by each block itself)
@@ -342,7 +353,7 @@ class HFStage(nn.Module):
         if self.layers:
             from transformers.masking_utils import create_causal_mask
             mask = create_causal_mask(config=self.hf_config, inputs_embeds=x, attention_mask=None,
-                                      past_key_values=None, position_ids=pos)
+                                      position_ids=pos, **_no_cache(create_causal_mask))
             for _, block in self._run:
                 x = block(x, None, mask, None, encoder_attention_mask=None, use_cache=False, position_ids=pos)
         if self.is_last:
@@ -378,10 +389,9 @@ class HFStage(nn.Module):
             kind = self._attention_type(i)
             if kind not in masks:
                 fn = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
-                masks[kind] = fn(config=cfg, inputs_embeds=x, attention_mask=None, past_key_values=None,
-                                 position_ids=pos)
+                masks[kind] = fn(config=cfg, inputs_embeds=x, attention_mask=None, position_ids=pos, **_no_cache(fn))
             x = layer(x, attention_mask=masks[kind], position_embeddings=position_embeddings, position_ids=pos,
-                      past_key_values=None, use_cache=False)
+                      use_cache=False, **_no_cache(type(layer).forward))
         return x
 
     def _attention_type(self, i: int) -> str:
