@@ -83,7 +83,8 @@ class _StreamedFile:
             raise RuntimeError(f"save_pretrained: internal error: {item.name} is {tuple(value.shape)} {value.dtype}, "
                                f"planned {item.shape} {item.dtype}")
         data = value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        self.f.seek(self.offsets[id(item)])
+        if self.f.tell() != self.offsets[id(item)]:  # (in order, the writes stay buffered)
+            self.f.seek(self.offsets[id(item)])
         self.f.write(memoryview(data.numpy()))
         del self.unwritten[id(item)]
         return item.nbytes
