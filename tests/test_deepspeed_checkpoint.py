@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -57,13 +58,23 @@ def test_checkpoints_deepspeed_writes_now_read_as_the_committed_ones(tmp_path):
     made = subprocess.run([sys.executable, os.path.join(HERE, "make.py"), str(tmp_path)], timeout=900,
                           env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True)
     assert made.returncode == 0, f"make.py exited with {made.returncode}:\n{made.stderr[-4000:]}"
+    # (DeepSpeed runs fp16 on a CPU only where oneDNN has fp16 kernels: elsewhere make.py writes
+    # the other runs, says so, and the committed fp16 files are what the other tests read)
+    written = [name for name in os.listdir(tmp_path) if os.path.isdir(os.path.join(tmp_path, name))]
+    fp16 = "z2_fp16_w2" in written
+    if not fp16:
+        assert "this DeepSpeed does not run fp16 on this CPU" in made.stderr, made.stderr[-4000:]
+        warnings.warn("DeepSpeed does not run fp16 on this CPU: its fp16 checkpoints were not written afresh")
     for name in SAVED:
-        _check_read(os.path.join(tmp_path, name))
+        if fp16 or "fp16" not in name:
+            _check_read(os.path.join(tmp_path, name))
     for name in CONVERTED:
-        expected = torch.load(os.path.join(tmp_path, name, "expected.pt"), weights_only=True)
-        check_read(os.path.join(tmp_path, f"{name}_universal"), expected)
+        if fp16 or "fp16" not in name:
+            expected = torch.load(os.path.join(tmp_path, name, "expected.pt"), weights_only=True)
+            check_read(os.path.join(tmp_path, f"{name}_universal"), expected)
     check_sgd(os.path.join(tmp_path, "z2_sgd_w2"))
-    check_stage0_refused_and_its_weights_load(os.path.join(tmp_path, "z0_fp16_w2"))
+    if fp16:
+        check_stage0_refused_and_its_weights_load(os.path.join(tmp_path, "z0_fp16_w2"))
 
 
 def _check_read(directory: str) -> None:

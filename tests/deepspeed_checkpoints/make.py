@@ -147,9 +147,22 @@ def _add_moments(directory: str, universal: str) -> None:
     torch.save(expected, path)
 
 
+def runs_fp16() -> bool:
+    """Whether the installed DeepSpeed runs fp16 here: on the CPU only where oneDNN has fp16
+    kernels (an Intel CPU with AVX-512 FP16 or AMX; not the AMD EPYC machines), else its engine
+    refuses ("Type fp16 is not supported on your device")."""
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())
+
+
 def main(out: str, names: list[str], universal_only: bool = False) -> None:
+    fp16 = runs_fp16()
     for name, (stage, dtype, world) in sorted(RUNS.items()):
         if names and name not in names:
+            continue
+        if dtype == "fp16" and not fp16:
+            print(f"make.py: {name} not written: this DeepSpeed does not run fp16 on this CPU", file=sys.stderr)
             continue
         directory = os.path.join(out, name)
         if not universal_only:
