@@ -109,7 +109,6 @@ def test_harness_reports_a_dead_rank():
         run_distributed(_die, 2, timeout=20)
 
 
-
 def _two_thread_ops(rank, world):
     import sys
 

@@ -42,7 +42,6 @@ def kept_in_fp32(model: torch.nn.Module, compute: torch.dtype) -> "re.Pattern[st
     return re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in patterns)) if patterns else None
 
 
-
 def named_in(kept: "re.Pattern[str] | None", name: str) -> bool:
     """Whether name is one that kept (kept_in_fp32's pattern; None: no name) matches."""
     return kept is not None and kept.search(name) is not None
