@@ -136,7 +136,9 @@ class Engine(TrainingCore):
     forward = __call__
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward one micro-batch; gradients are reduced during backward (see reducer)."""
+        """Backward one micro-batch; gradients are reduced during backward (see reducer). The
+        step applies the mean over the ranks and the window's micro-batches of each loss's
+        gradient (for a token mean over unevenly labelled micro-batches: docs/api.md)."""
         with span("backward"):
             self._backward(loss)
 
