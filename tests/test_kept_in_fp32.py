@@ -86,6 +86,7 @@ def _run(rank, world, stage, root):
     frozen = tiertrain.wrap(_deepseek_v3(frozen_router=True), cfg, topology)
     out["frozen gate"] = frozen.module.get_submodule(ROUTER).weight.detach().clone()
     out["frozen gate, full"] = frozen.full_state_dict()[ROUTER + ".weight"].clone()
+    out["frozen, parameter bytes"] = frozen.memory_report().params
     frozen.close()
     return out
 
@@ -93,14 +94,20 @@ def _run(rank, world, stage, root):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_routers_correction_bias_stays_fp32_and_routes_as_the_model_does(stage, tmp_path, one_torch_thread):
+    from tiertrain.estimate.peak import simulate_peak
+
     expected = _reference_logits()
     original_gate = _deepseek_v3().get_submodule(ROUTER).weight.detach()
+    with torch.device("meta"):
+        estimated_bytes = simulate_peak(_deepseek_v3(frozen_router=True), dp=WORLD, stage=stage, precision_bytes=2,
+                                        compute=torch.bfloat16).params
     for out in run_distributed(_run, WORLD, stage, str(tmp_path), timeout=45):
         for key in ("bias", "full", "restored"):
             assert out[key].dtype == torch.float32 and torch.equal(out[key], BIAS), (key, out[key])
         assert torch.equal(out["logits"], expected)  # (with the rounded bias, other experts: other logits)
         assert out["frozen gate"].dtype == torch.float32 and torch.equal(out["frozen gate"], original_gate)
         assert torch.equal(out["frozen gate, full"], original_gate)
+        assert out["frozen, parameter bytes"] == estimated_bytes  # (the router's weight: whole, fp32)
         assert len(out["warnings"]) == 1 and "'model.layers.1.mlp.gate.weight'" in out["warnings"][0]
         assert "precision.dtype: fp32" in out["warnings"][0]
     # Written in bf16 but for what the model keeps in fp32, the dtypes transformers' own

@@ -53,8 +53,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.nn as nn
 
+from ..precision import DTYPES, kept_in_fp32, named_in
 from ..zero.plan import default_unit_modules
 from ..zero.flat import NVME_READ_AHEAD, swap_pool_bytes
 from ..zero.upload import CHUNK, SLOTS, upload_buffer_bytes
@@ -132,19 +134,22 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
                   backend: str = "gloo", rank: int | None = None,
                   acts: ActivationBytes | None = None, checkpoint_every: int = 0,
                   checkpoint_tier: Tier = Tier.DEVICE, max_in_flight: int = 2,
-                  recompute: str = "block") -> PeakBreakdown:
+                  recompute: str = "block", compute: torch.dtype | None = None) -> PeakBreakdown:
     """Simulate one training step of tiertrain's engine on ``model`` (meta is fine) and
     return what one rank holds at the peak. ``acts``: the model's activation sizes (None:
     activations not modelled, model states and engine buffers only). ``rank``: the rank
     to account (None: rank 0, the largest: ranks differ only in the Adam moments of their
     shard's real elements, and each unit's padding sits at its end). ``recompute``:
     ``activations.recompute`` ("selective": checkpointed blocks also keep their kept
-    outputs, on the device whatever ``checkpoint_tier``)."""
+    outputs, on the device whatever ``checkpoint_tier``). ``compute``: the compute dtype, which
+    decides what a Hugging Face model keeps in fp32 (default: fp32 at 4 precision bytes, else bf16)."""
     if rank is None:
         rank = 0  # every rank holds the same buffers; the padding (no Adam state) is at the end
     param_tier, optimizer_tier, checkpoint_tier = Tier(param_tier), Tier(optimizer_tier), Tier(checkpoint_tier)
     D = precision_bytes
-    layout = engine_units(model, stage, dp, bucket_mb, persistence_threshold)
+    if compute is None:
+        compute = torch.float32 if D == 4 else torch.bfloat16
+    layout = engine_units(model, stage, dp, bucket_mb, persistence_threshold, compute)
     units = layout.units
     shard_rank = rank if layout.num_shards > 1 else 0
     # ---- persistent model states (FlatParameters + AdamW state)
@@ -159,11 +164,12 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
             moments += 8 * u.shard_numel
         else:
             moments += 8 * sum(b - a for _, a, b in u.shard_pieces(shard_rank))
-    # Frozen parameters: stage 3's frozen units as shards, the rest whole on every rank
-    # (no gradient, master or moments either way).
+    # Frozen parameters: stage 3's frozen units as shards, the rest whole on every rank, those
+    # the model keeps in fp32 in fp32 (no gradient, master or moments either way).
     params += D * sum(u.shard_numel for u in layout.frozen)
     in_frozen_units = {s_.name for u in layout.frozen for s_ in u.slots}
-    params += sum((D if p.is_floating_point() else p.element_size()) * p.numel()
+    kept = kept_in_fp32(model, compute)
+    params += sum((max(D, 4) if named_in(kept, n) else D if p.is_floating_point() else p.element_size()) * p.numel()
                   for n, p in model.named_parameters() if not p.requires_grad and n not in in_frozen_units)
     out = PeakBreakdown(params=params, grads=grads, master=master, moments=moments,
                         param_tier=param_tier if stage == 3 else Tier.DEVICE,
@@ -447,8 +453,9 @@ def engine_estimate_lines(module: nn.Module | None, dims: Any, lay: Any, overhea
                        optimizer_tier=optimizer_tier, bucket_mb=lay.bucket_mb, prefetch_mb=lay.prefetch_mb,
                        persistence_threshold=lay.persistence_threshold, backend=lay.backend, acts=acts,
                        checkpoint_every=lay.checkpoint_interval, checkpoint_tier=lay.checkpoint_tier,
-                       recompute=lay.recompute)
-    layout = engine_units(module, lay.stage, lay.zero_ranks, lay.bucket_mb, lay.persistence_threshold)
+                       recompute=lay.recompute, compute=DTYPES[lay.precision])
+    layout = engine_units(module, lay.stage, lay.zero_ranks, lay.bucket_mb, lay.persistence_threshold,
+                          DTYPES[lay.precision])
     n_units = len(layout.units)
     kind = ("one unit per block + root" if lay.stage == 3 else
             f"{n_units} bucket(s) of ≤{lay.bucket_mb:g} MiB fp32")

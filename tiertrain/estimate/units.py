@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..precision import kept_in_fp32, named_in
 from ..zero.plan import default_unit_modules, parameter_aliases
 from .lines import Tier
 
@@ -52,20 +53,23 @@ _LAYOUTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictiona
 
 
 def engine_units(model: nn.Module, stage: int, dp: int, bucket_mb: float = 25.0,
-                 persistence_threshold: int = 0):
-    """The engine's FlatLayout for ``model`` (any device, meta included): exactly what
-    ``tiertrain.zero.plan.default_plan`` lays out for the engine (cached per module; the module
-    must not change)."""
+                 persistence_threshold: int = 0, compute: torch.dtype = torch.float32):
+    """The engine's FlatLayout for ``model`` (any device, meta included) computing in
+    ``compute``: exactly what ``tiertrain.zero.plan.default_plan`` lays out for the engine
+    (cached per module; the module must not change)."""
     from tiertrain.zero.layout import bucket_layout, module_layout
 
     key = (stage, dp if stage else 1, float(bucket_mb) if stage < 3 else 0.0,
-           persistence_threshold if stage == 3 else 0)
+           persistence_threshold if stage == 3 else 0, compute if stage == 3 else None)
     cache = _LAYOUTS.setdefault(model, {})
     if key not in cache:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if stage == 3:
-            # (as zero/plan.py: integer frozen parameters stay whole in their own dtype)
-            frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad and p.is_floating_point()]
+            # (as zero/plan.py: integer frozen parameters stay whole in their own dtype, and so
+            # do those the model keeps in fp32)
+            kept = kept_in_fp32(model, compute)
+            frozen = [(n, p) for n, p in model.named_parameters()
+                      if not p.requires_grad and p.is_floating_point() and not named_in(kept, n)]
             cache[key] = module_layout(named, default_unit_modules(model), dp, persistence_threshold,
                                        frozen_params=frozen, aliases=parameter_aliases(model))
         else:
