@@ -7,7 +7,10 @@ transformers' from_pretrained(dtype=) keeps it:
   ``e_score_correction_bias`` was rounded to bf16 at wrap: the engine routed tokens to other
   experts than the model does, and saved the rounded values;
 * trainable ones (the router's ``gate.weight``) are trained from fp32 masters but read in the
-  compute dtype, as DeepSpeed and FSDP2 do: a warning says so, naming them.
+  compute dtype, as DeepSpeed and FSDP2 do: a warning says so, naming them;
+* ``save_pretrained(dtype=bf16)`` and the offline export write every one of them in fp32, the
+  dtypes transformers' own save_pretrained writes; the estimator counts a frozen one whole in
+  fp32, as the engine holds it.
 """
 from __future__ import annotations
 
