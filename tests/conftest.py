@@ -9,7 +9,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 # The heavy optional imports most test ranks make (tiertrain.launch.HEAVY_IMPORTS), made here
 # first: the ranks' forkserver starts at the session's first launch and preloads what this
 # process holds then, so no rank imports them again (about a second each, per rank).
-for _name in ("transformers.modeling_utils", "transformers.trainer", "peft"):
+from tiertrain.launch import HEAVY_IMPORTS  # noqa: E402
+
+for _name in HEAVY_IMPORTS:
     try:
         __import__(_name)
     except ImportError:

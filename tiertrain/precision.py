@@ -47,6 +47,12 @@ def named_in(kept: "re.Pattern[str] | None", name: str) -> bool:
     return kept is not None and kept.search(name) is not None
 
 
+def written_dtype(kept: "re.Pattern[str] | None", name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype an export writes a floating-point tensor in when asked for dtype: fp32 for
+    what the model keeps in fp32 (kept: kept_in_fp32's pattern), as its own save_pretrained."""
+    return torch.float32 if named_in(kept, name) else dtype
+
+
 _DTYPE_WORDS = ("dtype", "scalar type", "Float", "BFloat16", "Half")
 """What torch's dtype-mismatch errors say ("mat1 and mat2 must have the same dtype", "expected
 scalar type BFloat16 but found Float", "Input type (float) and bias type (c10::BFloat16)")."""

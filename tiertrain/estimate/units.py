@@ -16,8 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..precision import kept_in_fp32, named_in
-from ..zero.plan import default_unit_modules, parameter_aliases
+from ..zero.plan import default_unit_modules, frozen_for_units, parameter_aliases
 from .lines import Tier
 
 __all__ = ["gpt_meta_model", "tile_plan", "engine_units", "engine_grad_tier", "stage3_gathered_bytes"]
@@ -65,13 +64,9 @@ def engine_units(model: nn.Module, stage: int, dp: int, bucket_mb: float = 25.0,
     if key not in cache:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if stage == 3:
-            # (as zero/plan.py: integer frozen parameters stay whole in their own dtype, and so
-            # do those the model keeps in fp32)
-            kept = kept_in_fp32(model, compute)
-            frozen = [(n, p) for n, p in model.named_parameters()
-                      if not p.requires_grad and p.is_floating_point() and not named_in(kept, n)]
             cache[key] = module_layout(named, default_unit_modules(model), dp, persistence_threshold,
-                                       frozen_params=frozen, aliases=parameter_aliases(model))
+                                       frozen_params=frozen_for_units(model, compute),
+                                       aliases=parameter_aliases(model))
         else:
             bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
             cache[key] = bucket_layout(named, 1 if stage == 0 else dp, bucket_numel)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..precision import kept_in_fp32, named_in
+from ..precision import kept_in_fp32, written_dtype
 from . import checkpoint
 from .checkpoint import MARKER, CheckpointError, rank_file_name, verified_file
 from .export_files import WITH_MODEL, StreamedFile, remove_stale, write_files_with_model, write_hf_config, write_index
@@ -221,8 +221,7 @@ def _export(step_dir: str, marker: dict, out_dir: str, target: torch.dtype, max_
         name = layout_name if info is None else info["names"].get(layout_name)
         if name is None:
             continue
-        dtype = torch.float32 if named_in(fp32, layout_name) else target
-        item = TensorItem(name, tuple(shape), dtype, len(items), None)
+        item = TensorItem(name, tuple(shape), written_dtype(fp32, layout_name, target), len(items), None)
         sources[item.name] = ("param", kind, layout_name)
         items.append(item)
     held = None
@@ -230,8 +229,8 @@ def _export(step_dir: str, marker: dict, out_dir: str, target: torch.dtype, max_
         held = _HeldTensors(os.path.join(step_dir, HELD_TENSORS))
         for name in info["held"]:
             saved, shape = held.entry(name)
-            dtype = torch.float32 if named_in(fp32, name) else target
-            item = TensorItem(name, shape, dtype if saved.is_floating_point else saved, len(items), None)
+            dtype = written_dtype(fp32, name, target) if saved.is_floating_point else saved
+            item = TensorItem(name, shape, dtype, len(items), None)
             sources[item.name] = ("held", name)
             items.append(item)
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from ..precision import kept_in_fp32, named_in
+from ..precision import kept_in_fp32, written_dtype
 from .export_groups import converted_items
 from .hf_conversion import SaveGroup
 from ..zero.layout import Slot
@@ -161,22 +161,19 @@ def _model_tensors(engine: "Engine", dtype: torch.dtype) -> list[_Item]:
     # What the model keeps in fp32 (an MoE router's weight, trained from its fp32 master; its
     # correction bias, held) is written in fp32, as its own save_pretrained writes it.
     fp32 = kept_in_fp32(engine.module, dtype)
-
-    def dtype_of(name: str) -> torch.dtype:
-        return torch.float32 if named_in(fp32, name) else dtype
-
     items: list[_Item] = []
     for u in flat.all_units:
         for slot in u.unit.slots:
             name = names.get(slot.name)
             if name is not None:
-                items.append(_Item(name, slot.shape, dtype_of(slot.name), len(items), u.unit.index, slot=slot))
+                items.append(_Item(name, slot.shape, written_dtype(fp32, slot.name, dtype), len(items), u.unit.index,
+                                   slot=slot))
     for name, t in held:
         if t.dtype not in _SAFETENSORS_DTYPE:
             raise TypeError(f"save_pretrained: {name!r} is {t.dtype}, which this export does not write "
                             f"(supported: {sorted(str(d) for d in _SAFETENSORS_DTYPE)})")
-        items.append(_Item(name, tuple(t.shape), dtype_of(name) if t.is_floating_point() else t.dtype, len(items),
-                           None, value=t))
+        written = written_dtype(fp32, name, dtype) if t.is_floating_point() else t.dtype
+        items.append(_Item(name, tuple(t.shape), written, len(items), None, value=t))
     return converted_items(engine.module, items)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
 import torch.nn as nn
 
 from ..config import Config, ConfigError
@@ -78,6 +79,16 @@ class GradientPlan:
     """Frozen parameters partitioned in the layout's frozen units (stage 3), by name."""
 
 
+def frozen_for_units(model: nn.Module, compute: torch.dtype) -> list[tuple[str, nn.Parameter]]:
+    """The frozen parameters stage 3 partitions in frozen units (at a compute dtype). Not an
+    integer one (a quantized weight, an index table), which cannot live in the compute-dtype
+    flat buffers: it stays whole on every rank in its own dtype, as buffers do; nor one the
+    model keeps in fp32 (precision.kept_in_fp32: a frozen MoE router), which stays whole in fp32."""
+    fp32 = kept_in_fp32(model, compute)
+    return [(n, p) for n, p in model.named_parameters()
+            if not p.requires_grad and p.is_floating_point() and not named_in(fp32, n)]
+
+
 def default_plan(model: nn.Module, config: Config, dp: int, unit_modules: list[str] | None = None) -> GradientPlan:
     """Every trainable parameter of the model; stage 3: one unit per unit module (default:
     children of ModuleLists) plus the root; stages 0-2: buckets of zero.bucket_mb.
@@ -89,12 +100,7 @@ def default_plan(model: nn.Module, config: Config, dp: int, unit_modules: list[s
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("the model has no trainable parameters")
-    # (an integer frozen parameter, a quantized weight or an index table, cannot live in the
-    # compute-dtype flat buffers: it stays whole on every rank in its own dtype, as buffers do;
-    # so does one the model keeps in fp32, precision.kept_in_fp32: a frozen MoE router)
-    fp32 = kept_in_fp32(model, compute_dtype(config.precision.dtype))
-    frozen = [(n, p) for n, p in model.named_parameters()
-              if not p.requires_grad and p.is_floating_point() and not named_in(fp32, n)]
+    frozen = frozen_for_units(model, compute_dtype(config.precision.dtype))
     zc, stage = config.zero, ZeroStage.of(config)
     if stage.partitions_parameters:
         prefixes = default_unit_modules(model, zc.unit_params) if unit_modules is None else list(unit_modules)
