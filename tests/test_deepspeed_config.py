@@ -87,10 +87,48 @@ def test_configs_as_fine_tuning_projects_ship_them_translate(name):
     assert cfg.zero.stage == json.load(open(_path(name)))["zero_optimization"]["stage"]
     if "hybrid_engine" in fates:
         assert fates["hybrid_engine"].startswith("no effect: not enabled"), fates["hybrid_engine"]
-    with pytest.raises(ConfigError, match=r"hybrid_engine: \{'enabled': True.*not implemented"):
+    with pytest.raises(ConfigError, match=r"hybrid_engine: enabled true: not implemented"):
         from_deepspeed({"hybrid_engine": {"enabled": True, "max_out_tokens": 512}})
     with pytest.raises(ConfigError, match=r"optimizer.params.bias_correction: False: tiertrain's AdamW always"):
         from_deepspeed({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}})
+
+
+def test_where_deepspeed_divides_the_gradients_has_no_effect_the_mean_is_the_same():
+    """prescale_gradients and gradient_predivide_factor (in DeepSpeedExamples' BERT, GPT-2 and
+    CIFAR configs) move DeepSpeed's division by the ranks before its sum, against overflow in a
+    16-bit sum: tiertrain sums in fp32 and averages, the same mean. They used to be refused."""
+    fates = dict(from_deepspeed({"prescale_gradients": True, "gradient_predivide_factor": 8}).fates)
+    for key in ("prescale_gradients", "gradient_predivide_factor"):
+        assert fates[key].startswith("no effect: ") and "the mean is the same" in fates[key], fates[key]
+    for bad, message in [({"prescale_gradients": "yes"}, r"prescale_gradients='yes' is invalid: expected true or"),
+                         ({"gradient_predivide_factor": 0}, r"gradient_predivide_factor=0 is invalid: expected a "
+                                                           r"number > 0"),
+                         ({"gradient_predivide_factor": [2]}, r"gradient_predivide_factor=\[2\] is invalid")]:
+        with pytest.raises(ConfigError, match=message):
+            from_deepspeed(bad)
+
+
+def test_a_section_of_switches_is_refused_only_where_a_switch_is_on():
+    """DeepSpeed's data_efficiency, compression_training and curriculum_learning do nothing until
+    one of their ``enabled`` flags (each false by default, at any depth) is true; templates ship
+    them switched off. The refusal names the switches that are on."""
+    off = {"data_efficiency": {"enabled": False, "data_routing": {"enabled": False, "random_ltd": {"enabled": False}}},
+           "compression_training": {"weight_quantization": {"shared_parameters": {"enabled": False},
+                                                            "different_groups": {"wq1": {"params": {"start_bits": 8}}}},
+                                    "layer_reduction": {"enabled": False, "keep_number_layer": 5}},
+           "curriculum_learning": {"enabled": False, "curriculum_type": "seqlen"}}
+    fates = dict(from_deepspeed(off).fates)
+    for key in off:
+        assert fates[key] == "no effect: not enabled (its other keys configure what is off)", (key, fates[key])
+    on = {"data_efficiency": {"enabled": True, "data_routing": {"random_ltd": {"enabled": True}}},
+          "compression_training": {"channel_pruning": {"shared_parameters": {"enabled": True}}},
+          "curriculum_learning": {"enabled": True}}
+    with pytest.raises(ConfigError) as caught:
+        from_deepspeed(on)
+    for said in ("data_efficiency: enabled, data_routing.random_ltd.enabled true: not implemented",
+                 "compression_training: channel_pruning.shared_parameters.enabled true: not implemented",
+                 "curriculum_learning: enabled true: not implemented"):
+        assert said in str(caught.value), (said, str(caught.value))
 
 
 def test_unhonourable_keys_are_refused_all_at_once_by_name():

@@ -157,21 +157,52 @@ def _no_effect(why: str):
     return lambda t, key, value: t.no_effect(key, why)
 
 
+def _enabled_inside(value: Any, path: str = "") -> list[str]:
+    """The paths of every ``enabled`` flag set true in a DeepSpeed section, at any depth (each
+    of DeepSpeed's switches, data_efficiency.data_routing.random_ltd.enabled and the like,
+    defaults to false, so a section with none set true does nothing)."""
+    if not isinstance(value, dict):
+        return []
+    found = [f"{path}enabled"] if value.get("enabled", False) else []
+    for name, inner in value.items():
+        found += _enabled_inside(inner, f"{path}{name}.")
+    return found
+
+
 def _refuse_unless(default: Any, why: str, same: tuple = ()):
     """Refuse the key unless it holds default (or "auto"), or a value in ``same``: what
-    tiertrain always does (e.g. communication_data_type "fp32")."""
+    tiertrain always does (e.g. communication_data_type "fp32"). A section whose default is
+    ``{"enabled": False}`` is refused only where a switch in it is on."""
     section = isinstance(default, dict) and default.get("enabled") is False
 
     def handle(t: Translation, key: str, value: Any) -> None:
         if value == default or _auto(value):
             t.no_effect(key, f"{value!r}, the default (tiertrain: the same)")
-        elif section and isinstance(value, dict) and value.get("enabled", False) is False:
-            t.no_effect(key, "not enabled (its other keys configure what is off)")
+        elif section and isinstance(value, dict):
+            switched_on = _enabled_inside(value)
+            if switched_on:
+                t.refuse(key, f"{', '.join(switched_on)} true: {why}")
+            else:
+                t.no_effect(key, "not enabled (its other keys configure what is off)")
         elif value in same:
             t.no_effect(key, f"{value!r}: tiertrain always does it ({why})")
         else:
             t.refuse(key, f"{value!r}: {why}")
     return handle
+
+
+def _averaged_either_way(t: Translation, key: str, value: Any) -> None:
+    """prescale_gradients and gradient_predivide_factor: where DeepSpeed divides the gradients
+    by the ranks (or by a factor, then by ranks/factor), before or after the sum. The mean is
+    the same; tiertrain sums in fp32, where the 16-bit overflow these guard against cannot occur."""
+    if key == "prescale_gradients" and not isinstance(value, bool):
+        raise ConfigError(f"DeepSpeed {key}={value!r} is invalid: expected true or false")
+    if key == "gradient_predivide_factor" and not _auto(value):
+        number = _number(key, value)
+        if number <= 0:
+            raise ConfigError(f"DeepSpeed {key}={value!r} is invalid: expected a number > 0")
+    t.no_effect(key, f"{value!r}: gradients are summed in fp32 and averaged over the data-parallel ranks either "
+                     f"way (dividing before the sum guards a 16-bit sum against overflow; the mean is the same)")
 
 
 def _data_types(t: Translation, key: str, value: Any) -> None:
@@ -512,15 +543,15 @@ _TOP = {
     "aio": _no_effect("tiertrain's NVMe IO sizes its own requests (zero.nvme_chunk_mb)"),
     "activation_checkpointing": _no_effect("DeepSpeed applies it where the model calls deepspeed.checkpointing; "
                                            "set activations.checkpoint_every (and activations.offload cpu)"),
-    "prescale_gradients": _refuse_unless(False, "gradients are averaged after the reduction"),
-    "gradient_predivide_factor": _refuse_unless(1.0, "gradients are averaged after the reduction"),
+    "prescale_gradients": _averaged_either_way,
+    "gradient_predivide_factor": _averaged_either_way,
     "communication_data_type": _refuse_unless(None, "gradients are reduced in fp32", same=("fp32",)),
     "data_types": _data_types,
     "amp": _refuse_unless({"enabled": False}, "NVIDIA Apex AMP is not supported; use bf16 or fp16"),
     "sparse_attention": _refuse_unless(None, "not implemented"),
-    "compression_training": _refuse_unless(None, "not implemented"),
-    "curriculum_learning": _refuse_unless(None, "not implemented"),
-    "data_efficiency": _refuse_unless(None, "not implemented"),
+    "compression_training": _refuse_unless({"enabled": False}, "not implemented"),
+    "curriculum_learning": _refuse_unless({"enabled": False}, "not implemented"),
+    "data_efficiency": _refuse_unless({"enabled": False}, "not implemented"),
     "elasticity": _refuse_unless({"enabled": False}, "not implemented; resume at another size reshards instead"),
     "autotuning": _refuse_unless({"enabled": False}, "not implemented; tiertrain plan chooses a layout"),
     "pipeline": _refuse_unless(None, "set parallel.pp and parallel.schedule"),
