@@ -33,7 +33,7 @@ from . import checkpoint
 from .checkpoint import MARKER, CheckpointError, rank_file_name, verified_file
 from .export_files import WITH_MODEL, StreamedFile, remove_stale, write_files_with_model, write_hf_config, write_index
 from .export_groups import ConvertedValues, converted_items
-from .export_plan import DEFAULT_MAX_SHARD_BYTES, TensorItem, plan_files, resolve_dtype
+from .export_plan import DEFAULT_MAX_SHARD_BYTES, STORED_DTYPES, TensorItem, plan_files, resolve_dtype
 from .files import _STEP_DIR
 from .hf_conversion import meta_model
 from .saved_run import global_value, open_saved, opened_files, saved_parameters
@@ -41,10 +41,6 @@ from .saved_run import global_value, open_saved, opened_files, saved_parameters
 EXPORT_INFO = "export.json"
 HELD_TENSORS = "held_tensors.safetensors"
 HF_CONFIG = "hf_config.json"
-
-_FROM_SAFETENSORS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                     "U8": torch.uint8, "BOOL": torch.bool}
 
 
 @dataclass
@@ -142,10 +138,10 @@ class _HeldTensors:
         if name not in self.names:
             raise CheckpointError(f"{self.path!r} does not hold {name!r}, which the checkpoint's export names list")
         piece = self._file.get_slice(name)
-        dtype = _FROM_SAFETENSORS.get(piece.get_dtype())
+        dtype = STORED_DTYPES.get(piece.get_dtype())
         if dtype is None:
             raise CheckpointError(f"{self.path!r}: {name!r} has dtype {piece.get_dtype()!r}; expected one of "
-                                  f"{sorted(_FROM_SAFETENSORS)}")
+                                  f"{sorted(STORED_DTYPES)}")
         return dtype, tuple(piece.get_shape())
 
     def read(self, name: str) -> torch.Tensor:

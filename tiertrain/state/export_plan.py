@@ -47,6 +47,12 @@ _SAFETENSORS_DTYPE = {
 }
 
 
+STORED_DTYPES = {**{name: dtype for dtype, name in _SAFETENSORS_DTYPE.items()}, "F8_E4M3": torch.float8_e4m3fn,
+                 "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu}
+"""The dtypes of a safetensors header, by its names (those written, and the fp8 ones
+quantised checkpoints hold)."""
+
+
 def resolve_dtype(dtype: torch.dtype | str | None, what: str = "save_pretrained") -> torch.dtype:
     """The dtype to write floating-point tensors in: fp32 (the masters' own) by default; what
     names the caller in the error."""

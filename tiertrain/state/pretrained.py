@@ -45,7 +45,9 @@ import torch.nn as nn
 from ..engine import Engine
 from ..errors import TiertrainError
 from ..io.fileio import unreadable_file
+from .export_plan import STORED_DTYPES
 from .hf_conversion import ConvertedCheckpoint, checkpoint_view
+from .quantized import QuantizedCheckpointError, dequantized
 from .torch_weights import (TORCH_INDEX, TORCH_SINGLE, TorchWeights, UnwrappedNames, WeightReads, is_torch_file,
                             unwrapped)
 from ..topology import Topology
@@ -178,6 +180,10 @@ class _Checkpoint(WeightReads):
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._handle[key].get_slice(key).get_shape())
+
+    def stored_dtype(self, key: str) -> torch.dtype:
+        """The tensor's dtype in the file (uint8 for a packed type torch has no dtype of)."""
+        return STORED_DTYPES.get(self._handle[key].get_slice(key).get_dtype(), torch.uint8)
 
     def read(self, key: str) -> torch.Tensor:
         """The whole tensor."""
@@ -330,6 +336,12 @@ def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict:
     or a checkpoint tensor has no place in the model (besides tied aliases and names the
     model declares ignorable); otherwise keep such model tensors unchanged and report them.
     A tensor of another shape always raises; another dtype is cast.
+
+    Quantised checkpoints (tiertrain/state/quantized.py): block-FP8 weights (config.json's
+    ``quantization_config`` ``quant_method: "fp8"``, each weight beside its
+    ``weight_scale_inv``, as DeepSeek-V3 and Qwen3-FP8 ship) are read dequantised, the product
+    of each block's values and scale; any other quantisation raises
+    :class:`QuantizedCheckpointError` before anything is read, naming the method.
     """
     from ..pipeline.engine import PipelineEngine
 
@@ -346,6 +358,7 @@ def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict:
     with ExitStack() as stack, torch.no_grad():
         safetensors = all(f.endswith(".safetensors") for f in report.files)
         raw = _Checkpoint(report.files, stack, report) if safetensors else TorchWeights(report.files, report)
+        raw = dequantized(raw, report.files)
         raw = unwrapped(raw, {n for n, _ in module.named_parameters(remove_duplicate=False)}
                         | set(module.state_dict(keep_vars=True)))
         if isinstance(raw, UnwrappedNames):
@@ -416,4 +429,5 @@ def _into_engine(engine: Engine, matched: list[_Target], ckpt: _Checkpoint) -> N
             t.tensor.data.copy_(ckpt.read(t.key).reshape(t.shape))
 
 
-__all__ = ["LoadReport", "PretrainedMismatchError", "PretrainedMissingWarning", "checkpoint_files", "load_pretrained"]
+__all__ = ["LoadReport", "PretrainedMismatchError", "PretrainedMissingWarning", "QuantizedCheckpointError",
+           "checkpoint_files", "load_pretrained"]

@@ -108,6 +108,9 @@ class TorchWeights(WeightReads):
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._tensors[key].shape)
 
+    def stored_dtype(self, key: str) -> torch.dtype:
+        return self._tensors[key].dtype
+
     def read(self, key: str) -> torch.Tensor:
         return self._count(self._tensors[key].clone())
 
