@@ -310,6 +310,30 @@ def test_base_model_prefix_either_way(tmp_path):
     assert all(torch.equal(p, head.get_parameter("model." + n)) for n, p in other.named_parameters())
 
 
+def test_a_checkpoint_trained_untied_is_refused_by_a_model_that_ties_the_two(tmp_path):
+    """A model whose config ties the head to the embeddings, given a checkpoint holding both with
+    different values (trained untied, or converted from another framework), loaded the embeddings
+    into the one shared tensor and ignored the head in silence: a model with another output layer.
+    transformers unties such a model; tiertrain's engine cannot, so it names both and the fix."""
+    def llama(tied: bool, seed: int):
+        torch.manual_seed(seed)
+        return T.LlamaForCausalLM(_llama_config(tie_word_embeddings=tied))
+    llama(False, 0).save_pretrained(tmp_path / "untied")
+    model = llama(True, 1)
+    before = {n: v.clone() for n, v in model.state_dict().items()}
+    for strict in (True, False):
+        with pytest.raises(PretrainedMismatchError, match=r"hold different values in the checkpoint \(model\."
+                                                          r"embed_tokens\.weight and lm_head\.weight\).*"
+                                                          r"tie_word_embeddings=False"):
+            tiertrain.load_pretrained(model, tmp_path / "untied", strict=strict)
+    assert all(torch.equal(v, model.state_dict()[n]) for n, v in before.items())
+    llama(True, 0).save_pretrained(tmp_path / "tied")  # (written once: save_pretrained drops the tied copy)
+    torch.save(llama(True, 0).state_dict(), tmp_path / "both.bin")  # (both names, the same values)
+    for path in (tmp_path / "tied", tmp_path / "both.bin"):
+        tiertrain.load_pretrained(model, path)
+        assert torch.equal(model.lm_head.weight, llama(True, 0).lm_head.weight)
+
+
 @pytest.mark.timeout(60)
 def test_a_converted_checkpoint_loads_into_a_plain_module_and_strict_false_names_what_stays_random(tmp_path):
     """Issue 34, item 7: transformers writes Mixtral's experts one tensor each; the model stacks

@@ -265,12 +265,14 @@ def _match(module: nn.Module, ckpt: _Checkpoint, strict: bool, report: LoadRepor
     label, to_key = max(maps, key=lambda m: found(m[1]))  # (max keeps the first of equals: as is)
     report.name_mapping = label
     consumed: set[str] = set()
+    untied = []
     for t in targets:
         matches = [to_key(a) for a in t.aliases if to_key(a) in keys]
         if matches:
             t.key = matches[0]
             consumed.update(matches)
             report.ignored += matches[1:]  # the same tensor again, under a tied name
+            untied += [f"{t.key} and {other}" for other in matches[1:] if not _same_values(ckpt, t.key, other)]
     ignore_unexpected = _patterns(module, "_keys_to_ignore_on_load_unexpected")
     ignore_missing = _patterns(module, "_keys_to_ignore_on_load_missing")
     transient_keys = {to_key(n) for n in transient}
@@ -298,13 +300,28 @@ def _match(module: nn.Module, ckpt: _Checkpoint, strict: bool, report: LoadRepor
                   for t in targets if t.key is not None and ckpt.shape(t.key) != t.shape]
     if mismatched:
         problems.append(f"shapes differ ({len(mismatched)}): {_listing(mismatched)}")
+    if untied:
+        problems.append(f"tensors this model ties (one parameter under several names) hold different values in the "
+                        f"checkpoint ({_listing(untied)}): it was trained untied; build the model untied (for a "
+                        f"Hugging Face model, tie_word_embeddings=False in its config, as transformers unties it "
+                        f"for this checkpoint)")
     if problems:
-        hint = " (pass strict=False to load the tensors that do match)" if not mismatched else ""
+        hint = " (pass strict=False to load the tensors that do match)" if not (mismatched or untied) else ""
         raise PretrainedMismatchError(
             f"load_pretrained: the checkpoint {_listing(report.files, 3)} does not fit this "
             f"{type(module).__name__} (model names mapped to checkpoint names {label}): "
             + "; ".join(problems) + hint)
     return [t for t in targets if t.key is not None]
+
+
+def _same_values(ckpt, a: str, b: str, chunk: int = 1 << 24) -> bool:
+    """Whether checkpoint tensors a and b are equal (compared a chunk of elements at a time)."""
+    shape = ckpt.shape(a)
+    if ckpt.shape(b) != shape:
+        return False
+    numel = math.prod(shape)
+    return all(torch.equal(ckpt.read_flat(a, shape, lo, min(lo + chunk, numel)),
+                           ckpt.read_flat(b, shape, lo, min(lo + chunk, numel))) for lo in range(0, numel, chunk))
 
 
 def _listing(names: list[str], limit: int = 20) -> str:
