@@ -429,3 +429,49 @@ def test_a_safetensors_header_that_overruns_its_file_is_refused_naming_the_file(
     path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length:])
     with pytest.raises(ValueError, match=r"load_pretrained: '.*model\.safetensors' is not a valid safetensors file"):
         load_pretrained(torch.nn.Linear(4, 4, bias=False), str(tmp_path))
+
+
+def _loads_with_a_nan(rank, world, root):
+    """Stage 3: the NaN is in the rows one rank reads; partitioned_init: in one rank's shard."""
+    errors = {}
+    cfg = make_config(zero={"stage": 3}, batch={"micro_batch_size": 2})
+    topology = tiertrain.Topology.build(cfg.parallel)
+    try:
+        tiertrain.load_pretrained(tiertrain.wrap(_build("llama", 1), cfg, topology), root)
+    except tiertrain.NonFiniteWeightsError as e:
+        errors["engine"] = str(e)
+    with tiertrain.partitioned_init(topology):
+        model = _build("llama", 1)
+    try:
+        tiertrain.load_pretrained(model, root, topology=topology)
+    except tiertrain.NonFiniteWeightsError as e:
+        errors["partitioned"] = str(e)
+    return errors
+
+
+def test_inf_or_nan_in_a_parameter_of_the_checkpoint_is_refused_on_every_rank(tmp_path):
+    """A NaN in a checkpoint's weights (a broken conversion) trained into NaN losses from the first
+    step, nothing naming the checkpoint. Now the load raises NonFiniteWeightsError naming the
+    tensor on the rank that read it, and on every rank that shares the load (those whose part
+    was finite too: none is left to train alone). A buffer's -inf (a mask) is its value."""
+    torch.manual_seed(0)
+    model = _build("llama", 0)
+    model.register_buffer("mask", torch.tensor([0.0, float("-inf")]))
+    model.save_pretrained(tmp_path / "mask")
+    loaded = _build("llama", 1)
+    loaded.register_buffer("mask", torch.zeros(2))
+    assert tiertrain.load_pretrained(loaded, tmp_path / "mask").nonfinite == {"mask": 1}
+    assert torch.equal(loaded.mask, model.mask)
+
+    tensors = {n: v.clone().contiguous() for n, v in _build("llama", 0).state_dict().items()}
+    name = "model.layers.1.mlp.down_proj.weight"  # (the last layer: one rank's rows at stage 3)
+    tensors[name][-1, :3] = torch.tensor([float("nan"), float("inf"), float("nan")])
+    (tmp_path / "nan").mkdir()
+    save_file(tensors, tmp_path / "nan" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(tiertrain.NonFiniteWeightsError, match=rf"holds inf or NaN in {name} \(3 values\): training "
+                                                              r"from it gives NaN losses"):
+        tiertrain.load_pretrained(_build("llama", 1), tmp_path / "nan")
+    per_rank = run_distributed(_loads_with_a_nan, 2, str(tmp_path / "nan"), timeout=60)
+    for label in ("engine", "partitioned"):
+        said = [errors[label] for errors in per_rank]
+        assert sum(name in s for s in said) == 1 and sum("rank(s) [" in s for s in said) == 1, (label, said)

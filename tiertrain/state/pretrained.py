@@ -64,6 +64,11 @@ class PretrainedMismatchError(TiertrainError, ValueError):
     the model is left as it was and no rank is left waiting in a collective."""
 
 
+class NonFiniteWeightsError(TiertrainError, ValueError):
+    """The checkpoint's parameters hold inf or NaN: raised on every rank once the load is done
+    (each rank reads its own part), naming the tensors on the rank that read them."""
+
+
 class PretrainedMissingWarning(UserWarning):
     """load_pretrained(strict=False) left model tensors at their initial values (named)."""
 
@@ -95,6 +100,9 @@ class LoadReport:
     unwrapped: list[str] = field(default_factory=list)
     """The wrappers' parts taken off the checkpoint's names (``module. in front``, ``_orig_mod``,
     ...: torch_weights.UnwrappedNames), or none."""
+    nonfinite: dict[str, int] = field(default_factory=dict)
+    """Checkpoint tensors holding inf or NaN in what this rank read, with how many values
+    (load_pretrained raises NonFiniteWeightsError naming those of parameters)."""
     bytes_read: int = 0
     """Bytes this rank read from the checkpoint (in the file's dtype)."""
     largest_read: int = 0
@@ -187,7 +195,7 @@ class _Checkpoint(WeightReads):
 
     def read(self, key: str) -> torch.Tensor:
         """The whole tensor."""
-        return self._count(self._handle[key].get_tensor(key))
+        return self._count(self._handle[key].get_tensor(key), key)
 
     def _rows(self, key: str, r0: int, r1: int) -> torch.Tensor:
         return self._handle[key].get_slice(key)[r0:r1]
@@ -398,7 +406,36 @@ def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict:
         else:
             _into_module(matched, ckpt, topology)
         report.loaded = [t.name for t in matched]
+    buffers = {t.key for t in matched if not t.is_param}
+    _refuse_nonfinite(target, topology, report, {k: n for k, n in report.nonfinite.items() if k not in buffers})
     return report
+
+
+def _refuse_nonfinite(target, topology: Topology | None, report: LoadReport, found: dict[str, int]) -> None:
+    """NonFiniteWeightsError on every rank that shares the load when any read inf or NaN into
+    a parameter (a rank reads only its part: they agree first, so none trains on alone)."""
+    ranks = [bool(found)]
+    if isinstance(target, Engine) and target.comm.size > 1:
+        flags = torch.zeros(target.comm.size, dtype=torch.int64, device=target.device)
+        flags[target.comm.rank] = int(bool(found))
+        target.comm.all_reduce(flags, op=dist.ReduceOp.MAX, count=False).wait()
+        ranks = flags.tolist()
+    elif not isinstance(target, Engine) and any(is_partitioned(p) for p in target.parameters()):
+        rank, size = _dp_rank_and_size(topology)
+        flags = torch.zeros(size, dtype=torch.int64)
+        flags[rank] = int(bool(found))
+        if size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=topology.group("dp_cp") if topology else None)
+        ranks = flags.tolist()
+    if not any(ranks):
+        return
+    where = _listing(report.files, 3)
+    if found:
+        said = _listing([f"{k} ({n} value{'s' * (n > 1)})" for k, n in sorted(found.items())])
+        raise NonFiniteWeightsError(f"load_pretrained: the checkpoint {where} holds inf or NaN in {said}: training "
+                                    f"from it gives NaN losses; convert or download the checkpoint again")
+    raise NonFiniteWeightsError(f"load_pretrained: rank(s) {[r for r, f in enumerate(ranks) if f]} of this load "
+                                f"found inf or NaN in the checkpoint {where} (named there)")
 
 
 def _into_module(matched: list[_Target], ckpt: _Checkpoint, topology: Topology | None) -> None:
@@ -446,5 +483,5 @@ def _into_engine(engine: Engine, matched: list[_Target], ckpt: _Checkpoint) -> N
             t.tensor.data.copy_(ckpt.read(t.key).reshape(t.shape))
 
 
-__all__ = ["LoadReport", "PretrainedMismatchError", "PretrainedMissingWarning", "QuantizedCheckpointError",
+__all__ = ["LoadReport", "NonFiniteWeightsError", "PretrainedMismatchError", "PretrainedMissingWarning", "QuantizedCheckpointError",
            "checkpoint_files", "load_pretrained"]

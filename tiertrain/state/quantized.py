@@ -125,7 +125,7 @@ class BlockFP8(WeightReads):
     def read(self, key: str) -> torch.Tensor:
         if key not in self.weights:
             return self.raw.read(key)
-        return self._count(self._rows(key, 0, self.raw.shape(key)[0]))
+        return self._count(self._rows(key, 0, self.raw.shape(key)[0]), key)
 
     def _rows(self, key: str, r0: int, r1: int) -> torch.Tensor:
         if key not in self.weights:

@@ -41,11 +41,18 @@ class WeightReads:
             raise ValueError(f"load_pretrained: tensor {key!r} is in both {self._file[key]!r} and {path!r}")
         self._file[key] = path
 
-    def _count(self, t: torch.Tensor) -> torch.Tensor:
+    def _count(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        """t, read of tensor key: counted, and its inf and NaN values (fp16 and wider) noted."""
         nbytes = t.numel() * t.element_size()
         self.report.bytes_read += nbytes
         self.report.largest_read = max(self.report.largest_read, nbytes)
         self.report.reads += 1
+        # (a sum holds an inf or NaN of its terms, at memory speed; an element-wise check, 20-50×
+        # slower, only where it is not finite: an fp16 sum may overflow on finite terms)
+        if t.is_floating_point() and t.element_size() > 1 and not torch.isfinite(t.sum()):
+            bad = t.numel() - int(torch.isfinite(t).sum())
+            if bad:
+                self.report.nonfinite[key] = self.report.nonfinite.get(key, 0) + bad
         return t
 
     def _rows(self, key: str, r0: int, r1: int) -> torch.Tensor:
@@ -61,7 +68,7 @@ class WeightReads:
             return self.read(key).reshape(-1)[start:end]
         row = math.prod(shape[1:])
         r0, r1 = start // row, (end - 1) // row + 1
-        rows = self._count(self._rows(key, r0, r1))
+        rows = self._count(self._rows(key, r0, r1), key)
         return rows.reshape(-1)[start - r0 * row:end - r0 * row]
 
 
@@ -112,7 +119,7 @@ class TorchWeights(WeightReads):
         return self._tensors[key].dtype
 
     def read(self, key: str) -> torch.Tensor:
-        return self._count(self._tensors[key].clone())
+        return self._count(self._tensors[key].clone(), key)
 
     def _rows(self, key: str, r0: int, r1: int) -> torch.Tensor:
         return self._tensors[key][r0:r1].clone()
