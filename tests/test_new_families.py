@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import tiertrain
-from reference import make_config, rank_slices
+from reference import Oracle, engine_train, global_batches, make_config, rank_slices, reference_train
 from tiertrain.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -120,3 +120,42 @@ def test_qwen2_moe_called_outside_the_engine_at_stage_3_computes_the_trained_mod
         want = plain(input_ids=torch.arange(12).reshape(1, 12)).logits
     for rank, got in enumerate(results):
         assert torch.equal(got["outside"], want), f"rank {rank}: {(got['outside'] - want).abs().max()}"
+
+
+def _reformer():
+    """Reformer's reversible layers keep no activations: their backward re-runs each sublayer
+    (attention, feed-forward) to recover its inputs, outside the layer's forward."""
+    torch.manual_seed(0)
+    T = transformers
+    return T.ReformerModelWithLMHead(T.ReformerConfig(
+        vocab_size=256, hidden_size=32, num_attention_heads=2, attention_head_size=16, feed_forward_size=64,
+        attn_layers=["local", "local"], axial_pos_embds=False, is_decoder=True, local_attn_chunk_length=8,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0,
+        max_position_embeddings=64))
+
+
+def _lm_batches():
+    return [{"input_ids": b["input_ids"], "labels": b["input_ids"].clone()} for b in global_batches(3, 8)]
+
+
+def _reformer_ranks(rank, world, stage):
+    cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 4})
+    try:
+        losses, params, engine = engine_train(rank, world, _reformer(), cfg, _lm_batches())
+    except tiertrain.ReleasedParameterError as e:
+        return str(e)
+    engine.close()
+    return losses, params
+
+
+@pytest.mark.timeout(120)
+def test_reversible_layers_train_at_stage_2_and_stage_3_says_why_it_cannot(one_torch_thread):
+    """At stage 3 the backward's re-run reads a released unit: the error names the parameter,
+    and reversible layers as a cause with the stage that trains them (2: within the float64
+    oracle of plain PyTorch on the whole batch)."""
+    for said in run_distributed(_reformer_ranks, WORLD, 3, timeout=60):
+        assert "read parameter 'reformer.encoder.layers." in said, said
+        assert "reversible layers" in said and "trains at zero.stage 2 or lower" in said, said
+    losses, params = run_distributed(_reformer_ranks, WORLD, 2, timeout=60)[0]
+    cfg = make_config(batch={"micro_batch_size": 4})
+    Oracle.run(lambda m: reference_train(m, cfg, _lm_batches()), _reformer()).check(losses, params, "Reformer")

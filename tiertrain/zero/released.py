@@ -78,7 +78,9 @@ class ReleasedParameter(nn.Parameter):
 
 _REMEDY = ("its stage-3 unit is released outside forward, its values live in the ranks' shards; read it "
            "inside `with engine.gathered_parameters():`, or use engine.full_state_dict() / "
-           "engine.save_pretrained(dir) (collective: on every rank)")
+           "engine.save_pretrained(dir) (collective: on every rank). A model that computes with it in backward "
+           "outside its unit's forward (reversible layers that re-run a sublayer to recover their inputs, as "
+           "Reformer's) trains at zero.stage 2 or lower")
 
 
 def _name(p) -> str:
