@@ -193,3 +193,27 @@ def test_fp8_experts_stored_one_per_tensor_are_dequantised_before_transformers_s
     assert load_pretrained(from_fp8, quantized).conversion  # (the experts went through the conversion)
     load_pretrained(from_exact, exact)
     assert all(torch.equal(v, from_exact.state_dict()[n]) for n, v in from_fp8.state_dict().items())
+
+
+def test_an_export_of_the_dequantised_model_does_not_say_its_weights_are_fp8(fp8_checkpoint, tmp_path):
+    """The model built from the FP8 checkpoint's config keeps its quantization_config; written
+    into an export of bf16 weights, from_pretrained on a GPU would take them for FP8 ones. The
+    live and offline exports leave it out, and the export loads as the values the engine held."""
+    from tiertrain.state.consolidate import export_checkpoint
+
+    directory, expected = fp8_checkpoint
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory))
+    assert model.config.quantization_config  # (the premise)
+    cfg = make_config(zero={"stage": 0}, batch={"micro_batch_size": 2})
+    engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
+    load_pretrained(engine, directory)
+    engine.save_pretrained(tmp_path / "live", dtype=torch.bfloat16)
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    engine.close()
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "offline", dtype="bf16")
+    for export in ("live", "offline"):
+        with open(tmp_path / export / "config.json") as f:
+            assert "quantization_config" not in json.load(f), export
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / export).state_dict()
+        for name, value in expected.items():
+            assert torch.equal(loaded[name], value.bfloat16()), (export, name)

@@ -107,6 +107,12 @@ class _StreamedFile:
 # -- the directory: config, leftovers of an earlier export, durable renames -------------------------
 
 
+UNQUANTISED = "quantization_config"
+"""The config entry an export leaves out: it writes the weights unquantised, in the dtype asked
+(a model loaded from a block-FP8 checkpoint, tiertrain/state/quantized.py, keeps its
+quantization_config, and from_pretrained on a GPU would read bf16 weights as FP8 ones)."""
+
+
 def _write_config(module: nn.Module, directory: str, dtype: torch.dtype) -> None:
     """config.json (and generation_config.json for a model that generates) as Hugging Face's
     save_pretrained writes them: the dtype and architecture recorded on a copy, so the user's
@@ -117,6 +123,8 @@ def _write_config(module: nn.Module, directory: str, dtype: torch.dtype) -> None
     config = copy.deepcopy(config)
     config.dtype = str(dtype).removeprefix("torch.")
     config.architectures = [type(module).__name__]
+    if hasattr(config, UNQUANTISED):
+        delattr(config, UNQUANTISED)
     config.save_pretrained(directory)
     generation = getattr(module, "generation_config", None)
     can_generate = getattr(module, "can_generate", None)
@@ -222,6 +230,7 @@ def write_hf_config(directory: str, saved: dict, dtype: torch.dtype) -> list[str
     config = dict(saved["config"])
     config["dtype"] = str(dtype).removeprefix("torch.")
     config.pop("torch_dtype", None)
+    config.pop(UNQUANTISED, None)
     written = []
     for name, data in (("config.json", config), ("generation_config.json", saved.get("generation_config"))):
         if data is None:
