@@ -11,6 +11,7 @@ strict=False. Every other quantisation is refused before anything is read, namin
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -217,3 +218,33 @@ def test_an_export_of_the_dequantised_model_does_not_say_its_weights_are_fp8(fp8
         loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / export).state_dict()
         for name, value in expected.items():
             assert torch.equal(loaded[name], value.bfloat16()), (export, name)
+
+
+def test_a_model_holding_quantised_parameters_is_refused_by_wrap():
+    """transformers' FP8Linear (from_pretrained of an FP8 checkpoint on a GPU, without
+    dequantize) holds fp8 weights beside their scales. The engine keeps every parameter in
+    precision.dtype; the fp8 values cast to bf16 then are FP8Linear's weights as they are
+    (it computes F.linear with a weight wider than a byte): outputs off by the scales, in
+    silence. wrap() refuses such a model, and any parameter stored as integers."""
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+
+    model = replace_with_fp8_linear(_model(), quantization_config=transformers.FineGrainedFP8Config())
+    torch.manual_seed(0)
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:  # (values, as a checkpoint would give them)
+                value = torch.randn(p.shape).to(p.dtype) if p.dtype.itemsize == 1 else torch.full(p.shape, 0.01)
+                setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
+    widened = copy.deepcopy(model.model.layers[0].mlp.gate_proj)  # (the premise: as the engine would hold it)
+    widened.weight = torch.nn.Parameter(widened.weight.to(torch.bfloat16), requires_grad=False)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    assert type(widened).__name__ == "FP8Linear"
+    assert torch.equal(widened(x), torch.nn.functional.linear(x, widened.weight))  # (its scales unused)
+    cfg = make_config(zero={"stage": 3}, batch={"micro_batch_size": 2}, precision={"dtype": "bf16"})
+    with pytest.raises(tiertrain.ConfigError, match=r"'model.layers.0.self_attn.q_proj.weight \(torch.float8_e4m3fn, "
+                                                    r"in FP8Linear\)'.* stored quantised: .*FineGrainedFP8Config"):
+        tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
+    packed = torch.nn.Linear(4, 4)
+    packed.weight = torch.nn.Parameter(torch.zeros(4, 2, dtype=torch.uint8), requires_grad=False)
+    with pytest.raises(tiertrain.ConfigError, match=r"'weight \(torch.uint8, in Linear\)' is stored quantised"):
+        tiertrain.wrap(packed, cfg, tiertrain.Topology.build(cfg.parallel))

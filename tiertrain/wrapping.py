@@ -66,6 +66,24 @@ def _check_materialized(model: nn.Module | Sequence[nn.Module]) -> None:
                           f"tiertrain.load_pretrained(engine, path), or load it whole (from_pretrained on the CPU)")
 
 
+def _check_unquantised(model: nn.Module | Sequence[nn.Module]) -> None:
+    """A parameter stored quantised (fp8 beside its scale, as transformers' FP8Linear holds
+    it; integers, as bitsandbytes' 4-bit ones) became a copy in precision.dtype, of the stored
+    values without their scales; FP8Linear then computes ``F.linear`` with them as weights:
+    outputs hundreds of times off, in silence."""
+    modules = [model] if isinstance(model, nn.Module) else list(model)
+    found = [(f"{n} ({t.dtype}, in {type(m.get_submodule(n.rpartition('.')[0])).__name__})")
+             for m in modules for n, t in m.named_parameters()
+             if t.dtype.itemsize == 1 or not (t.dtype.is_floating_point or t.dtype.is_complex)]
+    if found:
+        raise ConfigError(f"the model's {listing(found)} {'is' if len(found) == 1 else 'are'} stored quantised: the "
+                          f"engine holds every parameter in precision.dtype, which would make the quantised values "
+                          f"the weights, without their scales. Train an unquantised model: load it with "
+                          f"from_pretrained(path, quantization_config=<the method's config>(dequantize=True)) "
+                          f"(FineGrainedFP8Config for FP8), or build it from its config, wrap it and call "
+                          f"tiertrain.load_pretrained(engine, path), which dequantises block-FP8 checkpoints")
+
+
 def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topology, loss_fn: LossFn | None = None,
          unit_modules: list[str] | None = None,
          activation_shape: tuple[int, ...] | Callable[[Any], tuple[int, ...]] | None = None,
@@ -112,6 +130,7 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
                           f"they work with parallel.pp=1")
     _check_not_held(model)
     _check_materialized(model)
+    _check_unquantised(model)
     _check_context_parallel(model, config, topology)
     if topology.size("pp") == 1 and activation_shape is not None:
         raise ConfigError("activation_shape is for pipeline parallelism; parallel.pp is 1")
