@@ -220,12 +220,8 @@ def test_an_export_of_the_dequantised_model_does_not_say_its_weights_are_fp8(fp8
             assert torch.equal(loaded[name], value.bfloat16()), (export, name)
 
 
-def test_a_model_holding_quantised_parameters_is_refused_by_wrap():
-    """transformers' FP8Linear (from_pretrained of an FP8 checkpoint on a GPU, without
-    dequantize) holds fp8 weights beside their scales. The engine keeps every parameter in
-    precision.dtype; the fp8 values cast to bf16 then are FP8Linear's weights as they are
-    (it computes F.linear with a weight wider than a byte): outputs off by the scales, in
-    silence. wrap() refuses such a model, and any parameter stored as integers."""
+def _fp8_linear_model(trainable: bool) -> torch.nn.Module:
+    """_model() as from_pretrained of an FP8 checkpoint on a GPU holds it (FP8Linear layers)."""
     from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
 
     model = replace_with_fp8_linear(_model(), quantization_config=transformers.FineGrainedFP8Config())
@@ -234,17 +230,33 @@ def test_a_model_holding_quantised_parameters_is_refused_by_wrap():
         for name, p in list(module.named_parameters(recurse=False)):
             if p.is_meta:  # (values, as a checkpoint would give them)
                 value = torch.randn(p.shape).to(p.dtype) if p.dtype.itemsize == 1 else torch.full(p.shape, 0.01)
-                setattr(module, name, torch.nn.Parameter(value, requires_grad=False))
-    widened = copy.deepcopy(model.model.layers[0].mlp.gate_proj)  # (the premise: as the engine would hold it)
+                setattr(module, name, torch.nn.Parameter(value, requires_grad=trainable and p.dtype.itemsize == 1))
+    return model
+
+
+def test_quantised_parameters_are_held_as_stored_when_frozen_and_refused_when_trained():
+    """transformers' FP8Linear (from_pretrained of an FP8 checkpoint on a GPU, without
+    dequantize) holds fp8 weights beside their scales, and computes F.linear with a weight wider
+    than a byte as already dequantised. The engine held frozen fp8 weights in precision.dtype:
+    the stored values became the weights, outputs off by the scales, in silence. Frozen, they
+    are now held as stored, as integer ones (bitsandbytes' 4-bit) always were; trainable, wrap()
+    refuses them (their fp32 masters would be the stored values)."""
+    widened = copy.deepcopy(_fp8_linear_model(False).model.layers[0].mlp.gate_proj)  # (the premise)
     widened.weight = torch.nn.Parameter(widened.weight.to(torch.bfloat16), requires_grad=False)
     x = torch.randn(3, 128, dtype=torch.bfloat16)
     assert type(widened).__name__ == "FP8Linear"
     assert torch.equal(widened(x), torch.nn.functional.linear(x, widened.weight))  # (its scales unused)
-    cfg = make_config(zero={"stage": 3}, batch={"micro_batch_size": 2}, precision={"dtype": "bf16"})
-    with pytest.raises(tiertrain.ConfigError, match=r"'model.layers.0.self_attn.q_proj.weight \(torch.float8_e4m3fn, "
-                                                    r"in FP8Linear\)'.* stored quantised: .*FineGrainedFP8Config"):
-        tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
-    packed = torch.nn.Linear(4, 4)
-    packed.weight = torch.nn.Parameter(torch.zeros(4, 2, dtype=torch.uint8), requires_grad=False)
-    with pytest.raises(tiertrain.ConfigError, match=r"'weight \(torch.uint8, in Linear\)' is stored quantised"):
-        tiertrain.wrap(packed, cfg, tiertrain.Topology.build(cfg.parallel))
+    for stage in (0, 3):
+        cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2}, precision={"dtype": "bf16"})
+        model = _fp8_linear_model(False)
+        stored = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype.itemsize == 1}
+        engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
+        held = dict(model.named_parameters())
+        for name, value in stored.items():
+            assert held[name].dtype == value.dtype and torch.equal(held[name].view(torch.uint8),
+                                                                   value.view(torch.uint8)), (stage, name)
+        engine.close()
+        with pytest.raises(tiertrain.ConfigError, match=r"'model.layers.0.self_attn.q_proj.weight \(torch.float8_"
+                                                        r"e4m3fn, in FP8Linear\)'.* trainable and stored quantised: "
+                                                        r".*FineGrainedFP8Config"):
+            tiertrain.wrap(_fp8_linear_model(True), cfg, tiertrain.Topology.build(cfg.parallel))

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from .errors import listing
-from .precision import kept_in_fp32, named_in
+from .precision import kept_in_fp32, named_in, stored_quantised
 from .zero.construct import forget_partition
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ __all__ = ["cast_buffers_and_frozen", "rounds"]
 def rounds(given: torch.dtype, compute: torch.dtype) -> bool:
     """Whether values of dtype ``given`` may change when held in ``compute`` (fp32 holds every
     16-bit value; bf16 and fp16 hold neither each other's nor fp32's)."""
-    if given == compute or not given.is_floating_point:
+    if given == compute or stored_quantised(given):
         return False
     return not (compute in (torch.float32, torch.float64) and torch.finfo(given).bits < torch.finfo(compute).bits)
 
@@ -52,9 +52,9 @@ def cast_buffers_and_frozen(engine: "TrainingCore", model: nn.Module, in_layout:
     def dtype_of(full: str, value: torch.Tensor) -> torch.dtype:
         # (what the model keeps in fp32, precision.kept_in_fp32: an MoE router's correction bias,
         # whose values rounded to the compute dtype would route differently and be saved rounded)
-        if value.is_floating_point() and named_in(fp32, full):
-            return torch.promote_types(value.dtype, torch.float32)
-        return engine.dtype if value.is_floating_point() else value.dtype
+        if stored_quantised(value.dtype):
+            return value.dtype
+        return torch.promote_types(value.dtype, torch.float32) if named_in(fp32, full) else engine.dtype
 
     for prefix, module in model.named_modules():
         for name, buf in list(module.named_buffers(recurse=False)):
@@ -79,7 +79,7 @@ def cast_buffers_and_frozen(engine: "TrainingCore", model: nn.Module, in_layout:
             given.append((module, name, p.dtype))
             value = value_of(p)
             forget_partition(p)
-            # (an integer one, a quantized weight or an index table, keeps its dtype and values)
+            # (one stored quantised, a quantised weight or an index table, keeps its dtype and values)
             p.data = value.to(device=engine.device, dtype=dtype_of(full, value))
     engine._on_close.append(lambda: _give_back(given))
     if rounded:

@@ -42,6 +42,14 @@ def kept_in_fp32(model: torch.nn.Module, compute: torch.dtype) -> "re.Pattern[st
     return re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in patterns)) if patterns else None
 
 
+def stored_quantised(dtype: torch.dtype) -> bool:
+    """Whether a tensor of this dtype holds quantised values, not the weights: integers
+    (bitsandbytes' packed 4-bit, an index table) and fp8 (beside its scale, as transformers'
+    FP8Linear holds it, computing with a weight wider than a byte as already dequantised). A
+    frozen one is held as it is stored, never cast to the compute dtype."""
+    return not dtype.is_floating_point or dtype.itemsize == 1
+
+
 def named_in(kept: "re.Pattern[str] | None", name: str) -> bool:
     """Whether name is one that kept (kept_in_fp32's pattern; None: no name) matches."""
     return kept is not None and kept.search(name) is not None

@@ -17,6 +17,7 @@ from .errors import TiertrainError, listing
 from .offload.activations import apply_activation_checkpointing, checkpointing_of
 from .optim import OptimizerArg, SchedulerFactory
 from .pipeline.engine import PipelineEngine, pipeline_stages
+from .precision import stored_quantised
 from .state import engine_io
 from .topology import Topology
 from .tiling import apply_tiled_mlp, block_mlps, remove_tiled_mlp, tiled_mlp_tokens
@@ -67,21 +68,21 @@ def _check_materialized(model: nn.Module | Sequence[nn.Module]) -> None:
 
 
 def _check_unquantised(model: nn.Module | Sequence[nn.Module]) -> None:
-    """A parameter stored quantised (fp8 beside its scale, as transformers' FP8Linear holds
-    it; integers, as bitsandbytes' 4-bit ones) became a copy in precision.dtype, of the stored
-    values without their scales; FP8Linear then computes ``F.linear`` with them as weights:
-    outputs hundreds of times off, in silence."""
+    """A trainable parameter stored quantised (fp8 beside its scale, integers): the engine
+    trains fp32 masters of what it holds in precision.dtype, which for these would be the
+    stored values, not the weights (transformers' FP8Linear computes with a weight wider than a
+    byte as already dequantised). Frozen ones are held as stored (precision.stored_quantised)."""
     modules = [model] if isinstance(model, nn.Module) else list(model)
     found = [(f"{n} ({t.dtype}, in {type(m.get_submodule(n.rpartition('.')[0])).__name__})")
-             for m in modules for n, t in m.named_parameters()
-             if t.dtype.itemsize == 1 or not (t.dtype.is_floating_point or t.dtype.is_complex)]
+             for m in modules for n, t in m.named_parameters() if t.requires_grad and stored_quantised(t.dtype)]
     if found:
-        raise ConfigError(f"the model's {listing(found)} {'is' if len(found) == 1 else 'are'} stored quantised: the "
-                          f"engine holds every parameter in precision.dtype, which would make the quantised values "
-                          f"the weights, without their scales. Train an unquantised model: load it with "
-                          f"from_pretrained(path, quantization_config=<the method's config>(dequantize=True)) "
-                          f"(FineGrainedFP8Config for FP8), or build it from its config, wrap it and call "
-                          f"tiertrain.load_pretrained(engine, path), which dequantises block-FP8 checkpoints")
+        raise ConfigError(f"the model's {listing(found)} {'is' if len(found) == 1 else 'are'} trainable and stored "
+                          f"quantised: the engine would train the stored values as the weights, without their "
+                          f"scales. Freeze them (adapters such as LoRA train beside a frozen quantised model), or "
+                          f"train an unquantised model: load it with from_pretrained(path, quantization_config="
+                          f"<the method's config>(dequantize=True)) (FineGrainedFP8Config for FP8), or build it "
+                          f"from its config, wrap it and call tiertrain.load_pretrained(engine, path), which "
+                          f"dequantises block-FP8 checkpoints")
 
 
 def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topology, loss_fn: LossFn | None = None,
