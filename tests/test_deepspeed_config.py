@@ -131,6 +131,22 @@ def test_a_section_of_switches_is_refused_only_where_a_switch_is_on():
         assert said in str(caught.value), (said, str(caught.value))
 
 
+def test_keys_deepspeed_reads_under_a_former_name_or_not_at_all_translate_as_it_reads_them():
+    """Refused as typos before: ``bfloat16`` (bf16's former name, which DeepSpeed still reads where
+    bf16 is absent), ``comet`` (a DeepSpeed monitor), ``_comment`` and the ``comms_config`` and
+    ``monitor_config`` of LLaMA-Factory's FP8 example (keys DeepSpeed does not read)."""
+    translated = from_deepspeed({"bfloat16": {"enabled": True}, "_comment": "see the docs", "comet": {"enabled": False},
+                                 "comms_config": {"verbose": False}, "monitor_config": {"enabled": True}})
+    assert translated.values["precision"]["dtype"] == "bf16"
+    fates = dict(translated.fates)
+    assert fates["bfloat16"] == "read as bf16 (its former name), as DeepSpeed reads it"
+    assert all(fates[k].startswith("no effect") for k in ("_comment", "comet", "comms_config", "monitor_config"))
+    beside = from_deepspeed({"bfloat16": {"enabled": True}, "bf16": {"enabled": False}})
+    assert "precision" not in beside.values and dict(beside.fates)["bfloat16"].startswith("no effect")
+    with pytest.raises(ConfigError, match=r"comet: enabled true: tiertrain has no Comet writer"):
+        from_deepspeed({"comet": {"enabled": True, "project": "p"}})
+
+
 def test_unhonourable_keys_are_refused_all_at_once_by_name():
     with pytest.raises(ConfigError) as caught:
         from_deepspeed({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}},
@@ -231,7 +247,7 @@ def test_every_zero_optimization_key_of_deepspeed_under_either_spelling_is_known
 
 DEEPSPEED_TOP_KEYS_2025 = ["expert_parallel", "gradient_allreduce_op", "managed_gradient_accumulation",
                            "disable_allgather", "disable_python_gc", "log_level", "vocabulary_size",
-                           "seq_parallel_communication_data_type", "torch_autocast", "compile"]
+                           "seq_parallel_communication_data_type", "torch_autocast", "compile", "comet", "bfloat16"]
 """Top-level keys DeepSpeed 0.19.8 reads that configs written for it may hold."""
 
 

@@ -97,13 +97,15 @@ def from_deepspeed(source: str | os.PathLike | dict, dtype: str = "fp32") -> Tra
     """Translate a DeepSpeed config (see the module docstring); ConfigError naming every key
     that cannot be honoured, or whose value is not one DeepSpeed accepts either. dtype: the
     compute dtype where the config says "auto" (it sizes the parameter buffers it converts)."""
-    ds = read_deepspeed(source)
     t = Translation()
+    ds = _former_names(read_deepspeed(source), t)
     precision = _precision(ds) or dtype
     itemsize = 4 if precision == "fp32" else 2
     for key, value in ds.items():
         handler = _TOP.get(key)
-        if handler is None:
+        if isinstance(key, str) and key.startswith("_"):
+            t.no_effect(key, "a comment (DeepSpeed reads no key that starts with _)")
+        elif handler is None:
             t.refuse(key, "not a DeepSpeed config key tiertrain knows (a typo, or a feature it does not have)")
         elif handler is not _SKIP:
             handler(t, key, value)
@@ -121,6 +123,18 @@ def from_deepspeed(source: str | os.PathLike | dict, dtype: str = "fp32") -> Tra
 
 
 # -- the sections ----------------------------------------------------------------------------------
+
+
+def _former_names(ds: dict, t: Translation) -> dict:
+    """ds with its top-level keys under their current names: DeepSpeed reads ``bfloat16`` (bf16's
+    former name) where ``bf16`` is absent, and ignores it beside one."""
+    if "bfloat16" not in ds:
+        return ds
+    if "bf16" in ds:
+        t.no_effect("bfloat16", "DeepSpeed reads bf16's former name only where bf16 is absent")
+        return {k: v for k, v in ds.items() if k != "bfloat16"}
+    t.fates.append(("bfloat16", "read as bf16 (its former name), as DeepSpeed reads it"))
+    return {("bf16" if k == "bfloat16" else k): v for k, v in ds.items()}
 
 
 def _auto(value: Any) -> bool:
@@ -531,6 +545,11 @@ _TOP = {
     "zero_optimization": _SKIP,  # (after the precision is known)
     "tensorboard": _monitor("logging.tensorboard_dir", project=False),
     "wandb": _monitor("logging.wandb_project", project=True),
+    "comet": _refuse_unless({"enabled": False}, "tiertrain has no Comet writer: set logging.tensorboard_dir, "
+                                                "logging.wandb_project or logging.metrics_file"),
+    "comms_config": _no_effect("not a key DeepSpeed reads (its name for what comms_logger configures), as here"),
+    "monitor_config": _no_effect("not a key DeepSpeed reads (its name for what tensorboard, wandb, csv_monitor "
+                                 "and comet configure), as here"),
     "wall_clock_breakdown": _no_effect("every metrics record splits the step into its phases"),
     "flops_profiler": _no_effect("every metrics record holds TFLOP/s and MFU"),
     "memory_breakdown": _no_effect("every metrics record holds memory per tier"),
@@ -585,7 +604,7 @@ _TOP = {
 
 def documented_keys() -> dict[str, list[str]]:
     """Every key this translation knows, by section (for docs/deepspeed.md's table)."""
-    return {"": sorted(_TOP), "zero_optimization": sorted(set(_ZERO) | set(_ELEMENTS) | set(_ZERO_SPELLINGS)
+    return {"": sorted([*_TOP, "bfloat16"]), "zero_optimization": sorted(set(_ZERO) | set(_ELEMENTS) | set(_ZERO_SPELLINGS)
                                                           | {"offload_optimizer", "offload_param"})}
 
 
