@@ -22,11 +22,13 @@ from .topology import Topology
 from .zero.construct import partitioned_init
 from .state.export import ExportReport
 from .state.peft_export import PeftExport
-from .state.pretrained import (LoadReport, NonFiniteWeightsError, PretrainedMismatchError, PretrainedMissingWarning, QuantizedCheckpointError,
-                               load_pretrained)
+from .state.pretrained import (LoadReport, NonFiniteWeightsError, PretrainedMismatchError, PretrainedMissingWarning,
+                               QuantizedCheckpointError, load_pretrained)
 from .trainer import EvalConfig, LoopConfig, Trainer
 
-__all__ = ["AlreadyWrappedError", "Config", "ConfigError", "Engine", "EvalConfig", "ExportReport", "HeldGradientError", "InPlaceEditError", "KernelUnavailable", "LabelConventionError", "LoadReport", "LoopConfig", "MemoryReport", "NonFiniteWeightsError",
-           "PeftExport", "PretrainedMismatchError", "PretrainedMissingWarning", "QuantizedCheckpointError", "ReleasedParameterError", "TiertrainError", "Topology", "Trainer",
-           "TrainingCore", "compile_blocks", "load_pretrained", "partitioned_init", "wrap"]
+__all__ = ["AlreadyWrappedError", "Config", "ConfigError", "Engine", "EvalConfig", "ExportReport",
+           "HeldGradientError", "InPlaceEditError", "KernelUnavailable", "LabelConventionError", "LoadReport",
+           "LoopConfig", "MemoryReport", "NonFiniteWeightsError", "PeftExport", "PretrainedMismatchError",
+           "PretrainedMissingWarning", "QuantizedCheckpointError", "ReleasedParameterError", "TiertrainError",
+           "Topology", "Trainer", "TrainingCore", "compile_blocks", "load_pretrained", "partitioned_init", "wrap"]
 __version__ = "0.1.0"

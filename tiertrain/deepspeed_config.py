@@ -604,8 +604,8 @@ _TOP = {
 
 def documented_keys() -> dict[str, list[str]]:
     """Every key this translation knows, by section (for docs/deepspeed.md's table)."""
-    return {"": sorted([*_TOP, "bfloat16"]), "zero_optimization": sorted(set(_ZERO) | set(_ELEMENTS) | set(_ZERO_SPELLINGS)
-                                                          | {"offload_optimizer", "offload_param"})}
+    zero = set(_ZERO) | set(_ELEMENTS) | set(_ZERO_SPELLINGS) | {"offload_optimizer", "offload_param"}
+    return {"": sorted([*_TOP, "bfloat16"]), "zero_optimization": sorted(zero)}
 
 
 __all__ = ["Translation", "documented_keys", "from_deepspeed", "read_deepspeed"]

@@ -366,7 +366,10 @@ def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict:
     ``quantization_config`` ``quant_method: "fp8"``, each weight beside its
     ``weight_scale_inv``, as DeepSeek-V3 and Qwen3-FP8 ship) are read dequantised, the product
     of each block's values and scale; any other quantisation raises
-    :class:`QuantizedCheckpointError` before anything is read, naming the method.
+    :class:`QuantizedCheckpointError` before anything is read, naming the method. Inf or NaN
+    read into a parameter raises :class:`NonFiniteWeightsError` once the load is done, on every
+    rank that shares it; tensors this model ties that the checkpoint holds with different
+    values raise PretrainedMismatchError (build the model untied).
     """
     from ..pipeline.engine import PipelineEngine
 
@@ -483,5 +486,5 @@ def _into_engine(engine: Engine, matched: list[_Target], ckpt: _Checkpoint) -> N
             t.tensor.data.copy_(ckpt.read(t.key).reshape(t.shape))
 
 
-__all__ = ["LoadReport", "NonFiniteWeightsError", "PretrainedMismatchError", "PretrainedMissingWarning", "QuantizedCheckpointError",
-           "checkpoint_files", "load_pretrained"]
+__all__ = ["LoadReport", "NonFiniteWeightsError", "PretrainedMismatchError", "PretrainedMissingWarning",
+           "QuantizedCheckpointError", "checkpoint_files", "load_pretrained"]

@@ -114,7 +114,8 @@ class BlockFP8(WeightReads):
                     f"config.json quantization_config weight_block_size sets the block)")
 
     def keys(self) -> list[str]:
-        return [k for k in self.raw.keys() if not k.endswith(SCALE_SUFFIX) or k[:-len(SCALE_SUFFIX)] not in self.weights]
+        return [k for k in self.raw.keys()
+                if not k.endswith(SCALE_SUFFIX) or k[:-len(SCALE_SUFFIX)] not in self.weights]
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self.raw.shape(key)
