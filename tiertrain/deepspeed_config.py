@@ -21,55 +21,13 @@ flag or default; under the Hugging Face Trainer, TrainingArguments').
 from __future__ import annotations
 
 import json
-import math
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 from .config import ConfigError
+from .deepspeed_fates import AUTO, Translation, checked_number, is_auto, mapped, no_effect, refuse_unless
 
 MiB = 2 ** 20
-AUTO = "auto"
-
-
-@dataclass
-class Translation:
-    """A DeepSpeed config as tiertrain config values."""
-
-    values: dict[str, dict | Any] = field(default_factory=dict)
-    """Nested tiertrain config values ({"zero": {"stage": 3}, ...}), as a --config file holds them."""
-    fates: list[tuple[str, str]] = field(default_factory=list)
-    """(DeepSpeed key, what became of it), in the file's order."""
-    refused: list[tuple[str, str]] = field(default_factory=list)
-    """(DeepSpeed key, why it cannot be honoured)."""
-    assignments: list[tuple[str, Any, str]] = field(default_factory=list)
-    """(tiertrain field, value, the DeepSpeed key it came from), in order."""
-    decay_over_run: bool = False
-    """total_num_steps "auto": the decay spans the run's steps after warmup (:meth:`finish`)."""
-
-    def finish(self, cfg) -> None:
-        """What needs the whole config (a TrainConfig): the decay of an "auto" total_num_steps."""
-        if self.decay_over_run:
-            cfg.schedule.decay_steps = max(0, cfg.steps - cfg.schedule.warmup_steps)
-            cfg.validate()
-
-    def lines(self) -> list[str]:
-        return [f"{key}: {fate}" for key, fate in self.fates]
-
-    def set(self, key: str, path: str, value: Any, note: str = "") -> None:
-        section, _, name = path.rpartition(".")
-        target = self.values
-        for part in filter(None, section.split(".")):
-            target = target.setdefault(part, {})
-        target[name] = value
-        self.assignments.append((path, value, key))
-        self.fates.append((key, f"→ {path} = {value!r}" + (f" ({note})" if note else "")))
-
-    def no_effect(self, key: str, why: str) -> None:
-        self.fates.append((key, f"no effect: {why}"))
-
-    def refuse(self, key: str, why: str) -> None:
-        self.refused.append((key, why))
 
 
 def read_deepspeed(source: str | os.PathLike | dict) -> dict:
@@ -137,82 +95,14 @@ def _former_names(ds: dict, t: Translation) -> dict:
     return {("bf16" if k == "bfloat16" else k): v for k, v in ds.items()}
 
 
-def _auto(value: Any) -> bool:
-    return isinstance(value, str) and value == AUTO
-
-
-def _number(key: str, value: Any, integer: bool = False, minimum: float | None = 0,
-            maximum: float | None = None) -> float | int:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    try:
-        ok = ok and math.isfinite(value) and (not integer or float(value).is_integer())
-    except OverflowError:  # (an integer beyond any float)
-        ok = False
-    if not ok or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        kind = "an integer" if integer else "a number"
-        bounds = [f">= {minimum}"] * (minimum is not None) + [f"<= {maximum}"] * (maximum is not None)
-        raise ConfigError(f"DeepSpeed {key}={value!r} is invalid: expected {kind}"
-                          + (f" {' and '.join(bounds)}" if bounds else "") + ' or "auto"')
-    return int(value) if integer else float(value)
-
-
-def _mapped(path: str, integer: bool = False, minimum: float | None = 0, convert=None, note: str = "",
-            maximum: float | None = None):
-    def handle(t: Translation, key: str, value: Any) -> None:
-        if _auto(value):
-            t.fates.append((key, f"auto: tiertrain's {path}"))
-            return
-        number = _number(key, value, integer, minimum, maximum)
-        t.set(key, path, convert(number) if convert else number, note)
-    return handle
-
-
-def _no_effect(why: str):
-    return lambda t, key, value: t.no_effect(key, why)
-
-
-def _enabled_inside(value: Any, path: str = "") -> list[str]:
-    """The paths of every ``enabled`` flag set true in a DeepSpeed section, at any depth (each
-    of DeepSpeed's switches, data_efficiency.data_routing.random_ltd.enabled and the like,
-    defaults to false, so a section with none set true does nothing)."""
-    if not isinstance(value, dict):
-        return []
-    found = [f"{path}enabled"] if value.get("enabled", False) else []
-    for name, inner in value.items():
-        found += _enabled_inside(inner, f"{path}{name}.")
-    return found
-
-
-def _refuse_unless(default: Any, why: str, same: tuple = ()):
-    """Refuse the key unless it holds default (or "auto"), or a value in ``same``: what
-    tiertrain always does (e.g. communication_data_type "fp32"). A section whose default is
-    ``{"enabled": False}`` is refused only where a switch in it is on."""
-    section = isinstance(default, dict) and default.get("enabled") is False
-
-    def handle(t: Translation, key: str, value: Any) -> None:
-        if value == default or _auto(value):
-            t.no_effect(key, f"{value!r}, the default (tiertrain: the same)")
-        elif section and isinstance(value, dict):
-            switched_on = _enabled_inside(value)
-            if switched_on:
-                t.refuse(key, f"{', '.join(switched_on)} true: {why}")
-            else:
-                t.no_effect(key, "not enabled (its other keys configure what is off)")
-        elif value in same:
-            t.no_effect(key, f"{value!r}: tiertrain always does it ({why})")
-        else:
-            t.refuse(key, f"{value!r}: {why}")
-    return handle
-
-
 def _averaged_either_way(t: Translation, key: str, value: Any) -> None:
     """prescale_gradients and gradient_predivide_factor: where DeepSpeed divides the gradients
     by the ranks (or by a factor, then by ranks/factor), before or after the sum. The mean is
     the same; tiertrain sums in fp32, where the 16-bit overflow these guard against cannot occur."""
     if key == "prescale_gradients" and not isinstance(value, bool):
         raise ConfigError(f"DeepSpeed {key}={value!r} is invalid: expected true or false")
-    if key == "gradient_predivide_factor" and not _auto(value):
-        number = _number(key, value)
+    if key == "gradient_predivide_factor" and not is_auto(value):
+        number = checked_number(key, value)
         if number <= 0:
             raise ConfigError(f"DeepSpeed {key}={value!r} is invalid: expected a number > 0")
     t.no_effect(key, f"{value!r}: gradients are summed in fp32 and averaged over the data-parallel ranks either "
@@ -245,13 +135,13 @@ def _precision(ds: dict) -> str | None:
 def _fp16(t: Translation, key: str, value: Any) -> None:
     if not isinstance(value, dict):
         raise ConfigError(f"DeepSpeed {key}={value!r} is invalid: expected an object")
-    on = value.get("enabled") is True or _auto(value.get("enabled"))
-    if _auto(value.get("enabled")):
+    on = value.get("enabled") is True or is_auto(value.get("enabled"))
+    if is_auto(value.get("enabled")):
         t.fates.append((f"{key}.enabled", "auto: tiertrain's precision.dtype"))
     elif on:
         t.set(f"{key}.enabled", "precision.dtype", key, "fp32 masters and optimizer state, as DeepSpeed")
     scale = value.get("loss_scale", 0)
-    static = key == "fp16" and on and not _auto(scale) and _number(f"{key}.loss_scale", scale) != 0
+    static = key == "fp16" and on and not is_auto(scale) and checked_number(f"{key}.loss_scale", scale) != 0
     for sub, v in value.items():
         name = f"{key}.{sub}"
         if sub == "enabled":
@@ -268,20 +158,20 @@ def _fp16(t: Translation, key: str, value: Any) -> None:
             t.no_effect(name, f"the loss scale is static ({key}.loss_scale={scale!r}), as in DeepSpeed")
         elif sub == "initial_scale_power":
             # (2 ** 128 and above is no fp32 number: every scaled loss would overflow)
-            _mapped("precision.loss_scale.initial_scale", integer=True, convert=lambda p: float(2 ** p),
+            mapped("precision.loss_scale.initial_scale", integer=True, convert=lambda p: float(2 ** p),
                     note="2 ** initial_scale_power", maximum=127)(t, name, v)
         elif sub == "loss_scale_window":
-            _mapped("precision.loss_scale.growth_interval", integer=True, minimum=1)(t, name, v)
+            mapped("precision.loss_scale.growth_interval", integer=True, minimum=1)(t, name, v)
         elif sub == "hysteresis":
-            _mapped("precision.loss_scale.hysteresis", integer=True, minimum=1)(t, name, v)
+            mapped("precision.loss_scale.hysteresis", integer=True, minimum=1)(t, name, v)
         elif sub == "min_loss_scale":
-            _mapped("precision.loss_scale.min_scale", minimum=0)(t, name, v)
+            mapped("precision.loss_scale.min_scale", minimum=0)(t, name, v)
         elif sub == "consecutive_hysteresis":
-            _refuse_unless(False, "tiertrain's hysteresis counts overflows since the last growth")(t, name, v)
+            refuse_unless(False, "tiertrain's hysteresis counts overflows since the last growth")(t, name, v)
         elif sub == "auto_cast":
-            _refuse_unless(False, "tiertrain computes in the fp16 parameters' dtype; it does not autocast")(t, name, v)
+            refuse_unless(False, "tiertrain computes in the fp16 parameters' dtype; it does not autocast")(t, name, v)
         elif sub == "fp16_master_weights_and_grads":
-            _refuse_unless(False, "tiertrain keeps fp32 master weights and gradients")(t, name, v)
+            refuse_unless(False, "tiertrain keeps fp32 master weights and gradients")(t, name, v)
         else:
             t.refuse(name, "not an fp16 key tiertrain knows")
 
@@ -316,25 +206,25 @@ def _optimizer(t: Translation, key: str, value: Any) -> None:
     for sub, v in params.items():
         name = f"{key}.params.{sub}"
         if sub == "lr":
-            _mapped("optimizer.lr", minimum=0)(t, name, v)
+            mapped("optimizer.lr", minimum=0)(t, name, v)
         elif sub == "eps":
-            _mapped("optimizer.eps", minimum=0)(t, name, v)
+            mapped("optimizer.eps", minimum=0)(t, name, v)
         elif sub == "weight_decay":
-            _mapped("optimizer.weight_decay", minimum=0)(t, name, v)
+            mapped("optimizer.weight_decay", minimum=0)(t, name, v)
             t.set(name, "optimizer.weight_decay_on", "all", "DeepSpeed decays every parameter")
         elif sub == "betas":
-            if _auto(v):
+            if is_auto(v):
                 t.fates.append((name, "auto: tiertrain's optimizer.betas"))
             elif isinstance(v, (list, tuple)) and len(v) == 2:
-                t.set(name, "optimizer.betas", [_number(name, b) for b in v])
+                t.set(name, "optimizer.betas", [checked_number(name, b) for b in v])
             else:
                 raise ConfigError(f"DeepSpeed {name}={v!r} is invalid: expected [beta1, beta2]")
         elif sub in ("adam_w_mode", "torch_adam", "fp32_optimizer_states"):
             t.no_effect(name, f"{v!r}: the update is AdamW with fp32 state either way")
         elif sub == "bias_correction":
-            _refuse_unless(True, "tiertrain's AdamW always corrects the moments' bias")(t, name, v)
+            refuse_unless(True, "tiertrain's AdamW always corrects the moments' bias")(t, name, v)
         elif sub == "amsgrad":
-            _refuse_unless(False, "tiertrain's AdamW has no AMSGrad")(t, name, v)
+            refuse_unless(False, "tiertrain's AdamW has no AMSGrad")(t, name, v)
         else:
             t.refuse(name, "not an AdamW parameter")
 
@@ -352,20 +242,20 @@ def _scheduler(t: Translation, key: str, value: Any) -> None:
     t.no_effect(f"{key}.type", f"{kind}: tiertrain's schedule (its warmup takes the first increment at the first step; "
                                f"DeepSpeed's first step runs at the start rate: the same ramp, one step earlier)")
     warmup = params.get("warmup_num_steps", 1000)
-    _mapped("schedule.warmup_steps", integer=True)(t, f"{key}.params.warmup_num_steps", warmup)
+    mapped("schedule.warmup_steps", integer=True)(t, f"{key}.params.warmup_num_steps", warmup)
     shape = params.get("warmup_type", "log")
     if shape not in ("log", "linear"):
         raise ConfigError(f"DeepSpeed {key}.params.warmup_type={shape!r} is invalid: expected 'log' or 'linear'")
     t.set(f"{key}.params.warmup_type", "schedule.warmup_shape", shape)
     if kind == "WarmupCosineLR":
-        _mapped("schedule.warmup_start_ratio", minimum=0)(t, f"{key}.params.warmup_min_ratio",
+        mapped("schedule.warmup_start_ratio", minimum=0)(t, f"{key}.params.warmup_min_ratio",
                                                           params.get("warmup_min_ratio", 0.0))
-        _mapped("schedule.min_lr_ratio", minimum=0)(t, f"{key}.params.cos_min_ratio", params.get("cos_min_ratio", 0.0001))
+        mapped("schedule.min_lr_ratio", minimum=0)(t, f"{key}.params.cos_min_ratio", params.get("cos_min_ratio", 0.0001))
     else:
         peak, low = params.get("warmup_max_lr", 0.001), params.get("warmup_min_lr", 0.0)
-        _mapped("optimizer.lr", minimum=0)(t, f"{key}.params.warmup_max_lr", peak)
-        if not (_auto(low) or _auto(peak)) and _number(f"{key}.params.warmup_max_lr", peak) > 0:
-            t.set(f"{key}.params.warmup_min_lr", "schedule.warmup_start_ratio", _number("warmup_min_lr", low) / peak)
+        mapped("optimizer.lr", minimum=0)(t, f"{key}.params.warmup_max_lr", peak)
+        if not (is_auto(low) or is_auto(peak)) and checked_number(f"{key}.params.warmup_max_lr", peak) > 0:
+            t.set(f"{key}.params.warmup_min_lr", "schedule.warmup_start_ratio", checked_number("warmup_min_lr", low) / peak)
         else:
             t.fates.append((f"{key}.params.warmup_min_lr", "auto: tiertrain's schedule.warmup_start_ratio"))
     if kind == "WarmupLR":
@@ -374,12 +264,12 @@ def _scheduler(t: Translation, key: str, value: Any) -> None:
     total = params.get("total_num_steps")
     if total is None:
         raise ConfigError(f"DeepSpeed {key}.params.total_num_steps is missing: {kind} needs it")
-    if _auto(total) or _auto(warmup):
+    if is_auto(total) or is_auto(warmup):
         t.fates.append((f"{key}.params.total_num_steps", "auto: decay over the run's steps after warmup"))
         t.decay_over_run = True
     else:
         t.set(f"{key}.params.total_num_steps", "schedule.decay_steps",
-              max(0, _number("total_num_steps", total, integer=True) - int(warmup)), "total_num_steps - warmup")
+              max(0, checked_number("total_num_steps", total, integer=True) - int(warmup)), "total_num_steps - warmup")
     t.set(f"{key}.type", "schedule.decay_shape", "linear" if kind == "WarmupDecayLR" else "cosine")
     if kind == "WarmupDecayLR":
         t.set(f"{key}.type", "schedule.min_lr_ratio", 0.0, "WarmupDecayLR decays to 0")
@@ -417,7 +307,7 @@ def _zero(value: Any, t: Translation, itemsize: int) -> None:
         elif sub in _ELEMENTS:
             path, bytes_per = _ELEMENTS[sub]
             per = itemsize if bytes_per is None else bytes_per
-            _mapped(path, convert=lambda n, per=per: round(n * per / MiB, 6),
+            mapped(path, convert=lambda n, per=per: round(n * per / MiB, 6),
                     note=f"elements × {per} bytes, in MiB")(t, name, v)
         elif handler is None:
             t.refuse(name, "not a zero_optimization key tiertrain knows")
@@ -439,7 +329,7 @@ def _offload(t: Translation, key: str, value: Any, path: str) -> None:
         if sub == "nvme_path":
             t.set(name, "zero.nvme_path", str(v))
         elif sub == "buffer_count" and path == "zero.offload_optimizer":
-            _mapped("zero.nvme_buffers", integer=True, minimum=1)(t, name, v)
+            mapped("zero.nvme_buffers", integer=True, minimum=1)(t, name, v)
         elif sub in ("pin_memory", "buffer_count", "buffer_size", "max_in_cpu"):
             t.no_effect(name, f"{v!r}: tiertrain pins the host memory a device copy reads and sizes its own "
                               f"staging (zero.nvme_chunk_mb, nvme_kept_units)")
@@ -450,7 +340,7 @@ def _offload(t: Translation, key: str, value: Any, path: str) -> None:
             t.no_effect(name, f"{v!r}: how DeepSpeed writes the initial NVMe state; tiertrain writes it once, "
                               f"at wrap()")
         elif sub == "ratio":
-            _number(name, v)
+            checked_number(name, v)
             t.no_effect(name, f"{v!r}: tiertrain offloads the whole optimizer state (ratio 1.0)"
                               + (", none of it stays on the device as DeepSpeed's partial offload keeps "
                                  f"{1 - v:.0%}" if v < 1 else ""))
@@ -468,52 +358,52 @@ gradients, or compute-dtype parameters (None))."""
 
 _ALWAYS = "tiertrain always does it"
 _ZERO = {
-    "stage": _mapped("zero.stage", integer=True),
-    "stage3_param_persistence_threshold": _mapped("zero.persistence_threshold", integer=True),
-    "overlap_comm": _no_effect(f"{_ALWAYS}: reductions overlap backward"),
-    "contiguous_gradients": _no_effect(f"{_ALWAYS}: gradients live in flat buffers"),
-    "reduce_scatter": _no_effect(f"{_ALWAYS} at stages 2-3"),
-    "allgather_partitions": _no_effect(_ALWAYS),
-    "allgather_bucket_size": _no_effect("parameters are gathered one unit at a time"),
-    "round_robin_gradients": _no_effect("each rank reduces its own shard"),
-    "stage3_max_reuse_distance": _no_effect("a gathered unit is released after its use (zero.max_live_mb caps them)"),
-    "stage3_gather_16bit_weights_on_model_save": _no_effect("save_pretrained and export always gather the weights"),
-    "stage3_gather_fp16_weights_on_model_save": _no_effect("save_pretrained and export always gather the weights"),
-    "ignore_unused_parameters": _no_effect("unused parameters get zero gradients"),
-    "load_from_fp32_weights": _no_effect("checkpoints hold the fp32 masters"),
-    "elastic_checkpoint": _no_effect("checkpoints reshard to any layout"),
-    "cpu_offload": _refuse_unless(False, "the old spelling; use offload_optimizer.device 'cpu'"),
-    "zero_hpz_partition_size": _refuse_unless(1, "ZeRO++ hierarchical partitioning is not implemented"),
-    "zero_quantized_weights": _refuse_unless(False, "ZeRO++ quantised weights are not implemented"),
-    "zero_quantized_gradients": _refuse_unless(False, "ZeRO++ quantised gradients are not implemented"),
-    "mics_shard_size": _refuse_unless(-1, "MiCS is not implemented"),
-    "memory_efficient_linear": _no_effect("linear layers are the model's own"),
-    "sub_group_size": _no_effect("the NVMe optimizer streams chunks of zero.nvme_chunk_mb; the CPU tier steps "
+    "stage": mapped("zero.stage", integer=True),
+    "stage3_param_persistence_threshold": mapped("zero.persistence_threshold", integer=True),
+    "overlap_comm": no_effect(f"{_ALWAYS}: reductions overlap backward"),
+    "contiguous_gradients": no_effect(f"{_ALWAYS}: gradients live in flat buffers"),
+    "reduce_scatter": no_effect(f"{_ALWAYS} at stages 2-3"),
+    "allgather_partitions": no_effect(_ALWAYS),
+    "allgather_bucket_size": no_effect("parameters are gathered one unit at a time"),
+    "round_robin_gradients": no_effect("each rank reduces its own shard"),
+    "stage3_max_reuse_distance": no_effect("a gathered unit is released after its use (zero.max_live_mb caps them)"),
+    "stage3_gather_16bit_weights_on_model_save": no_effect("save_pretrained and export always gather the weights"),
+    "stage3_gather_fp16_weights_on_model_save": no_effect("save_pretrained and export always gather the weights"),
+    "ignore_unused_parameters": no_effect("unused parameters get zero gradients"),
+    "load_from_fp32_weights": no_effect("checkpoints hold the fp32 masters"),
+    "elastic_checkpoint": no_effect("checkpoints reshard to any layout"),
+    "cpu_offload": refuse_unless(False, "the old spelling; use offload_optimizer.device 'cpu'"),
+    "zero_hpz_partition_size": refuse_unless(1, "ZeRO++ hierarchical partitioning is not implemented"),
+    "zero_quantized_weights": refuse_unless(False, "ZeRO++ quantised weights are not implemented"),
+    "zero_quantized_gradients": refuse_unless(False, "ZeRO++ quantised gradients are not implemented"),
+    "mics_shard_size": refuse_unless(-1, "MiCS is not implemented"),
+    "memory_efficient_linear": no_effect("linear layers are the model's own"),
+    "sub_group_size": no_effect("the NVMe optimizer streams chunks of zero.nvme_chunk_mb; the CPU tier steps "
                                  "each shard whole"),
-    "model_persistence_threshold": _refuse_unless(9223372036854775807, "a model-wide persistence budget is not "
+    "model_persistence_threshold": refuse_unless(9223372036854775807, "a model-wide persistence budget is not "
                                                   "implemented; stage3_param_persistence_threshold is"),
-    "use_multi_rank_bucket_allreduce": _no_effect("each bucket is reduced once, by the rank owning its shard"),
-    "mics_hierarchical_params_gather": _refuse_unless(False, "MiCS is not implemented"),
-    "zeropp_loco_param": _refuse_unless(None, "ZeRO++ LoCo is not implemented"),
-    "log_trace_cache_warnings": _no_effect("stage 3 checks each pass against the first (zero.stage3_check)"),
-    "stage3_use_all_reduce_for_fetch_params": _no_effect("parameters are gathered with all-gathers"),
-    "override_module_apply": _no_effect("the model's own apply() is untouched"),
-    "stage3_module_granularity_threshold": _no_effect("units are the ModuleList's children, or zero.unit_params"),
-    "stage3_allgather_sequential": _no_effect("parameters are gathered one unit at a time"),
-    "compute_grad_norm": _no_effect("the gradient norm is always computed (the clip and the metrics use it)"),
-    "cpu_offload_param": _refuse_unless(None, "the old spelling; use offload_param.device 'cpu'", same=(False,)),
-    "cpu_offload_use_pin_memory": _refuse_unless(None, "the old spelling; use offload_param.pin_memory",
+    "use_multi_rank_bucket_allreduce": no_effect("each bucket is reduced once, by the rank owning its shard"),
+    "mics_hierarchical_params_gather": refuse_unless(False, "MiCS is not implemented"),
+    "zeropp_loco_param": refuse_unless(None, "ZeRO++ LoCo is not implemented"),
+    "log_trace_cache_warnings": no_effect("stage 3 checks each pass against the first (zero.stage3_check)"),
+    "stage3_use_all_reduce_for_fetch_params": no_effect("parameters are gathered with all-gathers"),
+    "override_module_apply": no_effect("the model's own apply() is untouched"),
+    "stage3_module_granularity_threshold": no_effect("units are the ModuleList's children, or zero.unit_params"),
+    "stage3_allgather_sequential": no_effect("parameters are gathered one unit at a time"),
+    "compute_grad_norm": no_effect("the gradient norm is always computed (the clip and the metrics use it)"),
+    "cpu_offload_param": refuse_unless(None, "the old spelling; use offload_param.device 'cpu'", same=(False,)),
+    "cpu_offload_use_pin_memory": refuse_unless(None, "the old spelling; use offload_param.pin_memory",
                                                  same=(False, True)),
-    "legacy_stage1": _refuse_unless(False, "DeepSpeed's former stage-1 code; tiertrain's stage 1 is the paper's"),
-    "parameter_alignment": _no_effect("the flat buffers' layout is tiertrain's own"),
-    "zero_quantized_nontrainable_weights": _refuse_unless(False, "ZeRO++ quantised weights are not implemented"),
-    "pipeline_loading_checkpoint": _no_effect("checkpoints load into any layout, pipeline stages included"),
-    "enable_sanity_checks": _no_effect("stage 3 checks each pass against the first (zero.stage3_check)"),
-    "save_muon_momentum_buffer_in_memory": _no_effect("on the NVMe tier each tensor's optimizer state is read "
+    "legacy_stage1": refuse_unless(False, "DeepSpeed's former stage-1 code; tiertrain's stage 1 is the paper's"),
+    "parameter_alignment": no_effect("the flat buffers' layout is tiertrain's own"),
+    "zero_quantized_nontrainable_weights": refuse_unless(False, "ZeRO++ quantised weights are not implemented"),
+    "pipeline_loading_checkpoint": no_effect("checkpoints load into any layout, pipeline stages included"),
+    "enable_sanity_checks": no_effect("stage 3 checks each pass against the first (zero.stage3_check)"),
+    "save_muon_momentum_buffer_in_memory": no_effect("on the NVMe tier each tensor's optimizer state is read "
                                                       "just before its update and written right after"),
-    "leaf_module": _no_effect("stage-3 units are whole blocks (the ModuleList's children, or zero.unit_params): "
+    "leaf_module": no_effect("stage-3 units are whole blocks (the ModuleList's children, or zero.unit_params): "
                               "a mixture-of-experts layer is gathered whole"),
-    "zenflow": _refuse_unless(None, "ZenFlow's stall-free offload is not implemented; zero.overlap_cpu_step "
+    "zenflow": refuse_unless(None, "ZenFlow's stall-free offload is not implemented; zero.overlap_cpu_step "
                                     "overlaps the CPU step with backward"),
 }
 
@@ -533,11 +423,11 @@ and its alias): the key _ZERO or _ELEMENTS knows them by."""
 
 _SKIP = object()
 _TOP = {
-    "train_batch_size": _mapped("batch.global_batch_size", integer=True, minimum=1),
-    "train_micro_batch_size_per_gpu": _mapped("batch.micro_batch_size", integer=True, minimum=1),
-    "gradient_accumulation_steps": _mapped("batch.grad_accum_steps", integer=True, minimum=1),
-    "gradient_clipping": _mapped("optimizer.grad_clip"),
-    "steps_per_print": _no_effect("DeepSpeed's own console print; metrics are logged every logging.log_interval"),
+    "train_batch_size": mapped("batch.global_batch_size", integer=True, minimum=1),
+    "train_micro_batch_size_per_gpu": mapped("batch.micro_batch_size", integer=True, minimum=1),
+    "gradient_accumulation_steps": mapped("batch.grad_accum_steps", integer=True, minimum=1),
+    "gradient_clipping": mapped("optimizer.grad_clip"),
+    "steps_per_print": no_effect("DeepSpeed's own console print; metrics are logged every logging.log_interval"),
     "fp16": _fp16,
     "bf16": _fp16,
     "optimizer": _optimizer,
@@ -545,60 +435,60 @@ _TOP = {
     "zero_optimization": _SKIP,  # (after the precision is known)
     "tensorboard": _monitor("logging.tensorboard_dir", project=False),
     "wandb": _monitor("logging.wandb_project", project=True),
-    "comet": _refuse_unless({"enabled": False}, "tiertrain has no Comet writer: set logging.tensorboard_dir, "
+    "comet": refuse_unless({"enabled": False}, "tiertrain has no Comet writer: set logging.tensorboard_dir, "
                                                 "logging.wandb_project or logging.metrics_file"),
-    "comms_config": _no_effect("not a key DeepSpeed reads (its name for what comms_logger configures), as here"),
-    "monitor_config": _no_effect("not a key DeepSpeed reads (its name for what tensorboard, wandb, csv_monitor "
+    "comms_config": no_effect("not a key DeepSpeed reads (its name for what comms_logger configures), as here"),
+    "monitor_config": no_effect("not a key DeepSpeed reads (its name for what tensorboard, wandb, csv_monitor "
                                  "and comet configure), as here"),
-    "wall_clock_breakdown": _no_effect("every metrics record splits the step into its phases"),
-    "flops_profiler": _no_effect("every metrics record holds TFLOP/s and MFU"),
-    "memory_breakdown": _no_effect("every metrics record holds memory per tier"),
-    "csv_monitor": _no_effect("metrics go to logging.metrics_file (JSONL)"),
-    "comms_logger": _no_effect("engine.counter holds the bytes of each collective"),
-    "dump_state": _no_effect("tiertrain config prints the resolved config"),
-    "zero_allow_untested_optimizer": _no_effect("an unknown optimizer is checked, not trusted (tiertrain/optim.py)"),
-    "zero_force_ds_cpu_optimizer": _no_effect("the CPU tier steps with torch's fused CPU AdamW"),
-    "checkpoint": _no_effect("checkpoints are tiertrain's, resharded to any layout"),
-    "aio": _no_effect("tiertrain's NVMe IO sizes its own requests (zero.nvme_chunk_mb)"),
-    "activation_checkpointing": _no_effect("DeepSpeed applies it where the model calls deepspeed.checkpointing; "
+    "wall_clock_breakdown": no_effect("every metrics record splits the step into its phases"),
+    "flops_profiler": no_effect("every metrics record holds TFLOP/s and MFU"),
+    "memory_breakdown": no_effect("every metrics record holds memory per tier"),
+    "csv_monitor": no_effect("metrics go to logging.metrics_file (JSONL)"),
+    "comms_logger": no_effect("engine.counter holds the bytes of each collective"),
+    "dump_state": no_effect("tiertrain config prints the resolved config"),
+    "zero_allow_untested_optimizer": no_effect("an unknown optimizer is checked, not trusted (tiertrain/optim.py)"),
+    "zero_force_ds_cpu_optimizer": no_effect("the CPU tier steps with torch's fused CPU AdamW"),
+    "checkpoint": no_effect("checkpoints are tiertrain's, resharded to any layout"),
+    "aio": no_effect("tiertrain's NVMe IO sizes its own requests (zero.nvme_chunk_mb)"),
+    "activation_checkpointing": no_effect("DeepSpeed applies it where the model calls deepspeed.checkpointing; "
                                            "set activations.checkpoint_every (and activations.offload cpu)"),
     "prescale_gradients": _averaged_either_way,
     "gradient_predivide_factor": _averaged_either_way,
-    "communication_data_type": _refuse_unless(None, "gradients are reduced in fp32", same=("fp32",)),
+    "communication_data_type": refuse_unless(None, "gradients are reduced in fp32", same=("fp32",)),
     "data_types": _data_types,
-    "amp": _refuse_unless({"enabled": False}, "NVIDIA Apex AMP is not supported; use bf16 or fp16"),
-    "sparse_attention": _refuse_unless(None, "not implemented"),
-    "compression_training": _refuse_unless({"enabled": False}, "not implemented"),
-    "curriculum_learning": _refuse_unless({"enabled": False}, "not implemented"),
-    "data_efficiency": _refuse_unless({"enabled": False}, "not implemented"),
-    "elasticity": _refuse_unless({"enabled": False}, "not implemented; resume at another size reshards instead"),
-    "autotuning": _refuse_unless({"enabled": False}, "not implemented; tiertrain plan chooses a layout"),
-    "pipeline": _refuse_unless(None, "set parallel.pp and parallel.schedule"),
-    "tensor_parallel": _refuse_unless(None, "set parallel.tp"),
-    "sequence_parallel_size": _refuse_unless(1, "DeepSpeed-Ulysses is applied in the model's code; set "
+    "amp": refuse_unless({"enabled": False}, "NVIDIA Apex AMP is not supported; use bf16 or fp16"),
+    "sparse_attention": refuse_unless(None, "not implemented"),
+    "compression_training": refuse_unless({"enabled": False}, "not implemented"),
+    "curriculum_learning": refuse_unless({"enabled": False}, "not implemented"),
+    "data_efficiency": refuse_unless({"enabled": False}, "not implemented"),
+    "elasticity": refuse_unless({"enabled": False}, "not implemented; resume at another size reshards instead"),
+    "autotuning": refuse_unless({"enabled": False}, "not implemented; tiertrain plan chooses a layout"),
+    "pipeline": refuse_unless(None, "set parallel.pp and parallel.schedule"),
+    "tensor_parallel": refuse_unless(None, "set parallel.tp"),
+    "sequence_parallel_size": refuse_unless(1, "DeepSpeed-Ulysses is applied in the model's code; set "
                                                 "parallel.cp (and parallel.cp_algorithm: ulysses) instead"),
-    "seq_parallel_communication_data_type": _no_effect("DeepSpeed-Ulysses' own setting (sequence_parallel_size)"),
-    "sparse_gradients": _refuse_unless(False, "gradients are dense"),
-    "dataloader_drop_last": _no_effect("the data sampler gives every rank whole micro-batches"),
-    "timers": _no_effect("every metrics record splits the step into its phases"),
-    "eigenvalue": _refuse_unless({"enabled": False}, "not implemented"),
-    "progressive_layer_drop": _refuse_unless({"enabled": False}, "not implemented"),
-    "quantize_training": _refuse_unless({"enabled": False}, "not implemented"),
-    "weight_quantization": _refuse_unless(None, "not implemented"),
-    "hybrid_engine": _refuse_unless({"enabled": False}, "not implemented (RLHF generation engine)"),
-    "nebula": _refuse_unless({"enabled": False}, "not implemented; checkpoints are tiertrain's"),
-    "compile": _refuse_unless({"enabled": False}, "compile the model yourself (torch.compile) before wrapping it"),
-    "torch_autocast": _refuse_unless({"enabled": False}, "tiertrain computes in precision.dtype; it does not "
+    "seq_parallel_communication_data_type": no_effect("DeepSpeed-Ulysses' own setting (sequence_parallel_size)"),
+    "sparse_gradients": refuse_unless(False, "gradients are dense"),
+    "dataloader_drop_last": no_effect("the data sampler gives every rank whole micro-batches"),
+    "timers": no_effect("every metrics record splits the step into its phases"),
+    "eigenvalue": refuse_unless({"enabled": False}, "not implemented"),
+    "progressive_layer_drop": refuse_unless({"enabled": False}, "not implemented"),
+    "quantize_training": refuse_unless({"enabled": False}, "not implemented"),
+    "weight_quantization": refuse_unless(None, "not implemented"),
+    "hybrid_engine": refuse_unless({"enabled": False}, "not implemented (RLHF generation engine)"),
+    "nebula": refuse_unless({"enabled": False}, "not implemented; checkpoints are tiertrain's"),
+    "compile": refuse_unless({"enabled": False}, "compile the model yourself (torch.compile) before wrapping it"),
+    "torch_autocast": refuse_unless({"enabled": False}, "tiertrain computes in precision.dtype; it does not "
                                                           "autocast"),
-    "use_data_before_expert_parallelism": _refuse_unless(False, "expert parallelism is not implemented"),
-    "expert_parallel": _refuse_unless(None, "expert parallelism is not implemented (experts are sharded by ZeRO "
+    "use_data_before_expert_parallelism": refuse_unless(False, "expert parallelism is not implemented"),
+    "expert_parallel": refuse_unless(None, "expert parallelism is not implemented (experts are sharded by ZeRO "
                                             "like any parameter)"),
-    "gradient_allreduce_op": _refuse_unless("mean", "gradients are averaged over the data-parallel ranks"),
-    "managed_gradient_accumulation": _refuse_unless(True, "the accumulation window is batch.grad_accum_steps"),
-    "disable_allgather": _no_effect("how DeepSpeed publishes updated parameters; the values are the same"),
-    "disable_python_gc": _no_effect("tiertrain leaves Python's garbage collector as it is"),
-    "log_level": _no_effect("DeepSpeed's own logger"),
-    "vocabulary_size": _no_effect("DeepSpeed's FLOPs estimate; tiertrain counts the model's own"),
+    "gradient_allreduce_op": refuse_unless("mean", "gradients are averaged over the data-parallel ranks"),
+    "managed_gradient_accumulation": refuse_unless(True, "the accumulation window is batch.grad_accum_steps"),
+    "disable_allgather": no_effect("how DeepSpeed publishes updated parameters; the values are the same"),
+    "disable_python_gc": no_effect("tiertrain leaves Python's garbage collector as it is"),
+    "log_level": no_effect("DeepSpeed's own logger"),
+    "vocabulary_size": no_effect("DeepSpeed's FLOPs estimate; tiertrain counts the model's own"),
 }
 
 
