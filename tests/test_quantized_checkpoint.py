@@ -241,6 +241,8 @@ def test_quantised_parameters_are_held_as_stored_when_frozen_and_refused_when_tr
     the stored values became the weights, outputs off by the scales, in silence. Frozen, they
     are now held as stored, as integer ones (bitsandbytes' 4-bit) always were; trainable, wrap()
     refuses them (their fp32 masters would be the stored values)."""
+    from tiertrain.estimate.peak import simulate_peak
+
     widened = copy.deepcopy(_fp8_linear_model(False).model.layers[0].mlp.gate_proj)  # (the premise)
     widened.weight = torch.nn.Parameter(widened.weight.to(torch.bfloat16), requires_grad=False)
     x = torch.randn(3, 128, dtype=torch.bfloat16)
@@ -250,7 +252,9 @@ def test_quantised_parameters_are_held_as_stored_when_frozen_and_refused_when_tr
         cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2}, precision={"dtype": "bf16"})
         model = _fp8_linear_model(False)
         stored = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype.itemsize == 1}
+        estimated = simulate_peak(model, dp=1, stage=stage, precision_bytes=2, compute=torch.bfloat16).params
         engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
+        assert engine.memory_report().params == estimated, stage  # (the fp8 weights counted at a byte each)
         held = dict(model.named_parameters())
         for name, value in stored.items():
             assert held[name].dtype == value.dtype and torch.equal(held[name].view(torch.uint8),
