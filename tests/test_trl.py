@@ -1,11 +1,13 @@
-"""TRL's trainers on tiertrain's engine: ``SFTTrainer`` and ``DPOTrainer`` (transformers.Trainer
-subclasses) keep their class by mixing TiertrainTrainer in, as Seq2SeqTrainer does
+"""TRL's trainers on tiertrain's engine: ``SFTTrainer``, ``DPOTrainer`` and ``GRPOTrainer``
+(transformers.Trainer subclasses) keep their class by mixing TiertrainTrainer in, as Seq2SeqTrainer does
 (docs/hf_trainer.md, "TRL's trainers"): ``class TiertrainSFTTrainer(TiertrainTrainer, SFTTrainer)``.
 
 Each is run twice on the same tiny Llama, data and seed at fp32 (TRL's configs default to bf16
 autocast, which the engine replaces by its compute dtype: a comparison of two arithmetics), once
-by TRL's own class and once mixed in at ZeRO stage 3: the losses logged, SFT's token accuracy and
-DPO's rewards (the policy through the engine, the reference model TRL's own) are TRL's.
+by TRL's own class and once mixed in at ZeRO stage 3: the losses logged, SFT's token accuracy,
+DPO's rewards (the policy through the engine, the reference model TRL's own) and GRPO's rewards
+(its completions sampled by ``generate`` on the stage-3 model, from the same random stream) are
+TRL's.
 """
 from __future__ import annotations
 
@@ -78,4 +80,31 @@ def test_dpo_trainer_mixed_in_logs_trls_losses_and_rewards(tmp_path):
 
     ours, theirs = train(TiertrainDPOTrainer, "tiertrain", **STAGE3), train(trl.DPOTrainer, "trl")
     assert len(ours) == STEPS and ours[0][1] == 0.0  # (the policy is the reference before the first step)
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
+
+
+def test_grpo_trainer_mixed_in_samples_and_scores_as_trl_does(tmp_path):
+    """GRPO generates its completions with the policy (at stage 3: the model called outside the
+    engine under no_grad, each unit gathered for its forward) and scores them with a reward
+    function: the same completions, rewards and losses as TRL's own trainer."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [" ".join(f"t{int(i)}" for i in torch.randint(0, 100, (5,), generator=g)) for _ in range(16)]
+    data = datasets.Dataset.from_list([{"prompt": p} for p in prompts])
+
+    def mean_token(completions, **_):  # (a reward that varies within a group: a learning signal)
+        ids = [[int(w[1:]) for w in c.split() if w[1:].isdigit()] for c in completions]
+        return [sum(i) / (100.0 * max(len(i), 1)) for i in ids]
+
+    class TiertrainGRPOTrainer(TiertrainTrainer, trl.GRPOTrainer):
+        pass
+
+    def train(cls, name, **extra):
+        args = trl.GRPOConfig(**_common(tmp_path, name), num_generations=4, max_completion_length=6)
+        trainer = cls(model=_model(), reward_funcs=mean_token, args=args, train_dataset=data,
+                      processing_class=_tokenizer(), **extra)
+        trainer.train()
+        return _logged(trainer, "reward", "reward_std")
+
+    ours, theirs = train(TiertrainGRPOTrainer, "tiertrain", **STAGE3), train(trl.GRPOTrainer, "trl")
+    assert len(ours) == STEPS and any(loss != 0 for loss, *_ in ours)
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
