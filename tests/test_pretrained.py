@@ -471,6 +471,14 @@ def test_inf_or_nan_in_a_parameter_of_the_checkpoint_is_refused_on_every_rank(tm
     with pytest.raises(tiertrain.NonFiniteWeightsError, match=rf"holds inf or NaN in {name} \(3 values\): training "
                                                               r"from it gives NaN losses"):
         tiertrain.load_pretrained(_build("llama", 1), tmp_path / "nan")
+    tied = _build("llama", 0).state_dict()  # (tied copies, both with the NaN: not "trained untied")
+    tied["model.embed_tokens.weight"][0, 0] = float("nan")
+    tied["lm_head.weight"] = tied["model.embed_tokens.weight"].clone()
+    torch.save(tied, tmp_path / "tied_nan.bin")
+    with pytest.raises(tiertrain.NonFiniteWeightsError, match=r"holds inf or NaN in model.embed_tokens.weight \(1 "
+                                                              r"value\):"):
+        tiertrain.load_pretrained(T.LlamaForCausalLM(_llama_config(tie_word_embeddings=True)),
+                                  tmp_path / "tied_nan.bin")
     per_rank = run_distributed(_loads_with_a_nan, 2, str(tmp_path / "nan"), timeout=60)
     for label in ("engine", "partitioned"):
         said = [errors[label] for errors in per_rank]

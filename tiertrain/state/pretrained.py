@@ -274,6 +274,7 @@ def _match(module: nn.Module, ckpt: _Checkpoint, strict: bool, report: LoadRepor
     report.name_mapping = label
     consumed: set[str] = set()
     untied = []
+    counted = dict(report.nonfinite)  # (the tied copies compared below are read again when loaded)
     for t in targets:
         matches = [to_key(a) for a in t.aliases if to_key(a) in keys]
         if matches:
@@ -281,6 +282,7 @@ def _match(module: nn.Module, ckpt: _Checkpoint, strict: bool, report: LoadRepor
             consumed.update(matches)
             report.ignored += matches[1:]  # the same tensor again, under a tied name
             untied += [f"{t.key} and {other}" for other in matches[1:] if not _same_values(ckpt, t.key, other)]
+    report.nonfinite = counted
     ignore_unexpected = _patterns(module, "_keys_to_ignore_on_load_unexpected")
     ignore_missing = _patterns(module, "_keys_to_ignore_on_load_missing")
     transient_keys = {to_key(n) for n in transient}
@@ -323,13 +325,17 @@ def _match(module: nn.Module, ckpt: _Checkpoint, strict: bool, report: LoadRepor
 
 
 def _same_values(ckpt, a: str, b: str, chunk: int = 1 << 24) -> bool:
-    """Whether checkpoint tensors a and b are equal (compared a chunk of elements at a time)."""
+    """Whether checkpoint tensors a and b hold the same bits (a NaN in both copies is the same
+    value, for the non-finite check to name), compared a chunk of elements at a time."""
     shape = ckpt.shape(a)
     if ckpt.shape(b) != shape:
         return False
     numel = math.prod(shape)
-    return all(torch.equal(ckpt.read_flat(a, shape, lo, min(lo + chunk, numel)),
-                           ckpt.read_flat(b, shape, lo, min(lo + chunk, numel))) for lo in range(0, numel, chunk))
+
+    def bits(key: str, lo: int) -> torch.Tensor:
+        values = ckpt.read_flat(key, shape, lo, min(lo + chunk, numel))
+        return values.view(torch.uint8) if values.dtype != torch.bool else values
+    return all(torch.equal(bits(a, lo), bits(b, lo)) for lo in range(0, numel, chunk))
 
 
 def _listing(names: list[str], limit: int = 20) -> str:
