@@ -4,9 +4,9 @@ every other quantisation refused by name.
 A checkpoint such as DeepSeek-V3's or Qwen3-FP8's stores each linear weight as float8 values
 with one fp32 scale per block of rows × columns beside it (``<name>.weight_scale_inv``; the
 config's ``quantization_config`` is ``{"quant_method": "fp8", "weight_block_size": [128,
-128]}``). Cast as a plain fp8 tensor into a bf16 model, such a weight would hold the quantised
-integers' scale, not the weights (hundreds where the weights are hundredths), so the reader
-below multiplies each block by its scale, as transformers' ``FineGrainedFP8Config(dequantize=
+128]}``). Cast as a plain tensor into a bf16 model, such a weight holds its quantised values,
+not the weights (hundreds where the weights are hundredths), so the reader below multiplies
+each block by its scale, as transformers' ``FineGrainedFP8Config(dequantize=
 True)`` does (the same fp32 product), also when only the rows a rank keeps are read. Integer
 and other packed formats (bitsandbytes, GPTQ, AWQ, compressed-tensors, MXFP4 …) are refused
 before anything is read, naming the method and how to dequantise with transformers.
@@ -19,6 +19,7 @@ import os
 import torch
 
 from ..errors import TiertrainError
+from ..precision import stored_quantised
 from .torch_weights import WeightReads
 
 SCALE_SUFFIX = "_scale_inv"
@@ -45,11 +46,9 @@ def quantization_config(files: list[str]) -> dict | None:
 
 
 def _quantized_storage(dtype: torch.dtype) -> bool:
-    """A dtype a weight is stored in only when quantised: fp8, or integers narrower than the
-    int64 of index buffers (position_ids)."""
-    if dtype.is_floating_point:
-        return dtype.itemsize == 1
-    return dtype not in (torch.bool, torch.int64) and not dtype.is_complex
+    """How a checkpoint stores a quantised weight: precision.stored_quantised, less the int64,
+    bool and complex tensors that hold indices (position_ids), masks and values as they are."""
+    return stored_quantised(dtype) and dtype not in (torch.bool, torch.int64) and not dtype.is_complex
 
 
 def _refusal(where: str, method: str, examples: list[str]) -> QuantizedCheckpointError:
