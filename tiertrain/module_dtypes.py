@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from .errors import listing
-from .precision import kept_in_fp32, named_in, stored_quantised
+from .precision import held_as_stored, kept_in_fp32, named_in
 from .zero.construct import forget_partition
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ __all__ = ["cast_buffers_and_frozen", "rounds"]
 def rounds(given: torch.dtype, compute: torch.dtype) -> bool:
     """Whether values of dtype ``given`` may change when held in ``compute`` (fp32 holds every
     16-bit value; bf16 and fp16 hold neither each other's nor fp32's)."""
-    if given == compute or stored_quantised(given):
+    if given == compute or held_as_stored(given):
         return False
     return not (compute in (torch.float32, torch.float64) and torch.finfo(given).bits < torch.finfo(compute).bits)
 
@@ -52,7 +52,7 @@ def cast_buffers_and_frozen(engine: "TrainingCore", model: nn.Module, in_layout:
     def dtype_of(full: str, value: torch.Tensor) -> torch.dtype:
         # (what the model keeps in fp32, precision.kept_in_fp32: an MoE router's correction bias,
         # whose values rounded to the compute dtype would route differently and be saved rounded)
-        if stored_quantised(value.dtype):
+        if held_as_stored(value.dtype):
             return value.dtype
         return torch.promote_types(value.dtype, torch.float32) if named_in(fp32, full) else engine.dtype
 
@@ -79,7 +79,7 @@ def cast_buffers_and_frozen(engine: "TrainingCore", model: nn.Module, in_layout:
             given.append((module, name, p.dtype))
             value = value_of(p)
             forget_partition(p)
-            # (one stored quantised, a quantised weight or an index table, keeps its dtype and values)
+            # (one held as stored, a quantised weight or an index table, keeps its dtype and values)
             p.data = value.to(device=engine.device, dtype=dtype_of(full, value))
     engine._on_close.append(lambda: _give_back(given))
     if rounded:

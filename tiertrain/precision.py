@@ -43,11 +43,20 @@ def kept_in_fp32(model: torch.nn.Module, compute: torch.dtype) -> "re.Pattern[st
 
 
 def stored_quantised(dtype: torch.dtype) -> bool:
-    """Whether a tensor of this dtype holds quantised values, not the weights: integers
-    (bitsandbytes' packed 4-bit, an index table) and fp8 (beside its scale, as transformers'
-    FP8Linear holds it, computing with a weight wider than a byte as already dequantised). A
-    frozen one is held as it is stored, never cast to the compute dtype."""
-    return not dtype.is_floating_point or dtype.itemsize == 1
+    """Whether a weight of this dtype holds quantised values, not the weights: fp8 (beside its
+    scale, as transformers' FP8Linear holds it, computing with a weight wider than a byte as
+    already dequantised) and integers narrower than the int64 of index tables (bitsandbytes'
+    packed 4-bit, int8, GPTQ's packed int32)."""
+    if dtype.is_floating_point:
+        return dtype.itemsize == 1
+    return not dtype.is_complex and dtype not in (torch.bool, torch.int64)
+
+
+def held_as_stored(dtype: torch.dtype) -> bool:
+    """Whether the engine holds a frozen tensor or buffer of this dtype as it is stored, never
+    cast to the compute dtype: every dtype that is not floating point (integers, bool, complex)
+    and one stored quantised."""
+    return not dtype.is_floating_point or stored_quantised(dtype)
 
 
 def named_in(kept: "re.Pattern[str] | None", name: str) -> bool:

@@ -71,7 +71,7 @@ def _check_unquantised(model: nn.Module | Sequence[nn.Module]) -> None:
     """A trainable parameter stored quantised (fp8 beside its scale, integers): the engine
     trains fp32 masters of what it holds in precision.dtype, which for these would be the
     stored values, not the weights (transformers' FP8Linear computes with a weight wider than a
-    byte as already dequantised). Frozen ones are held as stored (precision.stored_quantised)."""
+    byte as already dequantised). Frozen ones are held as stored (precision.held_as_stored)."""
     modules = [model] if isinstance(model, nn.Module) else list(model)
     found = [(f"{n} ({t.dtype}, in {type(m.get_submodule(n.rpartition('.')[0])).__name__})")
              for m in modules for n, t in m.named_parameters() if t.requires_grad and stored_quantised(t.dtype)]

@@ -333,8 +333,7 @@ def _same_values(ckpt, a: str, b: str, chunk: int = 1 << 24) -> bool:
     numel = math.prod(shape)
 
     def bits(key: str, lo: int) -> torch.Tensor:
-        values = ckpt.read_flat(key, shape, lo, min(lo + chunk, numel))
-        return values.view(torch.uint8) if values.dtype != torch.bool else values
+        return ckpt.read_flat(key, shape, lo, min(lo + chunk, numel)).view(torch.uint8)
     return all(torch.equal(bits(a, lo), bits(b, lo)) for lo in range(0, numel, chunk))
 
 

@@ -45,12 +45,6 @@ def quantization_config(files: list[str]) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
-def _quantized_storage(dtype: torch.dtype) -> bool:
-    """How a checkpoint stores a quantised weight: precision.stored_quantised, less the int64,
-    bool and complex tensors that hold indices (position_ids), masks and values as they are."""
-    return stored_quantised(dtype) and dtype not in (torch.bool, torch.int64) and not dtype.is_complex
-
-
 def _refusal(where: str, method: str, examples: list[str]) -> QuantizedCheckpointError:
     return QuantizedCheckpointError(
         f"load_pretrained: {where} holds weights quantised by {method} ({', '.join(examples[:3])}"
@@ -71,9 +65,10 @@ def dequantized(raw, files: list[str]):
     method = None if config is None else config.get("quant_method")
     where = repr(os.path.dirname(files[0]) or files[0])
     stored = {key: raw.stored_dtype(key) for key in raw.keys()}
+
     def a_scale(key: str) -> bool:
         return key.endswith(SCALE_SUFFIX) and key[:-len(SCALE_SUFFIX)] in stored
-    quantized = {k: d for k, d in stored.items() if _quantized_storage(d) and not a_scale(k)}
+    quantized = {k: d for k, d in stored.items() if stored_quantised(d) and not a_scale(k)}
     fp8 = sorted(k for k, d in quantized.items() if k + SCALE_SUFFIX in stored and d.is_floating_point)
     listed = [f"{k}: {d}" for k, d in quantized.items()]
     if method not in (None, "fp8") and quantized:

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..config import Config, ConfigError
-from ..precision import compute_dtype, kept_in_fp32, named_in, stored_quantised
+from ..precision import compute_dtype, held_as_stored, kept_in_fp32, named_in
 from .construct import full_shape, is_partitioned
 from .layout import FlatLayout, bucket_layout, module_layout
 from .stages import ZeroStage
@@ -81,13 +81,13 @@ class GradientPlan:
 
 def frozen_for_units(model: nn.Module, compute: torch.dtype) -> list[tuple[str, nn.Parameter]]:
     """The frozen parameters stage 3 partitions in frozen units (at a compute dtype). Not one
-    stored quantised (precision.stored_quantised: a quantised weight, an index table), which cannot
+    held as stored (precision.held_as_stored: a quantised weight, an index table), which cannot
     live in the compute-dtype flat buffers: it stays whole on every rank in its own dtype, as
     buffers do; nor one the model keeps in fp32 (precision.kept_in_fp32: a frozen MoE router),
     which stays whole in fp32."""
     fp32 = kept_in_fp32(model, compute)
     return [(n, p) for n, p in model.named_parameters()
-            if not p.requires_grad and not stored_quantised(p.dtype) and not named_in(fp32, n)]
+            if not p.requires_grad and not held_as_stored(p.dtype) and not named_in(fp32, n)]
 
 
 def default_plan(model: nn.Module, config: Config, dp: int, unit_modules: list[str] | None = None) -> GradientPlan:
