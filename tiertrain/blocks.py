@@ -7,21 +7,30 @@ import sys
 from collections.abc import Iterable
 
 import torch.nn as nn
+from torch.nn.utils.parametrize import ParametrizationList
 
-__all__ = ["model_blocks", "own_checkpoint_interval"]
+__all__ = ["list_children", "model_blocks", "own_checkpoint_interval"]
+
+
+def list_children(model: nn.Module) -> list[str]:
+    """Names of the children of every nn.ModuleList of the model, in model order: the blocks of
+    a transformer. A parametrization's list (``nn.utils.parametrizations.weight_norm``,
+    ``spectral_norm``, ``orthogonal``: the transforms of one weight) is not a list of blocks."""
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and not isinstance(module, ParametrizationList):
+            names += [f"{name}.{child}" if name else child for child, _ in module.named_children()]
+    return names
 
 
 def model_blocks(model: nn.Module, blocks: Iterable[str | nn.Module] | None = None) -> list[str]:
-    """Names of the blocks to consider, in model order. Default: the children of every
-    nn.ModuleList (engine.default_unit_modules' rule), keeping only the outermost ones (a
+    """Names of the blocks to consider, in model order. Default: ``list_children`` (the rule
+    stage 3's default units follow too), keeping only the outermost ones (a
     TiledLinear's tiles inside a block are part of that block). Given blocks may be module
     names or modules of the model; they must be distinct, proper submodules and disjoint."""
     names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
     if blocks is None:
-        found = []
-        for name, module in model.named_modules():
-            if isinstance(module, nn.ModuleList):
-                found += [f"{name}.{c}" if name else c for c, _ in module.named_children()]
+        found = list_children(model)
         if not found:
             raise ValueError(
                 f"{type(model).__name__} has no nn.ModuleList, so it has no default blocks; pass "

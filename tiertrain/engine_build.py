@@ -68,7 +68,8 @@ def build_parts(engine: "TrainingCore", model: nn.Module, plan: GradientPlan, up
         engine._on_close += [
             model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: engine.flat.wait_gathers()).remove,
             model.register_forward_pre_hook(torch.compiler.disable(
-                lambda module, args: None if engine._waits_per_operation else engine.flat.wait_gathers())).remove]
+                lambda module, args: None if engine._waits_per_operation else engine.flat.wait_gathers()),
+                prepend=True).remove]
     for _, p in named + plan.frozen:
         forget_partition(p)  # the flat buffers own the shard now
 

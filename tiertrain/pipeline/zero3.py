@@ -120,7 +120,8 @@ class PipelineFetcher:
             self._roots[k] = next((index for index, module in pairs if module is stage), None)
             for index, module in pairs:
                 # (eager inside a compiled module: see tiertrain/zero/stage3.py ParameterFetcher)
-                self._handles.append(module.register_forward_pre_hook(torch.compiler.disable(self._pre_forward(index))))
+                self._handles.append(module.register_forward_pre_hook(torch.compiler.disable(self._pre_forward(index)),
+                                                                     prepend=True))
                 self._handles.append(module.register_forward_hook(
                     torch.compiler.disable(self._post_forward(index, module is stage)), with_kwargs=True))
         self._chunk_of = {index: k for k, units in enumerate(self._units) for index in units}

@@ -10,7 +10,9 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.nn.utils import parametrize
 
+from ..blocks import list_children
 from ..config import Config, ConfigError
 from ..precision import compute_dtype, held_as_stored, kept_in_fp32, named_in
 from .construct import full_shape, is_partitioned
@@ -19,14 +21,11 @@ from .stages import ZeroStage
 
 
 def default_unit_modules(model: nn.Module, min_params: int = 0) -> list[str]:
-    """Stage-3 units: each child of every nn.ModuleList (transformer blocks), plus the root. A
-    model without a ModuleList (a CNN, a Sequential ResNet) is cut by size instead
+    """Stage-3 units: each child of every nn.ModuleList (transformer blocks: blocks.list_children),
+    plus the root. A model without one (a CNN, a Sequential ResNet) is cut by size instead
     (:func:`size_based_unit_modules`, ``min_params``; 0: a sixteenth of the model): as one
     root unit it would be gathered whole, and stage 3 would save nothing."""
-    prefixes = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList):
-            prefixes += [f"{name}.{child}" if name else child for child, _ in module.named_children()]
+    prefixes = list_children(model)
     if prefixes:
         return prefixes
     total = sum(full_shape(p).numel() for p in model.parameters())
@@ -36,14 +35,16 @@ def default_unit_modules(model: nn.Module, min_params: int = 0) -> list[str]:
 def size_based_unit_modules(model: nn.Module, min_params: int) -> list[str]:
     """FSDP's size_based_auto_wrap_policy as unit prefixes: children first, a module becomes a
     unit once the parameters it holds outside the units below it number ``min_params`` or
-    more; what is left stays in the root unit."""
+    more; what is left stays in the root unit. A parametrized module's parametrizations (the
+    weight they compute, its originals) belong to it: never a unit of their own."""
     units: list[str] = []
+    inside = {id(sub) for m in model.modules() if parametrize.is_parametrized(m) for sub in m.parametrizations.modules()}
 
     def visit(name: str, module: nn.Module) -> int:
         left = sum(full_shape(p).numel() for p in module.parameters(recurse=False))
         for child, sub in module.named_children():
             left += visit(f"{name}.{child}" if name else child, sub)
-        if name and left >= min_params:
+        if name and left >= min_params and id(module) not in inside:
             units.append(name)
             return 0
         return left

@@ -145,9 +145,10 @@ class ParameterFetcher:
         self._handles = []
         for index, module in unit_modules.items():
             # Outside compiled code: a module compiled with its hooks (module.compile(), a compiled
-            # model) runs them eagerly between its graphs (docs/compile.md).
+            # model) runs them eagerly between its graphs (docs/compile.md). First of the module's
+            # pre-hooks: the model's own may read its parameters (torch.nn.utils.weight_norm's).
             pre = torch.compiler.disable(self._make_pre_forward(index))
-            self._handles.append(module.register_forward_pre_hook(pre))
+            self._handles.append(module.register_forward_pre_hook(pre, prepend=True))
             self._handles.append(module.register_forward_hook(torch.compiler.disable(self._make_post_forward(index)),
                                                               with_kwargs=True))
         self._entries = self._outside_entries(unit_modules)
@@ -193,7 +194,7 @@ class ParameterFetcher:
         pre = torch.compiler.disable(self._entry_pre)
         post = torch.compiler.disable(self._outside_post)
         for module in self._entries:
-            self._outside_handles.append(module.register_forward_pre_hook(pre))
+            self._outside_handles.append(module.register_forward_pre_hook(pre, prepend=True))
         for module in [*self._entries, *self._unit_modules]:
             self._outside_handles.append(module.register_forward_hook(post, always_call=True))
 
