@@ -97,3 +97,47 @@ def test_a_parametrization_is_part_of_its_module_not_a_block():
               "wav2vec2.encoder.layers.0", "wav2vec2.encoder.layers.1"]
     assert default_unit_modules(model) == layers
     assert model_blocks(model) == layers
+
+
+def _weight_norms(rank, world, register_before_wrap):
+    from reference import global_batches, make_model, rank_slices
+
+    import tiertrain
+
+    cfg = make_config(zero={"stage": 3}, batch={"micro_batch_size": 2})
+    model, norms = make_model(n_layers=3), []
+
+    def hook(module, args, output):
+        norms.append(float(module.mlp.fc1.weight.norm()))
+
+    if register_before_wrap:
+        model.blocks[1].register_forward_hook(hook)
+    engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel))
+    if not register_before_wrap:
+        engine.module.blocks[1].register_forward_hook(hook)
+    batches = global_batches(2, 2 * world)
+    try:
+        for batch in batches:
+            with engine.gathered_parameters():
+                expected = float(engine.module.blocks[1].mlp.fc1.weight.norm())
+            engine.train_batch(rank_slices(batch, rank, world, 2, 1))
+            assert norms[-1] == expected
+    finally:
+        engine.close()
+    return norms
+
+
+@pytest.mark.timeout(60)
+def test_a_forward_hook_registered_before_wrap_reads_the_gathered_unit():
+    norms = run_distributed(_weight_norms, WORLD, True, timeout=40)
+    assert len(norms[0]) == 2 and norms[0] == norms[1]
+
+
+@pytest.mark.timeout(60)
+def test_a_forward_hook_registered_after_wrap_that_reads_the_unit_is_named():
+    from tiertrain.testing import RankFailure
+
+    with pytest.raises(RankFailure, match=r"used parameter 'blocks\.1\.mlp\.fc1\.weight' while its unit 'blocks\.1' "
+                                          r"was not gathered.*a forward hook registered after wrap\(\).*register it "
+                                          r"before"):
+        run_distributed(_weight_norms, WORLD, False, timeout=40)

@@ -38,7 +38,8 @@ def size_based_unit_modules(model: nn.Module, min_params: int) -> list[str]:
     more; what is left stays in the root unit. A parametrized module's parametrizations (the
     weight they compute, its originals) belong to it: never a unit of their own."""
     units: list[str] = []
-    inside = {id(sub) for m in model.modules() if parametrize.is_parametrized(m) for sub in m.parametrizations.modules()}
+    inside = {id(sub) for m in model.modules() if parametrize.is_parametrized(m)
+              for sub in m.parametrizations.modules()}
 
     def visit(name: str, module: nn.Module) -> int:
         left = sum(full_shape(p).numel() for p in module.parameters(recurse=False))

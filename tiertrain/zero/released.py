@@ -25,7 +25,8 @@ import torch.nn as nn
 
 from ..errors import ReleasedParameterError
 
-__all__ = ["METADATA_READS", "ReleasedParameter", "ReleasedParameterError", "called", "conversion_error", "first_instance",
+__all__ = ["HOOK_AFTER_WRAP", "METADATA_READS", "ReleasedParameter",
+           "ReleasedParameterError", "called", "conversion_error", "first_instance",
            "held", "hold", "let_go", "mark_gathered", "mark_released"]
 
 NAME = "tiertrain_name"
@@ -82,6 +83,12 @@ _REMEDY = ("its stage-3 unit is released outside forward, its values live in the
            "outside its unit's forward (reversible layers that re-run a sublayer to recover their inputs, as "
            "Reformer's) trains at zero.stage 2 or lower")
 
+HOOK_AFTER_WRAP = (
+    "a hook on the unit's module read it outside the unit's forward: a forward hook registered after wrap() runs "
+    "after the engine's own (registered at wrap()) has released the unit, so register it before wrap(); a "
+    "backward hook runs after the unit's backward (read the parameter in a forward hook instead)")
+"""The hooks that read a stage-3 parameter outside its unit's forward (both errors name them)."""
+
 
 def _name(p) -> str:
     return p.__dict__.get(NAME, "?") if p is not None else "?"
@@ -107,7 +114,7 @@ _CONVERSION_ADVICE = (
 
 def _explain(p, what: str) -> str:
     shape = f" of shape {tuple(p.shape)}" if p is not None else ""
-    read = f"{what} read parameter {_name(p)!r}{shape}, but {_REMEDY}"
+    read = f"{what} read parameter {_name(p)!r}{shape}, but {_REMEDY}. If {HOOK_AFTER_WRAP}"
     if what.rstrip("()") in _CONVERSIONS:  # (a copy of one parameter, or the whole model converted)
         return f"{read}. If that was model.half() or model.to(...) of the wrapped model: {_CONVERSION_ADVICE}"
     return read

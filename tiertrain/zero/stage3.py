@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 from ..comm import Collectives
 from .agreement import CHECKS, CollectiveAgreement, Event
 from .flat import COPY_AHEAD, NVME_READ_AHEAD, FlatParameters
+from .released import HOOK_AFTER_WRAP
 from ..offload.recompute import recomputing
 
 
@@ -91,10 +92,10 @@ class ReleasedParameterCheck(TorchFunctionMode):
                     unit = self.flat.all_units[hit[0]].unit
                     raise RuntimeError(
                         f"zero.stage=3: {getattr(func, '__name__', func)} used parameter "
-                        f"{unit.slots[hit[1]].name!r} while its unit {unit.label!r} was not gathered: a module "
-                        f"read another unit's parameter without registering it. Register it in the module "
-                        f"that uses it (a tied alias), or pass unit_modules to wrap() so that both modules "
-                        f"are one unit (e.g. their common parent)")
+                        f"{unit.slots[hit[1]].name!r} while its unit {unit.label!r} was not gathered. Either a "
+                        f"module read another unit's parameter without registering it: register it in the "
+                        f"module that uses it (a tied alias), or pass unit_modules to wrap() so that both "
+                        f"modules are one unit (e.g. their common parent). Or {HOOK_AFTER_WRAP}")
         return func(*args, **kwargs)
 
 
