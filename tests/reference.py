@@ -224,6 +224,15 @@ class Oracle:
         buffers = frozenset(model.state_dict()) - {n for n, _ in model.named_parameters(remove_duplicate=False)}
         return cls(losses32, params32, losses64, params64, buffers)
 
+    def widened(self, runs32) -> "Oracle":
+        """This oracle with the largest rounding noise among its own fp32 run and other fp32 runs
+        ``(losses, params)`` of the same reference (the batch's rows summed in other orders): for
+        arithmetic that amplifies a rounding difference (a bf16 or 8-bit quantisation step that a
+        last-bit change of its input can flip), one fp32 run's distance to float64 is luck."""
+        runs = [self, *(Oracle(losses, params, self.losses64, self.params64, self.buffers) for losses, params in runs32)]
+        return Oracle(max(runs, key=Oracle.loss_noise).losses32, max(runs, key=lambda o: o.param_noise).params32,
+                      self.losses64, self.params64, self.buffers)
+
     def loss_noise(self, steps: int | None = None) -> float:
         """The fp32 reference's largest loss distance over the first `steps` steps (all)."""
         steps = len(self.losses64) if steps is None else steps

@@ -386,3 +386,50 @@ def test_a_peft_adapter_checkpoint_resumes_its_adapters_and_their_moments(tmp_pa
     with pytest.raises(CheckpointError, match=r"the adapter's tensors \['base_model.model.model.layers.0.self_attn."
                                               r"v_proj.lora_A.weight'.* are none of this peft model's"):
         _resumed(checkpoint, str(tmp_path / "other"), STEPS + 1, build=query_only)
+
+
+def _wide_llama() -> torch.nn.Module:
+    """A Llama whose MLP matrices (64 × 128) are above bitsandbytes' min_8bit_size (4096): 8-bit states."""
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32))
+
+
+def test_a_run_with_a_bitsandbytes_8bit_optimizer_resumes_with_its_8bit_state(tmp_path):
+    """A Trainer run with optimizer_cls_and_kwargs=(bitsandbytes' AdamW8bit, ...) continues under
+    TiertrainTrainer with the same: its optimizer.pt nests each parameter's quantisation state
+    under one key (bitsandbytes' state_dict(), for FSDP), which is read as the optimizer keeps
+    it; the 8-bit states of the matrices of 4096 elements and more, and the 32-bit ones of the
+    smaller tensors, start the engine's optimizer bit for bit (each parameter stepped whole)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from tiertrain.integrations.hf_trainer import TiertrainTrainer
+
+    optimizer = (bnb.optim.AdamW8bit, {"lr": 1e-3})
+    out = str(tmp_path / "saved")
+    trainer = transformers.Trainer(model=_seeded(_wide_llama, 0), train_dataset=_samples(),
+                                   args=_args(out, STEPS, save_strategy="steps", save_steps=STEPS),
+                                   optimizer_cls_and_kwargs=optimizer)
+    trainer.train()
+    checkpoint = os.path.join(out, f"checkpoint-{STEPS}")
+    again = transformers.Trainer(model=_seeded(_wide_llama, 11), args=_args(out, STEPS), train_dataset=_samples(),
+                                 optimizer_cls_and_kwargs=optimizer)
+    own = again.create_optimizer()
+    own.load_state_dict(torch.load(os.path.join(checkpoint, "optimizer.pt"), weights_only=False))
+    expected = {n: own.state[p] for n, p in again.model.named_parameters() if p in own.state}
+    resumed = TiertrainTrainer(model=_seeded(_wide_llama, 11), args=_args(str(tmp_path / "resumed"), STEPS + 1),
+                               train_dataset=_samples(), optimizer_cls_and_kwargs=optimizer)
+    loaded = _Loaded(resumed)
+    resumed.add_callback(loaded)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert type(resumed.engine.update.optimizer) is bnb.optim.AdamW8bit and resumed.engine.update.plan.owned
+    assert set(loaded.state) == set(expected) == {n for n, p in again.model.named_parameters() if p.requires_grad}
+    for name, (_, state) in loaded.state.items():
+        assert set(state) == set(expected[name]), name
+        for key, value in expected[name].items():
+            if torch.is_tensor(value):
+                assert torch.equal(state[key], value) and state[key].dtype == value.dtype, (name, key)
+            else:
+                assert state[key] == value, (name, key)
+    assert {v.dtype for st in expected.values() for v in st.values() if torch.is_tensor(v)} >= {torch.uint8,
+                                                                                               torch.float32}
+    resumed.close()

@@ -231,12 +231,8 @@ def _oracle(optimizer: str, model: str = "gpt") -> Oracle:
     assert oracle.losses64[-1] < oracle.losses64[0], f"{optimizer}: the reference itself must learn"
     if optimizer == "muon+adamw":
         reversed_rows = [{k: v.flip(0) for k, v in batch.items()} for batch in batches]
-        other = Oracle(*reference_train(_model(model), _config(None, 1), reversed_rows,
-                                        build_optimizer=_reference(optimizer), lr_scheduler=None),
-                       oracle.losses64, oracle.params64)
-        oracle = Oracle(max(oracle, other, key=Oracle.loss_noise).losses32,
-                        max(oracle, other, key=lambda o: o.param_noise).params32,
-                        oracle.losses64, oracle.params64, oracle.buffers)
+        oracle = oracle.widened([reference_train(_model(model), _config(None, 1), reversed_rows,
+                                                 build_optimizer=_reference(optimizer), lr_scheduler=None)])
     return oracle
 
 

@@ -45,6 +45,7 @@ import torch.nn as nn
 from .config import Config, ConfigError, OptimizerConfig, ScheduleConfig
 from .elementwise import streamed_update
 from .optimizer_list import build_parts
+from .optimizer_rebuild import check_rebuilt
 from .tiers import Tier
 from .zero.construct import full_shape
 
@@ -257,7 +258,7 @@ def client_optimizer(model: nn.Module, config: Config, optimizer: OptimizerArg |
                               f"matrices), torch.optim.AdamW(the rest)]) or (class or factory, param_groups) pairs "
                               f"(groups by parameter name: under partitioned_init a parameter holds only its shard, "
                               f"which Muon's constructor refuses); param_groups= does not apply")
-        pairs = [(_rebuild(type(o), o.defaults), o.param_groups) if isinstance(o, torch.optim.Optimizer) else o
+        pairs = [(_rebuild_instance(o), o.param_groups) if isinstance(o, torch.optim.Optimizer) else o
                  for o in optimizer]
         builds = [b for b, _ in pairs]
         parts = [k for k, (_, groups) in enumerate(pairs) for _ in groups]
@@ -268,7 +269,7 @@ def client_optimizer(model: nn.Module, config: Config, optimizer: OptimizerArg |
         if param_groups is not None:
             raise ConfigError(f"param_groups= was given with a {type(optimizer).__name__} instance, whose own "
                               f"param_groups define the groups: give one or the other")
-        build = _rebuild(type(optimizer), optimizer.defaults)
+        build = _rebuild_instance(optimizer)
         instance_groups = optimizer.param_groups
         instances = (optimizer,)
     elif optimizer is None:
@@ -377,6 +378,14 @@ def _check_one_at_a_time(builds: Sequence[OptimizerFactory], parts: Sequence[int
                               f"NVMe tier reads each tensor's optimizer state, steps that tensor alone and writes "
                               f"the state back; use offload_optimizer=cpu (the state in CPU memory) for this "
                               f"optimizer")
+
+
+def _rebuild_instance(instance: torch.optim.Optimizer) -> OptimizerFactory:
+    """The factory that builds the instance again over new groups, checked to build it with the
+    same settings (tiertrain/optimizer_rebuild.py)."""
+    build = _rebuild(type(instance), instance.defaults)
+    check_rebuilt(instance, build)
+    return build
 
 
 def _rebuild(cls: type, defaults: dict) -> OptimizerFactory:

@@ -12,8 +12,11 @@ user's own class under any name is checked the same way.
 The probe: a copy of the optimizer, with each group's hyper-parameters, steps a small matrix
 and a vector a few times with the same gradients twice, whole and cut into flat pieces at
 uneven points (a piece across the two tensors' boundary included, as a shard would be), and
-the two results are compared. Elementwise arithmetic agrees to rounding (fused kernels round
-a vectorised body and a scalar tail differently). An optimizer that steps whole tensors but
+the two results are compared; then again at a size above the thresholds of optimizers whose
+arithmetic depends on a tensor's size (bitsandbytes' 8-bit states, quantised in blocks of
+256 from a tensor's first element, for tensors of ``min_8bit_size`` = 4096 elements or more).
+Elementwise arithmetic agrees to rounding (fused kernels round a vectorised body and a scalar
+tail differently). An optimizer that steps whole tensors but
 not pieces takes the whole-parameter path (tiertrain/update/whole.py: each parameter updated
 whole by one owning rank); one that cannot even step whole tensors without more than a
 gradient (a closure, sparse gradients) is refused, naming why, before the engine builds
@@ -31,6 +34,12 @@ SHAPES = ((6, 5), (5,))
 an optimizer that takes matrices only (Muon)."""
 CUTS = (7, 19)
 """Where the flattened probe is cut: uneven pieces (one across the two tensors' boundary)."""
+LARGE_SHAPES = ((192, 160), (160,))
+"""The second round's parameters: 30 720 elements, above the size thresholds of optimizers that
+treat small tensors apart (bitsandbytes' ``min_8bit_size``, 4096 by default)."""
+LARGE_CUTS = (1000, 30001)
+"""Its cuts: not at multiples of a quantisation block (256), one piece below the 8-bit
+threshold and one across the tensors' boundary."""
 STEPS = 3
 TOLERANCE = 1e-4
 """Largest difference allowed, relative to the largest change the steps made (plus a few
@@ -52,9 +61,9 @@ def _run(build: Callable, options: dict, params: list[torch.Tensor], grads_of: C
     return torch.cat([p.detach().reshape(-1) for p in params])
 
 
-def _pieces(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def _pieces(tensors: list[torch.Tensor], cuts=CUTS) -> list[torch.Tensor]:
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    bounds = (0, *CUTS, flat.numel())
+    bounds = (0, *cuts, flat.numel())
     return [flat[a:b].clone() for a, b in zip(bounds, bounds[1:])]
 
 
@@ -82,9 +91,17 @@ class Probe:
 
 def probe(build: Callable, options: dict, name: str) -> Probe:
     """Whether the optimizer ``build`` (a factory of param groups) with a group's ``options``
-    steps whole tensors, and steps flat pieces the same way (see the module docstring)."""
+    steps whole tensors, and steps flat pieces the same way, at a small size and at a large one
+    (see the module docstring)."""
+    small = _probe_at(build, options, name, SHAPES, CUTS)
+    if not small.elementwise:
+        return small
+    return _probe_at(build, options, name, LARGE_SHAPES, LARGE_CUTS)
+
+
+def _probe_at(build: Callable, options: dict, name: str, shapes_tried: tuple, cuts: tuple) -> Probe:
     failed = None
-    for shapes in (SHAPES, SHAPES[:1]):
+    for shapes in (shapes_tried, shapes_tried[:1]):
         start = [torch.randn(shape, generator=torch.Generator().manual_seed(7)) for shape in shapes]
         try:
             whole = _run(build, options, [t.clone().requires_grad_(True) for t in start],
@@ -93,11 +110,11 @@ def probe(build: Callable, options: dict, name: str) -> Probe:
         except Exception as e:  # (a closure or sparse gradients needed; or matrices only: try one)
             failed = failed or e
     else:
-        return Probe(False, f"stepping it on a {SHAPES[0]} matrix and a {SHAPES[1]} vector raised "
+        return Probe(False, f"stepping it on a {shapes_tried[0]} matrix and a {shapes_tried[1]} vector raised "
                             f"{type(failed).__name__}: {' '.join(str(failed).split())[:200]}")
     try:
-        cut = _run(build, options, [p.requires_grad_(True) for p in _pieces(start)],
-                   lambda step: _pieces(_gradients(step, shapes)))
+        cut = _run(build, options, [p.requires_grad_(True) for p in _pieces(start, cuts)],
+                   lambda step: _pieces(_gradients(step, shapes), cuts))
     except Exception as e:
         return Probe(True, f"stepping it on flat pieces of parameters (as each rank steps its slice of the flat "
                            f"shards) raised {type(e).__name__}: {' '.join(str(e).split())[:200]}")

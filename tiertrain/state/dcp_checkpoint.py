@@ -183,7 +183,7 @@ class DcpModel:
                 raise CheckpointError(f"{self.directory!r}: the optimizer state of {name!r} is not where the "
                                       f"other parameters' is")
             out[name] = by_place
-        if not out and all(self.kept.expected(n, len(self.shapes[n])) == {} for n in trained if n in self.shapes):
+        if not out and all(self.kept.expected(n, self.shapes[n]) == {} for n in trained if n in self.shapes):
             return {}  # (an optimizer that keeps no state: SGD without momentum)
         if not out:
             numbered = sorted(n for n in index if n.isdigit())
@@ -229,14 +229,15 @@ class DcpModel:
 
     def state_values(self, name: str, a: int, b: int) -> dict[str, Any]:
         """The parameter's optimizer state as its optimizer keeps it: each per-element value's
-        elements [a, b) (in fp32), the others whole, the step in the optimizer's own form."""
+        elements [a, b) (in the dtype the optimizer keeps it: fp32 moments, bitsandbytes' uint8
+        states), the others whole, the step in the optimizer's own form."""
         shape = self.shapes[name]
         out: dict[str, Any] = {}
         for key, (c, item_key) in self._state[name].items():
             if key == "step":
-                out[key] = self.kept.step_as_kept(name, len(shape), self._steps[name])
+                out[key] = self.kept.step_as_kept(name, shape, self._steps[name])
             elif item_key in c.tensors and saved_per_element(c.tensors[item_key].shape, shape):
-                out[key] = c.read(item_key, a, b).float()
+                out[key] = c.read(item_key, a, b).to(self.kept.dtype_of(name, shape, key))
             else:
                 value = self._whole_state(name, key)
                 out[key] = value.clone() if isinstance(value, torch.Tensor) else value

@@ -73,7 +73,7 @@ class DeepSpeedRun(ForeignRun):
         c = self.checkpoint
         state = {key: c.read(rank, key, offset, b - a) for key in c.state_keys}
         if c.counts_steps:
-            state["step"] = self.kept.step_as_kept(piece.name, len(c.shapes[piece.name]), c.step_at(rank, offset))
+            state["step"] = self.kept.step_as_kept(piece.name, c.shapes[piece.name], c.step_at(rank, offset))
         return state
 
 

@@ -5,8 +5,10 @@ as Adafactor's row and column factors are; or a number) and the form of its step
 moments and step for the default AdamW, and for an optimizer the user brought
 (``wrap(optimizer=...)``, TiertrainTrainer's ``optim``) whatever it keeps: SGD's momentum,
 RMSprop's square average, Adafactor's factors. Found by doing, not by name: a copy of the
-optimizer, with the parameter's group's hyper-parameters, steps once on a small tensor of the
-parameter's rank, and what it then keeps is the expectation. A checkpoint of another optimizer
+optimizer, with the parameter's group's hyper-parameters, steps once on a tensor of the
+parameter's shape (up to PROBE_CAP elements; an optimizer may keep other state above a size, as
+bitsandbytes keeps 8-bit states from ``min_8bit_size`` elements), and what it then keeps is the
+expectation. A checkpoint of another optimizer
 (or other settings of it: amsgrad, momentum) is refused naming both, before anything is loaded.
 """
 from __future__ import annotations
@@ -22,17 +24,28 @@ from ..update.state_format import NVMeStreamState
 if TYPE_CHECKING:
     from ..training_core import TrainingCore
 
-PROBE_DIMS = (3, 4, 5, 6, 7)
-"""The probe tensor's sizes, first ndim of them (distinct, so no factored state of it has the
-tensor's own shape)."""
+PROBE_CAP = 1 << 22
+"""The most elements the probe tensor has: a parameter up to this size is probed in its own
+shape, a larger one in a shape of its rank with distinct sizes and at least this many elements
+(the state then sized by neither is not checked: bitsandbytes' per-block absmax)."""
+ANY_SHAPE = "any"
+"""_shape_for's answer for a state sized by something other than the parameter's sizes, probed
+on a smaller tensor: whatever the checkpoint holds."""
 
 
-def _probed(build: Callable, options: list[dict], group: int, ndim: int) -> dict[str, Any] | None:
-    """What build's optimizer keeps for a parameter of ndim dimensions in group after one step:
-    {key: the value}; None where it cannot step such a tensor (Muon: matrices only). Every
+def probe_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The probe tensor's shape for a parameter of this shape (see PROBE_CAP)."""
+    if math.prod(shape) <= PROBE_CAP:
+        return tuple(shape)
+    base = math.ceil(PROBE_CAP ** (1 / len(shape)))
+    return tuple(base + i for i in range(len(shape)))
+
+
+def _probed(build: Callable, options: list[dict], group: int, shape: tuple[int, ...]) -> dict[str, Any] | None:
+    """What build's optimizer keeps for a parameter of this (probe) shape in group after one
+    step: {key: the value}; None where it cannot step such a tensor (Muon: matrices only). Every
     group is built (a list of optimizers routes groups by their place), the others over an
     empty matrix without a gradient, as ClientOptimizer.stand_in builds them."""
-    shape = PROBE_DIMS[:ndim]
     param = torch.randn(shape, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
     groups = [{"params": [param if i == group else torch.empty(0, 0)], **o} for i, o in enumerate(options)]
     try:
@@ -44,14 +57,19 @@ def _probed(build: Callable, options: list[dict], group: int, ndim: int) -> dict
     return dict(optimizer.state.get(param, {}))
 
 
-def _shape_for(value: Any, probe_shape: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...] | None:
+def _shape_for(value: Any, probed: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...] | str | None:
     """The shape the optimizer keeps this state in for a parameter of shape, from the value it
-    kept for the probe (None: a number). Each of the value's sizes is one of the probe's (they
-    are distinct: the parameter's size along that dimension, as Adafactor's row and column
-    factors are) or stays as it is (1, a scalar's ())."""
+    kept for the probe of shape ``probed`` (None: a number). Probed in the parameter's own shape,
+    it is the value's; else each of the value's sizes is one of the probe's (they are distinct:
+    the parameter's size along that dimension, as Adafactor's row and column factors are) or 1,
+    and any other size makes it ANY_SHAPE."""
     if not isinstance(value, torch.Tensor):
         return None
-    return tuple(shape[probe_shape.index(n)] if n in probe_shape else n for n in value.shape)
+    if tuple(probed) == tuple(shape):
+        return tuple(value.shape)
+    if any(n not in probed and n != 1 for n in value.shape):
+        return ANY_SHAPE
+    return tuple(shape[probed.index(n)] if n in probed else n for n in value.shape)
 
 
 class OptimizerStateKeys:
@@ -75,18 +93,18 @@ class OptimizerStateKeys:
         """The NVMe stream's state slots (by the optimizer's names), which the saved per-element
         state must fill; None for an optimizer in memory."""
 
-    def expected(self, name: str, ndim: int) -> dict[str, Any] | None:
-        """{key: a value of the kind the optimizer keeps} for trained parameter name of ndim
-        dimensions, or None where the probe could not step such a tensor."""
-        group = self._group_of(name)
-        if (group, ndim) not in self._probes:
-            self._probes[(group, ndim)] = _probed(self._build, self._options, group, ndim)
-        return self._probes[(group, ndim)]
+    def expected(self, name: str, shape: tuple[int, ...]) -> dict[str, Any] | None:
+        """{key: a value of the kind the optimizer keeps} for trained parameter name of this
+        shape (probed in probe_shape(shape)), or None where the probe could not step it."""
+        key = (self._group_of(name), probe_shape(tuple(shape)))
+        if key not in self._probes:
+            self._probes[key] = _probed(self._build, self._options, *key)
+        return self._probes[key]
 
     def check(self, where: str, name: str, shape: tuple[int, ...], saved: dict[str, tuple[int, ...] | None]) -> None:
         """CheckpointError unless the saved state of trained parameter name (saved: {key: its
         tensor's shape, or None for a number}) is the state this optimizer keeps for it."""
-        probe = self.expected(name, len(shape))
+        probe = self.expected(name, shape)
         if self.stream_slots is not None:
             kept = {key for key, value in saved.items() if saved_per_element(value, shape)}
             if not kept <= set(self.stream_slots):
@@ -99,23 +117,44 @@ class OptimizerStateKeys:
                                   f"optimizer {self.name} keeps {sorted(probe)} for a {len(shape)}-D parameter with "
                                   f"its group's settings: resume with the optimizer and settings the checkpoint was "
                                   f"saved with")
-        probe_shape = PROBE_DIMS[:len(shape)]
+        probed = probe_shape(tuple(shape))
         for key, value in probe.items():
-            want = _shape_for(value, probe_shape, shape)
+            want = _shape_for(value, probed, tuple(shape))
             if key == "step" and want in (None, ()) and saved[key] in (None, ()):
                 continue  # (a count either way: step_as_kept gives it the optimizer's form)
+            if want == ANY_SHAPE and saved[key] is not None:
+                continue
             if want != (None if saved[key] is None else tuple(saved[key])):
                 form = "a number" if want is None else f"shape {want}"
                 raise CheckpointError(f"{where}: the optimizer state {key!r} of {name!r} "
                                       f"{'is a number' if saved[key] is None else f'has shape {tuple(saved[key])}'}; "
                                       f"{self.name} keeps it for this {tuple(shape)} parameter with {form}")
 
-    def step_as_kept(self, name: str, ndim: int, count: int) -> Any:
+    def dtype_of(self, name: str, shape: tuple[int, ...], key: str) -> torch.dtype:
+        """The dtype the optimizer keeps state key of this parameter in (fp32 where unknown)."""
+        like = (self.expected(name, shape) or {}).get(key)
+        return like.dtype if isinstance(like, torch.Tensor) else torch.float32
+
+    def step_as_kept(self, name: str, shape: tuple[int, ...], count: int) -> Any:
         """A saved step count in the form the optimizer keeps its own (a float tensor, an int)."""
-        like = (self.expected(name, ndim) or {}).get("step")
+        like = (self.expected(name, shape) or {}).get("step")
         if isinstance(like, torch.Tensor):
             return torch.tensor(float(count), dtype=like.dtype)
         return type(like)(count) if isinstance(like, (int, float)) else torch.tensor(float(count))
+
+
+NESTED_BY_BITSANDBYTES = "__bnb_optimizer_quant_state__"
+"""The key under which bitsandbytes' optimizers' ``state_dict()`` nests a parameter's quantisation
+state (``state1``, ``state2``, ``qmap1``, ``absmax1``, ...), so that FSDP leaves it whole; their
+``load_state_dict()`` takes it out again."""
+
+
+def unnested(state: dict) -> dict:
+    """A parameter's saved optimizer state as the optimizer keeps it: bitsandbytes' nesting
+    (NESTED_BY_BITSANDBYTES) undone."""
+    if not isinstance(state.get(NESTED_BY_BITSANDBYTES), dict):
+        return state
+    return {**{k: v for k, v in state.items() if k != NESTED_BY_BITSANDBYTES}, **state[NESTED_BY_BITSANDBYTES]}
 
 
 def saved_per_element(saved: tuple[int, ...] | None, shape: tuple[int, ...]) -> bool:
@@ -133,4 +172,4 @@ def saved_count(value: Any, where: str, name: str) -> int:
     return int(value)
 
 
-__all__ = ["OptimizerStateKeys", "saved_count", "saved_per_element"]
+__all__ = ["NESTED_BY_BITSANDBYTES", "OptimizerStateKeys", "saved_count", "saved_per_element", "unnested"]

@@ -35,6 +35,7 @@ from .checkpoint import CheckpointError
 from .dcp_checkpoint import load_items, open_checkpoints
 from .dcp_files import NestedState
 from .hf_conversion import checkpoint_view
+from .optimizer_state import unnested
 from ..errors import said
 from ..unit_values import ValuesInMemory
 
@@ -152,7 +153,7 @@ def named_state(saved: dict, groups: list[list[str]], where: str) -> dict[str, d
     if unknown:
         raise CheckpointError(f"{where}: the saved optimizer state has parameter numbers {unknown[:10]} that no "
                               f"param group lists")
-    return {names[int(i)]: state for i, state in saved["state"].items()}
+    return {names[int(i)]: unnested(state) for i, state in saved["state"].items()}
 
 
 def loss_scale(directory: str) -> dict | None:
