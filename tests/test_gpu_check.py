@@ -51,7 +51,7 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
 
     # The GPU suite ran (on the CPU) and passed; its summary line is in the report.
     assert re.search(r"## `TIERTRAIN_GPU_TESTS_ON_CPU=1 pytest -q -m gpu tests/test_gpu\.py[^`]*`: "
-                     r"\d+ passed(, \d+ skipped)? in ", report), report
+                     r"\d+ passed(, \d+ skipped)?(, \d+ warnings?)? in ", report), report
     assert " failed" not in report.split("## Side by side")[0], report
 
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]

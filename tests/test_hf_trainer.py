@@ -279,7 +279,7 @@ def test_reference_groups_are_the_trainers_decay_split():
 REFUSED = [
     # (TrainingArguments keywords, or attributes set after construction, the name the error must give)
     (dict(fsdp="full_shard"), "fsdp"),
-    (dict(optim="lion_32bit"), "optim"),  # (the Trainer's optims that need another package, or the model)
+    (dict(optim="schedule_free_adamw"), "optim"),  # (the Trainer's optims that need another package, or the model)
     (dict(optim="galore_adamw"), "optim"),
     (dict(optim="sgd", optim_args="momentun=0.9"), "optim_args"),  # (a key the Trainer would ignore unseen)
     (dict(optim="adafactor", optim_args="beta1=0.9"), "optim_args"),  # (the Trainer reads none for adafactor)

@@ -433,3 +433,57 @@ def test_a_run_with_a_bitsandbytes_8bit_optimizer_resumes_with_its_8bit_state(tm
     assert {v.dtype for st in expected.values() for v in st.values() if torch.is_tensor(v)} >= {torch.uint8,
                                                                                                torch.float32}
     resumed.close()
+
+
+def _fresh_bitsandbytes_manager():
+    """bitsandbytes' GlobalOptimManager is one per process: the Trainer's embedding overrides
+    (by parameter, and by group and index once stepped) would reach every later optimizer of
+    this test process, as they would not in a script of its own."""
+    import bitsandbytes
+
+    bitsandbytes.optim.GlobalOptimManager.get_instance().initialize()
+
+
+def _losses(trainer) -> list[float]:
+    return [r["loss"] for r in trainer.state.log_history if "loss" in r]
+
+
+@pytest.mark.parametrize("optim", ["adamw_bnb_8bit", "paged_lion_8bit"])
+def test_the_trainers_bitsandbytes_optims_train_and_resume_as_with_the_trainer(optim, tmp_path):
+    """optim="adamw_bnb_8bit" (bitsandbytes' AdamW at optim_bits 8, as the Trainer builds it):
+    the Trainer keeps the embeddings' states at 32 bits and the other matrices' at 8; so does
+    TiertrainTrainer (the embeddings in an optimizer of their own). The same 3 steps log the
+    Trainer's losses, and a Trainer checkpoint resumes with its states bit for bit."""
+    pytest.importorskip("bitsandbytes")
+    from tiertrain.integrations.hf_trainer import TiertrainTrainer
+
+    plain = transformers.Trainer(model=_seeded(_wide_llama, 0), args=_args(str(tmp_path / "plain"), STEPS, optim=optim,
+                                                                          logging_steps=1), train_dataset=_samples())
+    plain.train()
+    _fresh_bitsandbytes_manager()
+    ours = TiertrainTrainer(model=_seeded(_wide_llama, 0), args=_args(str(tmp_path / "ours"), STEPS, optim=optim,
+                                                                     logging_steps=1), train_dataset=_samples())
+    ours.train()
+    kept = {getattr(t, SLOT_NAME): {k: v.dtype for k, v in st.items() if k == "state1"}
+            for t, st in ours.engine.update.optimizer.state.items()}
+    assert kept["model.embed_tokens.weight"] == {"state1": torch.float32}
+    assert kept["model.layers.0.mlp.up_proj.weight"] == {"state1": torch.uint8}
+    expected, got = _losses(plain), _losses(ours)
+    assert len(got) == STEPS and max(abs(a - b) / abs(b) for a, b in zip(got, expected)) < 1e-5, (got, expected)
+    ours.close()
+
+    _fresh_bitsandbytes_manager()
+    checkpoint, saved = _trained(_wide_llama, str(tmp_path / "saved"), optim=optim)
+    _fresh_bitsandbytes_manager()
+    trainer, loaded = _resumed(checkpoint, str(tmp_path / "resumed"), STEPS + 1, build=_wide_llama, optim=optim)
+    assert set(loaded.state) == set(saved)
+    for name, ((lo, hi), state) in loaded.state.items():
+        assert set(state) == set(saved[name]), name
+        for key, value in saved[name].items():
+            if not torch.is_tensor(value):
+                assert state[key] == value, (name, key)
+            elif state[key].shape != value.shape:  # (32-bit states are elementwise: this rank's piece)
+                assert torch.equal(state[key], value.reshape(-1)[lo:hi]) and state[key].dtype == value.dtype, name
+            else:
+                assert torch.equal(state[key], value) and state[key].dtype == value.dtype, (name, key)
+    trainer.close()

@@ -7,22 +7,52 @@ them (``deepspeed_schedule``), and the Trainer's ``optimizers=`` as the engine t
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 from ..config import Config, ConfigError
 
 __all__ = ["SUPPORTED_OPTIMS", "TRAINER_OPTIMS", "check_training_arguments", "client_optimizers",
-           "config_from_training_arguments", "deepspeed_schedule"]
+           "config_from_training_arguments", "deepspeed_schedule", "trainer_optimizer"]
 
 SUPPORTED_OPTIMS = {"adamw_torch": "auto", "adamw_torch_fused": "fused"}
 """TrainingArguments.optim values the engine builds (torch AdamW), with the kernel each maps to."""
 
 TRAINER_OPTIMS = {"adafactor": (), "sgd": ("momentum", "dampening", "weight_decay", "nesterov"),
                   "adagrad": ("lr_decay", "weight_decay", "eps"),
-                  "rmsprop": ("momentum", "alpha", "eps", "weight_decay", "centered")}
+                  "rmsprop": ("momentum", "alpha", "eps", "weight_decay", "centered"),
+                  **dict.fromkeys(("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit",
+                                   "lion_8bit", "lion_32bit", "paged_lion_8bit", "paged_lion_32bit",
+                                   "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit"), ())}
 """TrainingArguments.optim values built as the Trainer builds them (its get_optimizer_cls_and_kwargs:
-transformers' Adafactor, torch's SGD, Adagrad and RMSprop) and stepped by the engine as an optimizer
-the user brought (tiertrain/optim.py), with the optim_args keys the Trainer reads for each."""
+transformers' Adafactor, torch's SGD, Adagrad and RMSprop, bitsandbytes' AdamW, Lion and RMSprop:
+trainer_optimizer) and stepped by the engine as an optimizer the user brought (tiertrain/optim.py;
+bitsandbytes' 8-bit states take the whole-parameter path, docs/optimizers.md), with the
+optim_args keys the Trainer reads for each."""
+
+
+def trainer_optimizer(cls: type, options: dict, groups: list[dict], model) -> tuple[Any, list[dict] | None]:
+    """The optimizer Trainer.create_optimizer builds from (cls, options) over these groups of
+    parameter names, as wrap() takes it: (factory, groups). With bitsandbytes at optim_bits 8
+    the Trainer keeps every nn.Embedding's weight at 32 bits (a GlobalOptimManager override keyed
+    by the parameter, which the engine's optimizer does not step): the same here as a list of two
+    optimizers, the embeddings' at optim_bits 32, ([(factory, their groups), (factory, the
+    rest's)], None)."""
+    import torch.nn as nn
+
+    factory = functools.partial(cls, **options)
+    # (the Trainer's own test: "bitsandbytes" in str(optimizer_cls) and optim_bits == 8)
+    if not (cls.__module__.split(".")[0] == "bitsandbytes" and options.get("optim_bits") == 8):
+        return factory, groups
+    ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    embeddings = {n for n, p in model.named_parameters() if id(p) in ids}
+    parts = [[{**g, "params": [n for n in g["params"] if (n in embeddings) == inside]} for g in groups]
+             for inside in (True, False)]
+    parts = [[g for g in part if g["params"]] for part in parts]
+    if not parts[0]:
+        return factory, groups
+    wide = functools.partial(cls, **{**options, "optim_bits": 32})
+    return [(wide, parts[0]), *([(factory, parts[1])] if parts[1] else [])], None
 
 _NEEDS_METRICS = ("reduce_lr_on_plateau", "greedy")
 

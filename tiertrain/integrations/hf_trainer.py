@@ -122,7 +122,8 @@ from ..state import trainer_checkpoint
 from ..topology import Topology
 from ..wrapping import wrap
 from .hf_arguments import (SUPPORTED_OPTIMS, TRAINER_OPTIMS, _refuse, _value, check_training_arguments,
-                           client_optimizers, config_from_training_arguments, deepspeed_schedule)
+                           client_optimizers, config_from_training_arguments, deepspeed_schedule,
+                           trainer_optimizer)
 
 try:
     from transformers import Trainer
@@ -367,7 +368,7 @@ class TiertrainTrainer(Trainer):
         elif self.optimizer_cls_and_kwargs is not None or _value(self.args.optim) in TRAINER_OPTIMS:
             # (as Trainer.create_optimizer builds it)
             cls, options = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, model)
-            optimizer = functools.partial(cls, **options)
+            optimizer, groups = trainer_optimizer(cls, options, groups, model)
         schedule = deepspeed_schedule(self.deepspeed_config, self.args, max_steps)
         scheduler = (client_scheduler if client_scheduler is not None else
                      functools.partial(_hf_scheduler, args=self.args, max_steps=max_steps) if schedule is None
