@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from .errors import listing
-from .precision import held_as_stored, kept_in_fp32, named_in
+from .precision import held_as_stored, kept_in_fp32, named_in, stored_quantised
 from .zero.construct import forget_partition
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ __all__ = ["cast_buffers_and_frozen", "rounds"]
 def rounds(given: torch.dtype, compute: torch.dtype) -> bool:
     """Whether values of dtype ``given`` may change when held in ``compute`` (fp32 holds every
     16-bit value; bf16 and fp16 hold neither each other's nor fp32's)."""
-    if given == compute or held_as_stored(given):
+    if given == compute or not given.is_floating_point or stored_quantised(given):
         return False
     return not (compute in (torch.float32, torch.float64) and torch.finfo(given).bits < torch.finfo(compute).bits)
 
@@ -49,10 +49,11 @@ def cast_buffers_and_frozen(engine: "TrainingCore", model: nn.Module, in_layout:
     """The floating derived buffers kept in a dtype other than the compute dtype (names)."""
     given: list[tuple[nn.Module, str, torch.dtype]] = []
 
-    def dtype_of(full: str, value: torch.Tensor) -> torch.dtype:
+    def dtype_of(full: str, value: torch.Tensor, held: torch.Tensor | None = None) -> torch.dtype:
         # (what the model keeps in fp32, precision.kept_in_fp32: an MoE router's correction bias,
-        # whose values rounded to the compute dtype would route differently and be saved rounded)
-        if held_as_stored(value.dtype):
+        # whose values rounded to the compute dtype would route differently and be saved rounded;
+        # held: the parameter the value is of, whose class may say it is held as stored)
+        if held_as_stored(value if held is None else held, engine.dtype):
             return value.dtype
         return torch.promote_types(value.dtype, torch.float32) if named_in(fp32, full) else engine.dtype
 
@@ -80,7 +81,7 @@ def cast_buffers_and_frozen(engine: "TrainingCore", model: nn.Module, in_layout:
             value = value_of(p)
             forget_partition(p)
             # (one held as stored, a quantised weight or an index table, keeps its dtype and values)
-            p.data = value.to(device=engine.device, dtype=dtype_of(full, value))
+            p.data = value.to(device=engine.device, dtype=dtype_of(full, value, p))
     engine._on_close.append(lambda: _give_back(given))
     if rounded:
         dtypes = "/".join(sorted({str(d) for d in rounded.values()}))

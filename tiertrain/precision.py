@@ -52,11 +52,20 @@ def stored_quantised(dtype: torch.dtype) -> bool:
     return not dtype.is_complex and dtype not in (torch.bool, torch.int64)
 
 
-def held_as_stored(dtype: torch.dtype) -> bool:
-    """Whether the engine holds a frozen tensor or buffer of this dtype as it is stored, never
-    cast to the compute dtype: every dtype that is not floating point (integers, bool, complex)
-    and one stored quantised."""
-    return not dtype.is_floating_point or stored_quantised(dtype)
+def held_as_stored(tensor: torch.Tensor, compute: torch.dtype) -> bool:
+    """Whether the engine holds a frozen tensor or buffer as it is stored, never cast to the
+    compute dtype: every dtype that is not floating point (integers, bool, complex), one stored
+    quantised, and a parameter of a class of its own in another dtype than the compute one
+    (a quantisation library's packed weight, whose values only its class reads: bitsandbytes'
+    Params4bit holds 4-bit codes in the bytes of its quant_storage dtype, bf16 included)."""
+    dtype = tensor.dtype
+    return not dtype.is_floating_point or stored_quantised(dtype) or (_own_class(tensor) and dtype != compute)
+
+
+def _own_class(tensor: torch.Tensor) -> bool:
+    from .zero.released import ReleasedParameter  # (the engine's own: a released stage-3 parameter)
+
+    return isinstance(tensor, torch.nn.Parameter) and type(tensor) not in (torch.nn.Parameter, ReleasedParameter)
 
 
 def named_in(kept: "re.Pattern[str] | None", name: str) -> bool:

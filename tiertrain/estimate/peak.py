@@ -169,7 +169,7 @@ def simulate_peak(model: nn.Module, *, dp: int, stage: int, precision_bytes: int
     params += D * sum(u.shard_numel for u in layout.frozen)
     in_frozen_units = {s_.name for u in layout.frozen for s_ in u.slots}
     kept = kept_in_fp32(model, compute)
-    params += sum((max(D, 4) if named_in(kept, n) else p.element_size() if held_as_stored(p.dtype) else D)
+    params += sum((max(D, 4) if named_in(kept, n) else p.element_size() if held_as_stored(p, compute) else D)
                   * p.numel() for n, p in model.named_parameters() if not p.requires_grad and n not in in_frozen_units)
     out = PeakBreakdown(params=params, grads=grads, master=master, moments=moments,
                         param_tier=param_tier if stage == 3 else Tier.DEVICE,

@@ -89,7 +89,7 @@ def frozen_for_units(model: nn.Module, compute: torch.dtype) -> list[tuple[str, 
     which stays whole in fp32."""
     fp32 = kept_in_fp32(model, compute)
     return [(n, p) for n, p in model.named_parameters()
-            if not p.requires_grad and not held_as_stored(p.dtype) and not named_in(fp32, n)]
+            if not p.requires_grad and not held_as_stored(p, compute) and not named_in(fp32, n)]
 
 
 def default_plan(model: nn.Module, config: Config, dp: int, unit_modules: list[str] | None = None) -> GradientPlan:
