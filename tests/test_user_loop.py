@@ -259,3 +259,66 @@ def test_a_model_without_values_is_refused_by_name_at_wrap(stage):
     meta[1].running_mean = torch.empty(4, device="meta")
     with pytest.raises(ConfigError, match=r"'1\.running_mean' is on the meta device"):
         tiertrain.wrap(meta, config, topology, loss_fn=loss)
+
+
+def _wrapped_twice(rank, world, wrapper):
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    if wrapper == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        fully_shard(model)
+    config = make_config(zero={"stage": 2}, batch={"micro_batch_size": 2})
+    tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel))
+
+
+@pytest.mark.parametrize("wrapper,named", [("ddp", r"'<the model> \(DistributedDataParallel\)'.*\.module"),
+                                           ("fully_shard", r"'<the model> \(FSDPGPT\)', 'embed\.weight \(a DTensor\)'")])
+def test_a_model_under_another_data_parallel_wrapper_is_refused_by_name(wrapper, named):
+    """A model from accelerate's prepare() (DistributedDataParallel on several processes) or
+    FSDP2's fully_shard. DDP's trained, with DDP's reducer hooked beside the engine's and every
+    name prefixed "module." in full_state_dict(), checkpoints and save_pretrained() (whose export
+    from_pretrained then finds no weight of); fully_shard's DTensors failed deep in the engine
+    ("c10d.broadcast_.default does not have a sharding strategy"). Both are refused naming the
+    wrapper and the plain module to give."""
+    from tiertrain.testing import RankFailure, run_distributed
+
+    with pytest.raises(RankFailure, match=named):
+        run_distributed(_wrapped_twice, 2, wrapper, timeout=40)
+
+
+def _accelerate_loop(rank, world, stage):
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader, TensorDataset
+
+    accelerator = Accelerator(cpu=True)
+    batches = global_batches(3, 2 * world)
+    rows = TensorDataset(torch.cat([b["input_ids"] for b in batches]), torch.cat([b["labels"] for b in batches]))
+    loader = accelerator.prepare(DataLoader(rows, batch_size=2))
+    config = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2})
+    engine = tiertrain.wrap(make_model(), config, tiertrain.Topology.build(config.parallel))
+    losses = []
+    for input_ids, labels in loader:
+        loss = engine({"input_ids": input_ids, "labels": labels})
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(accelerator.gather(loss.detach()).mean()))
+    params = engine.full_state_dict()
+    engine.close()
+    return losses, params, accelerator.num_processes
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_accelerate_loop_with_its_data_loader_trains_as_one_process(stage):
+    """docs/migrate-deepspeed.md, "From an Accelerate loop": accelerate keeps the processes and
+    shards the data (each rank every world-th batch), the engine trains."""
+    from reference import Oracle, reference_train
+    from tiertrain.testing import run_distributed
+
+    losses, params, processes = run_distributed(_accelerate_loop, 2, stage, timeout=60)[0]
+    assert processes == 2 and len(losses) == 3
+    oracle = Oracle.run(reference_train, make_model(), make_config(batch={"micro_batch_size": 2}),
+                        global_batches(3, 4))
+    oracle.check(losses, params, f"an accelerate loop, stage {stage}")

@@ -67,6 +67,29 @@ def _check_materialized(model: nn.Module | Sequence[nn.Module]) -> None:
                           f"tiertrain.load_pretrained(engine, path), or load it whole (from_pretrained on the CPU)")
 
 
+def _check_not_data_parallel(model: nn.Module | Sequence[nn.Module]) -> None:
+    """A model already under another data-parallel wrapper (DistributedDataParallel, what
+    accelerate's prepare(model) returns on several processes; DataParallel; FSDP; parameters that
+    are DTensors, from fully_shard or parallelize_module): its hooks would run beside the
+    engine's, its names ("module.") would be the checkpoints' and exports', and its shards would
+    be taken for whole tensors."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel, FullyShardedDataParallel, FSDPModule)
+    modules = [model] if isinstance(model, nn.Module) else list(model)
+    found = [f"{n or '<the model>'} ({type(m).__name__})" for root in modules for n, m in root.named_modules()
+             if isinstance(m, wrappers)]
+    found += [f"{n} (a DTensor)" for root in modules for n, p in root.named_parameters() if isinstance(p, DTensor)]
+    if found:
+        raise ConfigError(f"the model holds {listing(found)}: it is already under another data-parallel or "
+                          f"sharding wrapper, whose hooks would reduce or reshard what the engine reduces and shards "
+                          f"itself. Give wrap() the plain module: DistributedDataParallel's and DataParallel's "
+                          f".module (with accelerate, wrap the model instead of accelerator.prepare(model); prepare "
+                          f"the data loader alone), a model before fully_shard / FSDP; for tensor parallelism set "
+                          f"parallel.tp instead of parallelize_module")
+
+
 def _check_unquantised(model: nn.Module | Sequence[nn.Module]) -> None:
     """A trainable parameter stored quantised (fp8 beside its scale, integers): the engine
     trains fp32 masters of what it holds in precision.dtype, which for these would be the
@@ -130,6 +153,7 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
                           f"supported with pipeline parallelism yet (configure AdamW and schedule in config); "
                           f"they work with parallel.pp=1")
     _check_not_held(model)
+    _check_not_data_parallel(model)
     _check_materialized(model)
     _check_unquantised(model)
     _check_context_parallel(model, config, topology)
