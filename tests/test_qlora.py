@@ -19,6 +19,7 @@ import functools
 import pytest
 import torch
 
+import tiertrain
 from reference import Oracle, engine_train, global_batches, make_config, reference_train
 from tiertrain.testing import run_distributed
 
@@ -93,3 +94,30 @@ def test_lora_over_a_4bit_base_trains_as_in_one_process(directory, storage):
     losses, adapters = run_distributed(_run, 2, directory, STORAGES[storage], timeout=120)[0]
     assert len(adapters) == 8  # (lora_A and lora_B of q_proj and v_proj in 2 layers)
     oracle.check(losses, adapters, f"QLoRA, quant_storage {storage}, stage 3, 2 ranks")
+
+
+def _where(rank, world, directory, storage, precision):
+    q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=storage,
+                                        bnb_4bit_compute_dtype=torch.bfloat16)
+    model = _adapters(transformers.AutoModelForCausalLM.from_pretrained(directory, quantization_config=q,
+                                                                       dtype=torch.bfloat16))
+    config = make_config(zero={"stage": 3}, precision={"dtype": precision}, batch={"micro_batch_size": GLOBAL // 2})
+    engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel))
+    sharded = {s.name for u in engine.flat.frozen_units for s in u.unit.slots}
+    four_bit = {n for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"}
+    batch = {k: v[rank * GLOBAL // 2:(rank + 1) * GLOBAL // 2] for k, v in _batches()[0].items()}
+    loss = engine.train_batch(iter([batch]))
+    engine.close()
+    return len(four_bit), len(four_bit & sharded), loss
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("storage,precision,sharded", [("bf16", "bf16", True), ("uint8", "bf16", False),
+                                                       ("bf16", "fp32", False)])
+def test_the_4bit_base_is_sharded_where_its_storage_is_the_compute_dtype(directory, storage, precision, sharded):
+    """As FSDP-QLoRA: bf16 storage at bf16 compute lives in stage 3's frozen units (each rank its
+    shard of the packed codes); any other storage stays whole on every rank, as stored."""
+    counts = run_distributed(_where, 2, directory, STORAGES[storage], precision, timeout=90)
+    four_bit, in_units, loss = counts[0]
+    assert four_bit == 14 and in_units == (four_bit if sharded else 0)
+    assert all(torch.isfinite(torch.tensor(c[2])) for c in counts)
