@@ -121,3 +121,25 @@ def test_the_4bit_base_is_sharded_where_its_storage_is_the_compute_dtype(directo
     four_bit, in_units, loss = counts[0]
     assert four_bit == 14 and in_units == (four_bit if sharded else 0)
     assert all(torch.isfinite(torch.tensor(c[2])) for c in counts)
+
+
+@pytest.mark.timeout(60)
+def test_a_4bit_base_held_as_stored_is_not_warned_as_rounded(directory):
+    """bf16 storage at fp16 compute: the packed codes keep their bf16 bytes, so the warning of
+    frozen weights rounded to the compute dtype does not name them (it did, for a cast that never
+    happens); the model's other frozen weights, bf16 rounded to fp16, it still names."""
+    import warnings
+
+    q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=torch.bfloat16,
+                                        bnb_4bit_compute_dtype=torch.float16)
+    model = _adapters(transformers.AutoModelForCausalLM.from_pretrained(directory, quantization_config=q,
+                                                                       dtype=torch.bfloat16))
+    four_bit = {n for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"}
+    config = make_config(zero={"stage": 3}, precision={"dtype": "fp16"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = tiertrain.wrap(model, config, tiertrain.Topology.build(config.parallel))
+    rounded = " ".join(str(w.message) for w in caught if "no fp32 master" in str(w.message))
+    assert "embed_tokens" in rounded and not any(f"'{n}'" in rounded for n in four_bit), rounded
+    assert {p.dtype for n, p in model.named_parameters() if n in four_bit} == {torch.bfloat16}
+    engine.close()

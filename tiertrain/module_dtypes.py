@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from .errors import listing
-from .precision import held_as_stored, kept_in_fp32, named_in, stored_quantised
+from .precision import held_as_stored, kept_in_fp32, named_in
 from .zero.construct import forget_partition
 
 if TYPE_CHECKING:
@@ -26,9 +26,10 @@ __all__ = ["cast_buffers_and_frozen", "rounds"]
 
 
 def rounds(given: torch.dtype, compute: torch.dtype) -> bool:
-    """Whether values of dtype ``given`` may change when held in ``compute`` (fp32 holds every
-    16-bit value; bf16 and fp16 hold neither each other's nor fp32's)."""
-    if given == compute or not given.is_floating_point or stored_quantised(given):
+    """Whether values of floating dtype ``given`` may change when held in ``compute`` (fp32 holds
+    every 16-bit value; bf16 and fp16 hold neither each other's nor fp32's). Asked only of what
+    is cast: not of a tensor held as stored (precision.held_as_stored)."""
+    if given == compute:
         return False
     return not (compute in (torch.float32, torch.float64) and torch.finfo(given).bits < torch.finfo(compute).bits)
 
@@ -72,7 +73,7 @@ def cast_buffers_and_frozen(engine: "TrainingCore", model: nn.Module, in_layout:
         if not p.requires_grad:
             prefix, _, name = full.rpartition(".")
             module = model.get_submodule(prefix)
-            if rounds(p.dtype, engine.dtype) and not named_in(fp32, full):
+            if not held_as_stored(p, engine.dtype) and rounds(p.dtype, engine.dtype) and not named_in(fp32, full):
                 rounded[full] = p.dtype
             if full in in_layout:
                 engine.frozen_dtypes[full] = p.dtype
