@@ -158,6 +158,23 @@ def test_a_mixture_of_experts_checkpoint_resumes_its_experts_as_from_pretrained_
     trainer.close()
 
 
+def _assert_state_as_saved(loaded, expected: dict) -> None:
+    """Every parameter's state in the engine, as the Trainer's own resume gives it, bit for bit
+    and in its dtype: a per-element value as this rank's piece of it (an elementwise optimizer's
+    state over the flat shards; the whole of it for one stepping whole tensors), the others
+    whole, numbers of the same type."""
+    for name, ((lo, hi), state) in loaded.state.items():
+        assert set(state) == set(expected[name]), name
+        for key, value in expected[name].items():
+            if not torch.is_tensor(value):
+                assert type(state[key]) is type(value) and state[key] == value, (name, key)
+            elif value.shape == loaded.values[name].shape and value.dim():  # (per element: this piece's)
+                assert torch.equal(state[key].reshape(-1), value.reshape(-1)[lo:hi]), (name, key)
+                assert state[key].dtype == value.dtype, (name, key)
+            else:
+                assert torch.equal(state[key], value) and state[key].dtype == value.dtype, (name, key)
+
+
 OTHER_OPTIMS = {"adafactor": None, "sgd": "momentum=0.9,nesterov=True", "rmsprop": "momentum=0.5,centered=True",
                 "adagrad": "lr_decay=0.01"}
 """The Trainer's other optims TiertrainTrainer builds (as the Trainer does), with optim_args it reads."""
@@ -184,15 +201,7 @@ def test_a_run_with_another_of_the_trainers_optimizers_resumes_with_that_optimiz
         assert torch.equal(loaded.values[name], value), name
     assert set(loaded.state) == set(expected)
     assert len(expected) == sum(p.requires_grad for p in build_llama().parameters())
-    for name, ((lo, hi), state) in loaded.state.items():
-        assert set(state) == set(expected[name]), name
-        for key, value in expected[name].items():
-            if not torch.is_tensor(value):
-                assert type(state[key]) is type(value) and state[key] == value, (name, key)
-            elif value.shape == loaded.values[name].shape and value.dim():  # (per element: this piece's)
-                assert torch.equal(state[key].reshape(-1), value.reshape(-1)[lo:hi]), (name, key)
-            else:
-                assert torch.equal(state[key], value) and state[key].dtype == value.dtype, (name, key)
+    _assert_state_as_saved(loaded, expected)
     trainer.close()
 
 
@@ -423,13 +432,7 @@ def test_a_run_with_a_bitsandbytes_8bit_optimizer_resumes_with_its_8bit_state(tm
     resumed.train(resume_from_checkpoint=checkpoint)
     assert type(resumed.engine.update.optimizer) is bnb.optim.AdamW8bit and resumed.engine.update.plan.owned
     assert set(loaded.state) == set(expected) == {n for n, p in again.model.named_parameters() if p.requires_grad}
-    for name, (_, state) in loaded.state.items():
-        assert set(state) == set(expected[name]), name
-        for key, value in expected[name].items():
-            if torch.is_tensor(value):
-                assert torch.equal(state[key], value) and state[key].dtype == value.dtype, (name, key)
-            else:
-                assert state[key] == value, (name, key)
+    _assert_state_as_saved(loaded, expected)
     assert {v.dtype for st in expected.values() for v in st.values() if torch.is_tensor(v)} >= {torch.uint8,
                                                                                                torch.float32}
     resumed.close()
@@ -477,13 +480,5 @@ def test_the_trainers_bitsandbytes_optims_train_and_resume_as_with_the_trainer(o
     _fresh_bitsandbytes_manager()
     trainer, loaded = _resumed(checkpoint, str(tmp_path / "resumed"), STEPS + 1, build=_wide_llama, optim=optim)
     assert set(loaded.state) == set(saved)
-    for name, ((lo, hi), state) in loaded.state.items():
-        assert set(state) == set(saved[name]), name
-        for key, value in saved[name].items():
-            if not torch.is_tensor(value):
-                assert state[key] == value, (name, key)
-            elif state[key].shape != value.shape:  # (32-bit states are elementwise: this rank's piece)
-                assert torch.equal(state[key], value.reshape(-1)[lo:hi]) and state[key].dtype == value.dtype, name
-            else:
-                assert torch.equal(state[key], value) and state[key].dtype == value.dtype, (name, key)
+    _assert_state_as_saved(loaded, saved)
     trainer.close()
