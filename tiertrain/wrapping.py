@@ -31,8 +31,13 @@ class AlreadyWrappedError(TiertrainError, RuntimeError):
     exit_code = 1
 
 
+def _stages(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    """The modules wrap() was given: the model, or a pipeline rank's stage modules."""
+    return [model] if isinstance(model, nn.Module) else list(model)
+
+
 def _parameters(model: nn.Module | Sequence[nn.Module]) -> list[nn.Parameter]:
-    return [p for m in ([model] if isinstance(model, nn.Module) else model) for p in m.parameters()]
+    return [p for m in _stages(model) for p in m.parameters()]
 
 
 def _check_not_held(model: nn.Module | Sequence[nn.Module]) -> None:
@@ -50,7 +55,7 @@ def _check_materialized(model: nn.Module | Sequence[nn.Module]) -> None:
     """A parameter or buffer with a shape but no values failed deep inside with torch's
     "Cannot copy out of meta tensor" or "Can't access the shape of an uninitialized
     parameter", naming neither the tensor nor the way out."""
-    modules = [model] if isinstance(model, nn.Module) else list(model)
+    modules = _stages(model)
     named = [(n, t) for m in modules for n, t in [*m.named_parameters(), *m.named_buffers()]]
     lazy = [n for n, t in named if isinstance(t, (UninitializedParameter, UninitializedBuffer))]
     if lazy:
@@ -77,7 +82,7 @@ def _check_not_data_parallel(model: nn.Module | Sequence[nn.Module]) -> None:
     from torch.distributed.tensor import DTensor
 
     wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel, FullyShardedDataParallel, FSDPModule)
-    modules = [model] if isinstance(model, nn.Module) else list(model)
+    modules = _stages(model)
     found = [f"{n or '<the model>'} ({type(m).__name__})" for root in modules for n, m in root.named_modules()
              if isinstance(m, wrappers)]
     found += [f"{n} (a DTensor)" for root in modules for n, p in root.named_parameters() if isinstance(p, DTensor)]
@@ -95,7 +100,7 @@ def _check_unquantised(model: nn.Module | Sequence[nn.Module]) -> None:
     trains fp32 masters of what it holds in precision.dtype, which for these would be the
     stored values, not the weights (transformers' FP8Linear computes with a weight wider than a
     byte as already dequantised). Frozen ones are held as stored (precision.held_as_stored)."""
-    modules = [model] if isinstance(model, nn.Module) else list(model)
+    modules = _stages(model)
     found = [(f"{n} ({t.dtype}, in {type(m.get_submodule(n.rpartition('.')[0])).__name__})")
              for m in modules for n, t in m.named_parameters() if t.requires_grad and stored_quantised(t.dtype)]
     if found:
@@ -195,7 +200,7 @@ def _tile_mlps(model, config: Config) -> list[nn.Module]:
     (returns the modules tiled here, which close() hands back untiled); a model already tiled
     must be tiled with the configured tokens."""
     tile = config.activations.mlp_tile_tokens
-    stages = [model] if isinstance(model, nn.Module) else list(model)
+    stages = _stages(model)
     with_mlps = [stage for stage in stages if block_mlps(stage)] or stages[:1]  # (a head-only stage has none)
     found = {tiled_mlp_tokens(stage) for stage in with_mlps}
     if found <= {tile}:
