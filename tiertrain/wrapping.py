@@ -113,6 +113,21 @@ def _check_unquantised(model: nn.Module | Sequence[nn.Module]) -> None:
                           f"dequantises block-FP8 checkpoints")
 
 
+def _check_real(model: nn.Module | Sequence[nn.Module]) -> None:
+    """A trainable complex parameter (a Fourier layer's spectral weights): the engine's fp32
+    masters and flat buffers are real, so it was cast to one, its imaginary part dropped in
+    silence. Frozen ones (and complex buffers, such as rotary freqs_cis) are held as stored."""
+    found = [f"{n} ({t.dtype})" for m in _stages(model) for n, t in m.named_parameters()
+             if t.requires_grad and t.is_complex()]
+    if found:
+        raise ConfigError(f"the model's {listing(found)} {'is a' if len(found) == 1 else 'are'} trainable complex "
+                          f"parameter{'' if len(found) == 1 else 's'}: the engine keeps real fp32 masters, which "
+                          f"would drop the imaginary part. Hold each as a real parameter of shape (..., 2), "
+                          f"nn.Parameter(torch.view_as_real(weight)), and use torch.view_as_complex(param) in "
+                          f"forward: torch's optimizers step a complex parameter as exactly that real view, so it "
+                          f"trains the same values; or freeze it")
+
+
 def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topology, loss_fn: LossFn | None = None,
          unit_modules: list[str] | None = None,
          activation_shape: tuple[int, ...] | Callable[[Any], tuple[int, ...]] | None = None,
@@ -161,6 +176,7 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
     _check_not_data_parallel(model)
     _check_materialized(model)
     _check_unquantised(model)
+    _check_real(model)
     _check_context_parallel(model, config, topology)
     if topology.size("pp") == 1 and activation_shape is not None:
         raise ConfigError("activation_shape is for pipeline parallelism; parallel.pp is 1")

@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 
 from ..io.fileio import atomic_write, exchange_paths, file_sha256, fsync_directory
+from ..zero.layout import SLOT_ALIGN
 from .directory import (CLEANUP_PREFIX, LOCK, _gather_objects, claim_directory, is_checkpoint_directory,
                         lock_directory, register_for_cleanup, release_directory, remove_checkpoints,
                         remove_crashed_saves, remove_left_behind, rotate)
@@ -103,8 +104,7 @@ def layout_fingerprint(layout, topology, stage: int, dtype: str, state_format: "
     """What a rank's checkpoint must match to load: parallel sizes, ZeRO stage, compute dtype,
     the update form's state format (its tag: tiertrain/update/state_format.py) and the flat
     units (names and sizes)."""
-    frozen = {"frozen_units": [[u.label, u.padded_numel, [s.name for s in u.slots]] for u in layout.frozen]} \
-        if layout.frozen else {}
+    frozen = {"frozen_units": [_unit_entry(u) for u in layout.frozen]} if layout.frozen else {}
     return {
         **frozen,
         "stage": stage,
@@ -113,8 +113,20 @@ def layout_fingerprint(layout, topology, stage: int, dtype: str, state_format: "
         "pp": topology.size("pp"),
         "dtype": dtype,
         "state_format": state_format.TAG,
-        "units": [[u.label, u.padded_numel, [s.name for s in u.slots]] for u in layout.units],
+        "units": [_unit_entry(u) for u in layout.units],
     }
+
+
+def _unit_entry(unit) -> list:
+    """[label, padded size, slot names], and the slots' offsets where they are not packed end
+    to end (zero/layout.py's SLOT_ALIGN gaps): a checkpoint saved before the gaps (packed: no
+    offsets recorded) then differs from this layout and is resharded by its recorded offsets
+    instead of copied flat into shifted slots, by this version and by an older one alike."""
+    entry = [unit.label, unit.padded_numel, [s.name for s in unit.slots]]
+    ends = [0] + [s.end for s in unit.slots[:-1]]
+    if any(s.offset != end for s, end in zip(unit.slots, ends)):
+        entry.append([s.offset for s in unit.slots])
+    return entry
 
 
 def rank_state(parts: Mapping[str, Stateful]) -> dict:
@@ -403,6 +415,10 @@ def load(parts: Mapping[str, Stateful], step_dir: str, marker: dict, topology, f
             raise CheckpointError(f"{step_dir!r} was saved with {key}={saved[key]!r}, "
                                   f"this run has {key}={expected[key]!r}")
     if saved["units"] != expected["units"]:
+        if [u[:3] for u in saved["units"]] == [u[:3] for u in expected["units"]]:
+            raise CheckpointError(f"{step_dir!r} was saved with its parameters packed end to end in their units; "
+                                  f"this version aligns each to {SLOT_ALIGN} elements: load it with reshard=True "
+                                  f"(the default), which places every value by its recorded offset")
         raise CheckpointError(f"{step_dir!r} was saved with another unit layout "
                               f"(a different model or zero.bucket_mb)")
     state = load_rank_file(verified_file(step_dir, rank_file_name(rank), marker["sha256"][rank]), device)

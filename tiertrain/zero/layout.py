@@ -42,7 +42,21 @@ class Unit:
 
     @property
     def numel(self) -> int:
+        """Elements of parameters (the gaps between slots and the tail are padding)."""
         return sum(s.numel for s in self.slots)
+
+    @property
+    def padding(self) -> list[tuple[int, int]]:
+        """[start, end) of each run of padding in the full flat buffer: the gaps that align the
+        slots (SLOT_ALIGN), then the tail."""
+        runs, at = [], 0
+        for slot in sorted(self.slots, key=lambda s: s.offset):
+            if slot.offset > at:
+                runs.append((at, slot.offset))
+            at = max(at, slot.end)
+        if at < self.padded_numel:
+            runs.append((at, self.padded_numel))
+        return runs
 
     @property
     def shard_numel(self) -> int:
@@ -120,11 +134,20 @@ def _padded(numel: int, num_shards: int, align: int) -> int:
     return max(quantum, -(-numel // quantum) * quantum)
 
 
+SLOT_ALIGN = 8
+"""Each parameter starts at a multiple of this many elements of its unit (16 bytes at a 2-byte
+compute dtype, 32 at fp32), as it would in an allocation of its own: a view of a parameter as
+another dtype needs it (``torch.view_as_complex`` of a (..., 2) weight, an S4D or FNO layer's,
+needs an even offset), and so do aligned vector and tensor-core kernels. The gaps are padding,
+zero like a unit's tail."""
+
+
 def _unit(index: int, label: str, entries: list[tuple[str, torch.Size]], num_shards: int,
           align: int, resident: bool) -> Unit:
     slots, offset = [], 0
     for name, shape in entries:
         numel = torch.Size(shape).numel()
+        offset = -(-offset // SLOT_ALIGN) * SLOT_ALIGN
         slots.append(Slot(name, offset, numel, tuple(shape)))
         offset += numel
     return Unit(index, label, tuple(slots), _padded(offset, num_shards, align), num_shards, resident)

@@ -202,7 +202,8 @@ class GradientReducer:
             # Each slot is written exactly once per backward (copied, not added), so only the
             # padding needs zeros now; slots that never receive a gradient are zeroed at flush.
             bucket = self._buckets[index] = self._new_bucket(u.unit.padded_numel)
-            bucket[u.unit.numel:].zero_()
+            for start, end in u.unit.padding:
+                bucket[start:end].zero_()
         return bucket
 
     def _new_bucket(self, numel: int) -> torch.Tensor:
