@@ -18,6 +18,7 @@ from .offload.activations import apply_activation_checkpointing, checkpointing_o
 from .optim import OptimizerArg, SchedulerFactory
 from .pipeline.engine import PipelineEngine, pipeline_stages
 from .precision import stored_quantised
+from .shared_memory import check_no_shared_memory
 from .state import engine_io
 from .topology import Topology
 from .tiling import apply_tiled_mlp, block_mlps, remove_tiled_mlp, tiled_mlp_tokens
@@ -177,6 +178,7 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
     _check_materialized(model)
     _check_unquantised(model)
     _check_real(model)
+    check_no_shared_memory(model)
     _check_context_parallel(model, config, topology)
     if topology.size("pp") == 1 and activation_shape is not None:
         raise ConfigError("activation_shape is for pipeline parallelism; parallel.pp is 1")
