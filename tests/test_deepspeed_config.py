@@ -245,6 +245,32 @@ def test_every_zero_optimization_key_of_deepspeed_under_either_spelling_is_known
         assert theirs == set(DEEPSPEED_ZERO_KEYS), sorted(theirs ^ set(DEEPSPEED_ZERO_KEYS))
 
 
+def test_the_former_offload_names_are_read_as_deepspeed_reads_them():
+    """zero_optimization.cpu_offload and cpu_offload_param, which DeepSpeed 0.19 still maps to
+    offload_optimizer / offload_param {device: cpu} (with a warning), were refused as "the old
+    spelling" although DeepSpeed trains with them; beside the key that replaced them DeepSpeed
+    refuses the pair ("Cannot provide deprecated parameter ... together"), and so does this."""
+    zero = from_deepspeed({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True,
+                                                 "cpu_offload_use_pin_memory": True}}).values["zero"]
+    assert zero["offload_optimizer"] == "cpu" and zero["offload_params"] == "cpu", zero
+    for off in (False, None):
+        zero = from_deepspeed({"zero_optimization": {"stage": 2, "cpu_offload": off}}).values["zero"]
+        assert zero["offload_optimizer"] == "none", zero
+    assert from_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": None}}).values["zero"] == \
+        {"stage": 2, "offload_optimizer": "none"}
+    with pytest.raises(ConfigError, match=r"zero_optimization\.cpu_offload: given beside offload_optimizer, which "
+                                          r"replaced it"):
+        from_deepspeed({"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}})
+    with pytest.raises(ConfigError, match=r"cpu_offload_param='yes' is invalid: expected true or false"):
+        from_deepspeed({"zero_optimization": {"stage": 3, "cpu_offload_param": "yes"}})
+    if os.environ.get("TIERTRAIN_TEST_DEEPSPEED"):  # (the pair refused by DeepSpeed itself)
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        assert DeepSpeedZeroConfig(stage=3, cpu_offload=True).offload_optimizer.device == "cpu"
+        with pytest.raises(AssertionError, match="together"):
+            DeepSpeedZeroConfig(stage=2, cpu_offload=True, offload_optimizer={"device": "cpu"})
+
+
 DEEPSPEED_TOP_KEYS_2025 = ["expert_parallel", "gradient_allreduce_op", "managed_gradient_accumulation",
                            "disable_allgather", "disable_python_gc", "log_level", "vocabulary_size",
                            "seq_parallel_communication_data_type", "torch_autocast", "compile", "comet", "bfloat16"]

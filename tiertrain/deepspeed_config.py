@@ -304,6 +304,8 @@ def _zero(value: Any, t: Translation, itemsize: int) -> None:
         handler = _ZERO.get(sub)
         if sub in ("offload_optimizer", "offload_param"):
             _offload(t, name, v, "zero.offload_optimizer" if sub == "offload_optimizer" else "zero.offload_params")
+        elif sub in _FORMER_OFFLOADS:
+            _former_offload(t, name, v, value)
         elif sub in _ELEMENTS:
             path, bytes_per = _ELEMENTS[sub]
             per = itemsize if bytes_per is None else bytes_per
@@ -315,7 +317,29 @@ def _zero(value: Any, t: Translation, itemsize: int) -> None:
             handler(t, name, v)
 
 
+_FORMER_OFFLOADS = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+"""DeepSpeed's former names of an offload to the CPU → the key that replaced each."""
+
+
+def _former_offload(t: Translation, key: str, value: Any, section: dict) -> None:
+    """cpu_offload and cpu_offload_param, read as DeepSpeed still reads them: true is the current
+    key with device "cpu" (its other settings at their defaults), false or null no offload; beside
+    the current key DeepSpeed refuses the pair, and so does this."""
+    current = _FORMER_OFFLOADS[key.rpartition(".")[2]]
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"DeepSpeed {key}={value!r} is invalid: expected true or false")
+    if current in section:
+        t.refuse(key, f"given beside {current}, which replaced it: DeepSpeed refuses the two together; keep "
+                      f"{current} alone")
+        return
+    path = "zero.offload_optimizer" if current == "offload_optimizer" else "zero.offload_params"
+    t.set(key, path, "cpu" if value else "none", f"its former name for {current}.device, as DeepSpeed reads it")
+
+
 def _offload(t: Translation, key: str, value: Any, path: str) -> None:
+    if value is None:  # (DeepSpeed's default: no offload)
+        t.set(key, path, "none")
+        return
     if not isinstance(value, dict):
         raise ConfigError(f"DeepSpeed {key}={value!r} is invalid: expected an object with device")
     device = value.get("device", "none")
@@ -372,7 +396,6 @@ _ZERO = {
     "ignore_unused_parameters": no_effect("unused parameters get zero gradients"),
     "load_from_fp32_weights": no_effect("checkpoints hold the fp32 masters"),
     "elastic_checkpoint": no_effect("checkpoints reshard to any layout"),
-    "cpu_offload": refuse_unless(False, "the old spelling; use offload_optimizer.device 'cpu'"),
     "zero_hpz_partition_size": refuse_unless(1, "ZeRO++ hierarchical partitioning is not implemented"),
     "zero_quantized_weights": refuse_unless(False, "ZeRO++ quantised weights are not implemented"),
     "zero_quantized_gradients": refuse_unless(False, "ZeRO++ quantised gradients are not implemented"),
@@ -391,9 +414,8 @@ _ZERO = {
     "stage3_module_granularity_threshold": no_effect("units are the ModuleList's children, or zero.unit_params"),
     "stage3_allgather_sequential": no_effect("parameters are gathered one unit at a time"),
     "compute_grad_norm": no_effect("the gradient norm is always computed (the clip and the metrics use it)"),
-    "cpu_offload_param": refuse_unless(None, "the old spelling; use offload_param.device 'cpu'", same=(False,)),
-    "cpu_offload_use_pin_memory": refuse_unless(None, "the old spelling; use offload_param.pin_memory",
-                                                 same=(False, True)),
+    "cpu_offload_use_pin_memory": no_effect("its former pin-memory switch (DeepSpeed only warns of it): tiertrain "
+                                            "pins the host memory a device copy reads"),
     "legacy_stage1": refuse_unless(False, "DeepSpeed's former stage-1 code; tiertrain's stage 1 is the paper's"),
     "parameter_alignment": no_effect("the flat buffers' layout is tiertrain's own"),
     "zero_quantized_nontrainable_weights": refuse_unless(False, "ZeRO++ quantised weights are not implemented"),
@@ -494,7 +516,7 @@ _TOP = {
 
 def documented_keys() -> dict[str, list[str]]:
     """Every key this translation knows, by section (for docs/deepspeed.md's table)."""
-    zero = set(_ZERO) | set(_ELEMENTS) | set(_ZERO_SPELLINGS) | {"offload_optimizer", "offload_param"}
+    zero = set(_ZERO) | set(_ELEMENTS) | set(_ZERO_SPELLINGS) | set(_FORMER_OFFLOADS) | set(_FORMER_OFFLOADS.values())
     return {"": sorted([*_TOP, "bfloat16"]), "zero_optimization": sorted(zero)}
 
 
