@@ -65,6 +65,14 @@ def _config(zero: dict, world: int = 2):
     return make_config(zero={**zero, "bucket_mb": 0.0002}, batch={"micro_batch_size": GLOBAL_BATCH // world})
 
 
+def test_slots_start_aligned_and_the_gaps_and_the_tail_are_the_units_padding():
+    named = [(name, torch.empty(n)) for name, n in (("d", 1), ("c", 8), ("b", 3), ("a", 5))]
+    unit, = layout.bucket_layout(named, num_shards=2, bucket_numel=10 ** 6).units  # (reverse order: a first)
+    assert [(s.name, s.offset) for s in unit.slots] == [("a", 0), ("b", 8), ("c", 16), ("d", 24)]
+    assert unit.numel == 17 and unit.padded_numel == 128
+    assert unit.padding == [(5, 8), (11, 16), (25, 128)]
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_every_parameter_starts_at_a_multiple_of_slot_align(stage):
     config = _config({"stage": stage}, world=1)

@@ -9,6 +9,7 @@ it is a plain, printable value: which parameter lives where, in which shard.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -45,7 +46,7 @@ class Unit:
         """Elements of parameters (the gaps between slots and the tail are padding)."""
         return sum(s.numel for s in self.slots)
 
-    @property
+    @functools.cached_property
     def padding(self) -> list[tuple[int, int]]:
         """[start, end) of each run of padding in the full flat buffer: the gaps that align the
         slots (SLOT_ALIGN), then the tail."""
