@@ -152,13 +152,44 @@ def test_a_parameter_unfrozen_after_wrap_is_refused_by_name(stage):
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_module_replaced_after_wrap_is_refused_by_name(stage):
     """model.norm = nn.LayerNorm(...) after wrap(): the engine's parameters left the forward and
-    the new ones trained nothing (their gradients piled up in .grad). Refused at the step."""
+    the new ones trained nothing (their gradients piled up in .grad). Refused at the next forward."""
     model, engine, batch = _after_one_step(stage)
     model.norm = torch.nn.LayerNorm(32)
-    engine.backward(engine(batch))
     with pytest.raises(ConfigError, match=r"parameters 'norm.bias', 'norm.weight' of the wrapped model are no longer "
-                                          r"in the model: their module was replaced after wrap\(\)"):
-        engine.step()
+                                          r"in the model: their module was replaced after wrap\(\) \(model.x = "
+                                          r"nn.Linear\(...\)\), and parameters 'norm.weight', 'norm.bias' joined it"):
+        engine(batch)
+    engine.close()
+
+
+class _LazyScale(torch.nn.Module):
+    """A gain built at its first forward (a lazy-init pattern), after wrap()."""
+
+    def forward(self, h):
+        if not hasattr(self, "gain"):
+            self.gain = torch.nn.Parameter(torch.ones(h.shape[-1]))
+        return h * self.gain
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_parameter_that_joins_the_model_after_wrap_is_refused_by_name(stage):
+    """A parameter built in the first forward (or a module or adapter added after wrap()) was
+    never stepped, in silence: its gradients piled up in .grad. Refused before the next forward,
+    before anything is computed with it; built before wrap(), it trains."""
+    cfg = make_config(zero={"stage": stage}, batch={"micro_batch_size": 2})
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _LazyScale())
+    loss = {"loss_fn": lambda m, batch: m(batch).square().mean()}
+    engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel), **loss)
+    batch = torch.ones(2, 4)
+    engine.backward(engine(batch))
+    with pytest.raises(ConfigError, match=r"parameter '1.gain' joined the model after wrap\(\) \(built in a "
+                                          r"forward.*once on a sample batch first"):
+        engine(batch)
+    engine.close()
+    engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel), **loss)
+    engine.backward(engine(batch))
+    assert engine.step()
+    assert not torch.equal(engine.full_state_dict()["1.gain"], torch.ones(4)), "built before wrap(), it trains"
     engine.close()
 
 

@@ -36,6 +36,7 @@ from .held_gradients import HeldGradients
 from .host_memory import retain_freed_host_memory
 from .in_place_edits import refuse_in_place_edits
 from .memory_report import MemoryReport, memory_report_of
+from .model_changes import ModelAtWrap
 from .module_load import ModuleLoad
 from .optim import OptimizerArg, SchedulerFactory, client_optimizer, clip_coefficient, scheduled_lr, squared_norm
 from .precision import compute_dtype
@@ -52,7 +53,7 @@ from .zero.construct import check_no_partitioned_init
 from .zero.flat import FrozenShards
 from .zero.plan import GradientPlan
 from .zero.reducer import check_dense_gradients
-from .zero.released import conversion_error, let_go, mark_gathered
+from .zero.released import let_go, mark_gathered
 from .zero.stage3 import ParameterFetcher
 
 
@@ -81,11 +82,8 @@ class TrainingCore:
         if config.zero.retain_host_memory:
             retain_freed_host_memory()
         self.module = module
-        self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
-        """The parameters frozen at wrap(): they have no gradient, master or optimizer state."""
-        self._bound: list[tuple[str, torch.Tensor, torch.dtype, torch.device, int | None]] = []
-        """Each parameter the engine binds, with its dtype, device and (where it stays a view of
-        one flat buffer: stages 0-2) address then; filled once built."""
+        self._at_wrap = ModelAtWrap.of(module)
+        """The parameters as wrap() found them (what _check_model_unchanged compares with)."""
         self.config = config
         self.topology = topology
         self.dtype = compute_dtype(config.precision.dtype)
@@ -131,8 +129,9 @@ class TrainingCore:
         self._warned_unstepped = False
         self.last_grad_norm = float("nan")
         fixed = not self.plan.stage.partitions_parameters  # (stage 3 gathers each unit anew)
-        self._bound = [(n, p, p.dtype, p.device, p.data_ptr() if fixed else None)
-                       for n, p in self.flat.params.items()]
+        self._at_wrap.bound = [(n, p, p.dtype, p.device, p.data_ptr() if fixed else None)
+                               for n, p in self.flat.params.items()]
+        self._at_wrap.known = frozenset(id(p) for p in module.parameters())  # (as built: stage 3's too)
         self.gathered_open = 0
         """gathered_parameters() contexts open (a model.load_state_dict() inside one loads the gathered copies)."""
         self.undo_on_close(ModuleLoad(self).attach(module))
@@ -216,29 +215,9 @@ class TrainingCore:
         self.update.flush()
 
     def _check_model_unchanged(self) -> None:
-        """Before a forward, what the model's owner may change behind the engine's back and
-        would silently stop training: a parameter converted to another dtype or device (it is
-        no longer a view of the flat buffers), or one frozen at wrap() and unfrozen since
-        (progressive unfreezing: nothing holds its state)."""
-        for name, p, dtype, device, address in self._bound:
-            if p.dtype != dtype or p.device != device:
-                raise ConfigError(conversion_error(name, f"converted to {p.dtype} on {p.device} from the engine's "
-                                                         f"{dtype} on {device} (model.half(), model.to(...))"))
-            if address is not None and p.data_ptr() != address:
-                raise ConfigError(conversion_error(name, "given memory of its own (its .data replaced, as by "
-                                                         "resize_token_embeddings, or model.half() then "
-                                                         "model.float())"))
-        thawed = [n for n, p in self._frozen if p.requires_grad]
-        if not thawed:
-            return
-        shown, one = parameters_named(thawed)
-        raise ConfigError(
-            f"{shown} {'was' if one else 'were'} frozen (requires_grad=False) when the "
-            f"model was wrapped and {'requires' if one else 'require'} grad now: the engine keeps no gradient, fp32 "
-            f"master or optimizer state for {'it' if one else 'them'}, so {'it' if one else 'they'} would not "
-            f"train. Set requires_grad before wrap(); to unfreeze during training, keep such parameters trainable "
-            f"from the start in a param group of their own with lr 0 and raise its lr later (wrap(optimizer=) "
-            f"with an instance: set param_groups[i]['lr'] on it), or close() the engine and wrap the model again")
+        """Before a forward: what the model's owner may have changed behind the engine's back and
+        would silently stop training (tiertrain/model_changes.py), refused by name."""
+        self._at_wrap.check(self.module)
 
     def _state_written(self) -> None:
         """Before the training state changes: a background save has serialised it."""
