@@ -132,6 +132,7 @@ class TrainingCore:
         self._at_wrap.bound = [(n, p, p.dtype, p.device, p.data_ptr() if fixed else None)
                                for n, p in self.flat.params.items()]
         self._at_wrap.known = frozenset(id(p) for p in module.parameters())  # (as built: stage 3's too)
+        self.undo_on_close(self._at_wrap.watch())
         self.gathered_open = 0
         """gathered_parameters() contexts open (a model.load_state_dict() inside one loads the gathered copies)."""
         self.undo_on_close(ModuleLoad(self).attach(module))
