@@ -67,10 +67,10 @@ def _kept_tensors(root: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                     yield f"attribute {dot + name + ('' if key is None else f'[{key!r}]')!r}", item
 
 
-def check_no_shared_memory(model: nn.Module | Sequence[nn.Module]) -> None:
-    """ConfigError naming every parameter whose memory another parameter, a buffer or a kept
-    tensor overlaps (see the module docstring)."""
-    roots = [model] if isinstance(model, nn.Module) else list(model)
+def check_no_shared_memory(roots: Sequence[nn.Module]) -> None:
+    """ConfigError naming every parameter of the modules wrap() was given (the model, or a
+    pipeline rank's stages) whose memory another parameter, a buffer or a kept tensor overlaps
+    (see the module docstring)."""
     params = [(n, p) for root in roots for n, p in root.named_parameters()]
     spans = sorted(((span, n) for n, p in params if (span := _span(p)) is not None))
     found = []

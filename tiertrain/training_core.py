@@ -131,7 +131,6 @@ class TrainingCore:
         fixed = not self.plan.stage.partitions_parameters  # (stage 3 gathers each unit anew)
         self._at_wrap.bound = [(n, p, p.dtype, p.device, p.data_ptr() if fixed else None)
                                for n, p in self.flat.params.items()]
-        self._at_wrap.known = frozenset(id(p) for p in module.parameters())  # (as built: stage 3's too)
         self.undo_on_close(self._at_wrap.watch())
         self.gathered_open = 0
         """gathered_parameters() contexts open (a model.load_state_dict() inside one loads the gathered copies)."""

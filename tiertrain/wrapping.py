@@ -178,7 +178,7 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
     _check_materialized(model)
     _check_unquantised(model)
     _check_real(model)
-    check_no_shared_memory(model)
+    check_no_shared_memory(_stages(model))
     _check_context_parallel(model, config, topology)
     if topology.size("pp") == 1 and activation_shape is not None:
         raise ConfigError("activation_shape is for pipeline parallelism; parallel.pp is 1")
