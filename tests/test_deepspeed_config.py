@@ -58,23 +58,129 @@ def test_explicit_values_and_the_keys_deepspeed_defaults_mean(tmp_path):
     assert (bare.schedule.warmup_steps, bare.schedule.decay_steps) == (0, 0)
 
 
-def _deepspeed_gamma(kind: str, step: int, warmup: int, total: int, low: float, high: float) -> float:
-    """DeepSpeed's WarmupLR/WarmupDecayLR rate at its scheduler step (its docs' formulas): a
-    linear ramp step/warmup from warmup_min_lr, then flat or (total - step)/(total - warmup)."""
+def _deepspeed_rate(kind: str, step: int, warmup: int, total: int, low: float, high: float) -> float:
+    """DeepSpeed's WarmupLR/WarmupDecayLR rate at its scheduler step (deepspeed/runtime/
+    lr_schedules.py, 0.19): low + (high - low) · gamma, gamma a linear ramp step/warmup, then 1
+    or (total - step)/(total - warmup) down to 0, so the decay ends at warmup_min_lr."""
     if step < warmup:
-        return low + (high - low) * step / warmup
-    if kind == "WarmupLR":
-        return high
-    return high * max(0.0, (total - step) / (total - warmup))
+        gamma = step / warmup
+    elif kind == "WarmupLR":
+        gamma = 1.0
+    else:
+        gamma = max(0.0, (total - step) / (total - warmup))
+    return low + (high - low) * gamma
+
+
+def _ours_against_theirs(ours: list[float], theirs: list[float], warmup: int) -> list[int]:
+    """The steps where tiertrain's rate is not DeepSpeed's: its ramp one step earlier, then the
+    same step."""
+    return [s for s, rate in enumerate(ours)
+            if not math.isclose(rate, theirs[s + 1 if s < warmup else s], rel_tol=1e-12, abs_tol=1e-15)]
 
 
 def test_warmup_decay_follows_deepspeeds_formula_its_ramp_one_step_earlier():
+    """The decay ends at warmup_min_lr, as DeepSpeed's does (it ended at 0: the last tenth of
+    this run at up to 10x less than DeepSpeed's rate)."""
     cfg = load_train_config(None, ["--steps", "100"], deepspeed=_path("deepspeed_zero3_explicit.json"))
     ours = [cfg.optimizer.lr * lr_factor(s, cfg.schedule) for s in range(100)]
-    theirs = [_deepspeed_gamma("WarmupDecayLR", s, 10, 100, 1e-4, 1e-3) for s in range(101)]
-    assert all(math.isclose(ours[s], theirs[s + 1], rel_tol=1e-12) for s in range(9)), "the ramp, one step earlier"
-    assert all(math.isclose(ours[s], theirs[s], rel_tol=1e-12, abs_tol=1e-15) for s in range(10, 100)), \
-        "the linear decay to 0 at total_num_steps"
+    theirs = [_deepspeed_rate("WarmupDecayLR", s, 10, 100, 1e-4, 1e-3) for s in range(101)]
+    assert not _ours_against_theirs(ours, theirs, 10)
+    assert math.isclose(ours[-1], 1e-4 + 9e-4 / 90, rel_tol=1e-12), ours[-1]
+
+
+# (DeepSpeed key order, the optimizer's lr, the scheduler block): where the rate comes from.
+RATE_CASES = {
+    "warmup_max_lr before the optimizer's lr": (
+        ["scheduler", "optimizer"], 0.5, {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 5,
+                                                                         "warmup_type": "linear"}}),
+    "warmup_max_lr after the optimizer's lr": (
+        ["optimizer", "scheduler"], 0.5, {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 5,
+                                                                         "warmup_type": "linear"}}),
+    "WarmupLR to the optimizer's lr": (
+        ["optimizer", "scheduler"], 0.5, {"type": "WarmupLR", "params": {"warmup_min_lr": 0.05, "warmup_num_steps": 5,
+                                                                         "warmup_type": "linear"}}),
+    "WarmupLR to the run's lr": (
+        ["scheduler"], None, {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_num_steps": 5,
+                                                             "warmup_type": "linear"}}),
+    "WarmupDecayLR at its default peak, to warmup_min_lr": (
+        ["scheduler", "optimizer"], 0.5, {"type": "WarmupDecayLR", "params": {
+            "warmup_min_lr": 1e-4, "warmup_num_steps": 5, "total_num_steps": 20, "warmup_type": "linear"}}),
+}
+RUN_LR = 0.002
+"""The command line's --optimizer.lr where the file has no optimizer block."""
+
+
+def _rate_case(name: str) -> tuple[dict, float]:
+    """(the DeepSpeed config, the rate its optimizer is built with: the file's or the run's)."""
+    order, lr, scheduler = RATE_CASES[name]
+    blocks = {"scheduler": scheduler, "optimizer": {"type": "AdamW", "params": {"lr": lr}}}
+    return {k: blocks[k] for k in order}, (lr if "optimizer" in order else RUN_LR)
+
+
+def _deepspeeds_rates(scheduler: dict, optimizer_lr: float, steps: int) -> list[float]:
+    """DeepSpeed's schedule, transcribed (_deepspeed_rate) or, with the package (CI's last
+    step), its own scheduler class over an optimizer at the file's rate, as its engine builds it."""
+    params = scheduler["params"]
+    warmup, total = params["warmup_num_steps"], params.get("total_num_steps", 0)
+    if not os.environ.get("TIERTRAIN_TEST_DEEPSPEED"):
+        default = 0.001 if scheduler["type"] == "WarmupDecayLR" else optimizer_lr
+        return [_deepspeed_rate(scheduler["type"], s, warmup, total, params.get("warmup_min_lr", 0.0),
+                                params.get("warmup_max_lr", default)) for s in range(steps + 1)]
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=optimizer_lr)
+    theirs = getattr(lr_schedules, scheduler["type"])(optimizer, **params)
+    rates = []
+    for _ in range(steps + 1):
+        theirs.step()  # (to iteration 0, 1, ...: the rate of each iteration as _deepspeed_rate counts them)
+        rates.append(optimizer.param_groups[0]["lr"])
+    return rates
+
+
+@pytest.mark.parametrize("name", list(RATE_CASES))
+def test_the_rate_is_deepspeeds_whatever_the_order_of_the_keys(name):
+    """DeepSpeed's WarmupLR and WarmupDecayLR set every group's rate from warmup_max_lr before
+    the first step, the optimizer's lr then unused; WarmupLR without one warms up to the
+    optimizer's lr, WarmupDecayLR to its default 0.001, and WarmupDecayLR decays back to
+    warmup_min_lr. The peak used to be whichever of the two lr keys came last in the file, 0.001
+    for a WarmupLR without warmup_max_lr, and the start ratio taken to that 0.001."""
+    ds, optimizer_lr = _rate_case(name)
+    run_lr = [] if "optimizer" in ds else ["--optimizer.lr", str(RUN_LR)]  # (an override wins over the file)
+    cfg = load_train_config(None, [*run_lr, "--steps", "20"], deepspeed=ds)
+    ours = [cfg.optimizer.lr * lr_factor(s, cfg.schedule) for s in range(20)]
+    theirs = _deepspeeds_rates(ds["scheduler"], optimizer_lr, 20)
+    warmup = ds["scheduler"]["params"]["warmup_num_steps"]
+    assert not _ours_against_theirs(ours, theirs, warmup), (ours, theirs)
+    fates = dict(from_deepspeed(ds).fates)
+    if "warmup_max_lr" in json.dumps(ds) or "Decay" in name:
+        assert fates["optimizer.params.lr"].startswith("no effect: 0.5: DeepSpeed's scheduler sets the rate"), fates
+
+
+def test_under_the_trainer_the_schedulers_peak_must_be_learning_rate():
+    """transformers refuses a warmup_max_lr or an optimizer lr other than learning_rate; a
+    WarmupDecayLR without warmup_max_lr runs at DeepSpeed's 0.001 whatever learning_rate says.
+    A warmup_min_lr is then a ratio of learning_rate."""
+    transformers = pytest.importorskip("transformers")
+    from tiertrain.integrations.hf_arguments import config_from_training_arguments, deepspeed_schedule
+
+    args = transformers.TrainingArguments(output_dir="unused", learning_rate=2e-3, report_to="none")
+    for name, message in [("warmup_max_lr before the optimizer's lr", r"scheduler.params.warmup_max_lr=0.01 disagrees "
+                                                                      r"with TrainingArguments\(learning_rate\)=0.002"),
+                          ("WarmupDecayLR at its default peak, to warmup_min_lr",
+                           r"warmup_max_lr \(absent: WarmupDecayLR's default\)=0.001 disagrees with .*ignore "
+                           r"learning_rate")]:
+        ds, _ = _rate_case(name)
+        ds["optimizer"]["params"]["lr"] = "auto"
+        with pytest.raises(ConfigError, match=message):
+            config_from_training_arguments(args, deepspeed=ds)
+    ds = {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto", "warmup_min_lr": 1e-3}},
+          "optimizer": {"type": "AdamW", "params": {"lr": 0.5}}}
+    with pytest.raises(ConfigError, match=r"optimizer.params.lr=0.5 disagrees with TrainingArguments\(learning_rate"):
+        config_from_training_arguments(args, deepspeed=ds)
+    ds["optimizer"]["params"]["lr"] = 2e-3
+    assert config_from_training_arguments(args, deepspeed=ds).optimizer.lr == 2e-3
+    assert deepspeed_schedule(ds, args, 10).warmup_start_ratio == pytest.approx(0.5, rel=1e-12)
 
 
 @pytest.mark.parametrize("name", ["like_axolotl_z3.json", "like_llamafactory_z3_offload.json", "like_dschat_step1.json",

@@ -112,7 +112,8 @@ def _train_recording_buckets(stage: int, retain: bool, accum: int):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage,accum", [(2, 1), (3, 2)])
+# (stage 3 with accumulation takes ~18 s: run with the slow tests)
+@pytest.mark.parametrize("stage,accum", [(2, 1), pytest.param(3, 2, marks=pytest.mark.slow)])
 def test_backward_reuses_the_gradient_buckets_it_freed_on_a_cpu_device(stage, accum, one_torch_thread):
     """With zero.retain_host_memory the reducer keeps the buckets above 32 MiB that backward
     freed (as many as it used at once) and the next backward fills those, not new blocks that

@@ -56,7 +56,8 @@ def from_deepspeed(source: str | os.PathLike | dict, dtype: str = "fp32") -> Tra
     that cannot be honoured, or whose value is not one DeepSpeed accepts either. dtype: the
     compute dtype where the config says "auto" (it sizes the parameter buffers it converts)."""
     t = Translation()
-    ds = _former_names(read_deepspeed(source), t)
+    ds = t.source = _former_names(read_deepspeed(source), t)
+    t.peak = _scheduler_peak(ds.get("scheduler"))
     precision = _precision(ds) or dtype
     itemsize = 4 if precision == "fp32" else 2
     for key, value in ds.items():
@@ -205,7 +206,12 @@ def _optimizer(t: Translation, key: str, value: Any) -> None:
     t.no_effect(f"{key}.type", f"{value.get('type')!r}: AdamW (torch's fused CPU or device kernel)")
     for sub, v in params.items():
         name = f"{key}.params.{sub}"
-        if sub == "lr":
+        if sub == "lr" and t.peak is not None:
+            if not is_auto(v):
+                checked_number(name, v, minimum=0)
+            t.no_effect(name, f"{v!r}: DeepSpeed's scheduler sets the rate from {t.peak[0]} "
+                              f"({t.peak[1]!r}) before the first step")
+        elif sub == "lr":
             mapped("optimizer.lr", minimum=0)(t, name, v)
         elif sub == "eps":
             mapped("optimizer.eps", minimum=0)(t, name, v)
@@ -252,12 +258,7 @@ def _scheduler(t: Translation, key: str, value: Any) -> None:
                                                           params.get("warmup_min_ratio", 0.0))
         mapped("schedule.min_lr_ratio", minimum=0)(t, f"{key}.params.cos_min_ratio", params.get("cos_min_ratio", 0.0001))
     else:
-        peak, low = params.get("warmup_max_lr", 0.001), params.get("warmup_min_lr", 0.0)
-        mapped("optimizer.lr", minimum=0)(t, f"{key}.params.warmup_max_lr", peak)
-        if not (is_auto(low) or is_auto(peak)) and checked_number(f"{key}.params.warmup_max_lr", peak) > 0:
-            t.set(f"{key}.params.warmup_min_lr", "schedule.warmup_start_ratio", checked_number("warmup_min_lr", low) / peak)
-        else:
-            t.fates.append((f"{key}.params.warmup_min_lr", "auto: tiertrain's schedule.warmup_start_ratio"))
+        _warmup_rates(t, key, kind, params)
     if kind == "WarmupLR":
         t.set(f"{key}.type", "schedule.decay_steps", 0, "constant after warmup")
         return
@@ -271,8 +272,70 @@ def _scheduler(t: Translation, key: str, value: Any) -> None:
         t.set(f"{key}.params.total_num_steps", "schedule.decay_steps",
               max(0, checked_number("total_num_steps", total, integer=True) - int(warmup)), "total_num_steps - warmup")
     t.set(f"{key}.type", "schedule.decay_shape", "linear" if kind == "WarmupDecayLR" else "cosine")
-    if kind == "WarmupDecayLR":
-        t.set(f"{key}.type", "schedule.min_lr_ratio", 0.0, "WarmupDecayLR decays to 0")
+
+
+DECAY_LR_PEAK = 0.001
+"""DeepSpeed's WarmupDecayLR warmup_max_lr when the file leaves it out (its WarmupLR takes the
+optimizer's lr instead: deepspeed/runtime/lr_schedules.py, 0.19)."""
+
+
+def optimizer_lr(ds: dict) -> Any:
+    """The optimizer block's params.lr as the file gives it; None where it gives none (or
+    the block is malformed, which its own handler refuses)."""
+    block = ds.get("optimizer")
+    params = block.get("params") if isinstance(block, dict) else None
+    return params.get("lr") if isinstance(params, dict) else None
+
+
+def _scheduler_peak(scheduler: Any) -> tuple[str, float] | None:
+    """(key, rate) where the scheduler block sets the peak rate itself, overwriting the
+    optimizer's lr in every param group before the first step: WarmupLR's warmup_max_lr when
+    given, WarmupDecayLR's always (its default 0.001); None where the optimizer's lr is the
+    peak (WarmupLR without warmup_max_lr, WarmupCosineLR's ratios, no scheduler) or the value
+    is "auto" (the run's rate)."""
+    if not isinstance(scheduler, dict) or not isinstance(scheduler.get("params", {}), dict):
+        return None
+    kind, params = scheduler.get("type"), scheduler.get("params", {})
+    key = "scheduler.params.warmup_max_lr"
+    if kind == "WarmupDecayLR" and "warmup_max_lr" not in params:
+        return f"{key} (absent: WarmupDecayLR's default)", DECAY_LR_PEAK
+    value = params.get("warmup_max_lr") if kind in ("WarmupLR", "WarmupDecayLR") else None
+    if value is None or is_auto(value):
+        return None
+    return key, checked_number(key, value, minimum=0)
+
+
+def _warmup_rates(t: Translation, key: str, kind: str, params: dict) -> None:
+    """WarmupLR / WarmupDecayLR: the rate goes from warmup_min_lr to the peak (warmup_max_lr,
+    or the optimizer's lr where WarmupLR has none) and WarmupDecayLR back down to
+    warmup_min_lr at total_num_steps; tiertrain's schedule scales optimizer.lr, so the peak is
+    optimizer.lr and warmup_min_lr a ratio of it."""
+    low = params.get("warmup_min_lr", 0.0)
+    if t.peak is not None:
+        peak_key, peak = t.peak
+        t.set(peak_key, "optimizer.lr", peak, f"DeepSpeed's {kind} sets every group's rate from it")
+    else:
+        peak = optimizer_lr(t.source) if kind == "WarmupLR" else None
+        peak = None if peak is None or is_auto(peak) else checked_number("optimizer.params.lr", peak, minimum=0)
+        if "warmup_max_lr" in params:
+            t.fates.append((f"{key}.params.warmup_max_lr", "auto: tiertrain's optimizer.lr"))
+        else:
+            t.fates.append((f"{key}.params.warmup_max_lr (absent)", "the optimizer's lr is the peak (DeepSpeed's "
+                                                                     "WarmupLR warms up to it)"))
+    fields = ["warmup_start_ratio", *(["min_lr_ratio"] if kind == "WarmupDecayLR" else [])]
+    what = " and ".join(f"schedule.{f}" for f in fields)
+    if is_auto(low):
+        t.fates.append((f"{key}.params.warmup_min_lr", f"auto: tiertrain's {what}"))
+        return
+    low = checked_number(f"{key}.params.warmup_min_lr", low, minimum=0)
+    if peak is None:  # (the run's rate: known to Translation.finish, or to the Trainer's arguments)
+        t.relative_to_lr.update(dict.fromkeys(fields, low))
+        t.fates.append((f"{key}.params.warmup_min_lr", f"→ {what} = {low!r} / optimizer.lr"))
+        return
+    if peak <= 0:
+        raise ConfigError(f"DeepSpeed {key}.params.warmup_max_lr={peak!r} is invalid: expected a rate > 0")
+    for f in fields:
+        t.set(f"{key}.params.warmup_min_lr", f"schedule.{f}", low / peak)
 
 
 def _monitor(path: str, project: bool):

@@ -27,12 +27,32 @@ class Translation:
     """(tiertrain field, value, the DeepSpeed key it came from), in order."""
     decay_over_run: bool = False
     """total_num_steps "auto": the decay spans the run's steps after warmup (:meth:`finish`)."""
+    source: dict = field(default_factory=dict)
+    """The whole DeepSpeed config, for a section whose meaning depends on another (the
+    scheduler's rate replaces the optimizer's)."""
+    peak: tuple[str, float] | None = None
+    """(DeepSpeed key, rate) where the scheduler sets the peak rate itself (WarmupLR's and
+    WarmupDecayLR's warmup_max_lr): the optimizer's own lr then has no effect."""
+    relative_to_lr: dict[str, float] = field(default_factory=dict)
+    """schedule fields that are a rate of the file (warmup_min_lr) divided by a peak the file
+    leaves to the run (WarmupLR warms up to the optimizer's lr: tiertrain's optimizer.lr, or
+    TrainingArguments' learning_rate): set by :meth:`finish` once the rate is known."""
 
     def finish(self, cfg) -> None:
-        """What needs the whole config (a TrainConfig): the decay of an "auto" total_num_steps."""
+        """What needs the whole config (a TrainConfig): the decay of an "auto" total_num_steps,
+        the ratios to a peak rate the file leaves to the run."""
         if self.decay_over_run:
             cfg.schedule.decay_steps = max(0, cfg.steps - cfg.schedule.warmup_steps)
-            cfg.validate()
+        self.set_relative_to(cfg.optimizer.lr, cfg.schedule)
+        cfg.validate()
+
+    def set_relative_to(self, lr: float, schedule) -> None:
+        """schedule's fields of :attr:`relative_to_lr`, for a peak rate ``lr``."""
+        for name, rate in self.relative_to_lr.items():
+            if lr <= 0:
+                raise ConfigError(f"DeepSpeed scheduler.params.warmup_min_lr={rate!r} needs a peak rate > 0 to "
+                                  f"start from, and the optimizer's lr is {lr!r}")
+            setattr(schedule, name, rate / lr)
 
     def lines(self) -> list[str]:
         return [f"{key}: {fate}" for key, fate in self.fates]

@@ -11,6 +11,7 @@ import functools
 from typing import Any
 
 from ..config import Config, ConfigError
+from ..deepspeed_fates import is_auto
 
 __all__ = ["SUPPORTED_OPTIMS", "TRAINER_OPTIMS", "check_training_arguments", "client_optimizers",
            "config_from_training_arguments", "deepspeed_schedule", "trainer_optimizer"]
@@ -204,7 +205,9 @@ def _apply_deepspeed(config: Config, defaults: Config, deepspeed, decided: dict,
     rest (zero, loss scaling, monitors) set, unless tiertrain_config set them otherwise."""
     from ..deepspeed_config import from_deepspeed
 
-    for path, value, key in from_deepspeed(deepspeed, dtype=dtype).assignments:
+    translation = from_deepspeed(deepspeed, dtype=dtype)
+    _check_peak_rate(translation, *decided["optimizer.lr"])
+    for path, value, key in translation.assignments:
         if path.startswith("schedule.") or key.startswith("scheduler") or path == "optimizer.weight_decay_on":
             continue  # (the schedule: deepspeed_schedule; the decay split: the Trainer's, as it hands it over)
         if path in decided and not key.endswith("(absent)"):
@@ -218,6 +221,25 @@ def _apply_deepspeed(config: Config, defaults: Config, deepspeed, decided: dict,
             raise ConfigError(f"tiertrain_config {path}={given!r} disagrees with DeepSpeed {key}={value!r}: "
                               f"set one of them")
         _set_field(config, path, value)
+
+
+def _check_peak_rate(translation, lr: float, argument: str) -> None:
+    """Where the DeepSpeed scheduler sets the peak rate itself (warmup_max_lr), it and the
+    optimizer's lr must be the TrainingArguments' rate: transformers refuses a mismatch of
+    either (fill_match); WarmupDecayLR without warmup_max_lr would run at DeepSpeed's 0.001
+    whatever learning_rate says."""
+    if translation.peak is None:
+        return
+    from ..deepspeed_config import optimizer_lr
+
+    given = optimizer_lr(translation.source)
+    for key, value in (translation.peak, ("optimizer.params.lr", given)):
+        if value is None or is_auto(value) or _same(float(value), lr):
+            continue
+        why = ("DeepSpeed would run at that rate and ignore learning_rate: set warmup_max_lr to \"auto\""
+               if "absent" in key else "set it to \"auto\" or to the same value (transformers refuses the same "
+               "mismatch)")
+        raise ConfigError(f"DeepSpeed {key}={value!r} disagrees with TrainingArguments({argument})={lr!r}: {why}")
 
 
 def deepspeed_schedule(deepspeed, args, max_steps: int):
@@ -237,6 +259,7 @@ def deepspeed_schedule(deepspeed, args, max_steps: int):
             setattr(schedule, path.removeprefix("schedule."), value)
     if translation.decay_over_run:
         schedule.decay_steps = max(0, max_steps - schedule.warmup_steps)
+    translation.set_relative_to(float(args.learning_rate), schedule)  # (the peak is learning_rate: _check_peak_rate)
     schedule.validate()
     return schedule
 
