@@ -58,34 +58,65 @@ def test_explicit_values_and_the_keys_deepspeed_defaults_mean(tmp_path):
     assert (bare.schedule.warmup_steps, bare.schedule.decay_steps) == (0, 0)
 
 
-def _deepspeed_rate(kind: str, step: int, warmup: int, total: int, low: float, high: float) -> float:
-    """DeepSpeed's WarmupLR/WarmupDecayLR rate at its scheduler step (deepspeed/runtime/
-    lr_schedules.py, 0.19): low + (high - low) · gamma, gamma a linear ramp step/warmup, then 1
-    or (total - step)/(total - warmup) down to 0, so the decay ends at warmup_min_lr."""
-    if step < warmup:
-        gamma = step / warmup
-    elif kind == "WarmupLR":
-        gamma = 1.0
+def _deepspeeds_update_rates(scheduler: dict, optimizer_lr: float, updates: int) -> list[float]:
+    """The rate of each of DeepSpeed's updates: its engine steps the scheduler after each update,
+    so update n runs at the scheduler's iteration n - 1, the first at the rate its constructor
+    set. Its own scheduler class over an optimizer at the file's rate, as its engine builds them,
+    where the package is installed (CI's last step), else its formulas (deepspeed/runtime/
+    lr_schedules.py, 0.19) transcribed: min + (max - min) · gamma for WarmupLR / WarmupDecayLR,
+    a ratio of the optimizer's rate for WarmupCosineLR."""
+    kind, params = scheduler["type"], scheduler["params"]
+    if os.environ.get("TIERTRAIN_TEST_DEEPSPEED"):
+        import torch
+        from deepspeed.runtime import lr_schedules
+
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=optimizer_lr)
+        theirs = getattr(lr_schedules, kind)(optimizer, **params)
+        rates = []
+        for _ in range(updates):
+            rates.append(optimizer.param_groups[0]["lr"])
+            theirs.step()
+        return rates
+    warmup, total = max(2, params.get("warmup_num_steps", 1000)), params.get("total_num_steps", 0)
+    log = params.get("warmup_type", "log") == "log"
+    if kind == "WarmupCosineLR":
+        low, high = params.get("warmup_min_ratio", 0.0) * optimizer_lr, optimizer_lr
     else:
-        gamma = max(0.0, (total - step) / (total - warmup))
-    return low + (high - low) * gamma
+        low = params.get("warmup_min_lr", 0.0)
+        high = params.get("warmup_max_lr", 0.001 if kind == "WarmupDecayLR" else optimizer_lr)
+    rates = []
+    for iteration in range(-1, updates - 1):
+        if iteration < 0:
+            rates.append(0.0 if kind == "WarmupCosineLR" else low)
+        elif iteration < warmup:
+            gamma = math.log(iteration + 1) / math.log(warmup) if log else iteration / warmup
+            rates.append(low + (high - low) * gamma)
+        elif kind == "WarmupLR":
+            rates.append(high)
+        elif kind == "WarmupDecayLR":
+            rates.append(low + (high - low) * max(0.0, (total - iteration) / max(1, total - warmup)))
+        else:
+            floor = params.get("cos_min_ratio", 0.0001)
+            progress = min(1.0, (iteration - warmup + 1) / max(1, total - warmup))
+            rates.append(optimizer_lr * max(0.0, floor + (1 - floor) * (1 + math.cos(math.pi * progress)) / 2))
+    return rates
 
 
-def _ours_against_theirs(ours: list[float], theirs: list[float], warmup: int) -> list[int]:
-    """The steps where tiertrain's rate is not DeepSpeed's: its ramp one step earlier, then the
-    same step."""
-    return [s for s, rate in enumerate(ours)
-            if not math.isclose(rate, theirs[s + 1 if s < warmup else s], rel_tol=1e-12, abs_tol=1e-15)]
+def _differ(ours: list[float], theirs: list[float]) -> list[int]:
+    return [n for n, (a, b) in enumerate(zip(ours, theirs, strict=True))
+            if not math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15)]
 
 
-def test_warmup_decay_follows_deepspeeds_formula_its_ramp_one_step_earlier():
-    """The decay ends at warmup_min_lr, as DeepSpeed's does (it ended at 0: the last tenth of
-    this run at up to 10x less than DeepSpeed's rate)."""
+def test_warmup_decay_gives_deepspeeds_rate_at_every_update():
+    """The explicit config's WarmupDecayLR (linear, 1e-4 to 1e-3 over 10 updates, back down by
+    100): its decay ends at warmup_min_lr, as DeepSpeed's does (it ended at 0: the last tenth of
+    the run at up to 10x below DeepSpeed's rate), and every update runs at DeepSpeed's rate (the
+    warmup ran two updates ahead, the decay one)."""
     cfg = load_train_config(None, ["--steps", "100"], deepspeed=_path("deepspeed_zero3_explicit.json"))
-    ours = [cfg.optimizer.lr * lr_factor(s, cfg.schedule) for s in range(100)]
-    theirs = [_deepspeed_rate("WarmupDecayLR", s, 10, 100, 1e-4, 1e-3) for s in range(101)]
-    assert not _ours_against_theirs(ours, theirs, 10)
-    assert math.isclose(ours[-1], 1e-4 + 9e-4 / 90, rel_tol=1e-12), ours[-1]
+    ds = json.load(open(_path("deepspeed_zero3_explicit.json")))
+    ours = [cfg.optimizer.lr * lr_factor(n, cfg.schedule) for n in range(100)]
+    assert not _differ(ours, _deepspeeds_update_rates(ds["scheduler"], ds["optimizer"]["params"]["lr"], 100))
+    assert math.isclose(ours[-1], 1e-4 + 9e-4 * 2 / 90, rel_tol=1e-12), ours[-1]
 
 
 # (DeepSpeed key order, the optimizer's lr, the scheduler block): where the rate comes from.
@@ -96,15 +127,20 @@ RATE_CASES = {
     "warmup_max_lr after the optimizer's lr": (
         ["optimizer", "scheduler"], 0.5, {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 5,
                                                                          "warmup_type": "linear"}}),
-    "WarmupLR to the optimizer's lr": (
-        ["optimizer", "scheduler"], 0.5, {"type": "WarmupLR", "params": {"warmup_min_lr": 0.05, "warmup_num_steps": 5,
-                                                                         "warmup_type": "linear"}}),
+    "WarmupLR to the optimizer's lr, log": (
+        ["optimizer", "scheduler"], 0.5, {"type": "WarmupLR", "params": {"warmup_min_lr": 0.05, "warmup_num_steps": 5}}),
     "WarmupLR to the run's lr": (
         ["scheduler"], None, {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_num_steps": 5,
                                                              "warmup_type": "linear"}}),
     "WarmupDecayLR at its default peak, to warmup_min_lr": (
         ["scheduler", "optimizer"], 0.5, {"type": "WarmupDecayLR", "params": {
             "warmup_min_lr": 1e-4, "warmup_num_steps": 5, "total_num_steps": 20, "warmup_type": "linear"}}),
+    "WarmupCosineLR, log": (
+        ["optimizer", "scheduler"], 0.01, {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": 20, "warmup_num_steps": 5, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.2}}),
+    "WarmupCosineLR ending before the run, one warmup step": (
+        ["optimizer", "scheduler"], 0.01, {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": 12, "warmup_num_steps": 1, "warmup_type": "linear"}}),
 }
 RUN_LR = 0.002
 """The command line's --optimizer.lr where the file has no optimizer block."""
@@ -117,41 +153,23 @@ def _rate_case(name: str) -> tuple[dict, float]:
     return {k: blocks[k] for k in order}, (lr if "optimizer" in order else RUN_LR)
 
 
-def _deepspeeds_rates(scheduler: dict, optimizer_lr: float, steps: int) -> list[float]:
-    """DeepSpeed's schedule, transcribed (_deepspeed_rate) or, with the package (CI's last
-    step), its own scheduler class over an optimizer at the file's rate, as its engine builds it."""
-    params = scheduler["params"]
-    warmup, total = params["warmup_num_steps"], params.get("total_num_steps", 0)
-    if not os.environ.get("TIERTRAIN_TEST_DEEPSPEED"):
-        default = 0.001 if scheduler["type"] == "WarmupDecayLR" else optimizer_lr
-        return [_deepspeed_rate(scheduler["type"], s, warmup, total, params.get("warmup_min_lr", 0.0),
-                                params.get("warmup_max_lr", default)) for s in range(steps + 1)]
-    import torch
-    from deepspeed.runtime import lr_schedules
-
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=optimizer_lr)
-    theirs = getattr(lr_schedules, scheduler["type"])(optimizer, **params)
-    rates = []
-    for _ in range(steps + 1):
-        theirs.step()  # (to iteration 0, 1, ...: the rate of each iteration as _deepspeed_rate counts them)
-        rates.append(optimizer.param_groups[0]["lr"])
-    return rates
-
-
 @pytest.mark.parametrize("name", list(RATE_CASES))
-def test_the_rate_is_deepspeeds_whatever_the_order_of_the_keys(name):
+def test_the_rate_is_deepspeeds_at_every_update_whatever_the_order_of_the_keys(name):
     """DeepSpeed's WarmupLR and WarmupDecayLR set every group's rate from warmup_max_lr before
     the first step, the optimizer's lr then unused; WarmupLR without one warms up to the
     optimizer's lr, WarmupDecayLR to its default 0.001, and WarmupDecayLR decays back to
     warmup_min_lr. The peak used to be whichever of the two lr keys came last in the file, 0.001
-    for a WarmupLR without warmup_max_lr, and the start ratio taken to that 0.001."""
+    for a WarmupLR without warmup_max_lr, and the start ratio taken to that 0.001. Each update
+    runs at DeepSpeed's rate: its scheduler steps after the update (the first update at the
+    start rate, 0 for WarmupCosineLR) and its log warmup is log(i + 1) / log(warmup); the
+    translation ran the warmup two updates ahead on another log curve (up to ~10% off), the
+    decay one update ahead."""
     ds, optimizer_lr = _rate_case(name)
     run_lr = [] if "optimizer" in ds else ["--optimizer.lr", str(RUN_LR)]  # (an override wins over the file)
     cfg = load_train_config(None, [*run_lr, "--steps", "20"], deepspeed=ds)
-    ours = [cfg.optimizer.lr * lr_factor(s, cfg.schedule) for s in range(20)]
-    theirs = _deepspeeds_rates(ds["scheduler"], optimizer_lr, 20)
-    warmup = ds["scheduler"]["params"]["warmup_num_steps"]
-    assert not _ours_against_theirs(ours, theirs, warmup), (ours, theirs)
+    ours = [cfg.optimizer.lr * lr_factor(n, cfg.schedule) for n in range(20)]
+    theirs = _deepspeeds_update_rates(ds["scheduler"], optimizer_lr, 20)
+    assert not _differ(ours, theirs), (ours, theirs)
     fates = dict(from_deepspeed(ds).fates)
     if "warmup_max_lr" in json.dumps(ds) or "Decay" in name:
         assert fates["optimizer.params.lr"].startswith("no effect: 0.5: DeepSpeed's scheduler sets the rate"), fates
@@ -459,3 +477,20 @@ def test_the_documentation_table_names_every_key_the_translation_knows():
 def test_a_muon_config_is_refused_with_the_code_that_runs_it():
     with pytest.raises(ConfigError, match=r"optimizer.type.*'Muon': pass Muon in code.*optimizer=\[torch.optim.Muon"):
         from_deepspeed({"optimizer": {"type": "Muon", "params": {"lr": 0.02}}})
+
+
+def test_a_scheduler_parameter_deepspeeds_class_does_not_take_is_refused_by_name():
+    """DeepSpeed passes the params to its scheduler class as keyword arguments, so a misspelt
+    one is a TypeError there; it was accepted here in silence (a warmup_nums_steps left the
+    warmup at DeepSpeed's default 1000 steps). A schedule begun part way (last_batch_iteration)
+    is a resumed run's, and a warmup of no steps DeepSpeed refuses too."""
+    for params, message in [({"warmup_nums_steps": 10}, r"scheduler.params.warmup_nums_steps: not a parameter of "
+                                                        r"DeepSpeed's WarmupLR; valid: warmup_min_lr, warmup_max_lr, "
+                                                        r"warmup_num_steps"),
+                            ({"last_batch_iteration": 5}, r"last_batch_iteration: 5: a schedule that starts part way"),
+                            ({"warmup_num_steps": 0}, r"warmup_num_steps=0 is invalid: expected an integer >= 1")]:
+        with pytest.raises(ConfigError, match=message):
+            from_deepspeed({"scheduler": {"type": "WarmupLR", "params": params}})
+    with pytest.raises(ConfigError, match=r"warmup_max_lr: not a parameter of DeepSpeed's WarmupCosineLR"):
+        from_deepspeed({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 9, "warmup_max_lr": 1}}})
+    assert from_deepspeed({"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": -1}}}).values

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 
 import pytest
@@ -467,7 +468,9 @@ def test_a_deepspeed_config_sets_zero_and_the_schedule_its_auto_values_the_train
     assert (config.optimizer.lr, config.optimizer.grad_clip) == (1e-3, 0.5)  # ("auto": the arguments')
     schedule = deepspeed_schedule(path, args, 20)
     assert (schedule.warmup_steps, schedule.warmup_shape, schedule.decay_steps) == (4, "log", 0)
-    assert [lr_factor(s, schedule) for s in (3, 10)] == [1.0, 1.0] and 0 < lr_factor(0, schedule) < 1
+    # DeepSpeed's rates: its scheduler steps after each update, so the first two run at warmup_min_lr (0)
+    assert [lr_factor(s, schedule) for s in range(6)] == [0.0, 0.0, math.log(2) / math.log(4),
+                                                          math.log(3) / math.log(4), 1.0, 1.0]
     # Trained: the rates applied are the DeepSpeed schedule's (the arguments ask for a linear warmup).
     args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", learning_rate=1e-3,
                                           warmup_steps=4, max_steps=3, per_device_train_batch_size=2,
@@ -623,7 +626,7 @@ def test_training_arguments_deepspeed_trains_like_the_cli_translation_of_the_sam
     oracle.check(trainer_losses, trainer_params, f"TrainingArguments(deepspeed={name})")
     oracle.check(losses, params, f"tiertrain.wrap with `tiertrain train --deepspeed {name}`'s config")
     assert rates == [LR * lr_factor(s, config.schedule) for s in range(STEPS)], rates
-    assert lr_factor(0, config.schedule) < lr_factor(1, config.schedule)  # (a warmup, as each file says)
+    assert lr_factor(0, config.schedule) < lr_factor(STEPS - 1, config.schedule)  # (a warmup, as each file says)
 
 
 @pytest.mark.timeout(120)

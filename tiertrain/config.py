@@ -168,6 +168,8 @@ class ScheduleConfig:
     """Rate the warmup starts from, as a fraction of the peak (DeepSpeed's warmup_min_lr / warmup_max_lr)."""
     decay_shape: Literal["cosine", "linear"] = "cosine"
     """Decay after warmup: a half cosine, or linear (DeepSpeed's WarmupDecayLR) to min_lr_ratio."""
+    deepspeed_scheduler: Literal["none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] = "none"
+    """The DeepSpeed scheduler whose rates the schedule reproduces update for update (what a DeepSpeed config translates to: its scheduler steps after each update, its log warmup is log(i+1)/log(warmup_steps)); none: tiertrain's curve, whose warmup takes its first increment at the first update."""
 
     def validate(self, path: str = "schedule") -> None:
         _check_positive(f"{path}.warmup_steps", self.warmup_steps, allow_zero=True)
@@ -180,6 +182,9 @@ class ScheduleConfig:
             _fail(f"{path}.warmup_shape", self.warmup_shape, "'linear' or 'log'")
         if self.decay_shape not in ("cosine", "linear"):
             _fail(f"{path}.decay_shape", self.decay_shape, "'cosine' or 'linear'")
+        if self.deepspeed_scheduler not in ("none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+            _fail(f"{path}.deepspeed_scheduler", self.deepspeed_scheduler,
+                  "'none', 'WarmupLR', 'WarmupDecayLR' or 'WarmupCosineLR'")
 
 
 @dataclass

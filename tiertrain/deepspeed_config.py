@@ -245,10 +245,16 @@ def _scheduler(t: Translation, key: str, value: Any) -> None:
         t.refuse(f"{key}.type", f"{kind!r}: tiertrain maps WarmupLR, WarmupDecayLR and WarmupCosineLR; another "
                                 f"schedule is passed in code (lr_scheduler=)")
         return
-    t.no_effect(f"{key}.type", f"{kind}: tiertrain's schedule (its warmup takes the first increment at the first step; "
-                               f"DeepSpeed's first step runs at the start rate: the same ramp, one step earlier)")
+    t.set(f"{key}.type", "schedule.deepspeed_scheduler", kind, "DeepSpeed's rates, update for update")
+    known = _SCHEDULER_PARAMS[kind]
+    for name in params:
+        if name not in known:  # (DeepSpeed passes them to the class as keyword arguments: a TypeError there)
+            t.refuse(f"{key}.params.{name}", f"not a parameter of DeepSpeed's {kind}; valid: {', '.join(known)}")
+    if "last_batch_iteration" in params:
+        refuse_unless(-1, "a schedule that starts part way is a resumed run's: resume from its checkpoint")(
+            t, f"{key}.params.last_batch_iteration", params["last_batch_iteration"])
     warmup = params.get("warmup_num_steps", 1000)
-    mapped("schedule.warmup_steps", integer=True)(t, f"{key}.params.warmup_num_steps", warmup)
+    mapped("schedule.warmup_steps", integer=True, minimum=1)(t, f"{key}.params.warmup_num_steps", warmup)
     shape = params.get("warmup_type", "log")
     if shape not in ("log", "linear"):
         raise ConfigError(f"DeepSpeed {key}.params.warmup_type={shape!r} is invalid: expected 'log' or 'linear'")
@@ -274,6 +280,13 @@ def _scheduler(t: Translation, key: str, value: Any) -> None:
     t.set(f"{key}.type", "schedule.decay_shape", "linear" if kind == "WarmupDecayLR" else "cosine")
 
 
+_WARMUP = ("warmup_num_steps", "warmup_type", "last_batch_iteration")
+_SCHEDULER_PARAMS = {
+    "WarmupLR": ("warmup_min_lr", "warmup_max_lr", *_WARMUP),
+    "WarmupDecayLR": ("total_num_steps", "warmup_min_lr", "warmup_max_lr", *_WARMUP),
+    "WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "cos_min_ratio", *_WARMUP),
+}
+"""The keyword arguments of DeepSpeed's scheduler classes (deepspeed/runtime/lr_schedules.py, 0.19)."""
 DECAY_LR_PEAK = 0.001
 """DeepSpeed's WarmupDecayLR warmup_max_lr when the file leaves it out (its WarmupLR takes the
 optimizer's lr instead: deepspeed/runtime/lr_schedules.py, 0.19)."""

@@ -108,7 +108,10 @@ def build_adamw(groups: list[dict], config: OptimizerConfig) -> torch.optim.Adam
 
 def lr_factor(step: int, schedule: ScheduleConfig) -> float:
     """Multiplier of the peak rate at optimizer step `step` (0-based): warmup (linear or log,
-    from warmup_start_ratio; its first increment taken at step 0), then a cosine or linear decay."""
+    from warmup_start_ratio; its first increment taken at step 0), then a cosine or linear decay;
+    or the rate of schedule.deepspeed_scheduler (deepspeed_factor)."""
+    if schedule.deepspeed_scheduler != "none":
+        return deepspeed_factor(step, schedule)
     if schedule.warmup_steps and step < schedule.warmup_steps:
         if schedule.warmup_shape == "log":
             ramp = math.log(step + 2) / math.log(schedule.warmup_steps + 1)
@@ -123,6 +126,31 @@ def lr_factor(step: int, schedule: ScheduleConfig) -> float:
     if schedule.decay_shape == "linear":
         return floor + (1.0 - floor) * (1.0 - progress)
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def deepspeed_factor(step: int, schedule: ScheduleConfig) -> float:
+    """DeepSpeed's WarmupLR, WarmupDecayLR or WarmupCosineLR (deepspeed/runtime/lr_schedules.py,
+    0.19) at update `step`, as a multiple of the peak. DeepSpeed steps its scheduler after each
+    update, so update n runs at its iteration n - 1 and the first at the rate its constructor
+    set (the start rate; 0 for WarmupCosineLR). Its warmup counts at least 2 steps; the ratios
+    are tiertrain's fields (warmup_start_ratio: warmup_min_lr / peak or warmup_min_ratio;
+    min_lr_ratio: cos_min_ratio), the total its total_num_steps."""
+    kind, start = schedule.deepspeed_scheduler, schedule.warmup_start_ratio
+    warmup = max(2, schedule.warmup_steps)
+    total = schedule.warmup_steps + schedule.decay_steps
+    iteration = step - 1
+    if iteration < 0:
+        return 0.0 if kind == "WarmupCosineLR" else start
+    if iteration < warmup:
+        gamma = math.log(iteration + 1) / math.log(warmup) if schedule.warmup_shape == "log" else iteration / warmup
+        return start + (1.0 - start) * gamma
+    if kind == "WarmupLR":
+        return 1.0
+    if kind == "WarmupDecayLR":  # (back down to warmup_min_lr at total_num_steps)
+        return start + (1.0 - start) * max(0.0, (total - iteration) / max(1, total - warmup))
+    progress = min(1.0, (iteration - warmup + 1) / max(1, total - warmup))
+    floor = schedule.min_lr_ratio
+    return max(0.0, floor + (1.0 - floor) * (1 + math.cos(math.pi * progress)) / 2)
 
 
 def scheduled_lr(optimizer: OptimizerConfig, schedule: ScheduleConfig, step: int) -> float:
