@@ -494,3 +494,25 @@ def test_a_scheduler_parameter_deepspeeds_class_does_not_take_is_refused_by_name
     with pytest.raises(ConfigError, match=r"warmup_max_lr: not a parameter of DeepSpeed's WarmupCosineLR"):
         from_deepspeed({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 9, "warmup_max_lr": 1}}})
     assert from_deepspeed({"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": -1}}}).values
+
+
+def test_the_precision_sections_take_deepspeeds_keys_and_bf16_masters_are_refused():
+    """DeepSpeed's bf16 section has switches of its own (bf16 master weights and optimizer
+    state, its overflow check), which were all "no effect: bf16 needs no loss scaling", and
+    neither section refused a key DeepSpeed's config model forbids (a misspelt fp16.loss_scal)."""
+    from tiertrain.deepspeed_config import _BF16_KEYS, _FP16_KEYS
+
+    for sub in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+        with pytest.raises(ConfigError, match=f"bf16.{sub}: True: tiertrain keeps fp32 master weights"):
+            from_deepspeed({"bf16": {"enabled": True, sub: True}})
+    fates = dict(from_deepspeed({"bf16": {"enabled": True, "check_grad_overflow": True}}).fates)
+    assert fates["bf16.check_grad_overflow"].startswith("no effect: True: a step whose gradient norm is not finite")
+    for ds, bad in [({"fp16": {"enabled": False, "loss_scal": 0}}, "fp16.loss_scal"),
+                    ({"bf16": {"enabled": True, "loss_scale": 0}}, "bf16.loss_scale")]:
+        with pytest.raises(ConfigError, match=rf"{bad}: not a key of DeepSpeed's {bad[:4]} section; valid: enabled"):
+            from_deepspeed(ds)
+    if os.environ.get("TIERTRAIN_TEST_DEEPSPEED"):  # (against the installed DeepSpeed's own config models)
+        from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+
+        assert set(DeepSpeedFP16Config.model_fields) == {"enabled", *_FP16_KEYS}
+        assert set(DeepSpeedBF16Config.model_fields) == {"enabled", *_BF16_KEYS}

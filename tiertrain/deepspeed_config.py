@@ -143,12 +143,22 @@ def _fp16(t: Translation, key: str, value: Any) -> None:
         t.set(f"{key}.enabled", "precision.dtype", key, "fp32 masters and optimizer state, as DeepSpeed")
     scale = value.get("loss_scale", 0)
     static = key == "fp16" and on and not is_auto(scale) and checked_number(f"{key}.loss_scale", scale) != 0
+    known = _FP16_KEYS if key == "fp16" else _BF16_KEYS
     for sub, v in value.items():
         name = f"{key}.{sub}"
         if sub == "enabled":
             continue
-        if key == "bf16" or not on:
-            t.no_effect(name, f"{key} is not enabled" if not on else "bf16 needs no loss scaling")
+        if sub not in known:  # (DeepSpeed's config model forbids other keys, enabled or not)
+            t.refuse(name, f"not a key of DeepSpeed's {key} section; valid: enabled, {', '.join(known)}")
+        elif not on:
+            t.no_effect(name, f"{key} is not enabled")
+        elif sub in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+            refuse_unless(False, "tiertrain keeps fp32 master weights, gradients and optimizer state")(t, name, v)
+        elif sub == "check_grad_overflow":
+            t.no_effect(name, f"{v!r}: a step whose gradient norm is not finite is always skipped (DeepSpeed's "
+                              f"default, true)")
+        elif sub == "immediate_grad_update":
+            t.no_effect(name, f"{v!r}: gradients are reduced into fp32 shards as backward produces them")
         elif sub == "loss_scale":
             if static:  # (DeepSpeed's ZeRO still skips a step whose gradients overflow; the scale stays)
                 t.set(name, "precision.loss_scale.initial_scale", float(v), "a static scale")
@@ -173,8 +183,13 @@ def _fp16(t: Translation, key: str, value: Any) -> None:
             refuse_unless(False, "tiertrain computes in the fp16 parameters' dtype; it does not autocast")(t, name, v)
         elif sub == "fp16_master_weights_and_grads":
             refuse_unless(False, "tiertrain keeps fp32 master weights and gradients")(t, name, v)
-        else:
-            t.refuse(name, "not an fp16 key tiertrain knows")
+
+
+_FP16_KEYS = ("auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads")
+_BF16_KEYS = ("immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads", "bf16_optimizer_states")
+"""The keys of DeepSpeed's fp16 and bf16 sections besides enabled (its DeepSpeedFP16Config and
+DeepSpeedBF16Config, 0.19, which refuse any other)."""
 
 
 def _params(key: str, value: dict) -> dict:
