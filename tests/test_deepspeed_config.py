@@ -516,3 +516,30 @@ def test_the_precision_sections_take_deepspeeds_keys_and_bf16_masters_are_refuse
 
         assert set(DeepSpeedFP16Config.model_fields) == {"enabled", *_FP16_KEYS}
         assert set(DeepSpeedBF16Config.model_fields) == {"enabled", *_BF16_KEYS}
+
+
+@pytest.mark.parametrize("given,overrides,expected", [
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, [], (2, 4)),
+    ({"train_batch_size": 16, "gradient_accumulation_steps": 2}, [], (4, 2)),
+    ({"train_batch_size": 32}, [], (16, 1)),
+    ({"train_batch_size": 32}, ["--batch.micro_batch_size", "4"], (4, 4)),
+    ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, [], (2, 3)),
+], ids=["accumulation", "micro-batch", "train_batch_size alone", "micro-batch on the command line", "no total"])
+def test_a_batch_size_deepspeed_derives_from_the_world_size_is_derived_when_the_run_starts(given, overrides,
+                                                                                          expected):
+    """DeepSpeed takes two of train_batch_size, the micro-batch size and the accumulation and
+    derives the third from the data-parallel size; the translation refused such a file at
+    launch (its train_batch_size against tiertrain's default micro-batch of 8 and accumulation
+    of 1), although DeepSpeed trains with it."""
+    from tiertrain.cli.common import derived_batch
+    from tiertrain.train import check_launch
+
+    cfg = load_train_config(None, overrides, deepspeed=given)
+    lines = derived_batch(cfg, 2, given, overrides)
+    check_launch(cfg, 2)
+    assert (cfg.batch.micro_batch_size, cfg.batch.grad_accum_steps) == expected, lines
+    assert all("as DeepSpeed derives it" in line for line in lines if "absent)" in line and "alone" not in line)
+    with pytest.raises(ConfigError, match=r"train_batch_size=16 is not a multiple of train_micro_batch_size_per_gpu=3 "
+                                          r"× 2 data-parallel ranks, so gradient_accumulation_steps cannot be derived"):
+        bad = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 3}
+        derived_batch(load_train_config(None, [], deepspeed=bad), 2, bad, [])

@@ -69,6 +69,10 @@ def from_deepspeed(source: str | os.PathLike | dict, dtype: str = "fp32") -> Tra
         elif handler is not _SKIP:
             handler(t, key, value)
     _zero(ds.get("zero_optimization"), t, itemsize)
+    if "train_batch_size" in ds and not is_auto(ds["train_batch_size"]):
+        for key in (k for k in _BATCH_FIELDS if k not in ds):
+            t.fates.append((f"{key} (absent)", "derived when the run starts from train_batch_size and the data-parallel "
+                                               "size, as DeepSpeed derives it"))
     if "gradient_clipping" not in ds:
         t.set("gradient_clipping (absent)", "optimizer.grad_clip", 0.0, "DeepSpeed's default: no clipping")
     if "scheduler" not in ds:
@@ -79,6 +83,40 @@ def from_deepspeed(source: str | os.PathLike | dict, dtype: str = "fp32") -> Tra
                           + "; ".join(f"{k}: {why}" for k, why in t.refused)
                           + " (docs/deepspeed.md lists every key and its fate)")
     return t
+
+
+_BATCH_FIELDS = {"train_micro_batch_size_per_gpu": "micro_batch_size", "gradient_accumulation_steps": "grad_accum_steps"}
+
+
+def derive_batch(batch, dp: int, source: str | os.PathLike | dict, overridden=()) -> list[str]:
+    """A DeepSpeed config's train_batch_size with the micro-batch size or the accumulation left
+    out: the missing one derived from the data-parallel size, as DeepSpeed's engine derives it
+    when it starts (train_batch_size alone: accumulation 1), set in ``batch`` (a BatchConfig).
+    A field in ``overridden`` (set on the command line) is kept, and the sizes must then agree.
+    Returns the lines to say; ConfigError where the sizes do not divide, as DeepSpeed refuses them."""
+    ds = read_deepspeed(source)
+    given = {k for k in ("train_batch_size", *_BATCH_FIELDS) if k in ds and not is_auto(ds[k])}
+    if "train_batch_size" not in given or not batch.global_batch_size:
+        return []
+    missing = [(k, f) for k, f in _BATCH_FIELDS.items() if k not in given and f not in overridden]
+    if not missing:
+        return []
+    lines = []
+    if len(missing) == 2:  # (DeepSpeed: accumulation 1, the micro-batch what is left)
+        batch.grad_accum_steps = 1
+        lines.append("DeepSpeed's gradient_accumulation_steps (absent beside train_batch_size alone): "
+                     "batch.grad_accum_steps = 1")
+    key, field = missing[-1] if len(missing) == 1 else missing[0]
+    other_key, other = next((k, getattr(batch, f)) for k, f in _BATCH_FIELDS.items() if f != field)
+    per_sample = other * dp
+    if batch.global_batch_size % per_sample:
+        raise ConfigError(f"DeepSpeed train_batch_size={batch.global_batch_size} is not a multiple of "
+                          f"{other_key}={other} × {dp} data-parallel ranks, so {key} cannot be derived (DeepSpeed "
+                          f"refuses it too): give {key}, or a train_batch_size that {other * dp} divides")
+    setattr(batch, field, batch.global_batch_size // per_sample)
+    lines.append(f"DeepSpeed's {key} (absent): batch.{field} = {getattr(batch, field)} = train_batch_size "
+                 f"{batch.global_batch_size} / ({other_key} {other} × {dp} data-parallel ranks), as DeepSpeed derives it")
+    return lines
 
 
 # -- the sections ----------------------------------------------------------------------------------

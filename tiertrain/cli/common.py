@@ -67,6 +67,18 @@ def load_with_deepspeed(path: str | None, overrides: list[str], deepspeed: str |
     return cfg, translation.lines()
 
 
+def derived_batch(cfg, world_size: int, deepspeed: str | None, overrides: list[str]) -> list[str]:
+    """The batch size a DeepSpeed config leaves to the world size (deepspeed_config.derive_batch),
+    set in cfg; the lines to say (none without a DeepSpeed config)."""
+    if deepspeed is None:
+        return []
+    from ..config import parse_overrides
+    from ..deepspeed_config import derive_batch
+
+    _, dp, _ = cfg.parallel.resolve(world_size)
+    return derive_batch(cfg.batch, dp, deepspeed, set(parse_overrides(overrides).get("batch") or {}))
+
+
 def print_error(message: str, code: int = 2) -> int:
     """Print ``error: message`` to stderr; returns ``code``, the command's exit status."""
     print(f"error: {message}", file=sys.stderr)

@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..config import ConfigError
-from .common import OVERRIDES_HELP, load_with_deepspeed, say, split_args
+from .common import OVERRIDES_HELP, derived_batch, load_with_deepspeed, say, split_args
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -64,6 +64,7 @@ def cmd_train(argv: list[str]) -> int:
     if launch.under_torchrun():
         if args.nproc is not None:
             print("tiertrain: --nproc is ignored under torchrun (WORLD_SIZE is set)", file=sys.stderr)
+        say(derived_batch(cfg, int(os.environ["WORLD_SIZE"]), args.deepspeed, overrides))
         say(keep_global_batch(cfg, int(os.environ["WORLD_SIZE"])))
         check_launch(cfg, int(os.environ["WORLD_SIZE"]))
         launch.run(run_training, cfg, timeout=timeout)
@@ -72,6 +73,7 @@ def cmd_train(argv: list[str]) -> int:
     nproc = args.nproc if args.nproc is not None else launch.default_nproc()
     if nproc < 1:
         raise ConfigError(f"--nproc={nproc} is invalid: expected >= 1")
+    say(derived_batch(cfg, nproc, args.deepspeed, overrides))
     say(keep_global_batch(cfg, nproc))
     check_launch(cfg, nproc)
     if nproc == 1:
