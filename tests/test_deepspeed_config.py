@@ -543,3 +543,20 @@ def test_a_batch_size_deepspeed_derives_from_the_world_size_is_derived_when_the_
                                           r"× 2 data-parallel ranks, so gradient_accumulation_steps cannot be derived"):
         bad = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 3}
         derived_batch(load_train_config(None, [], deepspeed=bad), 2, bad, [])
+
+
+def test_the_monitor_sections_take_deepspeeds_keys_and_say_where_a_wandb_team_goes():
+    """wandb's team and group were dropped without a word (the run logged to the default
+    entity); they are said, with the environment variables W&B reads. A key DeepSpeed's
+    monitor models forbid is refused."""
+    from tiertrain.deepspeed_config import _MONITOR_KEYS
+
+    fates = dict(from_deepspeed({"wandb": {"enabled": True, "project": "p", "team": "acme", "group": "g1"}}).fates)
+    assert "WANDB_ENTITY=acme" in fates["wandb.team"] and "WANDB_RUN_GROUP=g1" in fates["wandb.group"], fates
+    with pytest.raises(ConfigError, match=r"wandb.projct: not a key of DeepSpeed's wandb section"):
+        from_deepspeed({"wandb": {"enabled": False, "projct": "p"}})
+    if os.environ.get("TIERTRAIN_TEST_DEEPSPEED"):
+        from deepspeed.monitor.config import TensorBoardConfig, WandbConfig
+
+        assert set(WandbConfig.model_fields) == set(_MONITOR_KEYS[True])
+        assert set(TensorBoardConfig.model_fields) == set(_MONITOR_KEYS[False])

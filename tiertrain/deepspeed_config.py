@@ -404,11 +404,25 @@ def _warmup_rates(t: Translation, key: str, kind: str, params: dict) -> None:
         t.set(f"{key}.params.warmup_min_lr", f"schedule.{f}", low / peak)
 
 
+_MONITOR_KEYS = {True: ("enabled", "project", "team", "group"), False: ("enabled", "output_path", "job_name")}
+"""The keys of DeepSpeed's wandb (True) and tensorboard (False) sections (its monitor config
+models, which refuse any other)."""
+
+
 def _monitor(path: str, project: bool):
     def handle(t: Translation, key: str, value: Any) -> None:
+        for name in value if isinstance(value, dict) else ():
+            if name not in _MONITOR_KEYS[project]:
+                t.refuse(f"{key}.{name}", f"not a key of DeepSpeed's {key} section; valid: "
+                                          f"{', '.join(_MONITOR_KEYS[project])}")
         if not isinstance(value, dict) or not value.get("enabled"):
             t.no_effect(key, "not enabled")
             return
+        for name in ("team", "group") if project else ():
+            if value.get(name) is not None:
+                variable = "WANDB_ENTITY" if name == "team" else "WANDB_RUN_GROUP"
+                t.no_effect(f"{key}.{name}", f"{value[name]!r}: tiertrain's W&B writer takes no {name}; set "
+                                             f"{variable}={value[name]} in the environment, which W&B reads")
         names = ("project",) if project else ("output_path", "job_name")
         for name in names:
             if not isinstance(value.get(name, ""), str):
