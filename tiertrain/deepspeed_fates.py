@@ -119,6 +119,16 @@ def enabled_inside(value: Any, path: str = "") -> list[str]:
     return found
 
 
+def params_of(key: str, value: dict) -> dict:
+    """The section's "params" object ({} where absent or null)."""
+    params = value.get("params")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"DeepSpeed {key}.params={params!r} is invalid: expected an object of parameters")
+    return params
+
+
 def refuse_unless(default: Any, why: str, same: tuple = ()):
     """Refuse the key unless it holds default (or "auto"), or a value in ``same``: what
     tiertrain always does (e.g. communication_data_type "fp32"). A section whose default is
@@ -141,5 +151,5 @@ def refuse_unless(default: Any, why: str, same: tuple = ()):
     return handle
 
 
-__all__ = ["AUTO", "Translation", "checked_number", "enabled_inside", "is_auto", "mapped", "no_effect",
+__all__ = ["AUTO", "Translation", "checked_number", "enabled_inside", "is_auto", "mapped", "no_effect", "params_of",
            "refuse_unless"]

@@ -230,7 +230,7 @@ def _check_peak_rate(translation, lr: float, argument: str) -> None:
     whatever learning_rate says."""
     if translation.peak is None:
         return
-    from ..deepspeed_config import optimizer_lr
+    from ..deepspeed_schedule import optimizer_lr
 
     given = optimizer_lr(translation.source)
     for key, value in (translation.peak, ("optimizer.params.lr", given)):
