@@ -176,13 +176,14 @@ def test_the_rate_is_deepspeeds_at_every_update_whatever_the_order_of_the_keys(n
 
 
 def test_under_the_trainer_the_schedulers_peak_must_be_learning_rate():
-    """transformers refuses a warmup_max_lr or an optimizer lr other than learning_rate; a
-    WarmupDecayLR without warmup_max_lr runs at DeepSpeed's 0.001 whatever learning_rate says.
-    A warmup_min_lr is then a ratio of learning_rate."""
+    """transformers refuses a warmup_max_lr or an optimizer lr other than learning_rate, and a
+    warmup_num_steps or total_num_steps other than the arguments' (both were taken from the file
+    here); a WarmupDecayLR without warmup_max_lr runs at DeepSpeed's 0.001 whatever
+    learning_rate says. A warmup_min_lr is then a ratio of learning_rate."""
     transformers = pytest.importorskip("transformers")
     from tiertrain.integrations.hf_arguments import config_from_training_arguments, deepspeed_schedule
 
-    args = transformers.TrainingArguments(output_dir="unused", learning_rate=2e-3, report_to="none")
+    args = transformers.TrainingArguments(output_dir="unused", learning_rate=2e-3, report_to="none", warmup_steps=1)
     for name, message in [("warmup_max_lr before the optimizer's lr", r"scheduler.params.warmup_max_lr=0.01 disagrees "
                                                                       r"with TrainingArguments\(learning_rate\)=0.002"),
                           ("WarmupDecayLR at its default peak, to warmup_min_lr",
@@ -198,6 +199,14 @@ def test_under_the_trainer_the_schedulers_peak_must_be_learning_rate():
         config_from_training_arguments(args, deepspeed=ds)
     ds["optimizer"]["params"]["lr"] = 2e-3
     assert config_from_training_arguments(args, deepspeed=ds).optimizer.lr == 2e-3
+    # ... and its warmup and total steps must be the arguments' (transformers' trainer_config_finalize)
+    for params, message in [({"warmup_num_steps": 3}, r"warmup_num_steps=3 disagrees with TrainingArguments: "
+                                                      r"warmup_steps gives 1"),
+                            ({"total_num_steps": 12}, r"total_num_steps=12 disagrees with TrainingArguments: the run's "
+                                                      r"steps \(max_steps, or the epochs'\) gives 10")]:
+        with pytest.raises(ConfigError, match=message):
+            deepspeed_schedule({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 10, **params}}},
+                               args, 10)
     assert deepspeed_schedule(ds, args, 10).warmup_start_ratio == pytest.approx(0.5, rel=1e-12)
 
 

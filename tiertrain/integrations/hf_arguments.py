@@ -14,7 +14,7 @@ from ..config import Config, ConfigError
 from ..deepspeed_fates import is_auto
 
 __all__ = ["SUPPORTED_OPTIMS", "TRAINER_OPTIMS", "check_training_arguments", "client_optimizers",
-           "config_from_training_arguments", "deepspeed_schedule", "trainer_optimizer"]
+           "config_from_training_arguments", "deepspeed_schedule", "trainer_optimizer", "trainer_param_groups"]
 
 SUPPORTED_OPTIMS = {"adamw_torch": "auto", "adamw_torch_fused": "fused"}
 """TrainingArguments.optim values the engine builds (torch AdamW), with the kernel each maps to."""
@@ -30,6 +30,20 @@ transformers' Adafactor, torch's SGD, Adagrad and RMSprop, bitsandbytes' AdamW, 
 trainer_optimizer) and stepped by the engine as an optimizer the user brought (tiertrain/optim.py;
 bitsandbytes' 8-bit states take the whole-parameter path, docs/optimizers.md), with the
 optim_args keys the Trainer reads for each."""
+
+
+def trainer_param_groups(model, split: tuple[list[str], list[str]], weight_decay: float, deepspeed=None) -> list[dict]:
+    """The param groups (by name) of the optimizer the Trainer trains with: its decay split
+    (create_optimizer: ``split`` = the decayed names, then the others; no decay for biases and
+    norms), or, where a DeepSpeed config has an optimizer block, one group of every trained
+    parameter at ``weight_decay``: transformers hands DeepSpeed the trained parameters as one list
+    (DummyOptim(params=...)), and DeepSpeed builds its optimizer over them, decaying every one."""
+    from ..deepspeed_config import read_deepspeed
+
+    if deepspeed is not None and "optimizer" in read_deepspeed(deepspeed):
+        return [{"params": [n for n, p in model.named_parameters() if p.requires_grad], "weight_decay": weight_decay}]
+    groups = [{"params": split[0], "weight_decay": weight_decay}, {"params": split[1], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def trainer_optimizer(cls: type, options: dict, groups: list[dict], model) -> tuple[Any, list[dict] | None]:
@@ -209,7 +223,7 @@ def _apply_deepspeed(config: Config, defaults: Config, deepspeed, decided: dict,
     _check_peak_rate(translation, *decided["optimizer.lr"])
     for path, value, key in translation.assignments:
         if path.startswith("schedule.") or key.startswith("scheduler") or path == "optimizer.weight_decay_on":
-            continue  # (the schedule: deepspeed_schedule; the decay split: the Trainer's, as it hands it over)
+            continue  # (the schedule: deepspeed_schedule; the groups and their decay: trainer_param_groups)
         if path in decided and not key.endswith("(absent)"):
             want, argument = decided[path]
             if not _same(value, want):
@@ -253,6 +267,15 @@ def deepspeed_schedule(deepspeed, args, max_steps: int):
     if deepspeed is None or "scheduler" not in read_deepspeed(deepspeed):
         return None
     translation = from_deepspeed(deepspeed)
+    params = translation.source["scheduler"].get("params") or {}
+    # (transformers fills "auto" with these and refuses any other value: trainer_config_finalize)
+    for name, want, argument in (("warmup_num_steps", max(1, args.get_warmup_steps(max_steps)), "warmup_steps"),
+                                 ("total_num_steps", max_steps, "the run's steps (max_steps, or the epochs')")):
+        given = params.get(name)
+        if given is not None and not is_auto(given) and not _same(given, want):
+            raise ConfigError(f"DeepSpeed scheduler.params.{name}={given!r} disagrees with TrainingArguments: "
+                              f"{argument} gives {want}; set it to \"auto\" or to {want} (transformers refuses the "
+                              f"same mismatch)")
     schedule = ScheduleConfig(warmup_steps=args.get_warmup_steps(max_steps), min_lr_ratio=0.0)
     for path, value, key in translation.assignments:
         if path.startswith("schedule."):

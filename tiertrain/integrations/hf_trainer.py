@@ -41,7 +41,7 @@ autocasts (the engine's ``precision.dtype`` is the compute dtype).
 **TrainingArguments → tiertrain Config** (:func:`config_from_training_arguments`):
 learning_rate → optimizer.lr; adam_beta1/2 → optimizer.betas; adam_epsilon → optimizer.eps;
 weight_decay → the decayed group of the Trainer's own split (``get_decay_parameter_names``: no
-decay for biases and norms); max_grad_norm → optimizer.grad_clip (0: none);
+decay for biases and norms; with a DeepSpeed optimizer block, every trained parameter, as there); max_grad_norm → optimizer.grad_clip (0: none);
 per_device_train_batch_size → batch.micro_batch_size; gradient_accumulation_steps →
 batch.grad_accum_steps; bf16/fp16 → precision.dtype; lr_scheduler_type, warmup_steps,
 lr_scheduler_kwargs, max_steps/num_train_epochs → the Trainer's own scheduler
@@ -123,7 +123,7 @@ from ..topology import Topology
 from ..wrapping import wrap
 from .hf_arguments import (SUPPORTED_OPTIMS, TRAINER_OPTIMS, _refuse, _value, check_training_arguments,
                            client_optimizers, config_from_training_arguments, deepspeed_schedule,
-                           trainer_optimizer)
+                           trainer_optimizer, trainer_param_groups)
 
 try:
     from transformers import Trainer
@@ -358,9 +358,7 @@ class TiertrainTrainer(Trainer):
             raise ConfigError(f"TiertrainTrainer: the engine's data-parallel size {topology.size('dp')} differs from "
                               f"the Trainer's world size {self.args.world_size} (whose data loaders shard the data)")
         model = self.model
-        decayed, other = self._decay_split()
-        groups = [{"params": decayed, "weight_decay": self.args.weight_decay}, {"params": other, "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]]
+        groups = trainer_param_groups(model, self._decay_split(), self.args.weight_decay, self.deepspeed_config)
         optimizer = None
         client, client_scheduler = self._scripts_optimizers(max_steps)
         if client is not None:  # (its own groups, as the Trainer then takes them)
