@@ -629,24 +629,58 @@ def test_training_arguments_deepspeed_trains_like_the_cli_translation_of_the_sam
     assert lr_factor(0, config.schedule) < lr_factor(STEPS - 1, config.schedule)  # (a warmup, as each file says)
 
 
-DECAYING_DS = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-               "gradient_clipping": "auto", "zero_optimization": {"stage": 2},
-               "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "eps": "auto",
-                                                          "betas": "auto", "torch_adam": True}},
-               "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto",
-                                                            "warmup_num_steps": "auto"}}}
-"""ZeRO-2, AdamW decaying, DeepSpeed's (log) WarmupLR, every value the arguments': torch's AdamW
-(torch_adam), which DeepSpeed builds on a CPU without compiling its own kernels."""
+_DS_ADAMW = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "eps": "auto", "betas": "auto",
+                                         "torch_adam": True}}
+DEEPSPEED_RUNS = {
+    # name: the DeepSpeed config; every value it leaves "auto" is the arguments'. torch's AdamW
+    # (torch_adam), which DeepSpeed builds on a CPU without compiling its own kernels.
+    "zero-2, log WarmupLR": {
+        "zero_optimization": {"stage": 2}, "optimizer": _DS_ADAMW,
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto",
+                                                     "warmup_num_steps": "auto"}}},
+    "zero-3, WarmupDecayLR from and back to warmup_min_lr": {
+        "zero_optimization": {"stage": 3}, "optimizer": _DS_ADAMW,
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": LR / 10, "warmup_max_lr": "auto",
+                                                          "warmup_num_steps": "auto", "total_num_steps": "auto",
+                                                          "warmup_type": "linear"}}},
+    "zero-1, WarmupCosineLR": {
+        "zero_optimization": {"stage": 1}, "optimizer": _DS_ADAMW,
+        "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_min_ratio": 0.1, "cos_min_ratio": 0.2,
+                                                           "warmup_num_steps": "auto", "total_num_steps": "auto"}}},
+}
+
+
+DS_MICRO, DS_ACCUM, DS_WARMUP, DS_DECAY = 2, 2, 3, 0.1
+
+
+def _trained_on(rank, world, trainer: str, path: str, root: str) -> tuple[list[float], dict]:
+    """(logged losses, trained parameters) of the DeepSpeed config at ``path`` trained by
+    transformers' Trainer on DeepSpeed's engine ("deepspeed") or by TiertrainTrainer, in a process
+    of its own (DeepSpeed keeps its process groups in module globals, which a second engine in
+    one process would find stale)."""
+    cls = transformers.Trainer if trainer == "deepspeed" else TiertrainTrainer
+    args = transformers.TrainingArguments(
+        output_dir=os.path.join(root, trainer), deepspeed=path, per_device_train_batch_size=DS_MICRO,
+        gradient_accumulation_steps=DS_ACCUM, max_steps=STEPS, learning_rate=LR, adam_epsilon=EPS,
+        weight_decay=DS_DECAY, warmup_steps=DS_WARMUP, max_grad_norm=1.0, logging_steps=1, report_to="none",
+        disable_tqdm=True, seed=0, train_sampling_strategy="sequential", save_strategy="no", use_cpu=True)
+    trained = cls(model=_model(), args=args, train_dataset=_List(_samples(STEPS * DS_MICRO * DS_ACCUM, seed=1)))
+    trained.train()
+    params = trained.engine.full_state_dict() if cls is TiertrainTrainer else \
+        {n: p.detach().clone() for n, p in trained.model.named_parameters()}
+    return _losses(trained), params
 
 
 @pytest.mark.timeout(120)
-def test_the_trainer_on_deepspeeds_own_engine_trains_as_tiertrain_trainer(tmp_path, deepspeed_undone):
+@pytest.mark.parametrize("name", list(DEEPSPEED_RUNS))
+def test_the_trainer_on_deepspeeds_own_engine_trains_as_tiertrain_trainer(tmp_path, name):
     """One script and DeepSpeed config trained by transformers' Trainer on DeepSpeed's own engine
     and by TiertrainTrainer: both within the float64 oracle's bound of the single-process
     reference that `tiertrain train --deepspeed` builds from the file. With an optimizer block,
     transformers hands DeepSpeed the trained parameters as one list, so biases and norms decay
     too (TiertrainTrainer used the Trainer's own split: the norms 1.6e-3 off after 4 steps); and
-    every update runs at DeepSpeed's rate (its log warmup, its first update at warmup_min_lr)."""
+    every update runs at DeepSpeed's rate (its log warmup, its first update at warmup_min_lr, its
+    decay back to warmup_min_lr)."""
     if os.environ.get("TIERTRAIN_TEST_DEEPSPEED"):  # (CI's step for this test: not found is a failure)
         import deepspeed  # noqa: F401
     else:
@@ -655,45 +689,23 @@ def test_the_trainer_on_deepspeeds_own_engine_trains_as_tiertrain_trainer(tmp_pa
 
     from tiertrain.cli import load_with_deepspeed
 
-    import socket
-
-    micro, accum, warmup, decay = 2, 2, 3, 0.1
     path = str(tmp_path / "ds.json")
     with open(path, "w") as f:
-        json.dump(DECAYING_DS, f)
-    with socket.socket() as free:  # (DeepSpeed's engine joins a group of one through these, or looks for MPI)
-        free.bind(("127.0.0.1", 0))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free.getsockname()[1]))
-    data = _samples(STEPS * micro * accum, seed=1)
-
-    def train(cls) -> tuple[list[float], dict]:
-        args = transformers.TrainingArguments(
-            output_dir=str(tmp_path / cls.__name__), deepspeed=path, per_device_train_batch_size=micro,
-            gradient_accumulation_steps=accum, max_steps=STEPS, learning_rate=LR, adam_epsilon=EPS,
-            weight_decay=decay, warmup_steps=warmup, max_grad_norm=1.0, logging_steps=1, report_to="none",
-            disable_tqdm=True, seed=0, train_sampling_strategy="sequential", save_strategy="no", use_cpu=True)
-        try:
-            trainer = cls(model=_model(), args=args, train_dataset=_List(data))
-            trainer.train()
-            params = trainer.engine.full_state_dict() if cls is TiertrainTrainer else \
-                {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-            return _losses(trainer), params
-        finally:
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-
-    theirs, ours = train(transformers.Trainer), train(TiertrainTrainer)
+        json.dump({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                   "gradient_clipping": "auto", **DEEPSPEED_RUNS[name]}, f)
+    theirs, ours = (run_distributed(_trained_on, 1, trainer, path, str(tmp_path), timeout=100)[0]
+                    for trainer in ("deepspeed", "tiertrain"))
     config, _ = load_with_deepspeed(None, [
         "--steps", str(STEPS), "--optimizer.lr", str(LR), "--optimizer.eps", str(EPS), "--optimizer.weight_decay",
-        str(decay), "--optimizer.betas", "[0.9, 0.999]", "--optimizer.grad_clip", "1.0", "--schedule.warmup_steps",
-        str(warmup), "--batch.micro_batch_size", str(micro), "--batch.grad_accum_steps", str(accum)], path)
+        str(DS_DECAY), "--optimizer.betas", "[0.9, 0.999]", "--optimizer.grad_clip", "1.0", "--schedule.warmup_steps",
+        str(DS_WARMUP), "--batch.micro_batch_size", str(DS_MICRO), "--batch.grad_accum_steps", str(DS_ACCUM)], path)
     assert config.optimizer.weight_decay_on == "all"
-    batches = [{k: torch.stack([s[k] for s in data[i * micro * accum:(i + 1) * micro * accum]])
-                for k in ("input_ids", "labels")} for i in range(STEPS)]
+    data, per_step = _samples(STEPS * DS_MICRO * DS_ACCUM, seed=1), DS_MICRO * DS_ACCUM
+    batches = [{k: torch.stack([s[k] for s in data[i * per_step:(i + 1) * per_step]]) for k in ("input_ids", "labels")}
+               for i in range(STEPS)]
     oracle = Oracle.run(reference_train, _model(), config, batches)
-    oracle.check(*theirs, "transformers' Trainer on DeepSpeed's engine")
-    oracle.check(*ours, "TiertrainTrainer with the same DeepSpeed config")
+    oracle.check(*theirs, f"transformers' Trainer on DeepSpeed's engine ({name})")
+    oracle.check(*ours, f"TiertrainTrainer with the same DeepSpeed config ({name})")
 
 
 @pytest.mark.timeout(120)
