@@ -113,7 +113,8 @@ def test_warmup_decay_gives_deepspeeds_rate_at_every_update():
     the run at up to 10x below DeepSpeed's rate), and every update runs at DeepSpeed's rate (the
     warmup ran two updates ahead, the decay one)."""
     cfg = load_train_config(None, ["--steps", "100"], deepspeed=_path("deepspeed_zero3_explicit.json"))
-    ds = json.load(open(_path("deepspeed_zero3_explicit.json")))
+    with open(_path("deepspeed_zero3_explicit.json")) as f:
+        ds = json.load(f)
     ours = [cfg.optimizer.lr * lr_factor(n, cfg.schedule) for n in range(100)]
     assert not _differ(ours, _deepspeeds_update_rates(ds["scheduler"], ds["optimizer"]["params"]["lr"], 100))
     assert math.isclose(ours[-1], 1e-4 + 9e-4 * 2 / 90, rel_tol=1e-12), ours[-1]
