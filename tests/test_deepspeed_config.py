@@ -129,7 +129,8 @@ RATE_CASES = {
         ["optimizer", "scheduler"], 0.5, {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 5,
                                                                          "warmup_type": "linear"}}),
     "WarmupLR to the optimizer's lr, log": (
-        ["optimizer", "scheduler"], 0.5, {"type": "WarmupLR", "params": {"warmup_min_lr": 0.05, "warmup_num_steps": 5}}),
+        ["optimizer", "scheduler"], 0.5, {"type": "WarmupLR", "params": {"warmup_min_lr": 0.05,
+                                                                         "warmup_num_steps": 5}}),
     "WarmupLR to the run's lr": (
         ["scheduler"], None, {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_num_steps": 5,
                                                              "warmup_type": "linear"}}),
@@ -549,8 +550,9 @@ def test_a_batch_size_deepspeed_derives_from_the_world_size_is_derived_when_the_
     check_launch(cfg, 2)
     assert (cfg.batch.micro_batch_size, cfg.batch.grad_accum_steps) == expected, lines
     assert all("as DeepSpeed derives it" in line for line in lines if "absent)" in line and "alone" not in line)
-    with pytest.raises(ConfigError, match=r"train_batch_size=16 is not a multiple of train_micro_batch_size_per_gpu=3 "
-                                          r"× 2 data-parallel ranks, so gradient_accumulation_steps cannot be derived"):
+    with pytest.raises(ConfigError, match=r"train_batch_size=16 is not a multiple of train_micro_batch_size_per_gpu="
+                                          r"3 × 2 data-parallel ranks, so gradient_accumulation_steps cannot be "
+                                          r"derived"):
         bad = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 3}
         derived_batch(load_train_config(None, [], deepspeed=bad), 2, bad, [])
 

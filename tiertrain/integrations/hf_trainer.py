@@ -41,9 +41,10 @@ autocasts (the engine's ``precision.dtype`` is the compute dtype).
 **TrainingArguments → tiertrain Config** (:func:`config_from_training_arguments`):
 learning_rate → optimizer.lr; adam_beta1/2 → optimizer.betas; adam_epsilon → optimizer.eps;
 weight_decay → the decayed group of the Trainer's own split (``get_decay_parameter_names``: no
-decay for biases and norms; with a DeepSpeed optimizer block, every trained parameter, as there); max_grad_norm → optimizer.grad_clip (0: none);
-per_device_train_batch_size → batch.micro_batch_size; gradient_accumulation_steps →
-batch.grad_accum_steps; bf16/fp16 → precision.dtype; lr_scheduler_type, warmup_steps,
+decay for biases and norms; with a DeepSpeed optimizer block, every trained parameter, as there);
+max_grad_norm → optimizer.grad_clip (0: none); per_device_train_batch_size →
+batch.micro_batch_size; gradient_accumulation_steps → batch.grad_accum_steps; bf16/fp16 →
+precision.dtype; lr_scheduler_type, warmup_steps,
 lr_scheduler_kwargs, max_steps/num_train_epochs → the Trainer's own scheduler
 (``transformers.get_scheduler``), stepped by the engine once per update applied; optim
 adamw_torch/adamw_torch_fused → torch AdamW; optim adafactor/sgd/adagrad/rmsprop (with the
