@@ -159,6 +159,8 @@ def test_a_module_replaced_after_wrap_is_refused_by_name(stage):
                                           r"in the model: their module was replaced after wrap\(\) \(model.x = "
                                           r"nn.Linear\(...\)\), and parameters 'norm.weight', 'norm.bias' joined it"):
         engine(batch)
+    with pytest.raises(ConfigError, match=r"no longer in the model"):  # (a loop that caught it is refused again)
+        engine(batch)
     engine.close()
 
 
@@ -184,6 +186,8 @@ def test_a_parameter_that_joins_the_model_after_wrap_is_refused_by_name(stage):
     engine.backward(engine(batch))
     with pytest.raises(ConfigError, match=r"parameter '1.gain' joined the model after wrap\(\) \(built in a "
                                           r"forward.*once on a sample batch first"):
+        engine(batch)
+    with pytest.raises(ConfigError, match=r"joined the model after wrap"):  # (and again, if the loop caught it)
         engine(batch)
     engine.close()
     engine = tiertrain.wrap(model, cfg, tiertrain.Topology.build(cfg.parallel), **loss)

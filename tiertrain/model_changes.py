@@ -95,10 +95,14 @@ class ModelAtWrap:
                 f"wrap the model again")
         if not self.registered:  # (nothing set on any module since the last walk)
             return
-        self.registered = False
         current = {id(p) for p in module.parameters()}
-        if current == self.known:
-            return
+        if current != self.known:
+            self._check_same_parameters(module, current)
+        self.registered = False  # (walked and found as wrapped: the next walk waits for a registration)
+
+    def _check_same_parameters(self, module: nn.Module, current: set[int]) -> None:
+        """ConfigError where a bound parameter left the model or a trainable one joined it (the
+        check stays due until it passes: a loop that catches the error is refused again)."""
         gone = sorted(name for name, p, *_ in self.bound if id(p) not in current)
         joined = [n for n, p in module.named_parameters() if id(p) not in self.known and p.requires_grad]
         if gone:
