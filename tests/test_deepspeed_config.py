@@ -535,7 +535,9 @@ def test_the_precision_sections_take_deepspeeds_keys_and_bf16_masters_are_refuse
     ({"train_batch_size": 32}, [], (16, 1)),
     ({"train_batch_size": 32}, ["--batch.micro_batch_size", "4"], (4, 4)),
     ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, [], (2, 3)),
-], ids=["accumulation", "micro-batch", "train_batch_size alone", "micro-batch on the command line", "no total"])
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": "auto"}, [], (8, 2)),
+], ids=["accumulation", "micro-batch", "train_batch_size alone", "micro-batch on the command line", "no total",
+        "an auto micro-batch is tiertrain's"])
 def test_a_batch_size_deepspeed_derives_from_the_world_size_is_derived_when_the_run_starts(given, overrides,
                                                                                           expected):
     """DeepSpeed takes two of train_batch_size, the micro-batch size and the accumulation and

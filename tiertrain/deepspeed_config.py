@@ -70,10 +70,9 @@ def from_deepspeed(source: str | os.PathLike | dict, dtype: str = "fp32") -> Tra
         elif handler is not _SKIP:
             handler(t, key, value)
     _zero(ds.get("zero_optimization"), t, itemsize)
-    if "train_batch_size" in ds and not is_auto(ds["train_batch_size"]):
-        for key in (k for k in _BATCH_FIELDS if k not in ds):
-            t.fates.append((f"{key} (absent)", "derived when the run starts from train_batch_size and the "
-                                               "data-parallel size, as DeepSpeed derives it"))
+    for key in _left_to_derive(ds):
+        t.fates.append((f"{key} (absent)", "derived when the run starts from train_batch_size and the "
+                                           "data-parallel size, as DeepSpeed derives it"))
     if "gradient_clipping" not in ds:
         t.set("gradient_clipping (absent)", "optimizer.grad_clip", 0.0, "DeepSpeed's default: no clipping")
     if "scheduler" not in ds:
@@ -91,17 +90,24 @@ _BATCH_FIELDS = {"train_micro_batch_size_per_gpu": "micro_batch_size",
 """DeepSpeed's batch keys besides train_batch_size → the BatchConfig field each is."""
 
 
+def _left_to_derive(ds: dict) -> list[str]:
+    """The batch keys a DeepSpeed config leaves out beside an explicit train_batch_size (an
+    "auto" one is tiertrain's own value, given)."""
+    if "train_batch_size" not in ds or is_auto(ds["train_batch_size"]):
+        return []
+    return [k for k in _BATCH_FIELDS if k not in ds]
+
+
 def derive_batch(batch, dp: int, source: str | os.PathLike | dict, overridden=()) -> list[str]:
     """A DeepSpeed config's train_batch_size with the micro-batch size or the accumulation left
     out: the missing one derived from the data-parallel size, as DeepSpeed's engine derives it
     when it starts (train_batch_size alone: accumulation 1), set in ``batch`` (a BatchConfig).
     A field in ``overridden`` (set on the command line) is kept, and the sizes must then agree.
     Returns the lines to say; ConfigError where the sizes do not divide, as DeepSpeed refuses them."""
-    ds = read_deepspeed(source)
-    given = {k for k in ("train_batch_size", *_BATCH_FIELDS) if k in ds and not is_auto(ds[k])}
-    if "train_batch_size" not in given or not batch.global_batch_size:
+    if not batch.global_batch_size:
         return []
-    missing = [(k, f) for k, f in _BATCH_FIELDS.items() if k not in given and f not in overridden]
+    missing = [(k, _BATCH_FIELDS[k]) for k in _left_to_derive(read_deepspeed(source))
+               if _BATCH_FIELDS[k] not in overridden]
     if not missing:
         return []
     lines = []
