@@ -243,7 +243,7 @@ def _composition(rank, world):
         engine_build.ParameterFetcher = original
     refused = {}
     for name, call in (("call", lambda: engine(None)), ("forward", lambda: engine.forward(None)),
-                       ("backward", lambda: engine.backward(None)), ("evaluate", lambda: engine.evaluate(None))):
+                       ("backward", lambda: engine.backward(None))):
         try:
             call()
         except TypeError as e:
@@ -260,13 +260,12 @@ def test_the_pipeline_engine_is_the_core_plus_its_schedule():
     """Issue 33: the pipeline engine is built on the training core, not on the one-model
     engine: at stage 3 no one-model parameter fetcher is ever built (none built and then
     removed, so the reducer reports to none), and the one-model contract's calls are refused
-    naming train_batch (evaluate: no forward-only schedule), while train_batch steps."""
+    naming train_batch, while train_batch steps (evaluate: tests/test_pipeline_evaluate.py)."""
     for out in run_distributed(_composition, 2, timeout=45):
         assert out["built"] == 0 and out["fetcher"] is None and out["pipeline_fetcher"]
         assert out["core"] and not out["one_model"]
-        assert set(out["refused"]) == {"call", "forward", "backward", "evaluate"}
+        assert set(out["refused"]) == {"call", "forward", "backward"}
         assert all("use engine.train_batch" in out["refused"][k] for k in ("call", "forward", "backward"))
-        assert "no forward-only schedule" in out["refused"]["evaluate"]
         assert out["steps"] == 1 and out["loss"] == out["loss"]
 
 

@@ -27,6 +27,9 @@ micro-batches per step, on the training core the one-model engine is built on
   step from the same values; each rank's are checkpointed, and full_state_dict holds every
   stage's.
 * **Checkpoints** are saved per rank; loading checks each rank's own layout.
+* **Evaluation** (:meth:`PipelineEngine.evaluate_each`) runs the forward-only schedule
+  (:func:`.schedule.forward_only`) with the stages in eval mode and no autograd graph; the
+  last stage's loss of each micro-batch is broadcast to every pipeline rank.
 * **Context parallelism** (parallel.cp > 1, issue 38): a model converted by
   ``apply_context_parallel`` is cut as usual; each stage runs its blocks' ring or Ulysses
   attention over its cp group on this rank's share of every sequence (:mod:`.stage`,
@@ -245,9 +248,39 @@ class PipelineEngine(TrainingCore):
         raise TypeError(_USE_TRAIN_BATCH)
 
     def evaluate(self, batch: Any) -> torch.Tensor:
-        """Refused: the pipeline has no forward-only schedule yet."""
-        raise TypeError(f"evaluate() is not supported with parallel.pp={self.topology.size('pp')} yet: the "
-                        f"pipeline has no forward-only schedule; evaluate with parallel.pp=1")
+        """The loss of one micro-batch (as :meth:`tiertrain.Engine.evaluate`), on every
+        pipeline rank: :meth:`evaluate_each` of ``[batch]``. Evaluating several micro-batches
+        at once pipelines them; one at a time, each crosses the stages alone."""
+        return torch.tensor(self.evaluate_each([batch])[0], dtype=torch.float64)
+
+    def evaluate_each(self, batches: Sequence[Any]) -> list[float]:
+        """The loss of each micro-batch of ``batches``, in order, on every pipeline rank: the
+        stages in eval mode (dropout off), the forward-only schedule
+        (:func:`~.schedule.forward_only`, Megatron's ``forward_only``, DeepSpeed's
+        ``eval_batch``) with no autograd graph, parameters and gradients untouched. Call it
+        between steps; every rank of a pipeline must be given the same micro-batches, and at
+        stage 3 every data-parallel rank of a stage as many (each block is gathered for its
+        forward). A schedule that raises leaves the engine refusing to train, as in
+        :meth:`train_batch`."""
+        if self._schedule_failed is not None:
+            raise CollectiveMismatchError(self._schedule_failed)
+        if isinstance(batches, (dict, torch.Tensor)) or not len(batches):
+            raise ValueError(f"evaluate_each(batches): expected a non-empty list of micro-batches, got "
+                             f"{type(batches).__name__}{'' if isinstance(batches, (dict, torch.Tensor)) else ' (empty)'}"
+                             f" (one micro-batch: evaluate(batch))")
+        self._check_model_unchanged()
+        micro = [self._to_device(batch) for batch in batches]
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            return self.executor.evaluate(micro)
+        except BaseException as failure:
+            self._refuse_after_failure(failure)
+            raise
+        finally:
+            if self.pipeline_fetcher is not None:
+                self.pipeline_fetcher.release_all()
+            self.module.train(was_training)
 
     def _chunk_gradients_final(self, stage: nn.Module) -> None:
         if stage not in self._tied_stages:  # tied chunks wait for the exchange

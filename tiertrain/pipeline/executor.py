@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 
 from .p2p import PendingTransfer, PipeComm, transfer_tag
-from .schedule import Action, ActionKind, Schedule, lower, one_f_one_b, stage_rank, timeline
+from .schedule import Action, ActionKind, Schedule, forward_only, lower, one_f_one_b, stage_rank, timeline
 from .stage import tied_weight_grad_sync
 
 __all__ = ["PipelineExecutor", "release_output", "backward_from"]
@@ -144,9 +144,7 @@ class PipelineExecutor:
             if (sched.p, sched.m, sched.v) != (self.p, m, self.v):
                 raise ValueError(f"PipelineExecutor: schedule {sched.name!r} is for p={sched.p}, m={sched.m}, "
                                  f"v={sched.v} but this pipeline has p={self.p}, m={m}, v={self.v}")
-            if self.check:
-                timeline(sched)  # validates; raises ScheduleDeadlock
-            self._schedules[m] = sched
+            self._schedules[m] = self._checked(sched)
         return self._schedules[m]
 
     # ------------------------------------------------------------------ one step
@@ -162,17 +160,49 @@ class PipelineExecutor:
         :func:`~.stage.tied_weight_grad_sync` once yourself instead). ``loss_scale``
         multiplies each micro-batch's loss before its backward (fp16 loss scaling); the
         returned loss is unscaled."""
+        m = self._count(batches, "run")
+        self._execute(lower(self.schedule_for(m), self.rank), batches, float(loss_scale), forward_only=False)
+        if self.tied:
+            tied_weight_grad_sync(self.stages, self.topology, self.comm.timeout)
+            if self.grads_ready is not None:
+                for st in self.stages:
+                    if getattr(st, "tied", False):
+                        self.grads_ready(st)
+        return float(self._last_losses().sum() / m)
+
+    def evaluate(self, batches: list[dict]) -> list[float]:
+        """The loss of each micro-batch in ``batches`` (the same list on every pipeline rank),
+        on every pipeline rank, by the forward-only schedule (:func:`~.schedule.forward_only`)
+        without an autograd graph: no gradient is touched. The caller puts the stages in eval
+        mode; the losses are those the last stage returns, unscaled."""
+        m = self._count(batches, "evaluate")
+        with torch.no_grad():
+            self._execute(lower(self._checked(forward_only(self.p, m, self.v)), self.rank), batches, 1.0,
+                          forward_only=True)
+        return self._last_losses().tolist()
+
+    @staticmethod
+    def _count(batches: list[dict], what: str) -> int:
+        if len(batches) < 1:
+            raise ValueError(f"PipelineExecutor.{what}: batches is empty: need at least one micro-batch")
+        return len(batches)
+
+    def _checked(self, sched: Schedule) -> Schedule:
+        if self.check:
+            timeline(sched)  # validates; raises ScheduleDeadlock
+        return sched
+
+    def _execute(self, actions: list[Action], batches: list[dict], loss_scale: float, forward_only: bool) -> None:
+        """Interpret one lowered schedule over ``batches``; the last stage's losses are left in
+        ``self._losses`` (micro-batch → detached loss) and the run's figures in :attr:`stats`."""
         m = len(batches)
-        if m < 1:
-            raise ValueError("PipelineExecutor.run: batches is empty: need at least one micro-batch")
-        actions = lower(self.schedule_for(m), self.rank)
-        self._batches, self._m, self._loss_scale = batches, m, float(loss_scale)
+        self._batches, self._m, self._loss_scale, self._forward_only = batches, m, loss_scale, forward_only
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._grads: dict[tuple[int, int], torch.Tensor] = {}
         self._recvs: dict[Action, PendingTransfer] = {}
         self._sends: list[PendingTransfer] = []
-        self._losses: list[torch.Tensor] = []
+        self._losses: dict[int, torch.Tensor] = {}
         self.profile = []
         peak = 0
         busy = recv_wait = 0.0
@@ -202,18 +232,10 @@ class PipelineExecutor:
         if self._outputs or self._inputs or self._grads or self._recvs:
             raise RuntimeError("PipelineExecutor: the schedule left work behind: "
                                f"outputs {sorted(self._outputs)}, inputs {sorted(self._inputs)}")
-        if self.tied:
-            tied_weight_grad_sync(self.stages, self.topology, self.comm.timeout)
-            if self.grads_ready is not None:
-                for st in self.stages:
-                    if getattr(st, "tied", False):
-                        self.grads_ready(st)
-        loss = self._mean_loss()
         self.stats = dict(max_in_flight=peak, wall_s=time.perf_counter() - t_start, busy_s=busy,
                           recv_wait_s=recv_wait, bytes_sent=self.comm.bytes_sent - bytes0,
                           released_bytes=self._released)
         self._batches = None
-        return loss
 
     # ------------------------------------------------------------------ actions
 
@@ -276,14 +298,16 @@ class PipelineExecutor:
             t = self._gathered(t, shape)
         key = (a.microbatch, a.chunk)
         if a.kind is K.RECV_ACT:
-            self._inputs[key] = t.detach().requires_grad_(True)
+            self._inputs[key] = t if self._forward_only else t.detach().requires_grad_(True)
         else:
             self._grads[key] = t
 
     def _send(self, a: Action) -> None:
         key = (a.microbatch, a.chunk)
         peer, tag, what = self._transfer(a)
-        if a.kind is K.SEND_ACT:
+        if a.kind is K.SEND_ACT and self._forward_only:  # (no backward to keep it for)
+            self._sends.append(self.comm.isend(self._piece(self._outputs.pop(key), peer), peer, tag, what))
+        elif a.kind is K.SEND_ACT:
             out = self._outputs[key]
             self._sends.append(self.comm.isend(self._piece(out, peer), peer, tag, what))
             self._released += release_output(out)  # the send holds the buffer until it completes
@@ -303,8 +327,12 @@ class PipelineExecutor:
         key = (a.microbatch, a.chunk)
         x = self._inputs.get(key) if a.chunk > 0 else None
         out = self.module_of[a.chunk](x, self._batches[a.microbatch])
+        if self._forward_only:
+            self._inputs.pop(key, None)
         if a.chunk == self.num_stages - 1:
-            self._losses.append(out.detach())
+            self._losses[a.microbatch] = out.detach()
+            if self._forward_only:
+                return
             out = out.float() / self._m
             if self._loss_scale != 1.0:
                 out = out * self._loss_scale
@@ -325,13 +353,15 @@ class PipelineExecutor:
             if not (self.tied and getattr(stage, "tied", False)):
                 self.grads_ready(stage)
 
-    def _mean_loss(self) -> float:
+    def _last_losses(self) -> torch.Tensor:
+        """Each micro-batch's loss (float64, in micro-batch order) on every pipeline rank: the
+        last stage's, broadcast from its rank."""
         holder = stage_rank(self.num_stages - 1, self.p)
         if self._losses:
-            loss = torch.stack([l.double() for l in self._losses]).sum() / self._m
+            loss = torch.stack([self._losses[i].double().reshape(()) for i in range(self._m)])
         else:
-            loss = torch.zeros((), dtype=torch.float64)
+            loss = torch.zeros(self._m, dtype=torch.float64)
         if self.p > 1:
-            loss = loss.reshape(1).to(self.device)
+            loss = loss.to(self.device)
             dist.broadcast(loss, src=self.comm.ranks[holder], group=self.comm.group)
-        return float(loss.reshape(()).cpu())
+        return loss.cpu()

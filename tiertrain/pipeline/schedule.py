@@ -39,7 +39,7 @@ from ..errors import TiertrainError
 
 __all__ = [
     "ActionKind", "Action", "Schedule", "ScheduleDeadlock", "Slot", "Timeline",
-    "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "lower", "stage_rank", "local_chunk",
+    "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "forward_only", "lower", "stage_rank", "local_chunk",
     "timeline", "bubble_fraction", "ideal_bubble", "render", "max_in_flight", "validate",
 ]
 
@@ -86,6 +86,8 @@ class Schedule:
     m: int
     v: int
     ranks: tuple[tuple[Action, ...], ...]
+    with_backward: bool = True
+    """False for an evaluation schedule (:func:`forward_only`): forwards only, no gradients."""
 
     @property
     def num_stages(self) -> int:
@@ -201,12 +203,26 @@ def interleaved_one_f_one_b(p: int, m: int, v: int) -> Schedule:
     return Schedule(f"interleaved_1f1b(v={v})", p, m, v, tuple(ranks))
 
 
+def forward_only(p: int, m: int, v: int = 1) -> Schedule:
+    """Evaluation (Megatron's ``forward_only`` pass, DeepSpeed's ``eval_batch``): every rank
+    runs the forwards of its chunks, chunk by chunk and micro-batch after micro-batch within a
+    chunk, as GPipe's forward half. Nothing waits for a backward, so a rank holds no
+    activations beyond the sends in flight; with ``m ≥ p`` the bubble is interleaved 1F1B's,
+    ``(p-1)/(m·v)`` (:func:`timeline`)."""
+    _positive_int("p", p, "forward_only")
+    _positive_int("m", m, "forward_only")
+    _positive_int("v", v, "forward_only")
+    ranks = tuple(tuple(Action(F, i, c * p + r) for c in range(v) for i in range(m)) for r in range(p))
+    return Schedule("forward_only", p, m, v, ranks, with_backward=False)
+
+
 # --------------------------------------------------------------------------- checks and lowering
 
 
 def validate(schedule: Schedule) -> Schedule:
-    """Check that every (micro-batch, stage) runs forward and backward exactly once, on the
-    rank that holds the stage, forward before backward; raise ValueError otherwise."""
+    """Check that every (micro-batch, stage) runs forward and backward exactly once (forward
+    only, in a schedule without backward), on the rank that holds the stage, forward before
+    backward; raise ValueError otherwise."""
     p, m, S = schedule.p, schedule.m, schedule.num_stages
     if len(schedule.ranks) != p:
         raise ValueError(f"schedule {schedule.name!r} has {len(schedule.ranks)} rank lists for p={p}")
@@ -218,6 +234,8 @@ def validate(schedule: Schedule) -> Schedule:
                                  f"actions belong in a schedule (communication is derived)")
             if not (0 <= a.microbatch < m and 0 <= a.chunk < S):
                 raise ValueError(f"schedule {schedule.name!r}: rank {r} lists {a} outside m={m}, stages={S}")
+            if a.kind is B and not schedule.with_backward:
+                raise ValueError(f"schedule {schedule.name!r}: rank {r} lists {a} in a forward-only schedule")
             if stage_rank(a.chunk, p) != r:
                 raise ValueError(f"schedule {schedule.name!r}: rank {r} lists {a} but stage "
                                  f"{a.chunk} lives on rank {stage_rank(a.chunk, p)}")
@@ -227,7 +245,8 @@ def validate(schedule: Schedule) -> Schedule:
             if a.kind is B and (F, a.microbatch, a.chunk) not in seen:
                 raise ValueError(f"schedule {schedule.name!r}: rank {r} runs {a} before its forward")
             seen[key] = r
-    missing = [(k.value, i, s) for k in (F, B) for i in range(m) for s in range(S) if (k, i, s) not in seen]
+    kinds = (F, B) if schedule.with_backward else (F,)
+    missing = [(k.value, i, s) for k in kinds for i in range(m) for s in range(S) if (k, i, s) not in seen]
     if missing:
         raise ValueError(f"schedule {schedule.name!r} never runs {missing[:4]}"
                          + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))

@@ -42,10 +42,6 @@ class LoopConfig(Config):
         _check_positive("steps", self.steps)
         _check_positive("seed", self.seed, allow_zero=True)
         self.eval.validate("eval")
-        if self.eval.every and self.parallel.pp > 1:
-            raise ConfigError(f"eval.every={self.eval.every} is not supported with parallel.pp={self.parallel.pp} "
-                              f"yet (the pipeline has no forward-only schedule): valid eval.every=0, or "
-                              f"parallel.pp=1")
         return self
 
     def engine_config(self) -> Config:

@@ -390,15 +390,25 @@ class Trainer:
             raise ConfigError("evaluate() needs eval_data: pass held-out data to the Trainer")
         dp, rank = self.topology.size("dp"), self.topology.coord("dp")
         batches = eval_batches(self.eval_data, rank, dp, self.config.batch.micro_batch_size, self.collate_fn)
+        # A pipeline evaluates grad_accum_steps micro-batches per schedule (they pipeline);
+        # one model, one at a time.
+        group = self.engine.accum if self.topology.size("pp") > 1 else 1
         loss_sum = tokens = count = 0.0
-        for _ in range(self.config.eval.batches):
+        pending: list[Any] = []
+        for k in range(self.config.eval.batches):
             batch = next(batches, None)
-            if not self._every_rank_has(batch is not None):
+            ended = not self._every_rank_has(batch is not None)
+            if not ended:
+                pending.append(batch)
+            if pending and (ended or len(pending) == group or k == self.config.eval.batches - 1):
+                for b, loss in zip(pending, self._eval_losses(pending), strict=True):
+                    n = count_tokens(b)
+                    loss_sum += loss * n
+                    tokens += n
+                    count += 1
+                pending = []
+            if ended:
                 break
-            n = count_tokens(batch)
-            loss_sum += float(self.engine.evaluate(batch)) * n
-            tokens += n
-            count += 1
         totals = torch.tensor([loss_sum, tokens, count], dtype=torch.float64)
         if self.topology.size("dp_cp") > 1 and dist.is_initialized():  # (cp ranks count their samples' tokens each)
             dist.all_reduce(totals, group=self.replica_group)
@@ -409,6 +419,11 @@ class Trainer:
         loss = loss_sum / tokens if tokens else float("nan")
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)),
                 "eval_tokens": int(tokens) // self.topology.size("cp")}
+
+    def _eval_losses(self, batches: list[Any]) -> list[float]:
+        if self.topology.size("pp") > 1:
+            return self.engine.evaluate_each(batches)
+        return [float(self.engine.evaluate(batch)) for batch in batches]
 
     def _every_rank_has(self, has: bool) -> bool:
         flag = torch.tensor([1 if has else 0], dtype=torch.int32)
