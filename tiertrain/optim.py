@@ -32,6 +32,7 @@ per-group weight decay) and any optimizer with whole-parameter groups per parame
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import math
@@ -252,11 +253,12 @@ class ClientOptimizer:
         return self.build([{"params": [torch.empty(0, 0)], **g.options} for g in self.groups])
 
 
-def client_optimizer(model: nn.Module, config: Config, optimizer: OptimizerArg | None = None,
+def client_optimizer(model: nn.Module | Sequence[nn.Module], config: Config, optimizer: OptimizerArg | None = None,
                      param_groups: Sequence[dict] | None = None,
                      lr_scheduler: SchedulerFactory | None = None) -> ClientOptimizer | None:
     """What ``wrap(optimizer=, param_groups=, lr_scheduler=)`` asks for, checked against the
-    model before anything is built; None when none is given (the default AdamW path).
+    model before anything is built; None when none is given (the default AdamW path). model:
+    the model, or a pipeline rank's stage modules (by their own parameter names, distinct).
 
     optimizer: an Optimizer subclass (called as cls(groups)), a factory callable(groups),
     or an instance built on the model's parameters (its class, constructor defaults and
@@ -271,9 +273,9 @@ def client_optimizer(model: nn.Module, config: Config, optimizer: OptimizerArg |
     if lr_scheduler is not None and not callable(lr_scheduler):
         raise TypeError(f"lr_scheduler={lr_scheduler!r}: expected a factory callable(optimizer) -> LRScheduler, "
                         f"e.g. functools.partial(torch.optim.lr_scheduler.StepLR, step_size=10)")
-    named = list(model.named_parameters())
+    named = _named_parameters(model)
     canonical = {id(p): n for n, p in named}  # (a tied parameter: its first name)
-    aliases = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+    aliases = {n: canonical[id(p)] for n, p in _named_parameters(model, remove_duplicate=False)}
     instance_groups = None
     instances: tuple[torch.optim.Optimizer, ...] = ()
     parts: list[int] | None = None  # (a list of instances: the instance of each group)
@@ -337,6 +339,26 @@ def client_optimizer(model: nn.Module, config: Config, optimizer: OptimizerArg |
     elif config.zero.offload_optimizer == Tier.NVME:
         _check_one_at_a_time(part_builds, group_parts, groups, name)
     return ClientOptimizer(build, groups, lr_scheduler, name, why_whole, instance_groups, instances)
+
+
+def _named_parameters(model: nn.Module | Sequence[nn.Module],
+                      remove_duplicate: bool = True) -> list[tuple[str, nn.Parameter]]:
+    if isinstance(model, nn.Module):
+        return list(model.named_parameters(remove_duplicate=remove_duplicate))
+    return [pair for stage in model for pair in stage.named_parameters(remove_duplicate=remove_duplicate)]
+
+
+def for_pipeline_rank(client: ClientOptimizer, names: set[str], copies: dict[str, str]) -> ClientOptimizer:
+    """The client's optimizer on one pipeline rank, resolved against the whole model before it
+    was cut into stages: each group holds the parameters this rank's stages hold (``names``),
+    plus the last stage's copy of a tied embedding (``copies``: copy → the embedding's name) in
+    the embedding's group, so that both get the same update and stay equal. Every group is kept,
+    empty where the rank holds none of its parameters: group k is the user's k-th group on every
+    rank (a scheduler's per-group rates, the instance's param_groups)."""
+    groups = tuple(ParamGroup(tuple(n for n in g.names if n in names)
+                              + tuple(copy for copy, first in copies.items() if first in g.names), g.options, g.whole)
+                   for g in client.groups)
+    return dataclasses.replace(client, groups=groups)
 
 
 def _check_no_scheduler_on(groups: Sequence[dict], name: str, lr_scheduler: SchedulerFactory | None) -> None:

@@ -38,7 +38,8 @@ from .in_place_edits import refuse_in_place_edits
 from .memory_report import MemoryReport, memory_report_of
 from .model_changes import ModelAtWrap
 from .module_load import ModuleLoad
-from .optim import OptimizerArg, SchedulerFactory, client_optimizer, clip_coefficient, scheduled_lr, squared_norm
+from .optim import (ClientOptimizer, OptimizerArg, SchedulerFactory, client_optimizer, clip_coefficient,
+                    scheduled_lr, squared_norm)
 from .precision import compute_dtype
 from .run_plan import RunPlan, resolve_run_plan
 from .spans import span
@@ -64,7 +65,8 @@ class TrainingCore:
     number of ranks gradients are averaged over (dp × cp), made once the config is validated.
     one_model_fetcher: at stage 3, build the fetcher whose hooks gather each unit around its
     module in one forward and one backward (the one-model engine's). optimizer, param_groups,
-    lr_scheduler: the user's own (tiertrain/optim.py client_optimizer)."""
+    lr_scheduler: the user's own (tiertrain/optim.py client_optimizer); or client: them resolved
+    already (a pipeline rank's share: optim.for_pipeline_rank)."""
 
     fetcher: ParameterFetcher | None
     """Stage 3's one-model parameter fetcher (engine_build.py adds it for tiertrain.Engine); None
@@ -74,11 +76,12 @@ class TrainingCore:
                  plan: Callable[[int], GradientPlan], update_factory: UpdateFactory, *,
                  one_model_fetcher: bool, optimizer: OptimizerArg | None = None,
                  param_groups: list[dict] | None = None, lr_scheduler: SchedulerFactory | None = None,
-                 state_io: StateIO | None = None):
+                 state_io: StateIO | None = None, client: ClientOptimizer | None = None):
         config.validate()
         check_no_partitioned_init("tiertrain.wrap()")
         check_dense_gradients(module)
-        client = client_optimizer(module, config, optimizer, param_groups, lr_scheduler)
+        if client is None:
+            client = client_optimizer(module, config, optimizer, param_groups, lr_scheduler)
         if config.zero.retain_host_memory:
             retain_freed_host_memory()
         self.module = module

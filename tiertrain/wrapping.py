@@ -15,7 +15,7 @@ from .engine import Engine
 from .engine_contract import LossFn
 from .errors import TiertrainError, listing
 from .offload.activations import apply_activation_checkpointing, checkpointing_of
-from .optim import OptimizerArg, SchedulerFactory
+from .optim import OptimizerArg, SchedulerFactory, client_optimizer
 from .pipeline.engine import PipelineEngine, pipeline_stages
 from .precision import stored_quantised
 from .shared_memory import check_no_shared_memory
@@ -160,6 +160,8 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
     whose "params" are parameters or parameter names, plus the group's hyper-parameters
     (e.g. no weight decay for biases and norms). lr_scheduler: ``callable(optimizer) ->
     LRScheduler``, applied to the engine's optimizer and stepped once per update applied.
+    With parallel.pp > 1 the groups name the whole model's parameters; each pipeline rank trains
+    its stages' share (docs/optimizers.md, "Under pipeline parallelism").
     """
     if config.zero.offload == "auto":
         raise ConfigError("zero.offload='auto' is chosen before a model is built, which wrap() cannot do: train "
@@ -169,10 +171,6 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
     if topology.size("pp") > 1 and (loss_fn is not None or unit_modules is not None):
         raise ConfigError(f"parallel.pp={topology.size('pp')}: loss_fn and unit_modules do not apply to a "
                           f"pipeline (the last stage returns the loss; at zero.stage 3 each stage's blocks are its units)")
-    if topology.size("pp") > 1 and any(x is not None for x in (optimizer, param_groups, lr_scheduler)):
-        raise ConfigError(f"parallel.pp={topology.size('pp')}: optimizer, param_groups and lr_scheduler are not "
-                          f"supported with pipeline parallelism yet (configure AdamW and schedule in config); "
-                          f"they work with parallel.pp=1")
     _check_not_held(model)
     _check_not_data_parallel(model)
     _check_materialized(model)
@@ -192,9 +190,14 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
         checkpointing = apply_activation_checkpointing(model, config.activations, device=topology.device)
     try:
         if topology.size("pp") > 1:
+            # The user's groups name the whole model's parameters (a tied head by either name):
+            # resolved before the cut, which gives the last stage a copy of a tied embedding.
+            config.validate()
+            client = client_optimizer(model if isinstance(model, nn.Module) else list(model), config, optimizer,
+                                      param_groups, lr_scheduler)
             stages = pipeline_stages(model, topology, config.parallel.virtual_stages)
             engine = PipelineEngine(stages, config, topology, activation_shape=activation_shape,
-                                    update_factory=update_factory, state_io=engine_io)
+                                    update_factory=update_factory, state_io=engine_io, client=client)
         else:
             engine = Engine(model, config, topology, loss_fn=loss_fn, unit_modules=unit_modules,
                             update_factory=update_factory, optimizer=optimizer, param_groups=param_groups,

@@ -55,6 +55,7 @@ import torch.nn as nn
 from ..collective_order import CollectiveMismatchError
 from ..config import Config, ConfigError
 from ..engine_contract import StateIO
+from ..optim import ClientOptimizer, for_pipeline_rank
 from ..models.gpt import GPT
 from ..topology import Topology
 from ..training_core import TrainingCore
@@ -156,7 +157,9 @@ def pipeline_plan(stages: Sequence[nn.Module], config: Config, dp: int) -> tuple
 
 
 class PipelineEngine(TrainingCore):
-    """Trains this rank's pipeline stages; see the module docstring. Use :meth:`train_batch`
+    """Trains this rank's pipeline stages; see the module docstring. client: the user's
+    optimizer, groups and schedule resolved against the whole model (wrap() does it), of
+    which this rank trains its stages' share (optim.for_pipeline_rank). Use :meth:`train_batch`
     (a schedule interleaves the forward and backward of several micro-batches, so there is
     no separate forward/backward call). Built on the training core (tiertrain/training_core.py)
     as tiertrain.Engine is, with the schedule's executor in place of the one-model contract:
@@ -165,19 +168,22 @@ class PipelineEngine(TrainingCore):
     def __init__(self, stages: Sequence[nn.Module], config: Config, topology: Topology,
                  activation_shape: tuple[int, ...] | Callable[[dict], tuple[int, ...]] | None = None,
                  timeout: float | None = None, update_factory: UpdateFactory = build_update,
-                 state_io: StateIO | None = None):
+                 state_io: StateIO | None = None, client: ClientOptimizer | None = None):
         self.stages = list(stages)
         self._tied_stages = [s for s in self.stages if getattr(s, "tied", False)]
         chunk_modules = None
         # Stage 3: per-block units inside each chunk, gathered by zero3.PipelineFetcher.
         if ZeroStage.of(config).partitions_parameters:
-            copies = {tied_names(s)[1] for s in self._tied_stages if s.is_last and not s.is_first}
+            copies = set(self.tied_copies())
             plan, self._units_of_chunk, chunk_modules = stage3_plan(
                 self.stages, config, topology.size("dp_cp"), counts_in_norm=lambda name: name not in copies)
         else:
             plan, self._units_of_chunk = pipeline_plan(self.stages, config, topology.size("dp_cp"))
+        if client is not None:
+            held = {name for stage in self.stages for name, _ in stage.named_parameters()}
+            client = for_pipeline_rank(client, held, self.tied_copies())
         super().__init__(nn.ModuleList(self.stages), config, topology, lambda dp: plan, update_factory,
-                         one_model_fetcher=False, state_io=state_io)
+                         one_model_fetcher=False, state_io=state_io, client=client)
         self._schedule_failed: str | None = None
         """Why this engine refuses to train: its schedule raised midway (_refuse_after_failure)."""
         self.pipeline_fetcher: PipelineFetcher | None = None
