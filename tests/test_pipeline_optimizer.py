@@ -118,17 +118,19 @@ def _batches(name, dp):
     return hf_convention(batches)
 
 
-def _config(stage, schedule="1f1b", v=1, dp=1, pp=2):
-    return make_config(zero={"stage": stage, "bucket_mb": 0.02},
+def _config(stage, schedule="1f1b", v=1, dp=1, pp=2, tier="none", nvme_path=""):
+    tiers = {"offload_optimizer": tier, "offload_params": tier if stage == 3 else "none", "nvme_path": nvme_path}
+    return make_config(zero={"stage": stage, "bucket_mb": 0.02, **tiers},
                        parallel={"dp": dp, "pp": pp, "schedule": schedule, "virtual_stages": v},
                        batch={"micro_batch_size": MICRO, "grad_accum_steps": ACCUM},
                        optimizer={"eps": 1e-3, "lr": 1e-2, "grad_clip": 0.05})
 
 
-def _run(rank, world, runs, dp):
+def _run(rank, world, runs, dp, nvme_path=""):
     out = []
-    for case, stage, schedule, v, name in runs:
-        losses, params, engine = engine_train(rank, world, _model(name), _config(stage, schedule, v, dp=dp),
+    for case, stage, schedule, v, name, *tier in runs:
+        config = _config(stage, schedule, v, dp=dp, tier=tier[0] if tier else "none", nvme_path=nvme_path)
+        losses, params, engine = engine_train(rank, world, _model(name), config,
                                               _batches(name, dp), wrap_kwargs=CASES[case][0])
         out.append((losses, tp_gathered(engine, params)))
         engine.close()
@@ -136,7 +138,7 @@ def _run(rank, world, runs, dp):
 
 
 def _check(results, runs, dp=1):
-    for k, (case, stage, schedule, v, name) in enumerate(runs):
+    for k, (case, stage, schedule, v, name, *_) in enumerate(runs):
         _, build, scheduler = CASES[case]
         oracle = Oracle.run(reference_train, _model(name), _config(stage, pp=1), _batches(name, dp),
                             build_optimizer=build, lr_scheduler=scheduler)
@@ -163,6 +165,17 @@ FOUR_RANK_RUNS = [("sgd-groups-by-name", 3, "1f1b", 1, "gpt"), ("adamw-instance"
 @pytest.mark.timeout(150)
 def test_with_data_parallelism_too():
     _check(run_distributed(_run, 4, FOUR_RANK_RUNS, 2, timeout=140), FOUR_RANK_RUNS, 2)
+
+
+TIER_RUNS = [("sgd-groups-by-name", 2, "1f1b", 1, "gpt", "cpu"), ("adamw-instance", 3, "1f1b", 1, "gpt", "cpu"),
+             ("muon-and-adamw", 2, "1f1b", 1, "gpt", "cpu"), ("config-adamw-own-schedule", 3, "1f1b", 1, "gpt", "nvme")]
+"""(..., optimizer tier: parameters too at stage 3). The NVMe tier streams one rate for every
+group (docs/optimizers.md): config AdamW under its own scheduler."""
+
+
+@pytest.mark.timeout(150)
+def test_on_the_cpu_and_nvme_tiers(tmp_path):
+    _check(run_distributed(_run, 2, TIER_RUNS, 1, str(tmp_path), timeout=140), TIER_RUNS)
 
 
 def _resume(rank, world, directory, resume):
