@@ -15,7 +15,8 @@ decoders get Hugging Face's batches (labels = input_ids, which their loss shifts
 theirs (labels aligned with the logits).
 GPT-2, Qwen2, T5 and BERT check the
 tied-weight exchange between the first and last stage (interleaved: chunk 0 of rank 0 and
-chunk 1 of rank 1); an explicit, unbalanced split checks ``split=``.
+chunk 1 of rank 1); an explicit, unbalanced split checks ``split=``. Padded batches (a padding
+``attention_mask``, T5's ``decoder_attention_mask``) train as the unsplit model does on them.
 
 Layouts (dp, tp, pp): (1,1,2) on 2 ranks; (2,1,2) and (1,2,2) on 4, one launch each with
 every case in it. At tp=2 the models are converted by tensor-parallel plans first
@@ -26,6 +27,8 @@ the boundary message goes by Megatron's scatter/gather (each tp rank sends 1/2 o
 bytes are counted, and one case is run again without it and must train bit for bit the same.
 """
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -175,6 +178,80 @@ def test_models_split_automatically_match_single_process():
     assert layers[8] == [[[0], [2]], [[1], [3]]]
     assert layers[9] == [[[0, 1]], [[2, 3]]]  # BERT's encoder.layer
     assert layers[10] == [[[0], [2]], [[1], [3]]]
+
+
+LENGTHS = (16, 11)
+"""Tokens of each row of a micro-batch after its padding (the same in every micro-batch)."""
+
+
+def _left_padding(lengths: torch.Tensor, seq: int) -> torch.Tensor:
+    return (torch.arange(seq)[None, :] >= seq - lengths).long()
+
+
+def _padded(name, batches):
+    """The batches padded on the left (as a tokenizer pads for a decoder: right padding would
+    change nothing a causal mask lets a token see): the pad positions hold token 0 under
+    attention_mask 0 and are not predicted (-100); T5's decoder padded the same way, under its
+    own decoder_attention_mask."""
+    out = []
+    for batch in batches:
+        rows, seq = batch["input_ids"].shape
+        lengths = torch.tensor(LENGTHS * (rows // len(LENGTHS)))[:, None]
+        keep = _left_padding(lengths, seq)
+        padded = {**batch, "input_ids": batch["input_ids"] * keep, "attention_mask": keep,
+                  "labels": batch["labels"].masked_fill(keep[:, -batch["labels"].shape[1]:] == 0, -100)}
+        if name == "t5":
+            padded["decoder_attention_mask"] = _left_padding(lengths - 4, batch["labels"].shape[1])
+            padded["labels"] = batch["labels"].masked_fill(padded["decoder_attention_mask"] == 0, -100)
+        out.append(padded)
+    return out
+
+
+def _micro_batch_reference(model, config, batches):
+    """Plain PyTorch with the pipeline's convention: each step's loss the mean over its ACCUM
+    micro-batches of each one's loss (the model's own token mean), then clip, AdamW and the
+    schedule as in reference_train."""
+    from reference import _floats_to
+    from tiertrain.optim import build_adamw, build_schedule, param_groups
+
+    model = copy.deepcopy(model)
+    opt = build_adamw(param_groups(model.named_parameters(), config.optimizer), config.optimizer)
+    sched = build_schedule(opt, config.schedule)
+    dtype, losses = next(model.parameters()).dtype, []
+    for batch in batches:
+        loss = sum(model(**_floats_to(m, dtype)).loss for m in rank_slices(batch, 0, 1, MICRO, ACCUM)) / ACCUM
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+PADDED_CASES = [("llama", 1, "1f1b", 1, False), ("gpt2", 2, "interleaved", 2, False), ("t5", 1, "1f1b", 1, False),
+                ("bert", 3, "1f1b", 1, False)]
+
+
+def _run_padded(rank, world, cases):
+    out = []
+    for name, stage, schedule, v, _ in cases:
+        losses, params, engine = engine_train(rank, world, MODELS[name](), _config(stage, 2, schedule, v),
+                                              _padded(name, _batches(name)))
+        out.append((losses, params))
+        engine.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_padded_batches_train_as_the_unsplit_model_under_its_padding_mask():
+    """A batch's attention_mask (and T5's decoder_attention_mask) reaches every stage's blocks
+    through the model's own mask functions: decoders (Llama's rotary blocks, GPT-2), T5's
+    encoder, decoder and cross-attention, BERT's bidirectional encoder train as the unsplit
+    model does on the same padded micro-batches."""
+    results = run_distributed(_run_padded, 2, PADDED_CASES, timeout=100)
+    _check(results, PADDED_CASES, lambda c: Oracle.run(_micro_batch_reference, MODELS[c[0]](), _config(c[1], 1),
+                                                       _padded(c[0], _batches(c[0]))), "padded (1,1,2)")
 
 
 def _qwen3_whole(rank, world):

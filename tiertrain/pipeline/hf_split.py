@@ -30,13 +30,15 @@ Recognised families (:func:`recognise`):
   loss is the masked-LM cross-entropy, the model's own: labels *aligned* with the inputs (not
   shifted), ``-100`` where a token is not predicted. A batch is ``input_ids``, ``labels`` and
   optionally ``token_type_ids`` (given to the embeddings on stage 0); every block stage makes
-  the bidirectional mask itself (no padding: none). Not with a tensor-parallel plan yet.
+  the bidirectional mask itself (with the batch's padding ``attention_mask``, if any). Not with a
+  tensor-parallel plan yet.
 
 Decoders and encoders: only the hidden states travel between stages, ``[batch, seq, hidden]``: every stage
 that runs blocks recomputes what its blocks need besides (position ids, the rotary cos/sin, the
 causal mask) from the batch, with the model's own modules and mask functions, so the maths is
-the unsplit model's. A padding ``attention_mask`` (or ``decoder_attention_mask``) in the batch
-is refused (not carried yet).
+the unsplit model's. A padding ``attention_mask`` (T5: and ``decoder_attention_mask``) in the
+batch is not sent either: every stage gives it to the model's mask functions for its blocks
+(refused for a chain of modules and under context parallelism).
 
 Encoder-decoder (T5): a batch is ``input_ids`` [B, S] (the encoder's), ``labels`` [B, T] (the
 decoder's targets, aligned with its inputs: the loss is the cross-entropy of the logits
@@ -285,7 +287,8 @@ class HFStage(nn.Module):
         for i in self.layers:
             if i < le:
                 block = self.get_submodule(self._blocks[i])
-                mask = create_bidirectional_mask(config=self._stack_configs[0], inputs_embeds=enc, attention_mask=None)
+                mask = create_bidirectional_mask(config=self._stack_configs[0], inputs_embeds=enc,
+                                                 attention_mask=batch.get("attention_mask"))
                 enc, bias, _ = block(enc, mask, None if i == 0 else enc_bias)
                 if i == 0:
                     enc_bias = bias
@@ -295,10 +298,11 @@ class HFStage(nn.Module):
                 j = i - le
                 block = self.get_submodule(self._blocks[i])
                 cfg = self._stack_configs[1]
-                mask = create_causal_mask(config=cfg, inputs_embeds=dec, attention_mask=None,
+                mask = create_causal_mask(config=cfg, inputs_embeds=dec,
+                                          attention_mask=batch.get("decoder_attention_mask"),
                                           **_no_cache(create_causal_mask))
-                cross = create_bidirectional_mask(config=cfg, inputs_embeds=dec, attention_mask=None,
-                                                  encoder_hidden_states=enc)
+                cross = create_bidirectional_mask(config=cfg, inputs_embeds=dec,
+                                                  attention_mask=batch.get("attention_mask"), encoder_hidden_states=enc)
                 # (the cross-attention's position bias is zero, made by each block itself)
                 dec, bias, _ = block(dec, mask, None if j == 0 else dec_bias, enc, cross, None)
                 if j == 0:
@@ -315,12 +319,17 @@ class HFStage(nn.Module):
         return torch.cat([enc.reshape(-1), dec.reshape(-1), enc_bias.reshape(-1), dec_bias.reshape(-1)])
 
     def forward(self, x: torch.Tensor | None, batch: dict) -> torch.Tensor:
-        if batch.get("attention_mask") is not None:
-            raise ValueError("pipeline stages of a Hugging Face model do not carry a padding attention_mask yet; "
-                             "give batches of input_ids and labels only")
-        if batch.get("decoder_attention_mask") is not None:
-            raise ValueError("pipeline stages of a Hugging Face model do not carry a decoder_attention_mask yet; "
-                             "give batches of input_ids, labels and optionally decoder_input_ids only")
+        # Every stage has the batch: a padding mask is not sent, each stage makes its blocks'
+        # masks from it with the model's own mask functions, as the unsplit model does.
+        masks = [key for key in ("attention_mask", "decoder_attention_mask") if batch.get(key) is not None]
+        if masks and (self.kind == "sequential" or self.cp_size > 1):
+            where = ("a chain of modules, each called on the previous one's output, cannot take it"
+                     if self.kind == "sequential" else f"parallel.cp={self.cp_size} splits the sequence it masks")
+            raise ValueError(f"the batch's {' and '.join(masks)} cannot be given to these pipeline stages: {where}; "
+                             f"give batches without padding (input_ids and labels, -100 where not predicted)")
+        if "decoder_attention_mask" in masks and self.kind != "t5":
+            raise ValueError("decoder_attention_mask is for an encoder-decoder model (T5); this model has no decoder "
+                             "stack to mask")
         if self.kind == "t5":
             return self._t5_forward(x, batch)
         if self.kind == "encoder":
@@ -339,7 +348,7 @@ class HFStage(nn.Module):
                 ids, pos = local_tokens(self, ids)
             if self.is_first:
                 x = self.model.embed_tokens(ids)
-            x = self._rotary_blocks(x, pos)
+            x = self._rotary_blocks(x, pos, batch.get("attention_mask"))
             if self.is_last and self.cp_size > 1:
                 # transformers' causal-LM loss (labels: the tokens, shifted before the split), as the
                 # converted model's forward computes it at pp = 1 (tiertrain/parallel/cp_hf.py)
@@ -352,8 +361,9 @@ class HFStage(nn.Module):
             x = tr.drop(tr.wte(ids) + tr.wpe(pos))
         if self.layers:
             from transformers.masking_utils import create_causal_mask
-            mask = create_causal_mask(config=self.hf_config, inputs_embeds=x, attention_mask=None,
-                                      position_ids=pos, **_no_cache(create_causal_mask))
+            mask = create_causal_mask(config=self.hf_config, inputs_embeds=x,
+                                      attention_mask=batch.get("attention_mask"), position_ids=pos,
+                                      **_no_cache(create_causal_mask))
             for _, block in self._run:
                 x = block(x, None, mask, None, encoder_attention_mask=None, use_cache=False, position_ids=pos)
         if self.is_last:
@@ -362,14 +372,16 @@ class HFStage(nn.Module):
 
     def _encoder_forward(self, x: torch.Tensor | None, batch: dict) -> torch.Tensor:
         """BERT/RoBERTa: embeddings (with the batch's token_type_ids, if any), the encoder's
-        layers under the bidirectional mask the model makes (no padding), the MLM head and the
-        masked-LM loss, labels aligned with the inputs."""
+        layers under the bidirectional mask the model makes (with the batch's padding
+        attention_mask, if any), the MLM head and the masked-LM loss, labels aligned with the
+        inputs."""
         if self.is_first:
             embeddings = self.get_submodule(f"{self._encoder_base}.embeddings")
             x = embeddings(input_ids=batch["input_ids"], token_type_ids=batch.get("token_type_ids"))
         if self.layers:
             from transformers.masking_utils import create_bidirectional_mask
-            mask = create_bidirectional_mask(config=self._encoder_config, inputs_embeds=x, attention_mask=None)
+            mask = create_bidirectional_mask(config=self._encoder_config, inputs_embeds=x,
+                                             attention_mask=batch.get("attention_mask"))
             for _, layer in self._run:
                 x = layer(x, mask)
         if self.is_last:
@@ -377,7 +389,7 @@ class HFStage(nn.Module):
             return _head_loss(self, head(x), batch["labels"])
         return x
 
-    def _rotary_blocks(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _rotary_blocks(self, x: torch.Tensor, pos: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
         if not self.layers:
             return x
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -389,7 +401,7 @@ class HFStage(nn.Module):
             kind = self._attention_type(i)
             if kind not in masks:
                 fn = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
-                masks[kind] = fn(config=cfg, inputs_embeds=x, attention_mask=None, position_ids=pos, **_no_cache(fn))
+                masks[kind] = fn(config=cfg, inputs_embeds=x, attention_mask=padding, position_ids=pos, **_no_cache(fn))
             x = layer(x, attention_mask=masks[kind], position_embeddings=position_embeddings, position_ids=pos,
                       use_cache=False, **_no_cache(type(layer).forward))
         return x
