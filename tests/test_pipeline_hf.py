@@ -413,6 +413,10 @@ def test_explicit_split_of_an_unrecognised_chain_runs_its_modules_in_order():
     assert {n for n, _ in stages[1][0].named_parameters()} == {"body.1.0.weight", "body.1.0.bias", "out.weight"}
     with pytest.raises(ValueError, match=r"parameters in none of the named modules.*body.1.0.weight"):
         split_hf(_Chain(), 2, split=[["embed", "body.0"], ["out"]])
+    # a padding mask cannot reach modules called each on the previous one's output
+    with pytest.raises(ValueError, match=r"attention_mask cannot be given to these pipeline stages: a chain of "
+                                         r"modules"):
+        stages[0][0](None, {**batch, "attention_mask": torch.ones_like(batch["input_ids"])})
 
 
 @pytest.mark.timeout(30)
@@ -506,9 +510,12 @@ def test_masked_lm_encoder_stages_chained_in_one_process_equal_the_model(family)
             torch.testing.assert_close(g, reference[n].grad, rtol=1e-5, atol=1e-6, msg=n)
     assert [s.layers for s in split_hf(_bert(family), 3)] == [[0, 1], [2], [3]]
     assert split_hf(_bert(family), 6, balance="params")[-1].paths == [head.split(".")[0]]
-    stage = split_hf(_bert(family), 2)[0]
-    with pytest.raises(ValueError, match=r"padding attention_mask"):
-        stage(None, dict(batch, attention_mask=torch.ones(4, 16, dtype=torch.long)))
+    # padded: the stages make the model's mask from the batch's attention_mask
+    padded = dict(batch, attention_mask=_left_padding(torch.tensor([[16], [11], [7], [16]]), 16))
+    x = None
+    for s in split_hf(_bert(family), 2):
+        x = s(x, padded)
+    assert torch.equal(x, ref(**padded).loss)
 
 
 @pytest.mark.timeout(30)
@@ -538,5 +545,5 @@ def test_what_the_stages_cannot_run_is_refused_clearly():
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
     with pytest.raises(ValueError, match=r"cannot split BertForSequenceClassification.*BertForMaskedLM.*split="):
         split_hf(classifier, 2)
-    with pytest.raises(ValueError, match=r"decoder_attention_mask"):
-        split_hf(_t5(), 2)[0](None, dict(_batches("t5", steps=1)[0], decoder_attention_mask=torch.ones(8, 12)))
+    with pytest.raises(ValueError, match=r"decoder_attention_mask is for an encoder-decoder model \(T5\)"):
+        split_hf(_llama(), 2)[0](None, dict(_batches("llama", steps=1)[0], decoder_attention_mask=torch.ones(8, 16)))
