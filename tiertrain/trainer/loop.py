@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import sys
 import time
 import uuid
@@ -47,7 +46,8 @@ from ..config import ConfigError
 from ..launch import check_terminated
 from ..precision import NonFiniteError
 from .auto import predicted_tier_bytes, resolve_auto_offload
-from .batches import batch_stream, count_tokens, eval_batches, is_dataset
+from .batches import batch_stream, count_tokens, is_dataset
+from .evaluation import held_out_loss
 from .config import LoopConfig
 from .divergence import DivergenceWatch
 from .flops import flops_per_token, peak_flops_per_rank
@@ -388,48 +388,7 @@ class Trainer:
         whose data ends first ends the evaluation for all)."""
         if self.eval_data is None:
             raise ConfigError("evaluate() needs eval_data: pass held-out data to the Trainer")
-        dp, rank = self.topology.size("dp"), self.topology.coord("dp")
-        batches = eval_batches(self.eval_data, rank, dp, self.config.batch.micro_batch_size, self.collate_fn)
-        # A pipeline evaluates grad_accum_steps micro-batches per schedule (they pipeline);
-        # one model, one at a time.
-        group = self.engine.accum if self.topology.size("pp") > 1 else 1
-        loss_sum = tokens = count = 0.0
-        pending: list[Any] = []
-        for k in range(self.config.eval.batches):
-            batch = next(batches, None)
-            ended = not self._every_rank_has(batch is not None)
-            if not ended:
-                pending.append(batch)
-            if pending and (ended or len(pending) == group or k == self.config.eval.batches - 1):
-                for b, loss in zip(pending, self._eval_losses(pending), strict=True):
-                    n = count_tokens(b)
-                    loss_sum += loss * n
-                    tokens += n
-                    count += 1
-                pending = []
-            if ended:
-                break
-        totals = torch.tensor([loss_sum, tokens, count], dtype=torch.float64)
-        if self.topology.size("dp_cp") > 1 and dist.is_initialized():  # (cp ranks count their samples' tokens each)
-            dist.all_reduce(totals, group=self.replica_group)
-        loss_sum, tokens, count = totals.tolist()
-        if count == 0:
-            raise ConfigError(f"eval_data gave no batch on some data-parallel rank: it needs at least {dp} samples "
-                              f"(one per rank), or {dp} batches")
-        loss = loss_sum / tokens if tokens else float("nan")
-        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)),
-                "eval_tokens": int(tokens) // self.topology.size("cp")}
-
-    def _eval_losses(self, batches: list[Any]) -> list[float]:
-        if self.topology.size("pp") > 1:
-            return self.engine.evaluate_each(batches)
-        return [float(self.engine.evaluate(batch)) for batch in batches]
-
-    def _every_rank_has(self, has: bool) -> bool:
-        flag = torch.tensor([1 if has else 0], dtype=torch.int32)
-        if self.topology.size("dp") > 1 and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.dp_group)
-        return bool(flag.item())
+        return held_out_loss(self.engine, self.topology, self.eval_data, self.config, self.collate_fn)
 
     # -- records -------------------------------------------------------------------------
 
