@@ -29,6 +29,7 @@ bytes are counted, and one case is run again without it and must train bit for b
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -252,6 +253,82 @@ def test_padded_batches_train_as_the_unsplit_model_under_its_padding_mask():
     results = run_distributed(_run_padded, 2, PADDED_CASES, timeout=100)
     _check(results, PADDED_CASES, lambda c: Oracle.run(_micro_batch_reference, MODELS[c[0]](), _config(c[1], 1),
                                                        _padded(c[0], _batches(c[0]))), "padded (1,1,2)")
+
+
+def _shift_labels(batches):
+    """Causal-LM batches with each position's next token as transformers' shift_labels, which its
+    loss takes instead of the labels (what `tiertrain train --model.hf` gives at pp > 1:
+    tiertrain's datasets' labels)."""
+    return [{"input_ids": b["input_ids"], "labels": b["input_ids"], "shift_labels": b["labels"]} for b in batches]
+
+
+SHIFTED_CASES = [("llama", 2, "1f1b", 1, False), ("gpt2", 1, "interleaved", 2, False)]
+
+
+def _run_shifted(rank, world, cases):
+    out = []
+    for name, stage, schedule, v, _ in cases:
+        losses, params, engine = engine_train(rank, world, MODELS[name](), _config(stage, 2, schedule, v),
+                                              _shift_labels(global_batches(STEPS, MICRO * ACCUM)))
+        out.append((losses, params))
+        engine.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_shift_labels_train_as_the_model_given_them():
+    """A causal LM's last stage computes the model's own loss of the batch's shift_labels, as
+    ``model(input_ids=..., labels=..., shift_labels=...)`` does, for every position (labels
+    alone would lose the last: the model's loss shifts them)."""
+    results = run_distributed(_run_shifted, 2, SHIFTED_CASES, timeout=100)
+    _check(results, SHIFTED_CASES, lambda c: Oracle.run(_micro_batch_reference, MODELS[c[0]](), _config(c[1], 1),
+                                                        _shift_labels(global_batches(STEPS, MICRO * ACCUM))),
+           "shift_labels (1,1,2)")
+
+
+def _train_and_save(rank, world, directory, cases):
+    out = []
+    for name, stage, schedule, v in cases:
+        config = _config(stage, 2, schedule, v)
+        engine = tiertrain.wrap(MODELS[name](), config, tiertrain.Topology.build(config.parallel))
+        for batch in _batches(name)[:2]:
+            engine.train_batch(rank_slices(batch, 0, 1, MICRO, ACCUM))
+        engine.save_checkpoint(f"{directory}/{name}")
+        out.append({k: v.detach().cpu().clone() for k, v in engine.full_state_dict().items()})
+        engine.close()
+    return out
+
+
+EXPORT_CASES = [("llama", 1, "1f1b", 1), ("gpt2", 2, "interleaved", 2), ("t5", 3, "1f1b", 1), ("bert", 1, "1f1b", 1)]
+
+
+@pytest.mark.timeout(120)
+def test_a_pipeline_checkpoint_exports_as_a_directory_from_pretrained_loads(tmp_path):
+    """`tiertrain export` of a pipeline run's checkpoint: config.json of the model's class, every
+    tensor under its Hugging Face name (a tied head written once, as save_pretrained does), the
+    trained values bit for bit; before, it wrote the stages' tensors without a config."""
+    from tiertrain.state.consolidate import export_checkpoint
+
+    trained = run_distributed(_train_and_save, 2, str(tmp_path / "ckpt"), EXPORT_CASES, timeout=100)[0]
+    for (name, *_), whole in zip(EXPORT_CASES, trained):
+        out = tmp_path / "export" / name
+        export_checkpoint(tmp_path / "ckpt" / name, out)
+        config = json.loads((out / "config.json").read_text())
+        loaded = getattr(transformers, config["architectures"][0]).from_pretrained(out)
+        assert type(loaded) is type(MODELS[name]())
+        state = loaded.state_dict()
+        assert set(whole) <= set(state), (name, set(whole) - set(state))
+        for key, value in whole.items():
+            assert torch.equal(state[key], value), (name, key)
+        if name in TIED:
+            assert TIED[name][1] not in safetensors_keys(out), "the tied head is written once, as the embedding"
+
+
+def safetensors_keys(directory):
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        return set(f.keys())
 
 
 def _qwen3_whole(rank, world):

@@ -218,9 +218,8 @@ def check_launch(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"parallel.tp={tp} with model.hf: `tiertrain train` splits only tiertrain's GPT over "
                           f"tensor-parallel ranks; give a plan through tiertrain.Trainer (tiertrain.parallel), "
                           f"or parallel.tp=1")
-    if pp > 1 and cfg.model.hf:
-        raise ConfigError(f"parallel.pp={pp} with model.hf: `tiertrain train` cuts only tiertrain's GPT into "
-                          f"pipeline stages; valid: parallel.pp=1")
+    if (pp > 1 or cfg.parallel.cp > 1) and cfg.model.hf:
+        _check_hf_family(cfg, pp)
     if cfg.model.hf:
         from .models.hf import has_weights
 
@@ -252,6 +251,23 @@ def check_launch(cfg: TrainConfig, world_size: int) -> None:
     from .observe.writers import check_writers
 
     check_writers(cfg.logging)  # tensorboard / wandb installed when asked for
+
+
+def _check_hf_family(cfg: TrainConfig, pp: int) -> None:
+    """model.hf with parallel.pp or parallel.cp > 1: the families the pipeline cuts
+    (tiertrain/pipeline/hf_families.py) and context parallelism converts
+    (tiertrain/parallel/cp_hf.py), both at once only where a pipeline stage runs the converted
+    blocks (the rotary decoders)."""
+    from .models.hf import ROTARY_DECODERS, hf_config
+
+    model_type = getattr(hf_config(cfg.model.hf), "model_type", None)
+    cp = cfg.parallel.cp
+    families = set(ROTARY_DECODERS) | ({"gpt2"} if cp == 1 else set())
+    if model_type not in families:
+        what = " and ".join(f"parallel.{k}={v}" for k, v in (("pp", pp), ("cp", cp)) if v > 1)
+        raise ConfigError(f"{what} with model.hf={cfg.model.hf!r}: its model_type {model_type!r} is not one "
+                          f"`tiertrain train` can {'cut into pipeline stages' if pp > 1 else 'make context-parallel'}"
+                          f"; valid model types: {', '.join(sorted(families))} (or parallel.pp=1, parallel.cp=1)")
 
 
 def _check_data(cfg: TrainConfig, dp: int) -> None:
@@ -424,13 +440,37 @@ def plan_for_run(cfg: TrainConfig, world_size: int, device: torch.device | None 
 
 
 def _model_factory(cfg: TrainConfig, topology):
-    """(factory, wrap options, partitioned construction) of the job's model."""
+    """(factory, Trainer options, partitioned construction) of the job's model. model.hf: its
+    causal LM, made context-parallel with parallel.cp > 1 (tiertrain/parallel/cp_hf.py); with
+    parallel.pp > 1 wrap() cuts it into stages whose last computes the model's own loss, given
+    the dataset's labels (each position's next token) as transformers' shift_labels."""
     if cfg.model.hf:
         from .models.hf import build_causal_lm, causal_lm_loss
 
-        return (lambda: build_causal_lm(cfg.model.hf)), {"loss_fn": causal_lm_loss}, True
+        def build() -> torch.nn.Module:
+            model = build_causal_lm(cfg.model.hf)
+            if topology.size("cp") > 1:
+                from .parallel.cp_plan import apply_context_parallel
+
+                apply_context_parallel(model, topology, cfg.parallel.cp_algorithm, cfg.activations.loss_tile_tokens)
+            return model
+
+        if topology.size("pp") > 1:
+            return build, {"collate_fn": _as_shift_labels}, False
+        return build, {"loss_fn": causal_lm_loss}, True
     # The GPT's own stage-3 construction (build_model) skips tiling; the Trainer partitions it.
     return (lambda: build_model(cfg, topology, partitioned=False)), {}, cfg.tile_factor == 1
+
+
+def _as_shift_labels(samples: list) -> dict[str, torch.Tensor]:
+    """A micro-batch of the dataset's samples, its labels (each position's next token) given as
+    transformers' shift_labels too, which a Hugging Face model's loss takes instead of the
+    labels, as they are."""
+    from torch.utils.data import default_collate
+
+    batch = default_collate(samples)
+    batch["shift_labels"] = batch["labels"]
+    return batch
 
 
 def held_out(cfg: TrainConfig, samples: int, dp: int) -> int:
@@ -479,18 +519,31 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
 
         cfg = resolve_auto_offload(cfg, model_dims(cfg), topology)  # (tiling chosen here builds the model)
     factory, options, partitioned = _model_factory(cfg, topology)
-    trainer = Trainer(factory, cfg, train_data, eval_data, topology=topology, seq_len=cfg.model.seq_len,
+    model, pipeline = factory, cfg.model.hf and topology.size("pp") > 1
+    if pipeline:  # (a pipeline engine's stages take no checkpoint: the weights go in before wrap() cuts them)
+        torch.manual_seed(cfg.seed)
+        model = factory()
+        _load_hf_weights(cfg, model, topology)
+    trainer = Trainer(model, cfg, train_data, eval_data, topology=topology, seq_len=cfg.model.seq_len,
                       partitioned_construction=partitioned, **options)
     if cfg.model.hf:
-        from .models.hf import has_weights, tokenizer_files
-        from .state.pretrained import load_pretrained
+        from .models.hf import tokenizer_files
 
-        if has_weights(cfg.model.hf):
-            report = load_pretrained(trainer.engine, cfg.model.hf)
-            if topology.rank == 0:
-                print(f"tiertrain: weights from model.hf={cfg.model.hf!r}: {len(report.loaded)} tensors"
-                      + (f" ({report.conversion})" if report.conversion != "none" else ""), flush=True)
+        if not pipeline:
+            _load_hf_weights(cfg, trainer.engine, topology)
         trainer.engine.files_with_model.update(tokenizer_files(cfg.model.hf))  # (exported with the model)
     # No close(): it would gather the whole model on every rank only to hand it back, and
     # the process ends here (the launcher removes the swap files).
     return trainer.fit()
+
+
+def _load_hf_weights(cfg: TrainConfig, target, topology) -> None:
+    """model.hf's weights, when it has any, into the engine (or the model before wrap())."""
+    from .models.hf import has_weights
+    from .state.pretrained import load_pretrained
+
+    if has_weights(cfg.model.hf):
+        report = load_pretrained(target, cfg.model.hf)
+        if topology.rank == 0:
+            print(f"tiertrain: weights from model.hf={cfg.model.hf!r}: {len(report.loaded)} tensors"
+                  + (f" ({report.conversion})" if report.conversion != "none" else ""), flush=True)

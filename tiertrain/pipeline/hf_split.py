@@ -10,6 +10,10 @@ ignored), the loss of tiertrain's own GPT stages.
 
 Recognised families (:func:`recognise`):
 
+A causal LM's last stage takes the model's own loss of ``labels`` (the tokens: its loss shifts
+them) or of ``shift_labels`` (each position's next token, transformers' ``shift_labels=``, what
+tiertrain's datasets give as labels): :func:`causal_targets`.
+
 * **rotary decoders** (``model_type`` in :data:`ROTARY_DECODERS`: Llama, Mistral, Qwen2,
   Qwen3): ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``, rotary
   position embeddings computed once by ``model.rotary_emb`` and given to every layer, GQA,
@@ -142,7 +146,7 @@ def _shifts_labels(loss_function) -> bool:
     return loss_function is ForCausalLMLoss
 
 
-def _head_loss(stage: "HFStage", logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _head_loss(stage: "HFStage", logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
     """The loss of the last stage: the model's own (issue 34, item 3: the same batch means the
     same at every pipeline size). A causal LM's is its ``loss_function`` (transformers' shifts
     the labels); an encoder-decoder's or a masked-LM encoder's is the cross-entropy against
@@ -163,16 +167,30 @@ def _head_loss(stage: "HFStage", logits: torch.Tensor, labels: torch.Tensor) -> 
             raise ValueError(f"a vocabulary-parallel head computes transformers' causal-LM loss only; this "
                              f"model's loss_function is {getattr(loss_function, '__name__', loss_function)!r}: "
                              f"keep lm_head whole (no 'colwise' plan for it) to use it")
-        if loss_function is not None:  # (ForCausalLMLoss: position t predicts labels[t + 1])
+        if loss_function is not None and not shifted:  # (ForCausalLMLoss: position t predicts labels[t + 1])
             labels = next_token_labels(labels)
         return vocab_parallel_cross_entropy(logits, labels, head.group)
     if vocab is not None and logits.shape[-1] != vocab:
         raise ValueError(f"the head gave {logits.shape[-1]} logits per token, not vocab_size={vocab}: a "
                          f"vocabulary-split head must be lm_head converted by the tensor-parallel plan style "
                          f"'colwise' (tiertrain.parallel.parallelize_module)")
+    if loss_function is not None and shifted:  # (transformers' shift_labels=: the next tokens already)
+        return loss_function(logits, None, vocab_size=logits.shape[-1], shift_labels=labels)
     if loss_function is not None:
         return loss_function(logits, labels, vocab_size=logits.shape[-1])
     return next_token_loss(logits, labels)
+
+
+def causal_targets(batch: dict) -> tuple[torch.Tensor, bool]:
+    """A causal LM batch's targets and whether they are shifted already: ``shift_labels``
+    (position t's target: transformers' ``shift_labels=``, which its loss takes instead of the
+    labels), else ``labels`` (the token at each position, which its loss shifts)."""
+    if batch.get("shift_labels") is not None:
+        return batch["shift_labels"], True
+    if "labels" not in batch:
+        raise KeyError("the last pipeline stage of a causal LM needs the batch's 'labels' (the tokens: the model's "
+                       "loss shifts them) or 'shift_labels' (each position's next token)")
+    return batch["labels"], False
 
 
 @functools.lru_cache(maxsize=None)
@@ -198,6 +216,11 @@ class HFStage(nn.Module):
         super().__init__()
         self.kind = family.kind
         self.hf_config = getattr(model, "config", None)
+        # what an export of the pipeline's checkpoint writes as config.json (state/export_files.py)
+        self.hf_architecture = type(model).__name__
+        can_generate = getattr(model, "can_generate", None)
+        self.hf_generation_config = (getattr(model, "generation_config", None)
+                                     if callable(can_generate) and can_generate() else None)
         # what the model keeps in fp32 (tiertrain.precision.kept_in_fp32 reads it off the stages)
         self._keep_in_fp32_modules = getattr(model, "_keep_in_fp32_modules", None)
         self._keep_in_fp32_modules_strict = getattr(model, "_keep_in_fp32_modules_strict", None)
@@ -352,9 +375,11 @@ class HFStage(nn.Module):
             if self.is_last and self.cp_size > 1:
                 # transformers' causal-LM loss (labels: the tokens, shifted before the split), as the
                 # converted model's forward computes it at pp = 1 (tiertrain/parallel/cp_hf.py)
-                return token_mean_share(self, self.model.norm(x), batch["labels"], shift=self.loss_function is not None)
+                targets, shifted = causal_targets(batch)
+                return token_mean_share(self, self.model.norm(x), targets,
+                                        shift=self.loss_function is not None and not shifted)
             if self.is_last:
-                return _head_loss(self, self.lm_head(self.model.norm(x)), batch["labels"])
+                return _head_loss(self, self.lm_head(self.model.norm(x)), *causal_targets(batch))
             return x
         if self.is_first:  # gpt2
             tr = self.transformer
@@ -367,7 +392,7 @@ class HFStage(nn.Module):
             for _, block in self._run:
                 x = block(x, None, mask, None, encoder_attention_mask=None, use_cache=False, position_ids=pos)
         if self.is_last:
-            return _head_loss(self, self.lm_head(self.transformer.ln_f(x)), batch["labels"])
+            return _head_loss(self, self.lm_head(self.transformer.ln_f(x)), *causal_targets(batch))
         return x
 
     def _encoder_forward(self, x: torch.Tensor | None, batch: dict) -> torch.Tensor:

@@ -48,20 +48,46 @@ def shard_description(engine: "TrainingCore") -> dict:
 
 def _files_for_export(engine: "TrainingCore") -> dict[str, Any]:
     """What an offline export (tiertrain/state/consolidate.py) needs beyond the shards: the
-    names Hugging Face writes, what the module holds whole, the model's HF config (without a
-    pipeline, every rank's module has every name; a tensor-parallel slice held outside the
-    shards is not whole, so it is left out), and the files kept with the model."""
+    names Hugging Face writes, what the module holds whole, the model's HF config (a
+    tensor-parallel slice held outside the shards is not whole, so it is left out), and the
+    files kept with the model. Rank 0 writes them: under pipeline parallelism each stage's
+    names and whole tensors are gathered from the pipeline's ranks (collective over pp)."""
     files: dict[str, Any] = {}
-    names, held = export_plan.checkpoint_names(engine.module, engine.flat)
-    held = [(n, t) for n, t in held if export_plan.writable_dtype(t.dtype) and not getattr(t, "tp_sharded", False)]
+    modules = engine.named_modules_of_state() if engine.topology.size("pp") > 1 else [engine.module]
+    names, held = {}, []
+    for module in modules:
+        found, whole = export_plan.checkpoint_names(module, engine.flat)
+        names.update(found)
+        held += [(n, t) for n, t in whole
+                 if export_plan.writable_dtype(t.dtype) and not getattr(t, "tp_sharded", False)]
+    hf = export_files.hf_config_json(modules[0])
+    if engine.topology.size("pp") > 1:
+        names, held, hf = _over_the_pipeline(engine, names, held, hf)
     files["export.json"] = json.dumps({"names": names, "held": [n for n, _ in held]}, indent=1).encode()
     if held:
         files["held_tensors.safetensors"] = lambda f: export_files.write_safetensors(f, held)
-    hf = export_files.hf_config_json(engine.module)
     if hf is not None:
         files["hf_config.json"] = json.dumps(hf, indent=1).encode()
     files.update({export_files.WITH_MODEL + name: data for name, data in engine.files_with_model.items()})
     return files
+
+
+def _over_the_pipeline(engine: "TrainingCore", names: dict[str, str], held: list, hf: dict | None):
+    """Every pipeline rank's export names and whole tensors (the last stage's copy of a tied
+    embedding left out: the export writes the embedding once, as save_pretrained does), and
+    the Hugging Face config its stages kept."""
+    import torch.distributed as dist
+
+    copies = set(engine.tied_copies())
+    mine = ({k: v for k, v in names.items() if k not in copies}, [(n, t.detach().cpu()) for n, t in held], hf)
+    every: list[Any] = [None] * engine.topology.size("pp")
+    dist.all_gather_object(every, mine, group=engine.topology.group("pp"))
+    names, held, seen = {}, [], set()
+    for stage_names, stage_held, stage_hf in every:
+        names.update(stage_names)
+        held += [(n, t) for n, t in stage_held if n not in seen and not seen.add(n)]
+        hf = hf if hf is not None else stage_hf
+    return names, held, hf
 
 
 def save_checkpoint(engine: "TrainingCore", directory: str, extra: dict | None, keep_last: int, run_id: str,
@@ -80,7 +106,7 @@ def save_checkpoint(engine: "TrainingCore", directory: str, extra: dict | None, 
             return None
         return (f"the fp32 master weights hold non-finite values (rank {engine.topology.rank}: first in "
                 f"{culprit}); the run has diverged: resume from an earlier checkpoint with a lower optimizer.lr")
-    files = _files_for_export(engine) if engine.topology.size("pp") == 1 else {}
+    files = _files_for_export(engine)
     return checkpoint.save(engine.checkpoint_parts(), directory, engine.steps, engine.topology,
                            engine.checkpoint_fingerprint(), extra, keep_last,
                            shards=engine.shard_description(), files=files, run_id=run_id, validate=finite_masters,

@@ -196,8 +196,10 @@ def save_pretrained(engine: "Engine", directory: str | os.PathLike, dtype: torch
         raise ValueError(f"save_pretrained: max_shard_bytes must be a positive number of bytes, "
                          f"got {max_shard_bytes!r}")
     if engine.topology.size("pp") > 1:  # (a PipelineEngine)
-        raise NotImplementedError("save_pretrained: a pipeline's stages hold different parameters under their own "
-                                  "names; export is supported for parallel.pp=1")
+        raise NotImplementedError("save_pretrained: a pipeline's ranks hold different stages of the model; save a "
+                                  "checkpoint (engine.save_checkpoint(dir), every rank) and export it with "
+                                  "`tiertrain export DIR OUT`, which assembles every stage's tensors into a "
+                                  "directory from_pretrained loads")
     if engine.tp_comm.size > 1:
         raise NotImplementedError("save_pretrained: tensor-parallel parameters are slices; export is supported "
                                   "for parallel.tp=1")
