@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import tiertrain
-from reference import Oracle, engine_train, global_batches, make_config, make_model, reference_train, tp_gathered
+from reference import (Oracle, engine_train, global_batches, make_config, make_model, rank_slices, reference_train,
+                       tp_gathered)
 from tiertrain.config import ConfigError
 from tiertrain.testing import RankFailure, run_distributed
 
@@ -191,8 +192,7 @@ def _resume(rank, world, directory, resume):
         batches = batches[2:]
     losses = []
     for batch in batches:
-        losses.append(engine.train_batch(iter([{k: v[j * MICRO:(j + 1) * MICRO] for k, v in batch.items()}
-                                               for j in range(ACCUM)])))
+        losses.append(engine.train_batch(rank_slices(batch, 0, 1, MICRO, ACCUM)))
         if not resume and len(losses) == 2:
             engine.save_checkpoint(directory)
     return losses, engine.full_state_dict()
