@@ -266,7 +266,7 @@ def _check_hf_family(cfg: TrainConfig, pp: int) -> None:
     if model_type not in families:
         what = " and ".join(f"parallel.{k}={v}" for k, v in (("pp", pp), ("cp", cp)) if v > 1)
         raise ConfigError(f"{what} with model.hf={cfg.model.hf!r}: its model_type {model_type!r} is not one "
-                          f"`tiertrain train` can {'cut into pipeline stages' if pp > 1 else 'make context-parallel'}"
+                          f"`tiertrain train` can {'make context-parallel' if cp > 1 else 'cut into pipeline stages'}"
                           f"; valid model types: {', '.join(sorted(families))} (or parallel.pp=1, parallel.cp=1)")
 
 

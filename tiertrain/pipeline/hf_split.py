@@ -8,11 +8,11 @@ and returns the loss, the next-token cross-entropy of the logits against ``batch
 (already shifted, as tiertrain's datasets give them; the mean over every position, ``-100``
 ignored), the loss of tiertrain's own GPT stages.
 
-Recognised families (:func:`recognise`):
-
 A causal LM's last stage takes the model's own loss of ``labels`` (the tokens: its loss shifts
 them) or of ``shift_labels`` (each position's next token, transformers' ``shift_labels=``, what
 tiertrain's datasets give as labels): :func:`causal_targets`.
+
+Recognised families (:func:`recognise`):
 
 * **rotary decoders** (``model_type`` in :data:`ROTARY_DECODERS`: Llama, Mistral, Qwen2,
   Qwen3): ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``, rotary
