@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..config import Config, ConfigError, _check_positive, check_finite
+from ..config import Config, _check_positive, check_finite
 
 __all__ = ["EvalConfig", "LoopConfig"]
 
