@@ -19,7 +19,6 @@ import torch
 import tiertrain
 from reference import (Oracle, engine_train, global_batches, make_config, make_model, rank_slices, reference_train,
                        tp_gathered)
-from tiertrain.config import ConfigError
 from tiertrain.testing import RankFailure, run_distributed
 
 LAYERS, MICRO, ACCUM, STEPS = 4, 2, 4, 3
