@@ -244,6 +244,7 @@ def _run_padded(rank, world, cases):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_padded_batches_train_as_the_unsplit_model_under_its_padding_mask():
     """A batch's attention_mask (and T5's decoder_attention_mask) reaches every stage's blocks
@@ -302,6 +303,7 @@ def _train_and_save(rank, world, directory, cases):
 EXPORT_CASES = [("llama", 1, "1f1b", 1), ("gpt2", 2, "interleaved", 2), ("t5", 3, "1f1b", 1), ("bert", 1, "1f1b", 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_pipeline_checkpoint_exports_as_a_directory_from_pretrained_loads(tmp_path):
     """`tiertrain export` of a pipeline run's checkpoint: config.json of the model's class, every
