@@ -181,7 +181,7 @@ def _misuse(rank, world):
     config = _config(2, 1, 1, 2)
     engine = tiertrain.wrap(make_model(n_layers=LAYERS), config, tiertrain.Topology.build(config.parallel))
     refused = []
-    for bad in ([], _held_out("gpt", 1)[0]):
+    for bad in ([], _held_out("gpt", 1)[0], iter(_held_out("gpt", 1))):
         try:
             engine.evaluate_each(bad)
         except ValueError as e:
@@ -194,9 +194,11 @@ def _misuse(rank, world):
 @pytest.mark.timeout(60)
 def test_a_bad_argument_is_refused_and_the_engine_trains_on():
     for refused, loss in run_distributed(_misuse, 2, timeout=45):
-        assert len(refused) == 2
-        assert "non-empty list of micro-batches, got list (empty)" in refused[0]
+        assert len(refused) == 3
+        assert "non-empty list of micro-batches (every one is evaluated in one schedule), got list (empty)" in \
+            refused[0]
         assert "got dict" in refused[1] and "evaluate(batch)" in refused[1]
+        assert "got list_iterator" in refused[2] and "itertools.islice" in refused[2]
         assert loss == loss
 
 

@@ -270,10 +270,11 @@ class PipelineEngine(TrainingCore):
         :meth:`train_batch`."""
         if self._schedule_failed is not None:
             raise CollectiveMismatchError(self._schedule_failed)
-        if isinstance(batches, (dict, torch.Tensor)) or not len(batches):
-            raise ValueError(f"evaluate_each(batches): expected a non-empty list of micro-batches, got "
-                             f"{type(batches).__name__}{'' if isinstance(batches, (dict, torch.Tensor)) else ' (empty)'}"
-                             f" (one micro-batch: evaluate(batch))")
+        if isinstance(batches, (dict, torch.Tensor)) or not isinstance(batches, Sequence) or not batches:
+            empty = isinstance(batches, Sequence) and not isinstance(batches, (dict, torch.Tensor))
+            raise ValueError(f"evaluate_each(batches): expected a non-empty list of micro-batches (every one is "
+                             f"evaluated in one schedule), got {type(batches).__name__}{' (empty)' if empty else ''}"
+                             f" (one micro-batch: evaluate(batch); from an iterator: list(itertools.islice(it, n)))")
         self._check_model_unchanged()
         micro = [self._to_device(batch) for batch in batches]
         was_training = self.module.training
