@@ -2,11 +2,12 @@
 the forward-only schedule (Megatron's ``forward_only``, DeepSpeed's ``eval_batch``) and gives
 every pipeline rank each micro-batch's loss, as the single-process model in eval mode gives it.
 
-Each run trains a step, evaluates held-out micro-batches, trains another step and evaluates
-again: the evaluation losses and the training that follows it are the reference's (float64
-oracle of tests/reference.py), so evaluating changes no parameter, gradient or optimizer
-state. Dropout is raised to 0.5 around each evaluation: the losses match the reference only
-if the stages really are in eval mode, and after it they are back in training mode.
+Each run (tiertrain's GPT; Llama, GPT-2, T5 and BERT cut by hf_split) evaluates held-out
+micro-batches before its first step and after each step: the evaluation losses and the training
+around them are the reference's (float64 oracle of tests/reference.py), so evaluating changes no
+parameter, gradient or optimizer state. Every dropout module is raised to 0.5 around each
+evaluation: the losses match the reference only if the stages really are in eval mode, and
+after it they are back in training mode.
 """
 from __future__ import annotations
 
