@@ -82,12 +82,13 @@ def _over_the_pipeline(engine: "TrainingCore", names: dict[str, str], held: list
     mine = ({k: v for k, v in names.items() if k not in copies}, [(n, t.detach().cpu()) for n, t in held], hf)
     every: list[Any] = [None] * engine.topology.size("pp")
     dist.all_gather_object(every, mine, group=engine.topology.group("pp"))
-    names, held, seen = {}, [], set()
+    names, whole = {}, {}
     for stage_names, stage_held, stage_hf in every:
         names.update(stage_names)
-        held += [(n, t) for n, t in stage_held if n not in seen and not seen.add(n)]
+        for name, tensor in stage_held:
+            whole.setdefault(name, tensor)  # (a tensor every stage holds: written once)
         hf = hf if hf is not None else stage_hf
-    return names, held, hf
+    return names, list(whole.items()), hf
 
 
 def save_checkpoint(engine: "TrainingCore", directory: str, extra: dict | None, keep_last: int, run_id: str,

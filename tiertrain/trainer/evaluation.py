@@ -27,23 +27,20 @@ def held_out_loss(engine, topology: Topology, eval_data: Any, config: LoopConfig
     dp, rank = topology.size("dp"), topology.coord("dp")
     batches = eval_batches(eval_data, rank, dp, config.batch.micro_batch_size, collate_fn)
     group = engine.accum if topology.size("pp") > 1 else 1
-    loss_sum = tokens = count = 0.0
+    scored: list[tuple[int, float]] = []  # (tokens, loss) of each batch evaluated
     pending: list[Any] = []
-    for k in range(config.eval.batches):
+    for _ in range(config.eval.batches):
         batch = next(batches, None)
-        ended = not _every_rank_has(batch is not None, topology)
-        if not ended:
-            pending.append(batch)
-        if pending and (ended or len(pending) == group or k == config.eval.batches - 1):
-            for b, loss in zip(pending, _losses(engine, pending, topology), strict=True):
-                n = count_tokens(b)
-                loss_sum += loss * n
-                tokens += n
-                count += 1
-            pending = []
-        if ended:
+        if not _every_rank_has(batch is not None, topology):
             break
-    totals = torch.tensor([loss_sum, tokens, count], dtype=torch.float64)
+        pending.append(batch)
+        if len(pending) == group:
+            scored += _scored(engine, pending, topology)
+            pending = []
+    if pending:  # (the last, partial group)
+        scored += _scored(engine, pending, topology)
+    totals = torch.tensor([sum(n * loss for n, loss in scored), sum(n for n, _ in scored), len(scored)],
+                          dtype=torch.float64)
     if topology.size("dp_cp") > 1 and dist.is_initialized():  # (cp ranks count their samples' tokens each)
         dist.all_reduce(totals, group=topology.group("dp_cp"))
     loss_sum, tokens, count = totals.tolist()
@@ -55,10 +52,13 @@ def held_out_loss(engine, topology: Topology, eval_data: Any, config: LoopConfig
             "eval_tokens": int(tokens) // topology.size("cp")}
 
 
-def _losses(engine, batches: list[Any], topology: Topology) -> list[float]:
+def _scored(engine, batches: list[Any], topology: Topology) -> list[tuple[int, float]]:
+    """(tokens, loss) of each batch: a pipeline's in one forward-only schedule, one model's each alone."""
     if topology.size("pp") > 1:
-        return engine.evaluate_each(batches)
-    return [float(engine.evaluate(batch)) for batch in batches]
+        losses = engine.evaluate_each(batches)
+    else:
+        losses = [float(engine.evaluate(batch)) for batch in batches]
+    return [(count_tokens(batch), loss) for batch, loss in zip(batches, losses, strict=True)]
 
 
 def _every_rank_has(has: bool, topology: Topology) -> bool:
