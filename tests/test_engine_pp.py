@@ -222,6 +222,42 @@ def test_bad_use_is_a_clear_error(what, message):
         run_distributed(_bad, 2, what, timeout=40)
 
 
+def _micro_batch_arguments(rank, world):
+    cfg = _config(1, 1, 1, 2)
+    micro = list(rank_slices(global_batches(1, MICRO * ACCUM)[0], 0, 1, MICRO, ACCUM))
+    out = {}
+    for kind in ("iterator", "list"):
+        engine = tiertrain.wrap(make_model(n_layers=LAYERS), cfg, tiertrain.Topology.build(cfg.parallel))
+        for what, batches in (("short list", micro[:-1]), ("one dict", micro[0]), ("exhausted", iter([])),
+                              ("partial", iter(micro[:-1]))):
+            try:
+                engine.train_batch(batches)
+            except (TypeError, ValueError, StopIteration) as e:
+                out[what] = f"{type(e).__name__}: {e}"
+        out[kind] = (engine.steps, engine.train_batch(iter(micro) if kind == "iterator" else micro),
+                     engine.full_state_dict())
+        engine.close()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_train_batch_takes_an_iterator_or_a_list_of_one_steps_micro_batches():
+    """DeepSpeed's train_batch(data_iter) takes the next grad_accum_steps micro-batches of an
+    iterator; a list of exactly that many trains the same (it raised "'list' object is not an
+    iterator"). Anything else is refused before the schedule runs, naming it: a list of another
+    length, one micro-batch's dict, an iterator that runs out partway (its micro-batches would
+    be dropped); an exhausted one ends the data with StopIteration, as DeepSpeed's does."""
+    for out in run_distributed(_micro_batch_arguments, 2, timeout=45):
+        (steps, loss, params), (steps_list, loss_list, params_list) = out["iterator"], out["list"]
+        assert steps == steps_list == 0, "nothing refused stepped"
+        assert loss == loss_list and all(torch.equal(params[k], params_list[k]) for k in params)
+        assert out["short list"].startswith("ValueError") and f"grad_accum_steps={ACCUM}" in out["short list"]
+        assert out["short list"].endswith(f"got {ACCUM - 1} (or pass an iterator: train_batch takes the next {ACCUM})")
+        assert out["one dict"].startswith("TypeError") and "got dict" in out["one dict"]
+        assert out["exhausted"] == "StopIteration: "
+        assert out["partial"].startswith("ValueError") and f"ran out after {ACCUM - 1} of" in out["partial"]
+
+
 def _composition(rank, world):
     """Build a stage-3 pipeline engine, counting the one-model parameter fetchers built on
     the way (engine_build's ParameterFetcher: it would hook modules, agree collectives and
@@ -275,8 +311,6 @@ def test_virtual_stages_need_the_interleaved_schedule():
 
 
 def _full_state_dict_at_pp2(rank, world):
-    from tiertrain.pipeline import pipeline_stages
-
     cfg = _config(1, 1, 1, 2, "1f1b", 1, "fp32")
     topology = tiertrain.Topology.build(cfg.parallel)
     model = make_model(n_layers=LAYERS)

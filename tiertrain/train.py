@@ -36,6 +36,7 @@ the field, the value and what is valid.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass, field
@@ -376,8 +377,6 @@ def build_model(cfg: TrainConfig, topology=None, partitioned: bool = True) -> GP
     (activations.checkpoint_every / offload), ready for wrap(). At ZeRO stage 3 (untiled)
     it is built directly in partitioned form, so no rank ever holds the whole model
     (partitioned=False leaves that to the caller: the Trainer builds its factory so)."""
-    import contextlib
-
     from .zero.construct import partitioned_init
     from .zero.stages import ZeroStage
 
@@ -519,18 +518,21 @@ def run_training(cfg: TrainConfig) -> dict[str, Any]:
 
         cfg = resolve_auto_offload(cfg, model_dims(cfg), topology)  # (tiling chosen here builds the model)
     factory, options, partitioned = _model_factory(cfg, topology)
-    model, pipeline = factory, cfg.model.hf and topology.size("pp") > 1
-    if pipeline:  # (a pipeline engine's stages take no checkpoint: the weights go in before wrap() cuts them)
+    model = factory
+    if cfg.model.hf and topology.size("pp") > 1:
+        from .models.hf import has_weights
+
+        # With weights to load, each pipeline rank builds only its stages (the rest of the model stays
+        # on the meta device: tiertrain/pipeline/materialize.py) and reads only their tensors after wrap().
         torch.manual_seed(cfg.seed)
-        model = factory()
-        _load_hf_weights(cfg, model, topology)
+        with torch.device("meta") if has_weights(cfg.model.hf) else contextlib.nullcontext():
+            model = factory()
     trainer = Trainer(model, cfg, train_data, eval_data, topology=topology, seq_len=cfg.model.seq_len,
                       partitioned_construction=partitioned, **options)
     if cfg.model.hf:
         from .models.hf import tokenizer_files
 
-        if not pipeline:
-            _load_hf_weights(cfg, trainer.engine, topology)
+        _load_hf_weights(cfg, trainer.engine, topology)
         trainer.engine.files_with_model.update(tokenizer_files(cfg.model.hf))  # (exported with the model)
     # No close(): it would gather the whole model on every rank only to hand it back, and
     # the process ends here (the launcher removes the swap files).

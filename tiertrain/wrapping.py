@@ -17,6 +17,7 @@ from .errors import TiertrainError, listing
 from .offload.activations import apply_activation_checkpointing, checkpointing_of
 from .optim import OptimizerArg, SchedulerFactory, client_optimizer
 from .pipeline.engine import PipelineEngine, pipeline_stages
+from .pipeline.materialize import has_meta, materialize_stages
 from .precision import stored_quantised
 from .shared_memory import check_no_shared_memory
 from .state import engine_io
@@ -52,10 +53,27 @@ def _check_not_held(model: nn.Module | Sequence[nn.Module]) -> None:
             f"trained values, then wrap it again; or wrap a fresh model")
 
 
-def _check_materialized(model: nn.Module | Sequence[nn.Module]) -> None:
+def _built_per_stage(model: nn.Module | Sequence[nn.Module], topology: Topology) -> bool:
+    """A whole model on the meta device under pipeline parallelism: each rank gives values to
+    its own stages only, after the cut (tiertrain/pipeline/materialize.py). Not with tensor
+    parallelism: the slices would have no checkpoint to load from (load_pretrained reads whole
+    tensors)."""
+    if topology.size("pp") == 1 or not isinstance(model, nn.Module) or isinstance(model, nn.ModuleList) \
+            or not has_meta(model):
+        return False
+    if topology.size("tp") > 1:
+        raise ConfigError(f"the model is on the meta device and parallel.tp={topology.size('tp')}: a pipeline rank "
+                          f"builds only its stages from a meta-device model without tensor parallelism "
+                          f"(tiertrain.load_pretrained reads whole tensors, not tensor-parallel slices); build the "
+                          f"model with its values before parallelize_module")
+    return True
+
+
+def _check_materialized(model: nn.Module | Sequence[nn.Module], built_per_stage: bool = False) -> None:
     """A parameter or buffer with a shape but no values failed deep inside with torch's
     "Cannot copy out of meta tensor" or "Can't access the shape of an uninitialized
-    parameter", naming neither the tensor nor the way out."""
+    parameter", naming neither the tensor nor the way out. (built_per_stage: meta tensors are
+    given values after the pipeline cut, on the rank that keeps them.)"""
     modules = _stages(model)
     named = [(n, t) for m in modules for n, t in [*m.named_parameters(), *m.named_buffers()]]
     lazy = [n for n, t in named if isinstance(t, (UninitializedParameter, UninitializedBuffer))]
@@ -64,13 +82,15 @@ def _check_materialized(model: nn.Module | Sequence[nn.Module]) -> None:
                           f"module, e.g. nn.LazyLinear, learns its shapes at its first call): call the model once "
                           f"on a sample batch before wrap()")
     meta = [n for n, t in named if t.is_meta]
-    if meta:
+    if meta and not built_per_stage:
         raise ConfigError(f"the model's {listing(meta)} {'is' if len(meta) == 1 else 'are'} on the meta device: "
                           f"shapes without values (a model built under torch.device('meta') or accelerate's "
                           f"init_empty_weights). Give it values before wrap(): build it from its config (e.g. "
                           f"AutoModelForCausalLM.from_config; under tiertrain.partitioned_init at zero.stage 3, "
                           f"each rank holds only its shard) and load its weights after wrap with "
-                          f"tiertrain.load_pretrained(engine, path), or load it whole (from_pretrained on the CPU)")
+                          f"tiertrain.load_pretrained(engine, path), or load it whole (from_pretrained on the CPU); "
+                          f"with parallel.pp > 1 a model on the meta device is cut first and each rank builds only "
+                          f"its own stages")
 
 
 def _check_not_data_parallel(model: nn.Module | Sequence[nn.Module]) -> None:
@@ -173,10 +193,12 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
                           f"pipeline (the last stage returns the loss; at zero.stage 3 each stage's blocks are its units)")
     _check_not_held(model)
     _check_not_data_parallel(model)
-    _check_materialized(model)
+    built_per_stage = _built_per_stage(model, topology)
+    _check_materialized(model, built_per_stage)
     _check_unquantised(model)
     _check_real(model)
-    check_no_shared_memory(_stages(model))
+    if not built_per_stage:
+        check_no_shared_memory(_stages(model))
     _check_context_parallel(model, config, topology)
     if topology.size("pp") == 1 and activation_shape is not None:
         raise ConfigError("activation_shape is for pipeline parallelism; parallel.pp is 1")
@@ -196,6 +218,9 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
             client = client_optimizer(model if isinstance(model, nn.Module) else list(model), config, optimizer,
                                       param_groups, lr_scheduler)
             stages = pipeline_stages(model, topology, config.parallel.virtual_stages)
+            if built_per_stage:
+                materialize_stages(model, stages, topology)
+                check_no_shared_memory(stages)
             engine = PipelineEngine(stages, config, topology, activation_shape=activation_shape,
                                     update_factory=update_factory, state_io=engine_io, client=client)
         else:

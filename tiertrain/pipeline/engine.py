@@ -289,6 +289,28 @@ class PipelineEngine(TrainingCore):
                 self.pipeline_fetcher.release_all()
             self.module.train(was_training)
 
+    def _step_micro_batches(self, batches: Iterator[Any] | Sequence[Any]) -> list[Any]:
+        """One step's grad_accum_steps micro-batches from train_batch's argument (see there)."""
+        n = self.accum
+        if isinstance(batches, Sequence) and not isinstance(batches, (str, bytes)):
+            if len(batches) != n:
+                raise ValueError(f"train_batch: a list holds one step's micro-batches, grad_accum_steps={n} of them; "
+                                 f"got {len(batches)} (or pass an iterator: train_batch takes the next {n})")
+            return list(batches)
+        if not isinstance(batches, Iterator):
+            one = " (one micro-batch: [batch], with grad_accum_steps=1)" if isinstance(batches, dict) else ""
+            raise TypeError(f"train_batch(batches): expected an iterator of micro-batches (DeepSpeed's data_iter) or a "
+                            f"list of grad_accum_steps={n} of them, got {type(batches).__name__}{one}")
+        taken = []
+        for batch in batches:
+            taken.append(batch)
+            if len(taken) == n:
+                return taken
+        if not taken:
+            raise StopIteration  # (the end of the data, as DeepSpeed's train_batch ends it)
+        raise ValueError(f"train_batch: the iterator ran out after {len(taken)} of the step's grad_accum_steps={n} "
+                         f"micro-batches, which would be dropped untrained: give a multiple of {n} micro-batches")
+
     def _chunk_gradients_final(self, stage: nn.Module) -> None:
         if stage not in self._tied_stages:  # tied chunks wait for the exchange
             self.reducer.launch(self._units_of_chunk[self.stages.index(stage)])
@@ -306,15 +328,18 @@ class PipelineEngine(TrainingCore):
         for s in self._tied_stages:
             self.reducer.launch(self._units_of_chunk[self.stages.index(s)])
 
-    def train_batch(self, batches: Iterator[Any]) -> float:
-        """Run grad_accum_steps micro-batches from the iterator through the schedule and one
-        optimizer step; returns the mean loss of the micro-batches (on every pipeline rank).
-        Every rank of a pipeline must be given the same micro-batches. A schedule that raised
+    def train_batch(self, batches: Iterator[Any] | Sequence[Any]) -> float:
+        """Run grad_accum_steps micro-batches through the schedule and one optimizer step:
+        the next ones of an iterator (DeepSpeed's ``train_batch(data_iter)``), or a list of
+        exactly that many; returns the mean loss of the micro-batches (on every pipeline rank).
+        An iterator already exhausted raises StopIteration, as DeepSpeed's does (the end of the
+        data); one that runs out partway raises ValueError (the micro-batches taken would be
+        dropped). Every rank of a pipeline must be given the same micro-batches. A schedule that raised
         (caught, a loop may go on) leaves this engine refusing to train: see _refuse_after_failure."""
         if self._schedule_failed is not None:
             raise CollectiveMismatchError(self._schedule_failed)
         self._check_model_unchanged()
-        micro = [self._to_device(next(batches)) for _ in range(self.accum)]
+        micro = [self._to_device(batch) for batch in self._step_micro_batches(batches)]
         if self.buffers and self.module.training and self.config.zero.broadcast_buffers and self.comm.size > 1:
             # DDP's broadcast_buffers, over this stage's data-parallel group: once per step, before
             # the first micro-batch's forward (the schedule interleaves the forwards of several).

@@ -218,6 +218,7 @@ class HFStage(nn.Module):
         self.hf_config = getattr(model, "config", None)
         # what an export of the pipeline's checkpoint writes as config.json (state/export_files.py)
         self.hf_architecture = type(model).__name__
+        self._cut_from = (model,)  # (a tuple: not registered, the stage holds only its own modules)
         can_generate = getattr(model, "can_generate", None)
         self.hf_generation_config = (getattr(model, "generation_config", None)
                                      if callable(can_generate) and can_generate() else None)
@@ -232,6 +233,8 @@ class HFStage(nn.Module):
         """The module paths this stage runs, in order."""
         self.tied = False
         self.tied_names: tuple[str, str] | None = None
+        self.cut_tie: tuple[str, str] | None = None
+        """The weight the cut untied (first stage's name, the last stage's copy), on every stage."""
         blocks = {b: i for i, b in enumerate(family.blocks)}
         self.layers = [blocks[p] for p in paths if p in blocks]
         """Global indices of the blocks this stage holds (an encoder-decoder's: encoder blocks
@@ -255,6 +258,12 @@ class HFStage(nn.Module):
             setattr(self, name, value)
         if self.cp_size > 1:
             check_stage(self, model)
+
+    @property
+    def whole_model(self) -> nn.Module:
+        """The model this stage was cut from (its other stages' tensors on another rank, or on
+        the meta device): what tiertrain.load_pretrained matches a checkpoint's names against."""
+        return self._cut_from[0]
 
     def hidden_shape(self, batch: dict) -> tuple[int, ...]:
         """The hidden states sent between stages for a micro-batch: [batch, seq, hidden]; for
@@ -466,6 +475,8 @@ def split_hf(model: nn.Module, num_stages: int, balance: str = "layers",
     _check_tensor_parallel(model, family)
     tied = _untie(model, paths[0], paths[-1]) if num_stages > 1 else None
     stages = [HFStage(model, family, s, num_stages, p, s == 0, s == num_stages - 1) for s, p in enumerate(paths)]
+    for st in stages:
+        st.cut_tie = tied
     if tied is not None:
         for st in (stages[0], stages[-1]):
             st.tied, st.tied_names = True, tied

@@ -14,7 +14,12 @@ from the checkpoint only the part it keeps:
   one at a time;
 * a model built under :func:`tiertrain.partitioned_init` and not yet wrapped: each parameter's
   1/dp flat shard, from the rows that hold it;
-* a plain module: whole tensors, one at a time.
+* a plain module: whole tensors, one at a time;
+* a :class:`~tiertrain.pipeline.engine.PipelineEngine` of a Hugging Face model: the tensors of
+  this rank's stages, as an Engine's, by the names of the model they were cut from (every rank
+  checks the checkpoint against the whole model; a tied head's copy on the last stage reads the
+  embedding's tensor), the other stages' never read. With the model built on the meta device
+  (tiertrain/pipeline/materialize.py) no rank holds more than its stages.
 
 No rank ever holds more than one tensor's read on top of the model (one unit's shard more
 when the shard or the master lives on NVMe, whose files are written whole), and the load
@@ -219,9 +224,10 @@ class _Target:
         return self.aliases[0]  # the name named_parameters() (deduplicated) gives, as the layout's
 
 
-def _targets(module: nn.Module) -> tuple[list[_Target], set[str]]:
+def _targets(module: nn.Module, copies: dict[str, str] | None = None) -> tuple[list[_Target], set[str]]:
     """The model's parameters and persistent buffers, grouped by identity (a tied tensor once,
-    under every name), and the names of its non-persistent buffers."""
+    under every name), and the names of its non-persistent buffers. copies: a pipeline's copy
+    of a tied weight (its name → the weight's), grouped with the weight it copies."""
     groups: dict[int, _Target] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) in groups:
@@ -237,6 +243,11 @@ def _targets(module: nn.Module) -> tuple[list[_Target], set[str]]:
             groups[id(b)].aliases += (name,)
         else:
             groups[id(b)] = _Target((name,), b, tuple(b.shape), False)
+    by_name = {a: t for t in groups.values() for a in t.aliases}
+    for copy, weight in (copies or {}).items():
+        if by_name[copy] is not by_name[weight]:
+            by_name[weight].aliases += by_name[copy].aliases
+            del groups[id(by_name[copy].tensor)]
     return list(groups.values()), transient
 
 
@@ -260,10 +271,12 @@ def _name_maps(module: nn.Module) -> list[tuple[str, Callable[[str], str]]]:
     return maps
 
 
-def _match(module: nn.Module, ckpt: _Checkpoint, strict: bool, report: LoadReport) -> list[_Target]:
+def _match(module: nn.Module, ckpt: _Checkpoint, strict: bool, report: LoadReport,
+           copies: dict[str, str] | None = None) -> list[_Target]:
     """Pair each model tensor with its checkpoint name; check shapes; raise (strict) on
-    missing or unexpected tensors, always on a shape mismatch, before anything is read."""
-    targets, transient = _targets(module)
+    missing or unexpected tensors, always on a shape mismatch, before anything is read.
+    copies: as for _targets."""
+    targets, transient = _targets(module, copies)
     keys = set(ckpt.keys())
     maps = _name_maps(module)
 
@@ -354,8 +367,8 @@ def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict:
     FSDP1-wrapped model: tiertrain/state/torch_weights.py) into ``target``, reading on each rank only what that rank
     keeps (see the module docstring), and return what this rank read.
 
-    target: an Engine (tiertrain.wrap; every rank calls this, as for any engine operation:
-    an update still in flight is completed first), a model built under
+    target: an Engine or a PipelineEngine (tiertrain.wrap; every rank calls this, as for any
+    engine operation: an update still in flight is completed first), a model built under
     :func:`tiertrain.partitioned_init` and not yet wrapped (``topology``: the one it was built
     with; default: all ranks of torch.distributed as the data-parallel group), or a plain
     module. After loading, an engine's compute shards hold the values in the compute dtype
@@ -378,12 +391,10 @@ def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict:
     """
     from ..pipeline.engine import PipelineEngine
 
-    if isinstance(target, PipelineEngine):
-        raise TypeError("load_pretrained: a PipelineEngine's stages have their own parameter names; load the "
-                        "checkpoint into the model before tiertrain.wrap (parallel.pp > 1)")
-    if isinstance(target, Engine) and target.closed:
+    pipeline = isinstance(target, PipelineEngine)
+    if (isinstance(target, Engine) or pipeline) and target.closed:
         raise ValueError("load_pretrained: the engine is closed; load into engine.module, now a plain module")
-    module = target.module if isinstance(target, Engine) else target
+    module = _whole_model(target) if pipeline else target.module if isinstance(target, Engine) else target
     if not isinstance(module, nn.Module):
         raise TypeError(f"load_pretrained: target must be a tiertrain Engine or an nn.Module, "
                         f"got {type(target).__name__}")
@@ -400,7 +411,8 @@ def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict:
         if isinstance(ckpt, ConvertedCheckpoint):
             report.conversion = (f"transformers' checkpoint conversion of {type(module).__name__}: "
                                  f"{ckpt.converted_count} tensors converted, {ckpt.renamed_count} renamed")
-        matched = _match(module, ckpt, strict, report)
+        copies = {tie[1]: tie[0] for tie in [target.stages[0].cut_tie] if tie} if pipeline else None
+        matched = _match(module, ckpt, strict, report, copies)
         if report.missing:  # (strict=False: said, never silent)
             warnings.warn(f"load_pretrained: {len(report.missing)} tensors of this {type(module).__name__} have no "
                           f"value in {_listing(report.files, 3)} and keep their initial (random) values: "
@@ -409,21 +421,59 @@ def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict:
         if tp:
             raise NotImplementedError(f"load_pretrained: {_listing(tp, 5)} are tensor-parallel slices; load the "
                                       f"checkpoint before tiertrain.parallel.apply_tensor_parallel")
-        if isinstance(target, Engine):
+        if pipeline:
+            report.loaded = _into_pipeline(target, matched, ckpt)
+        elif isinstance(target, Engine):
             _into_engine(target, matched, ckpt)
         else:
             _into_module(matched, ckpt, topology)
-        report.loaded = [t.name for t in matched]
+        report.loaded = report.loaded if pipeline else [t.name for t in matched]
     buffers = {t.key for t in matched if not t.is_param}
     _refuse_nonfinite(target, topology, report, {k: n for k, n in report.nonfinite.items() if k not in buffers})
     return report
 
 
+def _whole_model(engine) -> nn.Module:
+    """The model a pipeline engine's stages were cut from, whose names a checkpoint's are."""
+    models = {id(m): m for m in (getattr(s, "whole_model", None) for s in engine.stages) if m is not None}
+    if len(models) != 1 or len(engine.stages) == 0 or any(not hasattr(s, "whole_model") for s in engine.stages):
+        raise TypeError("load_pretrained: this PipelineEngine's stages were not cut from a Hugging Face model by "
+                        "tiertrain.wrap (stage modules given as a list, or tiertrain's GPT), so no model names "
+                        "the checkpoint's tensors: load the checkpoint into the model before tiertrain.wrap")
+    return next(iter(models.values()))
+
+
+def _into_pipeline(engine, matched: list[_Target], ckpt: _Checkpoint) -> list[str]:
+    """This pipeline rank's stages' tensors (by the whole model's names, which the stages
+    keep), as _into_engine; the other stages' are not read. Returns the names loaded."""
+    keys = {alias: t.key for t in matched for alias in t.aliases}
+    held: dict[str, torch.Tensor] = {}
+    for stage in engine.stages:
+        persistent = set(stage.state_dict(keep_vars=True))
+        for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
+            if name in keys and name in persistent:
+                held.setdefault(name, t)
+    placed = write_into_units(engine, {name: keys[name] for name in held}, ckpt)
+    for name, t in held.items():
+        if name not in placed:
+            t.data.copy_(ckpt.read(keys[name]).reshape(t.shape))
+    return list(held)
+
+
 def _refuse_nonfinite(target, topology: Topology | None, report: LoadReport, found: dict[str, int]) -> None:
     """NonFiniteWeightsError on every rank that shares the load when any read inf or NaN into
     a parameter (a rank reads only its part: they agree first, so none trains on alone)."""
+    from ..pipeline.engine import PipelineEngine
+
     ranks = [bool(found)]
-    if isinstance(target, Engine) and target.comm.size > 1:
+    if isinstance(target, PipelineEngine):  # (its ranks read different stages: all of them agree)
+        topology = target.topology
+        flags = torch.zeros(topology.world_size, dtype=torch.int64)
+        flags[topology.rank] = int(bool(found))
+        if topology.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=topology.world_group())
+        ranks = flags.tolist()
+    elif isinstance(target, Engine) and target.comm.size > 1:
         flags = torch.zeros(target.comm.size, dtype=torch.int64, device=target.device)
         flags[target.comm.rank] = int(bool(found))
         target.comm.all_reduce(flags, op=dist.ReduceOp.MAX, count=False).wait()

@@ -1,0 +1,161 @@
+"""A pipeline rank builds only its own stages: a model made on the meta device (shapes, no
+values; ``with torch.device("meta"): model = AutoModelForCausalLM.from_config(config)``) is cut
+into stages as any other, and each rank gives values only to the tensors of the stages it keeps.
+The rest of the model stays on the meta device and costs no memory, as Megatron's and
+DeepSpeed's ``PipelineModule`` build only their stage's layers; ``tiertrain.load_pretrained(
+engine, path)`` then reads each rank's tensors from the checkpoint (tiertrain/state/pretrained.py).
+
+Values come from the model's own initialisation: a Hugging Face model's ``_init_weights`` (the
+function transformers itself applies after building on the meta device, which also recomputes
+derived buffers such as rotary frequencies and position ids), else each module's
+``reset_parameters``. A tensor neither covers is refused by name rather than trained from
+whatever memory it was given: every tensor is first filled with a value no initialiser writes
+(NaN; an integer type's minimum) and checked after. A weight tied across the first and last
+stage is sent from the first stage's rank to the last one's, so the copies start equal (as a
+whole build's clone makes them); the data-parallel replicas of a stage start from their rank
+0's values, as for any model (tiertrain/engine_build.py initial_value).
+"""
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..config import ConfigError
+from ..topology import Topology
+from .stage import TIED_FIRST, TIED_LAST
+
+__all__ = ["has_meta", "materialize_stages"]
+
+_SEND_TIMEOUT_S = 300.0
+"""How long the tied weight's transfer from the first stage's rank may take (it names both ranks)."""
+
+
+def has_meta(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device."""
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def materialize_stages(model: nn.Module, stages: list[nn.Module], topology: Topology) -> None:
+    """Give host memory and initial values to the meta tensors of this rank's ``stages`` (cut
+    from ``model``), leaving every other stage's on the meta device; see the module docstring.
+    ConfigError naming the tensors no initialiser gave a value."""
+    initialisers = _initialisers(model)
+    fresh: dict[int, torch.Tensor] = {}  # id(meta tensor) → its replacement (a tensor held twice stays one)
+    owners = []
+    for stage in stages:
+        for name, module in stage.named_modules():
+            if _replace_meta(module, fresh):
+                owners.append((name, module))
+    with torch.no_grad():
+        for _, module in dict((id(m), (n, m)) for n, m in owners).values():
+            initialisers.get(id(module), _reset)(module)
+        _send_tied_weight(stages, topology)
+    made = {id(v) for v in fresh.values()}
+    unset = [f"{name}.{attr}" if name else attr for stage in stages for name, module in stage.named_modules()
+             for attr, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+             if id(t) in made and _unset(t)]
+    failed = _ranks_failing(bool(unset), topology)
+    if unset:
+        shown = ", ".join(dict.fromkeys(unset))
+        raise ConfigError(f"the model was built on the meta device and no initialiser gave {shown} a value (its "
+                          f"module has no reset_parameters, and the model's own _init_weights does not cover it): "
+                          f"give the module a reset_parameters() method, or build the model with its values (not "
+                          f"under torch.device('meta'))")
+    if failed:
+        raise ConfigError(f"the model was built on the meta device and global rank(s) {failed} could not give their "
+                          f"stages values (named there): no rank trains without them")
+
+
+def _ranks_failing(failing: bool, topology: Topology) -> list[int]:
+    """The global ranks whose stages could not be built (every rank learns of them, so none
+    goes on to wait for the others in its first collective)."""
+    flags = torch.zeros(topology.world_size, dtype=torch.int64)
+    flags[topology.rank] = int(failing)
+    if topology.world_size > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=topology.world_group())
+    return [r for r, f in enumerate(flags.tolist()) if f]
+
+
+def _replace_meta(module: nn.Module, fresh: dict[int, torch.Tensor]) -> bool:
+    """Replace the meta tensors ``module`` holds itself (not its children's) by host tensors
+    filled with the unset marker; True when it held any."""
+    found = False
+    for attr, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+        if not t.is_meta:
+            continue
+        found = True
+        if id(t) not in fresh:
+            value = _marked(torch.empty_like(t, device="cpu"))
+            if isinstance(t, nn.Parameter):
+                value = nn.Parameter(value, requires_grad=t.requires_grad)
+                vars(value).update(vars(t))
+            fresh[id(t)] = value
+        setattr(module, attr, fresh[id(t)])  # (a buffer keeps its persistence: Module.__setattr__)
+    return found
+
+
+def _marked(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point() or t.is_complex():
+        return t.fill_(float("nan"))
+    if t.dtype != torch.bool:
+        return t.fill_(torch.iinfo(t.dtype).min)
+    return t.zero_()
+
+
+def _unset(t: torch.Tensor) -> bool:
+    if t.is_floating_point() or t.is_complex():
+        return bool(torch.isnan(t).any())
+    if t.dtype != torch.bool:
+        return bool((t == torch.iinfo(t.dtype).min).any())
+    return False
+
+
+def _reset(module: nn.Module) -> None:
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+
+
+def _initialisers(model: nn.Module) -> dict[int, object]:
+    """id(submodule) → the ``_init_weights`` of the innermost Hugging Face pretrained model
+    holding it (a composite model's parts initialise as their own class does)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return {}
+    out: dict[int, object] = {}
+
+    def visit(module: nn.Module, owner: object) -> None:
+        if isinstance(module, PreTrainedModel):
+            owner = module._init_weights
+        if owner is not None:
+            out[id(module)] = owner
+        for child in module.children():
+            visit(child, owner)
+
+    visit(model, None)
+    return out
+
+
+def _send_tied_weight(stages: list[nn.Module], topology: Topology) -> None:
+    """The last stage's copy of a tied weight takes the first stage's values (another rank's)."""
+    ranks = topology.ranks("pp")
+    for stage in stages:
+        if not getattr(stage, "tied", False) or stage.is_first == stage.is_last:
+            continue
+        first, last = getattr(stage, "tied_names", None) or (TIED_FIRST, TIED_LAST)
+        weight = stage.get_parameter(first if stage.is_first else last)
+        peer = ranks[-1] if stage.is_first else ranks[0]
+        what = (f"the tied weight {first!r} from pipeline rank 0 (global rank {ranks[0]}) to its copy {last!r} on "
+                f"pipeline rank {len(ranks) - 1} (global rank {ranks[-1]})")
+        buffer = weight.detach().contiguous()
+        work = (dist.isend if stage.is_first else dist.irecv)(buffer, peer)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=_SEND_TIMEOUT_S))
+        except RuntimeError as e:
+            raise RuntimeError(f"sending {what} did not complete within {_SEND_TIMEOUT_S:g} s: {e}") from e
+        if buffer.data_ptr() != weight.data_ptr():
+            weight.copy_(buffer)
