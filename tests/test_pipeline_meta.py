@@ -148,11 +148,13 @@ def test_without_a_checkpoint_each_stage_starts_from_the_models_own_initialisati
 
 
 class _Scale(nn.Module):
-    """A module with a parameter and no reset_parameters, which transformers' init does not know."""
+    """A module with a parameter and no reset_parameters, which transformers' init does not know,
+    and a boolean mask made in __init__ (on the meta device, nothing would make it again)."""
 
     def __init__(self):
         super().__init__()
         self.gain = nn.Parameter(torch.empty(4))
+        self.register_buffer("keep", torch.ones(4, dtype=torch.bool), persistent=False)
 
 
 def _refusals(rank, world, directory, bad_directory):
@@ -190,7 +192,8 @@ def test_what_a_rank_cannot_build_or_load_is_refused_on_every_rank_by_name(tmp_p
     state["model.layers.2.self_attn.q_proj.weight"][0, 0] = float("nan")
     model.save_pretrained(tmp_path / "nan", state_dict=state)
     said = run_distributed(_refusals, 2, str(tmp_path / "missing"), str(tmp_path / "nan"), timeout=50)
-    assert "model.layers.3.scale.gain" in said[1]["no initialiser"] and "reset_parameters" in said[1]["no initialiser"]
+    assert "model.layers.3.scale.gain, model.layers.3.scale.keep a value" in said[1]["no initialiser"]
+    assert "reset_parameters" in said[1]["no initialiser"] and "booleans" in said[1]["no initialiser"]
     assert "global rank(s) [1]" in said[0]["no initialiser"]  # (block 3 is the second stage's)
     for rank in (0, 1):
         assert "model.layers.3.mlp.up_proj.weight" in said[rank]["missing"], said[rank]

@@ -60,10 +60,11 @@ def materialize_stages(model: nn.Module, stages: list[nn.Module], topology: Topo
     failed = _ranks_failing(bool(unset), topology)
     if unset:
         shown = ", ".join(dict.fromkeys(unset))
-        raise ConfigError(f"the model was built on the meta device and no initialiser gave {shown} a value (its "
-                          f"module has no reset_parameters, and the model's own _init_weights does not cover it): "
-                          f"give the module a reset_parameters() method, or build the model with its values (not "
-                          f"under torch.device('meta'))")
+        raise ConfigError(f"the model was built on the meta device and no initialiser gave {shown} a value that "
+                          f"can be checked (its module has no reset_parameters and the model's own _init_weights "
+                          f"does not cover it, or it holds booleans, which no marker tells from written ones): give "
+                          f"the module a reset_parameters() method, or build the model with its values (not under "
+                          f"torch.device('meta'))")
     if failed:
         raise ConfigError(f"the model was built on the meta device and global rank(s) {failed} could not give their "
                           f"stages values (named there): no rank trains without them")
@@ -106,11 +107,13 @@ def _marked(t: torch.Tensor) -> torch.Tensor:
 
 
 def _unset(t: torch.Tensor) -> bool:
+    """Still holding the marker; a boolean tensor always counts (no value marks it: a mask
+    left all False would pass for one an initialiser wrote)."""
     if t.is_floating_point() or t.is_complex():
         return bool(torch.isnan(t).any())
     if t.dtype != torch.bool:
         return bool((t == torch.iinfo(t.dtype).min).any())
-    return False
+    return True
 
 
 def _reset(module: nn.Module) -> None:
