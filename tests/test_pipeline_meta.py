@@ -148,26 +148,39 @@ def test_without_a_checkpoint_each_stage_starts_from_the_models_own_initialisati
 
 
 class _Scale(nn.Module):
-    """A module with a parameter and no reset_parameters, which transformers' init does not know,
-    and a boolean mask made in __init__ (on the meta device, nothing would make it again)."""
+    """A module with a parameter and no reset_parameters, which transformers' init does not know;
+    with_mask: also a boolean mask made in __init__, not saved (on the meta device, nothing would
+    make it again)."""
 
-    def __init__(self):
+    def __init__(self, with_mask=False):
         super().__init__()
-        self.gain = nn.Parameter(torch.empty(4))
-        self.register_buffer("keep", torch.ones(4, dtype=torch.bool), persistent=False)
+        self.gain = nn.Parameter(torch.ones(4))
+        if with_mask:
+            self.register_buffer("keep", torch.ones(4, dtype=torch.bool), persistent=False)
 
 
-def _refusals(rank, world, directory, bad_directory):
+def _with_scale(with_mask=False):
+    return lambda model: model.model.layers[3].add_module("scale", _Scale(with_mask))
+
+
+def _refusals(rank, world, directory, bad_directory, scaled_directory):
     said = {}
 
     def attempt(what, fn):
         try:
-            fn()
+            return fn()
         except (ConfigError, PretrainedMismatchError, NonFiniteWeightsError, TypeError) as e:
             said[what] = f"{type(e).__name__}: {e}"
 
-    attempt("no initialiser", lambda: _wrapped("llama", 1, edit=lambda m: m.model.layers[3].add_module("scale",
-                                                                                                        _Scale())))
+    batches = list(rank_slices(_batches("llama")[0], 0, 1, MICRO, ACCUM))
+    for with_mask in (False, True):
+        _, engine = _wrapped("llama", 1, edit=_with_scale(with_mask))
+        attempt(f"unset{' mask' * with_mask}", lambda: engine.train_batch(batches))
+        attempt(f"unset{' mask' * with_mask} eval", lambda: engine.evaluate_each(batches))
+        tiertrain.load_pretrained(engine, scaled_directory)  # (the gain, saved; the mask is not)
+        said[f"loaded{' mask' * with_mask}"] = attempt(f"after load{' mask' * with_mask}",
+                                                        lambda: engine.train_batch(batches))
+        engine.close()
     _, engine = _wrapped("llama", 1)
     attempt("missing", lambda: tiertrain.load_pretrained(engine, directory))
     attempt("nan", lambda: tiertrain.load_pretrained(engine, bad_directory))
@@ -191,10 +204,20 @@ def test_what_a_rank_cannot_build_or_load_is_refused_on_every_rank_by_name(tmp_p
     model.save_pretrained(tmp_path / "missing", state_dict=missing)
     state["model.layers.2.self_attn.q_proj.weight"][0, 0] = float("nan")
     model.save_pretrained(tmp_path / "nan", state_dict=state)
-    said = run_distributed(_refusals, 2, str(tmp_path / "missing"), str(tmp_path / "nan"), timeout=50)
-    assert "model.layers.3.scale.gain, model.layers.3.scale.keep a value" in said[1]["no initialiser"]
-    assert "reset_parameters" in said[1]["no initialiser"] and "booleans" in said[1]["no initialiser"]
-    assert "global rank(s) [1]" in said[0]["no initialiser"]  # (block 3 is the second stage's)
+    scaled = llama()
+    _with_scale()(scaled)
+    scaled.save_pretrained(tmp_path / "scaled")
+    said = run_distributed(_refusals, 2, str(tmp_path / "missing"), str(tmp_path / "nan"), str(tmp_path / "scaled"),
+                           timeout=50)
+    for what in ("unset", "unset eval"):  # (block 3 is the second stage's)
+        assert "no initialiser gave model.layers.3.scale.gain a value" in said[1][what], said[1]
+        assert "load a checkpoint holding them" in said[1][what] and "reset_parameters" in said[1][what]
+        assert "global rank(s) [1] hold tensors no initialiser gave a value" in said[0][what], said[0]
+    for rank in (0, 1):
+        assert said[rank]["loaded"] > 0 and "after load" not in said[rank], "the checkpoint gave the gain its value"
+        assert said[rank]["loaded mask"] is None and "after load mask" in said[rank], "a mask no checkpoint holds"
+    mask = said[1]["after load mask"]
+    assert "model.layers.3.scale.keep a value" in mask and "booleans" in mask
     for rank in (0, 1):
         assert "model.layers.3.mlp.up_proj.weight" in said[rank]["missing"], said[rank]
         assert said[rank]["missing"].startswith("PretrainedMismatchError"), said[rank]

@@ -260,10 +260,11 @@ def _check_hf_family(cfg: TrainConfig, pp: int) -> None:
     (tiertrain/parallel/cp_hf.py), both at once only where a pipeline stage runs the converted
     blocks (the rotary decoders)."""
     from .models.hf import ROTARY_DECODERS, hf_config
+    from .pipeline.hf_families import PIPELINE_DECODERS
 
     model_type = getattr(hf_config(cfg.model.hf), "model_type", None)
     cp = cfg.parallel.cp
-    families = set(ROTARY_DECODERS) | ({"gpt2"} if cp == 1 else set())
+    families = set(ROTARY_DECODERS) if cp > 1 else set(PIPELINE_DECODERS) | {"gpt2"}
     if model_type not in families:
         what = " and ".join(f"parallel.{k}={v}" for k, v in (("pp", pp), ("cp", cp)) if v > 1)
         raise ConfigError(f"{what} with model.hf={cfg.model.hf!r}: its model_type {model_type!r} is not one "

@@ -218,11 +218,12 @@ def wrap(model: nn.Module | Sequence[nn.Module], config: Config, topology: Topol
             client = client_optimizer(model if isinstance(model, nn.Module) else list(model), config, optimizer,
                                       param_groups, lr_scheduler)
             stages = pipeline_stages(model, topology, config.parallel.virtual_stages)
+            unset = materialize_stages(model, stages, topology) if built_per_stage else None
             if built_per_stage:
-                materialize_stages(model, stages, topology)
                 check_no_shared_memory(stages)
             engine = PipelineEngine(stages, config, topology, activation_shape=activation_shape,
                                     update_factory=update_factory, state_io=engine_io, client=client)
+            engine.unset_tensors = unset
         else:
             engine = Engine(model, config, topology, loss_fn=loss_fn, unit_modules=unit_modules,
                             update_factory=update_factory, optimizer=optimizer, param_groups=param_groups,

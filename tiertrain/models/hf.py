@@ -31,8 +31,9 @@ __all__ = ["ROTARY_DECODERS", "hf_config", "build_causal_lm", "causal_lm_loss", 
 ROTARY_DECODERS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 """``config.model_type`` values whose base model runs embed_tokens → layers (each given the rotary
 cos/sin, position ids and a causal or sliding-window mask) → norm, nothing else (no embedding
-scale, no soft-capping): the families the pipeline's rotary-decoder stages reproduce exactly
-(tiertrain/pipeline/hf_families.py) and context parallelism converts (tiertrain/parallel/cp_hf.py)."""
+scale, no soft-capping), and whose attention context parallelism converts
+(tiertrain/parallel/cp_hf.py). The pipeline cuts these and more
+(tiertrain/pipeline/hf_families.py PIPELINE_DECODERS)."""
 
 
 @functools.lru_cache(maxsize=8)

@@ -9,7 +9,7 @@ import inspect
 
 import torch.nn as nn
 
-from .hf_families import ROTARY_DECODERS, Family, _children, _units
+from .hf_families import PIPELINE_DECODERS, Family, _children, _units
 from .stage import _min_max_partition
 
 __all__ = ["PARENT_INPUTS"]
@@ -72,7 +72,7 @@ def _check_chainable(model: nn.Module, name: str, module: nn.Module) -> None:
             f"{type(model).__name__}'s own forward, which a split of an unrecognised model cannot give (each "
             f"stage runs its modules on the previous one's output only): {type(model).__name__} cannot be cut into "
             f"pipeline stages; train it at parallel.pp=1 (ZeRO and tensor parallelism apply), or use a recognised "
-            f"family ({', '.join(sorted(ROTARY_DECODERS))}, gpt2, t5, bert, roberta)")
+            f"family ({', '.join(sorted(PIPELINE_DECODERS))}, gpt2, t5, bert, roberta)")
 
 
 def _explicit(model: nn.Module, family: Family | None, split: list[list[str]], num_stages: int) -> list[list[str]]:

@@ -9,9 +9,23 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from ..models.hf import ROTARY_DECODERS
+__all__ = ["ENCODERS", "ENCODER_DECODERS", "PIPELINE_DECODERS", "Family", "recognise"]
 
-__all__ = ["ENCODERS", "ENCODER_DECODERS", "ROTARY_DECODERS", "Family", "recognise"]
+PIPELINE_DECODERS: dict[str, str] = {
+    **dict.fromkeys(("llama", "apertus", "apertus1p5_text", "arcee", "bitnet", "diffllama", "ernie4_5", "exaone",
+                     "gemma", "glm", "glm4", "helium", "hunyuan_v1_dense", "internlm3", "iquestcoder", "jais2",
+                     "nemotron", "olmo", "olmo2", "seed_oss", "stablelm"), "causal"),
+    **dict.fromkeys(("mistral", "ministral3", "phi3"), "window"),
+    **dict.fromkeys(("qwen2", "qwen3", "ministral", "smollm3"), "types"),
+}
+"""``config.model_type`` values cut as rotary decoders, each with the mask its model's forward
+gives its layers, which the stages give them too: "causal" (one causal mask, Llama's forward),
+"window" (a sliding-window mask for every layer when config.sliding_window is set, Mistral's),
+"types" (config.layer_types[i] for layer i, Qwen2's). A family is listed when its base model's
+and causal LM's forwards (transformers 5.24) are one of those three up to names: embed_tokens →
+rotary cos/sin and the mask → every layer → norm → lm_head → the model's own loss, nothing else
+(no embedding multiplier or dropout outside its modules, no logit scaling or soft-cap, no
+auxiliary loss). tests/test_pipeline_families.py checks every one against its model in float64."""
 
 ENCODER_DECODERS = frozenset({"t5"})
 """``config.model_type`` values split as encoder-decoders (T5ForConditionalGeneration)."""
@@ -34,6 +48,7 @@ class Family:
     after: dict[str, list[str]] = field(default_factory=dict)  # modules riding with a block (T5: the
     # encoder's final norm with its last block)
     encoder_blocks: int = 0  # encoder-decoder: blocks[:encoder_blocks] are the encoder's
+    masks: str = "causal"  # rotary decoders: the layers' masks (PIPELINE_DECODERS)
 
 
 def _units(family: Family) -> list[list[str]]:
@@ -60,18 +75,18 @@ def recognise(model: nn.Module) -> Family:
     if (base is not None and head is not None
             and all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
             and isinstance(base.layers, nn.ModuleList)):
-        if model_type not in ROTARY_DECODERS:
+        if model_type not in PIPELINE_DECODERS:
             # (not "give split=": its layers take the rotary embeddings and the mask from the
             # model's forward, which an explicit split of an unrecognised model cannot carry)
             raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) has the Llama layout "
                              f"(model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head) but is not "
-                             f"a family known to run it unchanged ({', '.join(sorted(ROTARY_DECODERS))}: embeddings "
-                             f"→ layers → norm → head and nothing else, where others scale the embeddings or "
-                             f"soft-cap the logits); it cannot be cut into pipeline stages yet: train it at "
-                             f"parallel.pp=1 (ZeRO and tensor parallelism apply)")
+                             f"a family known to run it unchanged ({', '.join(sorted(PIPELINE_DECODERS))}: "
+                             f"embeddings → layers → norm → head and nothing else, where others scale the "
+                             f"embeddings or soft-cap the logits); it cannot be cut into pipeline stages yet: train "
+                             f"it at parallel.pp=1 (ZeRO and tensor parallelism apply)")
         n = len(base.layers)
         return Family("rotary", ["model.embed_tokens"], [f"model.layers.{i}" for i in range(n)],
-                      ["model.norm", "lm_head"], ["model.rotary_emb"])
+                      ["model.norm", "lm_head"], ["model.rotary_emb"], masks=PIPELINE_DECODERS[model_type])
     if model_type in ENCODER_DECODERS and head is not None and all(
             hasattr(model, a) for a in ("shared", "encoder", "decoder")):
         enc, dec = model.encoder, model.decoder
@@ -106,7 +121,8 @@ def recognise(model: nn.Module) -> Family:
                       [f"transformer.h.{i}" for i in range(len(tr.h))], ["transformer.ln_f", "lm_head"])
     raise ValueError(f"cannot split {type(model).__name__} (model_type={model_type!r}) into pipeline stages "
                      f"automatically: recognised are Hugging Face causal LMs of the rotary-decoder families "
-                     f"({', '.join(sorted(ROTARY_DECODERS))}: model.embed_tokens/layers/norm/rotary_emb + lm_head)"
+                     f"({', '.join(sorted(PIPELINE_DECODERS))}: model.embed_tokens/layers/norm/rotary_emb + "
+                     f"lm_head)"
                      f", GPT-2 (transformer.wte/wpe/h/ln_f + lm_head), the masked-LM encoders "
                      f"BertForMaskedLM/RobertaForMaskedLM (bert/roberta.embeddings, encoder.layer, cls/lm_head) "
                      f"and the encoder-decoder "

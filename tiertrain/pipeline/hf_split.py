@@ -14,8 +14,9 @@ tiertrain's datasets give as labels): :func:`causal_targets`.
 
 Recognised families (:func:`recognise`):
 
-* **rotary decoders** (``model_type`` in :data:`ROTARY_DECODERS`: Llama, Mistral, Qwen2,
-  Qwen3): ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``, rotary
+* **rotary decoders** (``model_type`` in :data:`PIPELINE_DECODERS`: Llama, Mistral, Qwen2,
+  Qwen3, Gemma, OLMo, OLMo 2, Phi-3, GLM, SmolLM3, Ministral, StableLM, and others whose forward
+  is one of those three): ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``, rotary
   position embeddings computed once by ``model.rotary_emb`` and given to every layer, GQA,
   tied or untied head, full or sliding-window attention per layer;
 * **GPT-2**: ``transformer.wte`` + ``transformer.wpe`` (learned positions), ``transformer.h``,
@@ -115,9 +116,9 @@ from ..parallel.context import next_token_labels
 from ..parallel.cp_plan import cp_attributes
 from .hf_context import check_stage, local_tokens, token_mean_share
 from .hf_cut import _balanced, _check_tensor_parallel, _explicit, _untie
-from .hf_families import ENCODER_DECODERS, ENCODERS, ROTARY_DECODERS, Family, recognise
+from .hf_families import ENCODER_DECODERS, ENCODERS, PIPELINE_DECODERS, Family, recognise
 
-__all__ = ["ENCODERS", "ENCODER_DECODERS", "ROTARY_DECODERS", "Family", "HFStage", "recognise", "split_hf"]
+__all__ = ["ENCODERS", "ENCODER_DECODERS", "PIPELINE_DECODERS", "Family", "HFStage", "recognise", "split_hf"]
 
 
 def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -215,6 +216,8 @@ class HFStage(nn.Module):
                  first: bool, last: bool):
         super().__init__()
         self.kind = family.kind
+        self.masks = family.masks
+        """A rotary decoder's layers' masks, as its model's forward makes them (PIPELINE_DECODERS)."""
         self.hf_config = getattr(model, "config", None)
         # what an export of the pipeline's checkpoint writes as config.json (state/export_files.py)
         self.hf_architecture = type(model).__name__
@@ -441,18 +444,35 @@ class HFStage(nn.Module):
         return x
 
     def _attention_type(self, i: int) -> str:
-        """What mask layer i gets, as the model's own forward chooses it: config.layer_types
-        (Qwen2/3), else a sliding window when config.sliding_window is set (Mistral)."""
-        types = getattr(self.hf_config, "layer_types", None)
-        if types is not None:
-            return types[i]
-        return "sliding_attention" if getattr(self.hf_config, "sliding_window", None) else "full_attention"
+        """What mask layer i gets, as the model's own forward chooses it (its family's masks):
+        config.layer_types (Qwen2's forward), a sliding window for every layer when
+        config.sliding_window is set (Mistral's), else the causal mask (Llama's, whatever its
+        config holds)."""
+        if self.masks == "types":
+            return self.hf_config.layer_types[i]
+        if self.masks == "window" and getattr(self.hf_config, "sliding_window", None):
+            return "sliding_attention"
+        return "full_attention"
 
     def extra_repr(self) -> str:
         parts = [f"stage {self.index}/{self.num_stages}", self.kind, f"layers={self.layers}"]
         if self.tied:
             parts.append(f"tied={self.tied_names}")
         return ", ".join(parts)
+
+
+def _check_covered(model: nn.Module, family: Family, paths: list[list[str]]) -> None:
+    """ValueError naming the parameters of a recognised model that no stage holds (a module
+    its family's forward does not run, such as an extra prediction head): they would be
+    neither trained nor in a checkpoint or export."""
+    covered = {id(p) for stage in paths for path in [*stage, *family.shared]
+               for p in model.get_submodule(path).parameters()}
+    missing = [n for n, p in model.named_parameters() if id(p) not in covered]
+    if missing:
+        raise ValueError(f"split_hf: {type(model).__name__}'s {', '.join(missing[:8])}"
+                         f"{f' and {len(missing) - 8} more' if len(missing) > 8 else ''} are in none of its "
+                         f"{family.kind} family's parts (embeddings, blocks, final norm and head), so no pipeline "
+                         f"stage would train or save them; train it at parallel.pp=1")
 
 
 def split_hf(model: nn.Module, num_stages: int, balance: str = "layers",
@@ -472,6 +492,8 @@ def split_hf(model: nn.Module, num_stages: int, balance: str = "layers",
                                                                                            num_stages)
     if family is None:
         family = Family("sequential", [], [], [])
+    else:
+        _check_covered(model, family, paths)
     _check_tensor_parallel(model, family)
     tied = _untie(model, paths[0], paths[-1]) if num_stages > 1 else None
     stages = [HFStage(model, family, s, num_stages, p, s == 0, s == num_stages - 1) for s, p in enumerate(paths)]

@@ -27,7 +27,7 @@ from ..config import ConfigError
 from ..topology import Topology
 from .stage import TIED_FIRST, TIED_LAST
 
-__all__ = ["has_meta", "materialize_stages"]
+__all__ = ["UnsetTensors", "has_meta", "materialize_stages"]
 
 _SEND_TIMEOUT_S = 300.0
 """How long the tied weight's transfer from the first stage's rank may take (it names both ranks)."""
@@ -38,10 +38,11 @@ def has_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
 
 
-def materialize_stages(model: nn.Module, stages: list[nn.Module], topology: Topology) -> None:
+def materialize_stages(model: nn.Module, stages: list[nn.Module], topology: Topology) -> "UnsetTensors":
     """Give host memory and initial values to the meta tensors of this rank's ``stages`` (cut
     from ``model``), leaving every other stage's on the meta device; see the module docstring.
-    ConfigError naming the tensors no initialiser gave a value."""
+    Returns the tensors no initialiser gave a value, which a checkpoint may still give
+    (collective: every rank learns which ranks have any)."""
     initialisers = _initialisers(model)
     fresh: dict[int, torch.Tensor] = {}  # id(meta tensor) → its replacement (a tensor held twice stays one)
     owners = []
@@ -57,24 +58,47 @@ def materialize_stages(model: nn.Module, stages: list[nn.Module], topology: Topo
     unset = [f"{name}.{attr}" if name else attr for stage in stages for name, module in stage.named_modules()
              for attr, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
              if id(t) in made and _unset(t)]
-    failed = _ranks_failing(bool(unset), topology)
-    if unset:
-        shown = ", ".join(dict.fromkeys(unset))
-        raise ConfigError(f"the model was built on the meta device and no initialiser gave {shown} a value that "
-                          f"can be checked (its module has no reset_parameters and the model's own _init_weights "
-                          f"does not cover it, or it holds booleans, which no marker tells from written ones): give "
-                          f"the module a reset_parameters() method, or build the model with its values (not under "
-                          f"torch.device('meta'))")
-    if failed:
-        raise ConfigError(f"the model was built on the meta device and global rank(s) {failed} could not give their "
-                          f"stages values (named there): no rank trains without them")
+    return UnsetTensors(list(dict.fromkeys(unset)), topology)
 
 
-def _ranks_failing(failing: bool, topology: Topology) -> list[int]:
-    """The global ranks whose stages could not be built (every rank learns of them, so none
-    goes on to wait for the others in its first collective)."""
+class UnsetTensors:
+    """The tensors of this rank's stages a meta-device build left without a value (no
+    initialiser covers them, or they hold booleans, which no marker tells from written ones),
+    and the global ranks that have any, agreed by every rank. A pipeline engine refuses to train
+    or evaluate while any rank has one (:meth:`check`): tiertrain.load_pretrained gives them
+    their checkpoint's values (:meth:`loaded`), as transformers' own meta-device loading does."""
+
+    def __init__(self, names: list[str], topology: Topology):
+        self.names = names
+        self._topology = topology
+        self.ranks = _ranks_with(bool(names), topology)
+
+    def loaded(self, names: list[str]) -> None:
+        """These now hold a checkpoint's values (collective: the ranks agree again)."""
+        done = set(names)
+        self.names = [n for n in self.names if n not in done]
+        self.ranks = _ranks_with(bool(self.names), self._topology)
+
+    def check(self, what: str) -> None:
+        """ConfigError when any rank still holds a tensor without a value."""
+        if self.names:
+            raise ConfigError(f"{what}: the model was built on the meta device and no initialiser gave "
+                              f"{', '.join(self.names)} a value that can be checked (its module has no "
+                              f"reset_parameters and the model's own _init_weights does not cover it, or it holds "
+                              f"booleans, which no marker tells from written ones): load a checkpoint holding them "
+                              f"(tiertrain.load_pretrained(engine, path)), give the module a reset_parameters() "
+                              f"method, or build the model with its values (not under torch.device('meta'))")
+        if self.ranks:
+            raise ConfigError(f"{what}: the model was built on the meta device and global rank(s) {self.ranks} hold "
+                              f"tensors no initialiser gave a value (named there): load a checkpoint holding them "
+                              f"(tiertrain.load_pretrained(engine, path)), or build the model with its values")
+
+
+def _ranks_with(flag: bool, topology: Topology) -> list[int]:
+    """The global ranks where flag is set (every rank learns of them, so that all refuse alike
+    and none goes on to wait for the others in its first collective)."""
     flags = torch.zeros(topology.world_size, dtype=torch.int64)
-    flags[topology.rank] = int(failing)
+    flags[topology.rank] = int(flag)
     if topology.world_size > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=topology.world_group())
     return [r for r, f in enumerate(flags.tolist()) if f]

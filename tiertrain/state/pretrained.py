@@ -430,6 +430,8 @@ def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict:
         report.loaded = report.loaded if pipeline else [t.name for t in matched]
     buffers = {t.key for t in matched if not t.is_param}
     _refuse_nonfinite(target, topology, report, {k: n for k, n in report.nonfinite.items() if k not in buffers})
+    if pipeline and target.unset_tensors is not None:
+        target.unset_tensors.loaded(report.loaded)
     return report
 
 
