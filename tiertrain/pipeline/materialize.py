@@ -8,9 +8,10 @@ engine, path)`` then reads each rank's tensors from the checkpoint (tiertrain/st
 Values come from the model's own initialisation: a Hugging Face model's ``_init_weights`` (the
 function transformers itself applies after building on the meta device, which also recomputes
 derived buffers such as rotary frequencies and position ids), else each module's
-``reset_parameters``. A tensor neither covers is refused by name rather than trained from
-whatever memory it was given: every tensor is first filled with a value no initialiser writes
-(NaN; an integer type's minimum) and checked after. A weight tied across the first and last
+``reset_parameters``. A tensor neither covers is never trained from whatever memory it was
+given: every tensor is first filled with a value no initialiser writes (NaN; an integer type's
+minimum) and checked after, and the engine refuses to train, naming it, until a checkpoint gives
+it a value (:class:`UnsetTensors`). A weight tied across the first and last
 stage is sent from the first stage's rank to the last one's, so the copies start equal (as a
 whole build's clone makes them); the data-parallel replicas of a stage start from their rank
 0's values, as for any model (tiertrain/engine_build.py initial_value).
@@ -27,7 +28,7 @@ from ..config import ConfigError
 from ..topology import Topology
 from .stage import TIED_FIRST, TIED_LAST
 
-__all__ = ["UnsetTensors", "has_meta", "materialize_stages"]
+__all__ = ["UnsetTensors", "has_meta", "materialize_stages", "ranks_with"]
 
 _SEND_TIMEOUT_S = 300.0
 """How long the tied weight's transfer from the first stage's rank may take (it names both ranks)."""
@@ -45,13 +46,13 @@ def materialize_stages(model: nn.Module, stages: list[nn.Module], topology: Topo
     (collective: every rank learns which ranks have any)."""
     initialisers = _initialisers(model)
     fresh: dict[int, torch.Tensor] = {}  # id(meta tensor) → its replacement (a tensor held twice stays one)
-    owners = []
+    owners: dict[int, nn.Module] = {}  # the modules that held meta tensors themselves, each once
     for stage in stages:
-        for name, module in stage.named_modules():
+        for module in stage.modules():
             if _replace_meta(module, fresh):
-                owners.append((name, module))
+                owners.setdefault(id(module), module)
     with torch.no_grad():
-        for _, module in dict((id(m), (n, m)) for n, m in owners).values():
+        for module in owners.values():
             initialisers.get(id(module), _reset)(module)
         _send_tied_weight(stages, topology)
     made = {id(v) for v in fresh.values()}
@@ -71,13 +72,13 @@ class UnsetTensors:
     def __init__(self, names: list[str], topology: Topology):
         self.names = names
         self._topology = topology
-        self.ranks = _ranks_with(bool(names), topology)
+        self.ranks = ranks_with(bool(names), topology)
 
     def loaded(self, names: list[str]) -> None:
         """These now hold a checkpoint's values (collective: the ranks agree again)."""
         done = set(names)
         self.names = [n for n in self.names if n not in done]
-        self.ranks = _ranks_with(bool(self.names), self._topology)
+        self.ranks = ranks_with(bool(self.names), self._topology)
 
     def check(self, what: str) -> None:
         """ConfigError when any rank still holds a tensor without a value."""
@@ -94,7 +95,7 @@ class UnsetTensors:
                               f"(tiertrain.load_pretrained(engine, path)), or build the model with its values")
 
 
-def _ranks_with(flag: bool, topology: Topology) -> list[int]:
+def ranks_with(flag: bool, topology: Topology) -> list[int]:
     """The global ranks where flag is set (every rank learns of them, so that all refuse alike
     and none goes on to wait for the others in its first collective)."""
     flags = torch.zeros(topology.world_size, dtype=torch.int64)

@@ -394,7 +394,10 @@ def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict:
     pipeline = isinstance(target, PipelineEngine)
     if (isinstance(target, Engine) or pipeline) and target.closed:
         raise ValueError("load_pretrained: the engine is closed; load into engine.module, now a plain module")
-    module = _whole_model(target) if pipeline else target.module if isinstance(target, Engine) else target
+    if pipeline:
+        module, copies = _whole_model(target)
+    else:
+        module, copies = (target.module if isinstance(target, Engine) else target), None
     if not isinstance(module, nn.Module):
         raise TypeError(f"load_pretrained: target must be a tiertrain Engine or an nn.Module, "
                         f"got {type(target).__name__}")
@@ -411,7 +414,6 @@ def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict:
         if isinstance(ckpt, ConvertedCheckpoint):
             report.conversion = (f"transformers' checkpoint conversion of {type(module).__name__}: "
                                  f"{ckpt.converted_count} tensors converted, {ckpt.renamed_count} renamed")
-        copies = {tie[1]: tie[0] for tie in [target.stages[0].cut_tie] if tie} if pipeline else None
         matched = _match(module, ckpt, strict, report, copies)
         if report.missing:  # (strict=False: said, never silent)
             warnings.warn(f"load_pretrained: {len(report.missing)} tensors of this {type(module).__name__} have no "
@@ -421,13 +423,13 @@ def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict:
         if tp:
             raise NotImplementedError(f"load_pretrained: {_listing(tp, 5)} are tensor-parallel slices; load the "
                                       f"checkpoint before tiertrain.parallel.apply_tensor_parallel")
+        report.loaded = [t.name for t in matched]
         if pipeline:
             report.loaded = _into_pipeline(target, matched, ckpt)
         elif isinstance(target, Engine):
             _into_engine(target, matched, ckpt)
         else:
             _into_module(matched, ckpt, topology)
-        report.loaded = report.loaded if pipeline else [t.name for t in matched]
     buffers = {t.key for t in matched if not t.is_param}
     _refuse_nonfinite(target, topology, report, {k: n for k, n in report.nonfinite.items() if k not in buffers})
     if pipeline and target.unset_tensors is not None:
@@ -435,46 +437,47 @@ def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict:
     return report
 
 
-def _whole_model(engine) -> nn.Module:
-    """The model a pipeline engine's stages were cut from, whose names a checkpoint's are."""
-    models = {id(m): m for m in (getattr(s, "whole_model", None) for s in engine.stages) if m is not None}
-    if len(models) != 1 or len(engine.stages) == 0 or any(not hasattr(s, "whole_model") for s in engine.stages):
+def _whole_model(engine) -> tuple[nn.Module, dict[str, str]]:
+    """The model a pipeline engine's stages were cut from, whose names a checkpoint's are, and
+    the last stage's copy of the weight the cut untied (copy → weight), known on every rank."""
+    models = [getattr(s, "whole_model", None) for s in engine.stages]
+    if not models or any(m is None or m is not models[0] for m in models):
         raise TypeError("load_pretrained: this PipelineEngine's stages were not cut from a Hugging Face model by "
                         "tiertrain.wrap (stage modules given as a list, or tiertrain's GPT), so no model names "
                         "the checkpoint's tensors: load the checkpoint into the model before tiertrain.wrap")
-    return next(iter(models.values()))
+    tie = engine.stages[0].cut_tie
+    return models[0], ({tie[1]: tie[0]} if tie else {})
 
 
 def _into_pipeline(engine, matched: list[_Target], ckpt: _Checkpoint) -> list[str]:
     """This pipeline rank's stages' tensors (by the whole model's names, which the stages
     keep), as _into_engine; the other stages' are not read. Returns the names loaded."""
     keys = {alias: t.key for t in matched for alias in t.aliases}
-    held: dict[str, torch.Tensor] = {}
+    held: dict[int, tuple[str, torch.Tensor]] = {}  # each tensor once, by the name the layout knows it by
+    names: list[str] = []  # every name it has here (a tensor shared under two names: both loaded)
     for stage in engine.stages:
         persistent = set(stage.state_dict(keep_vars=True))
-        for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
+        for name, t in [*stage.named_parameters(remove_duplicate=False), *stage.named_buffers(remove_duplicate=False)]:
             if name in keys and name in persistent:
-                held.setdefault(name, t)
-    placed = write_into_units(engine, {name: keys[name] for name in held}, ckpt)
-    for name, t in held.items():
+                held.setdefault(id(t), (name, t))
+                names.append(name)
+    placed = write_into_units(engine, {name: keys[name] for name, _ in held.values()}, ckpt)
+    for name, t in held.values():
         if name not in placed:
             t.data.copy_(ckpt.read(keys[name]).reshape(t.shape))
-    return list(held)
+    return list(dict.fromkeys(names))
 
 
 def _refuse_nonfinite(target, topology: Topology | None, report: LoadReport, found: dict[str, int]) -> None:
     """NonFiniteWeightsError on every rank that shares the load when any read inf or NaN into
     a parameter (a rank reads only its part: they agree first, so none trains on alone)."""
     from ..pipeline.engine import PipelineEngine
+    from ..pipeline.materialize import ranks_with
 
     ranks = [bool(found)]
     if isinstance(target, PipelineEngine):  # (its ranks read different stages: all of them agree)
-        topology = target.topology
-        flags = torch.zeros(topology.world_size, dtype=torch.int64)
-        flags[topology.rank] = int(bool(found))
-        if topology.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=topology.world_group())
-        ranks = flags.tolist()
+        failing = ranks_with(bool(found), target.topology)
+        ranks = [r in failing for r in range(target.topology.world_size)]
     elif isinstance(target, Engine) and target.comm.size > 1:
         flags = torch.zeros(target.comm.size, dtype=torch.int64, device=target.device)
         flags[target.comm.rank] = int(bool(found))
