@@ -239,6 +239,17 @@ class PipelineEngine(TrainingCore):
             whole.update({k: v for k, v in stage.items() if k not in whole})
         return {k: v.to(self.device) for k, v in whole.items()}
 
+    def source_model(self) -> tuple[nn.Module, dict[str, str]] | None:
+        """The Hugging Face model wrap() cut these stages from (on the meta device where another
+        rank holds a stage), whose names a checkpoint's are, and the last stage's copy of the
+        weight the cut untied (copy → weight), known on every rank; None for stages given as a
+        list or cut from tiertrain's GPT."""
+        models = [getattr(s, "whole_model", None) for s in self.stages]
+        if not models or any(m is None or m is not models[0] for m in models):
+            return None
+        tie = self.stages[0].cut_tie
+        return models[0], ({tie[1]: tie[0]} if tie else {})
+
     def tied_copies(self) -> dict[str, str]:
         """The last stage's copy of a tied embedding, kept equal to the first stage's."""
         return {tied_names(s)[1]: tied_names(s)[0] for s in self._tied_stages if s.is_last and not s.is_first}

@@ -53,10 +53,12 @@ def _files_for_export(engine: "TrainingCore") -> dict[str, Any]:
     files kept with the model. Rank 0 writes them: under pipeline parallelism each stage's
     names and whole tensors are gathered from the pipeline's ranks (collective over pp)."""
     files: dict[str, Any] = {}
-    modules = engine.named_modules_of_state() if engine.topology.size("pp") > 1 else [engine.module]
+    pipeline = engine.topology.size("pp") > 1
+    modules = engine.named_modules_of_state() if pipeline else [engine.module]
+    source = engine.source_model() if pipeline else None  # (its stages' names are this model's)
     names, held = {}, []
     for module in modules:
-        found, whole = export_plan.checkpoint_names(module, engine.flat)
+        found, whole = export_plan.checkpoint_names(module, engine.flat, like=source[0] if source else None)
         names.update(found)
         held += [(n, t) for n, t in whole
                  if export_plan.writable_dtype(t.dtype) and not getattr(t, "tp_sharded", False)]

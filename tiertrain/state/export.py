@@ -30,6 +30,7 @@ tiertrain/state/export_plan.py's; the files are written by tiertrain/state/expor
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -40,11 +41,12 @@ import torch
 import torch.distributed as dist
 
 from ..io.fileio import atomic_write
+from ..pipeline.materialize import ranks_with
 from ..unit_values import MasterShards
 from .export_files import _fsync_directory, _remove_stale, _StreamedFile, _write_config, write_files_with_model
 from .export_groups import ConvertedValues, GroupMembers
-from .export_plan import (DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, _File, _Item, _model_tensors, _plan, _Plan,
-                          resolve_dtype)
+from .export_plan import (DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SHARD_NAME, SINGLE_FILE, _File, _Item, _model_tensors,
+                          _plan, _Plan, resolve_dtype)
 from .peft_export import PeftExport, peft_items, peft_model, write_adapter_config
 
 if TYPE_CHECKING:
@@ -167,22 +169,48 @@ def _agree(engine: "Engine", failed: list[BaseException], what: str, plan: _Plan
     """A barrier that also raises on every rank when any rank failed (its own error on that
     rank), so no rank returns while another has not finished, and none waits on one that gave
     up. With plan: also that every rank computed the same plan (the gathers that follow must
-    match), from a digest of it."""
+    match), from a digest of it. Under pipeline parallelism the data-parallel ranks of a stage
+    compare their plans, and every rank of every stage learns of a failure."""
     size = engine.comm.size
     flags = torch.zeros(size + 2, dtype=torch.int64, device=engine.device)
     flags[engine.comm.rank] = int(bool(failed))
     digest = plan.digest if plan is not None else 0
     flags[size:] = torch.tensor([digest, -digest])
     engine.comm.all_reduce(flags, op=dist.ReduceOp.MAX, count=False)
+    ranks = [r for r, flag in enumerate(flags[:size].tolist()) if flag]
+    differ = int(flags[size]) != digest or -int(flags[size + 1]) != digest
+    elsewhere = []
+    if engine.topology.size("pp") > 1:
+        elsewhere = ranks_with(bool(ranks) or differ, engine.topology)
     if failed:
         raise failed[0]
-    if bool(flags[:size].any()):
-        ranks = [r for r, flag in enumerate(flags[:size].tolist()) if flag]
+    if ranks:
         raise RuntimeError(f"save_pretrained: rank(s) {ranks} failed {what} (their errors are raised there); "
                            f"the checkpoint is incomplete")
-    if int(flags[size]) != digest or -int(flags[size + 1]) != digest:
+    if differ:
         raise RuntimeError("save_pretrained: the ranks planned different files (their models' state_dict names, "
                            "shapes or layouts differ); nothing was written")
+    if elsewhere:
+        raise RuntimeError(f"save_pretrained: global rank(s) {elsewhere} of another pipeline stage failed {what} "
+                           f"(their errors are raised there); the checkpoint is incomplete")
+
+
+def _over_the_pipeline(engine: "Engine", plan: _Plan) -> tuple[_Plan, _Plan]:
+    """This pipeline rank's plan with its files renamed into the whole checkpoint's numbering
+    (each pipeline rank's files in turn, in pipeline order), and the whole checkpoint's plan
+    (every rank's files; for the index and the report). Collective over the pipeline."""
+    group, p = engine.topology.group("pp"), engine.topology.size("pp")
+    counts: list = [None] * p
+    dist.all_gather_object(counts, len(plan.files), group=group)
+    offset, total = sum(counts[:engine.topology.coord("pp")]), sum(counts)
+    mine = _Plan(tuple(dataclasses.replace(f, name=SHARD_NAME.format(k=offset + k + 1, n=total))
+                       for k, f in enumerate(plan.files)), plan.units)
+    every: list = [None] * p  # (each file's name and tensors' names, shapes and dtypes: no values)
+    dist.all_gather_object(every, [(f.name, [(i.name, i.shape, i.dtype) for i in f.items]) for f in mine.files],
+                           group=group)
+    files = tuple(_File(name, -1, tuple(_Item(*item, position=-1, unit=None) for item in items))
+                  for stage in every for name, items in stage)
+    return mine, _Plan(files, ())
 
 
 def save_pretrained(engine: "Engine", directory: str | os.PathLike, dtype: torch.dtype | str | None = None,
@@ -195,11 +223,12 @@ def save_pretrained(engine: "Engine", directory: str | os.PathLike, dtype: torch
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"save_pretrained: max_shard_bytes must be a positive number of bytes, "
                          f"got {max_shard_bytes!r}")
-    if engine.topology.size("pp") > 1:  # (a PipelineEngine)
-        raise NotImplementedError("save_pretrained: a pipeline's ranks hold different stages of the model; save a "
-                                  "checkpoint (engine.save_checkpoint(dir), every rank) and export it with "
-                                  "`tiertrain export DIR OUT`, which assembles every stage's tensors into a "
-                                  "directory from_pretrained loads")
+    pipeline = engine.topology.size("pp") > 1  # (a PipelineEngine: each pipeline rank writes its stages' tensors)
+    if pipeline and engine.source_model() is None:
+        raise NotImplementedError("save_pretrained: these pipeline stages were not cut from a Hugging Face model by "
+                                  "wrap() (stage modules given as a list, or tiertrain's GPT), so no model names their "
+                                  "tensors; save a checkpoint (engine.save_checkpoint(dir), every rank) and export it "
+                                  "with `tiertrain export DIR OUT`")
     if engine.tp_comm.size > 1:
         raise NotImplementedError("save_pretrained: tensor-parallel parameters are slices; export is supported "
                                   "for parallel.tp=1")
@@ -215,23 +244,29 @@ def save_pretrained(engine: "Engine", directory: str | os.PathLike, dtype: torch
     engine.quiesce()
     engine.update.flush()
     items, config_of, world, single = _model_tensors(engine, target), engine.module, engine.comm.size, SINGLE_FILE
-    if peft_model(engine.module):
+    if pipeline:
+        config_of = engine.source_model()[0]
+    elif peft_model(engine.module):
         items, config_of, world, single = peft_items(engine.module, items, peft, world, SINGLE_FILE)
     elif peft is not None:
         raise ValueError(f"save_pretrained: peft={peft} is for a peft.PeftModel; this model is a "
                          f"{type(engine.module).__name__} (leave peft=None)")
     plan = _plan(items, world, max_shard_bytes, single)
+    whole = plan
+    if pipeline:
+        plan, whole = _over_the_pipeline(engine, plan)
     rank = engine.comm.rank
-    report = ExportReport(directory, target, files=[f.name for f in plan.files], weight_map=plan.weight_map,
-                          total_size=plan.total_size)
+    leader = engine.topology.rank == 0 if pipeline else rank == 0  # (prepares the directory, writes the index)
+    report = ExportReport(directory, target, files=[f.name for f in whole.files], weight_map=whole.weight_map,
+                          total_size=whole.total_size)
     failed: list[BaseException] = []
     _agree(engine, failed, "planning", plan)  # (the gathers below must be the same on every rank)
 
     # 1. The directory ready: created, an earlier export's index and stale files removed, the config.
     try:
         os.makedirs(directory, exist_ok=True)
-        if rank == 0:
-            _remove_stale(directory, plan)
+        if leader:
+            _remove_stale(directory, whole)
             if config_of is None:
                 write_adapter_config(engine.module, directory)
             else:
@@ -273,14 +308,14 @@ def save_pretrained(engine: "Engine", directory: str | os.PathLike, dtype: torch
     _agree(engine, failed, "writing their files")
 
     # 3. Rank 0 marks the checkpoint complete: the index, last.
-    if rank == 0 and len(plan.files) > 1:
+    if leader and len(whole.files) > 1:
         try:
-            index = {"metadata": {"total_size": plan.total_size}, "weight_map": dict(sorted(plan.weight_map.items()))}
+            index = {"metadata": {"total_size": whole.total_size}, "weight_map": dict(sorted(whole.weight_map.items()))}
             text = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
             atomic_write(os.path.join(directory, INDEX_FILE), lambda f: f.write(text))
         except Exception as e:
             failed.append(e)
-    if rank == 0 and not failed:
+    if leader and not failed:
         _fsync_directory(directory)
     _agree(engine, failed, "writing the index")
     return report

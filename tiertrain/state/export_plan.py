@@ -160,13 +160,21 @@ def _model_tensors(engine: "Engine", dtype: torch.dtype) -> list[_Item]:
     (grouped by identity: a tied parameter is one object under several names), the layout's
     parameters by unit and slot, then what the module holds whole."""
     flat = engine.flat
-    names, held = checkpoint_names(engine.module, flat)
+    source = engine.source_model() if hasattr(engine, "source_model") else None
+    model = engine.module if source is None else source[0]  # (a pipeline's: the model its stages were cut from)
+    names, held = {}, []
+    for module in ([engine.module] if source is None else engine.stages):
+        found, whole = checkpoint_names(module, flat, like=model)
+        names.update(found)
+        held += whole
+    if source is not None:  # the last stage's copy of a tied embedding: written once, as the embedding
+        names = {k: v for k, v in names.items() if k not in source[1]}
     trained_outside = [name for name, t in held if isinstance(t, nn.Parameter) and t.requires_grad]
     if trained_outside:
         raise RuntimeError(f"save_pretrained: trained parameter {trained_outside[0]!r} is not in the engine's layout")
     # What the model keeps in fp32 (an MoE router's weight, trained from its fp32 master; its
     # correction bias, held) is written in fp32, as its own save_pretrained writes it.
-    fp32 = kept_in_fp32(engine.module, dtype)
+    fp32 = kept_in_fp32(model, dtype)
     items: list[_Item] = []
     for u in flat.all_units:
         for slot in u.unit.slots:
@@ -180,7 +188,7 @@ def _model_tensors(engine: "Engine", dtype: torch.dtype) -> list[_Item]:
                             f"(supported: {sorted(str(d) for d in _SAFETENSORS_DTYPE)})")
         written = written_dtype(fp32, name, dtype) if t.is_floating_point() else t.dtype
         items.append(_Item(name, tuple(t.shape), written, len(items), None, value=t))
-    return converted_items(engine.module, items)
+    return converted_items(model, items)
 
 
 def _plan(items: list[_Item], world: int, max_shard_bytes: int, single: str = SINGLE_FILE) -> _Plan:
@@ -221,17 +229,19 @@ TensorItem = _Item
 order; for an offline writer, unit=None and value=None (the value is handed to write())."""
 
 
-def checkpoint_names(module: nn.Module, flat) -> tuple[dict[str, str], list[tuple[str, torch.Tensor]]]:
+def checkpoint_names(module: nn.Module, flat, like: nn.Module | None = None
+                     ) -> tuple[dict[str, str], list[tuple[str, torch.Tensor]]]:
     """What a Hugging Face checkpoint of module holds, as save_pretrained (export.py) writes it:
     ({layout parameter name: the name it is written under} for every parameter of the engine's
     layout that state_dict() holds (a tied parameter once, under the name Hugging Face keeps),
     [(name, tensor)] for what the module holds whole (persistent buffers, frozen parameters
-    outside the layout), in state_dict order)."""
+    outside the layout), in state_dict order). like: the model whose declared tied copies and
+    names ignored on save apply (a pipeline stage's: the model it was cut from)."""
     groups: dict[int, tuple[list[str], torch.Tensor]] = {}
     for name, t in module.state_dict(keep_vars=True).items():
         if isinstance(t, torch.Tensor):
             groups.setdefault(id(t), ([], t))[0].append(name)
-    tied, ignored = _tied_copy_patterns(module), _ignored_on_save(module)
+    tied, ignored = _tied_copy_patterns(like or module), _ignored_on_save(like or module)
     slot_names = {(u.unit.index, k): slot.name for u in flat.all_units for k, slot in enumerate(u.unit.slots)}
     in_units: dict[str, str] = {}
     held: list[tuple[str, torch.Tensor]] = []

@@ -438,15 +438,13 @@ def load_pretrained(target: Engine | nn.Module, path: str | os.PathLike, strict:
 
 
 def _whole_model(engine) -> tuple[nn.Module, dict[str, str]]:
-    """The model a pipeline engine's stages were cut from, whose names a checkpoint's are, and
-    the last stage's copy of the weight the cut untied (copy → weight), known on every rank."""
-    models = [getattr(s, "whole_model", None) for s in engine.stages]
-    if not models or any(m is None or m is not models[0] for m in models):
+    """The model a pipeline engine's stages were cut from and the tied copy (PipelineEngine.source_model)."""
+    source = engine.source_model()
+    if source is None:
         raise TypeError("load_pretrained: this PipelineEngine's stages were not cut from a Hugging Face model by "
                         "tiertrain.wrap (stage modules given as a list, or tiertrain's GPT), so no model names "
                         "the checkpoint's tensors: load the checkpoint into the model before tiertrain.wrap")
-    tie = engine.stages[0].cut_tie
-    return models[0], ({tie[1]: tie[0]} if tie else {})
+    return source
 
 
 def _into_pipeline(engine, matched: list[_Target], ckpt: _Checkpoint) -> list[str]:
