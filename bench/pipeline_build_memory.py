@@ -13,8 +13,8 @@ checkpoint saved once in a temporary directory:
 
 Each mode runs in fresh processes. Per rank: the resident memory before the model is built
 (VmRSS: the interpreter, torch, transformers), the peak (VmHWM) less it by the time the weights
-are loaded and by the end of the first training step, and the seconds from build to loaded. Both modes' first-step losses are
-printed: equal, the same weights trained.
+are loaded and by the end of the first training step, and the seconds from build to loaded.
+Both modes' first-step losses are printed: equal, the same weights trained.
 
     python bench/pipeline_build_memory.py --out bench/results/pipeline_build_memory.md
 """
@@ -31,18 +31,11 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from _common import machine_lines, print_and_write  # noqa: E402
+from tiertrain.estimate.measure import status_bytes  # noqa: E402
 
 MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
              num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False)
 SEQ, MICRO, ACCUM = 64, 1, 2
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def _rank(rank: int, world: int, mode: str, directory: str) -> dict:
@@ -56,7 +49,7 @@ def _rank(rank: int, world: int, mode: str, directory: str) -> dict:
     config.batch.micro_batch_size, config.batch.grad_accum_steps = MICRO, ACCUM
     config.validate()
     topology = tiertrain.Topology.build(config.parallel)
-    before = _status("VmRSS")
+    before = status_bytes("VmRSS")
     start = time.perf_counter()
     hf_config = transformers.LlamaConfig(**MODEL)
     if mode == "whole":
@@ -69,13 +62,13 @@ def _rank(rank: int, world: int, mode: str, directory: str) -> dict:
         engine = tiertrain.wrap(model, config, topology)
         tiertrain.load_pretrained(engine, directory)
     seconds = time.perf_counter() - start
-    loaded = _status("VmHWM") - before
+    loaded = status_bytes("VmHWM") - before
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, MODEL["vocab_size"], (MICRO, SEQ), generator=g)
     loss = engine.train_batch([{"input_ids": ids, "labels": ids}] * ACCUM)
     params = sum(p.numel() for p in model.parameters() if not p.is_meta)
-    return {"rank": rank, "before": before, "loaded": loaded, "peak": _status("VmHWM") - before, "seconds": seconds,
-            "loss": loss, "built_params": params}
+    return {"rank": rank, "before": before, "loaded": loaded, "peak": status_bytes("VmHWM") - before,
+            "seconds": seconds, "loss": loss, "built_params": params}
 
 
 def main() -> None:
@@ -102,9 +95,10 @@ def main() -> None:
              f"Command: `python bench/pipeline_build_memory.py --out {a.out or '...'}` ({time.strftime('%Y-%m-%d')}).",
              "", f"Llama {MODEL['num_hidden_layers']} × {MODEL['hidden_size']} (vocabulary {MODEL['vocab_size']}, "
              f"untied head): {total / 1e6:.1f} M parameters, {total * 4 / mib:.0f} MiB in fp32. Two gloo ranks, "
-             f"pp = 2, ZeRO stage 1, fp32, {ACCUM} micro-batches of {MICRO} × {SEQ} tokens. Peak: VmHWM by the end "
-             f"of the first step less VmRSS before the model is built.", "",
-             "| mode | rank | parameters built (M) | peak by loaded (MiB) | peak by first step (MiB) | build + load (s) "
+             f"pp = 2, ZeRO stage 1, fp32, {ACCUM} micro-batches of {MICRO} × {SEQ} tokens. Peak: VmHWM (by the "
+             f"time the weights are loaded; by the end of the first step) less VmRSS before the model is built.", "",
+             "| mode | rank | parameters built (M) | peak by loaded (MiB) | peak by first step (MiB) "
+             "| build + load (s) "
              "| first loss |",
              "|---|---|---|---|---|---|---|"]
     for mode, ranks in rows:

@@ -33,8 +33,9 @@ CASES = [  # (model, zero stage, virtual stages, bytes per file at most)
 
 
 def _config(stage, v=1, dp=1):
+    schedule = "interleaved" if v > 1 else "1f1b"
     return make_config(zero={"stage": stage, "bucket_mb": 0.02},
-                       parallel={"pp": 2, "dp": dp, "virtual_stages": v, "schedule": "interleaved" if v > 1 else "1f1b"},
+                       parallel={"pp": 2, "dp": dp, "virtual_stages": v, "schedule": schedule},
                        batch={"micro_batch_size": MICRO, "grad_accum_steps": ACCUM})
 
 

@@ -32,7 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["RunSpec", "measure", "calibrate_overhead", "predict", "CALIBRATION_SPECS"]
+__all__ = ["RunSpec", "measure", "calibrate_overhead", "predict", "status_bytes", "CALIBRATION_SPECS"]
 
 
 @dataclass
@@ -85,7 +85,8 @@ class RunSpec:
         return load(Config, None, [f"--batch.micro_batch_size={self.micro_batch}", *self.overrides])
 
 
-def _status(key: str) -> int:
+def status_bytes(key: str) -> int:
+    """A memory field of /proc/self/status (VmRSS, VmHWM, ...) in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):
@@ -128,7 +129,7 @@ def _rank(spec_json: str) -> dict[str, Any]:
         hf_class = auto._model_mapping[type(hf)]
     gc.collect()
     dist.barrier()
-    baseline = _status("VmRSS")
+    baseline = status_bytes("VmRSS")
     _reset_peak()
     prof = None
     if spec.live:
@@ -150,15 +151,15 @@ def _rank(spec_json: str) -> dict[str, Any]:
         from tiertrain.parallel.cp_plan import apply_context_parallel
 
         apply_context_parallel(model, topo, cfg.parallel.cp_algorithm, cfg.activations.loss_tile_tokens)
-    construct_peak = _status("VmHWM") - baseline
+    construct_peak = status_bytes("VmHWM") - baseline
     handle = None
     if cfg.activations.checkpoint_every:
         from tiertrain.offload.activations import apply_activation_checkpointing
 
         handle = apply_activation_checkpointing(model, cfg.activations, device=topo.device)
     engine = wrap(model, cfg, topo)
-    build_peak = _status("VmHWM") - baseline
-    after_build = _status("VmRSS") - baseline
+    build_peak = status_bytes("VmHWM") - baseline
+    after_build = status_bytes("VmRSS") - baseline
     _reset_peak()
     it = iter(batches)
     times = []
@@ -166,7 +167,7 @@ def _rank(spec_json: str) -> dict[str, Any]:
         t0 = time.perf_counter()
         engine.train_batch(it)
         times.append(time.perf_counter() - t0)
-    peak = _status("VmHWM") - baseline
+    peak = status_bytes("VmHWM") - baseline
     live_peak = None
     if prof is not None:
         prof.__exit__(None, None, None)
@@ -179,7 +180,7 @@ def _rank(spec_json: str) -> dict[str, Any]:
     r = engine.memory_report()
     out = {"rank": topo.rank, "baseline": baseline, "construct_peak": construct_peak, "build_peak": build_peak,
            "after_build": after_build, "peak": peak,
-           "after": _status("VmRSS") - baseline, "live_peak": live_peak, "step_s": times,
+           "after": status_bytes("VmRSS") - baseline, "live_peak": live_peak, "step_s": times,
            "report": {"params": r.params, "gathered_params": r.gathered_params, "grads": r.grads,
                       "optimizer": r.optimizer, "cpu_tier": r.cpu_tier, "total": r.total}}
     if handle is not None:
