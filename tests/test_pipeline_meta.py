@@ -177,6 +177,8 @@ def _refusals(rank, world, directory, bad_directory, scaled_directory):
         _, engine = _wrapped("llama", 1, edit=_with_scale(with_mask))
         attempt(f"unset{' mask' * with_mask}", lambda: engine.train_batch(batches))
         attempt(f"unset{' mask' * with_mask} eval", lambda: engine.evaluate_each(batches))
+        attempt(f"unset{' mask' * with_mask} export", lambda: engine.save_pretrained(f"{scaled_directory}-export"))
+        attempt(f"unset{' mask' * with_mask} save", lambda: engine.save_checkpoint(f"{scaled_directory}-ckpt"))
         tiertrain.load_pretrained(engine, scaled_directory)  # (the gain, saved; the mask is not)
         said[f"loaded{' mask' * with_mask}"] = attempt(f"after load{' mask' * with_mask}",
                                                         lambda: engine.train_batch(batches))
@@ -195,9 +197,10 @@ def _refusals(rank, world, directory, bad_directory, scaled_directory):
 
 @pytest.mark.timeout(60)
 def test_what_a_rank_cannot_build_or_load_is_refused_on_every_rank_by_name(tmp_path):
-    """A parameter no initialiser covers (on the rank that builds it); a checkpoint without a
-    tensor only the other rank holds (every rank checks the whole model's names); NaN in a
-    tensor only rank 1 reads (the ranks agree before training)."""
+    """A parameter no initialiser covers (on the rank that builds it): no training, evaluation,
+    export or checkpoint (they would hold whatever memory it was given) until a checkpoint gives
+    it its value; a checkpoint without a tensor only the other rank holds (every rank checks the
+    whole model's names); NaN in a tensor only rank 1 reads (the ranks agree before training)."""
     model = llama()
     state = model.state_dict()
     missing = {k: v for k, v in state.items() if k != "model.layers.3.mlp.up_proj.weight"}
@@ -209,7 +212,7 @@ def test_what_a_rank_cannot_build_or_load_is_refused_on_every_rank_by_name(tmp_p
     scaled.save_pretrained(tmp_path / "scaled")
     said = run_distributed(_refusals, 2, str(tmp_path / "missing"), str(tmp_path / "nan"), str(tmp_path / "scaled"),
                            timeout=50)
-    for what in ("unset", "unset eval"):  # (block 3 is the second stage's)
+    for what in ("unset", "unset eval", "unset export", "unset save"):  # (block 3 is the second stage's)
         assert "no initialiser gave model.layers.3.scale.gain a value" in said[1][what], said[1]
         assert "load a checkpoint holding them" in said[1][what] and "reset_parameters" in said[1][what]
         assert "global rank(s) [1] hold tensors no initialiser gave a value" in said[0][what], said[0]

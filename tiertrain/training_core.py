@@ -227,6 +227,15 @@ class TrainingCore:
         if self._pending_save is not None:
             self._pending_save.wait_serialized()
 
+    unset_tensors = None
+    """Tensors a meta-device build left without a value (a pipeline engine's, set by wrap():
+    tiertrain/pipeline/materialize.py UnsetTensors, which load_pretrained fills); None: none.
+    Training, evaluation and saves refuse while any rank holds one."""
+
+    def _refuse_unset(self, operation: str) -> None:
+        if self.unset_tensors is not None:
+            self.unset_tensors.check(operation)
+
     @property
     def closed(self) -> bool:
         """Whether close() has handed the model back."""
@@ -443,6 +452,7 @@ class TrainingCore:
         committed, as does :meth:`wait_for_checkpoint`."""
         # (its gathers run on the world group and its barriers on a gloo group of its own: a rank
         # alone here, or a peer still training, must fail here, naming them)
+        self._refuse_unset("save_checkpoint")
         self.comm.meet("save_checkpoint()")
         self.wait_for_checkpoint()
         self.quiesce()
@@ -531,6 +541,7 @@ class TrainingCore:
         peft=tiertrain.PeftExport.ADAPTER or .MERGED. Returns a tiertrain.ExportReport
         (tiertrain/state/export.py)."""
         state_io = self._state_io()
+        self._refuse_unset("save_pretrained")
         self.comm.meet("save_pretrained()")
         self.quiesce()
         self.update.settle(collective=True)

@@ -64,7 +64,6 @@ from ..zero.layout import bucket_layout, concatenate
 from ..zero.plan import GradientPlan
 from ..zero.stages import ZeroStage
 from .executor import PipelineExecutor
-from .materialize import UnsetTensors
 from .schedule import gpipe, interleaved_one_f_one_b, one_f_one_b
 from .zero3 import PipelineFetcher, Stage3Executor, stage3_plan
 from .stage import TIED_FIRST, TIED_LAST, split_gpt, stages_for_rank, sum_tied_gradients
@@ -165,10 +164,6 @@ class PipelineEngine(TrainingCore):
     no separate forward/backward call). Built on the training core (tiertrain/training_core.py)
     as tiertrain.Engine is, with the schedule's executor in place of the one-model contract:
     the core builds no one-model parameter fetcher here, and the reducer reports to none."""
-
-    unset_tensors: UnsetTensors | None = None
-    """What a meta-device build left without a value (wrap() sets it; load_pretrained fills it):
-    train_batch and evaluate_each refuse while any rank holds such a tensor (.materialize)."""
 
     def __init__(self, stages: Sequence[nn.Module], config: Config, topology: Topology,
                  activation_shape: tuple[int, ...] | Callable[[dict], tuple[int, ...]] | None = None,
@@ -291,8 +286,7 @@ class PipelineEngine(TrainingCore):
             raise ValueError(f"evaluate_each(batches): expected a non-empty list of micro-batches (every one is "
                              f"evaluated in one schedule), got {type(batches).__name__}{' (empty)' if empty else ''}"
                              f" (one micro-batch: evaluate(batch); from an iterator: list(itertools.islice(it, n)))")
-        if self.unset_tensors is not None:
-            self.unset_tensors.check("evaluate_each")
+        self._refuse_unset("evaluate_each")
         self._check_model_unchanged()
         micro = [self._to_device(batch) for batch in batches]
         was_training = self.module.training
@@ -356,8 +350,7 @@ class PipelineEngine(TrainingCore):
         (caught, a loop may go on) leaves this engine refusing to train: see _refuse_after_failure."""
         if self._schedule_failed is not None:
             raise CollectiveMismatchError(self._schedule_failed)
-        if self.unset_tensors is not None:
-            self.unset_tensors.check("train_batch")
+        self._refuse_unset("train_batch")
         self._check_model_unchanged()
         micro = [self._to_device(batch) for batch in self._step_micro_batches(batches)]
         if self.buffers and self.module.training and self.config.zero.broadcast_buffers and self.comm.size > 1:
