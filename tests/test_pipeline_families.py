@@ -23,8 +23,9 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_atte
              num_key_value_heads=2, head_dim=8, vocab_size=256, max_position_embeddings=64, pad_token_id=0)
 VARIANTS = ("untied", "tied", "padded", "windows")
 BOUND = 1e-12
-"""Two float64 computations of the same operations: a skipped multiplier, mask or dropout moves
-the loss or a gradient by far more (1e-3 and up in the mutations tried)."""
+"""Two float64 computations of the same operations (measured: 0). Another mask moves the loss by
+far more: with the mask rule the stages used before, the "windows" variant's loss is 7e-5 to
+3e-3 off (relative) for 24 of the 28 families."""
 
 
 def _model(model_type, variant="untied", dtype=torch.float64):
@@ -77,7 +78,7 @@ def test_two_chained_stages_are_the_model_in_float64(model_type):
         wanted = _gradients(whole.named_parameters())
         what = f"{model_type} ({variant})"
         assert set(grads) == set(wanted), what
-        assert abs(float(loss) - float(expected)) <= BOUND * abs(float(expected)), what
+        assert abs(loss.item() - expected.item()) <= BOUND * abs(expected.item()), what
         for name, g in wanted.items():
             assert float((grads[name] - g).abs().max()) <= BOUND * float(g.abs().max()), (what, name)
 
