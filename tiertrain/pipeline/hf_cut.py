@@ -12,7 +12,7 @@ import torch.nn as nn
 from .hf_families import PIPELINE_DECODERS, Family, _children, _units
 from .stage import _min_max_partition
 
-__all__ = ["PARENT_INPUTS"]
+__all__ = ["PARENT_INPUTS", "uncovered"]
 
 
 def _params(model: nn.Module, paths: list[str]) -> int:
@@ -75,6 +75,13 @@ def _check_chainable(model: nn.Module, name: str, module: nn.Module) -> None:
             f"family ({', '.join(sorted(PIPELINE_DECODERS))}, gpt2, t5, bert, roberta)")
 
 
+def uncovered(model: nn.Module, paths: list[str]) -> list[str]:
+    """The names of model's parameters in none of the modules at these paths (a stage would
+    neither train nor save them)."""
+    covered = {id(p) for path in paths for p in model.get_submodule(path).parameters()}
+    return [n for n, p in model.named_parameters() if id(p) not in covered]
+
+
 def _explicit(model: nn.Module, family: Family | None, split: list[list[str]], num_stages: int) -> list[list[str]]:
     """Check a user's split (see the module docstring); returns each stage's paths, groups whole."""
     if len(split) != num_stages or any(not isinstance(s, (list, tuple)) or not s for s in split):
@@ -91,8 +98,7 @@ def _explicit(model: nn.Module, family: Family | None, split: list[list[str]], n
             raise ValueError(f"split: a module is named twice: {flat}")
         for name in flat:
             _check_chainable(model, name, names[name])
-        covered = {id(p) for n in flat for p in names[n].parameters()}
-        missing = [n for n, p in model.named_parameters() if id(p) not in covered]
+        missing = uncovered(model, flat)
         if missing:
             raise ValueError(f"split: parameters in none of the named modules would not be trained: {missing[:8]}"
                              f"{' ...' if len(missing) > 8 else ''}")

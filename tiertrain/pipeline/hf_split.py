@@ -115,7 +115,7 @@ import torch.nn.functional as F
 from ..parallel.context import next_token_labels
 from ..parallel.cp_plan import cp_attributes
 from .hf_context import check_stage, local_tokens, token_mean_share
-from .hf_cut import _balanced, _check_tensor_parallel, _explicit, _untie
+from .hf_cut import _balanced, _check_tensor_parallel, _explicit, _untie, uncovered
 from .hf_families import ENCODER_DECODERS, ENCODERS, PIPELINE_DECODERS, Family, recognise
 
 __all__ = ["ENCODERS", "ENCODER_DECODERS", "PIPELINE_DECODERS", "Family", "HFStage", "recognise", "split_hf"]
@@ -219,12 +219,7 @@ class HFStage(nn.Module):
         self.masks = family.masks
         """A rotary decoder's layers' masks, as its model's forward makes them (PIPELINE_DECODERS)."""
         self.hf_config = getattr(model, "config", None)
-        # what an export of the pipeline's checkpoint writes as config.json (state/export_files.py)
-        self.hf_architecture = type(model).__name__
         self._cut_from = (model,)  # (a tuple: not registered, the stage holds only its own modules)
-        can_generate = getattr(model, "can_generate", None)
-        self.hf_generation_config = (getattr(model, "generation_config", None)
-                                     if callable(can_generate) and can_generate() else None)
         # what the model keeps in fp32 (tiertrain.precision.kept_in_fp32 reads it off the stages)
         self._keep_in_fp32_modules = getattr(model, "_keep_in_fp32_modules", None)
         self._keep_in_fp32_modules_strict = getattr(model, "_keep_in_fp32_modules_strict", None)
@@ -265,7 +260,8 @@ class HFStage(nn.Module):
     @property
     def whole_model(self) -> nn.Module:
         """The model this stage was cut from (its other stages' tensors on another rank, or on
-        the meta device): what tiertrain.load_pretrained matches a checkpoint's names against."""
+        the meta device): its names are a checkpoint's (tiertrain.load_pretrained, save_pretrained),
+        its config and class the export's config.json."""
         return self._cut_from[0]
 
     def hidden_shape(self, batch: dict) -> tuple[int, ...]:
@@ -465,9 +461,7 @@ def _check_covered(model: nn.Module, family: Family, paths: list[list[str]]) -> 
     """ValueError naming the parameters of a recognised model that no stage holds (a module
     its family's forward does not run, such as an extra prediction head): they would be
     neither trained nor in a checkpoint or export."""
-    covered = {id(p) for stage in paths for path in [*stage, *family.shared]
-               for p in model.get_submodule(path).parameters()}
-    missing = [n for n, p in model.named_parameters() if id(p) not in covered]
+    missing = uncovered(model, [path for stage in paths for path in stage] + family.shared)
     if missing:
         raise ValueError(f"split_hf: {type(model).__name__}'s {', '.join(missing[:8])}"
                          f"{f' and {len(missing) - 8} more' if len(missing) > 8 else ''} are in none of its "

@@ -26,12 +26,13 @@ import torch.nn as nn
 
 from ..config import ConfigError
 from ..topology import Topology
-from .stage import TIED_FIRST, TIED_LAST
+from ..waits import run_timeout
+from .engine import tied_names
 
 __all__ = ["UnsetTensors", "has_meta", "materialize_stages", "ranks_with"]
 
-_SEND_TIMEOUT_S = 300.0
-"""How long the tied weight's transfer from the first stage's rank may take (it names both ranks)."""
+_TIED_WEIGHT_TAG = 0x7E1EE
+"""The tag of the tied weight's transfer (stage.sum_tied_gradients' is 0x7E1ED)."""
 
 
 def has_meta(module: nn.Module) -> bool:
@@ -174,16 +175,18 @@ def _send_tied_weight(stages: list[nn.Module], topology: Topology) -> None:
     for stage in stages:
         if not getattr(stage, "tied", False) or stage.is_first == stage.is_last:
             continue
-        first, last = getattr(stage, "tied_names", None) or (TIED_FIRST, TIED_LAST)
+        first, last = tied_names(stage)
         weight = stage.get_parameter(first if stage.is_first else last)
         peer = ranks[-1] if stage.is_first else ranks[0]
         what = (f"the tied weight {first!r} from pipeline rank 0 (global rank {ranks[0]}) to its copy {last!r} on "
                 f"pipeline rank {len(ranks) - 1} (global rank {ranks[-1]})")
         buffer = weight.detach().contiguous()
-        work = (dist.isend if stage.is_first else dist.irecv)(buffer, peer)
+        transfer = dist.isend if stage.is_first else dist.irecv  # (as stage.sum_tied_gradients exchanges gradients)
+        work = transfer(buffer, peer, group=topology.group("pp"), tag=_TIED_WEIGHT_TAG)
+        timeout = run_timeout()
         try:
-            work.wait(timeout=datetime.timedelta(seconds=_SEND_TIMEOUT_S))
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
         except RuntimeError as e:
-            raise RuntimeError(f"sending {what} did not complete within {_SEND_TIMEOUT_S:g} s: {e}") from e
+            raise RuntimeError(f"sending {what} did not complete within {timeout:g} s (the run's timeout): {e}") from e
         if buffer.data_ptr() != weight.data_ptr():
             weight.copy_(buffer)

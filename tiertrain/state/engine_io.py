@@ -62,9 +62,9 @@ def _files_for_export(engine: "TrainingCore") -> dict[str, Any]:
         names.update(found)
         held += [(n, t) for n, t in whole
                  if export_plan.writable_dtype(t.dtype) and not getattr(t, "tp_sharded", False)]
-    hf = export_files.hf_config_json(modules[0])
-    if engine.topology.size("pp") > 1:
-        names, held, hf = _over_the_pipeline(engine, names, held, hf)
+    hf = export_files.hf_config_json(source[0] if source else modules[0])
+    if pipeline:
+        names, held = _over_the_pipeline(engine, names, held)
     files["export.json"] = json.dumps({"names": names, "held": [n for n, _ in held]}, indent=1).encode()
     if held:
         files["held_tensors.safetensors"] = lambda f: export_files.write_safetensors(f, held)
@@ -74,23 +74,21 @@ def _files_for_export(engine: "TrainingCore") -> dict[str, Any]:
     return files
 
 
-def _over_the_pipeline(engine: "TrainingCore", names: dict[str, str], held: list, hf: dict | None):
+def _over_the_pipeline(engine: "TrainingCore", names: dict[str, str], held: list):
     """Every pipeline rank's export names and whole tensors (the last stage's copy of a tied
-    embedding left out: the export writes the embedding once, as save_pretrained does), and
-    the Hugging Face config its stages kept."""
+    embedding left out: the export writes the embedding once, as save_pretrained does)."""
     import torch.distributed as dist
 
     copies = set(engine.tied_copies())
-    mine = ({k: v for k, v in names.items() if k not in copies}, [(n, t.detach().cpu()) for n, t in held], hf)
+    mine = ({k: v for k, v in names.items() if k not in copies}, [(n, t.detach().cpu()) for n, t in held])
     every: list[Any] = [None] * engine.topology.size("pp")
     dist.all_gather_object(every, mine, group=engine.topology.group("pp"))
     names, whole = {}, {}
-    for stage_names, stage_held, stage_hf in every:
+    for stage_names, stage_held in every:
         names.update(stage_names)
         for name, tensor in stage_held:
             whole.setdefault(name, tensor)  # (a tensor every stage holds: written once)
-        hf = hf if hf is not None else stage_hf
-    return names, list(whole.items()), hf
+    return names, list(whole.items())
 
 
 def save_checkpoint(engine: "TrainingCore", directory: str, extra: dict | None, keep_last: int, run_id: str,

@@ -224,7 +224,8 @@ def save_pretrained(engine: "Engine", directory: str | os.PathLike, dtype: torch
         raise ValueError(f"save_pretrained: max_shard_bytes must be a positive number of bytes, "
                          f"got {max_shard_bytes!r}")
     pipeline = engine.topology.size("pp") > 1  # (a PipelineEngine: each pipeline rank writes its stages' tensors)
-    if pipeline and engine.source_model() is None:
+    source = engine.source_model() if pipeline else None
+    if pipeline and source is None:
         raise NotImplementedError("save_pretrained: these pipeline stages were not cut from a Hugging Face model by "
                                   "wrap() (stage modules given as a list, or tiertrain's GPT), so no model names their "
                                   "tensors; save a checkpoint (engine.save_checkpoint(dir), every rank) and export it "
@@ -245,7 +246,7 @@ def save_pretrained(engine: "Engine", directory: str | os.PathLike, dtype: torch
     engine.update.flush()
     items, config_of, world, single = _model_tensors(engine, target), engine.module, engine.comm.size, SINGLE_FILE
     if pipeline:
-        config_of = engine.source_model()[0]
+        config_of = source[0]
     elif peft_model(engine.module):
         items, config_of, world, single = peft_items(engine.module, items, peft, world, SINGLE_FILE)
     elif peft is not None:

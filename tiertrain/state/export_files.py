@@ -10,7 +10,7 @@ import json
 import os
 import re
 import struct
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import torch
 import torch.nn as nn
@@ -203,32 +203,24 @@ def write_files_with_model(directory: str, files: dict[str, bytes]) -> list[str]
 def hf_config_json(module: nn.Module) -> dict | None:
     """{"config": ..., "generation_config": ...} of a Hugging Face model, as plain JSON (the
     config's architectures set to the model's class), so that it can be written as config.json
-    without the model's code; None for a model without a Hugging Face config. A pipeline stage
-    cut from one (tiertrain/pipeline/hf_split.py HFStage) gives its model's."""
-    if hasattr(module, "hf_architecture"):  # (an HFStage: what it kept of its model)
-        return _config_json(module.hf_config, module.hf_architecture, module.hf_generation_config)
+    without the model's code; None for a model without a Hugging Face config."""
     config = getattr(module, "config", None)
-    if peft_model(module):
+    if config is None or not callable(getattr(config, "to_dict", None)) or peft_model(module):
         return None  # (a PeftModel's names load into no class: it is exported live, peft_export.py)
-    can_generate = getattr(module, "can_generate", None)
-    generation = getattr(module, "generation_config", None) if callable(can_generate) and can_generate() else None
-    return _config_json(config, type(module).__name__, generation)
-
-
-def _config_json(config: Any, architecture: str, generation: Any) -> dict | None:
-    if config is None or not callable(getattr(config, "to_dict", None)):
-        return None
     to_json = getattr(config, "to_json_string", None)
     try:
         data = json.loads(to_json(use_diff=False)) if callable(to_json) else json.loads(json.dumps(config.to_dict(),
                                                                                                     default=str))
     except (TypeError, ValueError):  # (a config that does not serialize: the checkpoint is saved without it)
         return None
-    data["architectures"] = [architecture]
+    data["architectures"] = [type(module).__name__]
     out = {"config": data, "generation_config": None}
-    gen_json = getattr(generation, "to_json_string", None)
-    if callable(gen_json):
-        out["generation_config"] = json.loads(gen_json(use_diff=True))
+    generation = getattr(module, "generation_config", None)
+    can_generate = getattr(module, "can_generate", None)
+    if generation is not None and callable(can_generate) and can_generate():
+        gen_json = getattr(generation, "to_json_string", None)
+        if callable(gen_json):
+            out["generation_config"] = json.loads(gen_json(use_diff=True))
     return out
 
 
