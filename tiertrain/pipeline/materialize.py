@@ -99,7 +99,7 @@ class UnsetTensors:
 def ranks_with(flag: bool, topology: Topology) -> list[int]:
     """The global ranks where flag is set (every rank learns of them, so that all refuse alike
     and none goes on to wait for the others in its first collective)."""
-    flags = torch.zeros(topology.world_size, dtype=torch.int64)
+    flags = torch.zeros(topology.world_size, dtype=torch.int64, device=topology.device)  # (nccl: on the device)
     flags[topology.rank] = int(flag)
     if topology.world_size > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=topology.world_group())
@@ -180,7 +180,7 @@ def _send_tied_weight(stages: list[nn.Module], topology: Topology) -> None:
         peer = ranks[-1] if stage.is_first else ranks[0]
         what = (f"the tied weight {first!r} from pipeline rank 0 (global rank {ranks[0]}) to its copy {last!r} on "
                 f"pipeline rank {len(ranks) - 1} (global rank {ranks[-1]})")
-        buffer = weight.detach().contiguous()
+        buffer = weight.detach().to(topology.device).contiguous()  # (nccl sends device tensors; the stage's are host)
         transfer = dist.isend if stage.is_first else dist.irecv  # (as stage.sum_tied_gradients exchanges gradients)
         work = transfer(buffer, peer, group=topology.group("pp"), tag=_TIED_WEIGHT_TAG)
         timeout = run_timeout()
@@ -188,5 +188,5 @@ def _send_tied_weight(stages: list[nn.Module], topology: Topology) -> None:
             work.wait(timeout=datetime.timedelta(seconds=timeout))
         except RuntimeError as e:
             raise RuntimeError(f"sending {what} did not complete within {timeout:g} s (the run's timeout): {e}") from e
-        if buffer.data_ptr() != weight.data_ptr():
+        if stage.is_last:
             weight.copy_(buffer)

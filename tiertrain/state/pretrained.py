@@ -55,7 +55,7 @@ from .hf_conversion import ConvertedCheckpoint, checkpoint_view
 from .quantized import QuantizedCheckpointError, dequantized
 from .torch_weights import (TORCH_INDEX, TORCH_SINGLE, TorchWeights, UnwrappedNames, WeightReads, is_torch_file,
                             unwrapped)
-from ..topology import Topology
+from ..topology import Topology, default_device
 from ..unit_values import write_into_units
 from ..zero.construct import full_shape, is_partitioned
 
@@ -483,7 +483,7 @@ def _refuse_nonfinite(target, topology: Topology | None, report: LoadReport, fou
         ranks = flags.tolist()
     elif not isinstance(target, Engine) and any(is_partitioned(p) for p in target.parameters()):
         rank, size = _dp_rank_and_size(topology)
-        flags = torch.zeros(size, dtype=torch.int64)
+        flags = torch.zeros(size, dtype=torch.int64, device=topology.device if topology else default_device())
         flags[rank] = int(bool(found))
         if size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=topology.group("dp_cp") if topology else None)
